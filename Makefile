@@ -1,0 +1,44 @@
+# tokenfair — every command a newcomer or CI needs. Nothing is installed outside `.venv/`
+# and the build cache (`$(TOKENFAIR_CACHE)`).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+export TOKENFAIR_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/tokenfair
+
+.PHONY: help venv run test lint format bench clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev,operator,plot]'
+	touch $@
+
+venv: $(STAMP) ## create .venv and install tokenfair with its dev tools
+
+run: $(STAMP) ## the main job: replay the lesson's noisy-neighbor fixture under every policy
+	$(BIN)/tokenfair simulate --scenario noisy-neighbor
+
+lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+test: lint ## lint, then the whole test suite
+	$(BIN)/pytest
+
+format: $(STAMP) ## apply ruff's formatting and safe fixes
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: $(STAMP) ## scheduling-core benchmarks (minutes; not part of the tests)
+	$(BIN)/python bench/bench_core.py
+
+clean: ## remove the virtualenv and caches of this checkout (not the build cache)
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# The control plane and kubectl/helm for the Kubernetes-facing tests.
+-include hack/controlplane.mk

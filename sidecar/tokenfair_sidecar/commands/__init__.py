@@ -1,0 +1,10 @@
+"""Subcommands of ``tokenfair``; each module has ``register(subparsers)``."""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Final
+
+from tokenfair_sidecar.commands import simulate
+
+COMMANDS: Final[tuple[ModuleType, ...]] = (simulate,)

@@ -1,0 +1,355 @@
+"""The scheduling core: admission, lanes, fair selection, dispatch, settlement — no I/O, no asyncio.
+
+One contract for every policy (the simulator and the sidecar drive the same objects):
+
+* ``submit(request, now)`` — admission. Returns the refusal :class:`Decision`, or ``None`` when
+  the request was queued. Unknown tenants and duplicate ids raise before any state changes.
+* ``next_dispatch(now)`` — selection. Returns the :class:`Decision` of the request that starts now
+  (``admitted``; its KV is reserved and its estimate charged), a refusal decided at dispatch, or
+  ``None`` when nothing may start now. Call it until it returns ``None``.
+* ``complete(id, now, actual)`` — settlement; must be called exactly once per dispatched request.
+  ``release_kv(id)`` frees its KV (at once by default; the simulator models residency).
+* ``cancel(id, now)`` — a queued request leaves (client gone); ``expire(now)`` refuses queued
+  requests past their class's wait limit. Both release every reservation.
+
+Every request ends with exactly one decision. Running totals (queued requests, tokens and KV blocks
+per lane; resident KV blocks) make every operation O(1) or O(tenants) — never O(queue length).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tokenfair_sidecar.config import Config, TenantConfig
+from tokenfair_sidecar.core.bucket import TokenBucket
+from tokenfair_sidecar.core.jobs import (
+    ADMITTED,
+    CANCELLED,
+    SHED_KV_WATERMARK,
+    SHED_QUEUE_TIMEOUT,
+    STATUS_CLIENT_CLOSED,
+    STATUS_OK,
+    STATUS_SHED,
+    Decision,
+    Job,
+    JobState,
+    Lane,
+    Request,
+)
+from tokenfair_sidecar.costmodel import CostModel
+
+
+class UnknownTenantError(KeyError):
+    """The request names a tenant the configuration does not have."""
+
+
+class DuplicateRequestError(ValueError):
+    """A request id is already queued or running."""
+
+
+class TenantState:
+    """Per-tenant runtime state: budget, queue totals and the fairness counter."""
+
+    __slots__ = ("bucket", "config", "queued", "queued_tokens", "served_tokens")
+
+    def __init__(self, config: TenantConfig, now_ms: float) -> None:
+        self.config = config
+        self.bucket = TokenBucket(
+            config.burst_service_tokens, config.sustained_service_tokens_per_second, now_ms
+        )
+        self.queued = 0
+        self.queued_tokens = 0
+        self.served_tokens = 0  # S_i: service tokens dispatched, settled to actual usage
+
+
+@dataclass(frozen=True, slots=True)
+class Books:
+    """What the scheduler holds right now; all zero when idle (the fault tests check this)."""
+
+    queued_requests: int
+    queued_service_tokens: int
+    queued_kv_blocks: int
+    running_requests: int
+    resident_kv_blocks: int
+
+
+class Scheduler(ABC):
+    """Shared state and bookkeeping; subclasses decide admission and selection."""
+
+    name: ClassVar[str]
+    expires_queued: ClassVar[bool] = False
+
+    def __init__(self, config: Config, now_ms: float = 0.0) -> None:
+        self.config = config
+        self.policy = config.policy
+        self.cost = CostModel.from_policy(config.policy)
+        self.tenants: dict[str, TenantState] = {}
+        self.tenant_order: list[TenantState] = []
+        self.jobs: dict[str, Job] = {}
+        self.queued_count = [0, 0]
+        self.queued_tokens = [0, 0]
+        self.queued_blocks = [0, 0]
+        self.resident_blocks = 0
+        self.running = 0
+        self._deadlines: list[tuple[float, int, Job]] = []
+        self._seq = 0
+        self._apply_tenants(config.tenants, now_ms)
+
+    # -- configuration --------------------------------------------------------------------
+
+    def _apply_tenants(self, tenants: Iterable[TenantConfig], now_ms: float) -> None:
+        for tenant_config in tenants:
+            state = self.tenants.get(tenant_config.tenant_id)
+            if state is None:
+                state = TenantState(tenant_config, now_ms)
+                self.tenants[tenant_config.tenant_id] = state
+            else:
+                state.config = tenant_config
+                state.bucket.retune(
+                    tenant_config.burst_service_tokens,
+                    tenant_config.sustained_service_tokens_per_second,
+                    now_ms,
+                )
+            self._tenant_added(state)
+        self.tenant_order = [self.tenants[t.tenant_id] for t in tenants]
+
+    def _tenant_added(self, tenant: TenantState) -> None:
+        """Hook: a tenant was added or its quota changed."""
+
+    def reconfigure(self, config: Config, now_ms: float) -> None:
+        """Adopt a new configuration without dropping queued or running requests.
+
+        Queued requests keep the cost they were admitted with; a removed tenant's queued work
+        is still served (it just cannot submit more).
+        """
+        self.config = config
+        self.policy = config.policy
+        self.cost = CostModel.from_policy(config.policy)
+        self._apply_tenants(config.tenants, now_ms)
+
+    def tenant_quantum(self, tenant: TenantState) -> float:
+        return self.policy.base_quantum_tokens * tenant.config.weight
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def submit(self, request: Request, now_ms: float) -> Decision | None:
+        if request.tenant_id not in self.config.tenant_index:
+            raise UnknownTenantError(request.tenant_id)
+        if request.request_id in self.jobs:
+            raise DuplicateRequestError(request.request_id)
+        tenant = self.tenants[request.tenant_id]
+        job = Job(
+            request,
+            self.cost.service_tokens(request.prefill_tokens, request.decode_tokens),
+            self.cost.kv_blocks(request.prefill_tokens, request.decode_tokens),
+        )
+        refusal = self._admit(job, tenant, now_ms)
+        if refusal is not None:
+            job.state = JobState.REFUSED
+            return refusal
+        self.jobs[request.request_id] = job
+        lane = job.lane
+        self.queued_count[lane] += 1
+        self.queued_tokens[lane] += job.service_tokens
+        self.queued_blocks[lane] += job.kv_blocks
+        tenant.queued += 1
+        tenant.queued_tokens += job.service_tokens
+        if self.expires_queued:
+            job.deadline_ms = request.arrival_ms + self.wait_limit_ms(lane)
+            self._seq += 1
+            heapq.heappush(self._deadlines, (job.deadline_ms, self._seq, job))
+        self._push(job)
+        return None
+
+    def next_dispatch(self, now_ms: float) -> Decision | None:
+        job = self._select(now_ms)
+        if job is None:
+            return None
+        tenant = self.tenants[job.request.tenant_id]
+        self._unqueue(job, tenant)
+        refusal = self._dispatch_gate(job, tenant, now_ms)
+        if refusal is not None:
+            job.state = JobState.REFUSED
+            del self.jobs[job.request.request_id]
+            refusal.queue_wait_ms = round(max(0.0, now_ms - job.request.arrival_ms), 2)
+            return refusal
+        occupancy = (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks
+        self.resident_blocks += job.kv_blocks
+        self.running += 1
+        tenant.served_tokens += job.service_tokens
+        self._charge(job, tenant, now_ms)
+        decision = job.outcome(STATUS_OK, ADMITTED, "dispatch", round(occupancy, 4))
+        decision.dispatch_ms = now_ms
+        decision.queue_wait_ms = round(max(0.0, now_ms - job.request.arrival_ms), 2)
+        job.state = JobState.DISPATCHED
+        job.decision = decision
+        return decision
+
+    def complete(
+        self,
+        request_id: str,
+        now_ms: float,
+        actual_service_tokens: int | None = None,
+        *,
+        release_kv: bool = True,
+    ) -> Decision:
+        """Settle a dispatched request against its actual usage (default: the estimate)."""
+        job = self.jobs[request_id]
+        if job.state is not JobState.DISPATCHED or job.decision is None:
+            raise ValueError(f"request {request_id!r} is not running")
+        tenant = self.tenants[job.request.tenant_id]
+        actual = job.service_tokens if actual_service_tokens is None else actual_service_tokens
+        if actual < 0:
+            raise ValueError(f"actual_service_tokens must be >= 0 (got {actual})")
+        refund = job.service_tokens - actual
+        tenant.served_tokens -= refund
+        self._settle(job, tenant, refund, now_ms)
+        job.state = JobState.DONE
+        self.running -= 1
+        job.decision.actual_service_tokens = actual
+        if release_kv:
+            self.release_kv(request_id)
+        return job.decision
+
+    def release_kv(self, request_id: str) -> None:
+        """Free the KV blocks of a completed request (exactly once)."""
+        job = self.jobs.pop(request_id)
+        self.resident_blocks -= job.kv_blocks
+
+    def cancel(self, request_id: str, now_ms: float) -> Decision | None:
+        """A queued request leaves; returns its decision, or None if it is not queued."""
+        job = self.jobs.get(request_id)
+        if job is None or job.state is not JobState.QUEUED:
+            return None
+        return self._drop(job, STATUS_CLIENT_CLOSED, CANCELLED, "queue", now_ms)
+
+    def expire(self, now_ms: float) -> list[Decision]:
+        """Refuse queued requests whose wait passed their class limit (``now > deadline``)."""
+        expired: list[Decision] = []
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] < now_ms:
+            _, _, job = heapq.heappop(deadlines)
+            if job.state is JobState.QUEUED:
+                decision = self._drop(job, STATUS_SHED, SHED_QUEUE_TIMEOUT, "queue", now_ms)
+                decision.retry_after_ms = 0.0
+                decision.observed["max_wait_ms"] = self.wait_limit_ms(job.lane)
+                expired.append(decision)
+        return expired
+
+    def next_wakeup_ms(self, now_ms: float) -> float | None:
+        """Earliest time after ``now_ms`` when waiting could end by the passage of time alone
+        (a deadline passing, a budget refilling); None if there is none."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][2].state is not JobState.QUEUED:
+            heapq.heappop(deadlines)
+        if not deadlines:
+            return None
+        return math.nextafter(deadlines[0][0], math.inf)
+
+    def books(self) -> Books:
+        return Books(
+            queued_requests=sum(self.queued_count),
+            queued_service_tokens=sum(self.queued_tokens),
+            queued_kv_blocks=sum(self.queued_blocks),
+            running_requests=self.running,
+            resident_kv_blocks=self.resident_blocks,
+        )
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def watermark(self, lane: Lane) -> float:
+        policy = self.policy
+        return (
+            policy.interactive_kv_watermark
+            if lane is Lane.INTERACTIVE
+            else policy.batch_kv_watermark
+        )
+
+    def wait_limit_ms(self, lane: Lane) -> float:
+        policy = self.policy
+        return (
+            policy.max_interactive_wait_ms if lane is Lane.INTERACTIVE else policy.max_batch_wait_ms
+        )
+
+    def _unqueue(self, job: Job, tenant: TenantState) -> None:
+        lane = job.lane
+        self.queued_count[lane] -= 1
+        self.queued_tokens[lane] -= job.service_tokens
+        self.queued_blocks[lane] -= job.kv_blocks
+        tenant.queued -= 1
+        tenant.queued_tokens -= job.service_tokens
+
+    def _drop(self, job: Job, status: int, reason: str, gate: str, now_ms: float) -> Decision:
+        tenant = self.tenants[job.request.tenant_id]
+        self._unqueue(job, tenant)
+        self._forget(job)
+        job.state = JobState.CANCELLED if status == STATUS_CLIENT_CLOSED else JobState.REFUSED
+        del self.jobs[job.request.request_id]
+        occupancy = (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks
+        decision = job.outcome(status, reason, gate, round(occupancy, 4))
+        decision.queue_wait_ms = round(max(0.0, now_ms - job.request.arrival_ms), 2)
+        return decision
+
+    def _refusal(
+        self,
+        job: Job,
+        reason: str,
+        gate: str,
+        occupancy: float,
+        retry_after_ms: float | None = None,
+        **observed: float,
+    ) -> Decision:
+        decision = job.outcome(STATUS_SHED, reason, gate, round(occupancy, 4), **observed)
+        decision.retry_after_ms = retry_after_ms
+        return decision
+
+    def kv_fits(self, job: Job) -> bool:
+        return (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks <= (
+            self.watermark(job.lane)
+        )
+
+    # -- policy hooks -----------------------------------------------------------------------
+
+    @abstractmethod
+    def _admit(self, job: Job, tenant: TenantState, now_ms: float) -> Decision | None:
+        """Admission gates; a refusal, or None to queue the job."""
+
+    @abstractmethod
+    def _push(self, job: Job) -> None:
+        """Put an admitted job in its queue."""
+
+    @abstractmethod
+    def _select(self, now_ms: float) -> Job | None:
+        """Remove and return the next job to start now, or None."""
+
+    def _forget(self, job: Job) -> None:
+        """A queued job left without being selected (cancel, expiry)."""
+        raise NotImplementedError(f"{self.name} does not support leaving the queue")
+
+    def _dispatch_gate(self, job: Job, tenant: TenantState, now_ms: float) -> Decision | None:
+        """Last check when the job is selected; a refusal sheds it at dispatch."""
+        return None
+
+    def _charge(self, job: Job, tenant: TenantState, now_ms: float) -> None:
+        """Charge the estimate to the tenant's budget at dispatch."""
+
+    def _settle(self, job: Job, tenant: TenantState, refund: int, now_ms: float) -> None:
+        """Apply ``estimate - actual`` to the tenant's budget (and fairness state)."""
+
+
+def shed_kv(scheduler: Scheduler, job: Job, gate: str, occupancy: float) -> Decision:
+    """A KV-watermark refusal recording the *attempted* occupancy, unclamped."""
+    return scheduler._refusal(
+        job,
+        SHED_KV_WATERMARK,
+        gate,
+        occupancy,
+        None,
+        attempted_kv_occupancy=occupancy,
+        kv_watermark=scheduler.watermark(job.lane),
+    )

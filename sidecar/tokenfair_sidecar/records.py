@@ -1,0 +1,195 @@
+"""Request records (JSONL): the trace format the simulator replays and the sidecar writes.
+
+One JSON object per line. Required: ``request_id`` (str), ``tenant_id`` (str), ``arrival_ms``
+(number >= 0), ``prefill_tokens`` and ``decode_tokens`` (int >= 0), ``priority_class``
+(``interactive|batch``). Optional observed fields: ``actual_prefill_tokens``,
+``actual_decode_tokens`` (what the backend reported), ``ttft_ms`` and ``e2e_ms`` (observed times).
+Outcome fields of a decision record (``status_code``, ``reason``, ``queue_wait_ms``, …, see
+:data:`OUTCOME_FIELDS`) may be present and are ignored on replay, so a sidecar's records replay
+as they are. Any other key is an error naming the line. Schema: docs/records.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+from tokenfair_sidecar.config import PRIORITY_CLASSES, PriorityClass
+from tokenfair_sidecar.core import Decision, Request
+
+REQUIRED_FIELDS: Final = (
+    "request_id",
+    "tenant_id",
+    "arrival_ms",
+    "prefill_tokens",
+    "decode_tokens",
+    "priority_class",
+)
+OBSERVED_FIELDS: Final = ("actual_prefill_tokens", "actual_decode_tokens", "ttft_ms", "e2e_ms")
+OUTCOME_FIELDS: Final = frozenset(f.name for f in dataclasses.fields(Decision)) | {
+    "policy",
+    "estimated_service_tokens",
+}
+
+
+class TraceError(ValueError):
+    """A trace line broke the schema; the message names the file, line and field."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    """A request and what was observed when it ran (``None`` where unknown)."""
+
+    request: Request
+    actual_prefill_tokens: int | None = None
+    actual_decode_tokens: int | None = None
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+
+    def actual_service_tokens(self, decode_weight: float) -> int | None:
+        """Observed usage in service tokens, or None when the record carries none."""
+        if self.actual_prefill_tokens is None and self.actual_decode_tokens is None:
+            return None
+        prefill = self.request.prefill_tokens
+        decode = self.request.decode_tokens
+        if self.actual_prefill_tokens is not None:
+            prefill = self.actual_prefill_tokens
+        if self.actual_decode_tokens is not None:
+            decode = self.actual_decode_tokens
+        weighted = decode_weight * decode
+        return prefill + (int(weighted) if weighted.is_integer() else int(weighted) + 1)
+
+    def to_json(self) -> dict[str, object]:
+        request = self.request
+        out: dict[str, object] = {
+            "request_id": request.request_id,
+            "tenant_id": request.tenant_id,
+            "arrival_ms": request.arrival_ms,
+            "prefill_tokens": request.prefill_tokens,
+            "decode_tokens": request.decode_tokens,
+            "priority_class": request.priority_class,
+        }
+        for name in OBSERVED_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+def _int(where: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TraceError(f"{where}: {name} must be an integer >= 0 (got {value!r})")
+    return value
+
+
+def _ms(where: str, name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise TraceError(f"{where}: {name} must be a number >= 0 (got {value!r})")
+    return float(value)
+
+
+def parse_record(data: object, where: str) -> TraceRecord:
+    """Validate one decoded JSON object; ``where`` prefixes every error."""
+    if not isinstance(data, dict):
+        raise TraceError(f"{where}: a record must be a JSON object")
+    unknown = sorted(set(data) - set(REQUIRED_FIELDS) - set(OBSERVED_FIELDS) - OUTCOME_FIELDS)
+    if unknown:
+        raise TraceError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    missing = [name for name in REQUIRED_FIELDS if name not in data]
+    if missing:
+        raise TraceError(f"{where}: missing field(s) {', '.join(missing)}")
+    for name in ("request_id", "tenant_id"):
+        if not isinstance(data[name], str) or not data[name]:
+            raise TraceError(f"{where}: {name} must be a non-empty string")
+    priority = data["priority_class"]
+    if priority not in PRIORITY_CLASSES:
+        raise TraceError(
+            f"{where}: priority_class must be one of {', '.join(PRIORITY_CLASSES)} "
+            f"(got {priority!r})"
+        )
+    priority_class: PriorityClass = priority
+    request = Request(
+        request_id=data["request_id"],
+        tenant_id=data["tenant_id"],
+        arrival_ms=_ms(where, "arrival_ms", data["arrival_ms"]),
+        prefill_tokens=_int(where, "prefill_tokens", data["prefill_tokens"]),
+        decode_tokens=_int(where, "decode_tokens", data["decode_tokens"]),
+        priority_class=priority_class,
+    )
+    observed: dict[str, Any] = {}
+    for name in ("actual_prefill_tokens", "actual_decode_tokens"):
+        if data.get(name) is not None:
+            observed[name] = _int(where, name, data[name])
+    for name in ("ttft_ms", "e2e_ms"):
+        if data.get(name) is not None:
+            observed[name] = _ms(where, name, data[name])
+    return TraceRecord(request, **observed)
+
+
+def _parse_line(line: str, where: str) -> TraceRecord:
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: invalid JSON ({exc.msg})") from None
+    return parse_record(data, where)
+
+
+def read_trace(
+    path: str | Path, known_tenants: Mapping[str, object] | None = None
+) -> list[TraceRecord]:
+    """Read and validate a JSONL trace; with ``known_tenants``, every tenant must be known."""
+    records: list[TraceRecord] = []
+    seen: set[str] = set()
+    try:
+        with Path(path).open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                record = _parse_line(line, f"{path}:{number}")
+                request = record.request
+                if request.request_id in seen:
+                    raise TraceError(
+                        f"{path}:{number}: duplicate request_id {request.request_id!r}"
+                    )
+                seen.add(request.request_id)
+                if known_tenants is not None and request.tenant_id not in known_tenants:
+                    raise TraceError(
+                        f"{path}:{number}: tenant_id {request.tenant_id!r} is not in the tenants "
+                        f"file (known: {', '.join(known_tenants)})"
+                    )
+                records.append(record)
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
+    if not records:
+        raise TraceError(f"{path}: no records")
+    return records
+
+
+def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
+    with Path(path).open("w", encoding="utf-8") as handle:
+        for record in records:
+            handle.write(json.dumps(record.to_json(), separators=(",", ":")) + "\n")
+
+
+def decision_to_json(decision: Decision, policy: str | None = None) -> dict[str, object]:
+    """A decision record: the lesson's outcome fields first, then ours."""
+    out = dataclasses.asdict(decision)
+    if policy is not None:
+        out = {"policy": policy, **out}
+    return out
+
+
+def write_decisions(path: str | Path, results: Mapping[str, Iterable[Decision]]) -> None:
+    with Path(path).open("w", encoding="utf-8") as handle:
+        dump_decisions(handle, results)
+
+
+def dump_decisions(handle: TextIO, results: Mapping[str, Iterable[Decision]]) -> None:
+    for policy, decisions in results.items():
+        for decision in decisions:
+            handle.write(json.dumps(decision_to_json(decision, policy), separators=(",", ":")))
+            handle.write("\n")

@@ -1,0 +1,99 @@
+"""Replay a trace through a policy on a virtual clock: one model server, serial, non-preemptive.
+
+Event rules (the lesson's, so its policies decide exactly as its lab did):
+
+* the clock only moves forward; KV blocks whose residency ended at or before the clock are freed
+  first, then every arrival at or before the clock is submitted (in ``(arrival_ms, request_id)``
+  order), then queued requests past their deadline expire, then one request is dispatched;
+* a dispatched request runs for ``execution_ms`` (the server is busy; the clock jumps to its end),
+  its first token comes ``prefill_ms`` after it starts (``ttft = queue_wait + prefill_ms``), it is
+  settled when it ends, and its KV stays resident for ``kv_hold_ms`` after it started;
+* when nothing can start, the clock jumps to the next event: an arrival, a KV release, or the
+  scheduler's own wake-up (a deadline, a budget refill).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping, Sequence
+
+from tokenfair_sidecar.config import Config
+from tokenfair_sidecar.core import Decision, Request, make_scheduler
+
+
+class SimulationStuckError(RuntimeError):
+    """Queued work that no future event can release (a policy bug, never an input error)."""
+
+
+def simulate(
+    config: Config,
+    requests: Sequence[Request],
+    policy: str,
+    actual_service_tokens: Mapping[str, int] | None = None,
+) -> list[Decision]:
+    """Run ``requests`` under ``policy``; returns one decision per request, in decision order.
+
+    ``actual_service_tokens`` (by request id) settles a request against what it really used;
+    without it, the estimate is exact.
+    """
+    scheduler = make_scheduler(policy, config)
+    cost = scheduler.cost
+    ordered = sorted(requests, key=lambda r: (r.arrival_ms, r.request_id))
+    by_id = {r.request_id: r for r in ordered}
+    if len(by_id) != len(ordered):
+        raise ValueError("request ids must be unique within a trace")
+    actual = actual_service_tokens or {}
+    releases: list[tuple[float, int, str]] = []  # (release_ms, tie-break, request_id)
+    outcomes: list[Decision] = []
+    clock_ms = 0.0
+    next_arrival = 0
+    sequence = 0
+    while True:
+        while releases and releases[0][0] <= clock_ms:
+            scheduler.release_kv(heapq.heappop(releases)[2])
+        while next_arrival < len(ordered) and ordered[next_arrival].arrival_ms <= clock_ms:
+            refusal = scheduler.submit(ordered[next_arrival], clock_ms)
+            if refusal is not None:
+                outcomes.append(refusal)
+            next_arrival += 1
+        outcomes.extend(scheduler.expire(clock_ms))
+        decision = scheduler.next_dispatch(clock_ms)
+        if decision is None:
+            queued = scheduler.books().queued_requests
+            events = []
+            if next_arrival < len(ordered):
+                events.append(ordered[next_arrival].arrival_ms)
+            if queued:
+                if releases:
+                    events.append(releases[0][0])
+                wakeup = scheduler.next_wakeup_ms(clock_ms)
+                if wakeup is not None:
+                    events.append(wakeup)
+            if not events:
+                if queued:
+                    raise SimulationStuckError(
+                        f"{policy}: {queued} request(s) queued at {clock_ms} ms with no event left"
+                    )
+                break
+            clock_ms = max(clock_ms, min(events))
+            continue
+        outcomes.append(decision)
+        if not decision.admitted:
+            continue
+        request = by_id[decision.request_id]
+        execution_ms = cost.execution_ms(decision.service_tokens)
+        decision.ttft_ms = round(
+            max(0.0, clock_ms - request.arrival_ms) + cost.prefill_ms(request.prefill_tokens), 2
+        )
+        sequence += 1
+        heapq.heappush(
+            releases, (clock_ms + cost.kv_hold_ms(execution_ms), sequence, request.request_id)
+        )
+        clock_ms += execution_ms
+        scheduler.complete(
+            request.request_id,
+            clock_ms,
+            actual.get(request.request_id),
+            release_kv=False,
+        )
+    return outcomes
