@@ -2,4 +2,36 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+from collections.abc import AsyncIterator
+
+import pytest
+
 pytest_plugins = ["kubecluster"]
+
+
+@pytest.fixture
+async def no_leaked_tasks() -> AsyncIterator[None]:
+    """Fail an async test that leaves tasks running after all its other fixtures closed.
+
+    It is put first in every coroutine test's fixtures, so it is torn down last: servers and
+    clients of the test are gone by then, and anything still pending is a leak.
+    """
+    before = asyncio.all_tasks()
+    yield
+    await asyncio.sleep(0)  # one turn for tasks that were just cancelled to finish
+    current = asyncio.current_task()
+    leaked = [t for t in asyncio.all_tasks() - before if t is not current and not t.done()]
+    for task in leaked:
+        task.cancel()
+    assert not leaked, f"test leaked asyncio tasks: {leaked}"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is not None and inspect.iscoroutinefunction(function):
+            fixturenames: list[str] = getattr(item, "fixturenames", [])
+            if "no_leaked_tasks" not in fixturenames:
+                fixturenames.insert(0, "no_leaked_tasks")

@@ -332,15 +332,19 @@ def parse_documents(documents: Iterable[object], source: str = "<config>") -> Co
             raise ConfigError(f"{where}: apiVersion must be {API_VERSION} (got {api_version!r})")
         if kind == CONFIG_KIND:
             _unknown_keys(where, doc, ["apiVersion", "kind", "version", "policy", "tenants"])
-            if policy is not None:
-                raise ConfigError(f"{where}: the policy is defined twice")
-            policy = parse_policy(_mapping(f"{where}.policy", doc.get("policy", {})), "policy")
+            if "policy" in doc:
+                if policy is not None:
+                    raise ConfigError(f"{where}: the policy is defined twice")
+                policy = parse_policy(
+                    _mapping(f"{where}.policy", doc["policy"]), f"{source}: policy"
+                )
             version = str(doc.get("version", ""))
             entries = doc.get("tenants", [])
             if not isinstance(entries, list):
                 raise ConfigError(f"{where}.tenants: must be a list")
             for i, entry in enumerate(entries):
-                tenants.append(parse_tenant(_mapping(f"tenants[{i}]", entry), f"tenants[{i}]"))
+                entry_where = f"{source}: tenants[{i}]"
+                tenants.append(parse_tenant(_mapping(entry_where, entry), entry_where))
         elif kind in (TENANT_KIND, POLICY_KIND):
             name = _manifest_name(where, doc)
             where = f"{source}: {kind} {name!r}"
@@ -452,7 +456,10 @@ def apply_overrides(config: Config, assignments: Iterable[str]) -> Config:
                 f"--set {key}: unknown parameter (policy: {', '.join(POLICY_FIELDS)}; "
                 "tenants: tenants.<id>.<field>)"
             )
-    policy = parse_policy(policy_values, "--set")
+    try:
+        policy = parse_policy(policy_values, "--set")
+    except ConfigError as exc:  # "--set.maxBatchWaitMs: …" reads better as a flag
+        raise ConfigError(str(exc).replace("--set.", "--set ", 1)) from None
     tenants = [
         parse_tenant(values, f"--set tenants.{tid}") for tid, values in tenant_values.items()
     ]

@@ -21,6 +21,12 @@ from dataclasses import dataclass
 from tokenfair_sidecar.config import PolicyConfig
 
 
+def service_tokens(prefill_tokens: int, decode_tokens: int, decode_weight: float) -> int:
+    """``prefill + ceil(decode_weight * decode)``: the integer unit of all accounting."""
+    # Round first so float noise (4.2 * 10 = 42.00000000000001) does not ceil up a whole token.
+    return prefill_tokens + math.ceil(round(float(decode_weight) * decode_tokens, 9))
+
+
 @dataclass(frozen=True, slots=True)
 class CostModel:
     """Coefficients of the cost model; see the module docstring for the formulas."""
@@ -44,10 +50,7 @@ class CostModel:
         )
 
     def service_tokens(self, prefill_tokens: int, decode_tokens: int) -> int:
-        weighted = self.decode_weight * decode_tokens
-        # Integral weights (the usual case) must not pick up a float rounding step.
-        decode_cost = int(weighted) if weighted.is_integer() else math.ceil(weighted)
-        return prefill_tokens + decode_cost
+        return service_tokens(prefill_tokens, decode_tokens, self.decode_weight)
 
     def prefill_ms(self, prefill_tokens: int) -> float:
         return max(self.prefill_floor_ms, prefill_tokens / self.prefill_tokens_per_ms)

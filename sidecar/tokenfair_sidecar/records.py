@@ -20,6 +20,7 @@ from typing import Any, Final, TextIO
 
 from tokenfair_sidecar.config import PRIORITY_CLASSES, PriorityClass
 from tokenfair_sidecar.core import Decision, Request
+from tokenfair_sidecar.costmodel import service_tokens
 
 REQUIRED_FIELDS: Final = (
     "request_id",
@@ -60,8 +61,7 @@ class TraceRecord:
             prefill = self.actual_prefill_tokens
         if self.actual_decode_tokens is not None:
             decode = self.actual_decode_tokens
-        weighted = decode_weight * decode
-        return prefill + (int(weighted) if weighted.is_integer() else int(weighted) + 1)
+        return service_tokens(prefill, decode, decode_weight)
 
     def to_json(self) -> dict[str, object]:
         request = self.request
@@ -171,8 +171,13 @@ def read_trace(
 
 def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
     with Path(path).open("w", encoding="utf-8") as handle:
-        for record in records:
-            handle.write(json.dumps(record.to_json(), separators=(",", ":")) + "\n")
+        dump_trace(handle, records)
+
+
+def dump_trace(handle: TextIO, records: Iterable[TraceRecord]) -> None:
+    """Write request records as JSONL to an open stream."""
+    for record in records:
+        handle.write(json.dumps(record.to_json(), separators=(",", ":")) + "\n")
 
 
 def decision_to_json(decision: Decision, policy: str | None = None) -> dict[str, object]:

@@ -14,7 +14,9 @@ interval, the normalised service gap stays bounded,
 Two departures from the textbook, both bounded:
 
 * **eligibility** — a head that cannot run *now* (KV watermark, token budget) is passed over
-  without earning a quantum; the tenant keeps its place and its deficit;
+  without earning a quantum; the tenant keeps its deficit, and a turn it had open stays open (it
+  resumes that turn, with no new quantum, when next visited), so ``0 <= D_i < max_cost + Q_i``
+  holds whatever the eligibility;
 * **skipping empty rounds** — when a full pass finds no eligible head covered by its deficit,
   every eligible tenant is granted the quanta of the rounds it would have waited through,
   ``k = min_i ceil((cost_i - D_i) / Q_i) - 1`` in one step, so selection costs O(tenants) and
@@ -108,7 +110,8 @@ class DeficitRoundRobin:
                     queue.reset()
                     continue
                 if not eligible(head):
-                    queue.turn_open = False
+                    # An open turn stays open: closing it would grant a fresh quantum on top of
+                    # an uncovered deficit, and a throttled tenant would bank without bound.
                     active.rotate(-1)
                     continue
                 if not queue.turn_open:

@@ -116,7 +116,12 @@ class Scheduler(ABC):
                     now_ms,
                 )
             self._tenant_added(state)
-        self.tenant_order = [self.tenants[t.tenant_id] for t in tenants]
+        order = [self.tenants[t.tenant_id] for t in tenants]
+        # A removed tenant keeps its place at the end while it still has queued work, so every
+        # policy's rounds still reach that work (it just cannot submit more).
+        kept = {t.config.tenant_id for t in order}
+        order += [t for t in self.tenant_order if t.config.tenant_id not in kept and t.queued]
+        self.tenant_order = order
 
     def _tenant_added(self, tenant: TenantState) -> None:
         """Hook: a tenant was added or its quota changed."""
@@ -184,7 +189,7 @@ class Scheduler(ABC):
         tenant.served_tokens += job.service_tokens
         self._charge(job, tenant, now_ms)
         decision = job.outcome(STATUS_OK, ADMITTED, "dispatch", round(occupancy, 4))
-        decision.dispatch_ms = now_ms
+        decision.dispatch_ms = round(now_ms, 2)
         decision.queue_wait_ms = round(max(0.0, now_ms - job.request.arrival_ms), 2)
         job.state = JobState.DISPATCHED
         job.decision = decision
@@ -286,8 +291,9 @@ class Scheduler(ABC):
 
     def _drop(self, job: Job, status: int, reason: str, gate: str, now_ms: float) -> Decision:
         tenant = self.tenants[job.request.tenant_id]
-        self._unqueue(job, tenant)
+        # The policy first: one that cannot let a job leave raises before any total changes.
         self._forget(job)
+        self._unqueue(job, tenant)
         job.state = JobState.CANCELLED if status == STATUS_CLIENT_CLOSED else JobState.REFUSED
         del self.jobs[job.request.request_id]
         occupancy = (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks

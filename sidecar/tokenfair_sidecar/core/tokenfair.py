@@ -128,7 +128,8 @@ class TokenfairScheduler(Scheduler):
 
     def _forget(self, job: Job) -> None:
         self._lanes[job.lane].forget(job)
-        if not self.queued_count[Lane.BATCH]:
+        # Called before the totals drop the job: the batch lane empties if this is its last job.
+        if self.queued_count[Lane.BATCH] == int(job.lane is Lane.BATCH):
             self._batch_credit = 0.0
 
     def _eligible(self, job: Job) -> bool:

@@ -1,0 +1,278 @@
+"""``tokenfair trace generate``: write a synthetic mixed workload as request records (JSONL)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tokenfair_sidecar.config import Config, apply_overrides, load_config
+from tokenfair_sidecar.costmodel import CostModel
+from tokenfair_sidecar.records import TraceRecord, dump_trace
+from tokenfair_sidecar.scenarios import lesson_config
+from tokenfair_sidecar.tracegen import (
+    ARRIVAL_PROCESSES,
+    DEFAULT_BURST_OFF_MS,
+    DEFAULT_BURST_ON_MS,
+    DEFAULT_DURATION_MS,
+    DEFAULT_MIX_BY_CLASS,
+    DEFAULT_NOISE_FRACTION,
+    DEFAULT_RATE_PER_SECOND,
+    MIXES,
+    ArrivalProcess,
+    Mix,
+    TenantWorkload,
+    WorkloadError,
+    WorkloadSpec,
+    generate,
+    observe,
+)
+
+T = TypeVar("T")
+
+
+def _mix_line(mix: Mix) -> str:
+    prompt, output = mix.prompt, mix.output
+    prompt_range = f"{prompt.median_tokens} [{prompt.min_tokens}-{prompt.max_tokens}]"
+    output_range = f"{output.median_tokens} [{output.min_tokens}-{output.max_tokens}]"
+    return f"  {mix.name:<11} {prompt_range:<18} {output_range:<15} {mix.description}\n"
+
+
+EPILOG = (
+    "mixes (prompt tokens, output tokens: median [min-max], log-normal):\n"
+    + "".join(_mix_line(m) for m in MIXES.values())
+    + "\nexample:\n"
+    "  tokenfair trace generate --duration-ms 30000 --rate tenant_batch_rag=2 \\\n"
+    "      --mix tenant_ide_assist=completion --arrivals tenant_batch_rag=bursty \\\n"
+    "      --window tenant_batch_rag=5000:20000 --seed 7 --out trace.jsonl\n"
+    "\nFlags marked [TENANT=] take a bare value (every tenant) or TENANT=VALUE (one tenant);\n"
+    "repeat them. Schema of the output: docs/records.md."
+)
+
+
+def register(subparsers: Any) -> None:
+    group: argparse.ArgumentParser = subparsers.add_parser(
+        "trace", help="make request traces", description="Make request traces (JSONL records)."
+    )
+    actions = group.add_subparsers(dest="trace_command", required=True, metavar="SUBCOMMAND")
+    parser: argparse.ArgumentParser = actions.add_parser(
+        "generate",
+        help="generate a synthetic mixed workload",
+        description=(
+            "Generate a synthetic workload from several tenants (Poisson or bursty on/off "
+            "arrivals, named prompt/output mixes) as request records, deterministic under --seed. "
+            "With --observe, add the times the cost model predicts (plus noise) for calibration."
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--tenants",
+        type=Path,
+        metavar="FILE.yaml",
+        help="TenantQuota manifests / TokenfairConfig giving the tenants and their priority "
+        "classes (default: the lesson's tenant_chat_pro, tenant_ide_assist, tenant_batch_rag)",
+    )
+    parser.add_argument(
+        "--duration-ms",
+        type=float,
+        metavar="MS",
+        help=f"length of the trace in ms (default {DEFAULT_DURATION_MS:.0f} unless --requests)",
+    )
+    parser.add_argument(
+        "--requests",
+        type=int,
+        metavar="N",
+        help="stop after N requests in all (with --duration-ms: whichever comes first)",
+    )
+    parser.add_argument(
+        "--rate",
+        action="append",
+        default=[],
+        metavar="[TENANT=]RPS",
+        help=f"mean requests per second per tenant (default {DEFAULT_RATE_PER_SECOND:g}; "
+        "0 switches a tenant off)",
+    )
+    parser.add_argument(
+        "--mix",
+        action="append",
+        default=[],
+        metavar="[TENANT=]MIX",
+        help=f"prompt/output mix: {', '.join(MIXES)} (default: "
+        f"{DEFAULT_MIX_BY_CLASS['interactive']} for interactive tenants, "
+        f"{DEFAULT_MIX_BY_CLASS['batch']} for batch tenants)",
+    )
+    parser.add_argument(
+        "--arrivals",
+        action="append",
+        default=[],
+        metavar="[TENANT=]PROCESS",
+        help=f"arrival process: {' or '.join(ARRIVAL_PROCESSES)} (default poisson); bursty "
+        "alternates exponential on/off periods and keeps the mean --rate",
+    )
+    parser.add_argument(
+        "--burst-on-ms",
+        type=float,
+        default=DEFAULT_BURST_ON_MS,
+        metavar="MS",
+        help=f"mean on period of bursty tenants (default {DEFAULT_BURST_ON_MS:.0f})",
+    )
+    parser.add_argument(
+        "--burst-off-ms",
+        type=float,
+        default=DEFAULT_BURST_OFF_MS,
+        metavar="MS",
+        help=f"mean off period of bursty tenants (default {DEFAULT_BURST_OFF_MS:.0f})",
+    )
+    parser.add_argument(
+        "--window",
+        action="append",
+        default=[],
+        metavar="[TENANT=]START_MS:END_MS",
+        help="send only in [START_MS, END_MS); either side may be empty (a tenant that joins "
+        "late or leaves early)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument(
+        "--observe",
+        action="store_true",
+        help="add actual_* token counts, ttft_ms and e2e_ms: the cost model's idle-server "
+        "times (policy of --tenants, with --set) times log-normal noise",
+    )
+    parser.add_argument(
+        "--noise",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help=f"relative standard deviation of the observed times, in [0, 1) (default "
+        f"{DEFAULT_NOISE_FRACTION:g}; with --observe)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="cost-model coefficient for --observe (decodeWeight=3, serviceTokensPerMs=30, "
+        "prefillTokensPerMs, prefillFloorMs); repeatable",
+    )
+    parser.add_argument(
+        "--out", type=Path, metavar="FILE", help="write the records here (default: stdout)"
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.observe and (args.overrides or args.noise is not None):
+        flag = "--set" if args.overrides else "--noise"
+        raise WorkloadError(f"{flag}: only applies with --observe")
+    config = load_config(args.tenants) if args.tenants else lesson_config()
+    cost = CostModel.from_policy(apply_overrides(config, args.overrides).policy)
+    requests = generate(build_spec(config, args))
+    if args.observe:
+        noise = DEFAULT_NOISE_FRACTION if args.noise is None else args.noise
+        records = observe(requests, cost, noise, args.seed)
+    else:
+        records = [TraceRecord(r) for r in requests]
+    if args.out is None:
+        dump_trace(sys.stdout, records)
+        return 0
+    try:
+        with args.out.open("w", encoding="utf-8") as handle:
+            dump_trace(handle, records)
+    except OSError as exc:
+        raise WorkloadError(f"--out {args.out}: cannot write ({exc.strerror})") from None
+    return 0
+
+
+def build_spec(config: Config, args: argparse.Namespace) -> WorkloadSpec:
+    """Resolve the per-tenant flags against the config's tenants."""
+    known = list(config.tenant_index)
+    rates = _keyed("--rate", args.rate, known, _rate)
+    mixes = _keyed("--mix", args.mix, known, _mix)
+    arrivals = _keyed("--arrivals", args.arrivals, known, _arrival)
+    windows = _keyed("--window", args.window, known, _window)
+    duration_ms = args.duration_ms
+    if duration_ms is None and args.requests is None:
+        duration_ms = DEFAULT_DURATION_MS
+    tenants = []
+    for tenant in config.tenants:
+        tid = tenant.tenant_id
+        start_ms, end_ms = windows.get(tid, (0.0, math.inf))
+        tenants.append(
+            TenantWorkload(
+                tenant_id=tid,
+                priority_class=tenant.priority_class,
+                mix=mixes.get(tid, MIXES[DEFAULT_MIX_BY_CLASS[tenant.priority_class]]),
+                rate_per_second=rates.get(tid, DEFAULT_RATE_PER_SECOND),
+                arrivals=arrivals.get(tid, "poisson"),
+                start_ms=start_ms,
+                end_ms=end_ms,
+            )
+        )
+    return WorkloadSpec(
+        tenants=tuple(tenants),
+        seed=args.seed,
+        duration_ms=duration_ms,
+        max_requests=args.requests,
+        burst_on_ms=args.burst_on_ms,
+        burst_off_ms=args.burst_off_ms,
+    )
+
+
+def _keyed(
+    flag: str, entries: Sequence[str], known: Sequence[str], parse: Callable[[str, str], T]
+) -> Mapping[str, T]:
+    """``[TENANT=]VALUE`` entries -> value by tenant; a bare value sets every tenant, and a later
+    entry overrides an earlier one."""
+    values: dict[str, T] = {}
+    for entry in entries:
+        tenant_id, sep, raw = entry.rpartition("=")
+        if sep and tenant_id not in known:
+            raise WorkloadError(
+                f"{flag} {entry}: unknown tenant {tenant_id!r} (known: {', '.join(known)})"
+            )
+        value = parse(f"{flag} {entry}", raw)
+        for tid in [tenant_id] if sep else known:
+            values[tid] = value
+    return values
+
+
+def _rate(where: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise WorkloadError(f"{where}: not a number of requests per second") from None
+    if not 0 <= value < math.inf:
+        raise WorkloadError(f"{where}: must be >= 0 requests per second")
+    return value
+
+
+def _mix(where: str, raw: str) -> Mix:
+    if raw not in MIXES:
+        raise WorkloadError(f"{where}: unknown mix (known: {', '.join(MIXES)})")
+    return MIXES[raw]
+
+
+def _arrival(where: str, raw: str) -> ArrivalProcess:
+    for process in ARRIVAL_PROCESSES:
+        if raw == process:
+            return process
+    raise WorkloadError(f"{where}: unknown arrival process (known: {', '.join(ARRIVAL_PROCESSES)})")
+
+
+def _window(where: str, raw: str) -> tuple[float, float]:
+    start, sep, end = raw.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        start_ms = float(start) if start.strip() else 0.0
+        end_ms = float(end) if end.strip() else math.inf
+    except ValueError:
+        raise WorkloadError(f"{where}: expected START_MS:END_MS (e.g. 5000:20000)") from None
+    if not 0 <= start_ms < end_ms:
+        raise WorkloadError(f"{where}: needs 0 <= START_MS < END_MS")
+    return start_ms, end_ms

@@ -1,0 +1,287 @@
+"""``tokenfair simulate`` as a user runs it: the installed console script in a subprocess.
+
+Behaviours under test:
+
+* ``--format json`` prints the lesson's report shape (``comparison.<policy>`` with its keys and
+  per-tenant rows), one entry per ``--policy`` (repeatable), in the order given;
+* ``--set`` changes a policy key (``maxBatchWaitMs``) and a tenant field (``weight``) for real;
+* ``--records`` writes one JSONL line per request per policy with the lesson's outcome fields;
+* ``--plot`` writes a PNG;
+* ``--trace`` replays a JSONL trace against ``--tenants`` (TenantQuota manifests);
+* bad inputs exit 2 with one line on stderr naming the field: a bad ``--set`` key, a trace with
+  an unknown tenant, a trace line with a bad field, ``--trace`` without ``--tenants``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TOKENFAIR = Path(sys.executable).parent / "tokenfair"
+LESSON_POLICIES = ["request_count_no_admission", "service_token_drr_with_admission"]
+SUMMARY_KEYS = {
+    "total_requests",
+    "admitted_requests",
+    "shed_429_requests",
+    "interactive_p50_ttft_ms",
+    "interactive_p99_ttft_ms",
+    "batch_p99_ttft_ms",
+    "peak_kv_occupancy_ratio",
+    "shed_reasons",
+    "tenants",
+}
+TENANT_KEYS = {
+    "submitted",
+    "admitted",
+    "shed_429",
+    "admitted_service_tokens",
+    "p50_ttft_ms",
+    "p99_ttft_ms",
+}
+LESSON_OUTCOME_FIELDS = {
+    "request_id",
+    "tenant_id",
+    "priority_class",
+    "status_code",
+    "reason",
+    "service_tokens",
+    "ttft_ms",
+    "queue_wait_ms",
+    "kv_occupancy_ratio",
+}
+
+
+def tokenfair(*args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(TOKENFAIR), "simulate", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def report(*args: str | Path, cwd: Path) -> dict[str, Any]:
+    done = tokenfair(*args, "--format", "json", cwd=cwd)
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def test_json_report_has_the_lesson_shape(tmp_path: Path) -> None:
+    result = report("--scenario", "noisy-neighbor", cwd=tmp_path)
+    assert result["experiment"] == "multi-tenant-service-token-drr-and-admission-control"
+    assert result["decode_weight"] == 4
+    # Default: the lesson's two policies, then ours.
+    assert list(result["comparison"]) == [*LESSON_POLICIES, "tokenfair"]
+    for summary in result["comparison"].values():
+        assert set(summary) == SUMMARY_KEYS
+        assert summary["total_requests"] == 18 + 24 + 18
+        assert summary["admitted_requests"] + summary["shed_429_requests"] == 60
+        assert sum(summary["shed_reasons"].values()) == summary["shed_429_requests"]
+        assert set(summary["tenants"]) == {
+            "tenant_batch_rag",
+            "tenant_chat_pro",
+            "tenant_ide_assist",
+        }
+        for row in summary["tenants"].values():
+            assert set(row) == TENANT_KEYS
+    ours = result["comparison"]["tokenfair"]
+    # Everything admitted: 18 * (3200 + 4*350), 24 * (280 + 4*90), 18 * (420 + 4*60).
+    assert {t: row["admitted_service_tokens"] for t, row in ours["tenants"].items()} == {
+        "tenant_batch_rag": 18 * 4600,
+        "tenant_chat_pro": 24 * 640,
+        "tenant_ide_assist": 18 * 660,
+    }
+    assert ours["shed_reasons"] == {}
+
+
+def test_policy_is_repeatable_and_keeps_its_order(tmp_path: Path) -> None:
+    result = report(
+        "--scenario",
+        "noisy-neighbor",
+        "--policy",
+        "tokenfair",
+        "--policy",
+        "service_token_drr_with_admission",
+        cwd=tmp_path,
+    )
+    assert list(result["comparison"]) == ["tokenfair", "service_token_drr_with_admission"]
+
+
+def test_set_policy_key_takes_effect(tmp_path: Path) -> None:
+    # The starvation scenario queues batch work for up to 20 s; a 5 s limit expires more of it
+    # and bounds every batch start by 5 s.
+    records = tmp_path / "records.jsonl"
+    args = ["--scenario", "starvation", "--policy", "tokenfair"]
+    default = report(*args, cwd=tmp_path)["comparison"]["tokenfair"]
+    limited = report(*args, "--set", "maxBatchWaitMs=5000", "--records", records, cwd=tmp_path)
+    shortened = limited["comparison"]["tokenfair"]
+    timeouts = shortened["shed_reasons"]["shed_queue_timeout"]
+    assert timeouts > default["shed_reasons"]["shed_queue_timeout"]
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    batch = [r for r in rows if r["priority_class"] == "batch"]
+    assert max(r["queue_wait_ms"] for r in batch if r["status_code"] == 200) <= 5000
+    assert {r["observed"]["max_wait_ms"] for r in batch if r["reason"] == "shed_queue_timeout"} == {
+        5000
+    }
+
+
+TENANTS_YAML = """\
+apiVersion: tokenfair.io/v1alpha1
+kind: TenantQuota
+metadata:
+  name: batch-rag
+spec:
+  tenantId: tenant_batch_rag
+  weight: 1
+  burstServiceTokens: 1000000
+  sustainedServiceTokensPerSecond: 1000000
+  priorityClass: batch
+---
+apiVersion: tokenfair.io/v1alpha1
+kind: TenantQuota
+metadata:
+  name: batch-etl
+spec:
+  tenantId: tenant_batch_etl
+  weight: 1
+  burstServiceTokens: 1000000
+  sustainedServiceTokensPerSecond: 1000000
+  priorityClass: batch
+"""
+
+
+def write_trace(tmp_path: Path, lines: list[dict[str, object]]) -> tuple[Path, Path]:
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text(TENANTS_YAML, encoding="utf-8")
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
+    return trace, tenants
+
+
+def backlog() -> list[dict[str, object]]:
+    """Two batch tenants, 12 requests each at t=0 of 800 + 4 * 100 = 1200 service tokens."""
+    return [
+        {
+            "request_id": f"{tenant}-{i:02d}",
+            "tenant_id": f"tenant_batch_{tenant}",
+            "arrival_ms": 0,
+            "prefill_tokens": 800,
+            "decode_tokens": 100,
+            "priority_class": "batch",
+        }
+        for tenant in ("etl", "rag")
+        for i in range(12)
+    ]
+
+
+def first_dispatches(records: Path, count: int) -> list[str]:
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    admitted = sorted((r for r in rows if r["status_code"] == 200), key=lambda r: r["dispatch_ms"])
+    return [r["tenant_id"].removeprefix("tenant_batch_") for r in admitted[:count]]
+
+
+def test_trace_with_tenant_manifests_and_a_weight_override(tmp_path: Path) -> None:
+    trace, tenants = write_trace(tmp_path, backlog())
+    records = tmp_path / "records.jsonl"
+    common: list[str | Path] = [
+        *("--trace", trace, "--tenants", tenants),
+        *("--policy", "tokenfair", "--records", records),
+    ]
+    result = report(*common, cwd=tmp_path)["comparison"]["tokenfair"]
+    assert result["admitted_requests"] == 24
+    assert set(result["tenants"]) == {"tenant_batch_etl", "tenant_batch_rag"}
+    # Equal weights, quantum 1200 each: one 1200-token request per turn, etl first (it arrived
+    # first in (arrival_ms, request_id) order).
+    assert first_dispatches(records, 6) == ["etl", "rag"] * 3
+    report(*common, "--set", "tenants.tenant_batch_rag.weight=2", cwd=tmp_path)
+    # rag's quantum is now 2400: two requests per turn against etl's one.
+    assert first_dispatches(records, 6) == ["etl", "rag", "rag"] * 2
+
+
+def test_records_one_line_per_request_per_policy(tmp_path: Path) -> None:
+    records = tmp_path / "out.jsonl"
+    report("--scenario", "noisy-neighbor", "--records", records, cwd=tmp_path)
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    assert len(rows) == 3 * 60
+    for policy in [*LESSON_POLICIES, "tokenfair"]:
+        mine = [r for r in rows if r["policy"] == policy]
+        assert len(mine) == len({r["request_id"] for r in mine}) == 60
+    for row in rows:
+        assert set(row) >= LESSON_OUTCOME_FIELDS
+        assert (row["status_code"] == 200) == (row["reason"] == "admitted")
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    picture = tmp_path / "out.png"
+    done = tokenfair("--scenario", "noisy-neighbor", "--plot", picture, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def bad_run(tmp_path: Path, *args: str | Path) -> str:
+    done = tokenfair(*args, cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("tokenfair simulate: error: ")
+    return lines[0]
+
+
+def test_bad_set_key(tmp_path: Path) -> None:
+    line = bad_run(tmp_path, "--scenario", "noisy-neighbor", "--set", "maxBatchWait=5000")
+    assert "--set maxBatchWait: unknown parameter" in line
+
+
+def test_bad_set_value(tmp_path: Path) -> None:
+    line = bad_run(
+        tmp_path, "--scenario", "noisy-neighbor", "--set", "tenants.tenant_batch_rag.weight=-2"
+    )
+    assert "tenants.tenant_batch_rag.weight: must be > 0" in line
+
+
+def test_trace_with_an_unknown_tenant(tmp_path: Path) -> None:
+    lines = backlog()
+    lines[3] = {**lines[3], "tenant_id": "tenant_nobody"}
+    trace, tenants = write_trace(tmp_path, lines)
+    line = bad_run(tmp_path, "--trace", trace, "--tenants", tenants)
+    assert f"{trace}:4: tenant_id 'tenant_nobody' is not in the tenants file" in line
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("arrival_ms", -1, "arrival_ms must be a number >= 0"),
+        ("decode_tokens", 1.5, "decode_tokens must be an integer >= 0"),
+        ("priority_class", "realtime", "priority_class must be one of interactive, batch"),
+        ("surprise", 1, "unknown field(s) surprise"),
+    ],
+)
+def test_trace_line_with_a_bad_field(
+    tmp_path: Path, field: str, value: object, message: str
+) -> None:
+    lines = backlog()
+    lines[1] = {**lines[1], field: value}
+    trace, tenants = write_trace(tmp_path, lines)
+    line = bad_run(tmp_path, "--trace", trace, "--tenants", tenants)
+    assert f"{trace}:2: {message}" in line
+
+
+def test_trace_without_tenants(tmp_path: Path) -> None:
+    trace, _ = write_trace(tmp_path, backlog())
+    assert "--trace needs --tenants" in bad_run(tmp_path, "--trace", trace)
+
+
+def test_bad_tenants_file(tmp_path: Path) -> None:
+    trace, tenants = write_trace(tmp_path, backlog())
+    tenants.write_text(TENANTS_YAML.replace("weight: 1\n", "weight: 0\n", 1), encoding="utf-8")
+    line = bad_run(tmp_path, "--trace", trace, "--tenants", tenants)
+    assert "TenantQuota 'batch-rag': spec.weight: must be > 0" in line
