@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export TOKENFAIR_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/tokenfair
 
-.PHONY: help venv run test lint format bench clean
+.PHONY: help venv run simulate test lint format bench clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -19,7 +19,15 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP) ## create .venv and install tokenfair with its dev tools
 
-run: $(STAMP) ## the main job: replay the lesson's noisy-neighbor fixture under every policy
+run: $(STAMP) ## the main job: the sidecar standalone on the cost-model engine, lesson's tenants
+	@echo "tokenfair sidecar: proxy http://127.0.0.1:8080, admin http://127.0.0.1:9090 (Ctrl-C stops)"
+	@echo "local API keys (examples/local-keys.yaml):"
+	@sed -n 's/^\(tenant_[a-z_]*\): \(.*\)/  \1  Authorization: Bearer \2/p' examples/local-keys.yaml
+	@echo "drive the lesson's workload at it from another shell:"
+	@echo "  $(BIN)/tokenfair loadgen --target http://127.0.0.1:8080 --scenario noisy-neighbor --keys examples/local-keys.yaml --stream"
+	$(BIN)/tokenfair sidecar --config examples/sidecar-standalone.yaml
+
+simulate: $(STAMP) ## replay the lesson's noisy-neighbor fixture under every policy (no server)
 	$(BIN)/tokenfair simulate --scenario noisy-neighbor
 
 lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict
@@ -42,3 +50,4 @@ clean: ## remove the virtualenv and caches of this checkout (not the build cache
 
 # The control plane and kubectl/helm for the Kubernetes-facing tests.
 -include hack/controlplane.mk
+-include hack/kind.mk

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+
 from tokenfair_sidecar.calibrate import (
     NO_ACTUAL_TOKENS,
     NO_E2E,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from tokenfair_sidecar.config import (
     Config,
     ConfigError,

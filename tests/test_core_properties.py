@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tokenfair_sidecar.config import (
     Config,
     PolicyConfig,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import pytest
+
 from tokenfair_sidecar.config import Config, PolicyConfig, TenantConfig, build_config
 from tokenfair_sidecar.core import (
     LESSON_POLICIES,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import pytest
+
 from tokenfair_sidecar.config import (
     Config,
     PolicyConfig,

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tokenfair_sidecar import cli
 from tokenfair_sidecar.records import TraceRecord, read_trace
 from tokenfair_sidecar.tracegen import MIXES, ArrivalProcess, TenantWorkload, WorkloadSpec, generate

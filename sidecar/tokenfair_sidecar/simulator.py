@@ -14,11 +14,13 @@ Event rules (the lesson's, so its policies decide exactly as its lab did):
 
 from __future__ import annotations
 
+import gc
 import heapq
 from collections.abc import Mapping, Sequence
 
 from tokenfair_sidecar.config import Config
 from tokenfair_sidecar.core import Decision, Request, make_scheduler
+from tokenfair_sidecar.core.jobs import STATUS_OK
 
 
 class SimulationStuckError(RuntimeError):
@@ -36,32 +38,57 @@ def simulate(
     ``actual_service_tokens`` (by request id) settles a request against what it really used;
     without it, the estimate is exact.
     """
+    # The replay creates no reference cycles (everything it allocates is freed by reference
+    # counting), so the cyclic collector only rescans the live backlog: pause it meanwhile.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _replay(config, requests, policy, actual_service_tokens or {})
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _replay(
+    config: Config, requests: Sequence[Request], policy: str, actual: Mapping[str, int]
+) -> list[Decision]:
     scheduler = make_scheduler(policy, config)
     cost = scheduler.cost
     ordered = sorted(requests, key=lambda r: (r.arrival_ms, r.request_id))
     by_id = {r.request_id: r for r in ordered}
     if len(by_id) != len(ordered):
         raise ValueError("request ids must be unique within a trace")
-    actual = actual_service_tokens or {}
+    # The loop runs once per event: keep everything it touches in locals.
+    rate = cost.service_tokens_per_ms
+    prefill_floor_ms = cost.prefill_floor_ms
+    prefill_rate = cost.prefill_tokens_per_ms
+    residency = cost.kv_residency_factor
+    expires = scheduler.expires_queued
+    submit, next_dispatch, complete = scheduler.submit, scheduler.next_dispatch, scheduler.complete
+    release_kv = scheduler.release_kv
     releases: list[tuple[float, int, str]] = []  # (release_ms, tie-break, request_id)
     outcomes: list[Decision] = []
+    append = outcomes.append
+    heappush, heappop = heapq.heappush, heapq.heappop
+    total = len(ordered)
     clock_ms = 0.0
     next_arrival = 0
     sequence = 0
     while True:
         while releases and releases[0][0] <= clock_ms:
-            scheduler.release_kv(heapq.heappop(releases)[2])
-        while next_arrival < len(ordered) and ordered[next_arrival].arrival_ms <= clock_ms:
-            refusal = scheduler.submit(ordered[next_arrival], clock_ms)
+            release_kv(heappop(releases)[2])
+        while next_arrival < total and ordered[next_arrival].arrival_ms <= clock_ms:
+            refusal = submit(ordered[next_arrival], clock_ms)
             if refusal is not None:
-                outcomes.append(refusal)
+                append(refusal)
             next_arrival += 1
-        outcomes.extend(scheduler.expire(clock_ms))
-        decision = scheduler.next_dispatch(clock_ms)
+        if expires:
+            outcomes.extend(scheduler.expire(clock_ms))
+        decision = next_dispatch(clock_ms)
         if decision is None:
-            queued = scheduler.books().queued_requests
+            queued = scheduler.queued_total
             events = []
-            if next_arrival < len(ordered):
+            if next_arrival < total:
                 events.append(ordered[next_arrival].arrival_ms)
             if queued:
                 if releases:
@@ -77,23 +104,15 @@ def simulate(
                 break
             clock_ms = max(clock_ms, min(events))
             continue
-        outcomes.append(decision)
-        if not decision.admitted:
+        append(decision)
+        if decision.status_code != STATUS_OK:
             continue
         request = by_id[decision.request_id]
-        execution_ms = cost.execution_ms(decision.service_tokens)
-        decision.ttft_ms = round(
-            max(0.0, clock_ms - request.arrival_ms) + cost.prefill_ms(request.prefill_tokens), 2
-        )
+        execution_ms = decision.service_tokens / rate
+        prefill_ms = max(prefill_floor_ms, request.prefill_tokens / prefill_rate)
+        decision.ttft_ms = round(max(0.0, clock_ms - request.arrival_ms) + prefill_ms, 2)
         sequence += 1
-        heapq.heappush(
-            releases, (clock_ms + cost.kv_hold_ms(execution_ms), sequence, request.request_id)
-        )
+        heappush(releases, (clock_ms + execution_ms * residency, sequence, request.request_id))
         clock_ms += execution_ms
-        scheduler.complete(
-            request.request_id,
-            clock_ms,
-            actual.get(request.request_id),
-            release_kv=False,
-        )
+        complete(request.request_id, clock_ms, actual.get(request.request_id), release_kv=False)
     return outcomes

@@ -5,6 +5,6 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Final
 
-from tokenfair_sidecar.commands import calibrate, simulate, trace
+from tokenfair_sidecar.commands import calibrate, loadgen, sidecar, simulate, trace
 
-COMMANDS: Final[tuple[ModuleType, ...]] = (simulate, trace, calibrate)
+COMMANDS: Final[tuple[ModuleType, ...]] = (simulate, loadgen, trace, calibrate, sidecar)

@@ -98,6 +98,12 @@ class Decision:
         return self.status_code == STATUS_OK
 
 
+# Module constants: enum attribute lookups are measurable on the per-request path.
+_LANE_OF: Final[dict[str, Lane]] = {"interactive": Lane.INTERACTIVE, "batch": Lane.BATCH}
+_QUEUED: Final = JobState.QUEUED
+_NEVER: Final = float("inf")
+
+
 class Job:
     """A request inside the scheduler: its costs, its state and its bookkeeping."""
 
@@ -115,9 +121,9 @@ class Job:
         self.request = request
         self.service_tokens = service_tokens
         self.kv_blocks = kv_blocks
-        self.lane = Lane.of(request.priority_class)
-        self.state = JobState.QUEUED
-        self.deadline_ms = float("inf")
+        self.lane = _LANE_OF[request.priority_class]
+        self.state = _QUEUED
+        self.deadline_ms = _NEVER
         self.decision: Decision | None = None
 
     def outcome(

@@ -87,6 +87,7 @@ class LessonDrrScheduler(Scheduler):
     """The lesson's protected policy: priority lanes, service-token DRR, KV/SLO/budget shedding."""
 
     name = "service_token_drr_with_admission"
+    gates_at_dispatch = True
 
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
         self._queues: dict[str, tuple[deque[Job], deque[Job]]] = {}
@@ -136,7 +137,7 @@ class LessonDrrScheduler(Scheduler):
                 SHED_TENANT_TOKEN_QUOTA,
                 "admission",
                 occupancy,
-                bucket.ms_until(job.service_tokens, now_ms),
+                bucket.ms_until(job.service_tokens, job.request.arrival_ms),
                 bucket_tokens=bucket.level,
             )
         bucket.level = max(0.0, bucket.level - job.service_tokens)

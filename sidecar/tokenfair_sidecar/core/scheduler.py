@@ -23,7 +23,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Final
 
 from tokenfair_sidecar.config import Config, TenantConfig
 from tokenfair_sidecar.core.bucket import TokenBucket
@@ -42,6 +42,9 @@ from tokenfair_sidecar.core.jobs import (
     Request,
 )
 from tokenfair_sidecar.costmodel import CostModel
+
+_DISPATCHED: Final = JobState.DISPATCHED
+_DONE: Final = JobState.DONE
 
 
 class UnknownTenantError(KeyError):
@@ -83,11 +86,16 @@ class Scheduler(ABC):
 
     name: ClassVar[str]
     expires_queued: ClassVar[bool] = False
+    """Queued requests past their class's wait limit are refused (``expire``)."""
+    gates_at_dispatch: ClassVar[bool] = False
+    """``_dispatch_gate`` may refuse a selected request (skipped on the hot path otherwise)."""
+    charges_at_dispatch: ClassVar[bool] = False
+    """``_charge`` debits the budget at dispatch (skipped on the hot path otherwise)."""
 
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
         self.config = config
         self.policy = config.policy
-        self.cost = CostModel.from_policy(config.policy)
+        self._adopt_cost_model()
         self.tenants: dict[str, TenantState] = {}
         self.tenant_order: list[TenantState] = []
         self.jobs: dict[str, Job] = {}
@@ -134,8 +142,15 @@ class Scheduler(ABC):
         """
         self.config = config
         self.policy = config.policy
-        self.cost = CostModel.from_policy(config.policy)
+        self._adopt_cost_model()
         self._apply_tenants(config.tenants, now_ms)
+
+    def _adopt_cost_model(self) -> None:
+        self.cost = CostModel.from_policy(self.policy)
+        # Fast path of `submit`: integral decode weights (the usual case) cost in integers.
+        weight = self.cost.decode_weight
+        self._integral_decode_weight = int(weight) if float(weight).is_integer() else None
+        self._kv_block_tokens = self.cost.kv_block_tokens
 
     def tenant_quantum(self, tenant: TenantState) -> float:
         return self.policy.base_quantum_tokens * tenant.config.weight
@@ -143,21 +158,26 @@ class Scheduler(ABC):
     # -- the contract -----------------------------------------------------------------------
 
     def submit(self, request: Request, now_ms: float) -> Decision | None:
-        if request.tenant_id not in self.config.tenant_index:
+        tenant = self.tenants.get(request.tenant_id)
+        if tenant is None or request.tenant_id not in self.config.tenant_index:
             raise UnknownTenantError(request.tenant_id)
-        if request.request_id in self.jobs:
+        jobs = self.jobs
+        if request.request_id in jobs:
             raise DuplicateRequestError(request.request_id)
-        tenant = self.tenants[request.tenant_id]
+        prefill, decode = request.prefill_tokens, request.decode_tokens
+        weight = self._integral_decode_weight
         job = Job(
             request,
-            self.cost.service_tokens(request.prefill_tokens, request.decode_tokens),
-            self.cost.kv_blocks(request.prefill_tokens, request.decode_tokens),
+            prefill + weight * decode
+            if weight is not None
+            else self.cost.service_tokens(prefill, decode),
+            -(-(prefill + decode) // self._kv_block_tokens),  # ceil((p + d) / block), exact
         )
         refusal = self._admit(job, tenant, now_ms)
         if refusal is not None:
             job.state = JobState.REFUSED
             return refusal
-        self.jobs[request.request_id] = job
+        jobs[request.request_id] = job
         lane = job.lane
         self.queued_count[lane] += 1
         self.queued_tokens[lane] += job.service_tokens
@@ -171,27 +191,46 @@ class Scheduler(ABC):
         self._push(job)
         return None
 
+    @property
+    def queued_total(self) -> int:
+        """Queued requests of both lanes (O(1))."""
+        return self.queued_count[0] + self.queued_count[1]
+
     def next_dispatch(self, now_ms: float) -> Decision | None:
         job = self._select(now_ms)
         if job is None:
             return None
-        tenant = self.tenants[job.request.tenant_id]
+        request = job.request
+        tenant = self.tenants[request.tenant_id]
         self._unqueue(job, tenant)
-        refusal = self._dispatch_gate(job, tenant, now_ms)
-        if refusal is not None:
-            job.state = JobState.REFUSED
-            del self.jobs[job.request.request_id]
-            refusal.queue_wait_ms = round(max(0.0, now_ms - job.request.arrival_ms), 2)
-            return refusal
+        if self.gates_at_dispatch:
+            refusal = self._dispatch_gate(job, tenant, now_ms)
+            if refusal is not None:
+                job.state = JobState.REFUSED
+                del self.jobs[request.request_id]
+                refusal.queue_wait_ms = round(max(0.0, now_ms - request.arrival_ms), 2)
+                return refusal
         occupancy = (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks
         self.resident_blocks += job.kv_blocks
         self.running += 1
         tenant.served_tokens += job.service_tokens
-        self._charge(job, tenant, now_ms)
-        decision = job.outcome(STATUS_OK, ADMITTED, "dispatch", round(occupancy, 4))
-        decision.dispatch_ms = round(now_ms, 2)
-        decision.queue_wait_ms = round(max(0.0, now_ms - job.request.arrival_ms), 2)
-        job.state = JobState.DISPATCHED
+        if self.charges_at_dispatch:
+            self._charge(job, tenant, now_ms)
+        decision = Decision(
+            request.request_id,
+            request.tenant_id,
+            request.priority_class,
+            STATUS_OK,
+            ADMITTED,
+            "dispatch",
+            job.service_tokens,
+            request.arrival_ms,
+            round(occupancy, 4),
+            round(max(0.0, now_ms - request.arrival_ms), 2),
+            0.0,
+            now_ms,
+        )
+        job.state = _DISPATCHED
         job.decision = decision
         return decision
 
@@ -205,25 +244,30 @@ class Scheduler(ABC):
     ) -> Decision:
         """Settle a dispatched request against its actual usage (default: the estimate)."""
         job = self.jobs[request_id]
-        if job.state is not JobState.DISPATCHED or job.decision is None:
+        decision = job.decision
+        if job.state is not _DISPATCHED or decision is None:
             raise ValueError(f"request {request_id!r} is not running")
-        tenant = self.tenants[job.request.tenant_id]
         actual = job.service_tokens if actual_service_tokens is None else actual_service_tokens
         if actual < 0:
             raise ValueError(f"actual_service_tokens must be >= 0 (got {actual})")
         refund = job.service_tokens - actual
-        tenant.served_tokens -= refund
-        self._settle(job, tenant, refund, now_ms)
-        job.state = JobState.DONE
+        if refund:
+            tenant = self.tenants[job.request.tenant_id]
+            tenant.served_tokens -= refund
+            self._settle(job, tenant, refund, now_ms)
+        job.state = _DONE
         self.running -= 1
-        job.decision.actual_service_tokens = actual
+        decision.actual_service_tokens = actual
         if release_kv:
             self.release_kv(request_id)
-        return job.decision
+        return decision
 
     def release_kv(self, request_id: str) -> None:
         """Free the KV blocks of a completed request (exactly once)."""
-        job = self.jobs.pop(request_id)
+        job = self.jobs.get(request_id)
+        if job is None or job.state is not _DONE:
+            raise ValueError(f"request {request_id!r} has no KV to release (not completed)")
+        del self.jobs[request_id]
         self.resident_blocks -= job.kv_blocks
 
     def cancel(self, request_id: str, now_ms: float) -> Decision | None:

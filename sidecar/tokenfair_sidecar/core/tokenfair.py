@@ -52,6 +52,7 @@ class TokenfairScheduler(Scheduler):
 
     name = "tokenfair"
     expires_queued = True
+    charges_at_dispatch = True
 
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
         self._lanes = (DeficitRoundRobin(), DeficitRoundRobin())

@@ -1,0 +1,289 @@
+"""Kopf handlers: thin, typed, keyword-only; all the work is in :mod:`.reconcile`.
+
+Run with ``kopf run -m tokenfair_operator.handlers [--namespace NS | --all-namespaces]``.
+
+Triggers, each reconciling one whole policy (see :mod:`.reconcile`):
+
+* a TenantQuota created, resumed, changed (spec) or deleted -> its policy;
+* a SchedulingPolicy created, resumed, changed (spec) or being deleted -> itself;
+* a sidecar Pod (labelled ``tokenfair.io/policy``) changing the policy's count of Ready
+  sidecars -> that policy (budgets are divided across them, :mod:`.budgets`);
+* every ``resync_interval_s`` per SchedulingPolicy (a timer) -> itself: picks up what no watch
+  reports (a key Secret's content) and repairs anything a failed pass left behind;
+* every ``usage_interval_s`` per SchedulingPolicy (a second timer): its Ready sidecars' metrics
+  -> each TenantQuota's ``status.usage`` (:mod:`.usage`).
+
+Admission (when a webhook server is configured, see :mod:`.settings`): creating a TenantQuota or
+changing its spec is checked by :func:`.admission.quota_refusal`; a SchedulingPolicy's spec by
+the sidecar's ``parse_policy``. Metadata-only updates (Kopf's own annotations) pass unchecked.
+
+Three Kopf indexes hold the snapshots the reconciler reads: quotas by (namespace, policyName),
+policies by (namespace, name), and sidecar Pods' readiness by (namespace, policy label).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any, ParamSpec
+
+import kopf
+
+from tokenfair_sidecar.config import ConfigError, parse_policy
+
+from .admission import quota_refusal
+from .inject import (
+    ADMIN_PORT,
+    ADMIN_PORT_ANNOTATION,
+    POLICY_LABEL,
+    InjectionError,
+    InjectionSettings,
+    injected,
+)
+from .kube import KubeApi, api_client, is_conflict
+from .model import GROUP, POLICY_PLURAL, QUOTA_PLURAL, VERSION, PolicyView, QuotaView, SidecarView
+from .reconcile import PolicyKey, Reconciler
+from .scrape import scrape_metrics
+from .settings import OperatorConfig, configure_kopf
+
+P = ParamSpec("P")
+RECONCILER = "reconciler"
+CONFIG = OperatorConfig.from_env()
+
+PolicyIndex = kopf.Index[PolicyKey, PolicyView]
+QuotaIndex = kopf.Index[PolicyKey, QuotaView]
+SidecarIndex = kopf.Index[PolicyKey, SidecarView]
+
+
+def retry_on_conflict(
+    fn: Callable[P, Coroutine[Any, Any, None]],
+) -> Callable[P, Coroutine[Any, Any, None]]:
+    """A 409 Conflict (we raced another writer) becomes a retry in 1 s, not a failure."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
+        try:
+            await fn(*args, **kwargs)
+        except Exception as exc:
+            if is_conflict(exc):
+                raise kopf.TemporaryError(f"conflict, retrying: {exc}", delay=1) from exc
+            raise
+
+    return wrapper
+
+
+@kopf.on.startup()
+def configure(*, settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    """All of Kopf's settings in one place (see :func:`.settings.configure_kopf`)."""
+    configure_kopf(settings, CONFIG)
+    memo[RECONCILER] = Reconciler(KubeApi(api_client()))
+
+
+@kopf.index(GROUP, VERSION, QUOTA_PLURAL)
+def quotas_by_policy(*, body: kopf.Body, **_: Any) -> dict[PolicyKey, QuotaView]:
+    view = QuotaView.from_body(body)
+    return {(view.namespace, view.policy_name): view}
+
+
+@kopf.index(GROUP, VERSION, POLICY_PLURAL)
+def policies_by_name(*, body: kopf.Body, **_: Any) -> dict[PolicyKey, PolicyView]:
+    view = PolicyView.from_body(body)
+    return {(view.namespace, view.name): view}
+
+
+def _reconciler(memo: kopf.Memo) -> Reconciler:
+    reconciler = memo[RECONCILER]
+    assert isinstance(reconciler, Reconciler)
+    return reconciler
+
+
+@kopf.index("", "v1", "pods", labels={POLICY_LABEL: kopf.PRESENT})
+def sidecars_by_policy(
+    *,
+    namespace: str | None,
+    labels: kopf.Labels,
+    annotations: kopf.Annotations,
+    status: kopf.Status,
+    **_: Any,
+) -> dict[PolicyKey, SidecarView]:
+    """Each sidecar Pod (labelled ``tokenfair.io/policy``): Ready or not, and where its admin
+    port answers (``status.podIP``, port 9090 or annotation ``tokenfair.io/admin-port``)."""
+    ip = status.get("podIP")
+    port = annotations.get(ADMIN_PORT_ANNOTATION, str(ADMIN_PORT))
+    view = SidecarView(pod_is_ready(status), f"{ip}:{port}" if ip else None)
+    return {(namespace or "", labels[POLICY_LABEL]): view}
+
+
+def pod_is_ready(status: Mapping[str, Any]) -> bool:
+    conditions = status.get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def _ready_sidecars(key: PolicyKey, kwargs: Mapping[str, Any]) -> int:
+    sidecars: SidecarIndex = kwargs["sidecars_by_policy"]
+    return sum(s.ready for s in sidecars.get(key, ()))
+
+
+async def _reconcile(
+    key: PolicyKey, memo: kopf.Memo, logger: kopf.Logger, kwargs: Mapping[str, Any]
+) -> None:
+    """Reconcile policy ``key``; Kopf passes the indexes as keyword arguments named after their
+    functions (taken from ``kwargs``: a required parameter would not fit Kopf's handler types)."""
+    policies: PolicyIndex = kwargs["policies_by_name"]
+    quotas: QuotaIndex = kwargs["quotas_by_policy"]
+    await _reconciler(memo).reconcile(
+        key, policies.get(key, ()), quotas.get(key, ()), logger, _ready_sidecars(key, kwargs)
+    )
+
+
+@kopf.on.resume(GROUP, VERSION, QUOTA_PLURAL)
+@kopf.on.create(GROUP, VERSION, QUOTA_PLURAL)
+@kopf.on.update(GROUP, VERSION, QUOTA_PLURAL, field="spec")
+@retry_on_conflict
+async def quota_changed(
+    *,
+    namespace: str | None,
+    spec: kopf.Spec,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **kwargs: Any,
+) -> None:
+    key = (namespace or "", str(spec.get("policyName", "")))
+    await _reconcile(key, memo, logger, kwargs)
+
+
+@kopf.on.event("", "v1", "pods", labels={POLICY_LABEL: kopf.PRESENT})
+async def sidecar_changed(
+    *,
+    namespace: str | None,
+    labels: kopf.Labels,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **kwargs: Any,
+) -> None:
+    """A sidecar Pod came, went or changed readiness: re-divide budgets if the count moved."""
+    key = (namespace or "", labels[POLICY_LABEL])
+    if _reconciler(memo).replicas_changed(key, _ready_sidecars(key, kwargs)):
+        await _reconcile(key, memo, logger, kwargs)
+
+
+def _is_deletion(*, type: str | None, **_: Any) -> bool:
+    return type == "DELETED"
+
+
+@kopf.on.event(GROUP, VERSION, QUOTA_PLURAL, when=_is_deletion)
+async def quota_deleted(
+    *,
+    namespace: str | None,
+    spec: kopf.Spec,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **kwargs: Any,
+) -> None:
+    """A deleted quota leaves its policy's document (no finalizer: deletion never blocks; a
+    failed pass here is repaired by the policy's resync timer)."""
+    key = (namespace or "", str(spec.get("policyName", "")))
+    await _reconcile(key, memo, logger, kwargs)
+
+
+@kopf.on.resume(GROUP, VERSION, POLICY_PLURAL)
+@kopf.on.create(GROUP, VERSION, POLICY_PLURAL)
+@kopf.on.update(GROUP, VERSION, POLICY_PLURAL, field="spec")
+@kopf.on.delete(GROUP, VERSION, POLICY_PLURAL, optional=True)
+@retry_on_conflict
+async def policy_changed(
+    *,
+    namespace: str | None,
+    name: str,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **kwargs: Any,
+) -> None:
+    await _reconcile((namespace or "", name), memo, logger, kwargs)
+
+
+@kopf.timer(GROUP, VERSION, POLICY_PLURAL, interval=CONFIG.resync_interval_s)
+@retry_on_conflict
+async def policy_resync(
+    *,
+    namespace: str | None,
+    name: str,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **kwargs: Any,
+) -> None:
+    await _reconcile((namespace or "", name), memo, logger, kwargs)
+
+
+@kopf.timer(GROUP, VERSION, POLICY_PLURAL, interval=CONFIG.usage_interval_s)
+async def policy_usage(*, namespace: str | None, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
+    """Scrape the policy's Ready sidecars and write their tenants' live usage."""
+    key = (namespace or "", name)
+    sidecars: SidecarIndex = kwargs["sidecars_by_policy"]
+    addresses = [s.address for s in sidecars.get(key, ()) if s.ready and s.address]
+    if not addresses:
+        return
+    scrapes = await scrape_metrics(addresses, CONFIG.scrape_timeout_s)
+    if scrapes:
+        quotas: QuotaIndex = kwargs["quotas_by_policy"]
+        await _reconciler(memo).write_usage(quotas.get(key, ()), scrapes)
+
+
+def _spec_changed(review: Mapping[str, Any]) -> bool:
+    """CREATE, or an UPDATE that touches the spec (not Kopf's metadata patches); ``review`` is
+    the handler's keyword arguments (Kopf passes ``operation``, ``old`` and ``new`` there)."""
+    operation, old, new = review.get("operation"), review.get("old"), review.get("new")
+    if operation == "CREATE":
+        return True
+    old_spec = old.get("spec") if isinstance(old, Mapping) else None
+    new_spec = new.get("spec") if isinstance(new, Mapping) else None
+    return bool(operation == "UPDATE" and old_spec != new_spec)
+
+
+async def admit_quota(*, body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    if not _spec_changed(kwargs):
+        return
+    creating = kwargs.get("operation") == "CREATE"
+    view = QuotaView.from_body(body)
+    refusal = await quota_refusal(_reconciler(memo).api, view, creating=creating)
+    if refusal is not None:
+        raise kopf.AdmissionError(refusal, code=422)
+
+
+def admit_policy(*, name: str | None, spec: kopf.Spec, **kwargs: Any) -> None:
+    if not _spec_changed(kwargs):
+        return
+    try:
+        parse_policy(spec, f"SchedulingPolicy {name!r}: spec")
+    except ConfigError as exc:
+        raise kopf.AdmissionError(str(exc), code=422) from None
+
+
+def inject_sidecar(*, body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    """Mutating webhook: add the sidecar to a Pod labelled ``tokenfair.io/policy`` (once)."""
+    try:
+        change = injected(body, InjectionSettings(image=CONFIG.sidecar_image))
+    except InjectionError as exc:
+        raise kopf.AdmissionError(str(exc), code=422) from None
+    if change is not None:
+        patch.spec["containers"] = change["containers"]
+        patch.spec["volumes"] = change["volumes"]
+
+
+# Registered only with a webhook server configured: Kopf refuses to start with admission
+# handlers and no server. They fail open (failurePolicy Ignore): with the operator down, objects
+# are still checked by CEL on the way in and by the reconciler into status; the cluster is never
+# blocked on us.
+if CONFIG.webhook_port is not None:
+    for plural, admit in ((QUOTA_PLURAL, admit_quota), (POLICY_PLURAL, admit_policy)):
+        kopf.on.validate(
+            GROUP, VERSION, plural, operations=["CREATE", "UPDATE"], ignore_failures=True
+        )(admit)
+    kopf.on.mutate(
+        "",
+        "v1",
+        "pods",
+        operations=["CREATE"],
+        labels={POLICY_LABEL: kopf.PRESENT},
+        ignore_failures=True,
+    )(inject_sidecar)

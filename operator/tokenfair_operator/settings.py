@@ -1,0 +1,119 @@
+"""Operator settings: ours in :class:`OperatorConfig`, Kopf's applied in :func:`configure_kopf`.
+
+Nothing of Kopf's defaults shows in our API: the finalizer is ``tokenfair.io/finalizer``, handler
+progress and the last-handled spec live in ``tokenfair.io/*`` annotations (never in ``status``,
+which our CRDs own), and only Warning-level Events (our refusals, handler failures) are posted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Final
+
+import kopf
+
+from .inject import DEFAULT_IMAGE
+from .model import GROUP
+
+FINALIZER: Final = f"{GROUP}/finalizer"
+DIFFBASE_KEY: Final = "last-handled-configuration"
+RESYNC_ENV: Final = "TOKENFAIR_RESYNC_SECONDS"
+IMAGE_ENV: Final = "TOKENFAIR_SIDECAR_IMAGE"
+WEBHOOK_ENV_PREFIX: Final = "TOKENFAIR_WEBHOOK_"
+DEFAULT_RESYNC_S: Final = 30.0
+USAGE_ENV: Final = "TOKENFAIR_USAGE_SECONDS"
+DEFAULT_USAGE_S: Final = 15.0
+DEFAULT_WEBHOOK_ADDR: Final = "0.0.0.0"
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    """Tunables of the operator."""
+
+    resync_interval_s: float = DEFAULT_RESYNC_S
+    """Seconds between periodic full passes per policy. Watches make changes visible at once;
+    the resync only catches what no watch reports (a key Secret's content) and retries failed
+    passes, so half a minute bounds that lag at about one pass per policy per 30 s of API load."""
+    watch_server_timeout_s: int = 300
+    """Seconds a watch request lives on the server before Kopf re-establishes it; below the
+    API server's own limit, so reconnects are ours and quiet."""
+    watch_client_timeout_s: int = 330
+    """Client-side bound on one watch request: a silently dead connection is noticed in time."""
+    webhook_port: int | None = None
+    """TCP port of the admission webhook server (HTTPS); None serves no webhook (CEL and the
+    reconciler's status still refuse bad objects, only later)."""
+    webhook_addr: str = DEFAULT_WEBHOOK_ADDR
+    """Address the webhook server listens on (all interfaces: the API server calls in)."""
+    webhook_host: str | None = None
+    """Host name or IP the API server uses in the webhook URL (must be in the certificate)."""
+    webhook_cert: str | None = None
+    """PEM certificate of the webhook server; also sent as the caBundle (self-signed or a CA's
+    leaf: the API server must be able to verify it from this bundle)."""
+    webhook_key: str | None = None
+    """PEM private key of the webhook server."""
+    webhook_managed: str | None = None
+    """Name of the ValidatingWebhookConfiguration Kopf keeps in line with the handlers; None when
+    a static one is installed instead (the chart's, with a Service reference)."""
+
+    usage_interval_s: float = DEFAULT_USAGE_S
+    """Seconds between scrapes of the sidecars' metrics into ``TenantQuota.status.usage``
+    (``$TOKENFAIR_USAGE_SECONDS``). Also the bound on usage writes: at most one per quota per
+    interval, and only when a number changed."""
+    scrape_timeout_s: float = 2.0
+    """Per-round bound on fetching every sidecar's metrics; a slow sidecar is skipped."""
+    sidecar_image: str = DEFAULT_IMAGE
+    """Image of injected sidecars (``$TOKENFAIR_SIDECAR_IMAGE``)."""
+    batch_window_s: float = 0.02
+    """Seconds Kopf waits for more events of one object before handling it (Kopf's default is
+    0.1). Our handlers reconcile a whole policy, so coalescing buys little; the window adds
+    straight to apply-to-ConfigMap latency."""
+
+    @classmethod
+    def from_env(cls) -> OperatorConfig:
+        """Defaults, overridden by ``$TOKENFAIR_RESYNC_SECONDS``, ``$TOKENFAIR_USAGE_SECONDS``,
+        ``$TOKENFAIR_SIDECAR_IMAGE`` and ``$TOKENFAIR_WEBHOOK_PORT``,
+        ``_ADDR``, ``_HOST``, ``_CERT``, ``_KEY``, ``_MANAGED``."""
+        env = os.environ
+        hook = {k.removeprefix(WEBHOOK_ENV_PREFIX): v for k, v in env.items() if v}
+        port = hook.get("PORT") if WEBHOOK_ENV_PREFIX + "PORT" in env else None
+        return cls(
+            resync_interval_s=float(env.get(RESYNC_ENV) or DEFAULT_RESYNC_S),
+            usage_interval_s=float(env.get(USAGE_ENV) or DEFAULT_USAGE_S),
+            webhook_port=int(port) if port else None,
+            webhook_addr=hook.get("ADDR", DEFAULT_WEBHOOK_ADDR),
+            webhook_host=hook.get("HOST"),
+            webhook_cert=hook.get("CERT"),
+            webhook_key=hook.get("KEY"),
+            webhook_managed=hook.get("MANAGED"),
+            sidecar_image=env.get(IMAGE_ENV) or DEFAULT_IMAGE,
+        )
+
+
+def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
+    """Apply our choices to Kopf's settings (called once, from the startup hook)."""
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key=DIFFBASE_KEY
+    )
+    # One replica (a Deployment with `Recreate`); no KopfPeering CRD to install or grant.
+    settings.peering.standalone = True
+    settings.posting.level = logging.WARNING
+    # The CRDs are installed before the operator (chart order); not watching CRDs and
+    # namespaces keeps list/watch on them out of the ClusterRole.
+    settings.scanning.disabled = True
+    settings.watching.server_timeout = config.watch_server_timeout_s
+    settings.watching.client_timeout = config.watch_client_timeout_s
+    settings.batching.batch_window = config.batch_window_s
+    if config.webhook_port is not None:
+        settings.admission.server = kopf.WebhookServer(
+            addr=config.webhook_addr,
+            port=config.webhook_port,
+            host=config.webhook_host,
+            certfile=config.webhook_cert,
+            pkeyfile=config.webhook_key,
+            cafile=config.webhook_cert,
+        )
+        settings.admission.managed = config.webhook_managed

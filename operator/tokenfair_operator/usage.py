@@ -1,0 +1,79 @@
+"""Live usage: aggregate the sidecars' Prometheus metrics into ``TenantQuota.status.usage``.
+
+Pure. Input: the ``/metrics`` text of each Ready sidecar of a policy (admin port). Output, per
+tenant id, summed over the sidecars and both lanes:
+
+* ``admittedServiceTokens`` — ``tokenfair_estimated_service_tokens_total``: service tokens
+  charged at admission (dispatch);
+* ``refusals`` — ``tokenfair_refused_requests_total`` by ``reason``;
+* ``p99QueueWaitMs`` — p99 of ``tokenfair_queue_wait_seconds`` of the tenant's **lane** (the
+  sidecar keeps that histogram per lane, not per tenant), merged over the sidecars by adding
+  bucket counts; reported as the upper bound of the bucket holding the 99th percentile, in
+  milliseconds (0 when the lane saw no request);
+* ``sidecars`` — how many sidecars answered.
+
+Counters restart with a sidecar, so the sums are "since the sidecars started".
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+from prometheus_client.parser import text_string_to_metric_families
+
+ADMITTED: Final = "tokenfair_estimated_service_tokens"
+REFUSED: Final = "tokenfair_refused_requests"
+QUEUE_WAIT: Final = "tokenfair_queue_wait_seconds"
+P99: Final = 0.99
+
+
+def aggregate_usage(scrapes: Iterable[str], lanes: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """``status.usage`` per tenant id in ``lanes`` (tenant id -> its lane) from metrics texts."""
+    admitted: Counter[str] = Counter()
+    refusals: dict[str, Counter[str]] = defaultdict(Counter)
+    # lane -> upper bound (le) -> cumulative count
+    buckets: dict[str, defaultdict[float, float]] = defaultdict(lambda: defaultdict(float))
+    sidecars = 0
+    for text in scrapes:
+        sidecars += 1
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = sample.labels
+                if sample.name == f"{ADMITTED}_total":
+                    admitted[labels["tenant"]] += int(sample.value)
+                elif sample.name == f"{REFUSED}_total":
+                    refusals[labels["tenant"]][labels["reason"]] += int(sample.value)
+                elif sample.name == f"{QUEUE_WAIT}_bucket":
+                    buckets[labels["lane"]][float(labels["le"])] += sample.value
+    return {
+        tenant: {
+            "admittedServiceTokens": admitted[tenant],
+            "refusals": dict(sorted(refusals[tenant].items())),
+            "p99QueueWaitMs": _p99_ms(buckets[lane]),
+            "sidecars": sidecars,
+        }
+        for tenant, lane in lanes.items()
+    }
+
+
+def _p99_ms(cumulative: Mapping[float, float]) -> float:
+    """Upper bound of the bucket holding the 99th percentile, in ms (+Inf -> the last finite)."""
+    bounds = sorted(cumulative)
+    if not bounds or cumulative[bounds[-1]] <= 0:
+        return 0.0
+    total = cumulative[bounds[-1]]
+    finite = [b for b in bounds if math.isfinite(b)]
+    for bound in bounds:
+        if cumulative[bound] >= P99 * total:
+            upper = bound if math.isfinite(bound) else (finite[-1] if finite else 0.0)
+            return round(upper * 1000.0, 3)
+    return 0.0  # unreachable: the +Inf bucket holds every observation
+
+
+def usage_changed(current: Mapping[str, Any] | None, fresh: Mapping[str, Any]) -> bool:
+    """True when ``fresh`` differs from the stored usage (``updatedAt`` aside)."""
+    stored = {k: v for k, v in (current or {}).items() if k != "updatedAt"}
+    return stored != dict(fresh)

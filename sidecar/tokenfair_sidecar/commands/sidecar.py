@@ -1,0 +1,99 @@
+"""``tokenfair sidecar``: run the proxy standalone from a config file (see docs/sidecar.md)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from tokenfair_sidecar.config import ConfigError
+from tokenfair_sidecar.costmodel import CostModel
+from tokenfair_sidecar.server import create_app, load_sidecar_file, make_backend
+from tokenfair_sidecar.server.runner import serve
+from tokenfair_sidecar.server.settings import BACKENDS, check_settings, settings_from_section
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "sidecar",
+        help="run the admission and fair-scheduling proxy in front of one model server",
+        description=(
+            "Serve OpenAI-compatible /v1/completions and /v1/chat/completions, admitting and "
+            "scheduling every request per tenant in service tokens. Flags override the config "
+            "file's optional sidecar: section."
+        ),
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        required=True,
+        help="YAML: a TokenfairConfig document and/or TenantQuota + SchedulingPolicy manifests "
+        "(watched; valid changes apply live)",
+    )
+    parser.add_argument("--listen", metavar="HOST:PORT", help="proxy listener (127.0.0.1:8080)")
+    parser.add_argument(
+        "--admin-listen", metavar="HOST:PORT", help="admin listener (127.0.0.1:9090)"
+    )
+    parser.add_argument("--backend", choices=BACKENDS, help="model server (costmodel)")
+    parser.add_argument("--upstream", metavar="URL", help="OpenAI-compatible upstream (openai)")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        metavar="X",
+        help="real seconds per model second (1.0; 0.01 runs 100x faster)",
+    )
+    parser.add_argument("--records", metavar="FILE", help="append request records (JSONL)")
+    parser.add_argument("--max-in-flight", type=int, metavar="N", help="backend concurrency")
+    parser.add_argument(
+        "--trusted-tenant-header",
+        metavar="NAME",
+        help="trust this header to name the tenant (only behind an authenticating gateway)",
+    )
+    parser.add_argument(
+        "--drain-grace", type=float, metavar="SECONDS", help="in-flight grace on SIGTERM (30)"
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (INFO)")
+    parser.set_defaults(func=run)
+
+
+_FLAGS = {
+    "listen": "listen",
+    "admin_listen": "admin_listen",
+    "backend": "backend",
+    "upstream": "upstream_url",
+    "time_scale": "time_scale",
+    "records": "records_path",
+    "max_in_flight": "max_in_flight",
+    "trusted_tenant_header": "trusted_tenant_header",
+    "drain_grace": "drain_grace_s",
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    loaded = load_sidecar_file(args.config)
+    settings = settings_from_section(loaded.section)
+    flags = {attr: getattr(args, flag) for flag, attr in _FLAGS.items()}
+    changes = {attr: value for attr, value in flags.items() if value is not None}
+    if changes.get("trusted_tenant_header"):
+        changes["trusted_tenant_header"] = str(changes["trusted_tenant_header"]).lower()
+    for name in ("time_scale", "max_in_flight", "drain_grace_s"):
+        if name in changes and not changes[name] > 0:
+            raise ConfigError(f"--{name.removesuffix('_s').replace('_', '-')}: must be > 0")
+    settings = check_settings(dataclasses.replace(settings, **changes))
+    backend = make_backend(settings, CostModel.from_policy(loaded.config.policy))
+    app = create_app(
+        settings,
+        loaded.config,
+        backend,
+        config_path=args.config,
+        config_sha256=loaded.sha256,
+        section=loaded.section,
+    )
+    asyncio.run(serve(settings, app))
+    return 0

@@ -1,0 +1,236 @@
+"""The asyncio side of scheduling: admitted requests wait on futures, the core decides who runs.
+
+The core (:mod:`tokenfair_sidecar.core`) is synchronous and pure; this module moves requests:
+
+* :meth:`Dispatcher.submit` runs admission at once: a refusal comes back as a ``Decision``;
+  otherwise the request waits in the core's lanes and the caller gets a :class:`Ticket` whose
+  future resolves with the request's dispatch decision (admitted, or shed at expiry).
+* :meth:`Dispatcher.pump` — ``expire(now)`` then ``next_dispatch(now)`` until the core says no or
+  ``max_in_flight`` requests run — is called synchronously whenever something changed (an arrival,
+  a completion, a KV release, a cancellation) and from one timer armed at ``next_wakeup_ms`` (a
+  deadline passing, a budget refilling). Pumping inline costs no task switch per request.
+* :meth:`Dispatcher.finish` settles a dispatched request exactly once (``complete`` with the actual
+  usage); its KV is released ``kv_hold_ms`` after dispatch (0 for a real server: at once).
+* A waiter whose task is cancelled (the client went away) leaves the queue with ``cancel`` and its
+  reservation is refunded; if it was dispatched in that instant it is settled with zero usage.
+
+Time: the scheduler's clock is model milliseconds, ``real_seconds * 1000 / time_scale`` since start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+from tokenfair_sidecar.core import Decision, Request, Scheduler
+from tokenfair_sidecar.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED
+
+
+class ModelClock:
+    """Monotonic model time in milliseconds; ``time_scale`` real seconds per model second."""
+
+    __slots__ = ("_origin", "time_scale")
+
+    def __init__(self, time_scale: float = 1.0) -> None:
+        self.time_scale = time_scale
+        self._origin = time.monotonic()
+
+    def now_ms(self) -> float:
+        return (time.monotonic() - self._origin) * 1000.0 / self.time_scale
+
+    def real_seconds(self, model_ms: float) -> float:
+        return model_ms * self.time_scale / 1000.0
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One queued request's handle. ``outcome`` is its final decision once known."""
+
+    request: Request
+    future: asyncio.Future[Decision]
+    decision: Decision | None = None
+    """The dispatch decision, once admitted."""
+    outcome: Decision | None = None
+    drained: bool = False
+    """Removed from the queue by a drain (the client gets 503)."""
+    dispatched_at_s: float = 0.0
+    """Event-loop time of the dispatch (a backend's engine may start then, before the handler
+    gets round to it)."""
+    finished: bool = field(default=False)
+
+
+class Dispatcher:
+    """Drives one :class:`Scheduler` in real time. All methods run on the event loop thread."""
+
+    def __init__(self, scheduler: Scheduler, clock: ModelClock, max_in_flight: int) -> None:
+        self.scheduler = scheduler
+        self.clock = clock
+        self.max_in_flight = max_in_flight
+        self.draining = False
+        self._tickets: dict[str, Ticket] = {}
+        self._kv_timers: dict[str, asyncio.TimerHandle] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._pumping = False
+        self._again = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- arrival and waiting ---------------------------------------------------------------
+
+    def submit(self, request: Request) -> Decision | Ticket:
+        """Admission; a refusal ``Decision`` or a queued :class:`Ticket`."""
+        refusal = self.scheduler.submit(request, self.clock.now_ms())
+        if refusal is not None:
+            return refusal
+        ticket = Ticket(request, asyncio.get_running_loop().create_future())
+        self._tickets[request.request_id] = ticket
+        self.pump()
+        return ticket
+
+    async def wait(self, ticket: Ticket) -> Decision:
+        """The ticket's dispatch decision; cancellation (client gone) leaves the queue."""
+        try:
+            return await ticket.future
+        except asyncio.CancelledError:
+            self._abandon(ticket)
+            raise
+
+    def _abandon(self, ticket: Ticket) -> None:
+        future = ticket.future
+        if future.done() and not future.cancelled():
+            decision = future.result()
+            if decision.admitted and not ticket.finished:
+                self.finish(ticket, 0, 0.0)
+                ticket.outcome = _cancelled(decision)
+            return
+        if ticket.outcome is not None:  # the pump already saw the cancelled future
+            return
+        self._tickets.pop(ticket.request.request_id, None)
+        ticket.outcome = self.scheduler.cancel(ticket.request.request_id, self.clock.now_ms())
+        self.pump()
+
+    # -- dispatch --------------------------------------------------------------------------
+
+    def pump(self) -> None:
+        """Expire, then dispatch while the core allows and the in-flight limit holds."""
+        if self._pumping:  # re-entered from a settlement inside the loop below
+            self._again = True
+            return
+        self._pumping = True
+        scheduler = self.scheduler
+        try:
+            again = True
+            while again:
+                self._again = False
+                now_ms = self.clock.now_ms()
+                for decision in scheduler.expire(now_ms):
+                    self._resolve(decision)
+                while scheduler.running < self.max_in_flight:
+                    next_decision = scheduler.next_dispatch(now_ms)
+                    if next_decision is None:
+                        break
+                    self._resolve(next_decision)
+                again = self._again
+            self._arm_timer(now_ms)
+        finally:
+            self._pumping = False
+
+    def _resolve(self, decision: Decision) -> None:
+        ticket = self._tickets.pop(decision.request_id)
+        if decision.admitted:
+            ticket.decision = decision
+            ticket.dispatched_at_s = asyncio.get_running_loop().time()
+            self._idle.clear()
+        if ticket.future.cancelled():
+            # The client left after its task was cancelled but before its handler ran.
+            if decision.admitted:
+                self.finish(ticket, 0, 0.0)
+                ticket.outcome = _cancelled(decision)
+            else:
+                ticket.outcome = decision
+            return
+        if not decision.admitted:
+            ticket.outcome = decision
+        ticket.future.set_result(decision)
+
+    def _arm_timer(self, now_ms: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        wakeup_ms = self.scheduler.next_wakeup_ms(now_ms)
+        if wakeup_ms is not None:
+            delay_s = self.clock.real_seconds(max(0.0, wakeup_ms - now_ms))
+            self._timer = asyncio.get_running_loop().call_later(delay_s, self.pump)
+
+    # -- settlement ------------------------------------------------------------------------
+
+    def finish(self, ticket: Ticket, actual_service_tokens: int | None, kv_hold_ms: float) -> None:
+        """Settle a dispatched request (once; later calls do nothing) and schedule its KV release
+        ``kv_hold_ms`` model milliseconds after its dispatch."""
+        if ticket.finished or ticket.decision is None:
+            return
+        ticket.finished = True
+        request_id = ticket.request.request_id
+        now_ms = self.clock.now_ms()
+        self.scheduler.complete(request_id, now_ms, actual_service_tokens, release_kv=False)
+        dispatch_ms = ticket.decision.dispatch_ms or now_ms
+        release_ms = dispatch_ms + kv_hold_ms
+        if release_ms <= now_ms:
+            self.scheduler.release_kv(request_id)
+        else:
+            delay_s = self.clock.real_seconds(release_ms - now_ms)
+            loop = asyncio.get_running_loop()
+            self._kv_timers[request_id] = loop.call_later(delay_s, self._release, request_id)
+        if self.scheduler.running == 0:
+            self._idle.set()
+        self.pump()
+
+    def _release(self, request_id: str) -> None:
+        del self._kv_timers[request_id]
+        self.scheduler.release_kv(request_id)
+        self.pump()
+
+    # -- drain and shutdown ----------------------------------------------------------------
+
+    def drain(self) -> int:
+        """Refuse new work and take every queued request out (their callers answer 503).
+        Returns how many were queued."""
+        self.draining = True
+        now_ms = self.clock.now_ms()
+        tickets = list(self._tickets.values())
+        self._tickets.clear()
+        for ticket in tickets:
+            decision = self.scheduler.cancel(ticket.request.request_id, now_ms)
+            ticket.drained = True
+            ticket.outcome = decision
+            if decision is not None and not ticket.future.done():
+                ticket.future.set_result(decision)
+        return len(tickets)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until nothing runs on the backend; False if ``timeout_s`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Stop the timers and release every KV reservation still held (shutdown)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for request_id, handle in list(self._kv_timers.items()):
+            handle.cancel()
+            del self._kv_timers[request_id]
+            self.scheduler.release_kv(request_id)
+
+    @property
+    def queued(self) -> int:
+        return len(self._tickets)
+
+
+def _cancelled(decision: Decision) -> Decision:
+    return dataclasses.replace(decision, status_code=STATUS_CLIENT_CLOSED, reason=CANCELLED)

@@ -1,0 +1,203 @@
+"""Runtime settings of the sidecar (everything that is not scheduling policy).
+
+Set from three places, later ones winning: the defaults below, the optional ``sidecar:`` section
+of a ``TokenfairConfig`` document (camelCase keys, see :data:`SECTION_FIELDS`), and command-line
+flags. The section is read here, not by :mod:`tokenfair_sidecar.config`: it is stripped from the
+documents before they reach :func:`~tokenfair_sidecar.config.parse_documents`, so the policy
+contract stays the operator's and the sidecar's alone.
+
+Only the policy and tenants are hot-reloaded; a changed ``sidecar:`` section needs a restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import yaml
+
+from tokenfair_sidecar.config import CONFIG_KIND, Config, ConfigError, parse_documents
+
+BACKENDS: Final = ("costmodel", "openai")
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarSettings:
+    """How the sidecar runs; every field has a flag or a ``sidecar:`` key."""
+
+    listen: str = "127.0.0.1:8080"
+    """Proxy listener, ``HOST:PORT`` (tenants' traffic)."""
+    admin_listen: str = "127.0.0.1:9090"
+    """Admin listener, ``HOST:PORT`` (health, metrics, status); never reachable via ``listen``."""
+    backend: str = "costmodel"
+    """``costmodel`` (embedded engine) or ``openai`` (an OpenAI-compatible upstream)."""
+    upstream_url: str | None = None
+    """Base URL of the ``openai`` upstream, e.g. ``http://127.0.0.1:8000`` (request paths are
+    appended)."""
+    time_scale: float = 1.0
+    """Real seconds per model second: 0.01 runs the cost model and the scheduler's clock 100x
+    faster (tests, demos). Keep 1.0 in front of a real model server."""
+    max_body_bytes: int = 1 << 20
+    """Largest request body accepted (bytes); larger is ``413``."""
+    default_decode_tokens: int = 256
+    """Decode tokens assumed when a request sets neither ``max_tokens`` nor
+    ``max_completion_tokens``."""
+    max_decode_tokens: int = 8192
+    """Largest ``max_tokens`` accepted; larger is ``400`` (the KV reservation must be honest)."""
+    trusted_tenant_header: str | None = None
+    """When set (e.g. ``x-tokenfair-tenant``), that header names the tenant instead of an API key:
+    only behind a gateway that authenticates callers and strips the header from outside."""
+    records_path: str | None = None
+    """Append one JSONL request record per request here (the trace format); None: no records."""
+    max_in_flight: int | None = None
+    """Requests dispatched to the backend at once; None: the backend's default (costmodel 2:
+    one running on its serial engine, one staged; openai 64)."""
+    upstream_connect_timeout_s: float = 5.0
+    """Connecting to the upstream longer than this is ``504``."""
+    upstream_read_timeout_s: float = 120.0
+    """Waiting longer than this for the next upstream bytes is ``504`` (or ends the stream)."""
+    drain_grace_s: float = 30.0
+    """On SIGTERM, how long in-flight requests may run before the listeners close."""
+    reload_interval_s: float = 1.0
+    """How often the config file's mtime and hash are checked for a hot reload."""
+    prompt_estimator: str = "chars4"
+    """Name of the prompt-token estimator (see :mod:`tokenfair_sidecar.server.estimate`)."""
+
+
+def _positive_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ConfigError(f"{name}: must be a finite number (got {value!r})")
+    if value <= 0:
+        raise ConfigError(f"{name}: must be > 0 (got {value!r})")
+    return float(value)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}: must be an integer > 0 (got {value!r})")
+    return value
+
+
+def _string(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{name}: must be a non-empty string (got {value!r})")
+    return value
+
+
+def _address(name: str, value: object) -> str:
+    parse_address(_string(name, value), name)
+    return str(value)
+
+
+def _backend(name: str, value: object) -> str:
+    if value not in BACKENDS:
+        raise ConfigError(f"{name}: must be one of {', '.join(BACKENDS)} (got {value!r})")
+    return str(value)
+
+
+def _header(name: str, value: object) -> str:
+    return _string(name, value).lower()
+
+
+SECTION_FIELDS: Final[dict[str, tuple[str, Any]]] = {
+    "listen": ("listen", _address),
+    "adminListen": ("admin_listen", _address),
+    "backend": ("backend", _backend),
+    "upstreamUrl": ("upstream_url", _string),
+    "timeScale": ("time_scale", _positive_float),
+    "maxBodyBytes": ("max_body_bytes", _positive_int),
+    "defaultDecodeTokens": ("default_decode_tokens", _positive_int),
+    "maxDecodeTokens": ("max_decode_tokens", _positive_int),
+    "trustedTenantHeader": ("trusted_tenant_header", _header),
+    "recordsPath": ("records_path", _string),
+    "maxInFlight": ("max_in_flight", _positive_int),
+    "upstreamConnectTimeoutSeconds": ("upstream_connect_timeout_s", _positive_float),
+    "upstreamReadTimeoutSeconds": ("upstream_read_timeout_s", _positive_float),
+    "drainGraceSeconds": ("drain_grace_s", _positive_float),
+    "reloadIntervalSeconds": ("reload_interval_s", _positive_float),
+    "promptEstimator": ("prompt_estimator", _string),
+}
+"""``sidecar:`` key -> (attribute, parser)."""
+
+
+def parse_address(value: str, name: str = "address") -> tuple[str, int]:
+    """``HOST:PORT`` -> ``(host, port)``; ``[::1]:80`` for IPv6."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{name}: must be HOST:PORT (got {value!r})")
+    return host.strip("[]"), int(port)
+
+
+def settings_from_section(
+    section: Mapping[str, object], base: SidecarSettings | None = None
+) -> SidecarSettings:
+    """Apply a ``sidecar:`` section (camelCase) over ``base`` (default: the defaults)."""
+    unknown = sorted(set(section) - set(SECTION_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"sidecar: unknown field(s) {', '.join(unknown)} "
+            f"(known: {', '.join(sorted(SECTION_FIELDS))})"
+        )
+    values = {
+        attr: parse(f"sidecar.{key}", section[key])
+        for key, (attr, parse) in SECTION_FIELDS.items()
+        if key in section
+    }
+    return check_settings(dataclasses.replace(base or SidecarSettings(), **values))
+
+
+def check_settings(settings: SidecarSettings) -> SidecarSettings:
+    """Cross-field rules."""
+    if settings.backend == "openai" and not settings.upstream_url:
+        raise ConfigError("the openai backend needs an upstream URL (--upstream / upstreamUrl)")
+    if settings.default_decode_tokens > settings.max_decode_tokens:
+        raise ConfigError(
+            f"defaultDecodeTokens ({settings.default_decode_tokens}) must be <= "
+            f"maxDecodeTokens ({settings.max_decode_tokens})"
+        )
+    parse_address(settings.listen, "listen")
+    parse_address(settings.admin_listen, "adminListen")
+    return settings
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedFile:
+    """A config file as read: the policy contract, the raw ``sidecar:`` section, its digest."""
+
+    config: Config
+    section: Mapping[str, object]
+    sha256: str
+
+
+def loads_sidecar_file(data: bytes, source: str) -> LoadedFile:
+    """Parse YAML bytes holding TokenfairConfig / TenantQuota / SchedulingPolicy documents."""
+    try:
+        documents = list(yaml.safe_load_all(data.decode("utf-8")))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+    section: dict[str, object] = {}
+    stripped: list[object] = []
+    for document in documents:
+        if isinstance(document, dict) and document.get("kind") == CONFIG_KIND:
+            document = dict(document)
+            raw = document.pop("sidecar", None)
+            if raw is not None:
+                if not isinstance(raw, dict):
+                    raise ConfigError(f"{source}: sidecar: must be a mapping")
+                section.update(raw)
+        stripped.append(document)
+    config = parse_documents(stripped, source)
+    return LoadedFile(config, section, hashlib.sha256(data).hexdigest())
+
+
+def load_sidecar_file(path: str | Path) -> LoadedFile:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    return loads_sidecar_file(data, str(path))

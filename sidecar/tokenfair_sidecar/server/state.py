@@ -1,0 +1,273 @@
+"""The state of one running sidecar, shared by the proxy and admin apps (``web.AppKey`` entries).
+
+Owns the scheduler, its dispatcher, the authenticator and the accounting of outcomes (metrics,
+per-tenant counters for ``/status``, request records). Every request that reaches admission is
+accounted exactly once, by :meth:`Sidecar.account`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, NamedTuple
+
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Histogram
+
+from tokenfair_sidecar.config import Config, PriorityClass
+from tokenfair_sidecar.core import (
+    DEFAULT_POLICY,
+    Decision,
+    Lane,
+    Request,
+    Scheduler,
+    make_scheduler,
+)
+from tokenfair_sidecar.costmodel import CostModel
+from tokenfair_sidecar.server.auth import Authenticator
+from tokenfair_sidecar.server.backends import Backend, CostModelBackend
+from tokenfair_sidecar.server.dispatcher import Dispatcher, ModelClock
+from tokenfair_sidecar.server.estimate import ESTIMATORS, PromptEstimator
+from tokenfair_sidecar.server.metrics import LANE_NAMES, Metrics
+from tokenfair_sidecar.server.recorder import RecordWriter, request_record
+from tokenfair_sidecar.server.settings import LoadedFile, SidecarSettings
+
+log = logging.getLogger("tokenfair.sidecar")
+
+FALLBACK_RETRY_AFTER_S: Final = 1
+"""``Retry-After`` when the gate gives no time (a request that can never fit as sized)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a finished request reported (None: unknown) and when its bytes went out."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+
+
+_NO_USAGE: Final = Usage()
+
+
+class _Series(NamedTuple):
+    lane: str
+    admitted: PromCounter
+    cancelled: PromCounter
+    estimated_tokens: PromCounter
+    actual_tokens: PromCounter
+    queue_wait: Histogram
+    ttft: Histogram
+
+
+class Sidecar:
+    """One sidecar's live state; built by ``create_app``, torn down by its cleanup context."""
+
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        config: Config,
+        backend: Backend,
+        *,
+        config_sha256: str = "",
+        config_path: Path | None = None,
+        section: object = None,
+    ) -> None:
+        if settings.prompt_estimator not in ESTIMATORS:
+            raise ValueError(
+                f"unknown prompt estimator {settings.prompt_estimator!r} "
+                f"(known: {', '.join(ESTIMATORS)})"
+            )
+        self.settings = settings
+        self.config = config
+        self.config_sha256 = config_sha256
+        self.config_path = config_path
+        self.section = section or {}
+        self.backend = backend
+        self.policy_name = DEFAULT_POLICY
+        self.clock = ModelClock(settings.time_scale)
+        self.scheduler = make_scheduler(DEFAULT_POLICY, config, self.clock.now_ms())
+        max_in_flight = settings.max_in_flight or backend.default_max_in_flight
+        self.dispatcher = Dispatcher(self.scheduler, self.clock, max_in_flight)
+        self.auth = Authenticator(config, settings.trusted_tenant_header)
+        self.estimator: PromptEstimator = ESTIMATORS[settings.prompt_estimator]
+        self.metrics = Metrics(self._scrape_state)
+        self.recorder: RecordWriter | None = None
+        self.tenant_counts: dict[str, Counter[str]] = {}
+        self._series_cache: dict[tuple[str, PriorityClass], _Series] = {}
+        self._id_prefix = secrets.token_hex(4)
+        self._next_id = 0
+
+    def _scrape_state(self) -> tuple[Scheduler, bool, str, str]:
+        return self.scheduler, self.dispatcher.draining, self.config.version, self.config_sha256
+
+    def next_request_id(self) -> str:
+        """Unique per process, and across restarts appending to one records file."""
+        self._next_id += 1
+        return f"{self._id_prefix}-{self._next_id:08d}"
+
+    # -- reload ------------------------------------------------------------------------------
+
+    def apply_config(self, loaded: LoadedFile) -> None:
+        """Adopt a valid new config: queued and running requests keep going."""
+        config = loaded.config
+        self.scheduler.reconfigure(config, self.clock.now_ms())
+        self.auth = Authenticator(config, self.settings.trusted_tenant_header)
+        if isinstance(self.backend, CostModelBackend):
+            self.backend.retune(CostModel.from_policy(config.policy))
+        self.config = config
+        self.config_sha256 = loaded.sha256
+        self.metrics.reloads.labels("applied").inc()
+        if loaded.section != self.section:
+            log.warning("config reload: the sidecar: section changed; restart to apply it")
+        log.info("config reloaded: version %r, sha256 %s", config.version, loaded.sha256[:12])
+        self.dispatcher.pump()
+
+    def refuse_config(self, message: str) -> None:
+        self.metrics.reloads.labels("invalid").inc()
+        log.error("config reload refused, keeping the last good config: %s", message)
+
+    # -- outcomes ----------------------------------------------------------------------------
+
+    def retry_after_s(self, decision: Decision | None) -> int:
+        """Seconds (ceil, at least 1) from the gate's ``retry_after_ms`` in real time."""
+        if decision is None or decision.retry_after_ms is None:
+            return FALLBACK_RETRY_AFTER_S
+        return max(1, math.ceil(self.clock.real_seconds(decision.retry_after_ms)))
+
+    def ratelimit_headers(self, tenant_id: str) -> dict[str, str]:
+        """OpenAI-style ``x-ratelimit-*-tokens`` headers from the tenant's bucket (service
+        tokens); reset = real seconds until the bucket is full again."""
+        state = self.scheduler.tenants.get(tenant_id)
+        if state is None:
+            return {}
+        bucket = state.bucket
+        level = bucket.refill(self.clock.now_ms())
+        reset_ms = max(0.0, bucket.burst - level) * 1000.0 / bucket.sustained_per_second
+        return {
+            "x-ratelimit-limit-tokens": str(bucket.burst),
+            "x-ratelimit-remaining-tokens": str(max(0, int(level))),
+            "x-ratelimit-reset-tokens": f"{self.clock.real_seconds(reset_ms):.3f}s",
+        }
+
+    def _series(self, tenant_id: str, priority_class: PriorityClass) -> _Series:
+        """The labelled children of one tenant and lane (``labels()`` costs a lock and a
+        lookup; cached, since tenants and lanes are few)."""
+        key = (tenant_id, priority_class)
+        series = self._series_cache.get(key)
+        if series is None:
+            lane = LANE_NAMES[Lane.of(priority_class)]
+            metrics = self.metrics
+            series = _Series(
+                lane,
+                metrics.admitted.labels(tenant_id, lane),
+                metrics.cancelled.labels(tenant_id, lane),
+                metrics.estimated_tokens.labels(tenant_id, lane),
+                metrics.actual_tokens.labels(tenant_id, lane),
+                metrics.queue_wait.labels(lane),
+                metrics.ttft.labels(lane),
+            )
+            self._series_cache[key] = series
+        return series
+
+    def dispatched(self, decision: Decision) -> None:
+        series = self._series(decision.tenant_id, decision.priority_class)
+        series.admitted.inc()
+        series.estimated_tokens.inc(decision.service_tokens)
+        series.queue_wait.observe(decision.queue_wait_ms / 1000.0)
+
+    def account(
+        self,
+        request: Request,
+        decision: Decision,
+        *,
+        status_code: int,
+        reason: str,
+        actual_service_tokens: int | None = None,
+        usage: Usage | None = None,
+    ) -> None:
+        """Count, measure and record one request's outcome (exactly once per request)."""
+        tenant = request.tenant_id
+        series = self._series(tenant, request.priority_class)
+        lane = series.lane
+        metrics = self.metrics
+        counts = self.tenant_counts.get(tenant)
+        if counts is None:
+            counts = self.tenant_counts[tenant] = Counter()
+        if usage is None:
+            usage = _NO_USAGE
+        if status_code in (429, 503):
+            metrics.refused.labels(tenant, lane, reason).inc()
+            counts["refused"] += 1
+        elif status_code == 499:
+            series.cancelled.inc()
+            counts["cancelled"] += 1
+        elif reason.startswith("upstream_"):
+            metrics.backend_errors.labels(tenant, lane, reason).inc()
+            counts["backend_errors"] += 1
+        else:
+            counts["served"] += 1
+        if decision.dispatch_ms is not None:
+            counts["admitted"] += 1
+            settled = (
+                decision.service_tokens
+                if actual_service_tokens is None
+                else (actual_service_tokens)
+            )
+            series.actual_tokens.inc(settled)
+        if usage.ttft_ms is not None:
+            series.ttft.observe(usage.ttft_ms / 1000.0)
+            decision.ttft_ms = round(usage.ttft_ms, 2)
+        if self.recorder is not None:
+            self.recorder.write(
+                request_record(
+                    request,
+                    decision,
+                    self.policy_name,
+                    status_code=status_code,
+                    reason=reason,
+                    actual_prefill_tokens=usage.prompt_tokens,
+                    actual_decode_tokens=usage.completion_tokens,
+                    ttft_ms=usage.ttft_ms,
+                    e2e_ms=usage.e2e_ms,
+                )
+            )
+
+    def status(self) -> dict[str, object]:
+        """The ``/status`` document: config, books, per-tenant state and counters."""
+        scheduler = self.scheduler
+        now_ms = self.clock.now_ms()
+        books = scheduler.books()
+        tenants: dict[str, object] = {}
+        for tenant_id, state in scheduler.tenants.items():
+            tenants[tenant_id] = {
+                "priority_class": state.config.priority_class,
+                "weight": state.config.weight,
+                "queued_requests": state.queued,
+                "queued_service_tokens": state.queued_tokens,
+                "served_service_tokens": state.served_tokens,
+                "bucket_service_tokens": round(state.bucket.refill(now_ms), 3),
+                "burst_service_tokens": state.bucket.burst,
+                "counts": dict(self.tenant_counts.get(tenant_id, {})),
+            }
+        return {
+            "policy": self.policy_name,
+            "backend": self.backend.name,
+            "config": {"version": self.config.version, "sha256": self.config_sha256},
+            "draining": self.dispatcher.draining,
+            "max_in_flight": self.dispatcher.max_in_flight,
+            "time_scale": self.settings.time_scale,
+            "books": {
+                "queued_requests": books.queued_requests,
+                "queued_service_tokens": books.queued_service_tokens,
+                "queued_kv_blocks": books.queued_kv_blocks,
+                "running_requests": books.running_requests,
+                "resident_kv_blocks": books.resident_kv_blocks,
+            },
+            "tenants": tenants,
+        }

@@ -1,0 +1,120 @@
+"""The dispatcher between asyncio and the scheduling core, on a fake clock (no sleeping).
+
+Behaviours: the in-flight limit holds requests in the core's queue; a completion dispatches the
+next one at once; a waiter cancelled while queued leaves the queue (refunded); a waiter cancelled
+in the very instant its request is dispatched is settled at zero usage; KV is held ``kv_hold_ms``
+after dispatch and released by a timer; a drain answers every queued waiter; the books balance
+after each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from test_sidecar_support import ZERO_BOOKS, keyed_config
+
+from tokenfair_sidecar.core import Decision, Request, make_scheduler
+from tokenfair_sidecar.server.dispatcher import Dispatcher, ModelClock, Ticket
+
+
+class FakeClock(ModelClock):
+    """Model time that moves only when the test says so; ``time_scale`` maps it to timers."""
+
+    def __init__(self) -> None:
+        super().__init__(time_scale=0.001)
+        self.model_ms = 0.0
+
+    def now_ms(self) -> float:
+        return self.model_ms
+
+
+def make_dispatcher(max_in_flight: int = 1) -> tuple[Dispatcher, FakeClock]:
+    clock = FakeClock()
+    scheduler = make_scheduler("tokenfair", keyed_config(), clock.now_ms())
+    return Dispatcher(scheduler, clock, max_in_flight), clock
+
+
+def chat(request_id: str, at_ms: float = 0.0) -> Request:
+    # 280 + 4 * 90 = 640 service tokens, ceil(370 / 16) = 24 KV blocks.
+    return Request(request_id, "tenant_chat_pro", at_ms, 280, 90, "interactive")
+
+
+def queued(outcome: Decision | Ticket) -> Ticket:
+    assert isinstance(outcome, Ticket), outcome
+    return outcome
+
+
+async def test_in_flight_limit_and_dispatch_on_completion() -> None:
+    dispatcher, clock = make_dispatcher()
+    first, second = queued(dispatcher.submit(chat("a"))), queued(dispatcher.submit(chat("b")))
+    assert first.future.done()
+    assert first.future.result().admitted
+    assert not second.future.done()
+    assert dispatcher.scheduler.books().queued_requests == 1
+    clock.model_ms = 14.0
+    dispatcher.finish(first, 640, kv_hold_ms=0.0)
+    assert second.future.done()
+    assert second.future.result().admitted
+    assert second.future.result().queue_wait_ms == 14.0
+    dispatcher.finish(second, 600, kv_hold_ms=0.0)
+    assert dispatcher.scheduler.books() == ZERO_BOOKS
+    # Settled to actual usage: 640 + 600.
+    assert dispatcher.scheduler.tenants["tenant_chat_pro"].served_tokens == 1240
+
+
+async def test_cancel_while_queued_refunds() -> None:
+    dispatcher, _ = make_dispatcher()
+    running = queued(dispatcher.submit(chat("a")))
+    waiting = queued(dispatcher.submit(chat("b")))
+    task = asyncio.create_task(dispatcher.wait(waiting))
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert waiting.outcome is not None
+    assert waiting.outcome.reason == "cancelled"
+    assert dispatcher.scheduler.books().queued_requests == 0
+    dispatcher.finish(running, None, kv_hold_ms=0.0)
+    assert dispatcher.scheduler.books() == ZERO_BOOKS
+
+
+async def test_cancelled_in_the_instant_of_dispatch_settles_at_zero() -> None:
+    dispatcher, _ = make_dispatcher()
+    running = queued(dispatcher.submit(chat("a")))
+    waiting = queued(dispatcher.submit(chat("b")))
+    task = asyncio.create_task(dispatcher.wait(waiting))
+    await asyncio.sleep(0)
+    task.cancel()  # its future is cancelled now; its handler has not run yet
+    dispatcher.finish(running, 640, kv_hold_ms=0.0)  # ... and the pump dispatches it
+    await asyncio.gather(task, return_exceptions=True)
+    assert waiting.outcome is not None
+    assert (waiting.outcome.status_code, waiting.outcome.reason) == (499, "cancelled")
+    assert dispatcher.scheduler.books() == ZERO_BOOKS
+    # Only the first request's 640 tokens were served; the second settled at zero.
+    assert dispatcher.scheduler.tenants["tenant_chat_pro"].served_tokens == 640
+
+
+async def test_kv_is_held_after_completion_then_released() -> None:
+    dispatcher, _ = make_dispatcher()
+    ticket = queued(dispatcher.submit(chat("a")))
+    # Held 100 model ms after dispatch = 0.1 real ms at time_scale 0.001.
+    dispatcher.finish(ticket, None, kv_hold_ms=100.0)
+    assert dispatcher.scheduler.books().resident_kv_blocks == 24
+    assert dispatcher.scheduler.books().running_requests == 0
+    assert await dispatcher.wait_idle(1.0)
+    for _ in range(100):
+        if dispatcher.scheduler.books() == ZERO_BOOKS:
+            break
+        await asyncio.sleep(0.001)
+    assert dispatcher.scheduler.books() == ZERO_BOOKS
+
+
+async def test_drain_answers_queued_waiters_and_close_releases_kv() -> None:
+    dispatcher, _ = make_dispatcher()
+    running = queued(dispatcher.submit(chat("a")))
+    waiters = [queued(dispatcher.submit(chat(f"q{i}"))) for i in range(3)]
+    assert dispatcher.drain() == 3
+    assert all(w.drained and w.future.done() for w in waiters)
+    assert dispatcher.scheduler.books().queued_requests == 0
+    dispatcher.finish(running, None, kv_hold_ms=1e9)  # would hold KV for ages
+    dispatcher.close()
+    assert dispatcher.scheduler.books() == ZERO_BOOKS

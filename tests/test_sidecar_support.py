@@ -1,0 +1,104 @@
+"""Shared helpers of the sidecar tests (no tests here): configs with local keys, app clients,
+free ports, and the books-are-zero check every fault test ends with."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from aiohttp.test_utils import TestClient
+
+from tokenfair_sidecar.config import Config, PolicyConfig, TenantConfig, build_config
+from tokenfair_sidecar.core import Books
+from tokenfair_sidecar.costmodel import CostModel
+from tokenfair_sidecar.scenarios import LESSON_TENANTS
+from tokenfair_sidecar.server import SIDECAR, Sidecar, create_admin_app, create_app, make_backend
+from tokenfair_sidecar.server.auth import key_sha256
+from tokenfair_sidecar.server.settings import SidecarSettings
+
+KEYS = {
+    "tenant_chat_pro": "sk-local-chat-pro",
+    "tenant_ide_assist": "sk-local-ide-assist",
+    "tenant_batch_rag": "sk-local-batch-rag",
+}
+CHAT, IDE, BATCH = (f"Bearer {KEYS[t]}" for t in KEYS)
+ZERO_BOOKS = Books(0, 0, 0, 0, 0)
+
+ClientFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+def lesson_tenants_with_keys() -> list[TenantConfig]:
+    return [replace(t, api_key_sha256=(key_sha256(KEYS[t.tenant_id]),)) for t in LESSON_TENANTS]
+
+
+PATIENT_POLICY = PolicyConfig(max_interactive_wait_ms=60_000, max_batch_wait_ms=60_000)
+"""The lesson's policy with 60 s wait limits: at ``time_scale`` 0.01 the lesson's 420 ms would be
+4.2 real ms, less than the event loop of a loaded machine may stall between a request's arrival
+and its admission. Tests about waiting and timing set their own policy."""
+
+
+def keyed_config(policy: PolicyConfig | None = None, **tenant_changes: Any) -> Config:
+    """The lesson's tenants with the local keys; ``tenant_changes`` apply to every tenant."""
+    tenants = [replace(t, **tenant_changes) for t in lesson_tenants_with_keys()]
+    return build_config(policy or PATIENT_POLICY, tenants, "test-1")
+
+
+@dataclass
+class Clients:
+    proxy: TestClient[Any, Any]
+    admin: TestClient[Any, Any]
+    sidecar: Sidecar
+
+
+async def start(
+    aiohttp_client: ClientFactory,
+    config: Config,
+    settings: SidecarSettings | None = None,
+    **app_kwargs: Any,
+) -> Clients:
+    """An app on loopback (the aiohttp test server cancels handlers of departed clients)."""
+    settings = settings or SidecarSettings(time_scale=0.01)
+    backend = make_backend(settings, CostModel.from_policy(config.policy))
+    app = create_app(settings, config, backend, **app_kwargs)
+    proxy = await aiohttp_client(app)
+    sidecar = app[SIDECAR]
+    admin = await aiohttp_client(create_admin_app(sidecar))
+    return Clients(proxy, admin, sidecar)
+
+
+async def books_when_settled(sidecar: Sidecar, budget_s: float = 5.0) -> Books:
+    """The books once nothing is queued, running or resident — or as they are after
+    ``budget_s`` (KV is released ``kv_hold_ms`` after dispatch, a few scaled ms)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget_s
+    while True:
+        books = sidecar.scheduler.books()
+        if books == ZERO_BOOKS or loop.time() > deadline:
+            return books
+        await asyncio.sleep(0.005)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def completion_body(prompt_tokens: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A /v1/completions body the ``chars4`` estimator prices at exactly ``prompt_tokens``
+    (4 characters per token)."""
+    return {"model": "m", "prompt": "x" * (4 * prompt_tokens), "max_tokens": max_tokens, **extra}
+
+
+async def wait_for(predicate: Callable[[], bool], budget_s: float = 5.0) -> bool:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget_s
+    while not predicate():
+        if loop.time() > deadline:
+            return False
+        await asyncio.sleep(0.005)
+    return True
