@@ -33,7 +33,6 @@ import random
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import NamedTuple, TypeVar
@@ -41,12 +40,9 @@ from typing import NamedTuple, TypeVar
 # The oracle is a test helper (tests/ is on sys.path under pytest; here we put it there).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from lesson_bridge import DRR, NAIVE, ORACLES, oracle_inputs
 from lesson_reference import (
-    OracleKnobs,
     OracleOutcome,
-    OracleRequest,
-    OracleTenant,
-    run_request_count,
     run_service_token_drr,
 )
 
@@ -55,8 +51,6 @@ from tokenfair_sidecar.core import Decision, Request
 from tokenfair_sidecar.scenarios import LESSON_TENANTS
 from tokenfair_sidecar.simulator import simulate
 
-NAIVE = "request_count_no_admission"
-DRR = "service_token_drr_with_admission"
 TOKENFAIR = "tokenfair"
 RELAXED_WAIT_MS = 1e12
 RELAXED_QUEUE_BOUND = 100_000_000
@@ -64,10 +58,6 @@ RELAXED_KV_BLOCKS = 1_000_000_000
 TRACE_SEED = 20261129
 
 T = TypeVar("T")
-Oracle = Callable[
-    [Sequence[OracleTenant], Sequence[OracleRequest], OracleKnobs], list[OracleOutcome]
-]
-ORACLES: dict[str, Oracle] = {NAIVE: run_request_count, DRR: run_service_token_drr}
 
 
 def overloaded_trace(count: int, seed: int = TRACE_SEED) -> list[Request]:
@@ -110,41 +100,6 @@ def relaxed_config() -> Config:
 
 def default_config() -> Config:
     return build_config(PolicyConfig(), LESSON_TENANTS)
-
-
-def oracle_inputs(
-    config: Config, requests: Sequence[Request]
-) -> tuple[list[OracleTenant], list[OracleRequest], OracleKnobs]:
-    policy = config.policy
-    tenants = [
-        OracleTenant(
-            t.tenant_id, t.weight, t.burst_service_tokens, t.sustained_service_tokens_per_second
-        )
-        for t in config.tenants
-    ]
-    trace = [
-        OracleRequest(
-            r.request_id,
-            r.tenant_id,
-            int(r.arrival_ms),
-            r.prefill_tokens,
-            r.decode_tokens,
-            r.priority_class,
-        )
-        for r in requests
-    ]
-    knobs = replace(
-        OracleKnobs(),
-        total_kv_blocks=policy.total_kv_blocks,
-        interactive_kv_watermark=policy.interactive_kv_watermark,
-        batch_kv_watermark=policy.batch_kv_watermark,
-        max_interactive_wait_ms=policy.max_interactive_wait_ms,
-        max_batch_wait_ms=policy.max_batch_wait_ms,
-        decode_weight=int(policy.decode_weight),
-        base_quantum_tokens=policy.base_quantum_tokens,
-        service_tokens_per_ms=policy.service_tokens_per_ms,
-    )
-    return tenants, trace, knobs
 
 
 class Timing(NamedTuple):

@@ -21,7 +21,6 @@ Behaviours under test:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Final
@@ -29,14 +28,12 @@ from typing import Any, Final
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from lesson_bridge import DRR, NAIVE, oracle_inputs, run_oracle
 from lesson_reference import (
     Klass,
-    OracleKnobs,
     OracleOutcome,
     OracleRequest,
-    OracleTenant,
     lab_summary,
-    run_request_count,
     run_service_token_drr,
     service_tokens,
 )
@@ -51,53 +48,6 @@ from tokenfair_sidecar.simulator import simulate
 PUBLISHED: Final[dict[str, Any]] = json.loads(
     (Path(__file__).parent / "data" / "lesson_published_result.json").read_text(encoding="utf-8")
 )
-NAIVE: Final = "request_count_no_admission"
-DRR: Final = "service_token_drr_with_admission"
-Oracle = Callable[
-    [Sequence[OracleTenant], Sequence[OracleRequest], OracleKnobs], list[OracleOutcome]
-]
-ORACLES: Final[dict[str, Oracle]] = {NAIVE: run_request_count, DRR: run_service_token_drr}
-
-# -- converting between the oracle's inputs and the core's ------------------------------------
-
-
-def oracle_inputs(
-    config: Config, requests: list[Request]
-) -> tuple[list[OracleTenant], list[OracleRequest], OracleKnobs]:
-    policy = config.policy
-    tenants = [
-        OracleTenant(
-            t.tenant_id, t.weight, t.burst_service_tokens, t.sustained_service_tokens_per_second
-        )
-        for t in config.tenants
-    ]
-    trace = [
-        OracleRequest(
-            r.request_id,
-            r.tenant_id,
-            int(r.arrival_ms),
-            r.prefill_tokens,
-            r.decode_tokens,
-            r.priority_class,
-        )
-        for r in requests
-    ]
-    knobs = OracleKnobs(
-        total_kv_blocks=policy.total_kv_blocks,
-        interactive_kv_watermark=policy.interactive_kv_watermark,
-        batch_kv_watermark=policy.batch_kv_watermark,
-        max_interactive_wait_ms=policy.max_interactive_wait_ms,
-        max_batch_wait_ms=policy.max_batch_wait_ms,
-        decode_weight=int(policy.decode_weight),
-        base_quantum_tokens=policy.base_quantum_tokens,
-        service_tokens_per_ms=policy.service_tokens_per_ms,
-    )
-    return tenants, trace, knobs
-
-
-def run_oracle(policy: str, config: Config, requests: list[Request]) -> list[OracleOutcome]:
-    tenants, trace, knobs = oracle_inputs(config, requests)
-    return ORACLES[policy](tenants, trace, knobs)
 
 
 def decision_row(d: Decision | OracleOutcome) -> tuple[str, int, str, float, float]:
