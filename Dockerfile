@@ -1,0 +1,37 @@
+# syntax=docker/dockerfile:1
+# One image, two entrypoints:
+#   operator:  kopf run -m tokenfair_operator.handlers --all-namespaces   (charts/tokenfair)
+#   sidecar:   tokenfair sidecar --config FILE --listen 0.0.0.0:8080 --admin-listen 0.0.0.0:9090
+# Build:       docker build -t ghcr.io/tokenfair/tokenfair:0.1.0 .
+# Runs as UID 10001 with a read-only root filesystem: nothing is written at run time except /tmp
+# (the chart mounts an emptyDir there), bytecode is compiled at build time.
+
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+
+# --- build: a virtualenv holding tokenfair with the operator extra (kopf, kubernetes) ----------
+FROM ${PYTHON_IMAGE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/tokenfair
+WORKDIR /src
+# Only what the package build reads (.dockerignore keeps the rest out of the context).
+COPY pyproject.toml README.md ./
+COPY sidecar/tokenfair_sidecar sidecar/tokenfair_sidecar
+COPY operator/tokenfair_operator operator/tokenfair_operator
+RUN /opt/tokenfair/bin/pip install --no-compile '.[operator]' \
+ && /opt/tokenfair/bin/python -m compileall -q /opt/tokenfair/lib
+
+# --- run: the same Python, the virtualenv, no compilers, pip or sources ------------------------
+FROM ${PYTHON_IMAGE}
+RUN groupadd --gid 10001 tokenfair \
+ && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+      --shell /usr/sbin/nologin tokenfair
+COPY --from=build /opt/tokenfair /opt/tokenfair
+RUN /opt/tokenfair/bin/python -m pip uninstall --yes --quiet pip
+ENV PATH=/opt/tokenfair/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+# Numeric, so the kubelet can verify runAsNonRoot without reading /etc/passwd.
+USER 10001:10001
+WORKDIR /tmp
+EXPOSE 8080 9090 9443
+CMD ["tokenfair", "--help"]

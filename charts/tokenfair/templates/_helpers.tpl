@@ -1,0 +1,124 @@
+{{/*
+Expand the name of the chart.
+*/}}
+{{- define "tokenfair.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Create a default fully qualified app name.
+We truncate at 63 chars because some Kubernetes name fields are limited to this (by the DNS naming spec).
+If release name contains chart name it will be used as a full name.
+*/}}
+{{- define "tokenfair.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Create chart name and version as used by the chart label.
+*/}}
+{{- define "tokenfair.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Common labels
+*/}}
+{{- define "tokenfair.labels" -}}
+helm.sh/chart: {{ include "tokenfair.chart" . }}
+{{ include "tokenfair.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/*
+Selector labels (never the version: a Deployment's selector is immutable).
+*/}}
+{{- define "tokenfair.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tokenfair.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Create the name of the service account to use
+*/}}
+{{- define "tokenfair.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "tokenfair.operator.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The operator's objects: its name, and its selector labels (the common ones plus the component).
+*/}}
+{{- define "tokenfair.operator.fullname" -}}
+{{- printf "%s-operator" (include "tokenfair.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "tokenfair.operator.selectorLabels" -}}
+{{ include "tokenfair.selectorLabels" . }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{/*
+The image of the operator, the demo's model server and injected sidecars (one image, two
+entrypoints); the tag defaults to the chart's appVersion.
+*/}}
+{{- define "tokenfair.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+The restricted Pod Security Standard, for every container of the chart.
+*/}}
+{{- define "tokenfair.containerSecurityContext" -}}
+runAsNonRoot: true
+readOnlyRootFilesystem: true
+allowPrivilegeEscalation: false
+capabilities:
+  drop: [ALL]
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "tokenfair.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: {{ .Values.podSecurityContext.runAsUser }}
+runAsGroup: {{ .Values.podSecurityContext.runAsGroup }}
+fsGroup: {{ .Values.podSecurityContext.fsGroup }}
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{/*
+The webhook's serving Secret (written by cert-manager) and the Certificate that fills it.
+*/}}
+{{- define "tokenfair.webhook.secretName" -}}
+{{- printf "%s-webhook-tls" (include "tokenfair.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "tokenfair.webhook.certificateName" -}}
+{{- printf "%s-webhook" (include "tokenfair.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Refuse value combinations the chart cannot honour, with the reason.
+*/}}
+{{- define "tokenfair.validate" -}}
+{{- if and .Values.webhook.enabled (not .Values.certManager.enabled) }}
+{{- fail "webhook.enabled=true needs certManager.enabled=true: the operator does not generate its own serving certificate yet (docs/deploy.md, \"Webhook certificates\")" }}
+{{- end }}
+{{- end }}
