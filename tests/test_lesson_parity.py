@@ -12,8 +12,7 @@ Behaviours under test:
 * on random traces and random policy parameters both policies make the oracle's decisions
   (id, status, reason, TTFT, queue wait, in the same order; occupancy equal, or unclamped >= the
   lab's clamp for admission KV refusals);
-* a budget refusal leaves the tenant's bucket refilled to the arrival time only, as in the lab
-  (strict xfail: an open core bug, see ``KNOWN_QUOTA_REFILL_BUG``);
+* a budget refusal leaves the tenant's bucket refilled to the arrival time only, as in the lab;
 * the lesson's own unit checks: KV collapse without admission at 1024 blocks, full work charged to
   back-to-back batch requests, service tokens at decode weight 4.
 """
