@@ -347,24 +347,28 @@ async def test_request_id_and_queue_wait_headers(
             "/v1/completions", json=completion_body(prompt_tokens, max_tokens), headers=headers
         )
 
-    long = asyncio.create_task(post("client-req.1", 1000, 750))
+    long = asyncio.create_task(post("tenant_chat_pro-000001", 1000, 750))
     assert await wait_for(lambda: sidecar.scheduler.running == 1)
     # The same id while the first runs: in use, so the sidecar makes one up; it queues.
-    twin = asyncio.create_task(post("client-req.1", 10, 10))
+    twin = asyncio.create_task(post("tenant_chat_pro-000001", 10, 10))
     assert await wait_for(lambda: sidecar.scheduler.books().queued_requests == 1)
     long_response, twin_response = await long, await twin
     assert (long_response.status, twin_response.status) == (200, 200)
-    assert long_response.headers["x-request-id"] == "client-req.1"
+    assert long_response.headers["x-request-id"] == "tenant_chat_pro-000001"
     twin_id = twin_response.headers["x-request-id"]
-    assert twin_id != "client-req.1"
-    # Not valid (a space; 129 characters; empty): a generated id instead.
-    for bad in ("has space", "a" * 129, ""):
+    assert twin_id != "tenant_chat_pro-000001"
+    # Not valid (a space; 129 characters; empty; a slash): a generated id instead.
+    for bad in ("has space", "a" * 129, "", "a/b"):
         response = await post(bad, 1, 1)
         assert response.status == 200
-        assert response.headers["x-request-id"] not in (bad, "client-req.1", twin_id)
+        assert response.headers["x-request-id"] not in (
+            bad,
+            "tenant_chat_pro-000001",
+            twin_id,
+        )
     # Once the first has finished, its id is free again.
-    again = await post("client-req.1", 1, 1)
-    assert again.headers["x-request-id"] == "client-req.1"
+    again = await post("tenant_chat_pro-000001", 1, 1)
+    assert again.headers["x-request-id"] == "tenant_chat_pro-000001"
     assert await books_when_settled(sidecar) == ZERO_BOOKS
 
     # The header is the recorded queue wait (model ms) times time_scale (10 real ms per model
@@ -375,9 +379,9 @@ async def test_request_id_and_queue_wait_headers(
     for line in records.read_text().splitlines():
         record = json.loads(line)
         by_id.setdefault(record["request_id"], []).append(record)
-    assert len(by_id["client-req.1"]) == 2  # the long request and the last one
+    assert len(by_id["tenant_chat_pro-000001"]) == 2  # the long request and the last one
     twin_wait_ms = by_id[twin_id][0]["queue_wait_ms"]
     assert twin_wait_ms > 0
     assert twin_response.headers["x-tokenfair-queue-wait-ms"] == f"{twin_wait_ms * 10:.3f}"
-    long_wait_ms = by_id["client-req.1"][0]["queue_wait_ms"]
+    long_wait_ms = by_id["tenant_chat_pro-000001"][0]["queue_wait_ms"]
     assert long_response.headers["x-tokenfair-queue-wait-ms"] == f"{long_wait_ms * 10:.3f}"

@@ -4,12 +4,17 @@ Behaviours: a valid change (new version, new key, new weight) applies while a re
 another runs — neither is dropped; an invalid change is refused, counted in
 ``tokenfair_config_reloads_total{result="invalid"}`` and the last good config stays; the
 ``sidecar:`` section is read from a TokenfairConfig document and checked (unknown keys, bad values,
-cross-field rules); the estimator's arithmetic; request records replay through the trace reader.
+cross-field rules); the estimator's arithmetic; request records replay through the trace reader;
+the hot-path rewrites keep their output: ``decision_to_json`` equals ``dataclasses.asdict`` (key
+order included), ``include_usage`` spliced into a raw body decodes to the body plus the option,
+and the buffered record writer writes every line once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +32,13 @@ from test_sidecar_support import (
 )
 
 from tokenfair_sidecar.config import ConfigError, PolicyConfig, config_to_document
-from tokenfair_sidecar.records import read_trace
+from tokenfair_sidecar.core import Decision
+from tokenfair_sidecar.records import decision_to_json, read_trace
 from tokenfair_sidecar.server import load_sidecar_file
 from tokenfair_sidecar.server.auth import key_sha256
+from tokenfair_sidecar.server.backends.openai import with_include_usage
 from tokenfair_sidecar.server.estimate import EstimateError, chars4, decode_tokens
+from tokenfair_sidecar.server.recorder import RecordWriter
 from tokenfair_sidecar.server.settings import SidecarSettings, settings_from_section
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sidecar-standalone.yaml"
@@ -143,3 +151,44 @@ def test_prompt_and_decode_estimates() -> None:
         with pytest.raises(EstimateError) as caught:
             decode_tokens({"max_tokens": bad}, 256, 1000)
         assert caught.value.param == "max_tokens"
+
+
+def test_decision_to_json_is_asdict_field_by_field() -> None:
+    decision = Decision(
+        "r-1", "tenant_chat_pro", "batch", 429, "shed_tenant_token_quota", "budget", 1360, 12.5,
+        0.25, 3.0, 0.0, None, 840.0, None, {"bucket_service_tokens": 17.5},
+    )  # fmt: skip
+    for policy in (None, "tokenfair"):
+        expected = dataclasses.asdict(decision)
+        if policy is not None:
+            expected = {"policy": policy, **expected}
+        got = decision_to_json(decision, policy)
+        assert list(got.items()) == list(expected.items())
+        assert got["observed"] is not decision.observed  # a copy, as asdict makes
+
+
+def test_include_usage_is_spliced_into_the_raw_body() -> None:
+    for body in ({"prompt": "x", "stream": True}, {}):
+        raw = b"  " + json.dumps(body).encode()
+        spliced = with_include_usage(raw)
+        assert spliced is not None
+        assert json.loads(spliced) == {**body, "stream_options": {"include_usage": True}}
+    # UTF-16 is valid JSON for json.loads but does not start with "{": no splice.
+    assert with_include_usage(json.dumps({"a": 1}).encode("utf-16")) is None
+
+
+def test_buffered_record_writer_writes_each_line_once(tmp_path: Path) -> None:
+    path = tmp_path / "records.jsonl"
+
+    async def write_three() -> None:
+        writer = RecordWriter(path)
+        writer.write({"n": 1})
+        writer.write({"n": 2})
+        assert path.read_text() == ""  # queued until the loop turns
+        await asyncio.sleep(0)
+        assert path.read_text() == '{"n":1}\n{"n":2}\n'
+        writer.write({"n": 3})
+        writer.close()  # flushes what is queued
+
+    asyncio.run(write_three())
+    assert path.read_text().splitlines() == ['{"n":1}', '{"n":2}', '{"n":3}']

@@ -46,8 +46,9 @@ SIDECAR: Final = web.AppKey("sidecar", Sidecar)
 PRIORITY_HEADER: Final = "x-tokenfair-priority"
 REQUEST_ID_HEADER: Final = "x-request-id"
 QUEUE_WAIT_HEADER: Final = "x-tokenfair-queue-wait-ms"
-REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
-"""A client's request id is honoured when it matches this (1-128 characters, no spaces)."""
+REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}")
+"""A client's request id is honoured when it matches this: 1-128 letters, digits and ``_.:-``
+(the trace ids of ``tokenfair trace``, e.g. ``tenant_chat_pro-000001``, and UUIDs)."""
 DRAINING: Final = "draining"
 
 

@@ -1,0 +1,601 @@
+"""The sidecar's cost per request, against a fast stub upstream, in one run (see bench/README.md).
+
+Three targets behind the same nginx stub on loopback, each loaded by ``wrk`` (pinned to core 0,
+with nginx) while the proxy under test runs pinned to core 1:
+
+* ``direct`` — wrk straight at nginx (``return 200`` JSON; a static SSE file for streams);
+* ``passthrough`` — a minimal aiohttp proxy (one pooled ``ClientSession``, no parsing, streamed
+  relay); the ceiling for a Python proxy; it is this file, run as ``passthrough LISTEN UPSTREAM``;
+* ``sidecar`` — ``tokenfair sidecar --backend openai`` with everything on (auth, body parse,
+  estimate, admission, lanes/DRR, settlement, request records, metrics), budgets and bounds so
+  large that nothing is refused.
+
+Measured per target: requests/s at 64 connections (non-streaming), streamed responses/s at 128
+concurrent streams, median latency at one connection, and the proxy's CPU per request
+(``utime + stime`` from ``/proc/PID/stat`` over the run, divided by wrk's request count). Then a
+second sidecar with a tiny budget and queue bound takes 10x the connections for the same time:
+its RSS before and after must stay flat (bounded queues). Every process started here is killed
+in ``finally:``; everything listens on 127.0.0.1.
+
+Each measurement runs 3 rounds interleaved over the targets; a figure is the target's best round.
+
+    .venv/bin/python bench/bench_sidecar.py            # 3 rounds of 10 s measurements (~6 min)
+    .venv/bin/python bench/bench_sidecar.py --quick    # 1 round of 3 s (~1 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+ROOT: Final = Path(__file__).resolve().parent.parent
+VENV_BIN: Final = ROOT / ".venv" / "bin"
+LOAD_CORE: Final = "0"
+"""wrk and nginx run here."""
+PROXY_CORE: Final = "1"
+"""The proxy under test runs here, alone."""
+CONNECTIONS: Final = 64
+STREAMS: Final = 128
+OVERLOAD_FACTOR: Final = 10
+BENCH_KEY: Final = "sk-bench-key"
+CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
+
+TARGETS: Final = {
+    "throughput x pass-through": 0.7,
+    "cpu us per request": 250.0,
+    "streams x pass-through": 0.8,
+    "added latency over pass-through ms": 0.2,
+    "peak rss MiB": 80.0,
+}
+
+COMPLETION_JSON: Final = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "chat.completion",
+        "created": 1764400000,
+        "model": "bench",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "The quick brown fox jumps over it."},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 9, "total_tokens": 21},
+    },
+    separators=(",", ":"),
+)
+SSE_EVENTS: Final = 64
+"""Token events per streamed response (plus the usage event and ``[DONE]``): ~9 KiB."""
+
+CHAT_BODY: Final = json.dumps(
+    {
+        "model": "bench",
+        "messages": [{"role": "user", "content": "Say something short about foxes, please."}],
+        "max_tokens": 16,
+    },
+    separators=(",", ":"),
+)
+# No stream_options: the sidecar must add include_usage itself (the common client).
+STREAM_BODY: Final = json.dumps(
+    {"model": "bench", "prompt": "Count to sixty-four, slowly.", "max_tokens": 64, "stream": True},
+    separators=(",", ":"),
+)
+
+
+def sse_document() -> str:
+    """A ``/v1/completions`` stream: many small token events, a usage event, ``[DONE]``."""
+    events = []
+    for i in range(SSE_EVENTS):
+        chunk = {
+            "id": "cmpl-bench",
+            "object": "text_completion",
+            "created": 1764400000,
+            "model": "bench",
+            "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}],
+        }
+        events.append("data: " + json.dumps(chunk, separators=(",", ":")) + "\n\n")
+    usage = {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 1764400000,
+        "model": "bench",
+        "choices": [],
+        "usage": {"prompt_tokens": 7, "completion_tokens": SSE_EVENTS, "total_tokens": 71},
+    }
+    events.append("data: " + json.dumps(usage, separators=(",", ":")) + "\n\n")
+    events.append("data: [DONE]\n\n")
+    return "".join(events)
+
+
+NGINX_CONF: Final = """\
+worker_processes 1;
+error_log {dir}/nginx-error.log warn;
+pid {dir}/nginx.pid;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/nginx-body;
+    proxy_temp_path {dir}/nginx-proxy;
+    fastcgi_temp_path {dir}/nginx-fastcgi;
+    uwsgi_temp_path {dir}/nginx-uwsgi;
+    scgi_temp_path {dir}/nginx-scgi;
+    keepalive_requests 1000000;
+    keepalive_timeout 120s;
+    server {{
+        listen 127.0.0.1:{port};
+        location = /v1/chat/completions {{
+            default_type application/json;
+            return 200 '{completion}';
+        }}
+        # A static file answers GET only: turn the POST's 405 into the file itself.
+        location = /v1/completions {{
+            root {dir}/www;
+            default_type text/event-stream;
+            error_page 405 =200 $uri;
+        }}
+    }}
+}}
+"""
+
+WRK_LUA: Final = """\
+wrk.method = "POST"
+wrk.body = '{body}'
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer {key}"
+"""
+
+
+def _config_yaml(*, overload: bool) -> str:
+    """A sidecar config with one interactive tenant keyed by :data:`BENCH_KEY`.
+
+    Normal: KV, budget, wait limits and queue bounds far beyond anything a 10 s run reaches, so
+    every request is admitted and dispatched at once. Overload: a budget of 2000 service tokens
+    per second (a chat request costs 11 + 4 * 16 = 75, so ~27 requests/s are admitted) and a
+    queue bound of 8: nearly every request is refused ``429`` at once.
+    """
+    import hashlib
+
+    digest = hashlib.sha256(BENCH_KEY.encode()).hexdigest()
+    if overload:
+        burst, sustained, queued = 2000, 2000, 8
+    else:
+        burst, sustained, queued = 10**12, 10**12, 100_000
+    return f"""\
+apiVersion: tokenfair.io/v1alpha1
+kind: TokenfairConfig
+version: bench-{"overload" if overload else "open"}
+sidecar:
+  maxInFlight: 1024
+policy:
+  totalKvBlocks: 1000000000
+  maxInteractiveWaitMs: 3600000
+  maxBatchWaitMs: 3600000
+  serviceTokensPerMs: 1000000000
+  maxQueuedRequests: {queued}
+  maxQueuedRequestsPerTenant: {queued}
+tenants:
+  - tenantId: bench
+    weight: 1
+    burstServiceTokens: {burst}
+    sustainedServiceTokensPerSecond: {sustained}
+    priorityClass: interactive
+    apiKeySha256: ["{digest}"]
+"""
+
+
+# -- the minimal pass-through proxy ---------------------------------------------------------------
+
+
+def run_passthrough(listen: str, upstream: str) -> None:
+    """Relay every request to ``upstream``: one pooled session, body and response as bytes."""
+    from aiohttp import ClientSession, TCPConnector, web
+
+    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
+        app["session"] = ClientSession(connector=TCPConnector(limit=0))
+        yield
+        await app["session"].close()
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        session: ClientSession = request.app["session"]
+        async with session.post(
+            upstream + request.path_qs,
+            data=body,
+            headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
+        ) as upstream_response:
+            content_type = upstream_response.headers.get("Content-Type", "")
+            if content_type.startswith("text/event-stream"):
+                response = web.StreamResponse(
+                    status=upstream_response.status, headers={"Content-Type": content_type}
+                )
+                await response.prepare(request)
+                async for chunk in upstream_response.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+            data = await upstream_response.read()
+            return web.Response(
+                body=data, status=upstream_response.status, headers={"Content-Type": content_type}
+            )
+
+    app = web.Application()
+    app.cleanup_ctx.append(session_ctx)
+    app.router.add_route("*", "/{tail:.*}", relay)
+    host, _, port = listen.rpartition(":")
+    web.run_app(app, host=host, port=int(port), access_log=None, print=None)
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_http(url: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers (404, 405: fine)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not come up in {timeout_s} s") from None
+            time.sleep(0.05)
+
+
+class Processes:
+    """Every process the bench starts; :meth:`stop_all` kills them (called in ``finally:``)."""
+
+    def __init__(self) -> None:
+        self._procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+        with log.open("ab") as handle:
+            proc = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT)
+        self._procs.append(proc)
+        return proc
+
+    def stop(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if proc in self._procs:
+            self._procs.remove(proc)
+
+    def stop_all(self) -> None:
+        for proc in list(self._procs):
+            self.stop(proc)
+
+
+def cpu_ticks(pid: int) -> int:
+    """utime + stime of one process, in clock ticks (fields 14 and 15 of /proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def status_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+# -- wrk ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WrkResult:
+    requests: int
+    requests_per_s: float
+    p50_ms: float
+    non_2xx: int
+    socket_errors: int
+
+
+_UNITS_MS: Final = {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60_000.0}
+
+
+def _duration_ms(text: str) -> float:
+    match = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
+    if match is None:
+        raise ValueError(f"wrk latency {text!r}")
+    return float(match.group(1)) * _UNITS_MS[match.group(2)]
+
+
+def parse_wrk(output: str) -> WrkResult:
+    requests = int(re.search(r"(\d+) requests in", output).group(1))  # type: ignore[union-attr]
+    rate = float(re.search(r"Requests/sec:\s+([\d.]+)", output).group(1))  # type: ignore[union-attr]
+    p50 = re.search(r"^\s+50%\s+(\S+)", output, re.MULTILINE)
+    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", output)
+    errors = re.search(
+        r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", output
+    )
+    return WrkResult(
+        requests,
+        rate,
+        _duration_ms(p50.group(1)) if p50 else float("nan"),
+        int(non_2xx.group(1)) if non_2xx else 0,
+        sum(int(g) for g in errors.groups()) if errors else 0,
+    )
+
+
+def run_wrk(url: str, lua: Path, connections: int, duration_s: float) -> WrkResult:
+    seconds = max(1, round(duration_s))  # wrk takes whole seconds
+    argv = ["taskset", "-c", LOAD_CORE, "wrk", "-t1", f"-c{connections}", f"-d{seconds}s",
+            "--latency", "--timeout", "10s", "-s", str(lua), url]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=duration_s + 30)
+    if os.environ.get("BENCH_WRK_OUTPUT"):
+        print(" ".join(argv), done.stdout, sep="\n", flush=True)
+    return parse_wrk(done.stdout)
+
+
+@dataclass(frozen=True, slots=True)
+class Measured:
+    wrk: WrkResult
+    cpu_us_per_request: float | None
+
+
+def measure(url: str, lua: Path, connections: int, duration_s: float, pid: int | None) -> Measured:
+    """A 1 s warm-up, then the timed run; CPU of ``pid`` over the timed run only."""
+    run_wrk(url, lua, connections, 1.0)
+    before = cpu_ticks(pid) if pid is not None else 0
+    result = run_wrk(url, lua, connections, duration_s)
+    cpu = None
+    if pid is not None and result.requests:
+        cpu = (cpu_ticks(pid) - before) / CLK_TCK * 1e6 / result.requests
+    return Measured(result, cpu)
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def check_tools() -> None:
+    missing = [tool for tool in ("nginx", "wrk", "taskset") if shutil.which(tool) is None]
+    if missing:
+        sys.exit(
+            f"missing: {', '.join(missing)}. Install them (Debian, as root):\n"
+            "    apt-get update && apt-get install -y nginx-light wrk util-linux"
+        )
+    if (os.cpu_count() or 1) < 2:
+        sys.exit("needs 2 cores (wrk pinned to core 0, the proxy under test to core 1)")
+
+
+@contextmanager
+def workdir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="tokenfair-bench-") as name:
+        yield Path(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 s per measurement instead of 10")
+    parser.add_argument("--duration", type=float, help="seconds per measurement")
+    parser.add_argument("--rounds", type=int, help="rounds over the targets (3; --quick: 1)")
+    args = parser.parse_args(argv)
+    duration_s = args.duration or (3.0 if args.quick else 10.0)
+    rounds_n = args.rounds or (1 if args.quick else 3)
+    check_tools()
+    procs = Processes()
+    with workdir() as tmp:
+        try:
+            return _run(tmp, procs, duration_s, rounds_n)
+        finally:
+            procs.stop_all()
+
+
+def _run(tmp: Path, procs: Processes, duration_s: float, rounds_n: int) -> int:
+    python = str(VENV_BIN / "python")
+    tmp.chmod(0o755)  # nginx's workers (not root) read the SSE file under it
+    (tmp / "www" / "v1").mkdir(parents=True)
+    (tmp / "www" / "v1" / "completions").write_text(sse_document())
+    nginx_port, pass_port, side_port, admin_port = (free_port() for _ in range(4))
+    (tmp / "nginx.conf").write_text(
+        NGINX_CONF.format(dir=tmp, port=nginx_port, completion=COMPLETION_JSON)
+    )
+    chat_lua, stream_lua = tmp / "chat.lua", tmp / "stream.lua"
+    chat_lua.write_text(WRK_LUA.format(body=CHAT_BODY, key=BENCH_KEY))
+    stream_lua.write_text(WRK_LUA.format(body=STREAM_BODY, key=BENCH_KEY))
+    (tmp / "open.yaml").write_text(_config_yaml(overload=False))
+    (tmp / "overload.yaml").write_text(_config_yaml(overload=True))
+    upstream = f"http://127.0.0.1:{nginx_port}"
+    load_start = loadavg()
+    print(f"python {sys.version.split()[0]}, {duration_s:g} s per measurement, "
+          f"{rounds_n} round(s), "
+          f"wrk + nginx on core {LOAD_CORE}, proxy on core {PROXY_CORE}; "
+          f"load average at start {load_start}", flush=True)  # fmt: skip
+
+    procs.start(["taskset", "-c", LOAD_CORE, "nginx", "-p", str(tmp), "-c",
+                 str(tmp / "nginx.conf"), "-g", "daemon off;"], tmp / "nginx.log")  # fmt: skip
+    wait_http(upstream + "/v1/chat/completions")
+    passthrough = procs.start(
+        ["taskset", "-c", PROXY_CORE, python, __file__, "passthrough",
+         f"127.0.0.1:{pass_port}", upstream],
+        tmp / "passthrough.log",
+    )  # fmt: skip
+    sidecar = _start_sidecar(procs, tmp, "open", upstream, side_port, admin_port)
+    wait_http(f"http://127.0.0.1:{pass_port}/")
+    _check_sidecar_answers(side_port)
+
+    targets = {
+        "direct": (upstream, None),
+        "passthrough": (f"http://127.0.0.1:{pass_port}", passthrough.pid),
+        "sidecar": (f"http://127.0.0.1:{side_port}", sidecar.pid),
+    }
+    # Rounds interleave the targets, so a burst of load from elsewhere on the machine hits one
+    # round of each rather than all of one target; each figure is the target's best round (the
+    # least disturbed by the rest of the machine).
+    rounds: dict[str, dict[str, list[Measured]]] = {
+        name: {"chat": [], "stream": [], "latency": []} for name in targets
+    }
+    for round_index in range(rounds_n):
+        for name, (base, pid) in targets.items():
+            runs = rounds[name]
+            chat_url, stream_url = base + "/v1/chat/completions", base + "/v1/completions"
+            runs["chat"].append(measure(chat_url, chat_lua, CONNECTIONS, duration_s, pid))
+            runs["stream"].append(measure(stream_url, stream_lua, STREAMS, duration_s, pid))
+            runs["latency"].append(measure(chat_url, chat_lua, 1, duration_s, pid))
+        print(f"  round {round_index + 1}/{rounds_n} done (load average {loadavg()})", flush=True)
+    results = {name: _best(runs) for name, runs in rounds.items()}
+    peak_rss_kib = status_kib(sidecar.pid, "VmHWM")
+    records = sum(1 for _ in (tmp / "records-open.jsonl").open())
+    procs.stop(sidecar)
+    procs.stop(passthrough)
+
+    overload_port, overload_admin = free_port(), free_port()
+    overloaded = _start_sidecar(procs, tmp, "overload", upstream, overload_port, overload_admin)
+    _check_sidecar_answers(overload_port)
+    overload_url = f"http://127.0.0.1:{overload_port}/v1/chat/completions"
+    run_wrk(overload_url, chat_lua, CONNECTIONS, 1.0)
+    # Two halves: the first grows the heap to hold 640 connections; the second must not grow it
+    # further (queues and budgets are bounded, refusals are answered and forgotten).
+    rss_kib = [status_kib(overloaded.pid, "VmRSS")]
+    halves = []
+    for _ in range(2):
+        overload_connections = CONNECTIONS * OVERLOAD_FACTOR
+        halves.append(run_wrk(overload_url, chat_lua, overload_connections, duration_s / 2))
+        rss_kib.append(status_kib(overloaded.pid, "VmRSS"))
+    overload_hwm_kib = status_kib(overloaded.pid, "VmHWM")
+    overload = WrkResult(
+        sum(h.requests for h in halves),
+        sum(h.requests_per_s for h in halves) / 2,
+        float("nan"),
+        sum(h.non_2xx for h in halves),
+        sum(h.socket_errors for h in halves),
+    )
+    load_end = loadavg()
+    _report(results, duration_s, peak_rss_kib, records)
+    for name in ("passthrough", "sidecar"):
+        spread = ", ".join(
+            f"{kind} {' / '.join(_us(m.cpu_us_per_request) for m in rounds[name][kind])}"
+            for kind in ("chat", "stream")
+        )
+        print(f"  {name} cpu us per request, every round: {spread}")
+    print(f"\n10x overload ({CONNECTIONS * OVERLOAD_FACTOR} connections, {duration_s:g} s; "
+          "budget ~27 requests/s, queue bound 8):")  # fmt: skip
+    print(f"  requests {overload.requests}, {overload.requests_per_s:.0f}/s, refused (non-2xx) "
+          f"{overload.non_2xx} ({100 * overload.non_2xx / max(1, overload.requests):.1f} %), "
+          f"socket errors {overload.socket_errors}")  # fmt: skip
+    before, middle, after = (kib / 1024 for kib in rss_kib)
+    print(f"  sidecar RSS before {before:.1f} MiB, after the first half {middle:.1f} MiB, after "
+          f"the second {after:.1f} MiB (second half {after - middle:+.1f} MiB), "
+          f"VmHWM {overload_hwm_kib / 1024:.1f} MiB")  # fmt: skip
+    print(f"\nload average at start {load_start}, at end {load_end}")
+    return 0
+
+
+def _start_sidecar(
+    procs: Processes, tmp: Path, name: str, upstream: str, port: int, admin_port: int
+) -> subprocess.Popen[bytes]:
+    proc = procs.start(
+        ["taskset", "-c", PROXY_CORE, str(VENV_BIN / "tokenfair"), "sidecar",
+         "--config", str(tmp / f"{name}.yaml"), "--backend", "openai", "--upstream", upstream,
+         "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}",
+         "--records", str(tmp / f"records-{name}.jsonl"), "--log-level", "WARNING"],
+        tmp / f"sidecar-{name}.log",
+    )  # fmt: skip
+    wait_http(f"http://127.0.0.1:{admin_port}/readyz")
+    return proc
+
+
+def _check_sidecar_answers(port: int) -> None:
+    """One request through the sidecar must be 200 with the stub's usage (else the run is void)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=CHAT_BODY.encode(),
+        headers={"Authorization": f"Bearer {BENCH_KEY}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=5) as response:
+        body = json.loads(response.read())
+    if body.get("usage", {}).get("completion_tokens") != 9:
+        raise RuntimeError(f"unexpected answer through the sidecar: {body}")
+
+
+def _report(
+    results: dict[str, dict[str, Measured]], duration_s: float, peak_rss_kib: int, records: int
+) -> None:
+    print(f"\n{'target':<12} {'req/s @64':>10} {'cpu us/req':>10} {'streams/s @128':>15} "
+          f"{'cpu us/stream':>13} {'p50 ms @1':>10} {'+p50 ms':>8} {'non-2xx':>8}")  # fmt: skip
+    direct_p50 = results["direct"]["latency"].wrk.p50_ms
+    for name, measured in results.items():
+        chat, stream, latency = measured["chat"], measured["stream"], measured["latency"]
+        non_2xx = sum(m.wrk.non_2xx + m.wrk.socket_errors for m in measured.values())
+        print(
+            f"{name:<12} {chat.wrk.requests_per_s:>10.0f} {_us(chat.cpu_us_per_request):>10} "
+            f"{stream.wrk.requests_per_s:>15.0f} {_us(stream.cpu_us_per_request):>13} "
+            f"{latency.wrk.p50_ms:>10.3f} {latency.wrk.p50_ms - direct_p50:>8.3f} {non_2xx:>8}"
+        )
+    side, ceiling = results["sidecar"], results["passthrough"]
+    throughput = side["chat"].wrk.requests_per_s / ceiling["chat"].wrk.requests_per_s
+    streams = side["stream"].wrk.requests_per_s / ceiling["stream"].wrk.requests_per_s
+    added = side["latency"].wrk.p50_ms - ceiling["latency"].wrk.p50_ms
+    cpu = side["chat"].cpu_us_per_request or float("nan")
+    peak_mib = peak_rss_kib / 1024
+    print(f"\nsidecar vs targets (records written: {records}):")
+    rows = [
+        ("throughput x pass-through", throughput, ">=", TARGETS["throughput x pass-through"]),
+        ("cpu us per request", cpu, "<=", TARGETS["cpu us per request"]),
+        ("streams x pass-through", streams, ">=", TARGETS["streams x pass-through"]),
+        ("added latency over pass-through ms", added, "<=",
+         TARGETS["added latency over pass-through ms"]),
+        ("peak rss MiB", peak_mib, "<=", TARGETS["peak rss MiB"]),
+    ]  # fmt: skip
+    for label, value, op, target in rows:
+        met = value >= target if op == ">=" else value <= target
+        print(f"  {label:<36} {value:>8.3f}  target {op} {target:g}  "
+              f"{'met' if met else 'NOT met'}")  # fmt: skip
+
+
+def _best(runs: dict[str, list[Measured]]) -> dict[str, Measured]:
+    """Per kind, the best of the rounds: the most requests/s (latency: the lowest median) and,
+    separately, the least CPU per request."""
+    best: dict[str, Measured] = {}
+    for kind, measured in runs.items():
+        if kind == "latency":
+            wrk = min(measured, key=lambda m: m.wrk.p50_ms).wrk
+        else:
+            wrk = max(measured, key=lambda m: m.wrk.requests_per_s).wrk
+        cpus = [m.cpu_us_per_request for m in measured if m.cpu_us_per_request is not None]
+        best[kind] = Measured(wrk, min(cpus) if cpus else None)
+    return best
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "passthrough":
+        run_passthrough(sys.argv[2], sys.argv[3])
+        sys.exit(0)
+    sys.exit(main())
