@@ -6,8 +6,9 @@ usage and SSE streaming, bad input (malformed JSON, oversized body, invalid max_
 route) never leaking a reservation, refusals as 429 with the gate's reason, a Retry-After derived
 from the gate and rate-limit headers in service tokens, queue expiry, a client leaving the queue,
 the admin endpoints and per-app metrics; the ``x-tokenfair-queue-wait-ms`` header (the recorded
-queue wait in wall ms, on served answers and on expiry 429s) and a client's ``x-request-id``
-honoured only when valid and not in use. Every test ends with the scheduler's books at zero.
+queue wait in wall ms, on served answers and on expiry 429s) and request ids that end in a valid
+client ``x-request-id`` yet stay unique when a client reuses its id. Every test ends with the
+scheduler's books at zero.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from test_sidecar_support import (
 )
 
 from tokenfair_sidecar.config import PolicyConfig
+from tokenfair_sidecar.records import read_trace
 from tokenfair_sidecar.server.settings import SidecarSettings
 
 CHAT_BODY = {
@@ -349,26 +351,25 @@ async def test_request_id_and_queue_wait_headers(
 
     long = asyncio.create_task(post("tenant_chat_pro-000001", 1000, 750))
     assert await wait_for(lambda: sidecar.scheduler.running == 1)
-    # The same id while the first runs: in use, so the sidecar makes one up; it queues.
+    # The same client id while the first runs: both are accepted, each under its own id.
     twin = asyncio.create_task(post("tenant_chat_pro-000001", 10, 10))
     assert await wait_for(lambda: sidecar.scheduler.books().queued_requests == 1)
     long_response, twin_response = await long, await twin
     assert (long_response.status, twin_response.status) == (200, 200)
-    assert long_response.headers["x-request-id"] == "tenant_chat_pro-000001"
-    twin_id = twin_response.headers["x-request-id"]
-    assert twin_id != "tenant_chat_pro-000001"
-    # Not valid (a space; 129 characters; empty; a slash): a generated id instead.
+    long_id, twin_id = long_response.headers["x-request-id"], twin_response.headers["x-request-id"]
+    assert long_id.endswith("-tenant_chat_pro-000001")
+    assert twin_id.endswith("-tenant_chat_pro-000001")
+    assert long_id != twin_id
+    # Not valid (a space; 129 characters; empty; a slash): a generated id without it.
     for bad in ("has space", "a" * 129, "", "a/b"):
         response = await post(bad, 1, 1)
         assert response.status == 200
-        assert response.headers["x-request-id"] not in (
-            bad,
-            "tenant_chat_pro-000001",
-            twin_id,
-        )
-    # Once the first has finished, its id is free again.
+        assert not response.headers["x-request-id"].endswith(f"-{bad}")
+        assert response.headers["x-request-id"] not in (long_id, twin_id)
+    # Reused after the first finished: still a new, unique id.
     again = await post("tenant_chat_pro-000001", 1, 1)
-    assert again.headers["x-request-id"] == "tenant_chat_pro-000001"
+    assert again.headers["x-request-id"].endswith("-tenant_chat_pro-000001")
+    assert again.headers["x-request-id"] not in (long_id, twin_id)
     assert await books_when_settled(sidecar) == ZERO_BOOKS
 
     # The header is the recorded queue wait (model ms) times time_scale (10 real ms per model
@@ -379,9 +380,12 @@ async def test_request_id_and_queue_wait_headers(
     for line in records.read_text().splitlines():
         record = json.loads(line)
         by_id.setdefault(record["request_id"], []).append(record)
-    assert len(by_id["tenant_chat_pro-000001"]) == 2  # the long request and the last one
+    # One record per id (so the file replays), three of them carrying the client's id.
+    assert all(len(rows) == 1 for rows in by_id.values())
+    assert sum(1 for rid in by_id if rid.endswith("-tenant_chat_pro-000001")) == 3
+    assert len(read_trace(records)) == len(by_id)
     twin_wait_ms = by_id[twin_id][0]["queue_wait_ms"]
     assert twin_wait_ms > 0
     assert twin_response.headers["x-tokenfair-queue-wait-ms"] == f"{twin_wait_ms * 10:.3f}"
-    long_wait_ms = by_id["tenant_chat_pro-000001"][0]["queue_wait_ms"]
+    long_wait_ms = by_id[long_id][0]["queue_wait_ms"]
     assert long_response.headers["x-tokenfair-queue-wait-ms"] == f"{long_wait_ms * 10:.3f}"

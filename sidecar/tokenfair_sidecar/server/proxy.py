@@ -19,8 +19,8 @@ Status codes the client can get from the sidecar itself (OpenAI-style error bodi
 
 Headers the sidecar adds to the answers of a request that reached admission (the upstream's
 answer, 429, 502, 504):
-``x-request-id`` (the client's own ``x-request-id`` when it is valid — :data:`REQUEST_ID_RE` — and
-not in use by a queued or running request; otherwise a generated one) and
+``x-request-id`` (the sidecar's own id, unique in its records file, ending in the client's
+``x-request-id`` when that is valid — :data:`REQUEST_ID_RE`) and
 ``x-tokenfair-queue-wait-ms`` (wall milliseconds the request waited in the queue: 0 for a
 refusal at the door, the wait until expiry for ``shed_queue_timeout``).
 """
@@ -85,13 +85,11 @@ def _queue_wait_header(sidecar: Sidecar, decision: Decision) -> str:
 
 
 def _request_id(sidecar: Sidecar, asked: str | None) -> str:
-    """The client's ``x-request-id`` if valid and not queued or running here, else a new one."""
-    if (
-        asked is not None
-        and REQUEST_ID_RE.fullmatch(asked) is not None
-        and asked not in sidecar.scheduler.jobs
-    ):
-        return asked
+    """A new id, unique in the records file; a valid client ``x-request-id`` is appended to it
+    (``<prefix>-<n>-<client id>``), so records can be joined with the client's own while a
+    client that reuses its ids (retries, a second run) still never duplicates a record id."""
+    if asked is not None and REQUEST_ID_RE.fullmatch(asked) is not None:
+        return f"{sidecar.next_request_id()}-{asked}"
     return sidecar.next_request_id()
 
 
