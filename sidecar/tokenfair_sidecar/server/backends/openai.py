@@ -227,7 +227,10 @@ class OpenAIBackend(Backend):
         usage = usage_from_sse(bytes(tail))
         call.prompt_tokens = _tokens(usage, "prompt_tokens")
         call.completion_tokens = _tokens(usage, "completion_tokens")
-        await response.write_eof()
+        try:
+            await response.write_eof()
+        except ConnectionResetError:  # the client left after the last chunk: nothing to tell it
+            log.info("client of %s left before the end of its stream", call.decision.request_id)
         return response
 
 
