@@ -6,8 +6,9 @@ same per-request decisions on any trace; ``bench/bench_core.py`` uses it as the 
 grows with the backlog. It imports nothing from the sidecar, so a bug in the core's cost model,
 clock or queues cannot hide in both.
 
-It restates the lesson lab (the lesson folder ``shared/seed/``, whose code lost its indentation) from its
-semantics, quirks included, and keeps the lab's O(n) sums over queues and resident requests:
+It restates the lesson lab (the lesson folder ``shared/seed/``, whose code lost its
+indentation) from its semantics, quirks included, and keeps the lab's O(n) sums over queues
+and resident requests:
 
 * cost model: ``service = prefill + decode_weight * decode``; ``prefill_ms = max(8, prefill/48)``;
   ``execution_ms = service / rate``; ``kv_blocks = ceil((prefill + decode) / 16)``, resident from
