@@ -8,7 +8,7 @@
 
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 
-# --- build: a virtualenv holding tokenfair with the operator extra (kopf, kubernetes) ----------
+# --- build: a virtualenv holding tokenfair with the operator extra (kopf, kubernetes, crypto) ---
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/tokenfair

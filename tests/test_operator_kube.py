@@ -8,7 +8,7 @@ Behaviours under test:
 - ``kubectl apply`` of the lesson's three TenantQuotas and a policy -> a ConfigMap (owned by the
   policy) whose document the sidecar's ``parse_documents`` reads as the lesson's tenants, a
   Secret with the same version, and Ready/Accepted/ConfigPublished, observedGeneration and
-  configVersion in every status; our finalizer and annotations only, none of Kopf's defaults;
+  configVersion in every status; no finalizer, our annotations only, none of Kopf's defaults;
 - an update reaches the ConfigMap with a new version; a deleted quota leaves the document;
 - refusals: a duplicate tenant id, a missing policy, a missing key Secret -> the documented
   reasons and a Warning Event; creating the Secret later admits the tenant with its key digest;
@@ -19,6 +19,9 @@ Behaviours under test:
   the sidecar and its config volume, exactly once (a dry-run re-create does not add another);
 - end to end: a real ``tokenfair sidecar`` fed the published ConfigMap (the test plays the
   kubelet, swapping the file as a ConfigMap volume does) enforces a changed burst after an update;
+- its own webhook certificate (no cert-manager): an expiring pair in the Secret is replaced,
+  the static webhook configuration's caBundle set to the new CA and the old one, and the API
+  server calls the webhook over TLS trusting it (a policy-less quota refused by our handler);
 - live usage: the operator scrapes a real sidecar's metrics (found through its Pod) and writes
   each tenant's admitted service tokens into ``status.usage`` (the ``Admitted`` column);
 - the operator never hits a 403 (its log is checked after each test): missing RBAC fails.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
 import functools
 import hashlib
 import json
@@ -44,6 +48,7 @@ import pytest
 import yaml
 from kubecluster import KubeCluster, free_ports, stop_process
 
+from tokenfair_operator.certs import ServingCerts, due, issue
 from tokenfair_sidecar.config import (
     POLICY_FIELDS,
     Config,
@@ -274,7 +279,9 @@ def test_lesson_tenants_are_published(
     assert policy is not None
     assert policy["status"]["observedGeneration"] == policy["metadata"]["generation"]
     assert (policy["status"]["tenants"], policy["status"]["configVersion"]) == (3, config.version)
-    assert policy["metadata"]["finalizers"] == ["tokenfair.io/finalizer"]
+    # No finalizer on anything: deletion never waits for the operator (helm uninstall removes
+    # it and its RBAC at once, so a finalizer would never be released).
+    assert "finalizers" not in policy["metadata"]
     configmap = get(kube_cluster, f"/api/v1/namespaces/{ns}/configmaps/tokenfair-pool")
     assert configmap is not None
     (owner,) = configmap["metadata"]["ownerReferences"]
@@ -710,3 +717,99 @@ def test_live_usage_reaches_the_quota_status(
         assert ide["admittedServiceTokens"] == 0
         table = kube_cluster.kubectl("get", "tq", "chat-pro", "-n", ns).stdout
         assert " 90 " in table  # the Admitted column
+
+
+# --- the operator's own webhook certificates (no cert-manager) -----------------------------------
+
+ADMISSION = "/apis/admissionregistration.k8s.io/v1"
+OWN_CERT_SECRET = "tokenfair-webhook-certs"
+
+
+def static_webhook(ns: str, port: int) -> dict[str, Any]:
+    """A ValidatingWebhookConfiguration as the chart installs one: fixed, no caBundle (the
+    operator fills it), but by URL on loopback (the test API server cannot reach a Service), and
+    failing closed, so an untrusted certificate shows as a refused request. Named
+    ``tokenfair.io``: the shipped RBAC lets the operator patch exactly that name."""
+    return {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": "tokenfair.io"},
+        "webhooks": [
+            {
+                "name": "admit-quota.tokenfair.io",
+                "clientConfig": {"url": f"https://localhost:{port}/admit-quota"},
+                "rules": [
+                    {
+                        "apiGroups": ["tokenfair.io"],
+                        "apiVersions": ["v1alpha1"],
+                        "resources": ["tenantquotas"],
+                        "operations": ["CREATE", "UPDATE"],
+                    }
+                ],
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+                "failurePolicy": "Fail",
+                "sideEffects": "None",
+                "timeoutSeconds": 10,
+                "admissionReviewVersions": ["v1"],
+            }
+        ],
+    }
+
+
+def test_own_certificate_is_issued_rotated_and_trusted_by_the_api_server(
+    kube_cluster: KubeCluster, operator_kubeconfig: Path, kube_namespace: str, tmp_path: Path
+) -> None:
+    ns = kube_namespace
+    (port,) = free_ports(1)
+    # An expiring pair already stored (10 days left of 90, under the 30-day margin): the
+    # operator must replace it, and keep trusting its CA in the bundle for the switch-over.
+    now = datetime.datetime.now(datetime.UTC)
+    expiring = issue(("localhost",), now - datetime.timedelta(days=80))
+    data = {k: base64.b64encode(v).decode() for k, v in expiring.as_secret_data().items()}
+    secret = {"metadata": {"name": OWN_CERT_SECRET}, "data": data}
+    kube_cluster.expect(201, "POST", f"/api/v1/namespaces/{ns}/secrets", secret)
+    config_path = f"{ADMISSION}/validatingwebhookconfigurations/tokenfair.io"
+    kube_cluster.expect(
+        201, "POST", f"{ADMISSION}/validatingwebhookconfigurations", static_webhook(ns, port)
+    )
+    try:
+        with running_operator(
+            operator_kubeconfig,
+            ns,
+            tmp_path / "operator.log",
+            TOKENFAIR_WEBHOOK_PORT=str(port),
+            TOKENFAIR_WEBHOOK_ADDR="127.0.0.1",
+            TOKENFAIR_WEBHOOK_HOST="localhost",
+            TOKENFAIR_WEBHOOK_CERT_SECRET=f"{ns}/{OWN_CERT_SECRET}",
+            TOKENFAIR_WEBHOOK_DNS_NAMES="localhost",
+            TOKENFAIR_WEBHOOK_CONFIGURATIONS="tokenfair.io",
+            TOKENFAIR_WEBHOOK_CERT_DIR=str(tmp_path / "certs"),
+        ):
+
+            def rotated() -> ServingCerts | None:
+                stored = get(kube_cluster, f"/api/v1/namespaces/{ns}/secrets/{OWN_CERT_SECRET}")
+                decoded = {
+                    k: base64.b64decode(v) for k, v in (stored or {}).get("data", {}).items()
+                }
+                certs = ServingCerts.from_secret_data(decoded)
+                return certs if certs is not None and certs != expiring else None
+
+            fresh = wait_for("a new certificate in the Secret", rotated)
+            assert due(fresh, ("localhost",), now) is None
+            # The bundle: the new CA first, then the replaced one.
+            bundle = base64.b64encode(fresh.ca_pem + expiring.ca_pem).decode()
+            wait_for(
+                "the caBundle to be set",
+                lambda: json.dumps(get(kube_cluster, config_path) or {}).count(bundle) == 1,
+            )
+            # The API server now calls the webhook over TLS, trusting the generated CA: it
+            # admits the lesson and refuses what only our webhook can see (failing closed, any
+            # TLS problem would refuse the lesson as well, with another message).
+            apply_lesson(kube_cluster, ns)
+            message = refused(kube_cluster, ns, quota("lost", policyName="nowhere"))
+            assert "denied the request: TenantQuota 'lost': spec.policyName" in message
+            # It serves the new certificate, not the expiring one.
+            served = (tmp_path / "certs" / "tls.pem").read_bytes()
+            assert served == fresh.key_pem + fresh.cert_pem
+    finally:
+        kube_cluster.request("DELETE", config_path)

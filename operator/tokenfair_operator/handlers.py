@@ -5,13 +5,22 @@ Run with ``kopf run -m tokenfair_operator.handlers [--namespace NS | --all-names
 Triggers, each reconciling one whole policy (see :mod:`.reconcile`):
 
 * a TenantQuota created, resumed, changed (spec) or deleted -> its policy;
-* a SchedulingPolicy created, resumed, changed (spec) or being deleted -> itself;
+* a SchedulingPolicy created, resumed, changed (spec) or deleted -> itself;
 * a sidecar Pod (labelled ``tokenfair.io/policy``) changing the policy's count of Ready
   sidecars -> that policy (budgets are divided across them, :mod:`.budgets`);
-* every ``resync_interval_s`` per SchedulingPolicy (a timer) -> itself: picks up what no watch
-  reports (a key Secret's content) and repairs anything a failed pass left behind;
-* every ``usage_interval_s`` per SchedulingPolicy (a second timer): its Ready sidecars' metrics
-  -> each TenantQuota's ``status.usage`` (:mod:`.usage`).
+* every ``resync_interval_s``, one operator-level loop (:mod:`.periodic`) -> every policy that
+  exists or is named by a quota: picks up what no watch reports (a key Secret's content) and
+  repairs anything a failed pass left behind;
+* every ``usage_interval_s``, a second loop: each policy's Ready sidecars' metrics -> its
+  TenantQuotas' ``status.usage`` (:mod:`.usage`).
+
+No handler makes Kopf add a finalizer (no per-object timers or daemons, the delete handler is
+``optional``): deleting an object never waits for the operator, so ``helm uninstall``, which
+removes the operator and its RBAC at once, leaves nothing stuck. A finalizer left by an older
+version is removed by Kopf on the first event of the object.
+
+With ``$TOKENFAIR_WEBHOOK_CERT_SECRET`` the startup hook also issues (or reuses) the operator's
+own webhook certificate and a third loop renews it (:mod:`.webhook_certs`).
 
 Admission (when a webhook server is configured, see :mod:`.settings`): creating a TenantQuota or
 changing its spec is checked by :func:`.admission.quota_refusal`; a SchedulingPolicy's spec by
@@ -23,8 +32,11 @@ policies by (namespace, name), and sidecar Pods' readiness by (namespace, policy
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
 from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
 from typing import Any, ParamSpec
 
 import kopf
@@ -42,12 +54,16 @@ from .inject import (
 )
 from .kube import KubeApi, api_client, is_conflict
 from .model import GROUP, POLICY_PLURAL, QUOTA_PLURAL, VERSION, PolicyView, QuotaView, SidecarView
+from .periodic import Job, Periodic
 from .reconcile import PolicyKey, Reconciler
 from .scrape import scrape_metrics
 from .settings import OperatorConfig, configure_kopf
+from .webhook_certs import CertKeeper
 
 P = ParamSpec("P")
 RECONCILER = "reconciler"
+PERIODIC = "periodic"
+INDEX_NAMES = ("policies_by_name", "quotas_by_policy", "sidecars_by_policy")
 CONFIG = OperatorConfig.from_env()
 
 PolicyIndex = kopf.Index[PolicyKey, PolicyView]
@@ -73,10 +89,60 @@ def retry_on_conflict(
 
 
 @kopf.on.startup()
-def configure(*, settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    """All of Kopf's settings in one place (see :func:`.settings.configure_kopf`)."""
-    configure_kopf(settings, CONFIG)
-    memo[RECONCILER] = Reconciler(KubeApi(api_client()))
+async def configure(
+    *, settings: kopf.OperatorSettings, memo: kopf.Memo, logger: kopf.Logger, **kwargs: Any
+) -> None:
+    """All of Kopf's settings in one place (see :func:`.settings.configure_kopf`), and the two
+    operator-level loops (resync, usage) over the indexes. Kopf passes the indexes here already
+    (empty, filled in place as the watches list objects), so the loops keep these mappings."""
+    api = api_client()
+    periodic = Periodic()
+    config = CONFIG
+    if CONFIG.webhook_port is not None and CONFIG.webhook_cert_secret is not None:
+        config = await _own_certificates(api, periodic, logger)
+    configure_kopf(settings, config)
+    memo[RECONCILER] = Reconciler(KubeApi(api))
+    indexes = {name: kwargs[name] for name in INDEX_NAMES}
+    periodic.start(
+        "tokenfair-resync", CONFIG.resync_interval_s, _resync_job(memo, logger, indexes), logger
+    )
+    periodic.start(
+        "tokenfair-usage", CONFIG.usage_interval_s, _usage_job(memo, logger, indexes), logger
+    )
+    memo[PERIODIC] = periodic
+
+
+async def _own_certificates(api: Any, periodic: Periodic, logger: kopf.Logger) -> OperatorConfig:
+    """No cert-manager: issue (or take from the Secret) our own CA and serving certificate,
+    set the webhook configurations' caBundle, and check hourly for renewal
+    (:mod:`.webhook_certs`). The settings then point Kopf's server at the files."""
+    assert CONFIG.webhook_cert_secret is not None
+    keeper = CertKeeper(
+        api,
+        CONFIG.webhook_cert_secret,
+        CONFIG.webhook_dns_names,
+        CONFIG.webhook_configurations,
+        Path(CONFIG.webhook_cert_dir),
+    )
+
+    async def renew() -> None:
+        reason = await asyncio.to_thread(keeper.ensure)
+        if reason is not None:
+            logger.info(f"issued a new webhook certificate: {reason}")
+
+    await renew()
+    periodic.start("tokenfair-certs", CONFIG.cert_check_interval_s, renew, logger)
+    files = keeper.files
+    return dataclasses.replace(
+        CONFIG, webhook_cert=str(files.cert), webhook_key=str(files.key), webhook_ca=str(files.ca)
+    )
+
+
+@kopf.on.cleanup()
+async def stop_loops(*, memo: kopf.Memo, **_: Any) -> None:
+    periodic = memo.get(PERIODIC)
+    if isinstance(periodic, Periodic):
+        await periodic.stop()
 
 
 @kopf.index(GROUP, VERSION, QUOTA_PLURAL)
@@ -202,9 +268,8 @@ async def policy_changed(
     await _reconcile((namespace or "", name), memo, logger, kwargs)
 
 
-@kopf.timer(GROUP, VERSION, POLICY_PLURAL, interval=CONFIG.resync_interval_s)
-@retry_on_conflict
-async def policy_resync(
+@kopf.on.event(GROUP, VERSION, POLICY_PLURAL, when=_is_deletion)
+async def policy_deleted(
     *,
     namespace: str | None,
     name: str,
@@ -212,21 +277,50 @@ async def policy_resync(
     logger: kopf.Logger,
     **kwargs: Any,
 ) -> None:
+    """A deleted policy marks its quotas ``PolicyNotFound``. Without a finalizer (none: deletion
+    never waits for us) the delete handler above rarely sees the policy; this watch event does."""
     await _reconcile((namespace or "", name), memo, logger, kwargs)
 
 
-@kopf.timer(GROUP, VERSION, POLICY_PLURAL, interval=CONFIG.usage_interval_s)
-async def policy_usage(*, namespace: str | None, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
-    """Scrape the policy's Ready sidecars and write their tenants' live usage."""
-    key = (namespace or "", name)
-    sidecars: SidecarIndex = kwargs["sidecars_by_policy"]
-    addresses = [s.address for s in sidecars.get(key, ()) if s.ready and s.address]
-    if not addresses:
-        return
-    scrapes = await scrape_metrics(addresses, CONFIG.scrape_timeout_s)
-    if scrapes:
-        quotas: QuotaIndex = kwargs["quotas_by_policy"]
-        await _reconciler(memo).write_usage(quotas.get(key, ()), scrapes)
+def _resync_job(memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]) -> Job:
+    """Every ``resync_interval_s``: one pass for each policy that exists or is named by a quota.
+    Picks up what no watch reports (a key Secret's content) and repairs anything a failed pass
+    left behind (a quota of a vanished policy included). One policy failing skips only itself."""
+
+    async def resync() -> None:
+        policies: PolicyIndex = indexes["policies_by_name"]
+        quotas: QuotaIndex = indexes["quotas_by_policy"]
+        for key in sorted({*policies, *quotas}):
+            try:
+                await _reconcile(key, memo, logger, indexes)
+            except Exception as exc:
+                if is_conflict(exc):
+                    logger.info(f"resync of {key[0]}/{key[1]}: conflict, retried next round")
+                else:
+                    logger.exception(f"resync of {key[0]}/{key[1]} failed, retried next round")
+
+    return resync
+
+
+def _usage_job(memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]) -> Job:
+    """Every ``usage_interval_s``: scrape each policy's Ready sidecars and write their tenants'
+    live usage."""
+
+    async def scrape() -> None:
+        sidecars: SidecarIndex = indexes["sidecars_by_policy"]
+        quotas: QuotaIndex = indexes["quotas_by_policy"]
+        for key in sorted(sidecars):
+            addresses = [s.address for s in sidecars.get(key, ()) if s.ready and s.address]
+            if not addresses or key not in quotas:
+                continue
+            scrapes = await scrape_metrics(addresses, CONFIG.scrape_timeout_s)
+            try:
+                if scrapes:
+                    await _reconciler(memo).write_usage(quotas.get(key, ()), scrapes)
+            except Exception:  # best effort: one policy's failed write skips only itself
+                logger.exception(f"usage of {key[0]}/{key[1]} not written, retried next round")
+
+    return scrape
 
 
 def _spec_changed(review: Mapping[str, Any]) -> bool:
@@ -275,14 +369,26 @@ def inject_sidecar(*, body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 # are still checked by CEL on the way in and by the reconciler into status; the cluster is never
 # blocked on us.
 if CONFIG.webhook_port is not None:
-    for plural, admit in ((QUOTA_PLURAL, admit_quota), (POLICY_PLURAL, admit_policy)):
+    # Explicit ids: Kopf serves each handler at ``/<id>``, and a webhook's Service path must
+    # be made of RFC 1123 labels (no underscores), which the function names are not.
+    validators = (
+        (QUOTA_PLURAL, "admit-quota", admit_quota),
+        (POLICY_PLURAL, "admit-policy", admit_policy),
+    )
+    for plural, handler_id, admit in validators:
         kopf.on.validate(
-            GROUP, VERSION, plural, operations=["CREATE", "UPDATE"], ignore_failures=True
+            GROUP,
+            VERSION,
+            plural,
+            id=handler_id,
+            operations=["CREATE", "UPDATE"],
+            ignore_failures=True,
         )(admit)
     kopf.on.mutate(
         "",
         "v1",
         "pods",
+        id="inject-sidecar",
         operations=["CREATE"],
         labels={POLICY_LABEL: kopf.PRESENT},
         ignore_failures=True,

@@ -1,8 +1,10 @@
 """Operator settings: ours in :class:`OperatorConfig`, Kopf's applied in :func:`configure_kopf`.
 
-Nothing of Kopf's defaults shows in our API: the finalizer is ``tokenfair.io/finalizer``, handler
-progress and the last-handled spec live in ``tokenfair.io/*`` annotations (never in ``status``,
-which our CRDs own), and only Warning-level Events (our refusals, handler failures) are posted.
+Nothing of Kopf's defaults shows in our API: handler progress and the last-handled spec live in
+``tokenfair.io/*`` annotations (never in ``status``, which our CRDs own), and only Warning-level
+Events (our refusals, handler failures) are posted. No handler needs a finalizer (see
+:mod:`.handlers`); the finalizer name is still ``tokenfair.io/finalizer``, so that Kopf removes
+the one older versions put on policies.
 """
 
 from __future__ import annotations
@@ -53,6 +55,25 @@ class OperatorConfig:
     leaf: the API server must be able to verify it from this bundle)."""
     webhook_key: str | None = None
     """PEM private key of the webhook server."""
+    webhook_ca: str | None = None
+    """PEM CA bundle sent as the caBundle; None sends ``webhook_cert``."""
+    webhook_cert_secret: tuple[str, str] | None = None
+    """(namespace, name) of the Secret in which the operator keeps its own CA and serving
+    certificate (``$TOKENFAIR_WEBHOOK_CERT_SECRET=namespace/name``); None when the certificate
+    comes from files (cert-manager's, or the ``_CERT``/``_KEY`` given). See
+    :mod:`.webhook_certs`."""
+    webhook_dns_names: tuple[str, ...] = ()
+    """DNS names of the operator's own serving certificate (``$TOKENFAIR_WEBHOOK_DNS_NAMES``,
+    comma-separated): the webhook Service's names, as the API server calls it."""
+    webhook_configurations: tuple[str, ...] = ()
+    """Names of the Validating/MutatingWebhookConfigurations whose caBundle the operator sets
+    to its own CA (``$TOKENFAIR_WEBHOOK_CONFIGURATIONS``, comma-separated)."""
+    webhook_cert_dir: str = "/tmp/tokenfair-webhook"
+    """Where the operator's own certificate files are written for the webhook server (the
+    chart's writable ``/tmp``)."""
+    cert_check_interval_s: float = 3600.0
+    """Seconds between checks of the operator's own certificate: one hour, against a 30-day
+    renewal margin (:mod:`.certs`)."""
     webhook_managed: str | None = None
     """Name of the ValidatingWebhookConfiguration Kopf keeps in line with the handlers; None when
     a static one is installed instead (the chart's, with a Service reference)."""
@@ -74,7 +95,8 @@ class OperatorConfig:
     def from_env(cls) -> OperatorConfig:
         """Defaults, overridden by ``$TOKENFAIR_RESYNC_SECONDS``, ``$TOKENFAIR_USAGE_SECONDS``,
         ``$TOKENFAIR_SIDECAR_IMAGE`` and ``$TOKENFAIR_WEBHOOK_PORT``,
-        ``_ADDR``, ``_HOST``, ``_CERT``, ``_KEY``, ``_MANAGED``."""
+        ``_ADDR``, ``_HOST``, ``_CERT``, ``_KEY``, ``_MANAGED``, ``_CERT_SECRET``,
+        ``_DNS_NAMES``, ``_CONFIGURATIONS``, ``_CERT_DIR``."""
         env = os.environ
         hook = {k.removeprefix(WEBHOOK_ENV_PREFIX): v for k, v in env.items() if v}
         port = hook.get("PORT") if WEBHOOK_ENV_PREFIX + "PORT" in env else None
@@ -86,9 +108,28 @@ class OperatorConfig:
             webhook_host=hook.get("HOST"),
             webhook_cert=hook.get("CERT"),
             webhook_key=hook.get("KEY"),
+            webhook_cert_secret=_namespaced(hook.get("CERT_SECRET")),
+            webhook_dns_names=_listed(hook.get("DNS_NAMES")),
+            webhook_configurations=_listed(hook.get("CONFIGURATIONS")),
+            webhook_cert_dir=hook.get("CERT_DIR", "/tmp/tokenfair-webhook"),
             webhook_managed=hook.get("MANAGED"),
             sidecar_image=env.get(IMAGE_ENV) or DEFAULT_IMAGE,
         )
+
+
+def _namespaced(value: str | None) -> tuple[str, str] | None:
+    """``namespace/name`` -> (namespace, name); None stays None."""
+    if value is None:
+        return None
+    namespace, slash, name = value.partition("/")
+    if not (namespace and slash and name):
+        raise ValueError(f"expected namespace/name, got {value!r}")
+    return namespace, name
+
+
+def _listed(value: str | None) -> tuple[str, ...]:
+    """A comma-separated list (blanks dropped)."""
+    return tuple(item.strip() for item in (value or "").split(",") if item.strip())
 
 
 def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
@@ -114,6 +155,6 @@ def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> N
             host=config.webhook_host,
             certfile=config.webhook_cert,
             pkeyfile=config.webhook_key,
-            cafile=config.webhook_cert,
+            cafile=config.webhook_ca or config.webhook_cert,
         )
         settings.admission.managed = config.webhook_managed

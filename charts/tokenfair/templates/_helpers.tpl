@@ -104,7 +104,8 @@ seccompProfile:
 {{- end }}
 
 {{/*
-The webhook's serving Secret (written by cert-manager) and the Certificate that fills it.
+The webhook's serving Secret (written by cert-manager, or by the operator without it) and the
+Certificate that fills it.
 */}}
 {{- define "tokenfair.webhook.secretName" -}}
 {{- printf "%s-webhook-tls" (include "tokenfair.fullname" .) | trunc 63 | trimSuffix "-" }}
@@ -118,7 +119,20 @@ The webhook's serving Secret (written by cert-manager) and the Certificate that 
 Refuse value combinations the chart cannot honour, with the reason.
 */}}
 {{- define "tokenfair.validate" -}}
-{{- if and .Values.webhook.enabled (not .Values.certManager.enabled) }}
-{{- fail "webhook.enabled=true needs certManager.enabled=true: the operator does not generate its own serving certificate yet (docs/deploy.md, \"Webhook certificates\")" }}
 {{- end }}
+
+{{/*
+The webhook's certificate is the operator's own (no cert-manager): it keeps a CA and a serving
+certificate in the webhook Secret and sets the webhook configurations' caBundle.
+*/}}
+{{- define "tokenfair.webhook.ownCertificate" -}}
+{{- if and .Values.webhook.enabled (not .Values.certManager.enabled) }}true{{ end }}
+{{- end }}
+
+{{/*
+The webhook Service's DNS names, as the API server may call it (the serving certificate's SANs).
+*/}}
+{{- define "tokenfair.webhook.dnsNames" -}}
+{{- $service := include "tokenfair.operator.fullname" . -}}
+{{ $service }},{{ $service }}.{{ .Release.Namespace }},{{ $service }}.{{ .Release.Namespace }}.svc,{{ $service }}.{{ .Release.Namespace }}.svc.cluster.local
 {{- end }}

@@ -1,0 +1,50 @@
+"""Operator-level periodic loops, in place of Kopf's per-object timers.
+
+Kopf puts its finalizer on every object that has a timer or daemon, to stop them before the
+object goes. A finalizer needs a live operator with its RBAC to be released, which a plain
+``helm uninstall`` removes in the same breath, so the objects (and what they own) would stay.
+One loop per job for the whole operator needs no finalizer: each round walks the Kopf indexes
+as they are at that moment.
+
+A round that raises is logged and the loop goes on; the next round repairs what it missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import kopf
+
+Job = Callable[[], Awaitable[None]]
+
+
+async def run_every(interval_s: float, job: Job, logger: kopf.Logger) -> None:
+    """Run ``job`` every ``interval_s`` seconds (first after one interval: the resume handlers
+    have just done a full pass), until cancelled. Rounds never overlap: the next interval starts
+    when a round ends, so a slow API stretches the period instead of stacking rounds."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await job()
+        except Exception:
+            logger.exception("periodic round failed; the next round retries")
+
+
+@dataclass
+class Periodic:
+    """The running loops, started from the startup hook and stopped from the cleanup hook."""
+
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def start(self, name: str, interval_s: float, job: Job, logger: kopf.Logger) -> None:
+        task = asyncio.create_task(run_every(interval_s, job, logger), name=name)
+        self.tasks.append(task)
+
+    async def stop(self) -> None:
+        """Cancel every loop and wait for it to finish (idempotent)."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.tasks.clear()

@@ -1,0 +1,157 @@
+"""Keep the webhook's own certificates: a Secret, the caBundle of named webhook configurations,
+and the files Kopf's webhook server loads (blocking I/O; called in a worker thread).
+
+Used when no cert-manager issues the certificate (``$TOKENFAIR_WEBHOOK_CERT_SECRET`` set, see
+:class:`.settings.OperatorConfig`). One :meth:`CertKeeper.ensure` pass:
+
+1. read the Secret; if :func:`.certs.due` says so, issue a new CA and serving certificate and
+   write them into the Secret (an existing Secret is updated, a missing one created; the CA's
+   key is never stored);
+2. set ``caBundle`` on every webhook of the named Validating/MutatingWebhookConfigurations that
+   exist, only where it differs (the current CA, plus the previous one right after a rotation);
+3. write ``ca.crt`` and ``tls.pem`` (the serving certificate and its key in one file, so one
+   atomic rename switches both: Kopf never loads a certificate with the other one's key) into
+   the directory Kopf's server reads, only where they differ (Kopf notices changed files within
+   60 s and restarts its listener).
+
+The Secret is the source of truth, so a restarted operator serves the same certificate and the
+caBundle does not move. Run at startup and then every hour: a certificate is replaced 30 days
+before it expires (:mod:`.certs`).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from kubernetes import client
+from kubernetes.client import ApiException
+
+from .certs import CA_KEY, ServingCerts, ca_bundle, due, issue
+from .kube import NOT_FOUND
+
+WEBHOOK_KINDS: Final = ("validating", "mutating")
+
+
+SERVING_FILE: Final = "tls.pem"
+
+
+@dataclass(frozen=True, slots=True)
+class CertFiles:
+    """Where the serving certificate, its key (the same file: key then certificate) and the CA
+    bundle are for Kopf's server."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+
+def utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+class CertKeeper:
+    """One Secret ``namespace/name``, the webhook configurations ``configurations`` (each name
+    looked up as both kinds), the files in ``directory``."""
+
+    def __init__(
+        self,
+        api: Any,
+        secret: tuple[str, str],
+        dns_names: Sequence[str],
+        configurations: Sequence[str],
+        directory: Path,
+        clock: Callable[[], datetime.datetime] = utc_now,
+    ) -> None:
+        self._core = client.CoreV1Api(api)
+        self._admission = client.AdmissionregistrationV1Api(api)
+        self._namespace, self._name = secret
+        self._dns_names = tuple(dns_names)
+        self._configurations = tuple(configurations)
+        serving = directory / SERVING_FILE
+        self.files = CertFiles(serving, serving, directory / CA_KEY)
+        self._clock = clock
+
+    def ensure(self) -> str | None:
+        """Bring Secret, caBundles and files in line; the reason when it issued new ones."""
+        stored, secret = self._read_secret()
+        reason = due(stored, self._dns_names, self._clock())
+        current = stored
+        if reason is not None or current is None:
+            current = issue(self._dns_names, self._clock())
+            self._write_secret(current, secret)
+        previous = stored if stored is not current else None
+        bundle = ca_bundle(current, previous)
+        for name in self._configurations:
+            for kind in WEBHOOK_KINDS:
+                self._patch_ca_bundle(kind, name, bundle)
+        self._write_files(current, bundle)
+        return reason
+
+    def _read_secret(self) -> tuple[ServingCerts | None, Any]:
+        """The stored certificates (None if absent or incomplete) and the Secret (None if
+        there is none)."""
+        try:
+            secret = self._core.read_namespaced_secret(self._name, self._namespace)
+        except ApiException as exc:
+            if exc.status == NOT_FOUND:
+                return None, None
+            raise
+        data = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+        return ServingCerts.from_secret_data(data), secret
+
+    def _write_secret(self, certs: ServingCerts, secret: Any) -> None:
+        data: dict[str, bytes | str] = {
+            k: base64.b64encode(v).decode() for k, v in certs.as_secret_data().items()
+        }
+        if secret is None:
+            meta = client.V1ObjectMeta(name=self._name, namespace=self._namespace)
+            body = client.V1Secret(metadata=meta, data=data)
+            self._core.create_namespaced_secret(self._namespace, body)
+            return
+        # Replace the object as read (the chart's labels kept): conditional on its
+        # resourceVersion, so a lost race is a 409 and the next pass starts over.
+        secret.data = data
+        self._core.replace_namespaced_secret(self._name, self._namespace, secret)
+
+    def _patch_ca_bundle(self, kind: str, name: str, bundle: bytes) -> None:
+        read = getattr(self._admission, f"read_{kind}_webhook_configuration")
+        patch = getattr(self._admission, f"patch_{kind}_webhook_configuration")
+        try:
+            config = read(name)
+        except ApiException as exc:
+            if exc.status == NOT_FOUND:
+                return  # e.g. the mutating one, when the chart installs no injection
+            raise
+        encoded = base64.b64encode(bundle).decode()
+        ops: list[dict[str, Any]] = []
+        for i, hook in enumerate(config.webhooks or []):
+            if hook.client_config.ca_bundle != encoded:
+                # `test` first: if the list changed since we read it, the patch fails whole.
+                ops.append({"op": "test", "path": f"/webhooks/{i}/name", "value": hook.name})
+                path = f"/webhooks/{i}/clientConfig/caBundle"
+                ops.append({"op": "add", "path": path, "value": encoded})
+        if ops:
+            patch(name, ops)
+
+    def _write_files(self, certs: ServingCerts, bundle: bytes) -> None:
+        _write_if_changed(self.files.ca, bundle)
+        _write_if_changed(self.files.cert, certs.key_pem + certs.cert_pem)
+
+
+def _write_if_changed(path: Path, content: bytes) -> None:
+    """Atomically (write aside, rename) and only when different: an unchanged file keeps its
+    mtime, so Kopf does not restart its listener for nothing. Private: mode 0600."""
+    if path.exists() and path.read_bytes() == content:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    aside = path.with_name(f".{path.name}.tmp")
+    fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(content)
+    os.replace(aside, path)
