@@ -2,7 +2,7 @@
 # One image, two entrypoints:
 #   operator:  kopf run -m tokenfair_operator.handlers --all-namespaces   (charts/tokenfair)
 #   sidecar:   tokenfair sidecar --config FILE --listen 0.0.0.0:8080 --admin-listen 0.0.0.0:9090
-# Build:       docker build -t ghcr.io/tokenfair/tokenfair:0.1.0 .
+# Build:       docker build -t tokenfair/tokenfair:0.1.0 .
 # Runs as UID 10001 with a read-only root filesystem: nothing is written at run time except /tmp
 # (the chart mounts an emptyDir there), bytecode is compiled at build time.
 

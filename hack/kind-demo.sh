@@ -7,12 +7,12 @@
 #
 # Needs docker, kind, kubectl, helm and the `tokenfair` command (.venv/bin). Environment:
 #   KIND_CLUSTER (tokenfair-demo)  KEEP_CLUSTER=1 to leave the cluster running afterwards
-#   IMAGE (ghcr.io/tokenfair/tokenfair:dev)   LOCAL_PORT (18080)
+#   IMAGE (tokenfair/tokenfair:dev)   LOCAL_PORT (18080)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 CLUSTER=${KIND_CLUSTER:-tokenfair-demo}
-IMAGE=${IMAGE:-ghcr.io/tokenfair/tokenfair:dev}
+IMAGE=${IMAGE:-tokenfair/tokenfair:dev}
 NAMESPACE=tokenfair-system
 LOCAL_PORT=${LOCAL_PORT:-18080}
 TOKENFAIR=${TOKENFAIR:-$( [ -x .venv/bin/tokenfair ] && echo .venv/bin/tokenfair || echo tokenfair )}
