@@ -4,7 +4,8 @@ exact RBAC it ships (``operator/rbac/``) through a ServiceAccount token.
 Behaviours under test:
 
 - CEL in the CRDs refuses invalid objects with their human messages (cross-field watermarks,
-  bounds, the priority-class enum, an immutable policyName);
+  bounds, the priority-class enum, a selector expression with values on `Exists`, an immutable
+  policyName);
 - ``kubectl apply`` of the lesson's three TenantQuotas and a policy -> a ConfigMap (owned by the
   policy) whose document the sidecar's ``parse_documents`` reads as the lesson's tenants, a
   Secret with the same version, and Ready/Accepted/ConfigPublished, observedGeneration and
@@ -15,6 +16,8 @@ Behaviours under test:
 - deleting the policy marks its quotas PolicyNotFound and garbage-collects the documents;
 - replica-aware budgets: with two Ready sidecar Pods of the policy the document holds half of
   each budget; one turning unready restores the whole;
+- ``spec.selector`` narrows those Pods: of two labelled Ready Pods only the one matching the
+  selector counts (the whole budget again); relabelling the other into it halves it again;
 - sidecar injection: a Pod labelled ``tokenfair.io/policy`` comes back from the API server with
   the sidecar and its config volume, exactly once (a dry-run re-create does not add another);
 - end to end: a real ``tokenfair sidecar`` fed the published ConfigMap (the test plays the
@@ -224,8 +227,26 @@ def _with_tenants(config: Config | None, count: int) -> Config | None:
             {"kind": "TenantQuota", "spec": quota("x", priorityClass="bulk")["spec"]},
             'supported values: "interactive", "batch"',
         ),
+        (
+            {
+                "kind": "SchedulingPolicy",
+                "spec": {
+                    "selector": {
+                        "matchExpressions": [{"key": "a", "operator": "Exists", "values": ["x"]}]
+                    }
+                },
+            },
+            "operators In and NotIn need at least one value; Exists and DoesNotExist take none",
+        ),
     ],
-    ids=["watermarks", "queue-bounds", "share-bound", "weight-bound", "priority-enum"],
+    ids=[
+        "watermarks",
+        "queue-bounds",
+        "share-bound",
+        "weight-bound",
+        "priority-enum",
+        "selector-values",
+    ],
 )
 def test_cel_and_schema_refuse_invalid_objects(
     kube_cluster: KubeCluster, kube_namespace: str, doc: dict[str, Any], message: str
@@ -465,6 +486,46 @@ def test_budgets_follow_the_ready_sidecars(
     set_ready(kube_cluster, ns, "sidecar-b", ready=False)  # one left: the whole quota again
     wait_for(
         "budgets whole", lambda: _burst(published(kube_cluster, ns), "tenant_chat_pro", 48_000)
+    )
+
+
+def test_selector_narrows_the_sidecars_budgets_are_divided_across(
+    kube_cluster: KubeCluster, kube_namespace: str, operator: Path
+) -> None:
+    ns = kube_namespace
+    apply_lesson(kube_cluster, ns)
+    pods = f"/api/v1/namespaces/{ns}/pods"
+    for name, tier in (("sidecar-gpu", "gpu"), ("sidecar-cpu", "cpu")):
+        pod = sidecar_pod(name)
+        pod["metadata"]["labels"]["tier"] = tier
+        kube_cluster.expect(201, "POST", pods, pod)
+        set_ready(kube_cluster, ns, name, ready=True)
+    # No selector yet: both labelled Ready Pods count, chat-pro's 48000 burst halves to 24000.
+    wait_for(
+        "budgets halved", lambda: _burst(published(kube_cluster, ns), "tenant_chat_pro", 24_000)
+    )
+
+    selector = {"matchExpressions": [{"key": "tier", "operator": "In", "values": ["gpu"]}]}
+    resp = kube_cluster.request(
+        "PATCH", policy_path(ns), {"spec": {"selector": selector}}, content_type=MERGE_PATCH
+    )
+    assert resp.status == 200, resp.body
+    # Two labelled Ready Pods, one matching: divided by 1, not 2 -> 48000 and 180000/s.
+    whole = wait_for(
+        "budgets whole", lambda: _burst(published(kube_cluster, ns), "tenant_chat_pro", 48_000)
+    )
+    assert whole.tenant("tenant_chat_pro").sustained_service_tokens_per_second == 180_000.0
+    wait_for(
+        "budgetShares 1", lambda: _status_field(kube_cluster, policy_path(ns), "budgetShares") == 1
+    )
+
+    # Relabelling the other Pod into the selector is a Pod event: halved again.
+    relabel = {"metadata": {"labels": {"tier": "gpu"}}}
+    resp = kube_cluster.request("PATCH", f"{pods}/sidecar-cpu", relabel, content_type=MERGE_PATCH)
+    assert resp.status == 200, resp.body
+    wait_for(
+        "budgets halved again",
+        lambda: _burst(published(kube_cluster, ns), "tenant_chat_pro", 24_000),
     )
 
 

@@ -7,7 +7,8 @@ Triggers, each reconciling one whole policy (see :mod:`.reconcile`):
 * a TenantQuota created, resumed, changed (spec) or deleted -> its policy;
 * a SchedulingPolicy created, resumed, changed (spec) or deleted -> itself;
 * a sidecar Pod (labelled ``tokenfair.io/policy``) changing the policy's count of Ready
-  sidecars -> that policy (budgets are divided across them, :mod:`.budgets`);
+  sidecars -> that policy (budgets are divided across them, :mod:`.budgets`; only the Pods the
+  policy's ``spec.selector`` matches count, :mod:`.selector`);
 * every ``resync_interval_s``, one operator-level loop (:mod:`.periodic`) -> every policy that
   exists or is named by a quota: picks up what no watch reports (a key Secret's content) and
   repairs anything a failed pass left behind;
@@ -24,10 +25,13 @@ own webhook certificate and a third loop renews it (:mod:`.webhook_certs`).
 
 Admission (when a webhook server is configured, see :mod:`.settings`): creating a TenantQuota or
 changing its spec is checked by :func:`.admission.quota_refusal`; a SchedulingPolicy's spec by
-the sidecar's ``parse_policy``. Metadata-only updates (Kopf's own annotations) pass unchecked.
+the sidecar's ``parse_policy`` and its ``selector`` by :func:`.selector.parse_selector`.
+Metadata-only updates (Kopf's own annotations) pass unchecked.
 
 Three Kopf indexes hold the snapshots the reconciler reads: quotas by (namespace, policyName),
-policies by (namespace, name), and sidecar Pods' readiness by (namespace, policy label).
+policies by (namespace, name), and sidecar Pods' readiness, address and labels by (namespace,
+policy label); the policy's selector is applied when they are read, so a changed selector needs
+no re-indexing.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from .model import GROUP, POLICY_PLURAL, QUOTA_PLURAL, VERSION, PolicyView, Quot
 from .periodic import Job, Periodic
 from .reconcile import PolicyKey, Reconciler
 from .scrape import scrape_metrics
+from .selector import parse_selector, ready_sidecars, selected_sidecars
 from .settings import OperatorConfig, configure_kopf
 from .webhook_certs import CertKeeper
 
@@ -172,11 +177,13 @@ def sidecars_by_policy(
     status: kopf.Status,
     **_: Any,
 ) -> dict[PolicyKey, SidecarView]:
-    """Each sidecar Pod (labelled ``tokenfair.io/policy``): Ready or not, and where its admin
-    port answers (``status.podIP``, port 9090 or annotation ``tokenfair.io/admin-port``)."""
+    """Each sidecar Pod (labelled ``tokenfair.io/policy``): Ready or not, where its admin
+    port answers (``status.podIP``, port 9090 or annotation ``tokenfair.io/admin-port``), and
+    its labels (for the policy's ``spec.selector``)."""
     ip = status.get("podIP")
     port = annotations.get(ADMIN_PORT_ANNOTATION, str(ADMIN_PORT))
-    view = SidecarView(pod_is_ready(status), f"{ip}:{port}" if ip else None)
+    address = f"{ip}:{port}" if ip else None
+    view = SidecarView(pod_is_ready(status), address, {str(k): str(v) for k, v in labels.items()})
     return {(namespace or "", labels[POLICY_LABEL]): view}
 
 
@@ -186,8 +193,10 @@ def pod_is_ready(status: Mapping[str, Any]) -> bool:
 
 
 def _ready_sidecars(key: PolicyKey, kwargs: Mapping[str, Any]) -> int:
+    """Ready sidecars of policy ``key`` that its ``spec.selector`` matches."""
+    policies: PolicyIndex = kwargs["policies_by_name"]
     sidecars: SidecarIndex = kwargs["sidecars_by_policy"]
-    return sum(s.ready for s in sidecars.get(key, ()))
+    return ready_sidecars(policies.get(key, ()), sidecars.get(key, ()))
 
 
 async def _reconcile(
@@ -197,8 +206,9 @@ async def _reconcile(
     functions (taken from ``kwargs``: a required parameter would not fit Kopf's handler types)."""
     policies: PolicyIndex = kwargs["policies_by_name"]
     quotas: QuotaIndex = kwargs["quotas_by_policy"]
+    sidecars: SidecarIndex = kwargs["sidecars_by_policy"]
     await _reconciler(memo).reconcile(
-        key, policies.get(key, ()), quotas.get(key, ()), logger, _ready_sidecars(key, kwargs)
+        key, policies.get(key, ()), quotas.get(key, ()), logger, sidecars.get(key, ())
     )
 
 
@@ -303,14 +313,16 @@ def _resync_job(memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]
 
 
 def _usage_job(memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]) -> Job:
-    """Every ``usage_interval_s``: scrape each policy's Ready sidecars and write their tenants'
-    live usage."""
+    """Every ``usage_interval_s``: scrape each policy's Ready sidecars (those its selector
+    matches) and write their tenants' live usage."""
 
     async def scrape() -> None:
+        policies: PolicyIndex = indexes["policies_by_name"]
         sidecars: SidecarIndex = indexes["sidecars_by_policy"]
         quotas: QuotaIndex = indexes["quotas_by_policy"]
         for key in sorted(sidecars):
-            addresses = [s.address for s in sidecars.get(key, ()) if s.ready and s.address]
+            selected = selected_sidecars(policies.get(key, ()), sidecars.get(key, ()))
+            addresses = [s.address for s in selected if s.ready and s.address]
             if not addresses or key not in quotas:
                 continue
             scrapes = await scrape_metrics(addresses, CONFIG.scrape_timeout_s)
@@ -347,8 +359,10 @@ async def admit_quota(*, body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> Non
 def admit_policy(*, name: str | None, spec: kopf.Spec, **kwargs: Any) -> None:
     if not _spec_changed(kwargs):
         return
+    where = f"SchedulingPolicy {name!r}: spec"
     try:
-        parse_policy(spec, f"SchedulingPolicy {name!r}: spec")
+        parse_policy(spec, where)
+        parse_selector(spec.get("selector"), f"{where}.selector")
     except ConfigError as exc:
         raise kopf.AdmissionError(str(exc), code=422) from None
 

@@ -36,7 +36,7 @@ MOUNT_PATH: Final = "/etc/tokenfair"
 PROXY_PORT: Final = 8080
 ADMIN_PORT: Final = 9090
 DEFAULT_UPSTREAM_PORT: Final = 8000
-DEFAULT_IMAGE: Final = "ghcr.io/tokenfair/tokenfair:0.1.0"
+DEFAULT_IMAGE: Final = "tokenfair/tokenfair:0.1.0"
 
 
 @dataclass(frozen=True, slots=True)

@@ -104,10 +104,12 @@ class QuotaView(ObjectView):
 
 @dataclass(frozen=True, slots=True)
 class SidecarView:
-    """A sidecar Pod of a policy: Ready or not, and ``host:port`` of its admin listener."""
+    """A sidecar Pod of a policy: Ready or not, ``host:port`` of its admin listener, and its
+    labels (which ``SchedulingPolicy.spec.selector`` is matched against, :mod:`.selector`)."""
 
     ready: bool
     address: str | None
+    labels: Mapping[str, str] = field(default_factory=dict)
 
 
 def object_reference(view: ObjectView) -> dict[str, Any]:

@@ -31,11 +31,13 @@ from .model import (
     ObjectView,
     PolicyView,
     QuotaView,
+    SidecarView,
     configmap_name,
     object_reference,
     secret_name,
 )
 from .render import KeyLookup, Rendering, render_config
+from .selector import ready_sidecars
 from .status import differs, orphan_verdict, policy_status, quota_status
 from .usage import aggregate_usage, usage_changed
 
@@ -68,12 +70,13 @@ class Reconciler:
         policies: Iterable[PolicyView],
         quotas: Iterable[QuotaView],
         logger: kopf.Logger,
-        ready_replicas: int = 1,
+        sidecars: Iterable[SidecarView] = (),
     ) -> None:
         """Bring the documents and statuses of policy ``key`` in line with the world, with
-        budgets divided across ``ready_replicas`` sidecars."""
+        budgets divided across the Ready ones of ``sidecars`` (the Pods labelled with the
+        policy's name) that the policy's ``spec.selector`` matches (:mod:`.selector`)."""
+        labelled = list(sidecars)
         async with self._locks.setdefault(key, asyncio.Lock()):
-            self._replicas[key] = ready_replicas
             live = [p for p in policies if not p.deleting]
             members = list(quotas)
             now = self.clock()
@@ -82,6 +85,7 @@ class Reconciler:
                 # API before calling the policy missing and posting Warning Events.
                 stored = await asyncio.to_thread(self.api.get_policy, *key)
                 live = [stored] if stored is not None and not stored.deleting else []
+            self._replicas[key] = ready_sidecars(live, labelled)
             if not live:
                 for quota in members:
                     await self._write_quota(quota, quota_status_orphan(quota, now))
@@ -93,7 +97,7 @@ class Reconciler:
                     lookups[quota.name] = await asyncio.to_thread(
                         self.api.key_hashes, quota.namespace, secret
                     )
-            rendering = render_config(policy, members, lookups, ready_replicas)
+            rendering = render_config(policy, members, lookups, self._replicas[key])
             if rendering.version:
                 await self._publish(policy, rendering, logger)
             status = policy_status(policy, rendering, now=now)

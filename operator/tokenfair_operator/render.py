@@ -4,8 +4,9 @@ Pure: no Kubernetes I/O. Every rule is the sidecar's own (``tokenfair_sidecar.co
 ``parse_policy``, ``parse_tenant``, ``build_config``); the operator only adds the rules that span
 objects, which the sidecar cannot see: the policy must exist, tenant ids are unique within a
 policy (the older TenantQuota keeps the id: by ``creationTimestamp``, then the one already
-accepted, then name), and a referenced
-key Secret must exist and hold at least one key.
+accepted, then name), a referenced
+key Secret must exist and hold at least one key, and ``spec.selector`` must be a well-formed
+label selector (:func:`~.selector.parse_selector`; a malformed one refuses the policy).
 
 Outputs, for a policy with at least one accepted tenant:
 
@@ -41,6 +42,7 @@ from tokenfair_sidecar.config import (
 
 from .budgets import split_budgets
 from .model import CONFIG_KEY, PolicyView, QuotaView
+from .selector import parse_selector
 
 VERSION_HEX_DIGITS: Final = 16
 
@@ -103,6 +105,8 @@ def render_config(
     where = f"SchedulingPolicy {policy.name!r}: spec"
     try:
         policy_config = parse_policy(policy.spec, where)
+        # The sidecar ignores the selector (an operator-only field); its rules are ours.
+        parse_selector(policy.spec.get("selector"), f"{where}.selector")
     except ConfigError as exc:
         refused = Verdict(False, "PolicyInvalid", f"SchedulingPolicy {policy.name!r} is invalid")
         return Rendering(str(exc), {q.name: refused for q in quotas})
