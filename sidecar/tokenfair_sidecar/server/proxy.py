@@ -243,7 +243,10 @@ def _settle(
             sidecar.clock.now_ms() - job.arrival_ms,
         )  # fmt: skip
     elif ticket.decision is not None:
-        actual = 0  # dispatched as its client left: the dispatcher settled it at zero
+        # Dispatched but no backend call made (its client left, or the handler failed before the
+        # call): settled at zero. `finish` is a no-op if the dispatcher already settled it.
+        actual = 0
+        sidecar.dispatcher.finish(ticket, 0, 0.0)
     decision = ticket.decision or ticket.outcome
     if decision is None:  # cannot happen: a ticket ends dispatched, refused or cancelled
         return
