@@ -26,7 +26,8 @@ Behaviours under test:
   the static webhook configuration's caBundle set to the new CA and the old one, and the API
   server calls the webhook over TLS trusting it (a policy-less quota refused by our handler);
 - live usage: the operator scrapes a real sidecar's metrics (found through its Pod) and writes
-  each tenant's admitted service tokens into ``status.usage`` (the ``Admitted`` column);
+  each tenant's admitted service tokens into ``status.usage`` (the ``Admitted`` column) and its
+  own p99 queue wait (a tenant of the same lane without requests reports 0, not the lane's);
 - the operator never hits a 403 (its log is checked after each test): missing RBAC fails.
 """
 
@@ -774,8 +775,12 @@ def test_live_usage_reaches_the_quota_status(
         assert chat["admittedServiceTokens"] == 90  # 3 requests x 30 service tokens
         assert chat["sidecars"] == 1
         assert chat["refusals"] == {}
+        # 3 dispatched waits: p99 is a bucket's upper bound, at least the first one's (5 ms).
+        assert chat["p99QueueWaitMs"] >= 5.0
         ide = wait_for("ide-assist's usage", lambda: usage_of("ide-assist"))
         assert ide["admittedServiceTokens"] == 0
+        # ide-assist shares chat-pro's interactive lane but sent nothing: its own p99 is 0.
+        assert ide["p99QueueWaitMs"] == 0.0
         table = kube_cluster.kubectl("get", "tq", "chat-pro", "-n", ns).stdout
         assert " 90 " in table  # the Admitted column
 

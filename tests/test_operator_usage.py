@@ -4,8 +4,10 @@ Behaviours under test (``tokenfair_operator.usage``), on metrics texts produced 
 ``prometheus_client`` with the sidecar's metric names:
 
 - admitted service tokens and refusals by reason are summed over sidecars and lanes per tenant;
-- p99 queue wait is the lane's: bucket counts merged over sidecars, reported as the upper bound
-  of the bucket holding the 99th percentile (ms); a lane with no observation reports 0;
+- p99 queue wait is the tenant's own (``tokenfair_queue_wait_seconds{tenant, lane}``): two
+  tenants of one lane with different waits get different p99s; the tenant's bucket counts are
+  merged over sidecars (and lanes), reported as the upper bound of the bucket holding the 99th
+  percentile (ms); a tenant with no observation reports 0;
 - ``sidecars`` counts the texts; a tenant absent from every sidecar gets zeros;
 - ``usage_changed`` ignores ``updatedAt``, so unchanged numbers cause no write.
 """
@@ -20,9 +22,11 @@ BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1)
 
 
 def sidecar_metrics(
-    admitted: dict[str, int], refused: dict[tuple[str, str], int], waits_s: dict[str, list[float]]
+    admitted: dict[str, int],
+    refused: dict[tuple[str, str], int],
+    waits_s: dict[tuple[str, str], list[float]],
 ) -> str:
-    """One sidecar's /metrics text."""
+    """One sidecar's /metrics text; ``waits_s`` by (tenant, lane)."""
     registry = CollectorRegistry()
     tokens = Counter(
         "tokenfair_estimated_service_tokens", "t", ["tenant", "lane"], registry=registry
@@ -31,19 +35,23 @@ def sidecar_metrics(
         "tokenfair_refused_requests", "r", ["tenant", "lane", "reason"], registry=registry
     )
     wait = Histogram(
-        "tokenfair_queue_wait_seconds", "w", ["lane"], buckets=BUCKETS_S, registry=registry
+        "tokenfair_queue_wait_seconds",
+        "w",
+        ["tenant", "lane"],
+        buckets=BUCKETS_S,
+        registry=registry,
     )
     for tenant, amount in admitted.items():
         tokens.labels(tenant, "interactive").inc(amount)
     for (tenant, reason), count in refused.items():
         refusals.labels(tenant, "interactive", reason).inc(count)
-    for lane, observations in waits_s.items():
+    for (tenant, lane), observations in waits_s.items():
         for seconds in observations:
-            wait.labels(lane).observe(seconds)
+            wait.labels(tenant, lane).observe(seconds)
     return generate_latest(registry).decode()
 
 
-LANES = {"chat": "interactive", "rag": "batch", "idle": "interactive"}
+LANES = {"chat": "interactive", "ide": "interactive", "rag": "batch", "idle": "interactive"}
 
 
 def test_sums_over_sidecars() -> None:
@@ -67,18 +75,49 @@ def test_sums_over_sidecars() -> None:
     }
 
 
-def test_p99_is_the_lanes_merged_bucket_bound() -> None:
-    # 99 fast waits (<= 5 ms) and 1 slow one (40 ms -> the 50 ms bucket) over two sidecars:
-    # the 99th of 100 observations is fast, so p99 <= 5 ms.
-    fast = sidecar_metrics({}, {}, {"interactive": [0.001] * 60})
-    mixed = sidecar_metrics({}, {}, {"interactive": [0.001] * 39 + [0.040]})
+def test_p99_is_the_tenants_merged_bucket_bound() -> None:
+    # chat: 99 fast waits (1 ms -> the 5 ms bucket) and 1 slow one (40 ms -> the 50 ms bucket)
+    # over two sidecars: cumulative at 5 ms is 99 >= 0.99 * 100 = 99, so p99 = 5 ms.
+    fast = sidecar_metrics({}, {}, {("chat", "interactive"): [0.001] * 60})
+    mixed = sidecar_metrics({}, {}, {("chat", "interactive"): [0.001] * 39 + [0.040]})
     assert aggregate_usage([fast, mixed], LANES)["chat"]["p99QueueWaitMs"] == 5.0
     # 98 fast + 2 slow: cumulative at 5 ms is 98 < 99, at 50 ms it is 100 -> 50 ms.
-    slower = sidecar_metrics({}, {}, {"interactive": [0.001] * 38 + [0.040] * 2})
+    slower = sidecar_metrics({}, {}, {("chat", "interactive"): [0.001] * 38 + [0.040] * 2})
     assert aggregate_usage([fast, slower], LANES)["chat"]["p99QueueWaitMs"] == 50.0
     # Beyond the last finite bucket: reported as that bound (100 ms), not infinity.
-    slowest = sidecar_metrics({}, {}, {"batch": [3.0]})
+    slowest = sidecar_metrics({}, {}, {("rag", "batch"): [3.0]})
     assert aggregate_usage([slowest], LANES)["rag"]["p99QueueWaitMs"] == 100.0
+
+
+def test_two_tenants_of_one_lane_get_their_own_p99() -> None:
+    # chat and ide share the interactive lane. chat: 60 + 39 waits of 1 ms and one of 40 ms
+    # (100 in all, 99 of them <= 5 ms). ide: 10 waits of 20 ms (the 25 ms bucket) on one
+    # sidecar and 5 of 80 ms (the 100 ms bucket) on the other.
+    one = sidecar_metrics(
+        {}, {}, {("chat", "interactive"): [0.001] * 60, ("ide", "interactive"): [0.020] * 10}
+    )
+    two = sidecar_metrics(
+        {},
+        {},
+        {("chat", "interactive"): [0.001] * 39 + [0.040], ("ide", "interactive"): [0.080] * 5},
+    )
+    usage = aggregate_usage([one, two], LANES)
+    # chat: cumulative at 5 ms is 99 >= 0.99 * 100 = 99 -> 5 ms.
+    assert usage["chat"]["p99QueueWaitMs"] == 5.0
+    # ide: 15 waits; 0.99 * 15 = 14.85; cumulative at 25 ms and 50 ms is 10, at 100 ms 15 -> 100.
+    assert usage["ide"]["p99QueueWaitMs"] == 100.0
+    # (The lane's merged histogram, 115 waits, would have given both tenants 100 ms:
+    # 0.99 * 115 = 113.85 > 110, the lane's cumulative count at 50 ms.)
+    assert usage["idle"]["p99QueueWaitMs"] == 0.0
+
+
+def test_a_tenant_that_changed_lane_is_merged_over_both() -> None:
+    # chat: 98 waits of 1 ms as interactive, then 2 of 40 ms as batch: 100 in all, cumulative
+    # at 5 ms is 98 < 99, at 50 ms 100 -> 50 ms (the interactive series alone would give 5 ms).
+    text = sidecar_metrics(
+        {}, {}, {("chat", "interactive"): [0.001] * 98, ("chat", "batch"): [0.040] * 2}
+    )
+    assert aggregate_usage([text], LANES)["chat"]["p99QueueWaitMs"] == 50.0
 
 
 def test_usage_changed_ignores_the_timestamp() -> None:

@@ -5,10 +5,10 @@ when enabled), lowering the class by header (never raising it), OpenAI-compatibl
 usage and SSE streaming, bad input (malformed JSON, oversized body, invalid max_tokens, unknown
 route) never leaking a reservation, refusals as 429 with the gate's reason, a Retry-After derived
 from the gate and rate-limit headers in service tokens, queue expiry, a client leaving the queue,
-the admin endpoints and per-app metrics; the ``x-tokenfair-queue-wait-ms`` header (the recorded
-queue wait in wall ms, on served answers and on expiry 429s) and request ids that end in a valid
-client ``x-request-id`` yet stay unique when a client reuses its id. Every test ends with the
-scheduler's books at zero.
+the admin endpoints and per-app metrics (queue wait per tenant and lane); the
+``x-tokenfair-queue-wait-ms`` header (the recorded queue wait in wall ms, on served answers and
+on expiry 429s) and request ids that end in a valid client ``x-request-id`` yet stay unique when
+a client reuses its id. Every test ends with the scheduler's books at zero.
 """
 
 from __future__ import annotations
@@ -326,6 +326,9 @@ async def test_status_and_metrics_report_books_and_counters(aiohttp_client: Clie
     assert f"{estimated} 420.0" in text
     assert 'tokenfair_invalid_requests_total{status="401"} 1.0' in text
     assert 'tokenfair_ttft_seconds_count{lane="interactive"} 3.0' in text
+    # Queue wait is per tenant and lane (the operator's per-tenant p99 reads it).
+    wait = 'tokenfair_queue_wait_seconds_count{lane="interactive",tenant="tenant_chat_pro"}'
+    assert f"{wait} 3.0" in text
     assert 'tokenfair_queued_requests{lane="batch"} 0.0' in text
     assert 'tokenfair_config_info{sha256="",version="test-1"} 1.0' in text
 

@@ -110,8 +110,7 @@ class Reconciler:
         """Write each quota's ``status.usage`` from the sidecars' metrics, only where it changed
         (the caller's interval bounds the write rate)."""
         members = list(quotas)
-        lanes = {q.tenant_id: str(q.spec.get("priorityClass", "interactive")) for q in members}
-        usage = aggregate_usage(scrapes, lanes)
+        usage = aggregate_usage(scrapes, [q.tenant_id for q in members])
         now = self.clock()
         for quota in members:
             fresh = usage[quota.tenant_id]

@@ -6,10 +6,12 @@ tenant id, summed over the sidecars and both lanes:
 * ``admittedServiceTokens`` — ``tokenfair_estimated_service_tokens_total``: service tokens
   charged at admission (dispatch);
 * ``refusals`` — ``tokenfair_refused_requests_total`` by ``reason``;
-* ``p99QueueWaitMs`` — p99 of ``tokenfair_queue_wait_seconds`` of the tenant's **lane** (the
-  sidecar keeps that histogram per lane, not per tenant), merged over the sidecars by adding
-  bucket counts; reported as the upper bound of the bucket holding the 99th percentile, in
-  milliseconds (0 when the lane saw no request);
+* ``p99QueueWaitMs`` — p99 of the tenant's own ``tokenfair_queue_wait_seconds`` series
+  (labels ``tenant``, ``lane``): its cumulative bucket counts are added per upper bound ``le``
+  over the sidecars (and both lanes, should its priority class have changed), then the
+  estimate is the upper bound of the first bucket whose cumulative count reaches
+  ``0.99 * total`` (nearest bucket bound, no interpolation; ``+Inf`` is reported as the last
+  finite bound), in milliseconds; 0 when the tenant saw no dispatched request;
 * ``sidecars`` — how many sidecars answered.
 
 Counters restart with a sidecar, so the sums are "since the sidecars started".
@@ -30,11 +32,12 @@ QUEUE_WAIT: Final = "tokenfair_queue_wait_seconds"
 P99: Final = 0.99
 
 
-def aggregate_usage(scrapes: Iterable[str], lanes: Mapping[str, str]) -> dict[str, dict[str, Any]]:
-    """``status.usage`` per tenant id in ``lanes`` (tenant id -> its lane) from metrics texts."""
+def aggregate_usage(scrapes: Iterable[str], tenants: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """``status.usage`` per tenant id in ``tenants`` from metrics texts (a mapping of tenant
+    ids, e.g. to their lanes, is iterated for its keys)."""
     admitted: Counter[str] = Counter()
     refusals: dict[str, Counter[str]] = defaultdict(Counter)
-    # lane -> upper bound (le) -> cumulative count
+    # tenant -> upper bound (le) -> cumulative count
     buckets: dict[str, defaultdict[float, float]] = defaultdict(lambda: defaultdict(float))
     sidecars = 0
     for text in scrapes:
@@ -47,15 +50,15 @@ def aggregate_usage(scrapes: Iterable[str], lanes: Mapping[str, str]) -> dict[st
                 elif sample.name == f"{REFUSED}_total":
                     refusals[labels["tenant"]][labels["reason"]] += int(sample.value)
                 elif sample.name == f"{QUEUE_WAIT}_bucket":
-                    buckets[labels["lane"]][float(labels["le"])] += sample.value
+                    buckets[labels["tenant"]][float(labels["le"])] += sample.value
     return {
         tenant: {
             "admittedServiceTokens": admitted[tenant],
             "refusals": dict(sorted(refusals[tenant].items())),
-            "p99QueueWaitMs": _p99_ms(buckets[lane]),
+            "p99QueueWaitMs": _p99_ms(buckets[tenant]),
             "sidecars": sidecars,
         }
-        for tenant, lane in lanes.items()
+        for tenant in tenants
     }
 
 

@@ -13,8 +13,10 @@ Counters (labels ``tenant``, ``lane`` and, for refusals, ``reason``):
 * ``tokenfair_invalid_requests_total`` (``status``: 400, 401, 413) — before any tenant is charged;
 * ``tokenfair_config_reloads_total`` (``result``: ``applied``, ``invalid``).
 
-Histograms (label ``lane``, in model seconds, equal to real seconds at ``time_scale`` 1):
-``tokenfair_queue_wait_seconds`` and ``tokenfair_ttft_seconds``.
+Histograms, in model seconds (equal to real seconds at ``time_scale`` 1):
+``tokenfair_queue_wait_seconds`` (labels ``tenant``, ``lane``: the operator reports each
+tenant's p99 from it; tenants are bounded by the config, so the series are too) and
+``tokenfair_ttft_seconds`` (label ``lane``).
 
 Read from the scheduler at scrape time (so always current, and free per request):
 ``tokenfair_queued_requests{lane}``, ``tokenfair_running_requests``,
@@ -120,7 +122,7 @@ class Metrics:
         self.queue_wait = Histogram(
             "tokenfair_queue_wait_seconds",
             "Time from arrival to dispatch.",
-            ["lane"],
+            tenant_lane,
             buckets=LATENCY_BUCKETS_S,
             registry=registry,
         )

@@ -169,7 +169,7 @@ class Sidecar:
                 metrics.cancelled.labels(tenant_id, lane),
                 metrics.estimated_tokens.labels(tenant_id, lane),
                 metrics.actual_tokens.labels(tenant_id, lane),
-                metrics.queue_wait.labels(lane),
+                metrics.queue_wait.labels(tenant_id, lane),
                 metrics.ttft.labels(lane),
             )
             self._series_cache[key] = series
