@@ -34,6 +34,7 @@ import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from kubecluster import free_ports
 
 from tokenfair_sidecar import cli
 from tokenfair_sidecar.config import PolicyConfig, build_config, config_to_document
@@ -481,18 +482,6 @@ def test_cli_exits_1_when_the_endpoint_is_unreachable(
 E2E_TIME_SCALE = 2.0
 
 
-def _free_ports(count: int) -> list[int]:
-    """Distinct loopback ports with nothing listening (all held open while picking)."""
-    probes = [socket.socket() for _ in range(count)]
-    try:
-        for probe in probes:
-            probe.bind(("127.0.0.1", 0))
-        return [int(probe.getsockname()[1]) for probe in probes]
-    finally:
-        for probe in probes:
-            probe.close()
-
-
 async def _tokenfair(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
@@ -517,7 +506,7 @@ async def test_noisy_neighbor_through_a_live_sidecar(tmp_path: Path) -> None:
     config_path.write_text(
         yaml.safe_dump(config_to_document(build_config(PolicyConfig(), tenants)))
     )
-    proxy_port, admin_port = _free_ports(2)
+    proxy_port, admin_port = free_ports(2)
     listen = f"127.0.0.1:{proxy_port}"
     # Time scale 2 (half speed): wall-clock overhead counts 1 / time_scale in model time. At 1.0
     # about one run in ten on a 2-core machine at load ~8 refused a few interactive requests

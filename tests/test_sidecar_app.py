@@ -27,6 +27,7 @@ from test_sidecar_support import (
     books_when_settled,
     completion_body,
     keyed_config,
+    one_running_one_queued,
     start,
     wait_for,
 )
@@ -246,16 +247,7 @@ async def test_queue_full_expiry_and_cancellation(aiohttp_client: ClientFactory)
         aiohttp_client, keyed_config(policy), SidecarSettings(time_scale=10.0, max_in_flight=1)
     )
     proxy, sidecar = clients.proxy, clients.sidecar
-    long = asyncio.create_task(
-        proxy.post(
-            "/v1/completions", json=completion_body(1000, 750), headers={"Authorization": CHAT}
-        )
-    )
-    assert await wait_for(lambda: sidecar.scheduler.running == 1)
-    queued = asyncio.create_task(
-        proxy.post("/v1/completions", json=completion_body(10, 10), headers={"Authorization": CHAT})
-    )
-    assert await wait_for(lambda: sidecar.scheduler.books().queued_requests == 1)
+    long, queued = await one_running_one_queued(proxy, sidecar)
     full = await proxy.post(
         "/v1/completions", json=completion_body(10, 10), headers={"Authorization": CHAT}
     )

@@ -25,7 +25,8 @@ import aiohttp
 import pytest
 import yaml
 from aiohttp import web
-from test_sidecar_support import CHAT, free_port, keyed_config
+from kubecluster import free_ports
+from test_sidecar_support import CHAT, keyed_config
 
 from tokenfair_sidecar.config import PolicyConfig, config_to_document
 from tokenfair_sidecar.records import read_trace
@@ -106,7 +107,7 @@ async def stub() -> AsyncIterator[Stub]:
     app.router.add_post("/v1/chat/completions", stub.handle)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    port = free_port()
+    (port,) = free_ports(1)
     await web.TCPSite(runner, "127.0.0.1", port).start()
     stub.url = f"http://127.0.0.1:{port}"
     yield stub
@@ -146,7 +147,7 @@ def start_sidecar(
     document["sidecar"] = {"upstreamReadTimeoutSeconds": 0.5, "upstreamConnectTimeoutSeconds": 1.0}
     config = tmp_path / "sidecar.yaml"
     config.write_text(yaml.safe_dump(document), encoding="utf-8")
-    proxy, admin = free_port(), free_port()
+    proxy, admin = free_ports(2)
     records = tmp_path / "records.jsonl"
     process = subprocess.Popen(
         [str(TOKENFAIR), "sidecar", "--config", str(config),
@@ -267,7 +268,7 @@ async def test_json_stream_and_upstream_faults(stub: Stub, tmp_path: Path) -> No
 
 async def test_refused_upstream_is_502(tmp_path: Path) -> None:
     async with aiohttp.ClientSession() as session:
-        sidecar = await _running(tmp_path, f"http://127.0.0.1:{free_port()}", session)
+        sidecar = await _running(tmp_path, f"http://127.0.0.1:{free_ports(1)[0]}", session)
         try:
             async with session.post(
                 f"{sidecar.proxy}/v1/chat/completions",

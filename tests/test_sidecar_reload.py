@@ -27,6 +27,7 @@ from test_sidecar_support import (
     books_when_settled,
     completion_body,
     keyed_config,
+    one_running_one_queued,
     start,
     wait_for,
 )
@@ -64,17 +65,8 @@ async def test_valid_reload_applies_without_dropping_requests_and_invalid_is_ref
         aiohttp_client, loaded.config, settings, config_path=path, config_sha256=loaded.sha256
     )
     sidecar, proxy = clients.sidecar, clients.proxy
-    # 1000 + 4 * 750 = 4000 service tokens: 89 model ms, 0.89 s real at time_scale 10.
-    running = asyncio.create_task(
-        proxy.post(
-            "/v1/completions", json=completion_body(1000, 750), headers={"Authorization": CHAT}
-        )
-    )
-    assert await wait_for(lambda: sidecar.scheduler.running == 1)
-    queued = asyncio.create_task(
-        proxy.post("/v1/completions", json=completion_body(10, 10), headers={"Authorization": CHAT})
-    )
-    assert await wait_for(lambda: sidecar.scheduler.books().queued_requests == 1)
+    # One running (0.89 s real at time_scale 10), one queued behind it.
+    running, queued = await one_running_one_queued(proxy, sidecar)
 
     tenants: list[dict[str, Any]] = document["tenants"]  # type: ignore[assignment]
     tenants[0]["weight"] = 3.0

@@ -4,7 +4,6 @@ free ports, and the books-are-zero check every fault test ends with."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -81,13 +80,6 @@ async def books_when_settled(sidecar: Sidecar, budget_s: float = 5.0) -> Books:
         await asyncio.sleep(0.005)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def completion_body(prompt_tokens: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
     """A /v1/completions body the ``chars4`` estimator prices at exactly ``prompt_tokens``
     (4 characters per token)."""
@@ -102,3 +94,28 @@ async def wait_for(predicate: Callable[[], bool], budget_s: float = 5.0) -> bool
             return False
         await asyncio.sleep(0.005)
     return True
+
+
+async def one_running_one_queued(
+    proxy: TestClient[Any, Any], sidecar: Sidecar, authorization: str = CHAT
+) -> tuple[asyncio.Task[Any], asyncio.Task[Any]]:
+    """Start a 1000 + 4 * 750 = 4000-service-token request (89 model ms at 45 tokens/ms) and,
+    once it runs, a small one that has to queue behind it (``max_in_flight=1``). Returns both
+    client tasks; each resolves to its response."""
+    running = asyncio.create_task(
+        proxy.post(
+            "/v1/completions",
+            json=completion_body(1000, 750),
+            headers={"Authorization": authorization},
+        )
+    )
+    assert await wait_for(lambda: sidecar.scheduler.running == 1)
+    queued = asyncio.create_task(
+        proxy.post(
+            "/v1/completions",
+            json=completion_body(10, 10),
+            headers={"Authorization": authorization},
+        )
+    )
+    assert await wait_for(lambda: sidecar.scheduler.books().queued_requests == 1)
+    return running, queued
