@@ -92,14 +92,16 @@ class DeficitRoundRobin:
 
     def min_head_cost(self) -> int | None:
         """Cheapest head among backlogged tenants (O(active tenants))."""
-        costs = [head.service_tokens for q in self.active if (head := q.head()) is not None]
-        return min(costs) if costs else None
+        return min(
+            (head.service_tokens for q in self.active if (head := q.head()) is not None),
+            default=None,
+        )
 
     def pick(self, eligible: Callable[[Job], bool]) -> Job | None:
         """Remove and return the next job to run, or None if no head is eligible now."""
         active = self.active
         while active:
-            candidates: list[TenantQueue] = []
+            candidates: list[TenantQueue] | None = None  # built only when a deficit falls short
             for _ in range(len(active)):
                 queue = active[0]
                 head = queue.head()
@@ -127,6 +129,8 @@ class DeficitRoundRobin:
                         queue.reset()
                     return head
                 queue.turn_open = False
+                if candidates is None:
+                    candidates = []
                 candidates.append(queue)
                 active.rotate(-1)
             if not candidates:
