@@ -1,11 +1,14 @@
 """The sidecar's cost per request, against a fast stub upstream, in one run (see bench/README.md).
 
-Three targets behind the same nginx stub on loopback, each loaded by ``wrk`` (pinned to core 0,
+Four targets behind the same nginx stub on loopback, each loaded by ``wrk`` (pinned to core 0,
 with nginx) while the proxy under test runs pinned to core 1:
 
 * ``direct`` — wrk straight at nginx (``return 200`` JSON; a static SSE file for streams);
 * ``passthrough`` — a minimal aiohttp proxy (one pooled ``ClientSession``, no parsing, streamed
-  relay); the ceiling for a Python proxy; it is this file, run as ``passthrough LISTEN UPSTREAM``;
+  relay); the issue's ceiling for a Python proxy, the baseline of the targets; it is this file,
+  run as ``passthrough LISTEN UPSTREAM aiohttp``;
+* ``passthru-tf`` — the same relay over the sidecar's own upstream client
+  (``passthrough LISTEN UPSTREAM tokenfair``): not a target, it isolates the sidecar's logic;
 * ``sidecar`` — ``tokenfair sidecar --backend openai`` with everything on (auth, body parse,
   estimate, admission, lanes/DRR, settlement, request records, metrics), budgets and bounds so
   large that nothing is refused.
@@ -18,9 +21,11 @@ its RSS before and after must stay flat (bounded queues). Every process started 
 in ``finally:``; everything listens on 127.0.0.1.
 
 Each measurement runs 3 rounds interleaved over the targets; a figure is the target's best round.
+``--instructions`` instead counts instructions per request of each proxy under callgrind.
 
-    .venv/bin/python bench/bench_sidecar.py            # 3 rounds of 10 s measurements (~6 min)
-    .venv/bin/python bench/bench_sidecar.py --quick    # 1 round of 3 s (~1 min)
+    .venv/bin/python bench/bench_sidecar.py                 # 3 rounds of 10 s (~8 min)
+    .venv/bin/python bench/bench_sidecar.py --quick         # 1 round of 3 s (~1.5 min)
+    .venv/bin/python bench/bench_sidecar.py --instructions  # callgrind (~1.5 min)
 """
 
 from __future__ import annotations
@@ -203,16 +208,15 @@ tenants:
 # -- the minimal pass-through proxy ---------------------------------------------------------------
 
 
-def run_passthrough(listen: str, upstream: str) -> None:
-    """Relay every request to ``upstream``: one pooled session, body and response as bytes."""
+def run_passthrough(listen: str, upstream: str, client: str) -> None:
+    """Relay every request to ``upstream``: body and response as bytes, SSE chunk by chunk, no
+    parsing. ``client``: ``aiohttp`` (one pooled ``ClientSession``: the issue's ceiling for
+    Python) or ``tokenfair`` (the sidecar's own upstream client, to isolate the sidecar's logic)."""
     from aiohttp import ClientSession, TCPConnector, web
 
-    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
-        app["session"] = ClientSession(connector=TCPConnector(limit=0))
-        yield
-        await app["session"].close()
+    from tokenfair_sidecar.server.upstream import UpstreamClient
 
-    async def relay(request: web.Request) -> web.StreamResponse:
+    async def relay_aiohttp(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         session: ClientSession = request.app["session"]
         async with session.post(
@@ -235,8 +239,46 @@ def run_passthrough(listen: str, upstream: str) -> None:
                 body=data, status=upstream_response.status, headers={"Content-Type": content_type}
             )
 
+    async def relay_tokenfair(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        pool: UpstreamClient = request.app["pool"]
+        content_type = request.headers.get("Content-Type", "application/json")
+        answer = await pool.request(
+            "POST", request.raw_path, [("Content-Type", content_type)], body
+        )
+        try:
+            content_type = next(
+                (value for name, value in answer.headers if name.lower() == "content-type"), ""
+            )
+            if content_type.startswith("text/event-stream"):
+                response = web.StreamResponse(
+                    status=answer.status, headers={"Content-Type": content_type}
+                )
+                await response.prepare(request)
+                while chunk := await answer.next_chunk():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+            data = await answer.read()
+            return web.Response(
+                body=data, status=answer.status, headers={"Content-Type": content_type}
+            )
+        finally:
+            answer.release()
+
+    async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+        if client == "aiohttp":
+            app["session"] = ClientSession(connector=TCPConnector(limit=0))
+            yield
+            await app["session"].close()
+        else:
+            app["pool"] = UpstreamClient(upstream, connect_timeout_s=5.0, read_timeout_s=60.0)
+            yield
+            await app["pool"].close()
+
     app = web.Application()
-    app.cleanup_ctx.append(session_ctx)
+    app.cleanup_ctx.append(upstream_ctx)
+    relay = relay_aiohttp if client == "aiohttp" else relay_tokenfair
     app.router.add_route("*", "/{tail:.*}", relay)
     host, _, port = listen.rpartition(":")
     web.run_app(app, host=host, port=int(port), access_log=None, print=None)
@@ -245,10 +287,16 @@ def run_passthrough(listen: str, upstream: str) -> None:
 # -- processes ------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports (all bound at once, so none is handed out twice)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def wait_http(url: str, timeout_s: float = 15.0) -> None:
@@ -380,12 +428,13 @@ def measure(url: str, lua: Path, connections: int, duration_s: float, pid: int |
 # -- the run --------------------------------------------------------------------------------------
 
 
-def check_tools() -> None:
-    missing = [tool for tool in ("nginx", "wrk", "taskset") if shutil.which(tool) is None]
+def check_tools(*, valgrind: bool = False) -> None:
+    tools = ("nginx", "wrk", "taskset", *(("valgrind", "callgrind_control") if valgrind else ()))
+    missing = [tool for tool in tools if shutil.which(tool) is None]
     if missing:
         sys.exit(
             f"missing: {', '.join(missing)}. Install them (Debian, as root):\n"
-            "    apt-get update && apt-get install -y nginx-light wrk util-linux"
+            "    apt-get update && apt-get install -y nginx-light wrk util-linux valgrind"
         )
     if (os.cpu_count() or 1) < 2:
         sys.exit("needs 2 cores (wrk pinned to core 0, the proxy under test to core 1)")
@@ -402,24 +451,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 s per measurement instead of 10")
     parser.add_argument("--duration", type=float, help="seconds per measurement")
     parser.add_argument("--rounds", type=int, help="rounds over the targets (3; --quick: 1)")
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="instead: instructions per request of each proxy under callgrind (valgrind)",
+    )
     args = parser.parse_args(argv)
     duration_s = args.duration or (3.0 if args.quick else 10.0)
     rounds_n = args.rounds or (1 if args.quick else 3)
-    check_tools()
+    check_tools(valgrind=args.instructions)
     procs = Processes()
     with workdir() as tmp:
         try:
+            if args.instructions:
+                return _instructions(tmp, procs)
             return _run(tmp, procs, duration_s, rounds_n)
         finally:
             procs.stop_all()
 
 
-def _run(tmp: Path, procs: Processes, duration_s: float, rounds_n: int) -> int:
-    python = str(VENV_BIN / "python")
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """The files of a run in its temp dir, and nginx's URL."""
+
+    upstream: str
+    chat_lua: Path
+    stream_lua: Path
+
+
+def _stage(tmp: Path, procs: Processes, nginx_port: int) -> Stage:
+    """Write nginx's config and files, the wrk scripts and the sidecar configs; start nginx."""
     tmp.chmod(0o755)  # nginx's workers (not root) read the SSE file under it
     (tmp / "www" / "v1").mkdir(parents=True)
     (tmp / "www" / "v1" / "completions").write_text(sse_document())
-    nginx_port, pass_port, side_port, admin_port = (free_port() for _ in range(4))
     (tmp / "nginx.conf").write_text(
         NGINX_CONF.format(dir=tmp, port=nginx_port, completion=COMPLETION_JSON)
     )
@@ -429,27 +493,42 @@ def _run(tmp: Path, procs: Processes, duration_s: float, rounds_n: int) -> int:
     (tmp / "open.yaml").write_text(_config_yaml(overload=False))
     (tmp / "overload.yaml").write_text(_config_yaml(overload=True))
     upstream = f"http://127.0.0.1:{nginx_port}"
+    procs.start(["taskset", "-c", LOAD_CORE, "nginx", "-p", str(tmp), "-c",
+                 str(tmp / "nginx.conf"), "-g", "daemon off;"], tmp / "nginx.log")  # fmt: skip
+    wait_http(upstream + "/v1/chat/completions")
+    return Stage(upstream, chat_lua, stream_lua)
+
+
+def _run(tmp: Path, procs: Processes, duration_s: float, rounds_n: int) -> int:
+    python = str(VENV_BIN / "python")
+    nginx_port, pass_port, pass_tf_port, side_port, admin_port = free_ports(5)
+    stage = _stage(tmp, procs, nginx_port)
+    upstream, chat_lua, stream_lua = stage.upstream, stage.chat_lua, stage.stream_lua
     load_start = loadavg()
     print(f"python {sys.version.split()[0]}, {duration_s:g} s per measurement, "
           f"{rounds_n} round(s), "
           f"wrk + nginx on core {LOAD_CORE}, proxy on core {PROXY_CORE}; "
           f"load average at start {load_start}", flush=True)  # fmt: skip
 
-    procs.start(["taskset", "-c", LOAD_CORE, "nginx", "-p", str(tmp), "-c",
-                 str(tmp / "nginx.conf"), "-g", "daemon off;"], tmp / "nginx.log")  # fmt: skip
-    wait_http(upstream + "/v1/chat/completions")
     passthrough = procs.start(
         ["taskset", "-c", PROXY_CORE, python, __file__, "passthrough",
-         f"127.0.0.1:{pass_port}", upstream],
+         f"127.0.0.1:{pass_port}", upstream, "aiohttp"],
         tmp / "passthrough.log",
+    )  # fmt: skip
+    passthrough_tf = procs.start(
+        ["taskset", "-c", PROXY_CORE, python, __file__, "passthrough",
+         f"127.0.0.1:{pass_tf_port}", upstream, "tokenfair"],
+        tmp / "passthrough-tf.log",
     )  # fmt: skip
     sidecar = _start_sidecar(procs, tmp, "open", upstream, side_port, admin_port)
     wait_http(f"http://127.0.0.1:{pass_port}/")
+    wait_http(f"http://127.0.0.1:{pass_tf_port}/")
     _check_sidecar_answers(side_port)
 
     targets = {
         "direct": (upstream, None),
         "passthrough": (f"http://127.0.0.1:{pass_port}", passthrough.pid),
+        "passthru-tf": (f"http://127.0.0.1:{pass_tf_port}", passthrough_tf.pid),
         "sidecar": (f"http://127.0.0.1:{side_port}", sidecar.pid),
     }
     # Rounds interleave the targets, so a burst of load from elsewhere on the machine hits one
@@ -471,8 +550,9 @@ def _run(tmp: Path, procs: Processes, duration_s: float, rounds_n: int) -> int:
     records = sum(1 for _ in (tmp / "records-open.jsonl").open())
     procs.stop(sidecar)
     procs.stop(passthrough)
+    procs.stop(passthrough_tf)
 
-    overload_port, overload_admin = free_port(), free_port()
+    overload_port, overload_admin = free_ports(2)
     overloaded = _start_sidecar(procs, tmp, "overload", upstream, overload_port, overload_admin)
     _check_sidecar_answers(overload_port)
     overload_url = f"http://127.0.0.1:{overload_port}/v1/chat/completions"
@@ -495,7 +575,7 @@ def _run(tmp: Path, procs: Processes, duration_s: float, rounds_n: int) -> int:
     )
     load_end = loadavg()
     _report(results, duration_s, peak_rss_kib, records)
-    for name in ("passthrough", "sidecar"):
+    for name in ("passthrough", "passthru-tf", "sidecar"):
         spread = ", ".join(
             f"{kind} {' / '.join(_us(m.cpu_us_per_request) for m in rounds[name][kind])}"
             for kind in ("chat", "stream")
@@ -511,6 +591,55 @@ def _run(tmp: Path, procs: Processes, duration_s: float, rounds_n: int) -> int:
           f"the second {after:.1f} MiB (second half {after - middle:+.1f} MiB), "
           f"VmHWM {overload_hwm_kib / 1024:.1f} MiB")  # fmt: skip
     print(f"\nload average at start {load_start}, at end {load_end}")
+    return 0
+
+
+# -- instruction counts (callgrind) ---------------------------------------------------------------
+
+CALLGRIND_CONNECTIONS: Final = 8
+CALLGRIND_SECONDS: Final = 10
+
+
+def _instructions(tmp: Path, procs: Processes) -> int:
+    """Instructions per chat request of each proxy under callgrind: repeatable whatever else the
+    machine does (the proxy runs ~50x slower, so throughput and latency mean nothing here)."""
+    python = str(VENV_BIN / "python")
+    nginx_port, port, admin_port = free_ports(3)
+    stage = _stage(tmp, procs, nginx_port)
+    listen = f"127.0.0.1:{port}"
+    proxies = {
+        "passthrough": [python, __file__, "passthrough", listen, stage.upstream, "aiohttp"],
+        "passthru-tf": [python, __file__, "passthrough", listen, stage.upstream, "tokenfair"],
+        "sidecar": [python, str(VENV_BIN / "tokenfair"), "sidecar", "--config",
+                    str(tmp / "open.yaml"), "--backend", "openai", "--upstream", stage.upstream,
+                    "--listen", listen, "--admin-listen", f"127.0.0.1:{admin_port}",
+                    "--records", str(tmp / "records-callgrind.jsonl"), "--log-level", "WARNING"],
+    }  # fmt: skip
+    url = f"http://{listen}/v1/chat/completions"
+    print(f"python {sys.version.split()[0]}; instructions per chat request under callgrind, "
+          f"wrk at {CALLGRIND_CONNECTIONS} connections for {CALLGRIND_SECONDS} s "
+          "after a 3 s warm-up", flush=True)  # fmt: skip
+    for name, argv in proxies.items():
+        out = tmp / f"callgrind.{name}"
+        proc = procs.start(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *argv],
+            tmp / f"callgrind-{name}.log",
+        )
+        wait_http(f"http://{listen}/", timeout_s=180.0)
+        run_wrk(url, stage.chat_lua, CALLGRIND_CONNECTIONS, 3.0)
+        subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True,
+                       capture_output=True)  # fmt: skip
+        result = run_wrk(url, stage.chat_lua, CALLGRIND_CONNECTIONS, CALLGRIND_SECONDS)
+        subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True,
+                       capture_output=True)  # fmt: skip
+        procs.stop(proc)
+        dump = next(path for path in tmp.glob(f"callgrind.{name}.*"))  # the -d dump only
+        totals = re.search(r"^(?:summary|totals): (\d+)", dump.read_text(), re.MULTILINE)
+        if totals is None or not result.requests or result.non_2xx:
+            raise RuntimeError(f"{name}: no usable callgrind dump or failed requests ({result})")
+        per_request = int(totals.group(1)) / result.requests
+        print(f"  {name:<12} {result.requests:>6} requests  {per_request / 1000:>8.0f}k "
+              "instructions per request", flush=True)  # fmt: skip
     return 0
 
 
@@ -574,6 +703,16 @@ def _report(
         met = value >= target if op == ">=" else value <= target
         print(f"  {label:<36} {value:>8.3f}  target {op} {target:g}  "
               f"{'met' if met else 'NOT met'}")  # fmt: skip
+    # Not a target: the same minimal relay over the sidecar's own upstream client, so the
+    # difference is what the sidecar's logic (auth, parse, admission, settlement, ...) costs.
+    same = results["passthru-tf"]
+    print("  the sidecar's own work (sidecar minus passthru-tf, same upstream client):")
+    for kind, unit in (("chat", "request"), ("stream", "stream")):
+        side_cpu, same_cpu = side[kind].cpu_us_per_request, same[kind].cpu_us_per_request
+        if side_cpu is not None and same_cpu is not None:
+            ratio = side[kind].wrk.requests_per_s / same[kind].wrk.requests_per_s
+            print(f"    {kind:<6} +{side_cpu - same_cpu:.0f} us CPU per {unit}, "
+                  f"{ratio:.2f}x its throughput")  # fmt: skip
 
 
 def _best(runs: dict[str, list[Measured]]) -> dict[str, Measured]:
@@ -595,7 +734,7 @@ def _us(value: float | None) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "passthrough":
-        run_passthrough(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 5 and sys.argv[1] == "passthrough":
+        run_passthrough(sys.argv[2], sys.argv[3], sys.argv[4])
         sys.exit(0)
     sys.exit(main())

@@ -109,8 +109,7 @@ async def test_priority_header_may_lower_the_class_never_raise_it(
         headers={"Authorization": CHAT, "x-tokenfair-priority": "batch"},
     )
     assert response.status == 200
-    admitted = clients.sidecar.metrics.admitted.labels("tenant_chat_pro", "batch")
-    assert admitted._value.get() == 1
+    assert clients.sidecar.metrics.series[("tenant_chat_pro", "batch")].admitted == 1
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
 
 

@@ -123,6 +123,16 @@ def test_sidecar_section_is_read_and_checked(tmp_path: Path) -> None:
         settings_from_section({"listen": "8080"})
     with pytest.raises(ConfigError, match="upstream URL"):
         settings_from_section({"backend": "openai"})
+    for url, rule in (
+        ("127.0.0.1:8000", "must start with http:// or https://"),
+        ("http://user:pw@vllm:8000", "must not carry credentials"),
+        ("http://vllm:8000/v1?x=1", "must not have a query"),
+        ("http://vllm:99999", "not a valid URL"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^upstreamUrl: {rule}"):
+            settings_from_section({"backend": "openai", "upstreamUrl": url})
+    settings = settings_from_section({"backend": "openai", "upstreamUrl": "https://vllm/base/"})
+    assert settings.upstream_url == "https://vllm/base/"
     with pytest.raises(ConfigError, match="defaultDecodeTokens"):
         settings_from_section({"defaultDecodeTokens": 10, "maxDecodeTokens": 5})
 
@@ -174,12 +184,12 @@ def test_buffered_record_writer_writes_each_line_once(tmp_path: Path) -> None:
 
     async def write_three() -> None:
         writer = RecordWriter(path)
-        writer.write({"n": 1})
-        writer.write({"n": 2})
+        writer.write('{"n":1}')
+        writer.write('{"n":2}')
         assert path.read_text() == ""  # queued until the loop turns
         await asyncio.sleep(0)
         assert path.read_text() == '{"n":1}\n{"n":2}\n'
-        writer.write({"n": 3})
+        writer.write('{"n":3}')
         writer.close()  # flushes what is queued
 
     asyncio.run(write_three())

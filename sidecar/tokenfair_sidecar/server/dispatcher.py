@@ -185,12 +185,18 @@ class Dispatcher:
             self._kv_timers[request_id] = loop.call_later(delay_s, self._release, request_id)
         if self.scheduler.running == 0:
             self._idle.set()
-        self.pump()
+        self._pump_if_queued()
 
     def _release(self, request_id: str) -> None:
         del self._kv_timers[request_id]
         self.scheduler.release_kv(request_id)
-        self.pump()
+        self._pump_if_queued()
+
+    def _pump_if_queued(self) -> None:
+        """Freed capacity matters only to queued requests: with none, there is nothing to
+        dispatch or expire, and a timer still armed finds nothing when it fires."""
+        if self.scheduler.queued_total:
+            self.pump()
 
     # -- drain and shutdown ----------------------------------------------------------------
 

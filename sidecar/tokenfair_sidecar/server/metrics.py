@@ -18,6 +18,13 @@ Histograms, in model seconds (equal to real seconds at ``time_scale`` 1):
 tenant's p99 from it; tenants are bounded by the config, so the series are too) and
 ``tokenfair_ttft_seconds`` (label ``lane``).
 
+The per-request series (admitted, cancelled, estimated and actual tokens, both histograms) are
+plain numbers on :class:`LaneSeries` / :class:`LatencyHistogram`, rendered at scrape time by a
+collector: an update is an addition, where a ``prometheus_client`` child costs a label check, a
+lock and ~6 calls (the sidecar updates five per request). Everything runs on the event-loop
+thread, so nothing needs a lock. The rare ones (refusals, errors, invalid, reloads) stay
+``prometheus_client`` counters.
+
 Read from the scheduler at scrape time (so always current, and free per request):
 ``tokenfair_queued_requests{lane}``, ``tokenfair_running_requests``,
 ``tokenfair_kv_resident_blocks``, ``tokenfair_kv_occupancy_ratio``, ``tokenfair_draining``, and
@@ -26,17 +33,26 @@ Read from the scheduler at scrape time (so always current, and free per request)
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from tokenfair_sidecar.core import Lane, Scheduler
 
 LANE_NAMES: Final = {Lane.INTERACTIVE: "interactive", Lane.BATCH: "batch"}
 LATENCY_BUCKETS_S: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_LE: Final = (*(repr(float(bound)) for bound in LATENCY_BUCKETS_S), "+Inf")
+"""The buckets' ``le`` labels as prometheus_client writes them (``0.005``, ``1.0``, ``+Inf``)."""
 
 
 class _SchedulerCollector(Collector):
@@ -70,6 +86,107 @@ class _SchedulerCollector(Collector):
         yield info
 
 
+class LatencyHistogram:
+    """A histogram over :data:`LATENCY_BUCKETS_S` (Prometheus semantics: a value lands in every
+    bucket whose upper bound ``le`` is >= it)."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+        """Per bucket (not cumulative); the last is ``+Inf``."""
+        self.sum = 0.0
+
+    def observe(self, value_s: float) -> None:
+        self.counts[bisect_left(LATENCY_BUCKETS_S, value_s)] += 1
+        self.sum += value_s
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative ``(le, count)`` pairs, as the exposition format wants them."""
+        out: list[tuple[str, float]] = []
+        total = 0
+        for le, count in zip(_LE, self.counts, strict=True):
+            total += count
+            out.append((le, total))
+        return out
+
+
+class LaneSeries:
+    """The per-request series of one tenant in one lane."""
+
+    __slots__ = (
+        "actual_tokens",
+        "admitted",
+        "cancelled",
+        "created_s",
+        "estimated_tokens",
+        "lane",
+        "queue_wait",
+        "tenant",
+        "ttft",
+    )
+
+    def __init__(self, tenant: str, lane: str, ttft: LatencyHistogram) -> None:
+        self.tenant = tenant
+        self.lane = lane
+        self.admitted = 0
+        self.cancelled = 0
+        self.estimated_tokens = 0
+        self.actual_tokens = 0
+        self.queue_wait = LatencyHistogram()
+        self.ttft = ttft
+        """Shared by every tenant of the lane (``tokenfair_ttft_seconds`` is per lane)."""
+        self.created_s = time.time()
+
+
+class _RequestCollector(Collector):
+    """Renders the :class:`LaneSeries` (same names, help and labels as Counter/Histogram)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        series = list(self._metrics.series.values())
+        tenant_lane = ["tenant", "lane"]
+        for name, documentation, attribute in _COUNTERS:
+            family = CounterMetricFamily(name, documentation, labels=tenant_lane)
+            for one in series:
+                family.add_metric(
+                    [one.tenant, one.lane], getattr(one, attribute), created=one.created_s
+                )
+            yield family
+        waits = HistogramMetricFamily(
+            "tokenfair_queue_wait_seconds", "Time from arrival to dispatch.", labels=tenant_lane
+        )
+        for one in series:
+            waits.add_metric([one.tenant, one.lane], one.queue_wait.buckets(), one.queue_wait.sum)
+        yield waits
+        ttft = HistogramMetricFamily(
+            "tokenfair_ttft_seconds", "Time from arrival to the first response byte.",
+            labels=["lane"],
+        )  # fmt: skip
+        for lane, histogram in self._metrics.ttft.items():
+            ttft.add_metric([lane], histogram.buckets(), histogram.sum)
+        yield ttft
+
+
+_COUNTERS: Final = (
+    ("tokenfair_admitted_requests", "Requests dispatched.", "admitted"),
+    ("tokenfair_cancelled_requests", "Requests whose client went away.", "cancelled"),
+    (
+        "tokenfair_estimated_service_tokens",
+        "Service tokens charged at dispatch (estimates).",
+        "estimated_tokens",
+    ),
+    (
+        "tokenfair_actual_service_tokens",
+        "Service tokens settled at completion (actual usage).",
+        "actual_tokens",
+    ),
+)
+"""(name, help, LaneSeries attribute) of the per-request counters."""
+
+
 class Metrics:
     """Every metric of one sidecar; ``registry`` is what ``/metrics`` renders."""
 
@@ -77,37 +194,16 @@ class Metrics:
         self.registry = CollectorRegistry()
         registry = self.registry
         tenant_lane = ["tenant", "lane"]
-        self.admitted = Counter(
-            "tokenfair_admitted_requests", "Requests dispatched.", tenant_lane, registry=registry
-        )
         self.refused = Counter(
             "tokenfair_refused_requests",
             "Requests refused, by reason.",
             [*tenant_lane, "reason"],
             registry=registry,
         )
-        self.cancelled = Counter(
-            "tokenfair_cancelled_requests",
-            "Requests whose client went away.",
-            tenant_lane,
-            registry=registry,
-        )
         self.backend_errors = Counter(
             "tokenfair_backend_errors",
             "Requests the backend failed.",
             [*tenant_lane, "code"],
-            registry=registry,
-        )
-        self.estimated_tokens = Counter(
-            "tokenfair_estimated_service_tokens",
-            "Service tokens charged at dispatch (estimates).",
-            tenant_lane,
-            registry=registry,
-        )
-        self.actual_tokens = Counter(
-            "tokenfair_actual_service_tokens",
-            "Service tokens settled at completion (actual usage).",
-            tenant_lane,
             registry=registry,
         )
         self.invalid = Counter(
@@ -119,18 +215,17 @@ class Metrics:
         self.reloads = Counter(
             "tokenfair_config_reloads", "Config reload attempts.", ["result"], registry=registry
         )
-        self.queue_wait = Histogram(
-            "tokenfair_queue_wait_seconds",
-            "Time from arrival to dispatch.",
-            tenant_lane,
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-        self.ttft = Histogram(
-            "tokenfair_ttft_seconds",
-            "Time from arrival to the first response byte.",
-            ["lane"],
-            buckets=LATENCY_BUCKETS_S,
-            registry=registry,
-        )
+        self.series: dict[tuple[str, str], LaneSeries] = {}
+        """Per (tenant, lane), created at the tenant's first request in the lane."""
+        self.ttft: dict[str, LatencyHistogram] = {}
+        registry.register(_RequestCollector(self))
         registry.register(_SchedulerCollector(state))
+
+    def lane_series(self, tenant: str, lane: str) -> LaneSeries:
+        series = self.series.get((tenant, lane))
+        if series is None:
+            ttft = self.ttft.get(lane)
+            if ttft is None:
+                ttft = self.ttft[lane] = LatencyHistogram()
+            series = self.series[(tenant, lane)] = LaneSeries(tenant, lane, ttft)
+        return series

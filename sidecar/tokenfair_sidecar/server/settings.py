@@ -22,6 +22,7 @@ from typing import Any, Final
 import yaml
 
 from tokenfair_sidecar.config import CONFIG_KIND, Config, ConfigError, parse_documents
+from tokenfair_sidecar.server.upstream import parse_origin
 
 BACKENDS: Final = ("costmodel", "openai")
 
@@ -155,6 +156,11 @@ def check_settings(settings: SidecarSettings) -> SidecarSettings:
     """Cross-field rules."""
     if settings.backend == "openai" and not settings.upstream_url:
         raise ConfigError("the openai backend needs an upstream URL (--upstream / upstreamUrl)")
+    if settings.upstream_url is not None:
+        try:
+            parse_origin(settings.upstream_url)
+        except ValueError as exc:
+            raise ConfigError(f"upstreamUrl: {exc} (got {settings.upstream_url!r})") from None
     if settings.default_decode_tokens > settings.max_decode_tokens:
         raise ConfigError(
             f"defaultDecodeTokens ({settings.default_decode_tokens}) must be <= "

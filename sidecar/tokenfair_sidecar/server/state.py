@@ -13,10 +13,7 @@ import secrets
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, NamedTuple
-
-from prometheus_client import Counter as PromCounter
-from prometheus_client import Histogram
+from typing import Final
 
 from tokenfair_sidecar.config import Config, PriorityClass
 from tokenfair_sidecar.core import (
@@ -32,8 +29,8 @@ from tokenfair_sidecar.server.auth import Authenticator
 from tokenfair_sidecar.server.backends import Backend, CostModelBackend
 from tokenfair_sidecar.server.dispatcher import Dispatcher, ModelClock
 from tokenfair_sidecar.server.estimate import ESTIMATORS, PromptEstimator
-from tokenfair_sidecar.server.metrics import LANE_NAMES, Metrics
-from tokenfair_sidecar.server.recorder import RecordWriter, request_record
+from tokenfair_sidecar.server.metrics import LANE_NAMES, LaneSeries, Metrics
+from tokenfair_sidecar.server.recorder import RecordWriter, encode_record
 from tokenfair_sidecar.server.settings import LoadedFile, SidecarSettings
 
 log = logging.getLogger("tokenfair.sidecar")
@@ -53,16 +50,6 @@ class Usage:
 
 
 _NO_USAGE: Final = Usage()
-
-
-class _Series(NamedTuple):
-    lane: str
-    admitted: PromCounter
-    cancelled: PromCounter
-    estimated_tokens: PromCounter
-    actual_tokens: PromCounter
-    queue_wait: Histogram
-    ttft: Histogram
 
 
 class Sidecar:
@@ -99,7 +86,7 @@ class Sidecar:
         self.metrics = Metrics(self._scrape_state)
         self.recorder: RecordWriter | None = None
         self.tenant_counts: dict[str, Counter[str]] = {}
-        self._series_cache: dict[tuple[str, PriorityClass], _Series] = {}
+        self._series_cache: dict[tuple[str, PriorityClass], LaneSeries] = {}
         self._id_prefix = secrets.token_hex(4)
         self._next_id = 0
 
@@ -155,30 +142,18 @@ class Sidecar:
             "x-ratelimit-reset-tokens": f"{self.clock.real_seconds(reset_ms):.3f}s",
         }
 
-    def _series(self, tenant_id: str, priority_class: PriorityClass) -> _Series:
-        """The labelled children of one tenant and lane (``labels()`` costs a lock and a
-        lookup; cached, since tenants and lanes are few)."""
+    def _series(self, tenant_id: str, priority_class: PriorityClass) -> LaneSeries:
         key = (tenant_id, priority_class)
         series = self._series_cache.get(key)
         if series is None:
             lane = LANE_NAMES[Lane.of(priority_class)]
-            metrics = self.metrics
-            series = _Series(
-                lane,
-                metrics.admitted.labels(tenant_id, lane),
-                metrics.cancelled.labels(tenant_id, lane),
-                metrics.estimated_tokens.labels(tenant_id, lane),
-                metrics.actual_tokens.labels(tenant_id, lane),
-                metrics.queue_wait.labels(tenant_id, lane),
-                metrics.ttft.labels(lane),
-            )
-            self._series_cache[key] = series
+            series = self._series_cache[key] = self.metrics.lane_series(tenant_id, lane)
         return series
 
     def dispatched(self, decision: Decision) -> None:
         series = self._series(decision.tenant_id, decision.priority_class)
-        series.admitted.inc()
-        series.estimated_tokens.inc(decision.service_tokens)
+        series.admitted += 1
+        series.estimated_tokens += decision.service_tokens
         series.queue_wait.observe(decision.queue_wait_ms / 1000.0)
 
     def account(
@@ -205,7 +180,7 @@ class Sidecar:
             metrics.refused.labels(tenant, lane, reason).inc()
             counts["refused"] += 1
         elif status_code == 499:
-            series.cancelled.inc()
+            series.cancelled += 1
             counts["cancelled"] += 1
         elif reason.startswith("upstream_"):
             metrics.backend_errors.labels(tenant, lane, reason).inc()
@@ -219,13 +194,13 @@ class Sidecar:
                 if actual_service_tokens is None
                 else (actual_service_tokens)
             )
-            series.actual_tokens.inc(settled)
+            series.actual_tokens += settled
         if usage.ttft_ms is not None:
             series.ttft.observe(usage.ttft_ms / 1000.0)
             decision.ttft_ms = round(usage.ttft_ms, 2)
         if self.recorder is not None:
             self.recorder.write(
-                request_record(
+                encode_record(
                     request,
                     decision,
                     self.policy_name,

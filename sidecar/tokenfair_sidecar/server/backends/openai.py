@@ -1,7 +1,8 @@
-"""``openai`` backend: relay to any OpenAI-compatible upstream (vLLM, ...) over one pooled session.
+"""``openai`` backend: relay to any OpenAI-compatible upstream (vLLM, ...) over pooled connections.
 
-* One ``aiohttp.ClientSession`` for the process (opened and closed by the app's cleanup context);
-  per-phase timeouts: connect ``upstream_connect_timeout_s``, between reads
+* One :class:`~tokenfair_sidecar.server.upstream.UpstreamClient` for the process (opened
+  and closed by the app's cleanup context): keep-alive HTTP/1.1 connections to the upstream;
+  timeouts: connect ``upstream_connect_timeout_s``, between upstream bytes
   ``upstream_read_timeout_s``, no total (a long stream is not an error).
 * The body is forwarded as received, except that a streaming request without
   ``stream_options.include_usage`` gets it added, so the upstream reports usage in a final chunk
@@ -22,11 +23,15 @@ import json
 import logging
 from typing import Any, ClassVar, Final
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
 from tokenfair_sidecar.server.backends.base import Backend, BackendCall, UpstreamError
+from tokenfair_sidecar.server.upstream import (
+    UpstreamClient,
+    UpstreamClosedError,
+    UpstreamResponse,
+)
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -43,26 +48,34 @@ HOP_BY_HOP: Final = frozenset(
         "upgrade",
     }
 )
-_DROP_REQUEST: Final = HOP_BY_HOP | {"host", "content-length", "authorization", "accept-encoding"}
+_DROP_REQUEST: Final = HOP_BY_HOP | {
+    "host",
+    "content-length",
+    "authorization",
+    "accept-encoding",
+    "expect",
+}
 _DROP_RESPONSE: Final = HOP_BY_HOP | {"content-length", "content-encoding"}
 TAIL_BYTES: Final = 8192
 """Bytes of a stream's end kept to find the usage chunk (a usage chunk is ~300 bytes)."""
 _DECODER: Final = json.JSONDecoder()
 
 
-def request_headers(headers: Any) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        lower = name.lower()
-        if lower not in _DROP_REQUEST and not lower.startswith("x-tokenfair-"):
-            out.add(name, value)
-    out["Accept-Encoding"] = "identity"
+def request_headers(headers: Any) -> list[tuple[str, str]]:
+    """The client's headers as the upstream gets them (see the module docstring), with
+    ``Accept-Encoding: identity`` (usage is read from the body, so it must not be compressed)."""
+    out = [
+        (name, value)
+        for name, value in headers.items()
+        if (lower := name.lower()) not in _DROP_REQUEST and not lower.startswith("x-tokenfair-")
+    ]
+    out.append(("Accept-Encoding", "identity"))
     return out
 
 
-def response_headers(headers: Any, extra: Any) -> CIMultiDict[str]:
+def response_headers(headers: list[tuple[str, str]], extra: Any) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
+    for name, value in headers:
         if name.lower() not in _DROP_RESPONSE:
             out.add(name, value)
     out.update(extra)
@@ -89,13 +102,18 @@ def usage_from_json(data: bytes) -> dict[str, Any] | None:
 
 
 def usage_from_sse(tail: bytes) -> dict[str, Any] | None:
-    """The usage of the last SSE event that carries one."""
-    for event in reversed(tail.split(b"\n\n")):
-        line = event.strip()
-        if line.startswith(b"data:") and b'"usage"' in line:
-            usage = usage_from_json(line[5:])
+    """The usage of the last SSE ``data:`` line that carries one, searched from the end (the
+    usage chunk is the last before ``[DONE]``; earlier chunks may say ``"usage":null``)."""
+    end = len(tail)
+    while (index := tail.rfind(b'"usage"', 0, end)) >= 0:
+        start = tail.rfind(b"\n", 0, index) + 1
+        line = tail[start:index].lstrip()
+        if line.startswith(b"data:"):
+            stop = tail.find(b"\n", index)
+            usage = usage_from_json(tail[index : len(tail) if stop < 0 else stop])
             if usage is not None:
                 return usage
+        end = start
     return None
 
 
@@ -123,23 +141,22 @@ class OpenAIBackend(Backend):
     default_max_in_flight: ClassVar[int] = 64
 
     def __init__(self, upstream_url: str, connect_timeout_s: float, read_timeout_s: float) -> None:
-        self.upstream_url = upstream_url.rstrip("/")
-        self.timeout = aiohttp.ClientTimeout(
-            total=None,
-            connect=connect_timeout_s,
-            sock_connect=connect_timeout_s,
-            sock_read=read_timeout_s,
-        )
-        self._session: aiohttp.ClientSession | None = None
+        self.upstream_url = upstream_url
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self._client: UpstreamClient | None = None
 
     async def open(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, enable_cleanup_closed=False)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
+        self._client = UpstreamClient(
+            self.upstream_url,
+            connect_timeout_s=self.connect_timeout_s,
+            read_timeout_s=self.read_timeout_s,
+        )
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
 
     def _payload(self, call: BackendCall) -> bytes:
         if not call.stream:
@@ -157,19 +174,17 @@ class OpenAIBackend(Backend):
         return json.dumps(body, separators=(",", ":")).encode()
 
     async def respond(self, call: BackendCall) -> web.StreamResponse:
-        session = self._session
-        if session is None:
-            raise UpstreamError(502, "upstream_unavailable", "the upstream session is closed")
-        url = self.upstream_url + call.request.path_qs
+        client = self._client
+        if client is None:
+            raise UpstreamError(502, "upstream_unavailable", "the upstream client is closed")
+        request = call.request
         try:
-            upstream = await session.post(
-                url, data=self._payload(call), headers=request_headers(call.request.headers)
+            upstream = await client.request(
+                "POST", request.raw_path, request_headers(request.headers), self._payload(call)
             )
-        except TimeoutError:
-            raise UpstreamError(
-                504, "upstream_timeout", "the upstream did not answer in time"
-            ) from None
-        except aiohttp.ClientError as exc:
+        except TimeoutError as exc:
+            raise UpstreamError(504, "upstream_timeout", f"upstream timed out: {exc}") from None
+        except UpstreamClosedError as exc:
             raise UpstreamError(502, "upstream_error", f"upstream failed: {exc}") from None
         try:
             headers = response_headers(upstream.headers, call.response_headers)
@@ -177,11 +192,11 @@ class OpenAIBackend(Backend):
                 return await self._relay_stream(call, upstream, headers)
             try:
                 data = await upstream.read()
-            except TimeoutError:
+            except TimeoutError as exc:
                 raise UpstreamError(
-                    504, "upstream_timeout", "the upstream response timed out"
+                    504, "upstream_timeout", f"upstream response timed out: {exc}"
                 ) from None
-            except aiohttp.ClientError as exc:
+            except UpstreamClosedError as exc:
                 raise UpstreamError(502, "upstream_error", f"upstream failed: {exc}") from None
             usage = usage_from_json(data)
             if usage is None and upstream.status >= 400:
@@ -192,10 +207,10 @@ class OpenAIBackend(Backend):
             call.first_byte()
             return web.Response(body=data, status=upstream.status, headers=headers)
         finally:
-            upstream.release()
+            upstream.release()  # closes the connection unless the response was read to the end
 
     async def _relay_stream(
-        self, call: BackendCall, upstream: aiohttp.ClientResponse, headers: CIMultiDict[str]
+        self, call: BackendCall, upstream: UpstreamResponse, headers: CIMultiDict[str]
     ) -> web.StreamResponse:
         response = web.StreamResponse(status=upstream.status, headers=headers)
         # The last bytes relayed (at least TAIL_BYTES once that many went by), trimmed only when
@@ -203,7 +218,7 @@ class OpenAIBackend(Backend):
         tail = bytearray()
         started = False
         try:
-            async for chunk in upstream.content.iter_any():
+            while chunk := await upstream.next_chunk():
                 if not started:
                     await response.prepare(call.request)
                     started = True
@@ -214,13 +229,12 @@ class OpenAIBackend(Backend):
                 tail += chunk
                 if len(tail) > 2 * TAIL_BYTES:
                     del tail[:-TAIL_BYTES]
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, UpstreamClosedError) as exc:
             if not started:
                 status = 504 if isinstance(exc, TimeoutError) else 502
                 code = "upstream_timeout" if status == 504 else "upstream_error"
-                raise UpstreamError(status, code, f"upstream stream failed: {exc!r}") from None
-            log.warning("upstream stream of %s broke: %r", call.decision.request_id, exc)
-            upstream.close()
+                raise UpstreamError(status, code, f"upstream stream failed: {exc}") from None
+            log.warning("upstream stream of %s broke: %s", call.decision.request_id, exc)
             return response
         if not started:
             await response.prepare(call.request)

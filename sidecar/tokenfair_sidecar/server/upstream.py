@@ -1,0 +1,484 @@
+"""An HTTP/1.1 client for one upstream origin: keep-alive connections on asyncio protocols,
+responses parsed by httptools (llhttp, the parser of Node.js, in C).
+
+Why not ``aiohttp.ClientSession``: the relay needs one POST per request to one origin, and the
+session's generality (URL objects, cookie jar, redirects, tracing, per-read timer re-arming)
+cost ~100 µs of CPU per request in ``bench/bench_sidecar.py``, more than all of the sidecar's
+own work; this client costs ~15 µs (the numbers are in bench/README.md).
+
+What it does, and nothing else:
+
+* ``request(method, target, headers, body)`` writes the request in one ``write`` (``Host`` and
+  ``Content-Length`` are added; header values must not contain CR or LF) and returns the
+  response once its head arrived: ``status``, ``headers`` (name and value decoded, in order),
+  then ``read()`` (the whole body, at most :data:`MAX_BUFFERED_BODY_BYTES`) or ``next_chunk()``
+  (the bytes received since the last call; ``b""`` at the end).
+* Bodies framed by ``Content-Length``, chunked encoding, or the end of the connection;
+  ``1xx`` interim responses are skipped.
+* Keep-alive: a connection goes back to the pool only when its response was read to the end and
+  the upstream did not ask to close it; the pool reuses the most recently used one first and
+  drops connections idle for over :data:`IDLE_KEEPALIVE_S`, and keeps at most
+  :data:`MAX_IDLE_CONNECTIONS` idle. There is no limit on open connections here: the sidecar's
+  ``maxInFlight`` bounds the requests that can hold one.
+* Timeouts: connecting longer than ``connect_timeout_s`` raises :class:`TimeoutError`; so does
+  ``read_timeout_s`` without a byte from the upstream while a response is awaited (one timer per
+  request, re-armed only when it fires early — not per read). The clock stops while the reader
+  is the slow side (reading paused, see below).
+* Back-pressure: a response's unread bytes past :data:`HIGH_WATER_BYTES` pause reading from the
+  socket until ``next_chunk()`` takes them, so a slow client never makes the sidecar buffer a
+  whole stream.
+* Failures (refused, reset, closed early, malformed response) raise :class:`UpstreamClosedError`.
+  ``close()`` on a response that is not finished closes its connection (the upstream sees the
+  client leave and can stop generating). No request is ever retried: a POST may have run.
+* ``https://`` upstreams use the system's trust store (``SSL_CERT_FILE`` honoured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import ssl
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
+from urllib.parse import urlsplit
+
+import httptools
+
+IDLE_KEEPALIVE_S: Final = 4.0
+"""Idle connections older than this are closed instead of reused: under the 5 s idle limit of
+uvicorn (vLLM's server), so the sidecar does not race the upstream closing the same connection."""
+MAX_IDLE_CONNECTIONS: Final = 256
+HIGH_WATER_BYTES: Final = 1 << 16
+"""Unread response bytes that pause reading from the upstream (64 KiB)."""
+MAX_BUFFERED_BODY_BYTES: Final = 1 << 25
+"""``read()`` refuses a body over 32 MiB (a non-streamed completion is tens of KB)."""
+
+
+_PATH_RE: Final = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@%/]*")
+"""The characters of a URL path (RFC 3986 ``pchar`` and ``/``)."""
+
+
+class UpstreamClosedError(ConnectionError):
+    """The upstream refused, reset or closed the connection, or sent a malformed response."""
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where an upstream URL points: ``scheme://host[:port][/base]``."""
+
+    scheme: str
+    host: str
+    port: int
+    base_path: str
+    """Prepended to every request target ('' or e.g. ``/proxy``, no trailing slash)."""
+
+    @property
+    def host_header(self) -> str:
+        default = 443 if self.scheme == "https" else 80
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port == default else f"{host}:{self.port}"
+
+
+def parse_origin(url: str) -> Origin:
+    """``http(s)://host[:port][/base path]``; anything else is a ``ValueError`` saying why."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"not a valid URL ({exc})") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError("must start with http:// or https://")
+    if not parts.hostname:
+        raise ValueError("has no host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("must not carry credentials (user:password@)")
+    if parts.query or parts.fragment:
+        raise ValueError("must not have a query or fragment (request paths are appended)")
+    if port == 0:
+        raise ValueError("must not have port 0")
+    if _PATH_RE.fullmatch(parts.path) is None:
+        raise ValueError("has a path with characters a URL path cannot hold (spaces, ...)")
+    default = 443 if parts.scheme == "https" else 80
+    return Origin(parts.scheme, parts.hostname, port or default, parts.path.rstrip("/"))
+
+
+class UpstreamResponse:
+    """One response; call :meth:`release` (finished: back to the pool) or :meth:`close`."""
+
+    __slots__ = ("_connection", "headers", "status")
+
+    def __init__(self, connection: _Connection, status: int, headers: list[tuple[str, str]]):
+        self._connection: _Connection | None = connection
+        self.status = status
+        self.headers = headers
+        """Header names and values in the order received (values decoded as UTF-8, undecodable
+        bytes replaced)."""
+
+    async def read(self) -> bytes:
+        """The whole body (waits for its end)."""
+        connection = self._live()
+        connection.unbounded = True
+        connection.resume()
+        while not connection.complete:
+            connection.raise_error()
+            if connection.buffered > MAX_BUFFERED_BODY_BYTES:
+                raise UpstreamClosedError(
+                    f"upstream response body over {MAX_BUFFERED_BODY_BYTES} bytes"
+                )
+            await connection.wait()
+        return connection.take()
+
+    async def next_chunk(self) -> bytes:
+        """The body bytes received since the last call (waits for some); ``b""`` at the end."""
+        connection = self._live()
+        while True:
+            if connection.buffered:
+                return connection.take()
+            if connection.complete:
+                return b""
+            connection.raise_error()
+            await connection.wait()
+
+    def release(self) -> None:
+        """Done with it: a finished keep-alive connection goes back to the pool, else closed."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.finish()
+
+    def close(self) -> None:
+        """Abandon the response: its connection is closed."""
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.keep_alive = False
+            connection.finish()
+
+    def _live(self) -> _Connection:
+        if self._connection is None:
+            raise RuntimeError("the response was released")
+        return self._connection
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP (or TLS) connection and the exchange in progress on it (at most one)."""
+
+    def __init__(self, client: UpstreamClient) -> None:
+        self.client = client
+        self.loop = client.loop
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.active = False
+        self.status = 0
+        self.headers: list[tuple[str, str]] = []
+        self.head_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.until_eof = False
+        self.interim = False
+        self.chunks: list[bytes] = []
+        self.buffered = 0
+        self.unbounded = False
+        self.paused = False
+        self.error: Exception | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.last_read = 0.0
+        self.timer: asyncio.TimerHandle | None = None
+
+    # -- the exchange ---------------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.active = True
+        self.last_read = self.loop.time()
+        self.timer = self.loop.call_at(self.last_read + self.client.read_timeout_s, self._on_timer)
+        self.transport.write(data)
+
+    async def wait(self) -> None:
+        waiter = self.loop.create_future()
+        self.waiter = waiter
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def take(self) -> bytes:
+        chunks = self.chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.buffered = 0
+        if self.paused:
+            self.resume()
+        return data
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.last_read = self.loop.time()  # the wait for the upstream starts again now
+            self.transport.resume_reading()
+
+    def finish(self) -> None:
+        """The exchange is over: pool the connection if it can carry another one, else close."""
+        if self.timer is not None:
+            self.timer.cancel()
+        reusable = (
+            self.complete and self.keep_alive and self.error is None and not self.closed
+            and not self.paused
+        )  # fmt: skip
+        self._reset()
+        if reusable:
+            self.client.pool(self)
+        elif not self.closed and self.transport is not None:
+            self.closed = True
+            self.transport.abort()  # not `close`: do not wait for the unread response to drain
+
+    def _fail(self, error: Exception) -> None:
+        if self.error is None and not self.complete:
+            self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _on_timer(self) -> None:
+        self.timer = None
+        if not self.active or self.complete or self.error is not None:
+            return
+        now = self.loop.time()
+        if self.paused:  # the reader is the slow side, not the upstream
+            deadline = now + self.client.read_timeout_s
+        else:
+            deadline = self.last_read + self.client.read_timeout_s
+        if now < deadline:
+            self.timer = self.loop.call_at(deadline, self._on_timer)
+            return
+        self._fail(TimeoutError(f"no upstream bytes for {self.client.read_timeout_s:g} s"))
+        if self.transport is not None:
+            self.closed = True
+            self.transport.abort()
+
+    # -- asyncio.Protocol -----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.client.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.active or self.complete:  # nothing was asked: the connection must be silent
+            self.closed = True
+            if self.transport is not None:
+                self.transport.abort()
+            return
+        self.last_read = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._broken("the upstream switched protocols")
+        except httptools.HttpParserError as exc:
+            self._broken(f"malformed upstream response ({exc})")
+
+    def _broken(self, message: str) -> None:
+        self._fail(UpstreamClosedError(message))
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # `closed` is already set when the close was ours (timeout, malformed response,
+        # `close()`): then the end of the connection is not the end of a body framed by it.
+        aborted_here = self.closed
+        self.closed = True
+        self.client.connections.discard(self)
+        if self.active and not self.complete:
+            if self.head_done and self.until_eof and exc is None and not aborted_here:
+                self.complete = True  # a body framed by the end of the connection
+                self._wake()
+            else:
+                where = "mid-response" if self.head_done else "before answering"
+                reason = f": {exc}" if exc is not None else ""
+                self._fail(UpstreamClosedError(f"the upstream closed the connection {where}"
+                                               f"{reason}"))  # fmt: skip
+
+    def pause_writing(self) -> None:  # requests are small and written at once: nothing to pause
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks --------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # more bytes after the response: stop parsing, never reuse this one
+            raise UpstreamClosedError("the upstream sent more than one response")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.decode("latin-1"), value.decode("utf-8", "replace")))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # interim (100 Continue, 103 Early Hints): wait for the real one
+            self.interim = True
+            self.headers = []
+            return
+        self.status = status
+        framed = False
+        for name, value in self.headers:
+            lower = name.lower()
+            if lower == "content-length" or (
+                lower == "transfer-encoding" and "chunked" in value.lower()
+            ):
+                framed = True
+                break
+        self.until_eof = not framed and status not in (204, 304)
+        self.head_done = True
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > HIGH_WATER_BYTES and not self.unbounded and not self.paused:
+            self.paused = True
+            assert self.transport is not None
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self._wake()
+
+
+class UpstreamClient:
+    """The connection pool for one origin (see the module docstring). Create it inside the event
+    loop that uses it; :meth:`close` when done."""
+
+    def __init__(self, url: str, *, connect_timeout_s: float, read_timeout_s: float) -> None:
+        self.origin = parse_origin(url)
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.loop = asyncio.get_running_loop()
+        self.connections: set[_Connection] = set()
+        self._idle: deque[_Connection] = deque()
+        self._ssl = ssl.create_default_context() if self.origin.scheme == "https" else None
+        self._closed = False
+        self._request_line_tail = f" HTTP/1.1\r\nHost: {self.origin.host_header}\r\n"
+
+    async def request(
+        self, method: str, target: str, headers: Iterable[tuple[str, str]], body: bytes
+    ) -> UpstreamResponse:
+        """Send one request; returns once the response's head arrived. ``target`` is the path
+        and query (``/v1/chat/completions``), appended to the URL's base path. Not ``HEAD``
+        (the parser would wait for the body its Content-Length announces)."""
+        if method == "HEAD":
+            raise ValueError("HEAD requests are not supported")
+        parts = [method, " ", self.origin.base_path, target, self._request_line_tail]
+        for name, value in headers:
+            if "\r" in value or "\n" in value:
+                raise ValueError(f"header {name}: CR or LF in its value")
+            parts += (name, ": ", value, "\r\n")
+        parts += ("Content-Length: ", str(len(body)), "\r\n\r\n")
+        head = "".join(parts).encode("utf-8", "surrogateescape")
+        connection = self._reuse() or await self._connect()
+        connection.send(head + body)
+        try:
+            while not connection.head_done:
+                connection.raise_error()
+                await connection.wait()
+        except BaseException:
+            connection.finish()
+            raise
+        return UpstreamResponse(connection, connection.status, connection.headers)
+
+    def _reuse(self) -> _Connection | None:
+        idle = self._idle
+        if not idle:
+            return None
+        now = self.loop.time()
+        while idle:
+            connection = idle.pop()
+            if connection.closed:
+                continue
+            if now - connection.idle_since <= IDLE_KEEPALIVE_S:
+                return connection
+            connection.finish()  # too old to trust (and every one before it is older)
+            while idle:
+                idle.pop().finish()
+        return None
+
+    async def _connect(self) -> _Connection:
+        if self._closed:
+            raise UpstreamClosedError("the upstream client is closed")
+        origin = self.origin
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, connection = await self.loop.create_connection(
+                    lambda: _Connection(self),
+                    origin.host,
+                    origin.port,
+                    ssl=self._ssl,
+                    server_hostname=origin.host if self._ssl is not None else None,
+                )
+        except TimeoutError:
+            raise TimeoutError(
+                f"connecting to {origin.host_header} took over {self.connect_timeout_s:g} s"
+            ) from None
+        except OSError as exc:  # refused, unreachable, DNS, TLS (ssl.SSLError is an OSError)
+            raise UpstreamClosedError(f"cannot connect to {origin.host_header}: {exc}") from None
+        return connection
+
+    def pool(self, connection: _Connection) -> None:
+        if self._closed or len(self._idle) >= MAX_IDLE_CONNECTIONS:
+            connection.closed = True
+            if connection.transport is not None:
+                connection.transport.close()
+            return
+        connection.idle_since = self.loop.time()
+        self._idle.append(connection)
+
+    @property
+    def idle_connections(self) -> int:
+        return sum(1 for connection in self._idle if not connection.closed)
+
+    async def close(self) -> None:
+        """Close every connection (responses still being read fail with UpstreamClosedError)."""
+        self._closed = True
+        self._idle.clear()
+        for connection in list(self.connections):
+            connection.closed = True
+            if connection.transport is not None:
+                connection.transport.abort()
+        # Let the transports' connection_lost callbacks run before the loop may close (TLS
+        # takes a turn more than TCP; bounded, in case a transport never reports).
+        for _ in range(10):
+            if not self.connections:
+                break
+            await asyncio.sleep(0)
+
+
+__all__ = [
+    "HIGH_WATER_BYTES",
+    "IDLE_KEEPALIVE_S",
+    "Origin",
+    "UpstreamClient",
+    "UpstreamClosedError",
+    "UpstreamResponse",
+    "parse_origin",
+]
