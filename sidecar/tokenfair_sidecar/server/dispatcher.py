@@ -127,7 +127,7 @@ class Dispatcher:
                 now_ms = self.clock.now_ms()
                 for decision in scheduler.expire(now_ms):
                     self._resolve(decision)
-                while scheduler.running < self.max_in_flight:
+                while scheduler.running < self.max_in_flight and scheduler.queued_total:
                     next_decision = scheduler.next_dispatch(now_ms)
                     if next_decision is None:
                         break
@@ -159,6 +159,8 @@ class Dispatcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if not self.scheduler.queued_total:  # time passing changes nothing for an empty queue
+            return
         wakeup_ms = self.scheduler.next_wakeup_ms(now_ms)
         if wakeup_ms is not None:
             delay_s = self.clock.real_seconds(max(0.0, wakeup_ms - now_ms))
