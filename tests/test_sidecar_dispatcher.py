@@ -118,3 +118,23 @@ async def test_drain_answers_queued_waiters_and_close_releases_kv() -> None:
     dispatcher.finish(running, None, kv_hold_ms=1e9)  # would hold KV for ages
     dispatcher.close()
     assert dispatcher.scheduler.books() == ZERO_BOOKS
+
+
+async def test_served_requests_leave_no_bookkeeping_behind() -> None:
+    # A regression: skipping the core's wake-up computation on an empty queue also skipped the
+    # pruning of its deadline heap, which then kept every served request (RSS grew ~30 MiB in
+    # bench/bench_sidecar.py). Serve many requests one at a time, each completing before the
+    # next arrives (the queue is empty between them): nothing may accumulate.
+    clock = FakeClock()
+    config = keyed_config(burst_service_tokens=10**9)  # no budget waits: dispatched at once
+    scheduler = make_scheduler("tokenfair", config, clock.now_ms())
+    dispatcher = Dispatcher(scheduler, clock, max_in_flight=4)
+    for n in range(500):
+        clock.model_ms = float(n)
+        ticket = queued(dispatcher.submit(chat(f"r{n}", at_ms=clock.model_ms)))
+        assert ticket.future.result().admitted
+        dispatcher.finish(ticket, 600, kv_hold_ms=0.0)
+    assert scheduler.books() == ZERO_BOOKS
+    assert not scheduler.jobs
+    # The deadline heap is the core's private index; it must stay O(requests in flight).
+    assert len(scheduler._deadlines) <= 1

@@ -278,16 +278,26 @@ class Scheduler(ABC):
         return self._drop(job, STATUS_CLIENT_CLOSED, CANCELLED, "queue", now_ms)
 
     def expire(self, now_ms: float) -> list[Decision]:
-        """Refuse queued requests whose wait passed their class limit (``now > deadline``)."""
+        """Refuse queued requests whose wait passed their class limit (``now > deadline``).
+
+        Also drops the stale entries (requests no longer queued) from the top of the deadline
+        heap, so the heap holds O(queued requests + those behind a queued one), whether or not
+        the caller ever asks for :meth:`next_wakeup_ms` (which prunes the same way)."""
         expired: list[Decision] = []
         deadlines = self._deadlines
-        while deadlines and deadlines[0][0] < now_ms:
-            _, _, job = heapq.heappop(deadlines)
-            if job.state is JobState.QUEUED:
+        queued = JobState.QUEUED
+        while deadlines:
+            deadline_ms, _, job = deadlines[0]
+            if job.state is queued:
+                if deadline_ms >= now_ms:
+                    break
+                heapq.heappop(deadlines)
                 decision = self._drop(job, STATUS_SHED, SHED_QUEUE_TIMEOUT, "queue", now_ms)
                 decision.retry_after_ms = 0.0
                 decision.observed["max_wait_ms"] = self.wait_limit_ms(job.lane)
                 expired.append(decision)
+            else:
+                heapq.heappop(deadlines)
         return expired
 
     def next_wakeup_ms(self, now_ms: float) -> float | None:

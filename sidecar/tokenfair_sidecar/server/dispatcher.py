@@ -159,8 +159,6 @@ class Dispatcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not self.scheduler.queued_total:  # time passing changes nothing for an empty queue
-            return
         wakeup_ms = self.scheduler.next_wakeup_ms(now_ms)
         if wakeup_ms is not None:
             delay_s = self.clock.real_seconds(max(0.0, wakeup_ms - now_ms))
