@@ -151,9 +151,21 @@ http {{
         }}
         # A static file answers GET only: turn the POST's 405 into the file itself.
         location = /v1/completions {{
+            if ($http_x_bench_pace) {{ rewrite ^ /paced/v1/completions last; }}
             root {dir}/www;
             default_type text/event-stream;
             error_page 405 =200 $uri;
+        }}
+        # The same stream paced like a model's tokens: 512-byte writes at 32 KB/s, ~20 pieces
+        # ~16 ms apart, so the proxies relay each piece on its own.
+        location = /paced/v1/completions {{
+            internal;
+            root {dir}/www;
+            default_type text/event-stream;
+            error_page 405 =200 $uri;
+            sendfile off;
+            output_buffers 1 {pace_bytes};
+            limit_rate {pace_rate};
         }}
     }}
 }}
@@ -165,6 +177,10 @@ wrk.body = '{body}'
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer {key}"
 """
+PACE_HEADER: Final = "x-bench-pace"
+"""Asks nginx for the paced stream; the proxies forward it."""
+PACE_BYTES: Final = 512
+PACE_RATE: Final = "32k"
 
 
 def _config_yaml(*, overload: bool) -> str:
@@ -216,13 +232,19 @@ def run_passthrough(listen: str, upstream: str, client: str) -> None:
 
     from tokenfair_sidecar.server.upstream import UpstreamClient
 
+    def _forwarded(request: web.Request) -> dict[str, str]:
+        """Content-Type, and the bench's pace header when present: nothing else is parsed."""
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        pace = request.headers.get(PACE_HEADER)
+        if pace is not None:
+            headers[PACE_HEADER] = pace
+        return headers
+
     async def relay_aiohttp(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         session: ClientSession = request.app["session"]
         async with session.post(
-            upstream + request.path_qs,
-            data=body,
-            headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
+            upstream + request.path_qs, data=body, headers=_forwarded(request)
         ) as upstream_response:
             content_type = upstream_response.headers.get("Content-Type", "")
             if content_type.startswith("text/event-stream"):
@@ -242,9 +264,8 @@ def run_passthrough(listen: str, upstream: str, client: str) -> None:
     async def relay_tokenfair(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         pool: UpstreamClient = request.app["pool"]
-        content_type = request.headers.get("Content-Type", "application/json")
         answer = await pool.request(
-            "POST", request.raw_path, [("Content-Type", content_type)], body
+            "POST", request.raw_path, list(_forwarded(request).items()), body
         )
         try:
             content_type = next(
@@ -477,6 +498,7 @@ class Stage:
     upstream: str
     chat_lua: Path
     stream_lua: Path
+    paced_lua: Path
 
 
 def _stage(tmp: Path, procs: Processes, nginx_port: int) -> Stage:
@@ -484,19 +506,25 @@ def _stage(tmp: Path, procs: Processes, nginx_port: int) -> Stage:
     tmp.chmod(0o755)  # nginx's workers (not root) read the SSE file under it
     (tmp / "www" / "v1").mkdir(parents=True)
     (tmp / "www" / "v1" / "completions").write_text(sse_document())
+    (tmp / "www" / "paced" / "v1").mkdir(parents=True)
+    (tmp / "www" / "paced" / "v1" / "completions").write_text(sse_document())
     (tmp / "nginx.conf").write_text(
-        NGINX_CONF.format(dir=tmp, port=nginx_port, completion=COMPLETION_JSON)
-    )
-    chat_lua, stream_lua = tmp / "chat.lua", tmp / "stream.lua"
+        NGINX_CONF.format(dir=tmp, port=nginx_port, completion=COMPLETION_JSON,
+                          pace_bytes=PACE_BYTES, pace_rate=PACE_RATE)
+    )  # fmt: skip
+    chat_lua, stream_lua, paced_lua = tmp / "chat.lua", tmp / "stream.lua", tmp / "paced.lua"
     chat_lua.write_text(WRK_LUA.format(body=CHAT_BODY, key=BENCH_KEY))
     stream_lua.write_text(WRK_LUA.format(body=STREAM_BODY, key=BENCH_KEY))
+    paced_lua.write_text(
+        WRK_LUA.format(body=STREAM_BODY, key=BENCH_KEY) + f'wrk.headers["{PACE_HEADER}"] = "1"\n'
+    )
     (tmp / "open.yaml").write_text(_config_yaml(overload=False))
     (tmp / "overload.yaml").write_text(_config_yaml(overload=True))
     upstream = f"http://127.0.0.1:{nginx_port}"
     procs.start(["taskset", "-c", LOAD_CORE, "nginx", "-p", str(tmp), "-c",
                  str(tmp / "nginx.conf"), "-g", "daemon off;"], tmp / "nginx.log")  # fmt: skip
     wait_http(upstream + "/v1/chat/completions")
-    return Stage(upstream, chat_lua, stream_lua)
+    return Stage(upstream, chat_lua, stream_lua, paced_lua)
 
 
 def _run(tmp: Path, procs: Processes, duration_s: float, rounds_n: int) -> int:
@@ -535,7 +563,7 @@ def _run(tmp: Path, procs: Processes, duration_s: float, rounds_n: int) -> int:
     # round of each rather than all of one target; each figure is the target's best round (the
     # least disturbed by the rest of the machine).
     rounds: dict[str, dict[str, list[Measured]]] = {
-        name: {"chat": [], "stream": [], "latency": []} for name in targets
+        name: {"chat": [], "stream": [], "paced": [], "latency": []} for name in targets
     }
     for round_index in range(rounds_n):
         for name, (base, pid) in targets.items():
@@ -543,6 +571,8 @@ def _run(tmp: Path, procs: Processes, duration_s: float, rounds_n: int) -> int:
             chat_url, stream_url = base + "/v1/chat/completions", base + "/v1/completions"
             runs["chat"].append(measure(chat_url, chat_lua, CONNECTIONS, duration_s, pid))
             runs["stream"].append(measure(stream_url, stream_lua, STREAMS, duration_s, pid))
+            if pid is not None:  # the paced stream measures the proxies' CPU per relayed piece
+                runs["paced"].append(measure(stream_url, stage.paced_lua, STREAMS, duration_s, pid))
             runs["latency"].append(measure(chat_url, chat_lua, 1, duration_s, pid))
         print(f"  round {round_index + 1}/{rounds_n} done (load average {loadavg()})", flush=True)
     results = {name: _best(runs) for name, runs in rounds.items()}
@@ -578,7 +608,7 @@ def _run(tmp: Path, procs: Processes, duration_s: float, rounds_n: int) -> int:
     for name in ("passthrough", "passthru-tf", "sidecar"):
         spread = ", ".join(
             f"{kind} {' / '.join(_us(m.cpu_us_per_request) for m in rounds[name][kind])}"
-            for kind in ("chat", "stream")
+            for kind in ("chat", "stream", "paced")
         )
         print(f"  {name} cpu us per request, every round: {spread}")
     print(f"\n10x overload ({CONNECTIONS * OVERLOAD_FACTOR} connections, {duration_s:g} s; "
@@ -703,6 +733,20 @@ def _report(
         met = value >= target if op == ">=" else value <= target
         print(f"  {label:<36} {value:>8.3f}  target {op} {target:g}  "
               f"{'met' if met else 'NOT met'}")  # fmt: skip
+    # Not a target: streams whose pieces arrive apart, as a model's tokens do (the static file
+    # above usually arrives in one read); CPU per stream is what this measures (the rate is
+    # nginx's pacing).
+    pieces = -(-len(sse_document()) // PACE_BYTES)
+    paced: dict[str, float] = {}
+    for name in ("passthrough", "passthru-tf", "sidecar"):
+        cpu_us = results[name]["paced"].cpu_us_per_request
+        if cpu_us is not None:
+            paced[name] = cpu_us
+    if len(paced) == 3:
+        listed = ", ".join(f"{name} {cpu_us:.0f}" for name, cpu_us in paced.items())
+        print(f"  paced streams (~{pieces} pieces of {PACE_BYTES} B at {PACE_RATE}B/s), cpu us "
+              f"per stream: {listed}; sidecar / passthrough "
+              f"{paced['sidecar'] / paced['passthrough']:.2f}")  # fmt: skip
     # Not a target: the same minimal relay over the sidecar's own upstream client, so the
     # difference is what the sidecar's logic (auth, parse, admission, settlement, ...) costs.
     same = results["passthru-tf"]
@@ -720,6 +764,8 @@ def _best(runs: dict[str, list[Measured]]) -> dict[str, Measured]:
     separately, the least CPU per request."""
     best: dict[str, Measured] = {}
     for kind, measured in runs.items():
+        if not measured:
+            continue
         if kind == "latency":
             wrk = min(measured, key=lambda m: m.wrk.p50_ms).wrk
         else:
