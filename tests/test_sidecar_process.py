@@ -53,11 +53,13 @@ class Stub:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     sent: list[bytes] = field(default_factory=list)
+    targets: list[str] = field(default_factory=list)
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.targets.append(request.raw_path)
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
         model = body["model"]
         if model == "ok":
@@ -262,6 +264,33 @@ async def test_json_stream_and_upstream_faults(stub: Stub, tmp_path: Path) -> No
             assert status["tenants"]["tenant_chat_pro"]["served_service_tokens"] == 445 + 205
             counts = status["tenants"]["tenant_chat_pro"]["counts"]
             assert counts == {"admitted": 5, "served": 2, "backend_errors": 2, "cancelled": 1}
+        finally:
+            stop(sidecar)
+
+
+async def test_request_target_reaches_the_upstream_as_sent(stub: Stub, tmp_path: Path) -> None:
+    # Origin-form is forwarded byte for byte (query included, nothing re-encoded); absolute-form
+    # (a client that talks to the sidecar as to a proxy) is forwarded as its path and query.
+    async with aiohttp.ClientSession() as session:
+        sidecar = await _running(tmp_path, stub.url, session)
+        try:
+            host, port = sidecar.proxy.removeprefix("http://").rsplit(":", 1)
+            body = json.dumps(chat("ok")).encode()
+            for target in ("/v1/chat/completions?a=%2F%20b",
+                           f"http://{host}:{port}/v1/chat/completions?a=%2F%20b"):  # fmt: skip
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(
+                    f"POST {target} HTTP/1.1\r\nHost: {host}\r\nAuthorization: {CHAT}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                    "Connection: close\r\n\r\n".encode()
+                    + body
+                )
+                status_line = await reader.readline()
+                await reader.read()
+                writer.close()
+                await writer.wait_closed()
+                assert status_line.startswith(b"HTTP/1.1 200"), status_line
+            assert stub.targets[-2:] == ["/v1/chat/completions?a=%2F%20b"] * 2
         finally:
             stop(sidecar)
 
