@@ -237,9 +237,15 @@ class _Connection(asyncio.Protocol):
         self._reset()
         if reusable:
             self.client.pool(self)
-        elif not self.closed and self.transport is not None:
-            self.closed = True
-            self.transport.abort()  # not `close`: do not wait for the unread response to drain
+        elif not self.closed:
+            self.abort()
+
+    def abort(self) -> None:
+        """Close the connection now, from our side (``abort``, not ``close``: an unread response
+        is not drained). ``closed`` is set first: see :meth:`connection_lost`."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
 
     def _fail(self, error: Exception) -> None:
         if self.error is None and not self.complete:
@@ -264,9 +270,7 @@ class _Connection(asyncio.Protocol):
             self.timer = self.loop.call_at(deadline, self._on_timer)
             return
         self._fail(TimeoutError(f"no upstream bytes for {self.client.read_timeout_s:g} s"))
-        if self.transport is not None:
-            self.closed = True
-            self.transport.abort()
+        self.abort()
 
     # -- asyncio.Protocol -----------------------------------------------------------------------
 
@@ -277,9 +281,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if not self.active or self.complete:  # nothing was asked: the connection must be silent
-            self.closed = True
-            if self.transport is not None:
-                self.transport.abort()
+            self.abort()
             return
         self.last_read = self.loop.time()
         try:
@@ -291,9 +293,7 @@ class _Connection(asyncio.Protocol):
 
     def _broken(self, message: str) -> None:
         self._fail(UpstreamClosedError(message))
-        self.closed = True
-        if self.transport is not None:
-            self.transport.abort()
+        self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         # `closed` is already set when the close was ours (timeout, malformed response,
@@ -462,9 +462,7 @@ class UpstreamClient:
         self._closed = True
         self._idle.clear()
         for connection in list(self.connections):
-            connection.closed = True
-            if connection.transport is not None:
-                connection.transport.abort()
+            connection.abort()
         # Let the transports' connection_lost callbacks run before the loop may close (TLS
         # takes a turn more than TCP; bounded, in case a transport never reports).
         for _ in range(10):
