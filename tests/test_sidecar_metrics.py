@@ -21,7 +21,7 @@ from test_sidecar_support import keyed_config
 from tokenfair_sidecar.config import PriorityClass
 from tokenfair_sidecar.core import DEFAULT_POLICY, Decision, Request, make_scheduler
 from tokenfair_sidecar.server.metrics import LATENCY_BUCKETS_S, Metrics
-from tokenfair_sidecar.server.recorder import encode_record, request_record
+from tokenfair_sidecar.server.recorder import Usage, encode_record, request_record
 
 # Bounds themselves (a value equal to ``le`` counts in that bucket), between them, 0, past the
 # last bound (+Inf only).
@@ -127,16 +127,12 @@ def test_encode_record_is_json_byte_for_byte(
         request_id, tenant_id, priority, status_code, reason, "dispatch", 78, arrival_ms,
         occupancy, queue_wait_ms, decision_ttft_ms, dispatch_ms, retry_after_ms, actual, observed,
     )  # fmt: skip
-    prompt, completion, ttft_ms, e2e_ms = usage
-    options: dict[str, Any] = {
+    outcome: dict[str, Any] = {
         "status_code": status_code,
         "reason": reason,
-        "actual_prefill_tokens": prompt,
-        "actual_decode_tokens": completion,
-        "ttft_ms": ttft_ms,
-        "e2e_ms": e2e_ms,
+        "usage": Usage(*usage),
     }
     expected = json.JSONEncoder(separators=(",", ":")).encode(
-        request_record(request, decision, "tokenfair", **options)
+        request_record(request, decision, "tokenfair", **outcome)
     )
-    assert encode_record(request, decision, "tokenfair", **options) == expected
+    assert encode_record(request, decision, "tokenfair", **outcome) == expected

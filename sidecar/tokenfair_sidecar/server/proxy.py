@@ -40,7 +40,8 @@ from tokenfair_sidecar.server.backends import BackendCall, UpstreamError
 from tokenfair_sidecar.server.dispatcher import Ticket
 from tokenfair_sidecar.server.errors import error_response
 from tokenfair_sidecar.server.estimate import Estimate, EstimateError, estimate
-from tokenfair_sidecar.server.state import Sidecar, Usage
+from tokenfair_sidecar.server.recorder import Usage
+from tokenfair_sidecar.server.state import Sidecar
 
 SIDECAR: Final = web.AppKey("sidecar", Sidecar)
 PRIORITY_HEADER: Final = "x-tokenfair-priority"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -26,6 +27,19 @@ from tokenfair_sidecar.records import decision_to_json
 _ENCODER: Final = json.JSONEncoder(separators=(",", ":"))
 
 
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a finished request reported (None: unknown) and when its bytes went out."""
+
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+
+
+NO_USAGE: Final = Usage()
+
+
 def request_record(
     request: Request,
     decision: Decision,
@@ -33,24 +47,22 @@ def request_record(
     *,
     status_code: int,
     reason: str,
-    actual_prefill_tokens: int | None = None,
-    actual_decode_tokens: int | None = None,
-    ttft_ms: float | None = None,
-    e2e_ms: float | None = None,
+    usage: Usage = NO_USAGE,
 ) -> dict[str, Any]:
+    """The record as a dict (the shape; :func:`encode_record` writes the same as JSON text)."""
     record: dict[str, Any] = decision_to_json(decision, policy)
     record["prefill_tokens"] = request.prefill_tokens
     record["decode_tokens"] = request.decode_tokens
     record["status_code"] = status_code
     record["reason"] = reason
-    if actual_prefill_tokens is not None:
-        record["actual_prefill_tokens"] = actual_prefill_tokens
-    if actual_decode_tokens is not None:
-        record["actual_decode_tokens"] = actual_decode_tokens
-    if ttft_ms is not None:
-        record["ttft_ms"] = round(ttft_ms, 2)
-    if e2e_ms is not None:
-        record["e2e_ms"] = round(e2e_ms, 2)
+    if usage.prompt_tokens is not None:
+        record["actual_prefill_tokens"] = usage.prompt_tokens
+    if usage.completion_tokens is not None:
+        record["actual_decode_tokens"] = usage.completion_tokens
+    if usage.ttft_ms is not None:
+        record["ttft_ms"] = round(usage.ttft_ms, 2)
+    if usage.e2e_ms is not None:
+        record["e2e_ms"] = round(usage.e2e_ms, 2)
     return record
 
 
@@ -65,10 +77,7 @@ def encode_record(
     *,
     status_code: int,
     reason: str,
-    actual_prefill_tokens: int | None = None,
-    actual_decode_tokens: int | None = None,
-    ttft_ms: float | None = None,
-    e2e_ms: float | None = None,
+    usage: Usage = NO_USAGE,
 ) -> str:
     """``_ENCODER.encode(request_record(...))``, the same text byte for byte, written directly.
 
@@ -80,6 +89,7 @@ def encode_record(
     ``json``'s; ``observed`` (refusals only) is encoded by ``json``.
     """
     d = decision
+    ttft_ms, e2e_ms = usage.ttft_ms, usage.e2e_ms
     ttft = d.ttft_ms if ttft_ms is None else round(ttft_ms, 2)
     dispatch, retry, actual = d.dispatch_ms, d.retry_after_ms, d.actual_service_tokens
     text = (
@@ -94,10 +104,10 @@ def encode_record(
         f'"observed":{_ENCODER.encode(d.observed) if d.observed else "{}"},'
         f'"prefill_tokens":{request.prefill_tokens!r},"decode_tokens":{request.decode_tokens!r}'
     )
-    if actual_prefill_tokens is not None:
-        text += f',"actual_prefill_tokens":{actual_prefill_tokens!r}'
-    if actual_decode_tokens is not None:
-        text += f',"actual_decode_tokens":{actual_decode_tokens!r}'
+    if usage.prompt_tokens is not None:
+        text += f',"actual_prefill_tokens":{usage.prompt_tokens!r}'
+    if usage.completion_tokens is not None:
+        text += f',"actual_decode_tokens":{usage.completion_tokens!r}'
     if e2e_ms is not None:
         text += f',"e2e_ms":{round(e2e_ms, 2)!r}'
     text += "}"
@@ -105,12 +115,8 @@ def encode_record(
     finite += (retry or 0.0) + (e2e_ms or 0.0)
     if finite - finite != 0.0:  # an inf or a nan among them (or a sum that overflowed)
         return _ENCODER.encode(
-            request_record(
-                request, d, policy, status_code=status_code, reason=reason,
-                actual_prefill_tokens=actual_prefill_tokens,
-                actual_decode_tokens=actual_decode_tokens, ttft_ms=ttft_ms, e2e_ms=e2e_ms,
-            )
-        )  # fmt: skip
+            request_record(request, d, policy, status_code=status_code, reason=reason, usage=usage)
+        )
     return text
 
 

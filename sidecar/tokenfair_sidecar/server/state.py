@@ -11,7 +11,6 @@ import logging
 import math
 import secrets
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -30,26 +29,13 @@ from tokenfair_sidecar.server.backends import Backend, CostModelBackend
 from tokenfair_sidecar.server.dispatcher import Dispatcher, ModelClock
 from tokenfair_sidecar.server.estimate import ESTIMATORS, PromptEstimator
 from tokenfair_sidecar.server.metrics import LANE_NAMES, LaneSeries, Metrics
-from tokenfair_sidecar.server.recorder import RecordWriter, encode_record
+from tokenfair_sidecar.server.recorder import NO_USAGE, RecordWriter, Usage, encode_record
 from tokenfair_sidecar.server.settings import LoadedFile, SidecarSettings
 
 log = logging.getLogger("tokenfair.sidecar")
 
 FALLBACK_RETRY_AFTER_S: Final = 1
 """``Retry-After`` when the gate gives no time (a request that can never fit as sized)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """What a finished request reported (None: unknown) and when its bytes went out."""
-
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    ttft_ms: float | None = None
-    e2e_ms: float | None = None
-
-
-_NO_USAGE: Final = Usage()
 
 
 class Sidecar:
@@ -175,7 +161,7 @@ class Sidecar:
         if counts is None:
             counts = self.tenant_counts[tenant] = Counter()
         if usage is None:
-            usage = _NO_USAGE
+            usage = NO_USAGE
         if status_code in (429, 503):
             metrics.refused.labels(tenant, lane, reason).inc()
             counts["refused"] += 1
@@ -206,10 +192,7 @@ class Sidecar:
                     self.policy_name,
                     status_code=status_code,
                     reason=reason,
-                    actual_prefill_tokens=usage.prompt_tokens,
-                    actual_decode_tokens=usage.completion_tokens,
-                    ttft_ms=usage.ttft_ms,
-                    e2e_ms=usage.e2e_ms,
+                    usage=usage,
                 )
             )
 
