@@ -178,12 +178,12 @@ class OpenAIBackend(Backend):
         if client is None:
             raise UpstreamError(502, "upstream_unavailable", "the upstream client is closed")
         request = call.request
-        target = request.raw_path  # as received: nothing re-encoded
-        if not target.startswith("/"):  # absolute-form (``POST http://host/v1/...``)
-            target = request.rel_url.raw_path_qs
         try:
             upstream = await client.request(
-                "POST", target, request_headers(request.headers), self._payload(call)
+                "POST",
+                request.rel_url.raw_path_qs,  # encoded path + query (of absolute-form too)
+                request_headers(request.headers),
+                self._payload(call),
             )
         except TimeoutError as exc:
             raise UpstreamError(504, "upstream_timeout", f"upstream timed out: {exc}") from None
