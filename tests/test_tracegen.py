@@ -9,7 +9,12 @@ Behaviours under test:
 * Poisson and bursty tenants both send ``--rate`` on average, bursty ones in bursts (count
   dispersion well above Poisson's 1); windows and a rate of 0 switch tenants on and off;
   ``--requests`` bounds the count; arrivals are in order and ids unique, for any seed, rate,
-  process, mix and window too (hypothesis), with every length in its mix's range;
+  process, mix, window and on/off periods too (hypothesis), with every length in its mix's range;
+* constant tenants arrive exactly every ``1000 / rate`` ms from a per-tenant phase (exact counts,
+  no drift); periodic tenants send only in their on periods, every one of them, at ``--rate`` on
+  average over whole cycles; a tenant's requests under the new processes ignore other tenants too;
+* ``--prompt-tokens``/``--output-tokens`` fix one side exactly, per tenant, and change nothing
+  else in the trace;
 * ``--observe`` adds the cost model's idle-server times: exact without noise, mean 1 and the
   stated spread with it;
 * the output passes ``read_trace`` and replays through ``tokenfair simulate --trace --tenants``
@@ -19,6 +24,8 @@ Behaviours under test:
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import math
 import statistics
@@ -32,8 +39,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenfair_sidecar import cli
+from tokenfair_sidecar.core import Request
 from tokenfair_sidecar.records import TraceRecord, read_trace
-from tokenfair_sidecar.tracegen import MIXES, ArrivalProcess, TenantWorkload, WorkloadSpec, generate
+from tokenfair_sidecar.tracegen import (
+    ARRIVAL_PROCESSES,
+    MIXES,
+    ArrivalProcess,
+    LengthDist,
+    TenantWorkload,
+    WorkloadError,
+    WorkloadSpec,
+    generate,
+)
 
 TOKENFAIR = str(Path(sys.executable).parent / "tokenfair")
 
@@ -168,20 +185,196 @@ def test_poisson_and_bursty_keep_the_mean_rate_bursty_in_bursts() -> None:
     assert _dispersion(bursty, duration_ms) > 4
 
 
-@settings(max_examples=40, deadline=None)
+def _us(requests: list[Request]) -> list[int]:
+    """Arrival times in whole microseconds (they are truncated to 1 us, so this is exact)."""
+    return [round(r.arrival_ms * 1000) for r in requests]
+
+
+def test_constant_gaps_are_exact_from_a_per_tenant_phase() -> None:
+    # 8/s: g = 1000 / 8 = 125 ms, exact in binary. Arrivals at phase + 125 k with phase in
+    # [0, 125): k < (60 000 - phase) / 125 = 480 - phase / 125, so k = 0 .. 479: 480 arrivals.
+    # Truncation to 1 us: floor(1000 phase + 125 000 k) = floor(1000 phase) + 125 000 k, so in
+    # whole microseconds every gap is exactly 125 000.
+    eight = TenantWorkload("eight", "interactive", MIXES["chat"], 8.0, "constant")
+    # 337.5/s (3 x the lesson's 112.5/s capacity at 400 service tokens a request):
+    # g = 1000 / 337.5 = 80/27 ms ~ 2.963 ms; 60 000 / g = 60 000 * 27 / 80 = 20 250 exactly,
+    # so 20 250 arrivals by the same argument. The k-th is phase + k * 80/27 (a product, not a
+    # sum of k rounded gaps), so after truncation it is within 1 us of first + k * 80/27 for
+    # every k: no drift over 20 250 gaps.
+    flood = TenantWorkload("flood", "interactive", MIXES["chat"], 337.5, "constant")
+    # 4/s in the window [5000, 20 000): g = 250 ms, 15 000 / 250 = 60 arrivals from 5000 + phase.
+    late = TenantWorkload("late", "batch", MIXES["rag"], 4.0, "constant", 5000.0, 20_000.0)
+    requests = generate(WorkloadSpec((eight, flood, late), seed=21, duration_ms=60_000.0))
+    by_tenant = {t: [r for r in requests if r.tenant_id == t] for t in ("eight", "flood", "late")}
+
+    eight_us = _us(by_tenant["eight"])
+    assert len(eight_us) == 480
+    assert 0 <= eight_us[0] < 125_000
+    assert {b - a for a, b in itertools.pairwise(eight_us)} == {125_000}
+
+    flood_us = _us(by_tenant["flood"])
+    assert len(flood_us) == 20_250
+    assert 0 <= flood_us[0] < 2963
+    # 80/27 ms = 2962.96 us: a truncated gap reads 2962 or 2963 us, never more or less.
+    assert {b - a for a, b in itertools.pairwise(flood_us)} == {2962, 2963}
+    assert all(abs(us - flood_us[0] - k * 80_000 / 27) <= 1 for k, us in enumerate(flood_us))
+
+    late_us = _us(by_tenant["late"])
+    assert len(late_us) == 60
+    assert 5_000_000 <= late_us[0] < 5_250_000
+    assert {b - a for a, b in itertools.pairwise(late_us)} == {250_000}
+
+    # Same rate, different streams: the phases differ, so the two are not in lock step.
+    twin = TenantWorkload("twin", "interactive", MIXES["chat"], 8.0, "constant")
+    twins = generate(WorkloadSpec((eight, twin), seed=21, duration_ms=1000.0))
+    firsts = {r.tenant_id: r.arrival_ms for r in reversed(twins)}
+    assert firsts["eight"] != firsts["twin"]
+
+
+def test_periodic_sends_only_while_on_and_keeps_the_mean_rate() -> None:
+    # 5/s, on exactly 1000 ms then off 4000 ms from 0: 25/s while on (5 * 5000 / 1000). Over
+    # 2 000 000 ms = 400 whole cycles the count is Poisson with mean 400 s on * 25/s = 10 000
+    # (= 5/s * 2000 s), sd 100: 3 % is 3 sd.
+    duration_ms = 2_000_000.0
+    spec = WorkloadSpec(
+        (TenantWorkload("p", "batch", MIXES["rag"], 5.0, "periodic", burst_on_ms=1000.0),),
+        seed=5,
+        duration_ms=duration_ms,
+    )
+    arrivals_ms = [r.arrival_ms for r in generate(spec)]
+    assert len(arrivals_ms) == pytest.approx(10_000, rel=0.03)
+    # On periods start at whole ms and truncation only moves a time down, never below them.
+    assert all(t % 5000 < 1000 for t in arrivals_ms)
+    # Each on period expects 25 arrivals; P(none) = e^-25 ~ 1e-11, so every one of the 400
+    # cycles has some: the source really switches on every time, deterministically.
+    assert {int(t // 5000) for t in arrivals_ms} == set(range(400))
+
+    # It starts on at its window start (2500), on 500 ms and off 1500 ms: on in
+    # [2500 + 2000 k, 3000 + 2000 k); 4/s -> 16/s while on, ~8 per on period, 15 periods.
+    windowed = TenantWorkload(
+        "w", "batch", MIXES["rag"], 4.0, "periodic", 2500.0, 32_500.0, 500.0, 1500.0
+    )
+    times = [r.arrival_ms for r in generate(WorkloadSpec((windowed,), duration_ms=60_000.0))]
+    assert times
+    assert all(2500 <= t < 32_500 and (t - 2500) % 2000 < 500 for t in times)
+    assert {int((t - 2500) // 2000) for t in times} == set(range(15))
+
+
+def test_new_processes_keep_each_tenant_stream_independent() -> None:
+    tenants = (
+        TenantWorkload("c", "interactive", MIXES["chat"], 30.0, "constant"),
+        TenantWorkload("p", "batch", MIXES["rag"], 10.0, "periodic", burst_on_ms=300.0,
+                       burst_off_ms=700.0),
+        TenantWorkload("f", "interactive", MIXES["completion"].with_fixed(200, 50), 20.0),
+        TenantWorkload("b", "batch", MIXES["summarize"], 10.0, "bursty"),
+    )  # fmt: skip
+
+    def fields(requests: list[Request], tenant_id: str) -> list[tuple[object, ...]]:
+        return [
+            (r.request_id, r.arrival_ms, r.prefill_tokens, r.decode_tokens)
+            for r in requests
+            if r.tenant_id == tenant_id
+        ]
+
+    duration_ms = 20_000.0
+    together = generate(WorkloadSpec(tenants, seed=8, duration_ms=duration_ms))
+    for index, tenant in enumerate(tenants):
+        alone = generate(WorkloadSpec((tenant,), seed=8, duration_ms=duration_ms))
+        assert len(alone) > 20
+        assert fields(together, tenant.tenant_id) == fields(alone, tenant.tenant_id)
+        # Re-rating and re-timing every other tenant (and reordering them) changes nothing here.
+        others = tuple(
+            dataclasses.replace(t, rate_per_second=t.rate_per_second * 2, burst_on_ms=50.0)
+            for t in tenants
+            if t is not tenant
+        )
+        rerated = generate(WorkloadSpec((*others[::-1], tenant), seed=8, duration_ms=duration_ms))
+        assert fields(rerated, tenant.tenant_id) == fields(alone, tenant.tenant_id), index
+
+
+def test_fixed_sizes_are_exact_and_change_nothing_else(
+    tenants_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = ("--duration-ms", "20000", "--arrivals", "docs=periodic", "--seed", "4")
+    fixed = generate_lines(
+        capsys, tenants_file, *flags, "--prompt-tokens", "200", "--output-tokens", "50",
+        "--prompt-tokens", "docs=12000", "--output-tokens", "docs=200",
+    )  # fmt: skip
+    sizes = {(r["tenant_id"], r["prefill_tokens"], r["decode_tokens"]) for r in fixed}
+    assert sizes == {("chat", 200, 50), ("ide", 200, 50), ("docs", 12000, 200)}
+
+    # One side fixed for one tenant: that side is exactly N; everything else (arrivals, the
+    # other side, the other tenants) is the unfixed trace's, because a fixed length draws its
+    # unused variate like the distribution it replaces.
+    plain = generate_lines(capsys, tenants_file, *flags)
+    one_side = generate_lines(capsys, tenants_file, *flags, "--output-tokens", "ide=0")
+    assert len(one_side) == len(plain) > 100
+    for before, after in zip(plain, one_side, strict=True):
+        if after["tenant_id"] == "ide":
+            assert after["decode_tokens"] == 0
+            after = {**after, "decode_tokens": before["decode_tokens"]}
+        assert after == before
+    assert len({r["prefill_tokens"] for r in one_side if r["tenant_id"] == "ide"}) > 10
+
+    assert LengthDist.fixed(0) == LengthDist(0, 0.0, 0, 0)
+    with pytest.raises(WorkloadError, match="must be >= 0 tokens"):
+        LengthDist.fixed(-1)
+
+
+def test_new_flags_round_trip_through_a_file(
+    tmp_path: Path, tenants_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "fairness.jsonl"
+    code, stdout, err = run_cli(
+        ["trace", "generate", "--tenants", str(tenants_file), "--duration-ms", "12000",
+         "--arrivals", "chat=constant", "--rate", "chat=20", "--prompt-tokens", "chat=200",
+         "--output-tokens", "chat=50", "--arrivals", "docs=periodic", "--rate", "docs=2",
+         "--burst-on-ms", "docs=500", "--burst-off-ms", "docs=1500", "--seed", "6",
+         "--out", str(out)],
+        capsys,
+    )  # fmt: skip
+    assert (code, stdout, err) == (0, "", "")
+    records = read_trace(out, known_tenants=CLASSES)
+    by_tenant: dict[str, list[Request]] = {}
+    for record in records:
+        by_tenant.setdefault(record.request.tenant_id, []).append(record.request)
+    # chat: 20/s constant, g = 50 ms, 12 000 / 50 = 240 arrivals exactly, all 200 + 50 tokens.
+    chat_us = _us(by_tenant["chat"])
+    assert len(chat_us) == 240
+    assert {b - a for a, b in itertools.pairwise(chat_us)} == {50_000}
+    assert {(r.prefill_tokens, r.decode_tokens) for r in by_tenant["chat"]} == {(200, 50)}
+    # docs: on [2000 k, 2000 k + 500), 2/s -> 8/s while on; 6 cycles of ~4 each.
+    assert by_tenant["docs"]
+    assert all(r.arrival_ms % 2000 < 500 for r in by_tenant["docs"])
+    assert {int(r.arrival_ms // 2000) for r in by_tenant["docs"]} <= set(range(6))
+    # ide keeps the defaults (Poisson, the chat mix's varying lengths) and its class.
+    assert len({r.prefill_tokens for r in by_tenant["ide"]}) > 10
+    assert {r.priority_class for r in by_tenant["ide"]} == {"interactive"}
+
+
+@settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 2**32),
     rate=st.floats(0.5, 50.0),
-    arrivals=st.sampled_from(["poisson", "bursty"]),
+    arrivals=st.sampled_from(ARRIVAL_PROCESSES),
     mix=st.sampled_from(sorted(MIXES)),
     start_ms=st.floats(0.0, 3000.0),
     length_ms=st.floats(1.0, 3000.0),
+    on_ms=st.floats(1.0, 3000.0),
+    off_ms=st.floats(1.0, 3000.0),
 )
 def test_any_workload_is_ordered_unique_in_window_and_in_range(
-    seed: int, rate: float, arrivals: ArrivalProcess, mix: str, start_ms: float, length_ms: float
+    seed: int,
+    rate: float,
+    arrivals: ArrivalProcess,
+    mix: str,
+    start_ms: float,
+    length_ms: float,
+    on_ms: float,
+    off_ms: float,
 ) -> None:
     windowed = TenantWorkload(
-        "w", "batch", MIXES[mix], rate, arrivals, start_ms=start_ms, end_ms=start_ms + length_ms
+        "w", "batch", MIXES[mix], rate, arrivals, start_ms, start_ms + length_ms, on_ms, off_ms
     )
     steady = TenantWorkload("s", "interactive", MIXES["chat"], 20.0)  # never empty: ~80 requests
     requests = generate(WorkloadSpec((windowed, steady), seed=seed, duration_ms=4000.0))
@@ -197,6 +390,14 @@ def test_any_workload_is_ordered_unique_in_window_and_in_range(
             dist_p, dist_d = MIXES[mix].prompt, MIXES[mix].output
             assert dist_p.min_tokens <= r.prefill_tokens <= dist_p.max_tokens
             assert dist_d.min_tokens <= r.decode_tokens <= dist_d.max_tokens
+            if arrivals == "periodic":
+                # Inside an on period, or (truncation) at most 1 us before one starts.
+                position_ms = (r.arrival_ms - start_ms) % (on_ms + off_ms)
+                assert position_ms < on_ms or position_ms > on_ms + off_ms - 0.0011
+    if arrivals == "constant":
+        # Each time is truncated by less than 1 us, so a gap is within 1 us of 1000 / rate.
+        times = [r.arrival_ms for r in requests if r.tenant_id == "w"]
+        assert all(abs(b - a - 1000 / rate) < 0.0011 for a, b in itertools.pairwise(times))
 
 
 def test_windows_zero_rates_and_request_bounds(
@@ -294,7 +495,14 @@ def test_output_reads_back_and_replays_through_simulate(tmp_path: Path, tenants_
         (["--window", "docs=soon"], "--window docs=soon: expected START_MS:END_MS"),
         (["--duration-ms", "0"], "--duration-ms: must be > 0"),
         (["--requests", "0"], "--requests: must be > 0"),
-        (["--burst-off-ms", "-5"], "--burst-off-ms: must be > 0"),
+        (["--burst-off-ms", "-5"], "--burst-off-ms -5: must be > 0 ms"),
+        (["--burst-on-ms", "docs=0"], "--burst-on-ms docs=0: must be > 0 ms"),
+        (["--burst-on-ms", "docs=long"], "--burst-on-ms docs=long: not a number of ms"),
+        (["--prompt-tokens", "-3"], "--prompt-tokens -3: must be an integer >= 0 tokens"),
+        (["--prompt-tokens", "nobody=3"], "--prompt-tokens nobody=3: unknown tenant"),
+        (["--output-tokens", "chat=1.5"], "--output-tokens chat=1.5: not an integer"),
+        (["--output-tokens", "many"], "--output-tokens many: not an integer number of tokens"),
+        (["--arrivals", "onoff"], "(known: poisson, constant, bursty, periodic)"),
         (["--noise", "0.1"], "--noise: only applies with --observe"),
         (["--observe", "--noise", "1.5"], "--noise: must be in [0, 1)"),
         (["--observe", "--set", "decodeWeight=0"], "decodeWeight: must be > 0"),
@@ -319,3 +527,8 @@ def test_bad_flag_exits_2_from_the_console_script(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stdout == ""
     assert "--mix tenant_batch_rag=poetry: unknown mix" in result.stderr
+
+
+def test_bad_periods_in_a_spec_name_the_flag_and_tenant() -> None:
+    with pytest.raises(WorkloadError, match="--burst-on-ms t: must be > 0 ms"):
+        WorkloadSpec((TenantWorkload("t", "batch", MIXES["rag"], 1.0, "periodic", 0, 10, 0.0),))

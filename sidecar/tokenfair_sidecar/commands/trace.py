@@ -44,10 +44,26 @@ def _mix_line(mix: Mix) -> str:
 EPILOG = (
     "mixes (prompt tokens, output tokens: median [min-max], log-normal):\n"
     + "".join(_mix_line(m) for m in MIXES.values())
-    + "\nexample:\n"
+    + "--prompt-tokens and --output-tokens replace a side of the mix with a fixed length.\n"
+    "\narrival processes (mean rate r = --rate, gap g = 1000/r ms):\n"
+    "  poisson     exponential gaps of mean g\n"
+    "  constant    gaps of exactly g, from a random phase in [0, g) per tenant\n"
+    "  bursty      random on/off: exponential periods of mean --burst-on-ms/--burst-off-ms,\n"
+    "              Poisson while on at r*(on+off)/on, so the mean stays r\n"
+    "  periodic    on for exactly --burst-on-ms, then off for exactly --burst-off-ms, from the\n"
+    "              tenant's window start; Poisson while on at r*(on+off)/on\n"
+    "\nexamples:\n"
     "  tokenfair trace generate --duration-ms 30000 --rate tenant_batch_rag=2 \\\n"
     "      --mix tenant_ide_assist=completion --arrivals tenant_batch_rag=bursty \\\n"
     "      --window tenant_batch_rag=5000:20000 --seed 7 --out trace.jsonl\n"
+    "  # a flood at a constant 337.5/s and a Poisson victim at 45/s, 200+50 tokens each\n"
+    "  tokenfair trace generate --tenants tenants.yaml --duration-ms 60000 \\\n"
+    "      --arrivals flood=constant --rate flood=337.5 --rate victim=45 \\\n"
+    "      --prompt-tokens 200 --output-tokens 50 --out flood.jsonl\n"
+    "  # a batch tenant of 12000+200 tokens, on for 5 s then off for 5 s, repeatedly\n"
+    "  tokenfair trace generate --arrivals tenant_batch_rag=periodic \\\n"
+    "      --burst-on-ms tenant_batch_rag=5000 --burst-off-ms tenant_batch_rag=5000 \\\n"
+    "      --prompt-tokens tenant_batch_rag=12000 --output-tokens tenant_batch_rag=200\n"
     "\nFlags marked [TENANT=] take a bare value (every tenant) or TENANT=VALUE (one tenant);\n"
     "repeat them. Schema of the output: docs/records.md."
 )
@@ -62,8 +78,9 @@ def register(subparsers: Any) -> None:
         "generate",
         help="generate a synthetic mixed workload",
         description=(
-            "Generate a synthetic workload from several tenants (Poisson or bursty on/off "
-            "arrivals, named prompt/output mixes) as request records, deterministic under --seed. "
+            "Generate a synthetic workload from several tenants (Poisson, constant-rate, bursty "
+            "or periodic on/off arrivals; named prompt/output mixes or fixed sizes) as request "
+            "records, deterministic under --seed. "
             "With --observe, add the times the cost model predicts (plus noise) for calibration."
         ),
         epilog=EPILOG,
@@ -106,26 +123,43 @@ def register(subparsers: Any) -> None:
         f"{DEFAULT_MIX_BY_CLASS['batch']} for batch tenants)",
     )
     parser.add_argument(
+        "--prompt-tokens",
+        action="append",
+        default=[],
+        metavar="[TENANT=]N",
+        help="every prompt exactly N tokens (integer >= 0) instead of the mix's prompt lengths; "
+        "the output side still follows the mix unless --output-tokens fixes it too",
+    )
+    parser.add_argument(
+        "--output-tokens",
+        action="append",
+        default=[],
+        metavar="[TENANT=]N",
+        help="every output exactly N tokens (integer >= 0) instead of the mix's output lengths",
+    )
+    parser.add_argument(
         "--arrivals",
         action="append",
         default=[],
         metavar="[TENANT=]PROCESS",
-        help=f"arrival process: {' or '.join(ARRIVAL_PROCESSES)} (default poisson); bursty "
-        "alternates exponential on/off periods and keeps the mean --rate",
+        help=f"arrival process: {', '.join(ARRIVAL_PROCESSES)} (default poisson); every one "
+        "keeps the mean --rate (list below)",
     )
     parser.add_argument(
         "--burst-on-ms",
-        type=float,
-        default=DEFAULT_BURST_ON_MS,
-        metavar="MS",
-        help=f"mean on period of bursty tenants (default {DEFAULT_BURST_ON_MS:.0f})",
+        action="append",
+        default=[],
+        metavar="[TENANT=]MS",
+        help="on period: the mean of the exponential on periods of bursty tenants, the exact "
+        f"on period of periodic ones (default {DEFAULT_BURST_ON_MS:.0f})",
     )
     parser.add_argument(
         "--burst-off-ms",
-        type=float,
-        default=DEFAULT_BURST_OFF_MS,
-        metavar="MS",
-        help=f"mean off period of bursty tenants (default {DEFAULT_BURST_OFF_MS:.0f})",
+        action="append",
+        default=[],
+        metavar="[TENANT=]MS",
+        help="off period: the mean of the exponential off periods of bursty tenants, the exact "
+        f"off period of periodic ones (default {DEFAULT_BURST_OFF_MS:.0f})",
     )
     parser.add_argument(
         "--window",
@@ -195,6 +229,10 @@ def build_spec(config: Config, args: argparse.Namespace) -> WorkloadSpec:
     mixes = _keyed("--mix", args.mix, known, _mix)
     arrivals = _keyed("--arrivals", args.arrivals, known, _arrival)
     windows = _keyed("--window", args.window, known, _window)
+    prompt_tokens = _keyed("--prompt-tokens", args.prompt_tokens, known, _tokens)
+    output_tokens = _keyed("--output-tokens", args.output_tokens, known, _tokens)
+    burst_on_ms = _keyed("--burst-on-ms", args.burst_on_ms, known, _period)
+    burst_off_ms = _keyed("--burst-off-ms", args.burst_off_ms, known, _period)
     duration_ms = args.duration_ms
     if duration_ms is None and args.requests is None:
         duration_ms = DEFAULT_DURATION_MS
@@ -202,15 +240,19 @@ def build_spec(config: Config, args: argparse.Namespace) -> WorkloadSpec:
     for tenant in config.tenants:
         tid = tenant.tenant_id
         start_ms, end_ms = windows.get(tid, (0.0, math.inf))
+        mix = mixes.get(tid, MIXES[DEFAULT_MIX_BY_CLASS[tenant.priority_class]])
         tenants.append(
             TenantWorkload(
                 tenant_id=tid,
                 priority_class=tenant.priority_class,
-                mix=mixes.get(tid, MIXES[DEFAULT_MIX_BY_CLASS[tenant.priority_class]]),
+                # A fixed side overrides the mix whatever the flags' order; the other side stays.
+                mix=mix.with_fixed(prompt_tokens.get(tid), output_tokens.get(tid)),
                 rate_per_second=rates.get(tid, DEFAULT_RATE_PER_SECOND),
                 arrivals=arrivals.get(tid, "poisson"),
                 start_ms=start_ms,
                 end_ms=end_ms,
+                burst_on_ms=burst_on_ms.get(tid, DEFAULT_BURST_ON_MS),
+                burst_off_ms=burst_off_ms.get(tid, DEFAULT_BURST_OFF_MS),
             )
         )
     return WorkloadSpec(
@@ -218,8 +260,6 @@ def build_spec(config: Config, args: argparse.Namespace) -> WorkloadSpec:
         seed=args.seed,
         duration_ms=duration_ms,
         max_requests=args.requests,
-        burst_on_ms=args.burst_on_ms,
-        burst_off_ms=args.burst_off_ms,
     )
 
 
@@ -262,6 +302,26 @@ def _arrival(where: str, raw: str) -> ArrivalProcess:
         if raw == process:
             return process
     raise WorkloadError(f"{where}: unknown arrival process (known: {', '.join(ARRIVAL_PROCESSES)})")
+
+
+def _tokens(where: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise WorkloadError(f"{where}: not an integer number of tokens") from None
+    if value < 0:
+        raise WorkloadError(f"{where}: must be an integer >= 0 tokens")
+    return value
+
+
+def _period(where: str, raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise WorkloadError(f"{where}: not a number of ms") from None
+    if not 0 < value < math.inf:
+        raise WorkloadError(f"{where}: must be > 0 ms")
+    return value
 
 
 def _window(where: str, raw: str) -> tuple[float, float]:
