@@ -5,6 +5,13 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Final
 
-from tokenfair_sidecar.commands import calibrate, loadgen, sidecar, simulate, trace
+from tokenfair_sidecar.commands import calibrate, loadgen, report, sidecar, simulate, trace
 
-COMMANDS: Final[tuple[ModuleType, ...]] = (simulate, loadgen, trace, calibrate, sidecar)
+COMMANDS: Final[tuple[ModuleType, ...]] = (
+    simulate,
+    loadgen,
+    trace,
+    calibrate,
+    report,
+    sidecar,
+)
