@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export TOKENFAIR_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/tokenfair
 
-.PHONY: help venv run simulate test lint format bench bench-sidecar clean
+.PHONY: help venv run simulate test lint format bench bench-fairness bench-sidecar clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -44,6 +44,9 @@ format: $(STAMP) ## apply ruff's formatting and safe fixes
 
 bench: $(STAMP) ## scheduling-core benchmarks (minutes; not part of the tests)
 	$(BIN)/python bench/bench_core.py
+
+bench-fairness: $(STAMP) ## fairness scenario suite, every figure against its target (seconds)
+	$(BIN)/python bench/bench_fairness.py
 
 bench-sidecar: $(STAMP) ## the sidecar against a minimal proxy (needs nginx, wrk; ~8 min)
 	$(BIN)/python bench/bench_sidecar.py

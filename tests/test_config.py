@@ -5,7 +5,8 @@ Behaviours under test:
 * every rule a single field or a whole document can break is refused with a :class:`ConfigError`
   whose message names the file, the field and the rule (empty tenant id, non-positive weight and
   budgets, watermark order, decode weight, unknown keys at every level, duplicate tenant ids,
-  unknown priority class, no tenants, wrong apiVersion/kind, invalid YAML, missing file);
+  unknown priority class, no tenants, wrong apiVersion/kind, invalid YAML, missing file; a
+  400-digit integer, YAML nested 5,000 deep or an integer of 5,000 digits);
 * a multi-document file of plain manifests (one SchedulingPolicy, TenantQuotas) reads as the
   user would ``kubectl apply`` it: ``tenantId`` defaults to ``metadata.name`` and may hold
   underscores that Kubernetes names cannot;
@@ -356,3 +357,36 @@ def test_set_refuses_bad_keys_and_values(
     with pytest.raises(ConfigError) as caught:
         apply_overrides(base_config, [assignment])
     assert message in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("policy", "tenant", "field"),
+    [
+        ({"totalKvBlocks": 10**400}, {}, "totalKvBlocks"),
+        ({"maxBatchWaitMs": 10**400}, {}, "maxBatchWaitMs"),
+        ({}, {"weight": 10**400}, "weight"),
+        ({}, {"burstServiceTokens": -(10**400)}, "burstServiceTokens"),
+    ],
+)
+def test_huge_integers_are_refused_by_name(
+    tmp_path: Path, policy: dict[str, object], tenant: dict[str, object], field: str
+) -> None:
+    # 401 digits: float() of it overflows, and the core would fail on it at runtime.
+    path = config_file(tmp_path, policy=policy, tenants=[{**GOOD_TENANT, **tenant}])
+    with pytest.raises(ConfigError, match=rf"{field}: must be at most 9007199254740992"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "tenants: " + "[" * 5000 + "]" * 5000 + "\n",  # nesting past the stack
+        "version: " + "9" * 5000 + "\n",  # more digits than Python converts
+    ],
+    ids=["5000-deep", "5000-digits"],
+)
+def test_yaml_the_parser_cannot_hold_is_invalid_yaml(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("apiVersion: tokenfair.io/v1alpha1\nkind: TokenfairConfig\n" + text)
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(path)

@@ -366,3 +366,71 @@ def test_cancel_on_a_policy_without_it_changes_nothing(policy: str) -> None:
     assert decision.request_id == "a0"
     scheduler.complete("a0", 2.0)
     assert scheduler.books() == Books(0, 0, 0, 0, 0)
+
+
+# -- settlement in actual tokens, credit bookkeeping, joining ahead -----------------------------
+
+
+def test_a_settled_overrun_is_a_debt_that_outlives_the_queue() -> None:
+    lane = drr(a=1.0, b=1.0)
+    lane.push(job("a0", "a", 400))
+    assert drain(lane) == ["a0"]  # D_a: 0 + 1200 - 400 = 800, then the queue empties: credit 0
+    assert lane.queues["a"].deficit == 0.0
+    # a0 really used 4000: D_a = 0 - (4000 - 400) = -3600, kept although a is idle.
+    lane.settle("a", 4000 - 400)
+    assert lane.queues["a"].deficit == -3600.0
+    for i in range(3):
+        lane.push(job(f"a{i + 1}", "a", 400))
+        lane.push(job(f"b{i}", "b", 400))
+    # a needs ceil((400 + 3600) / 1200) = 4 quanta before it sends again; b sends 3 per quantum.
+    # Pass 1: a: -3600 + 1200 = -2400 (short), b: 1200 -> b0 b1 b2 (D_b 0, queue empty).
+    # Then a is alone: the empty rounds are granted at once (2 more: D_a = 0 + 1200 -> sends).
+    assert drain(lane) == ["b0", "b1", "b2", "a1", "a2", "a3"]
+
+
+def test_a_refund_is_a_credit_only_while_backlogged() -> None:
+    lane = drr(a=1.0)
+    lane.push(job("a0", "a", 400))
+    assert drain(lane) == ["a0"]
+    lane.settle("a", -300)  # used 100 of 400: a credit, but a is idle: dropped
+    assert lane.queues["a"].deficit == 0.0
+    lane.push(job("a1", "a", 400))
+    lane.push(job("a2", "a", 400))
+    assert lane.pick(always) is not None  # D_a = 1200 - 400 = 800, a2 still queued
+    lane.settle("a", -300)  # backlogged: the credit stays
+    assert lane.queues["a"].deficit == 800 + 300
+
+
+def test_credit_tokens_is_the_sum_of_positive_deficits() -> None:
+    lane = drr(a=1.0, b=2.0, c=0.5)
+    costs = {"a": [500, 1700, 300], "b": [2600, 100], "c": [900, 900, 900]}
+    for tenant_id, tenant_costs in costs.items():
+        for i, cost in enumerate(tenant_costs):
+            lane.push(job(f"{tenant_id}{i}", tenant_id, cost))
+
+    def positive_sum() -> float:
+        return sum(max(0.0, q.deficit) for q in lane.queues.values())
+
+    while (picked := lane.pick(always)) is not None:
+        assert lane.credit_tokens == pytest.approx(positive_sum())
+        lane.settle(picked.request.tenant_id, 250)  # every request ran 250 tokens over
+        assert lane.credit_tokens == pytest.approx(positive_sum())
+    assert lane.credit_tokens == 0.0
+
+
+def test_joining_ahead_sends_next_least_served_first() -> None:
+    lane = drr(a=1.0, b=1.0, c=1.0, d=1.0)
+    for i in range(3):
+        lane.push(job(f"a{i}", "a", 600))
+    lane.push(job("b0", "b", 600))
+    assert lane.pick(always) is not None  # a's turn is open: D_a = 1200 - 600 = 600
+    # c joins ahead with rank 0.5, d with rank 0.2: d goes before c, both before b (the tail).
+    lane.push(job("c0", "c", 3000), join_ahead=0.5)
+    lane.push(job("d0", "d", 1000), join_ahead=0.2)
+    # What the ring sends before a tenant joining now with rank 0.3: a's open turn (its credit
+    # 600, capped by its queued 1200), then d's lifted first turn (1000); not c (rank 0.5).
+    assert lane.tokens_before_joining_ahead(0.3) == 600 + 1000
+    # a finishes its turn (a1), then d and c send at once on lifted deficits (no quanta needed
+    # for c's 3000), then b, then a.
+    assert drain(lane) == ["a1", "d0", "c0", "b0", "a2"]
+    assert lane.ahead_joiners == 0

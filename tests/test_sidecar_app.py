@@ -261,21 +261,24 @@ async def test_queue_full_expiry_and_cancellation(aiohttp_client: ClientFactory)
 
 
 async def test_queued_request_past_its_wait_limit_gets_429(aiohttp_client: ClientFactory) -> None:
-    # Interactive requests may wait 30 model ms; the running one takes 89 model ms (see above),
-    # so the one behind it expires before it could start.
-    policy = PolicyConfig(max_interactive_wait_ms=30)
+    # Interactive requests may wait 30 model ms. Each of these costs 1000 + 4 * 1 = 1004 service
+    # tokens (22.3 model ms of work: admission predicts the second starts in time) and holds
+    # ceil(1001 / 16) = 63 of 100 KV blocks for 40 * 22.3 = 892 model ms: two do not fit under
+    # the 0.9 watermark, so the second waits for KV, which admission does not model, and expires
+    # (the long hold keeps that so on a machine too busy to answer within 100 ms).
+    policy = PolicyConfig(max_interactive_wait_ms=30, total_kv_blocks=100, kv_residency_factor=40)
     clients = await start(
         aiohttp_client, keyed_config(policy), SidecarSettings(time_scale=1.0, max_in_flight=1)
     )
     proxy = clients.proxy
     long = asyncio.create_task(
         proxy.post(
-            "/v1/completions", json=completion_body(1000, 750), headers={"Authorization": CHAT}
+            "/v1/completions", json=completion_body(1000, 1), headers={"Authorization": CHAT}
         )
     )
     assert await wait_for(lambda: clients.sidecar.scheduler.running == 1)
     late = await proxy.post(
-        "/v1/completions", json=completion_body(10, 10), headers={"Authorization": CHAT}
+        "/v1/completions", json=completion_body(1000, 1), headers={"Authorization": CHAT}
     )
     assert late.status == 429
     assert error_code(await late.json()) == "shed_queue_timeout"

@@ -17,6 +17,7 @@ Behaviours under test:
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -28,7 +29,7 @@ from tokenfair_sidecar.config import (
     build_config,
     replace_policy,
 )
-from tokenfair_sidecar.core import Books, Decision, Request, UnknownTenantError
+from tokenfair_sidecar.core import Books, Decision, Lane, Request, UnknownTenantError
 from tokenfair_sidecar.core.lesson import LessonDrrScheduler
 from tokenfair_sidecar.core.tokenfair import TokenfairScheduler
 from tokenfair_sidecar.report import summarize
@@ -140,7 +141,8 @@ def test_budget_refuses_what_it_cannot_cover_in_time() -> None:
     scheduler = TokenfairScheduler(budget_config())
     for request_id in ("r1", "r2", "r3"):
         assert scheduler.submit(request(request_id, 1100, 100), 0.0) is None
-    # r4: queued 4500 + 1500 = 6000 against 2000 -> 4000 ms of refill > 3500 ms: retry in 500.
+    # r4: queued 4500 + 1500 = 6000 against 2000 -> 4000 ms of refill, plus the 1500 / 45 ms
+    # the server may still spend on r3 when the budget allows r4: 4033.3 > 3500, retry in 533.3.
     refused = scheduler.submit(request("r4", 1100, 100), 0.0)
     assert refused is not None
     assert (refused.status_code, refused.reason, refused.gate) == (
@@ -148,7 +150,7 @@ def test_budget_refuses_what_it_cannot_cover_in_time() -> None:
         "shed_tenant_token_quota",
         "admission",
     )
-    assert refused.retry_after_ms == 4000.0 - 3500.0
+    assert refused.retry_after_ms == pytest.approx(4000.0 + 1500 / 45 - 3500.0)
     # Dearer than the whole bucket (1700 + 4 * 100 = 2100 > 2000): never coverable, no retry.
     never = scheduler.submit(request("r5", 1700, 100), 0.0)
     assert never is not None
@@ -159,13 +161,14 @@ def test_budget_refuses_what_it_cannot_cover_in_time() -> None:
 def test_a_queued_request_past_its_wait_limit_expires() -> None:
     tenants = [TenantConfig("chat", 1.0, 100_000, 100_000.0, "interactive")]
     scheduler = TokenfairScheduler(build_config(PolicyConfig(), tenants))
-    # 15000 + 4 * 1000 = 19000 service tokens, ceil(16000 / 16) = 1000 KV blocks each: two do not
-    # fit under the interactive watermark together ((1000 + 1000) / 1600 = 1.25 > 0.9).
-    assert scheduler.submit(request("big", 15000, 1000, 0.0, "chat", "interactive"), 0.0) is None
+    # 15000 service tokens (333.3 ms of work at 45 tokens/ms), ceil(15000 / 16) = 938 KV blocks
+    # each: two do not fit under the interactive watermark together (1876 / 1600 = 1.17 > 0.9).
+    # Admission predicts the 333.3 ms in flight (within the 420 ms limit) but not the KV wait.
+    assert scheduler.submit(request("big", 15000, 0, 0.0, "chat", "interactive"), 0.0) is None
     running = scheduler.next_dispatch(0.0)
     assert running is not None
     assert running.admitted
-    assert scheduler.submit(request("next", 15000, 1000, 0.0, "chat", "interactive"), 0.0) is None
+    assert scheduler.submit(request("next", 15000, 0, 0.0, "chat", "interactive"), 0.0) is None
     assert scheduler.next_dispatch(0.0) is None  # waits for KV headroom, is not shed
     # Deadline: arrival 0 + maxInteractiveWaitMs 420; a request waiting exactly 420 ms may start.
     assert scheduler.expire(420.0) == []
@@ -178,7 +181,10 @@ def test_a_queued_request_past_its_wait_limit_expires() -> None:
     ]
     assert expired[0].queue_wait_ms == 420.0
     assert expired[0].observed["max_wait_ms"] == 420.0
-    assert scheduler.books() == Books(0, 0, 0, 1, 1000)
+    # Retry-After from the tenant's own position: its queue is empty and the work in flight ends
+    # at 333.3 ms, so a new request would wait less than the limit: retry at once.
+    assert expired[0].retry_after_ms == 0.0
+    assert scheduler.books() == Books(0, 0, 0, 1, 938)
     scheduler.complete("big", wakeup_ms)
     assert scheduler.books() == Books(0, 0, 0, 0, 0)
 
@@ -255,3 +261,176 @@ def test_reconfigure_mid_run_drops_nothing() -> None:
     assert sorted(d.request_id for d in outcomes) == sorted(submitted)
     assert all(d.admitted for d in outcomes)
     assert scheduler.books() == Books(0, 0, 0, 0, 0)
+
+
+# -- fairness at the door, in actual tokens -----------------------------------------------------
+
+UNBOUNDED = 10**9  # a budget too large to matter
+
+
+def pair(
+    weights: tuple[float, float] = (1.0, 1.0), policy: PolicyConfig | None = None
+) -> TokenfairScheduler:
+    """Tenants a and b, interactive, budgets that never bind."""
+    tenants = [
+        TenantConfig(name, weight, UNBOUNDED, 1e9, "interactive")
+        for name, weight in zip("ab", weights, strict=True)
+    ]
+    return TokenfairScheduler(build_config(policy or PolicyConfig(), tenants))
+
+
+def chat(request_id: str, tenant_id: str, arrival_ms: float = 0.0) -> Request:
+    """200 prompt + 50 decode = 400 service tokens (8.9 ms at 45 tokens/ms)."""
+    return request(request_id, 200, 50, arrival_ms, tenant_id, "interactive")
+
+
+def test_a_flood_pushes_out_the_flooders_requests_not_its_neighbours() -> None:
+    scheduler = pair()
+    admitted = 0
+    refused: Decision | None = None
+    while refused is None:
+        refused = scheduler.submit(chat(f"a{admitted}", "a"), 0.0)
+        admitted += refused is None
+    assert refused.reason == "shed_queue_wait_slo"
+    # a alone: nobody else competes, so a request starts once a's q queued tokens are served:
+    # q / 45 <= 420 ms holds for q = 47 * 400 = 18800 (the 48th), not 19200 (426.7 ms).
+    assert admitted == 48
+    # b's first request waits for a's turn only (a's quantum, 1200 tokens, 26.7 ms), not a's
+    # backlog: it is admitted, and so is a second and a third.
+    for i in range(3):
+        assert scheduler.submit(chat(f"b{i}", "b"), 0.0) is None
+    # Now b competes: a's next request would wait for its 18800 queued tokens plus one quantum of
+    # b per quantum of its own: refused, with a Retry-After from a's own position.
+    again = scheduler.submit(chat("a-again", "a"), 0.0)
+    assert again is not None
+    assert again.reason == "shed_queue_wait_slo"
+    assert again.retry_after_ms is not None
+    assert again.retry_after_ms > 420.0
+    # DRR then serves b within its first turns: all three of b's requests start within 420 ms.
+    started: dict[str, float] = {}
+    now_ms = 0.0
+    while (decision := scheduler.next_dispatch(now_ms)) is not None:
+        started[decision.request_id] = now_ms
+        now_ms += decision.service_tokens / 45.0
+        scheduler.complete(decision.request_id, now_ms)
+    assert max(started[f"b{i}"] for i in range(3)) < 1200 * 2 / 45.0
+    assert scheduler.books() == Books(0, 0, 0, 0, 0)
+
+
+def test_an_under_declaring_tenant_pays_its_overrun_in_later_turns() -> None:
+    scheduler = pair()
+    for i in range(6):
+        assert scheduler.submit(chat(f"a{i}", "a"), 0.0) is None
+        assert scheduler.submit(chat(f"b{i}", "b"), 0.0) is None
+    order = []
+    now_ms = 0.0
+    while (decision := scheduler.next_dispatch(now_ms)) is not None:
+        order.append(decision.request_id)
+        now_ms += 10.0
+        # a declares 400 and uses 4000 each time; b is honest.
+        actual = 4000 if decision.tenant_id == "a" else None
+        scheduler.complete(decision.request_id, now_ms, actual)
+    # Turn 1 (quantum 1200): a sends a0 (D 800), a0 settles at 4000 (D 800 - 3600 = -2800), its
+    # turn ends on the debt; b sends b0 b1 b2. a then needs ceil((400 + 2800) / 1200) = 3 more
+    # quanta: b's turns come first (b3 b4 b5), then a is alone and the rest follows.
+    assert order[:7] == ["a0", "b0", "b1", "b2", "b3", "b4", "b5"]
+    # Counted in actual tokens the debt kept a to one request while b sent six of 400.
+    assert scheduler.tenants["a"].served_tokens == 6 * 4000
+    assert scheduler.tenants["a"].usage_ratio > 5.0  # 10x overruns, weighted 1/4 each
+    assert scheduler.books() == Books(0, 0, 0, 0, 0)
+
+
+def test_admission_prices_an_under_declarer_at_its_usage() -> None:
+    scheduler = pair()
+    # As after a run of requests that used 10x their estimate: each request of a is expected
+    # to take 4000 tokens, not 400.
+    scheduler.tenants["a"].usage_ratio = 10.0
+    admitted = 0
+    while scheduler.submit(chat(f"a{admitted}", "a"), 0.0) is None:
+        admitted += 1
+    # The 5th starts after 4 * 4000 = 16000 tokens (355.6 ms); a 6th would start at 444.4 ms.
+    # Honest, a queues 48 (see the flood test).
+    assert admitted == 5
+    assert scheduler.predicted_wait_ms("a", Lane.INTERACTIVE, 400, 0.0) == pytest.approx(20000 / 45)
+
+
+def test_lending_gives_idle_capacity_to_work_over_budget_and_takes_it_back() -> None:
+    tenants = [
+        TenantConfig("capped", 1.0, 1000, 1.0, "interactive"),  # refills 1 token per second
+        TenantConfig("other", 1.0, UNBOUNDED, 1e9, "interactive"),
+    ]
+    policy = PolicyConfig(lend_idle_capacity=True)
+    scheduler = TokenfairScheduler(build_config(policy, tenants))
+    for i in range(4):  # 4 * 400 = 1600 > the 1000 burst: without lending two would be refused
+        assert scheduler.submit(chat(f"c{i}", "capped"), 0.0) is None
+    first = [scheduler.next_dispatch(0.0) for _ in range(4)]
+    assert [d.request_id for d in first if d is not None] == ["c0", "c1", "c2", "c3"]
+    assert [d.observed.get("borrowed_service_tokens") for d in first if d is not None] == [
+        None,
+        None,
+        400,
+        400,
+    ]
+    bucket = scheduler.tenants["capped"].bucket
+    assert bucket.level == pytest.approx(1000 - 800)  # borrowed work is not charged
+    # Work within budget goes first: with "other" queued, capped's borrowing waits.
+    assert scheduler.submit(chat("c4", "capped"), 1.0) is None
+    assert scheduler.submit(chat("o0", "other"), 1.0) is None
+    following = scheduler.next_dispatch(1.0)
+    assert following is not None
+    assert following.request_id == "o0"
+    for decision in first:
+        assert decision is not None
+        scheduler.complete(decision.request_id, 2.0)
+    scheduler.complete("o0", 2.0)
+    assert bucket.level <= bucket.burst  # settling a borrowed request refunds nothing
+
+
+def test_without_lending_budgets_are_caps() -> None:
+    tenants = [TenantConfig("capped", 1.0, 1000, 1.0, "interactive")]
+    scheduler = TokenfairScheduler(build_config(PolicyConfig(), tenants))
+    admitted = [scheduler.submit(chat(f"c{i}", "capped"), 0.0) is None for i in range(4)]
+    assert admitted == [True, True, False, False]  # 1000 covers two of 400 within 420 ms
+
+
+@pytest.mark.parametrize(
+    ("actual", "message"),
+    [
+        (10**400, "actual_service_tokens must be in [0, 1099511627776]"),
+        (-1, "actual_service_tokens must be in [0, 1099511627776] (got -1)"),
+        (True, "actual_service_tokens must be an integer (got bool)"),
+        (2.5, "actual_service_tokens must be an integer (got float)"),
+    ],
+)
+def test_settlement_refuses_absurd_usage_before_changing_anything(
+    actual: object, message: str
+) -> None:
+    scheduler = pair()
+    assert scheduler.submit(chat("a0", "a"), 0.0) is None
+    assert scheduler.next_dispatch(0.0) is not None
+    before = scheduler.books()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        scheduler.complete("a0", 1.0, actual)  # type: ignore[arg-type]
+    assert scheduler.books() == before
+    scheduler.complete("a0", 1.0, 400)  # still settles once, properly
+    assert scheduler.books() == Books(0, 0, 0, 0, 0)
+
+
+def test_settlement_replaces_the_kv_reservation_with_actual_blocks() -> None:
+    scheduler = pair()
+    assert scheduler.submit(chat("a0", "a"), 0.0) is None  # ceil(250 / 16) = 16 blocks
+    assert scheduler.next_dispatch(0.0) is not None
+    assert scheduler.resident_blocks == 16
+    scheduler.complete("a0", 1.0, 8200, actual_kv_blocks=138, release_kv=False)
+    assert scheduler.resident_blocks == 138  # it decoded 2000 tokens, not 50
+    scheduler.release_kv("a0")
+    assert scheduler.books() == Books(0, 0, 0, 0, 0)
+
+
+def test_the_simulator_runs_recorded_usage() -> None:
+    config = pair().config
+    requests = [chat("a0", "a"), chat("b0", "b", 1.0)]
+    # a0 declares 400 but runs 8200 tokens: b0 starts after 8200 / 45 = 182.2 ms, not 8.9.
+    decisions = {d.request_id: d for d in simulate(config, requests, TOKENFAIR, {"a0": 8200})}
+    assert decisions["a0"].actual_service_tokens == 8200
+    assert decisions["b0"].dispatch_ms == pytest.approx(8200 / 45.0)

@@ -67,6 +67,12 @@ class PolicyConfig:
     batch_min_share: float = 0.10
     """Share of service (0..0.5] the batch lane is guaranteed under interactive overload
     (``tokenfair`` policy only; the lesson's policies have strict priority)."""
+    lend_idle_capacity: bool = False
+    """Let a tenant over its token budget use capacity nobody within budget is waiting for
+    (``tokenfair`` policy only). Off by default: budgets are caps a platform sells, and a
+    tenant that learns to rely on idle capacity is surprised when the neighbours come back.
+    Lent capacity is reclaimed at the next dispatch (within-budget work always goes first)
+    and is not charged to the borrower's bucket."""
     max_queued_requests: int = 10_000
     """Bound on queued requests of all tenants together; beyond it: ``queue_full``."""
     max_queued_requests_per_tenant: int = 2_000
@@ -118,9 +124,20 @@ class Config:
 Parser = Callable[[str, object], Any]
 
 
+_MAX_INTEGER: Final = 2**53
+"""Largest integer a field takes: every integer up to it is an exact float, and the core mixes
+integers with floats (budgets, occupancy). Larger ones (e.g. 400 digits) are refused by name."""
+
+
+def _too_large(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > _MAX_INTEGER
+
+
 def _number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ConfigError(f"{name}: must be a number (got {value!r})")
+    if _too_large(value):  # float() of it may overflow; its repr may be thousands of digits
+        raise ConfigError(f"{name}: must be at most {_MAX_INTEGER} (got an integer beyond it)")
     if not math.isfinite(value):
         raise ConfigError(f"{name}: must be finite (got {value!r})")
     return float(value)
@@ -138,6 +155,8 @@ def _positive_int(name: str, value: object) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name}: must be an integer (got {value!r})")
+    if _too_large(value):
+        raise ConfigError(f"{name}: must be at most {_MAX_INTEGER} (got an integer beyond it)")
     if value <= 0:
         raise ConfigError(f"{name}: must be > 0 (got {value!r})")
     return value
@@ -162,6 +181,12 @@ def _non_negative(name: str, value: object) -> float:
     if number < 0:
         raise ConfigError(f"{name}: must be >= 0 (got {value!r})")
     return number
+
+
+def _boolean(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: must be true or false (got {value!r})")
+    return value
 
 
 def _tenant_id(name: str, value: object) -> str:
@@ -199,6 +224,7 @@ POLICY_FIELDS: Final[dict[str, tuple[str, Parser]]] = {
     "baseQuantumTokens": ("base_quantum_tokens", _positive_int),
     "serviceTokensPerMs": ("service_tokens_per_ms", _positive),
     "batchMinShare": ("batch_min_share", _share),
+    "lendIdleCapacity": ("lend_idle_capacity", _boolean),
     "maxQueuedRequests": ("max_queued_requests", _positive_int),
     "maxQueuedRequestsPerTenant": ("max_queued_requests_per_tenant", _positive_int),
     "prefillFloorMs": ("prefill_floor_ms", _non_negative),
@@ -391,6 +417,10 @@ def loads_config(text: str, source: str = "<config>") -> Config:
     try:
         documents = list(yaml.safe_load_all(text))
     except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError(f"{source}: invalid YAML: nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (4,300)
         raise ConfigError(f"{source}: invalid YAML: {exc}") from None
     return parse_documents(documents, source)
 

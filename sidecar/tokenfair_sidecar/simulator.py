@@ -5,9 +5,11 @@ Event rules (the lesson's, so its policies decide exactly as its lab did):
 * the clock only moves forward; KV blocks whose residency ended at or before the clock are freed
   first, then every arrival at or before the clock is submitted (in ``(arrival_ms, request_id)``
   order), then queued requests past their deadline expire, then one request is dispatched;
-* a dispatched request runs for ``execution_ms`` (the server is busy; the clock jumps to its end),
-  its first token comes ``prefill_ms`` after it starts (``ttft = queue_wait + prefill_ms``), it is
-  settled when it ends, and its KV stays resident for ``kv_hold_ms`` after it started;
+* a dispatched request runs for ``execution_ms`` of its *actual* service tokens when the trace
+  records them (else its estimate; the server is busy and the clock jumps to its end), its first
+  token comes ``prefill_ms`` after it starts (``ttft = queue_wait + prefill_ms``), it is settled
+  with its actual usage when it ends (its actual KV blocks replace the reservation then), and its
+  KV stays resident for ``kv_residency_factor * execution_ms`` after it started;
 * when nothing can start, the clock jumps to the next event: an arrival, a KV release, or the
   scheduler's own wake-up (a deadline, a budget refill).
 """
@@ -32,25 +34,33 @@ def simulate(
     requests: Sequence[Request],
     policy: str,
     actual_service_tokens: Mapping[str, int] | None = None,
+    actual_kv_blocks: Mapping[str, int] | None = None,
 ) -> list[Decision]:
     """Run ``requests`` under ``policy``; returns one decision per request, in decision order.
 
-    ``actual_service_tokens`` (by request id) settles a request against what it really used;
-    without it, the estimate is exact.
+    ``actual_service_tokens`` (by request id) is what a request really used: it runs for that
+    long and is settled with it. ``actual_kv_blocks`` likewise replaces its KV reservation when it
+    ends. Without them, the estimate is exact.
     """
     # The replay creates no reference cycles (everything it allocates is freed by reference
     # counting), so the cyclic collector only rescans the live backlog: pause it meanwhile.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _replay(config, requests, policy, actual_service_tokens or {})
+        return _replay(
+            config, requests, policy, actual_service_tokens or {}, actual_kv_blocks or {}
+        )
     finally:
         if collecting:
             gc.enable()
 
 
 def _replay(
-    config: Config, requests: Sequence[Request], policy: str, actual: Mapping[str, int]
+    config: Config,
+    requests: Sequence[Request],
+    policy: str,
+    actual: Mapping[str, int],
+    actual_kv: Mapping[str, int],
 ) -> list[Decision]:
     scheduler = make_scheduler(policy, config)
     cost = scheduler.cost
@@ -107,12 +117,16 @@ def _replay(
         append(decision)
         if decision.status_code != STATUS_OK:
             continue
-        request = by_id[decision.request_id]
-        execution_ms = decision.service_tokens / rate
+        request_id = decision.request_id
+        request = by_id[request_id]
+        used = actual.get(request_id)
+        execution_ms = (decision.service_tokens if used is None else used) / rate
         prefill_ms = max(prefill_floor_ms, request.prefill_tokens / prefill_rate)
         decision.ttft_ms = round(max(0.0, clock_ms - request.arrival_ms) + prefill_ms, 2)
         sequence += 1
-        heappush(releases, (clock_ms + execution_ms * residency, sequence, request.request_id))
+        heappush(releases, (clock_ms + execution_ms * residency, sequence, request_id))
         clock_ms += execution_ms
-        complete(request.request_id, clock_ms, actual.get(request.request_id), release_kv=False)
+        complete(
+            request_id, clock_ms, used, actual_kv_blocks=actual_kv.get(request_id), release_kv=False
+        )
     return outcomes

@@ -4,25 +4,43 @@ Each backlogged tenant ``i`` holds a deficit counter ``D_i``. When its turn star
 quantum ``Q_i = base_quantum_tokens * weight_i``; it then sends head-of-queue requests while
 ``D_i >= cost(head)``, paying ``cost(head)`` each (a request's *full* cost, never a slice). The turn
 passes when the head costs more than ``D_i``; ``D_i`` carries over while the tenant stays
-backlogged and resets to 0 when its queue empties, so idle tenants bank nothing.
+backlogged; when its queue empties a *credit* (``D_i > 0``) is dropped, so idle tenants bank
+nothing, but a *debt* (``D_i < 0``, see settlement) is kept until it is paid.
+
+**Settlement in actual tokens.** A request is paid for with its *estimate* when it is sent; when
+its actual usage is known, :meth:`DeficitRoundRobin.settle` charges the difference,
+``D_i -= actual - estimate``. A tenant that under-declares therefore goes into debt and must earn
+the quanta that cover it before it sends again, so the round robin is fair in *actual* service
+tokens. A refund (``actual < estimate``) is a credit like any other: kept while the tenant is
+backlogged, dropped when it is not.
 
 Fairness bound (the DRR lemma): for two tenants continuously backlogged in one lane over an
 interval, the normalised service gap stays bounded,
 ``|S_i/w_i - S_j/w_j| <= 3 * base_quantum_tokens + max_cost/w_i + max_cost/w_j``
 (each side is within ``Q_i + max_cost`` of ``k`` quanta after ``k`` turns; see docs/fairness.md).
+Counted in *settled* (actual) tokens the deficit also holds debts, ``-A_i <= D_i``, where ``A_i``
+bounds the actual usage of the tenant's requests in flight at once (one request in the serial
+simulator, which settles each before the next pick), so the bound becomes
+``3 * base_quantum_tokens + (max_cost + A_i)/w_i + (max_cost + A_j)/w_j``.
 
-Two departures from the textbook, both bounded:
+Three departures from the textbook, all bounded:
 
 * **eligibility** — a head that cannot run *now* (KV watermark, token budget) is passed over
   without earning a quantum; the tenant keeps its deficit, and a turn it had open stays open (it
-  resumes that turn, with no new quantum, when next visited), so ``0 <= D_i < max_cost + Q_i``
-  holds whatever the eligibility;
+  resumes that turn, with no new quantum, when next visited), so ``D_i < max_cost + Q_i``
+  holds whatever the eligibility (and ``D_i >= 0`` but for settlement debts);
+* **joining ahead** — a tenant that was not backlogged and is owed service (the caller decides:
+  ``tokenfair`` asks for it when the tenant had less than its weighted share of the lane's
+  recent service) joins right behind the front, least served first, with its turn open and its
+  deficit lifted to cover the job: VTC's counter lift in DRR terms. Two tenants that stay
+  backlogged never change their relative order, so the bound above holds for them;
 * **skipping empty rounds** — when a full pass finds no eligible head covered by its deficit,
   every eligible tenant is granted the quanta of the rounds it would have waited through,
   ``k = min_i ceil((cost_i - D_i) / Q_i) - 1`` in one step, so selection costs O(tenants) and
   never loops on large requests.
 
-Costs of selection: O(active tenants) per pick; enqueue and cancel O(1).
+Costs of selection: O(active tenants) per pick; enqueue and cancel O(1) (joining ahead:
+O(tenants waiting for their first turn ahead)).
 """
 
 from __future__ import annotations
@@ -37,16 +55,30 @@ from tokenfair_sidecar.core.jobs import Job, JobState
 class TenantQueue:
     """One tenant's FIFO within one lane, with its DRR state."""
 
-    __slots__ = ("deficit", "in_active", "jobs", "live", "quantum", "tenant_id", "turn_open")
+    __slots__ = (
+        "deficit",
+        "in_active",
+        "jobs",
+        "join_rank",
+        "joined_ahead",
+        "live",
+        "quantum",
+        "queued_tokens",
+        "tenant_id",
+        "turn_open",
+    )
 
     def __init__(self, tenant_id: str, quantum: float) -> None:
         self.tenant_id = tenant_id
         self.quantum = quantum
         self.jobs: deque[Job] = deque()
         self.live = 0  # queued jobs not cancelled (cancelled ones are dropped lazily at the head)
+        self.queued_tokens = 0.0  # expected service tokens of the live jobs
         self.deficit = 0.0
         self.turn_open = False
         self.in_active = False
+        self.joined_ahead = False  # joined ahead of the ring's tail, first turn still to come
+        self.join_rank = 0.0  # its place among those that joined ahead (lower goes first)
 
     def head(self) -> Job | None:
         jobs = self.jobs
@@ -55,18 +87,28 @@ class TenantQueue:
         return jobs[0] if jobs else None
 
     def reset(self) -> None:
-        self.deficit = 0.0
+        """The queue emptied: drop a credit (idle tenants bank nothing), keep a debt."""
+        if self.deficit > 0.0:
+            self.deficit = 0.0
         self.turn_open = False
+        self.queued_tokens = 0.0  # no float residue of the expected costs it held
 
 
 class DeficitRoundRobin:
     """Selects the next job of one lane; see the module docstring for the rules."""
 
-    __slots__ = ("active", "queues")
+    __slots__ = ("active", "ahead_joiners", "credit_tokens", "queued_tokens", "queues")
 
     def __init__(self) -> None:
         self.queues: dict[str, TenantQueue] = {}
         self.active: deque[TenantQueue] = deque()
+        self.credit_tokens = 0.0
+        """``sum_i max(0, D_i)``: what the tenants could send on deficits already granted
+        (admission's bound on the others' next turns reads it)."""
+        self.ahead_joiners = 0
+        self.queued_tokens = 0.0
+        """Expected service tokens of every live queued job of the lane."""
+        """Tenants that joined right behind the front and have not had their first turn."""
 
     def add_tenant(self, tenant_id: str, quantum: float) -> None:
         queue = self.queues.get(tenant_id)
@@ -75,25 +117,102 @@ class DeficitRoundRobin:
         else:
             queue.quantum = quantum
 
-    def push(self, job: Job) -> None:
+    def push(self, job: Job, *, join_ahead: float | None = None) -> None:
+        """Queue a job. A tenant that was not backlogged joins the ring at its tail — or, with
+        a ``join_ahead`` rank, right behind the front and behind the tenants that joined that
+        way with a rank no higher (lower ranks first, FIFO among equals), its turn open with a
+        deficit that covers this job: it sends the job in its first turn (VTC's lift, in DRR
+        terms)."""
         queue = self.queues[job.request.tenant_id]
         queue.jobs.append(job)
         queue.live += 1
+        queue.queued_tokens += job.expected_tokens
+        self.queued_tokens += job.expected_tokens
         if not queue.in_active:
             queue.in_active = True
-            self.active.append(queue)
+            active = self.active
+            if join_ahead is not None:
+                if active:
+                    active.insert(1 + self._joiners_before(join_ahead), queue)
+                    queue.joined_ahead = True
+                    queue.join_rank = join_ahead
+                    self.ahead_joiners += 1
+                else:
+                    active.append(queue)
+                if queue.deficit < job.expected_tokens:
+                    before = queue.deficit
+                    queue.deficit = job.expected_tokens
+                    self._credit_moved(before, queue.deficit)
+                queue.turn_open = True
+            else:
+                active.append(queue)
+
+    def _joiners_before(self, rank: float) -> int:
+        """How many of the tenants waiting for their first turn ahead go before ``rank``."""
+        active = self.active
+        count = 0
+        for index in range(1, min(len(active), 1 + self.ahead_joiners)):
+            if active[index].join_rank > rank:
+                break
+            count += 1
+        return count
+
+    def tokens_before_joining_ahead(self, rank: float) -> float:
+        """What the ring sends before a tenant that joins ahead now with ``rank`` gets its
+        first turn: the front's turn (its credit, or a fresh quantum on top if its turn is not
+        open yet), then the first turn of each joiner that goes before it, each capped by what
+        it has queued. O(tenants waiting for their first turn ahead)."""
+        active = self.active
+        if not active:
+            return 0.0
+        front = active[0]
+        credit = max(0.0, front.deficit)
+        if not front.turn_open:
+            credit += front.quantum
+        total = min(credit, front.queued_tokens)
+        for index in range(1, 1 + self._joiners_before(rank)):
+            queue = active[index]  # joined ahead: its turn is open, it sends its credit
+            total += min(max(0.0, queue.deficit), queue.queued_tokens)
+        return total
 
     def forget(self, job: Job) -> None:
         """A queued job left without being picked (cancelled, expired): O(1), lazy removal."""
         queue = self.queues[job.request.tenant_id]
         queue.live -= 1
+        queue.queued_tokens -= job.expected_tokens
+        self.queued_tokens -= job.expected_tokens
         if queue.live == 0:
-            queue.reset()
+            self._drop_credit(queue)
 
-    def min_head_cost(self) -> int | None:
+    def settle(self, tenant_id: str, overrun_tokens: float) -> None:
+        """Charge ``actual - charged`` of a sent request to its tenant's deficit.
+
+        A debt (``overrun_tokens > 0``) is always kept; a credit only while the tenant is
+        backlogged (an idle tenant banks nothing)."""
+        queue = self.queues[tenant_id]
+        before = queue.deficit
+        queue.deficit -= overrun_tokens
+        if not queue.in_active and queue.deficit > 0.0:
+            queue.deficit = 0.0
+        self._credit_moved(before, queue.deficit)
+
+    def _credit_moved(self, before: float, after: float) -> None:
+        self.credit_tokens += max(0.0, after) - max(0.0, before)
+
+    def _drop_credit(self, queue: TenantQueue) -> None:
+        """The queue emptied: its credit goes (a debt stays), and its turn ends."""
+        if queue.deficit > 0.0:
+            self.credit_tokens -= queue.deficit
+        queue.reset()
+
+    def backlogged(self, tenant_id: str) -> bool:
+        """The tenant has live (not cancelled) jobs queued in this lane."""
+        return self.queues[tenant_id].live > 0
+
+    def min_head_cost(self) -> float | None:
         """Cheapest head among backlogged tenants (O(active tenants))."""
         return min(
-            (head.service_tokens for q in self.active if (head := q.head()) is not None),
+            (head.expected_tokens for q in self.active if (head := q.head()) is not None),
             default=None,
         )
 
@@ -104,12 +223,15 @@ class DeficitRoundRobin:
             candidates: list[TenantQueue] | None = None  # built only when a deficit falls short
             for _ in range(len(active)):
                 queue = active[0]
+                if queue.joined_ahead:  # its first turn, whatever comes of it
+                    queue.joined_ahead = False
+                    self.ahead_joiners -= 1
                 head = queue.head()
                 if head is None:
                     # Emptied by cancellations: leave the round robin, bank nothing.
                     active.popleft()
                     queue.in_active = False
-                    queue.reset()
+                    self._drop_credit(queue)
                     continue
                 if not eligible(head):
                     # An open turn stays open: closing it would grant a fresh quantum on top of
@@ -117,16 +239,25 @@ class DeficitRoundRobin:
                     active.rotate(-1)
                     continue
                 if not queue.turn_open:
+                    before = queue.deficit
                     queue.deficit += queue.quantum
                     queue.turn_open = True
-                if queue.deficit >= head.service_tokens:
+                    self._credit_moved(before, queue.deficit)
+                cost = head.expected_tokens
+                if queue.deficit >= cost:
                     queue.jobs.popleft()
                     queue.live -= 1
-                    queue.deficit -= head.service_tokens
+                    queue.queued_tokens -= cost
+                    self.queued_tokens -= cost
+                    queue.deficit -= cost  # stays >= 0: all of it was credit
+                    self.credit_tokens -= cost
                     if queue.live == 0:
                         active.popleft()
                         queue.in_active = False
-                        queue.reset()
+                        self._drop_credit(queue)
+                        if not active:
+                            # Nobody holds credit or queued work: no float residue.
+                            self.credit_tokens = self.queued_tokens = 0.0
                     return head
                 queue.turn_open = False
                 if candidates is None:
@@ -137,9 +268,11 @@ class DeficitRoundRobin:
                 return None
             # Nobody's deficit covered its head: grant the quanta of the empty rounds at once.
             rounds = min(
-                math.ceil((q.jobs[0].service_tokens - q.deficit) / q.quantum) for q in candidates
+                math.ceil((q.jobs[0].expected_tokens - q.deficit) / q.quantum) for q in candidates
             )
             if rounds > 1:
                 for queue in candidates:
+                    before = queue.deficit
                     queue.deficit += (rounds - 1) * queue.quantum
+                    self._credit_moved(before, queue.deficit)
         return None

@@ -108,8 +108,10 @@ class Job:
     """A request inside the scheduler: its costs, its state and its bookkeeping."""
 
     __slots__ = (
+        "borrowed",
         "deadline_ms",
         "decision",
+        "expected_tokens",
         "kv_blocks",
         "lane",
         "request",
@@ -125,6 +127,8 @@ class Job:
         self.state = _QUEUED
         self.deadline_ms = _NEVER
         self.decision: Decision | None = None
+        self.borrowed = False  # dispatched on capacity lent to a tenant over its budget
+        self.expected_tokens = float(service_tokens)  # what admission expects it to really use
 
     def outcome(
         self, status_code: int, reason: str, gate: str, occupancy: float, **observed: float

@@ -7,7 +7,8 @@ One contract for every policy (the simulator and the sidecar drive the same obje
 * ``next_dispatch(now)`` — selection. Returns the :class:`Decision` of the request that starts now
   (``admitted``; its KV is reserved and its estimate charged), a refusal decided at dispatch, or
   ``None`` when nothing may start now. Call it until it returns ``None``.
-* ``complete(id, now, actual)`` — settlement; must be called exactly once per dispatched request.
+* ``complete(id, now, actual)`` — settlement in actual service tokens (budgets and fairness
+  state alike); must be called exactly once per dispatched request.
   ``release_kv(id)`` frees its KV (at once by default; the simulator models residency).
 * ``cancel(id, now)`` — a queued request leaves (client gone); ``expire(now)`` refuses queued
   requests past their class's wait limit. Both release every reservation.
@@ -43,6 +44,17 @@ from tokenfair_sidecar.core.jobs import (
 )
 from tokenfair_sidecar.costmodel import CostModel
 
+USAGE_RATIO_WEIGHT: Final = 0.25
+"""Weight of the newest settlement in a tenant's usage ratio: four settlements take it most of
+the way to a new level, so a tenant that starts under-declaring is priced right within a few
+requests, and one odd request moves it by a quarter."""
+
+USAGE_RATIO_RANGE: Final = (0.1, 100.0)
+"""Bounds of a tenant's usage ratio. The floor keeps requests that end at once (a client that
+cancels right after dispatch settles at 0) from making the tenant's next requests nearly free to
+the round robin until they settle; the ceiling keeps one absurd report from pricing a tenant
+out for long. Settlement corrects whatever the ratio gets wrong."""
+
 _DISPATCHED: Final = JobState.DISPATCHED
 _DONE: Final = JobState.DONE
 
@@ -58,7 +70,7 @@ class DuplicateRequestError(ValueError):
 class TenantState:
     """Per-tenant runtime state: budget, queue totals and the fairness counter."""
 
-    __slots__ = ("bucket", "config", "queued", "queued_tokens", "served_tokens")
+    __slots__ = ("bucket", "config", "queued", "queued_tokens", "served_tokens", "usage_ratio")
 
     def __init__(self, config: TenantConfig, now_ms: float) -> None:
         self.config = config
@@ -68,6 +80,9 @@ class TenantState:
         self.queued = 0
         self.queued_tokens = 0
         self.served_tokens = 0  # S_i: service tokens dispatched, settled to actual usage
+        self.usage_ratio = 1.0
+        """Recent actual ÷ estimated usage of the tenant's requests (an EWMA over settlements,
+        weight :data:`USAGE_RATIO_WEIGHT`); admission scales the tenant's queued work by it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +245,8 @@ class Scheduler(ABC):
             0.0,
             now_ms,
         )
+        if job.borrowed:
+            decision.observed["borrowed_service_tokens"] = job.service_tokens
         job.state = _DISPATCHED
         job.decision = decision
         return decision
@@ -240,21 +257,34 @@ class Scheduler(ABC):
         now_ms: float,
         actual_service_tokens: int | None = None,
         *,
+        actual_kv_blocks: int | None = None,
         release_kv: bool = True,
     ) -> Decision:
-        """Settle a dispatched request against its actual usage (default: the estimate)."""
+        """Settle a dispatched request against its actual usage (default: the estimate).
+
+        ``actual_kv_blocks`` replaces the KV reservation with what the request really held
+        (the simulator's replay of recorded usage), until ``release_kv``. Values that are not
+        integers in ``[0, MAX_SETTLED_TOKENS]`` raise ``ValueError`` before anything changes."""
         job = self.jobs[request_id]
         decision = job.decision
         if job.state is not _DISPATCHED or decision is None:
             raise ValueError(f"request {request_id!r} is not running")
         actual = job.service_tokens if actual_service_tokens is None else actual_service_tokens
-        if actual < 0:
-            raise ValueError(f"actual_service_tokens must be >= 0 (got {actual})")
+        _check_settled("actual_service_tokens", actual)
+        if actual_kv_blocks is not None:
+            _check_settled("actual_kv_blocks", actual_kv_blocks)
         refund = job.service_tokens - actual
-        if refund:
-            tenant = self.tenants[job.request.tenant_id]
-            tenant.served_tokens -= refund
-            self._settle(job, tenant, refund, now_ms)
+        tenant = self.tenants[job.request.tenant_id]
+        if job.service_tokens:
+            ratio = tenant.usage_ratio + (actual / job.service_tokens - tenant.usage_ratio) * (
+                USAGE_RATIO_WEIGHT
+            )
+            tenant.usage_ratio = min(USAGE_RATIO_RANGE[1], max(USAGE_RATIO_RANGE[0], ratio))
+        tenant.served_tokens -= refund
+        self._settle(job, tenant, refund, now_ms)
+        if actual_kv_blocks is not None:
+            self.resident_blocks += actual_kv_blocks - job.kv_blocks
+            job.kv_blocks = actual_kv_blocks
         job.state = _DONE
         self.running -= 1
         decision.actual_service_tokens = actual
@@ -399,7 +429,20 @@ class Scheduler(ABC):
         """Charge the estimate to the tenant's budget at dispatch."""
 
     def _settle(self, job: Job, tenant: TenantState, refund: int, now_ms: float) -> None:
-        """Apply ``estimate - actual`` to the tenant's budget (and fairness state)."""
+        """Apply ``estimate - actual`` to the tenant's budget (and fairness state); called at
+        every settlement, ``refund`` 0 included."""
+
+
+MAX_SETTLED_TOKENS: Final = 2**40
+"""Largest usage settlement accepts (service tokens or KV blocks): a trillion tokens is far
+beyond any request, and far below where float budgets lose integer precision (2**53)."""
+
+
+def _check_settled(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer (got {type(value).__name__})")
+    if not 0 <= value <= MAX_SETTLED_TOKENS:
+        raise ValueError(f"{name} must be in [0, {MAX_SETTLED_TOKENS}] (got {value})")
 
 
 def shed_kv(scheduler: Scheduler, job: Job, gate: str, occupancy: float) -> Decision:

@@ -1,0 +1,205 @@
+"""Admission's model of the scheduler: who competes in a lane, and how long a tenant will wait.
+
+Admission judges a request by what *its tenant* will wait under weighted DRR (docs/fairness.md
+§5), never by the lane's whole backlog, so a neighbour's flood pushes out the neighbour's own
+requests. Everything here is O(1) per request (amortised), whatever the number of tenants.
+
+**Competing tenants.** Tenant ``j`` competes in a lane while it has work queued there, and for
+``horizon_ms`` (the lane's wait limit) after its last request was admitted there: a tenant that
+sends now and then may be back within the wait of the request being judged. ``W`` is the sum of
+the DRR quanta of the competing tenants (``Q_j = base_quantum_tokens * w_j``).
+
+**Predicted wait** of a new request of tenant ``i`` (quantum ``Q_i``, ``q_i`` service tokens of
+its own queued ahead of it in its FIFO, ``L`` tokens queued in the whole lane)::
+
+    k       = max(1, ceil((q_i + c - D_i) / Q_i))          quanta i still needs
+    ahead_i = q_i + min(C_i + W - Q_i - open_front, L - q_i) + (k - 1) * (W - Q_i)
+    wait_i  = residual_ms + ahead_i / lane_rate
+
+* ``k`` — DRR grants ``i`` one quantum per turn and it may start the request once its deficit
+  ``D_i`` covers its queue and the request's cost ``c`` (a debt, ``D_i < 0``, adds turns);
+* ``min(...)`` — before ``i``'s next turn every other competing tenant gets at most one quantum
+  and may spend the credit ``C_i`` it already holds; never more than the lane holds now, since a
+  tenant that arrives later joins the ring behind ``i`` (:func:`tokens_ahead`);
+* ``(k - 1) * (W - Q_i)`` — one quantum each before each later turn of ``i``;
+* ``q_i`` and ``c`` are scaled by the tenant's recent ratio of actual to estimated usage (a
+  tenant that under-declares waits for what its work will really cost);
+* ``residual_ms`` — work already dispatched and not yet done, as a fluid at the service rate
+  (:class:`ResidualWork`);
+* ``lane_rate`` — the service rate ``R``; the interactive lane adds the batch work its minimum
+  share lets in meanwhile; the batch lane runs at ``R - min(λ, R * (1 - s))`` where ``λ`` is the
+  interactive lane's recently admitted service per ms (:class:`DemandRate`, time constant
+  ``maxBatchWaitMs``).
+
+The error, stated: the prediction is an *upper* bound on DRR's service ahead of the request
+while the competing set holds, and overestimates the wait of a tenant whose neighbours have less
+work than their share (its queue is capped lower than it could be, which costs it nothing while
+it stays backlogged: DRR, not the cap, sets its service). It underestimates when a tenant that
+was not competing starts during the wait (it adds at most one quantum per later turn of ``i``),
+when the others' first turn receives arrivals, when the usage ratio changes, and when KV holds
+the request back (KV is not modelled: a request that fits the watermark alone is admitted).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol
+
+
+class TurnState(Protocol):
+    """What the prediction reads of a tenant's DRR state (``drr.TenantQueue`` has it)."""
+
+    @property
+    def quantum(self) -> float: ...
+    @property
+    def deficit(self) -> float: ...
+    @property
+    def turn_open(self) -> bool: ...
+
+
+class LaneCompetition:
+    """The tenants competing in one lane and the sum ``W`` of their quanta."""
+
+    __slots__ = ("_counted", "_recent", "competing_quanta")
+
+    def __init__(self) -> None:
+        self.competing_quanta = 0.0
+        """``W``: the sum of the quanta of the competing tenants."""
+        self._counted: dict[str, float] = {}  # competing tenant -> the quantum counted in W
+        self._recent: OrderedDict[str, float] = (
+            OrderedDict()
+        )  # tenant -> last admission, oldest first
+
+    def admitted(self, tenant_id: str, quantum: float, now_ms: float) -> None:
+        """A request of the tenant was admitted into the lane: it competes from now on."""
+        recent = self._recent
+        recent[tenant_id] = now_ms
+        recent.move_to_end(tenant_id)
+        if tenant_id not in self._counted:
+            self._counted[tenant_id] = quantum
+            self.competing_quanta += quantum
+
+    def retire(self, now_ms: float, horizon_ms: float, backlogged: Callable[[str], bool]) -> None:
+        """Stop counting the tenants whose last admission is older than ``horizon_ms`` and whose
+        queue in the lane is empty. Amortised O(1): each admission is retired once."""
+        cutoff_ms = now_ms - horizon_ms
+        recent = self._recent
+        while recent:
+            tenant_id, last_ms = next(iter(recent.items()))
+            if last_ms >= cutoff_ms:
+                break
+            recent.popitem(last=False)
+            if not backlogged(tenant_id):
+                self._uncount(tenant_id)
+
+    def drained(self, tenant_id: str) -> None:
+        """The tenant's queue in the lane emptied; it stops competing unless it sent recently."""
+        if tenant_id not in self._recent:
+            self._uncount(tenant_id)
+
+    def quantum_changed(self, tenant_id: str, quantum: float) -> None:
+        """A reconfiguration changed the tenant's weight."""
+        counted = self._counted.get(tenant_id)
+        if counted is not None:
+            self._counted[tenant_id] = quantum
+            self.competing_quanta += quantum - counted
+
+    def competes(self, tenant_id: str) -> bool:
+        return tenant_id in self._counted
+
+    def _uncount(self, tenant_id: str) -> None:
+        quantum = self._counted.pop(tenant_id, None)
+        if quantum is not None:
+            # Recomputed from scratch when the set empties, so float sums cannot drift for ever.
+            self.competing_quanta = self.competing_quanta - quantum if self._counted else 0.0
+
+
+def tokens_ahead(
+    own_queued_tokens: float,
+    cost_tokens: float,
+    own: TurnState,
+    competing_quanta: float,
+    lane_queued_tokens: float,
+    lane_credit_tokens: float,
+    front: TurnState | None,
+    first_turn_tokens: float | None = None,
+) -> float:
+    """Lane service before a new request of tenant ``i`` can start (an upper bound under DRR).
+
+    ``i`` still needs ``k = max(1, ceil((q_i + c - D_i) / Q_i))`` quanta (none, and no wait for
+    the others, if its open turn at the front covers its queue and the request). Before each of
+    them every other competing tenant gets at most one turn of one quantum, and may also spend
+    the credit it holds (``C_i``: the lane's positive deficits but ``i``'s), so::
+
+        ahead = q_i + min(C_i + W - Q_i - open_front, L - q_i) + (k - 1) * (W - Q_i)
+
+    The others' first turn is capped by what the lane holds now (a tenant that arrives later
+    joins the ring behind ``i``); a front tenant whose turn is open gets no new quantum in it
+    (``open_front = Q_front``; what it may still send is its credit). A tenant that joins the
+    ring ahead (``first_turn_tokens``: what the ring sends before its first turn) waits only
+    for that before its first turn."""
+    needed = own_queued_tokens + cost_tokens - own.deficit
+    if front is own and own.turn_open and needed <= 0:
+        return own_queued_tokens
+    # Joining ahead lifts the deficit to cover the request: it goes in the first turn.
+    turns = 1 if first_turn_tokens is not None else max(1, math.ceil(needed / own.quantum))
+    others = max(0.0, competing_quanta - own.quantum)
+    if first_turn_tokens is not None:
+        first_turn = first_turn_tokens
+    else:
+        first_turn = lane_credit_tokens - max(0.0, own.deficit) + others
+        if front is not None and front is not own and front.turn_open:
+            first_turn -= front.quantum
+        first_turn = min(first_turn, lane_queued_tokens - own_queued_tokens)
+    return own_queued_tokens + max(0.0, first_turn) + (turns - 1) * others
+
+
+class DemandRate:
+    """An exponentially weighted rate of admitted service tokens per ms (time constant ``tau``).
+
+    ``rate(t) = sum_k tokens_k * exp(-(t - t_k) / tau) / tau``: a steady stream of ``r`` tokens
+    per ms reads ``r``; a stream that stops fades with ``tau``. ``tau`` is passed with each call
+    (it is a policy parameter, and a reload may change it).
+    """
+
+    __slots__ = ("_at_ms", "_value")
+
+    def __init__(self) -> None:
+        self._value = 0.0
+        self._at_ms = 0.0
+
+    def add(self, tokens: float, now_ms: float, tau_ms: float) -> None:
+        # A settlement may take back more than is left of a decayed dispatch: never below 0.
+        self._value = max(0.0, self.rate(now_ms, tau_ms) + tokens / tau_ms)
+        self._at_ms = max(self._at_ms, now_ms)
+
+    def rate(self, now_ms: float, tau_ms: float) -> float:
+        elapsed_ms = now_ms - self._at_ms
+        if elapsed_ms <= 0.0 or self._value == 0.0:
+            return self._value
+        return self._value * math.exp(-elapsed_ms / tau_ms)
+
+
+class ResidualWork:
+    """Dispatched work not yet done, as a fluid served at ``rate`` service tokens per ms.
+
+    ``busy_until = max(busy_until, t) + expected / rate`` at each dispatch (``expected``: the
+    estimate times the tenant's usage ratio), corrected by ``(actual - expected) / rate`` at
+    settlement; the residual wait is ``max(0, busy_until - t)``.
+    """
+
+    __slots__ = ("_busy_until_ms",)
+
+    def __init__(self) -> None:
+        self._busy_until_ms = 0.0
+
+    def dispatched(self, service_tokens: float, rate_per_ms: float, now_ms: float) -> None:
+        self._busy_until_ms = max(self._busy_until_ms, now_ms) + service_tokens / rate_per_ms
+
+    def settled(self, overrun_tokens: float, rate_per_ms: float) -> None:
+        self._busy_until_ms += overrun_tokens / rate_per_ms
+
+    def wait_ms(self, now_ms: float) -> float:
+        return max(0.0, self._busy_until_ms - now_ms)
