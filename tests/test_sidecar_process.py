@@ -2,10 +2,13 @@
 
 Behaviours: JSON passthrough with usage read from the response and settled (the tenant's key and
 ``x-tokenfair-*`` headers never reach the upstream); SSE streaming passed through byte for byte
-with ``stream_options.include_usage`` added and the final usage chunk settled; upstream reset ->
+with ``stream_options.include_usage`` added and the final usage chunk settled (and cut from what
+the client, which did not ask for it, receives); upstream reset ->
 502, refused -> 502, read timeout -> 504; a client leaving mid-stream aborts the upstream call;
 graceful drain on SIGTERM (readiness 503, new requests 503, queued 503 + Retry-After, in-flight
-finishes, records written, exit 0). After every fault the books read from ``/status`` are zero.
+finishes, records written, exit 0); the proxy listener's bounds (a connection over
+``maxClientConnections`` answered 503 at once, idle and slow-header connections closed after
+``clientIdleTimeoutSeconds``). After every fault the books read from ``/status`` are zero.
 """
 
 from __future__ import annotations
@@ -143,11 +146,19 @@ class SidecarProcess:
 
 
 def start_sidecar(
-    tmp_path: Path, upstream: str, drain_grace_s: float = 10.0, **policy: Any
+    tmp_path: Path,
+    upstream: str,
+    drain_grace_s: float = 10.0,
+    sidecar: dict[str, Any] | None = None,
+    **policy: Any,
 ) -> SidecarProcess:
     policy = {"max_interactive_wait_ms": 60_000, **policy}  # see PATIENT_POLICY
     document = config_to_document(keyed_config(PolicyConfig(**policy)))
-    document["sidecar"] = {"upstreamReadTimeoutSeconds": 0.5, "upstreamConnectTimeoutSeconds": 1.0}
+    document["sidecar"] = {
+        "upstreamReadTimeoutSeconds": 0.5,
+        "upstreamConnectTimeoutSeconds": 1.0,
+        **(sidecar or {}),
+    }
     config = tmp_path / "sidecar.yaml"
     config.write_text(yaml.safe_dump(document), encoding="utf-8")
     proxy, admin = free_ports(2)
@@ -235,7 +246,8 @@ async def test_json_stream_and_upstream_faults(stub: Stub, tmp_path: Path) -> No
                 assert response.status == 200
                 received = await response.read()
             assert stub.bodies[-1]["stream_options"] == {"include_usage": True}
-            assert received == b"".join(stub.sent)
+            # The usage chunk the sidecar asked for is not the client's: cut from its stream.
+            assert received == b"".join(c for c in stub.sent if b'"usage"' not in c)
             status = await sidecar.status(session)
             # 31 + the stream's usage chunk: 9 + 4 * 50 = 209.
             assert status["tenants"]["tenant_chat_pro"]["served_service_tokens"] == 31 + 209
@@ -382,5 +394,46 @@ async def test_drain_grace_bounds_the_shutdown(stub: Stub, tmp_path: Path) -> No
             await asyncio.wait_for(stub.aborted.wait(), 5)
             lines = [json.loads(line) for line in sidecar.records.read_text().splitlines()]
             assert [(r["status_code"], r["reason"]) for r in lines] == [(499, "cancelled")]
+        finally:
+            stop(sidecar)
+
+
+async def test_idle_slow_header_and_surplus_connections_are_closed(
+    stub: Stub, tmp_path: Path
+) -> None:
+    """The proxy listener's bounds: at most ``maxClientConnections`` open (one more is answered
+    503 and closed at once), and a connection with no request under way — idle, or trickling a
+    request's head — is closed after ``clientIdleTimeoutSeconds``. The 0.5 s timeout is what
+    the test waits for, not a speed it needs."""
+    limits = {"maxClientConnections": 2, "clientIdleTimeoutSeconds": 0.5}
+    async with aiohttp.ClientSession() as session:
+        sidecar = await _running(tmp_path, stub.url, session, sidecar=limits)
+        try:
+            host, port = sidecar.proxy.removeprefix("http://").rsplit(":", 1)
+            idle = await asyncio.open_connection(host, int(port))
+            slow = await asyncio.open_connection(host, int(port))
+            slow[1].write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # never ends
+            # A third is over the cap: 503 and closed before anything is read.
+            surplus_reader, surplus_writer = await asyncio.open_connection(host, int(port))
+            async with asyncio.timeout(10):
+                answer = await surplus_reader.read()
+            surplus_writer.close()
+            assert answer.startswith(b"HTTP/1.1 503"), answer
+            assert b'"too_many_connections"' in answer
+            # The idle and the slow-header connections are closed by the sidecar (EOF).
+            for reader, writer in (idle, slow):
+                async with asyncio.timeout(10):
+                    assert await reader.read() == b""
+                writer.close()
+            # Room again: served.
+            async with session.post(
+                f"{sidecar.proxy}/v1/chat/completions",
+                json=chat("ok"),
+                headers={"Authorization": CHAT},
+            ) as response:
+                assert response.status == 200
+            assert await sidecar.settled_books(session) == ZERO_BOOKS
+            async with session.get(f"{sidecar.admin}/metrics") as response:
+                assert "tokenfair_refused_connections_total 1.0" in await response.text()
         finally:
             stop(sidecar)

@@ -7,7 +7,11 @@ another runs — neither is dropped; an invalid change is refused, counted in
 cross-field rules); the estimator's arithmetic; request records replay through the trace reader;
 the hot-path rewrites keep their output: ``decision_to_json`` equals ``dataclasses.asdict`` (key
 order included), ``include_usage`` spliced into a raw body decodes to the body plus the option,
-and the buffered record writer writes every line once.
+and the buffered record writer writes every line once. The watcher survives anything: a
+400-digit integer and 5,000-deep YAML are refused by name, an unexpected failure while applying
+is counted (``result="error"``) and logged once and retried every tick until it applies (a key
+revocation after all that still takes effect), and an unreadable file is read again on the next
+tick without its mtime changing.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +37,15 @@ from test_sidecar_support import (
     wait_for,
 )
 
-from tokenfair_sidecar.config import ConfigError, PolicyConfig, config_to_document
+from tokenfair_sidecar.config import Config, ConfigError, PolicyConfig, config_to_document
 from tokenfair_sidecar.core import Decision
 from tokenfair_sidecar.records import decision_to_json, read_trace
-from tokenfair_sidecar.server import load_sidecar_file
+from tokenfair_sidecar.server import LoadedFile, load_sidecar_file
 from tokenfair_sidecar.server.auth import key_sha256
 from tokenfair_sidecar.server.backends.openai import with_include_usage
 from tokenfair_sidecar.server.estimate import EstimateError, chars4, decode_tokens
 from tokenfair_sidecar.server.recorder import RecordWriter
+from tokenfair_sidecar.server.reload import ConfigWatcher
 from tokenfair_sidecar.server.settings import SidecarSettings, settings_from_section
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sidecar-standalone.yaml"
@@ -194,3 +200,120 @@ def test_buffered_record_writer_writes_each_line_once(tmp_path: Path) -> None:
 
     asyncio.run(write_three())
     assert path.read_text().splitlines() == ['{"n":1}', '{"n":2}', '{"n":3}']
+
+
+def deep_yaml(levels: int) -> str:
+    """A config document whose version is a list nested ``levels`` deep (flow style)."""
+    return (
+        "apiVersion: tokenfair.io/v1alpha1\nkind: TokenfairConfig\n"
+        f"version: {'[' * levels}{']' * levels}\ntenants: []\n"
+    )
+
+
+async def test_the_watcher_survives_anything_and_applies_a_later_revocation(
+    aiohttp_client: ClientFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = keyed_config()
+    path = tmp_path / "tokenfair.yaml"
+    document = config_to_document(config)
+    write_config(path, document)
+    loaded = load_sidecar_file(path)
+    settings = SidecarSettings(time_scale=0.01, reload_interval_s=0.02)
+    clients = await start(
+        aiohttp_client, loaded.config, settings, config_path=path, config_sha256=loaded.sha256
+    )
+    sidecar, proxy = clients.sidecar, clients.proxy
+    reloads = sidecar.metrics.reloads
+
+    def count(result: str) -> float:
+        value: float = reloads.labels(result)._value.get()
+        return value
+
+    # A 401-digit integer: a ConfigError naming the field, not an OverflowError.
+    tenants: list[dict[str, Any]] = document["tenants"]  # type: ignore[assignment]
+    huge = [dict(tenants[0], weight=10**400), *tenants[1:]]
+    path.write_text(yaml.safe_dump({**document, "tenants": huge}), encoding="utf-8")
+    assert await wait_for(lambda: count("invalid") == 1)
+    assert "weight: must be at most" in caplog.text
+    # 5,000 levels of YAML nesting: a ConfigError, not a RecursionError.
+    path.write_text(deep_yaml(5000), encoding="utf-8")
+    assert await wait_for(lambda: count("invalid") == 2)
+    assert "nested too deeply" in caplog.text
+
+    # Applying fails unexpectedly three times (an injected fault in the core's reconfigure):
+    # counted and logged once, retried on every tick without the file changing, then applied.
+    reconfigure = sidecar.scheduler.reconfigure
+    calls: list[str] = []
+
+    def flaky(new_config: Config, now_ms: float) -> None:
+        calls.append(new_config.version)
+        if len(calls) <= 3:
+            raise RuntimeError("injected reconfigure failure")
+        reconfigure(new_config, now_ms)
+
+    monkeypatch.setattr(sidecar.scheduler, "reconfigure", flaky)
+    revoked = [dict(tenants[0], apiKeySha256=[key_sha256("sk-rotated")]), *tenants[1:]]
+    path.write_text(
+        yaml.safe_dump({**document, "version": "test-2", "tenants": revoked}), encoding="utf-8"
+    )
+    assert await wait_for(lambda: sidecar.config.version == "test-2")
+    assert calls == ["test-2"] * 4
+    assert count("error") == 1
+    logged = [r for r in caplog.records if "injected reconfigure failure" in r.getMessage()]
+    assert len(logged) == 1  # once, with its traceback
+    assert logged[0].exc_info is not None
+    assert count("applied") == 1
+    old = await proxy.post(
+        "/v1/completions", json=completion_body(1, 1), headers={"Authorization": CHAT}
+    )
+    assert old.status == 401  # the revocation applies
+    new = await proxy.post(
+        "/v1/completions",
+        json=completion_body(1, 1),
+        headers={"Authorization": "Bearer sk-rotated"},
+    )
+    assert new.status == 200
+    assert await books_when_settled(sidecar) == ZERO_BOOKS
+    metrics = await (await clients.admin.get("/metrics")).text()
+    assert 'tokenfair_config_reloads_total{result="error"} 1.0' in metrics
+
+
+def test_an_unreadable_file_is_retried_every_tick_until_it_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file that cannot be read (EACCES until a chmod, which changes no mtime) is reported
+    once and read again on each tick, then applied. Read failures are injected: the tests run
+    as root, whom file modes do not stop."""
+    path = tmp_path / "tokenfair.yaml"
+    write_config(path, config_to_document(keyed_config()))
+    applied: list[str] = []
+    refused: list[str] = []
+    failed: list[str] = []
+    watcher = ConfigWatcher(path, "", applied_version(applied), refused.append, failed.append)
+    readable = False
+    real_read = Path.read_bytes
+
+    def read_bytes(self: Path) -> bytes:
+        if self == path and not readable:
+            raise PermissionError(13, "Permission denied")
+        return real_read(self)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    write_config(path, {**config_to_document(keyed_config()), "version": "test-2"})
+    for _ in range(3):
+        watcher.tick()
+    assert refused == [f"{path}: cannot read (Permission denied)"]  # once, not per tick
+    readable = True  # the chmod: nothing about the file's stat changes
+    watcher.tick()
+    assert applied == ["test-2"]
+    assert not failed
+    watcher.tick()  # nothing changed since: nothing happens
+    assert applied == ["test-2"]
+    assert len(refused) == 1
+
+
+def applied_version(versions: list[str]) -> Callable[[LoadedFile], None]:
+    return lambda loaded: versions.append(loaded.config.version)

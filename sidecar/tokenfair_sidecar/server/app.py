@@ -67,7 +67,7 @@ async def _records_ctx(app: web.Application) -> AsyncIterator[None]:
     sidecar = app[SIDECAR]
     path = sidecar.settings.records_path
     if path is not None:
-        sidecar.recorder = RecordWriter(path)
+        sidecar.recorder = RecordWriter(path, on_dropped=sidecar.metrics.records_dropped.inc)
     yield
     if sidecar.recorder is not None:
         sidecar.recorder.close()
@@ -93,6 +93,7 @@ async def _watcher_ctx(app: web.Application) -> AsyncIterator[None]:
             sidecar.config_sha256,
             sidecar.apply_config,
             sidecar.refuse_config,
+            sidecar.reload_failed,
         ),
         name="tokenfair-config-watcher",
     )

@@ -36,7 +36,11 @@ class Authenticator:
         self._trusted_header = trusted_header
 
     def by_key(self, key: str) -> TenantConfig | None:
-        presented = key_sha256(key).encode("ascii")
+        try:
+            presented = key_sha256(key).encode("ascii")
+        except UnicodeEncodeError:
+            # Header bytes that are not UTF-8 arrive as surrogate escapes: no key is such text.
+            return None
         found: TenantConfig | None = None
         for digest, tenant in self._digests:
             if hmac.compare_digest(presented, digest):

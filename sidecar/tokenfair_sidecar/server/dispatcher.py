@@ -10,7 +10,8 @@ The core (:mod:`tokenfair_sidecar.core`) is synchronous and pure; this module mo
   a completion, a KV release, a cancellation) and from one timer armed at ``next_wakeup_ms`` (a
   deadline passing, a budget refilling). Pumping inline costs no task switch per request.
 * :meth:`Dispatcher.finish` settles a dispatched request exactly once (``complete`` with the actual
-  usage); its KV is released ``kv_hold_ms`` after dispatch (0 for a real server: at once).
+  usage, or with the estimate if the core refuses that usage: the slot is released either way);
+  its KV is released ``kv_hold_ms`` after dispatch (0 for a real server: at once).
 * A waiter whose task is cancelled (the client went away) leaves the queue with ``cancel`` and its
   reservation is refunded; if it was dispatched in that instant it is settled with zero usage.
 
@@ -21,11 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 from tokenfair_sidecar.core import Decision, Request, Scheduler
 from tokenfair_sidecar.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED
+
+log = logging.getLogger("tokenfair.sidecar")
 
 
 class ModelClock:
@@ -166,15 +171,32 @@ class Dispatcher:
 
     # -- settlement ------------------------------------------------------------------------
 
-    def finish(self, ticket: Ticket, actual_service_tokens: int | None, kv_hold_ms: float) -> None:
+    def finish(self, ticket: Ticket, actual_service_tokens: int | None, kv_hold_ms: float) -> bool:
         """Settle a dispatched request (once; later calls do nothing) and schedule its KV release
-        ``kv_hold_ms`` model milliseconds after its dispatch."""
+        ``kv_hold_ms`` model milliseconds after its dispatch.
+
+        If the core refuses ``actual_service_tokens`` (it raises before changing any state for a
+        value it cannot book), the request is settled at its estimate instead and False is
+        returned: the running slot is released whatever the backend reported."""
         if ticket.finished or ticket.decision is None:
-            return
+            return True
         ticket.finished = True
         request_id = ticket.request.request_id
         now_ms = self.clock.now_ms()
-        self.scheduler.complete(request_id, now_ms, actual_service_tokens, release_kv=False)
+        accepted = True
+        try:
+            self.scheduler.complete(request_id, now_ms, actual_service_tokens, release_kv=False)
+        except (ValueError, TypeError, ArithmeticError) as exc:
+            if actual_service_tokens is None:
+                raise  # the estimate itself was refused: a core bug, not a backend's fault
+            log.warning(
+                "request %s: the core refused the reported usage (%s); settling at the estimate",
+                request_id, exc,
+            )  # fmt: skip
+            accepted = False
+            self.scheduler.complete(request_id, now_ms, None, release_kv=False)
+        if not math.isfinite(kv_hold_ms):
+            kv_hold_ms = 0.0
         dispatch_ms = ticket.decision.dispatch_ms or now_ms
         release_ms = dispatch_ms + kv_hold_ms
         if release_ms <= now_ms:
@@ -186,6 +208,7 @@ class Dispatcher:
         if self.scheduler.running == 0:
             self._idle.set()
         self._pump_if_queued()
+        return accepted
 
     def _release(self, request_id: str) -> None:
         del self._kv_timers[request_id]

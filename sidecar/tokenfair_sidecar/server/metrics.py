@@ -7,11 +7,17 @@ Counters (labels ``tenant``, ``lane`` and, for refusals, ``reason``):
   ``shed_queue_wait_slo``, ``shed_tenant_token_quota``, ``queue_full``, ``shed_queue_timeout``)
   and ``draining``;
 * ``tokenfair_cancelled_requests_total`` — the client went away (queued or mid-response);
-* ``tokenfair_backend_errors_total`` (``code``: ``upstream_error``, ``upstream_timeout``);
+* ``tokenfair_backend_errors_total`` (``code``: ``upstream_error``, ``upstream_timeout``,
+  ``upstream_aborted``, ``upstream_bad_usage``, ``upstream_unavailable``, and
+  ``internal_error`` for the sidecar's own failures);
 * ``tokenfair_estimated_service_tokens_total`` (charged at dispatch) and
   ``tokenfair_actual_service_tokens_total`` (settled at completion);
 * ``tokenfair_invalid_requests_total`` (``status``: 400, 401, 413) — before any tenant is charged;
-* ``tokenfair_config_reloads_total`` (``result``: ``applied``, ``invalid``).
+* ``tokenfair_config_reloads_total`` (``result``: ``applied``, ``invalid``, ``error``);
+* ``tokenfair_records_dropped_total`` — request records dropped while the records file refused
+  writes and the pending buffer was full;
+* ``tokenfair_refused_connections_total`` — proxy connections closed at once at
+  ``max_client_connections``.
 
 Histograms, in model seconds (equal to real seconds at ``time_scale`` 1):
 ``tokenfair_queue_wait_seconds`` (labels ``tenant``, ``lane``: the operator reports each
@@ -214,6 +220,16 @@ class Metrics:
         )
         self.reloads = Counter(
             "tokenfair_config_reloads", "Config reload attempts.", ["result"], registry=registry
+        )
+        self.records_dropped = Counter(
+            "tokenfair_records_dropped",
+            "Request records dropped while the records file refused writes.",
+            registry=registry,
+        )
+        self.refused_connections = Counter(
+            "tokenfair_refused_connections",
+            "Proxy connections closed at once: the connection cap was reached.",
+            registry=registry,
         )
         self.series: dict[tuple[str, str], LaneSeries] = {}
         """Per (tenant, lane), created at the tenant's first request in the lane."""

@@ -3,17 +3,24 @@
 Status codes the client can get from the sidecar itself (OpenAI-style error bodies; ``code``):
 
 =====  ==========================================================================================
-400    ``invalid_json`` (body not a JSON object), ``invalid_value`` (``param`` names the field:
-       ``max_tokens``, ``max_completion_tokens``, ``stream``, ``messages``, ``prompt``, or the
+400    ``invalid_json`` (body not a JSON object, or nested deeper than the parser follows),
+       ``invalid_encoding`` (body not decodable as its ``Content-Encoding`` says),
+       ``invalid_value`` (``param`` names the field: ``max_tokens``,
+       ``max_completion_tokens``, ``stream``, ``messages``, ``prompt``, or the
        ``x-tokenfair-priority`` header asking for a class above the tenant's)
 401    ``invalid_api_key`` (no ``Authorization: Bearer`` key, or an unknown one)
 404    ``not_found`` (any route but the two below)
+408    ``request_timeout`` (the body took over ``client_body_timeout_s``; connection closed)
 413    ``request_too_large`` (body over ``max_body_bytes``)
+415    ``unsupported_content_encoding`` (see :data:`DECODED_REQUEST_CODINGS`)
 429    the gate's reason: ``shed_kv_watermark``, ``shed_queue_wait_slo``,
        ``shed_tenant_token_quota``, ``queue_full`` (admission) or ``shed_queue_timeout`` (waited
        past the class limit); with ``Retry-After`` and ``x-ratelimit-*-tokens``
-502    ``upstream_error`` (refused, reset, broken response) — ``openai`` backend
-503    ``draining`` (shutting down; ``Retry-After``)
+500    ``internal_error`` (the sidecar failed on the request: a bug, logged with its traceback)
+502    ``upstream_error`` (refused, reset, broken response) — ``openai`` backend; the message
+       is generic, the upstream's address and errno go to the log
+503    ``draining`` (shutting down; ``Retry-After``); ``too_many_connections`` (the
+       listener's cap, answered by :mod:`~tokenfair_sidecar.server.runner` before parsing)
 504    ``upstream_timeout``
 =====  ==========================================================================================
 
@@ -23,20 +30,34 @@ answer, 429, 502, 504):
 ``x-request-id`` when that is valid — :data:`REQUEST_ID_RE`) and
 ``x-tokenfair-queue-wait-ms`` (wall milliseconds the request waited in the queue: 0 for a
 refusal at the door, the wait until expiry for ``shed_queue_timeout``).
+
+Outcomes recorded for a request whose answer started and then ended otherwise: ``502
+upstream_aborted`` (the upstream broke a stream: the client's connection is aborted, so it sees
+an incomplete transfer), ``499 client_write_timeout`` (the client stopped reading a stream),
+``200 upstream_bad_usage`` (the reported usage was not believable: settled at the estimate).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
+import sys
 from typing import Any, Final
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from tokenfair_sidecar.config import PRIORITY_CLASSES, PriorityClass
 from tokenfair_sidecar.core import Decision, Request, UnknownTenantError
-from tokenfair_sidecar.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED
-from tokenfair_sidecar.server.backends import BackendCall, UpstreamError
+from tokenfair_sidecar.core.jobs import ADMITTED, CANCELLED, STATUS_CLIENT_CLOSED
+from tokenfair_sidecar.server.backends import (
+    BAD_USAGE,
+    BackendCall,
+    StreamAbortedError,
+    UpstreamError,
+)
 from tokenfair_sidecar.server.dispatcher import Ticket
 from tokenfair_sidecar.server.errors import error_response
 from tokenfair_sidecar.server.estimate import Estimate, EstimateError, estimate
@@ -51,6 +72,19 @@ REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}")
 """A client's request id is honoured when it matches this: 1-128 letters, digits and ``_.:-``
 (the trace ids of ``tokenfair trace``, e.g. ``tenant_chat_pro-000001``, and UUIDs)."""
 DRAINING: Final = "draining"
+CLIENT_WRITE_TIMEOUT: Final = "client_write_timeout"
+INTERNAL_ERROR: Final = "internal_error"
+DECODED_REQUEST_CODINGS: Final = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
+"""Request ``Content-Encoding`` values the proxy reads: aiohttp decodes these (exactly these
+lower-case names) as the body arrives, and its decoded size counts against ``max_body_bytes``
+(``br`` and ``zstd`` only where their libraries are installed; without them aiohttp answers
+400 itself). Any other coding would reach the JSON parser, and the upstream, still encoded:
+``415``."""
+_PARSE_STACK_FRAMES: Final = 20
+"""About how deep the handler's stack is when it parses a body: the JSON parser recurses once
+per nesting level within the interpreter's recursion limit, minus these frames."""
+
+log = logging.getLogger("tokenfair.sidecar")
 
 
 def _invalid(sidecar: Sidecar, status: int, message: str, code: str, param: str | None = None
@@ -78,6 +112,17 @@ def _refusal(sidecar: Sidecar, decision: Decision) -> web.Response:
     headers[REQUEST_ID_HEADER] = decision.request_id
     headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
     return error_response(429, message, decision.reason, headers=headers)
+
+
+async def _answer_and_close(request: web.Request, response: web.Response) -> web.Response:
+    """Send ``response`` now and close the connection after it: the request's body is unusable
+    (still arriving after its timeout, or undecodable), so nothing more can be read on this
+    connection. Closing here also keeps aiohttp from draining (and logging) the broken body."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
+    return response
 
 
 def _queue_wait_header(sidecar: Sidecar, decision: Decision) -> str:
@@ -124,23 +169,54 @@ async def completions(request: web.Request) -> web.StreamResponse:
                 PRIORITY_HEADER,
             )
         priority = "batch" if wanted == "batch" else priority
+    settings = sidecar.settings
+    coding = headers.get("Content-Encoding")
+    if coding is not None and coding.lower() not in DECODED_REQUEST_CODINGS:
+        # aiohttp decodes the codings above as it reads; any other would reach the JSON parser
+        # (and the upstream) still encoded.
+        return _invalid(
+            sidecar, 415,
+            f"Content-Encoding {coding[:40]!r} is not supported "
+            f"(use one of: {', '.join(sorted(c for c in DECODED_REQUEST_CODINGS if c))})",
+            "unsupported_content_encoding",
+        )  # fmt: skip
     try:
-        raw = await request.read()
+        if request.content.is_eof():  # the whole body came with the head: nothing to wait for
+            raw = await request.read()
+        else:
+            async with asyncio.timeout(settings.client_body_timeout_s):
+                raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _invalid(
-            sidecar, 413, f"request body over {sidecar.settings.max_body_bytes} bytes",
+            sidecar, 413, f"request body over {settings.max_body_bytes} bytes",
             "request_too_large",
         )  # fmt: skip
+    except TimeoutError:
+        return await _answer_and_close(request, _invalid(
+            sidecar, 408, f"the request body took over {settings.client_body_timeout_s:g} s",
+            "request_timeout",
+        ))  # fmt: skip
+    except RequestPayloadError:  # a compressed body that does not decode
+        return await _answer_and_close(request, _invalid(
+            sidecar, 400, f"the body does not decode as its Content-Encoding ({coding}) says",
+            "invalid_encoding",
+        ))  # fmt: skip
     try:
         body = json.loads(raw)
     except ValueError:
         body = None
+    except RecursionError:
+        return _invalid(
+            sidecar, 400,
+            f"the body nests JSON more deeply than the sidecar parses (at most about "
+            f"{sys.getrecursionlimit() - _PARSE_STACK_FRAMES} levels)",
+            "invalid_json",
+        )  # fmt: skip
     if not isinstance(body, dict):
         return _invalid(sidecar, 400, "the body must be a JSON object", "invalid_json")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         return _invalid(sidecar, 400, "stream: must be a boolean", "invalid_value", "stream")
-    settings = sidecar.settings
     try:
         cost = estimate(
             body, sidecar.estimator, settings.default_decode_tokens, settings.max_decode_tokens
@@ -174,7 +250,12 @@ async def _serve(
     stream: bool,
     cost: Estimate,
 ) -> web.StreamResponse:
-    """Wait for dispatch, run the backend, and account the outcome whatever happens."""
+    """Wait for dispatch, run the backend, and account the one outcome whatever happens.
+
+    ``status_code, reason`` is the outcome as the client met it; it starts as "the client went
+    away" (the only way out of the ``await`` without an answer) and is set on every other path.
+    Whatever the backend or settlement raises, the ``finally`` releases the request's slot and
+    KV and writes exactly one record (:func:`_settle`)."""
     job = ticket.request
     clock = sidecar.clock
     status_code = STATUS_CLIENT_CLOSED
@@ -204,20 +285,79 @@ async def _serve(
             response_headers=headers,
             on_first_byte=lambda: ttft_ms.append(clock.now_ms() - job.arrival_ms),
             dispatched_at_s=ticket.dispatched_at_s,
+            client_write_timeout_s=sidecar.settings.client_write_timeout_s,
         )
         try:
             response = await sidecar.backend.respond(call)
         except UpstreamError as exc:
             status_code, reason = exc.status, exc.code
+            log.warning("request %s: %s", job.request_id, exc.detail)
             if exc.status == 502 and call.prompt_tokens is None:
                 # Refused or reset before any answer: no work to charge. (A timeout may have
                 # run on the upstream, so it settles at the estimate.)
                 call.prompt_tokens = call.completion_tokens = 0
-            return error_response(exc.status, str(exc), exc.code, headers=headers)
-        status_code, reason = response.status, "admitted"
+            return error_response(exc.status, exc.client_message, exc.code, headers=headers)
+        except StreamAbortedError as exc:
+            # The client has the status line and part of the body: cut its connection so the
+            # transfer ends incomplete (a clean end would pass a truncated answer as whole).
+            status_code, reason = 502, exc.code
+            _abort_client(request)
+            return exc.response
+        status_code, reason = response.status, call.usage_error or ADMITTED
         return response
+    except asyncio.CancelledError:
+        if call is not None and call.client_write_timed_out:
+            status_code, reason = STATUS_CLIENT_CLOSED, CLIENT_WRITE_TIMEOUT
+        raise
+    except Exception as exc:
+        if isinstance(exc, ConnectionError) and _client_gone(request):
+            # A write to a client that left (or was cut for not reading) failed before the
+            # handler's cancellation arrived: the client's outcome, not the sidecar's failure.
+            if call is not None and call.client_write_timed_out:
+                status_code, reason = STATUS_CLIENT_CLOSED, CLIENT_WRITE_TIMEOUT
+            return web.Response(status=STATUS_CLIENT_CLOSED)  # never sent: no connection
+        log.exception("request %s failed in the sidecar", job.request_id)
+        status_code, reason = 500, INTERNAL_ERROR
+        if request.writer.output_size > 0:  # a response already started: cut it
+            _abort_client(request)
+            return web.Response(status=500)  # never sent: the connection is gone
+        return error_response(
+            500, "the sidecar failed on this request; its log has the details under this "
+            "request's x-request-id", INTERNAL_ERROR,
+            headers={REQUEST_ID_HEADER: job.request_id},
+        )  # fmt: skip
     finally:
-        _settle(sidecar, ticket, call, status_code, reason, ttft_ms)
+        if call is not None:
+            call.close()
+        try:
+            _settle(sidecar, ticket, call, status_code, reason, ttft_ms)
+        except Exception:  # never let settlement hide the request's own outcome or leak
+            log.exception("request %s: settlement failed", job.request_id)
+            sidecar.dispatcher.finish(ticket, None, 0.0)
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _abort_client(request: web.Request) -> None:
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
+def _actual_service_tokens(
+    sidecar: Sidecar, job: Request, prompt: int | None, completion: int | None
+) -> int | None:
+    """The service tokens of the reported usage (a missing count stands in as estimated);
+    None when nothing was reported."""
+    if prompt is None and completion is None:
+        return None
+    return sidecar.scheduler.cost.service_tokens(
+        job.prefill_tokens if prompt is None else prompt,
+        job.decode_tokens if completion is None else completion,
+    )
 
 
 def _settle(
@@ -233,12 +373,23 @@ def _settle(
     usage = Usage()
     if call is not None:
         prompt, completion = call.prompt_tokens, call.completion_tokens
-        if prompt is not None or completion is not None:
-            actual = sidecar.scheduler.cost.service_tokens(
-                job.prefill_tokens if prompt is None else prompt,
-                job.decode_tokens if completion is None else completion,
-            )
-        sidecar.dispatcher.finish(ticket, actual, sidecar.backend.kv_hold_ms(call))
+        try:
+            actual = _actual_service_tokens(sidecar, job, prompt, completion)
+        except Exception:  # the backend's numbers: whatever they are, the estimate stands
+            log.exception("request %s: usage not computable; settling at the estimate",
+                          job.request_id)  # fmt: skip
+            actual = prompt = completion = None
+            reason = BAD_USAGE if reason == ADMITTED else reason
+        try:
+            kv_hold_ms = sidecar.backend.kv_hold_ms(call)
+        except Exception:
+            log.exception("request %s: KV hold time failed; releasing at once", job.request_id)
+            kv_hold_ms = 0.0
+        if not sidecar.dispatcher.finish(ticket, actual, kv_hold_ms):
+            # The core would not book that usage: settled at the estimate, recorded as such.
+            actual = prompt = completion = None
+            if reason == ADMITTED:
+                reason = BAD_USAGE
         usage = Usage(
             prompt, completion, ttft_ms[0] if ttft_ms else None,
             sidecar.clock.now_ms() - job.arrival_ms,

@@ -1,10 +1,19 @@
 """Hot reload: poll the config file and apply valid changes to the running sidecar.
 
-Every ``reload_interval_s`` the file's ``(mtime_ns, size)`` is compared with the last seen; on a
-change its bytes are hashed, and a new SHA-256 is parsed. A valid document is applied
-(``scheduler.reconfigure``: queued and running requests stay); an invalid one is logged and
-counted (``tokenfair_config_reloads_total{result="invalid"}``) and the last good config stays.
-A vanished file is an invalid change. The ``sidecar:`` section is not reloaded (restart).
+Every ``reload_interval_s`` the file's ``(mtime_ns, ctime_ns, size, inode)`` is compared with the
+last one read successfully; on a change its bytes are hashed, and a new SHA-256 is parsed. A valid
+document is applied (``scheduler.reconfigure``: queued and running requests stay); an invalid one
+is refused (``refuse``: logged, counted in ``tokenfair_config_reloads_total{result="invalid"}``)
+and the last good config stays. A vanished or unreadable file is an invalid change. The
+``sidecar:`` section is not reloaded (restart).
+
+The watcher survives anything: an unexpected exception while reading, parsing or applying is
+logged with its traceback and counted through ``fail``
+(``tokenfair_config_reloads_total{result="error"}``), and the file is tried again on the next
+tick. A failure that repeats tick after tick (an unreadable file, an
+apply that keeps failing) is reported once, until it changes or a reload succeeds, so a stuck
+file costs one log line rather than one per second. Nothing that failed is marked as seen: a
+permission fixed with ``chmod`` (which does not change the mtime) is picked up on the next tick.
 """
 
 from __future__ import annotations
@@ -21,47 +30,93 @@ from tokenfair_sidecar.server.settings import LoadedFile, loads_sidecar_file
 
 log = logging.getLogger("tokenfair.sidecar")
 
+Report = Callable[[str], None]
+
+
+class ConfigWatcher:
+    """The state of the watch between ticks; :meth:`tick` never raises."""
+
+    def __init__(
+        self,
+        path: Path,
+        current_sha256: str,
+        apply: Callable[[LoadedFile], None],
+        refuse: Report,
+        fail: Report,
+    ) -> None:
+        self.path = path
+        self.apply = apply
+        self.refuse = refuse
+        self.fail = fail
+        self.last_sha256 = current_sha256
+        self.last_seen = self._stat_key()
+        self._reported: str | None = None
+        """The failure reported last; the same one is not reported again until cleared."""
+
+    def _stat_key(self) -> tuple[int, int, int, int] | None:
+        try:
+            stat = self.path.stat()
+        except OSError:
+            return None
+        return (stat.st_mtime_ns, stat.st_ctime_ns, stat.st_size, stat.st_ino)
+
+    def _report(self, message: str, report: Report) -> None:
+        if message != self._reported:
+            self._reported = message
+            report(message)
+
+    def tick(self) -> None:
+        try:
+            self._check()
+        except Exception as exc:  # the watcher must outlive any failure
+            message = f"config reload of {self.path} failed: {type(exc).__name__}: {exc}"
+            if message != self._reported:
+                log.error("%s", message, exc_info=exc)  # the traceback once per distinct error
+            self._report(message, self.fail)
+
+    def _check(self) -> None:
+        path = self.path
+        try:
+            stat = path.stat()
+        except OSError as exc:
+            self.last_seen = None
+            self._report(f"{path}: cannot read ({os.strerror(exc.errno or 0)})", self.refuse)
+            return
+        seen = (stat.st_mtime_ns, stat.st_ctime_ns, stat.st_size, stat.st_ino)
+        if seen == self.last_seen:
+            return
+        try:
+            data = path.read_bytes()
+        except OSError as exc:  # not marked as seen: read again on the next tick
+            self._report(f"{path}: cannot read ({os.strerror(exc.errno or 0)})", self.refuse)
+            return
+        digest = hashlib.sha256(data).hexdigest()
+        if digest == self.last_sha256:
+            self.last_seen = seen
+            self._reported = None
+            return
+        try:
+            loaded = loads_sidecar_file(data, str(path))
+        except ConfigError as exc:
+            # This content is refused once; only a change of content is worth another look.
+            self.last_seen, self.last_sha256 = seen, digest
+            self._report(str(exc), self.refuse)
+            return
+        self.apply(loaded)  # if it raises, nothing is marked: the next tick tries again
+        self.last_seen, self.last_sha256 = seen, digest
+        self._reported = None
+
 
 async def watch_config(
     path: Path,
     interval_s: float,
     current_sha256: str,
     apply: Callable[[LoadedFile], None],
-    refuse: Callable[[str], None],
+    refuse: Report,
+    fail: Report,
 ) -> None:
     """Run until cancelled."""
-    last_seen: tuple[int, int] | None = None
-    try:
-        stat = path.stat()
-        last_seen = (stat.st_mtime_ns, stat.st_size)
-    except OSError:
-        pass
-    last_sha256 = current_sha256
+    watcher = ConfigWatcher(path, current_sha256, apply, refuse, fail)
     while True:
         await asyncio.sleep(interval_s)
-        try:
-            stat = path.stat()
-        except OSError as exc:
-            if last_seen is not None:
-                last_seen = None
-                refuse(f"{path}: cannot read ({os.strerror(exc.errno or 0)})")
-            continue
-        seen = (stat.st_mtime_ns, stat.st_size)
-        if seen == last_seen:
-            continue
-        last_seen = seen
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            refuse(f"{path}: cannot read ({exc.strerror})")
-            continue
-        digest = hashlib.sha256(data).hexdigest()
-        if digest == last_sha256:
-            continue
-        last_sha256 = digest
-        try:
-            loaded = loads_sidecar_file(data, str(path))
-        except ConfigError as exc:
-            refuse(str(exc))
-            continue
-        apply(loaded)
+        watcher.tick()

@@ -10,6 +10,17 @@ Drain sequence on SIGTERM (or SIGINT):
    are then cancelled (their reservations released in ``finally:``); then the admin listener
    closes, and the cleanup context closes the upstream session and the records file and releases
    any remaining KV. The whole drain takes at most ``drain_grace_s + 1`` seconds.
+
+The proxy listener is bounded (the admin listener serves a few scrapers and is not):
+
+* ``client_idle_timeout_s`` — aiohttp's keep-alive timeout. Its timer starts when a connection
+  opens and again after every response, and closes the connection if no request's head has
+  arrived by then: idle connections and slow-header ("slowloris") connections alike.
+* ``client_body_timeout_s`` and ``client_write_timeout_s`` — in the proxy handler (the body
+  read) and the backends (stream writes to a client that does not read).
+* ``max_client_connections`` — :class:`ConnectionCap` wraps aiohttp's protocol factory: one
+  connection over the cap is answered ``503`` and closed before anything is parsed, so a flood
+  of connections costs a few bytes each, never a handler.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import asyncio
 import gc
 import logging
 import signal
+from collections.abc import Callable
 from typing import Final
 
 from aiohttp import web
@@ -51,6 +63,79 @@ def _tune_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
+_CAP_RESPONSE: Final = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+)
+_CAP_BODY: Final = (
+    b'{"error":{"message":"too many open connections to the sidecar; retry","type":'
+    b'"service_unavailable","param":null,"code":"too_many_connections"}}'
+)
+
+
+class ConnectionCap:
+    """A protocol factory around aiohttp's (``runner.server``) that keeps at most ``limit``
+    connections open: one more is answered ``503`` at once and closed (its request, if any,
+    is never read). ``on_refused`` counts those."""
+
+    def __init__(
+        self,
+        factory: Callable[[], asyncio.Protocol],
+        limit: int,
+        on_refused: Callable[[], object],
+    ) -> None:
+        self.factory = factory
+        self.limit = limit
+        self.on_refused = on_refused
+        self.open = 0
+
+    def __call__(self) -> asyncio.Protocol:
+        return _CappedConnection(self)
+
+
+class _CappedConnection(asyncio.Protocol):
+    """Delegates to aiohttp's handler if the connection is within the cap."""
+
+    __slots__ = ("_cap", "_inner")
+
+    def __init__(self, cap: ConnectionCap) -> None:
+        self._cap = cap
+        self._inner: asyncio.Protocol | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        cap = self._cap
+        if cap.open >= cap.limit:
+            cap.on_refused()
+            assert isinstance(transport, asyncio.Transport)
+            transport.write(_CAP_RESPONSE % (len(_CAP_BODY), _CAP_BODY))
+            transport.close()
+            return
+        cap.open += 1
+        self._inner = cap.factory()
+        self._inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        inner, self._inner = self._inner, None
+        if inner is not None:
+            self._cap.open -= 1
+            inner.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._inner is not None:
+            self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self._inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
+
+
 async def serve(settings: SidecarSettings, app: web.Application) -> None:
     """Serve ``app`` and its admin app until SIGTERM/SIGINT, then drain."""
     sidecar = app[SIDECAR]
@@ -59,15 +144,29 @@ async def serve(settings: SidecarSettings, app: web.Application) -> None:
     # leaves the queue at once and a streaming one stops its upstream call.
     # The grace is spent in `wait_idle` below; the runner then only closes connections and
     # cancels what still runs (SHUTDOWN_AFTER_GRACE_S), so the whole drain stays bounded.
+    # keepalive_timeout: see the module docstring (it closes idle and slow-header connections).
     proxy_runner = web.AppRunner(
-        app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_AFTER_GRACE_S, access_log=None
+        app,
+        handler_cancellation=True,
+        shutdown_timeout=SHUTDOWN_AFTER_GRACE_S,
+        access_log=None,
+        keepalive_timeout=settings.client_idle_timeout_s,
     )
     admin_runner = web.AppRunner(admin, access_log=None)
     await proxy_runner.setup()
     await admin_runner.setup()
+    loop = asyncio.get_running_loop()
+    listener: asyncio.Server | None = None
     try:
         host, port = parse_address(settings.listen, "listen")
-        await web.TCPSite(proxy_runner, host, port, backlog=1024).start()
+        server = proxy_runner.server
+        assert server is not None  # set up above
+        # The proxy listener is served here rather than by a web.TCPSite: the cap wraps the
+        # protocol factory that a TCPSite would hand to create_server.
+        cap = ConnectionCap(
+            server, settings.max_client_connections, sidecar.metrics.refused_connections.inc
+        )
+        listener = await loop.create_server(cap, host, port, backlog=1024)
         admin_host, admin_port = parse_address(settings.admin_listen, "adminListen")
         await web.TCPSite(admin_runner, admin_host, admin_port).start()
         log.info(
@@ -81,7 +180,6 @@ async def serve(settings: SidecarSettings, app: web.Application) -> None:
         )
         _tune_gc()
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         await stop.wait()
@@ -92,5 +190,7 @@ async def serve(settings: SidecarSettings, app: web.Application) -> None:
             log.warning("drain grace of %.1f s over; aborting what still runs",
                         settings.drain_grace_s)  # fmt: skip
     finally:
+        if listener is not None:
+            listener.close()  # no new connections; the runner closes the open ones
         await proxy_runner.cleanup()
         await admin_runner.cleanup()

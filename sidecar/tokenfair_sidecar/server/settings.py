@@ -68,11 +68,45 @@ class SidecarSettings:
     """How often the config file's mtime and hash are checked for a hot reload."""
     prompt_estimator: str = "chars4"
     """Name of the prompt-token estimator (see :mod:`tokenfair_sidecar.server.estimate`)."""
+    client_idle_timeout_s: float = 75.0
+    """A proxy-listener connection with no request under way — idle between requests, or still
+    sending a request's head — is closed after this long. Above the time for which common HTTP
+    client pools keep an idle connection (httpx and the OpenAI SDK 5 s, aiohttp 15 s), so a
+    client does not send a POST on a connection the sidecar is closing (nginx's default too);
+    together with ``max_client_connections`` it bounds what idle and slow-header connections
+    can hold."""
+    client_body_timeout_s: float = 30.0
+    """Reading one request's body longer than this is ``408`` (the body is at most
+    ``max_body_bytes``: 30 s is ~35 KB/s for the default 1 MiB)."""
+    client_write_timeout_s: float = 30.0
+    """A write to a streaming client that has waited this long for the client to read aborts
+    the client's connection and settles the request (``499 client_write_timeout``): a client
+    that stops reading cannot hold an in-flight slot. Generous: the socket buffers hold
+    megabytes, so a write waits only once the client has read nothing for a long while."""
+    max_client_connections: int = 4096
+    """Open connections on the proxy listener; one more is answered ``503`` and closed at once.
+    Every queued request holds one, so keep it above ``maxInFlight`` plus the queue you expect
+    (and the process's file limit above it)."""
+
+
+MAX_SETTING_INT: Final = 2**53
+"""Largest integer setting (exactly representable as a float); larger is refused by name."""
+
+
+def _shown(value: object) -> str:
+    """A value for an error message: a huge integer by its size (a 5,000-digit one cannot even
+    be printed), anything else by ``repr``, cut short."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_SETTING_INT:
+        return f"an integer of {abs(value).bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _positive_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"{name}: must be a finite number (got {value!r})")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name}: must be a finite number (got {_shown(value)})")
+    if (isinstance(value, int) and abs(value) > MAX_SETTING_INT) or not math.isfinite(value):
+        raise ConfigError(f"{name}: must be a finite number (got {_shown(value)})")
     if value <= 0:
         raise ConfigError(f"{name}: must be > 0 (got {value!r})")
     return float(value)
@@ -80,13 +114,15 @@ def _positive_float(name: str, value: object) -> float:
 
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name}: must be an integer > 0 (got {value!r})")
+        raise ConfigError(f"{name}: must be an integer > 0 (got {_shown(value)})")
+    if value > MAX_SETTING_INT:
+        raise ConfigError(f"{name}: must be <= {MAX_SETTING_INT} (got {_shown(value)})")
     return value
 
 
 def _string(name: str, value: object) -> str:
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"{name}: must be a non-empty string (got {value!r})")
+        raise ConfigError(f"{name}: must be a non-empty string (got {_shown(value)})")
     return value
 
 
@@ -97,7 +133,7 @@ def _address(name: str, value: object) -> str:
 
 def _backend(name: str, value: object) -> str:
     if value not in BACKENDS:
-        raise ConfigError(f"{name}: must be one of {', '.join(BACKENDS)} (got {value!r})")
+        raise ConfigError(f"{name}: must be one of {', '.join(BACKENDS)} (got {_shown(value)})")
     return str(value)
 
 
@@ -122,6 +158,10 @@ SECTION_FIELDS: Final[dict[str, tuple[str, Any]]] = {
     "drainGraceSeconds": ("drain_grace_s", _positive_float),
     "reloadIntervalSeconds": ("reload_interval_s", _positive_float),
     "promptEstimator": ("prompt_estimator", _string),
+    "clientIdleTimeoutSeconds": ("client_idle_timeout_s", _positive_float),
+    "clientBodyTimeoutSeconds": ("client_body_timeout_s", _positive_float),
+    "clientWriteTimeoutSeconds": ("client_write_timeout_s", _positive_float),
+    "maxClientConnections": ("max_client_connections", _positive_int),
 }
 """``sidecar:`` key -> (attribute, parser)."""
 
@@ -185,6 +225,11 @@ def loads_sidecar_file(data: bytes, source: str) -> LoadedFile:
     try:
         documents = list(yaml.safe_load_all(data.decode("utf-8")))
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+    except RecursionError:
+        # PyYAML composes nested collections recursively: thousands of levels exhaust the stack.
+        raise ConfigError(f"{source}: invalid YAML: nested too deeply") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (4,300)
         raise ConfigError(f"{source}: invalid YAML: {exc}") from None
     section: dict[str, object] = {}
     stripped: list[object] = []

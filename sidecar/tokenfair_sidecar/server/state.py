@@ -105,6 +105,11 @@ class Sidecar:
         self.metrics.reloads.labels("invalid").inc()
         log.error("config reload refused, keeping the last good config: %s", message)
 
+    def reload_failed(self, message: str) -> None:
+        """Count a reload that failed unexpectedly (the watcher logged it, with its traceback,
+        and tries again on its next tick)."""
+        self.metrics.reloads.labels("error").inc()
+
     # -- outcomes ----------------------------------------------------------------------------
 
     def retry_after_s(self, decision: Decision | None) -> int:
@@ -168,7 +173,9 @@ class Sidecar:
         elif status_code == 499:
             series.cancelled += 1
             counts["cancelled"] += 1
-        elif reason.startswith("upstream_"):
+        elif reason.startswith("upstream_") or status_code >= 500:
+            # Upstream faults (502, 504, a stream cut after its 200, usage not believed on a
+            # 200) and the sidecar's own failures (500 internal_error).
             metrics.backend_errors.labels(tenant, lane, reason).inc()
             counts["backend_errors"] += 1
         else:

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from tokenfair_sidecar.costmodel import CostModel
-from tokenfair_sidecar.server.backends.base import ROUTES, Backend, BackendCall, UpstreamError
+from tokenfair_sidecar.server.backends.base import (
+    BAD_USAGE,
+    ROUTES,
+    UPSTREAM_ABORTED,
+    Backend,
+    BackendCall,
+    StreamAbortedError,
+    UpstreamError,
+)
 from tokenfair_sidecar.server.backends.costmodel import CostModelBackend
 from tokenfair_sidecar.server.backends.openai import OpenAIBackend
 from tokenfair_sidecar.server.settings import SidecarSettings
@@ -25,11 +33,14 @@ def make_backend(settings: SidecarSettings, cost: CostModel) -> Backend:
 
 
 __all__ = [
+    "BAD_USAGE",
     "ROUTES",
+    "UPSTREAM_ABORTED",
     "Backend",
     "BackendCall",
     "CostModelBackend",
     "OpenAIBackend",
+    "StreamAbortedError",
     "UpstreamError",
     "make_backend",
 ]

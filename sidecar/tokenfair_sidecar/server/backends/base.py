@@ -2,34 +2,105 @@
 
 ``respond(call)`` must either raise :class:`UpstreamError` before anything was sent to the client
 (the proxy then answers with its status: 502 refused/reset, 504 timeout), or answer the client
-itself (a ``web.Response``, or a prepared ``web.StreamResponse`` for SSE). While it runs it fills
-in ``call.prompt_tokens`` / ``call.completion_tokens`` (the usage to settle) and calls
-``call.first_byte()`` when the first body bytes go out (TTFT). It may be cancelled at any await
-(the client went away); it must then free what it holds (an upstream connection) and re-raise.
+itself (a ``web.Response``, or a prepared ``web.StreamResponse`` for SSE). A stream whose source
+breaks after it started raises :class:`StreamAbortedError` carrying the started response: the
+proxy then cuts the client's connection, so the client sees an incomplete transfer rather than a
+clean end. While it runs it fills in ``call.prompt_tokens`` / ``call.completion_tokens`` (the
+usage to settle; :meth:`BackendCall.report_usage` checks reported values) and calls
+``call.first_byte()`` when the first body bytes go out (TTFT). Stream bytes go out through
+:meth:`BackendCall.write`, which bounds how long one write may wait for a client that does not
+read. It may be cancelled at any await (the client went away); it must then free what it holds
+(an upstream connection) and re-raise.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 from aiohttp import web
 
 from tokenfair_sidecar.core import Decision
 from tokenfair_sidecar.server.estimate import Estimate
 
+log = logging.getLogger("tokenfair.sidecar")
+
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+MAX_USAGE_TOKENS: Final = 2**31 - 1
+"""Largest ``usage.prompt_tokens`` / ``usage.completion_tokens`` believed (a signed 32-bit int:
+orders of magnitude above any context window). A reported value that is not an integer in
+``[0, MAX_USAGE_TOKENS]`` is a protocol error: the request settles at its estimate and its record
+says ``upstream_bad_usage``."""
+BAD_USAGE: Final = "upstream_bad_usage"
+UPSTREAM_ABORTED: Final = "upstream_aborted"
+
+CLIENT_MESSAGES: Final = {
+    "upstream_error": "the model server failed to answer (refused, reset or a malformed "
+    "response); the sidecar's log has the details under this request's x-request-id",
+    "upstream_timeout": "the model server did not answer in time; the sidecar's log has the "
+    "details under this request's x-request-id",
+    "upstream_unavailable": "the model server is not available",
+}
+"""What a tenant reads in a 502/504: no upstream host, port or errno (those go to the log)."""
 
 
 class UpstreamError(Exception):
-    """The backend failed before the response started; ``status`` is 502 or 504."""
+    """The backend failed before the response started; ``status`` is 502 or 504.
 
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
+    ``detail`` says what happened (host, port, errno) for the sidecar's log; the client gets
+    :attr:`client_message`, which shows nothing of the upstream's address."""
+
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(detail)
         self.status = status
         self.code = code
+        self.detail = detail
+
+    @property
+    def client_message(self) -> str:
+        return CLIENT_MESSAGES.get(self.code, CLIENT_MESSAGES["upstream_error"])
+
+
+class StreamAbortedError(Exception):
+    """The upstream broke after the client's response started (its status and some bytes are
+    out). ``response`` is that started response; the proxy aborts the client's connection so the
+    transfer ends incomplete (no terminating chunk), never as a clean, truncated success."""
+
+    def __init__(self, response: web.StreamResponse, detail: str) -> None:
+        super().__init__(detail)
+        self.response = response
+        self.code = UPSTREAM_ABORTED
+        self.detail = detail
+
+
+class UsageError(ValueError):
+    """The backend's reported usage is not believable (see :data:`MAX_USAGE_TOKENS`)."""
+
+
+def _describe(value: object) -> str:
+    """A short description of a bad value: never its full text (a 5,000-digit integer cannot
+    even be printed, and a nested list may be megabytes)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"an integer of {value.bit_length()} bits" if value >= 0 else "a negative integer"
+    return f"a value of type {type(value).__name__}"
+
+
+def usage_tokens(usage: Mapping[str, Any], name: str) -> int | None:
+    """``usage[name]`` as a token count: None if absent or null (not reported); an integer in
+    ``[0, MAX_USAGE_TOKENS]``; anything else raises :class:`UsageError`."""
+    value = usage.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_USAGE_TOKENS:
+        raise UsageError(
+            f"usage.{name}: must be an integer in [0, {MAX_USAGE_TOKENS}] (got {_describe(value)})"
+        )
+    return value
 
 
 @dataclass(slots=True, eq=False)
@@ -48,14 +119,87 @@ class BackendCall:
     on_first_byte: Callable[[], None]
     dispatched_at_s: float
     """Event-loop time when the scheduler dispatched the request."""
+    client_write_timeout_s: float | None = None
+    """Longest one write to the client may wait (the client not reading); None: unbounded."""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    usage_error: str | None = None
+    """Why the reported usage was not believed (then the request settles at its estimate)."""
     first_byte_sent: bool = field(default=False)
+    client_write_timed_out: bool = field(default=False)
+    """Set when a write waited past ``client_write_timeout_s`` and the client's connection was
+    aborted (the request is then recorded as ``client_write_timeout``)."""
+    _writing_since: float | None = field(default=None, init=False, repr=False)
+    _watchdog: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
 
     def first_byte(self) -> None:
         if not self.first_byte_sent:
             self.first_byte_sent = True
             self.on_first_byte()
+
+    def report_usage(self, usage: Mapping[str, Any] | None) -> None:
+        """Take the backend's reported usage (a ``usage`` object, or None: not reported). A value
+        that is not believable leaves both counts unknown (settled at the estimate) and sets
+        :attr:`usage_error`."""
+        if usage is None:
+            self.prompt_tokens = self.completion_tokens = None
+            return
+        try:
+            prompt = usage_tokens(usage, "prompt_tokens")
+            completion = usage_tokens(usage, "completion_tokens")
+        except UsageError as exc:
+            self.bad_usage(str(exc))
+            return
+        self.prompt_tokens, self.completion_tokens = prompt, completion
+
+    def bad_usage(self, detail: str) -> None:
+        """The backend reported usage that cannot be believed: settle at the estimate."""
+        log.warning("request %s: the backend's usage is a protocol error, settling at the "
+                    "estimate: %s", self.decision.request_id, detail)  # fmt: skip
+        self.prompt_tokens = self.completion_tokens = None
+        self.usage_error = BAD_USAGE
+
+    # -- writing to the client ------------------------------------------------------------------
+
+    async def write(self, response: web.StreamResponse, data: bytes) -> None:
+        """``response.write(data)``, bounded: a write still waiting for the client to read after
+        ``client_write_timeout_s`` aborts the client's connection (the write then raises), so a
+        client that stops reading cannot hold its in-flight slot. One timer per call, re-armed
+        only when it fires while a write is under way (not per write)."""
+        timeout_s = self.client_write_timeout_s
+        if timeout_s is None:
+            await response.write(data)
+            return
+        loop = asyncio.get_running_loop()
+        self._writing_since = now = loop.time()
+        if self._watchdog is None:
+            self._watchdog = loop.call_at(now + timeout_s, self._check_write, timeout_s)
+        try:
+            await response.write(data)
+        finally:
+            self._writing_since = None
+
+    def _check_write(self, timeout_s: float) -> None:
+        self._watchdog = None
+        since = self._writing_since
+        if since is None:  # no write under way: the next write arms the timer again
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() < since + timeout_s:
+            self._watchdog = loop.call_at(since + timeout_s, self._check_write, timeout_s)
+            return
+        self.client_write_timed_out = True
+        log.warning("request %s: the client read nothing for %g s; aborting its connection",
+                    self.decision.request_id, timeout_s)  # fmt: skip
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
+
+    def close(self) -> None:
+        """Stop the write timer (the proxy calls this once the request is over)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
 
 class Backend(ABC):

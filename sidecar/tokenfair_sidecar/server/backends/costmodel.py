@@ -45,7 +45,10 @@ def generate_words(seed_text: str, count: int) -> list[str]:
 
 
 def _seed_text(body: dict[str, Any]) -> str:
-    return json.dumps(body.get("messages", body.get("prompt", "")), sort_keys=True)[:4096]
+    try:
+        return json.dumps(body.get("messages", body.get("prompt", "")), sort_keys=True)[:4096]
+    except RecursionError:  # nested near the parser's limit: any seed will do
+        return ""
 
 
 def sse(data: object) -> bytes:
@@ -87,7 +90,9 @@ class CostModelBackend(Backend):
         words = generate_words(_seed_text(call.body), decode)
         call.prompt_tokens = prompt
         chat = call.path.endswith("/chat/completions")
-        model = str(call.body.get("model") or "tokenfair-costmodel")
+        model = call.body.get("model")
+        if not isinstance(model, str) or not model:
+            model = "tokenfair-costmodel"
         usage = {
             "prompt_tokens": prompt,
             "completion_tokens": decode,
@@ -166,7 +171,7 @@ class CostModelBackend(Backend):
                 else {"index": 0, "text": text, "logprobs": None}
             )
             chunk_choice["finish_reason"] = "length" if last else None
-            await response.write(sse({
+            await call.write(response, sse({
                     "id": ident,
                     "object": "chat.completion.chunk" if chat else "text_completion",
                     "created": created,
@@ -177,7 +182,7 @@ class CostModelBackend(Backend):
             call.completion_tokens = sent
         options = call.body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage") is True:
-            await response.write(sse({
+            await call.write(response, sse({
                     "id": ident,
                     "object": "chat.completion.chunk" if chat else "text_completion",
                     "created": created,
@@ -185,6 +190,6 @@ class CostModelBackend(Backend):
                     "choices": [],
                     "usage": usage,
                 }))  # fmt: skip
-        await response.write(b"data: [DONE]\n\n")
+        await call.write(response, b"data: [DONE]\n\n")
         await response.write_eof()
         return response

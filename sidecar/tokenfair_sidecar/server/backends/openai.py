@@ -4,30 +4,53 @@
   and closed by the app's cleanup context): keep-alive HTTP/1.1 connections to the upstream;
   timeouts: connect ``upstream_connect_timeout_s``, between upstream bytes
   ``upstream_read_timeout_s``, no total (a long stream is not an error).
-* The body is forwarded as received, except that a streaming request without
-  ``stream_options.include_usage`` gets it added, so the upstream reports usage in a final chunk
-  (``"choices": []``, which the client also receives — OpenAI clients accept it).
+* The body is forwarded as received (decoded, if the client compressed it: the proxy has read it
+  through its ``Content-Encoding``, so that header is not forwarded), except that a streaming
+  request without ``stream_options.include_usage`` gets it added, so the upstream reports usage
+  in a final chunk (``"choices": []``). That chunk was not asked for: it is read for settlement
+  and cut out of what the client receives (OpenAI SDK loops over ``chunk.choices[0]``).
 * Streaming passthrough: upstream bytes are written to the client as they arrive, never parsed per
-  chunk; only the last :data:`TAIL_BYTES` are kept, and searched for the usage chunk at the end.
+  chunk (only a line holding ``"choices": []`` is decoded, to cut the injected usage event); only
+  the last :data:`TAIL_BYTES` are kept, and searched for the usage chunk at the end.
 * Usage is read from the response (``usage.prompt_tokens`` / ``completion_tokens``) to settle;
-  without it the estimate stands; an upstream error status with no usage settles at zero.
-* Hop-by-hop headers are dropped both ways, as are the tenant's ``Authorization`` (the upstream
-  never sees tenants' keys) and ``x-tokenfair-*`` headers.
+  without it the estimate stands; an upstream error status with no usage settles at zero; a usage
+  that is not believable (not an integer in ``[0, MAX_USAGE_TOKENS]``, nested too deeply) settles
+  at the estimate and is recorded as ``upstream_bad_usage``.
+* Encodings: the upstream is asked for ``Accept-Encoding: identity`` (usage is read from the
+  body). If it answers ``gzip`` or ``deflate`` anyway, the body is decoded (in bounded pieces)
+  and relayed without ``Content-Encoding``; any other coding is relayed as it came, with its
+  header, and settled at the estimate (the usage cannot be read). Never encoded bytes without
+  their label.
+* Hop-by-hop headers, and every header the ``Connection`` header names, are dropped both ways, as
+  are the tenant's ``Authorization`` (the upstream never sees tenants' keys) and ``x-tokenfair-*``
+  headers.
 * Connection refused/reset or a broken response before the first byte: ``502``; connect or read
-  timeout: ``504``. A failure mid-stream ends the stream without ``data: [DONE]``.
+  timeout: ``504`` (generic messages; the details go to the log). A failure after the stream
+  started raises :class:`StreamAbortedError`: the client's connection is cut without a clean end,
+  and the request is recorded as ``upstream_aborted``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import zlib
+from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, Final
 
 from aiohttp import web
 from multidict import CIMultiDict
 
-from tokenfair_sidecar.server.backends.base import Backend, BackendCall, UpstreamError
+from tokenfair_sidecar.server.backends.base import (
+    Backend,
+    BackendCall,
+    StreamAbortedError,
+    UpstreamError,
+    UsageError,
+)
 from tokenfair_sidecar.server.upstream import (
+    MAX_BUFFERED_BODY_BYTES,
     UpstreamClient,
     UpstreamClosedError,
     UpstreamResponse,
@@ -41,6 +64,7 @@ HOP_BY_HOP: Final = frozenset(
         "keep-alive",
         "proxy-authenticate",
         "proxy-authorization",
+        "proxy-connection",
         "te",
         "trailer",
         "trailers",
@@ -48,42 +72,129 @@ HOP_BY_HOP: Final = frozenset(
         "upgrade",
     }
 )
+"""RFC 9110 §7.6.1's connection-specific headers (plus the non-standard ``Proxy-Connection``):
+they describe one hop and must not be forwarded; nor must any header ``Connection`` names."""
 _DROP_REQUEST: Final = HOP_BY_HOP | {
     "host",
     "content-length",
+    "content-encoding",  # the body forwarded is the decoded one
     "authorization",
     "accept-encoding",
     "expect",
 }
-_DROP_RESPONSE: Final = HOP_BY_HOP | {"content-length", "content-encoding"}
+_DROP_RESPONSE: Final = HOP_BY_HOP | {"content-length"}
 TAIL_BYTES: Final = 8192
 """Bytes of a stream's end kept to find the usage chunk (a usage chunk is ~300 bytes)."""
+DECODE_PIECE_BYTES: Final = 1 << 16
+"""A compressed upstream body is decoded in pieces of at most this many bytes (64 KiB): a few
+compressed bytes may expand to gigabytes, so nothing is decoded whole."""
+_DECODED_CODINGS: Final = {"gzip": 31, "x-gzip": 31, "deflate": 15}
+"""Content codings decoded here, with their zlib ``wbits`` (31: gzip framing, 15: zlib)."""
 _DECODER: Final = json.JSONDecoder()
+
+
+def connection_tokens(headers: Iterable[tuple[str, str]]) -> frozenset[str]:
+    """The lower-case header names listed in ``Connection`` headers (hop-by-hop by name)."""
+    named: set[str] = set()
+    for name, value in headers:
+        if name.lower() == "connection":
+            named.update(token.strip().lower() for token in value.split(","))
+    return frozenset(named)
 
 
 def request_headers(headers: Any) -> list[tuple[str, str]]:
     """The client's headers as the upstream gets them (see the module docstring), with
     ``Accept-Encoding: identity`` (usage is read from the body, so it must not be compressed)."""
+    drop = _DROP_REQUEST
+    if "Connection" in headers:
+        drop = drop | connection_tokens(headers.items())
     out = [
         (name, value)
         for name, value in headers.items()
-        if (lower := name.lower()) not in _DROP_REQUEST and not lower.startswith("x-tokenfair-")
+        if (lower := name.lower()) not in drop and not lower.startswith("x-tokenfair-")
     ]
     out.append(("Accept-Encoding", "identity"))
     return out
 
 
-def response_headers(headers: list[tuple[str, str]], extra: Any) -> CIMultiDict[str]:
+def response_headers(
+    headers: list[tuple[str, str]], extra: Any, *, drop_encoding: bool = False
+) -> CIMultiDict[str]:
+    """The upstream's headers as the client gets them, plus ``extra`` (the proxy's own);
+    ``drop_encoding`` when the body is relayed decoded."""
+    drop = _DROP_RESPONSE
+    if drop_encoding:
+        drop = drop | {"content-encoding"}
+    lowered = [(name.lower(), name, value) for name, value in headers]
+    if any(lower == "connection" for lower, _, _ in lowered):
+        drop = drop | connection_tokens(headers)
     out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers:
-        if name.lower() not in _DROP_RESPONSE:
+    for lower, name, value in lowered:
+        if lower not in drop:
             out.add(name, value)
     out.update(extra)
     return out
 
 
+def content_coding(headers: list[tuple[str, str]]) -> str | None:
+    """The response's content coding, lower case; None for none (absent or ``identity``)."""
+    codings = [value.strip().lower() for name, value in headers
+               if name.lower() == "content-encoding"]  # fmt: skip
+    if not codings or codings == ["identity"]:
+        return None
+    return ", ".join(codings)
+
+
+class BodyDecoder:
+    """Decodes a gzip or deflate body fed in chunks, yielding pieces of at most
+    :data:`DECODE_PIECE_BYTES`. ``deflate`` is the zlib format (RFC 9110); a raw deflate stream,
+    which some servers send instead, is recognised by its first bytes failing as zlib.
+    A corrupt body raises ``zlib.error``."""
+
+    def __init__(self, coding: str) -> None:
+        self.coding = coding
+        self._decompressor = zlib.decompressobj(_DECODED_CODINGS[coding])
+        self._started = False
+
+    @property
+    def complete(self) -> bool:
+        """The compressed stream's end was seen (otherwise the body was cut short)."""
+        return self._decompressor.eof
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        decompressor = self._decompressor
+        if not self._started and data:
+            self._started = True
+            if self.coding == "deflate":
+                try:
+                    zlib.decompressobj().decompress(data[:2])
+                except zlib.error:
+                    self._decompressor = decompressor = zlib.decompressobj(-15)
+        while not decompressor.eof:
+            piece = decompressor.decompress(data, DECODE_PIECE_BYTES)
+            if piece:
+                yield piece
+            data = decompressor.unconsumed_tail
+            # A full piece may leave output pending inside zlib even with no input left.
+            if not data and len(piece) < DECODE_PIECE_BYTES:
+                break
+
+    def decode_all(self, data: bytes, limit: int) -> bytes:
+        """The whole body decoded; ``ValueError`` past ``limit`` bytes or cut short."""
+        out = bytearray()
+        for piece in self.feed(data):
+            out += piece
+            if len(out) > limit:
+                raise ValueError(f"decoded body over {limit} bytes")
+        if not self.complete:
+            raise ValueError(f"{self.coding} body cut short")
+        return bytes(out)
+
+
 def usage_from_json(data: bytes) -> dict[str, Any] | None:
-    """The last ``"usage": {...}`` object in a JSON body, decoded alone (no full parse)."""
+    """The last ``"usage": {...}`` object in a JSON body, decoded alone (no full parse). None
+    when there is none or it does not decode; :class:`UsageError` when it nests deeper than the
+    decoder can follow (a protocol error, not a missing usage)."""
     index = data.rfind(b'"usage"')
     if index < 0:
         return None
@@ -96,6 +207,8 @@ def usage_from_json(data: bytes) -> dict[str, Any] | None:
         if not text.startswith(":"):
             return None
         usage, _ = _DECODER.raw_decode(text[1:].lstrip())
+    except RecursionError:
+        raise UsageError("usage: nested too deeply to decode") from None
     except ValueError:
         return None
     return usage if isinstance(usage, dict) else None
@@ -117,6 +230,80 @@ def usage_from_sse(tail: bytes) -> dict[str, Any] | None:
     return None
 
 
+def _is_usage_event(line: bytes) -> bool:
+    """Whether an SSE line is ``data: {... "choices": [] ..., "usage": {...}}``: the chunk that
+    ``include_usage`` adds."""
+    payload = line.strip()
+    if not payload.startswith(b"data:"):
+        return False
+    try:
+        event = json.loads(payload[5:])
+    except (ValueError, RecursionError):
+        return False
+    return (
+        isinstance(event, dict)
+        and event.get("choices") == []
+        and isinstance(event.get("usage"), dict)
+    )
+
+
+_EMPTY_CHOICES: Final = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+
+
+class UsageEventFilter:
+    """Cuts the usage-only event out of an SSE stream (for a client that did not ask for it).
+
+    Bytes pass through as whole lines: a partial last line is held back until its newline
+    arrives (upstream servers write whole events, so in practice nothing waits). Only a line
+    holding ``"choices": []`` is decoded to check it (one per stream: the usage event), so an
+    ordinary chunk costs a search for its last newline and one regex scan. The event's data line
+    goes with the blank line that ends it, even when that arrives in a later chunk."""
+
+    def __init__(self) -> None:
+        self._held = b""
+        self._cut_blank = False
+        """A usage line was cut at the end of the last output: its blank line is still due."""
+
+    def feed(self, data: bytes) -> bytes:
+        if self._held:
+            data = self._held + data
+        cut = data.rfind(b"\n") + 1
+        self._held = data[cut:]
+        return self._filter(data[:cut])
+
+    def flush(self) -> bytes:
+        held, self._held = self._held, b""
+        return self._filter(held)
+
+    def _filter(self, data: bytes) -> bytes:
+        if self._cut_blank and data:
+            self._cut_blank = False
+            end = data.find(b"\n")
+            if end >= 0 and data[:end].strip() == b"":
+                data = data[end + 1 :]
+        out: list[bytes] = []
+        kept_from = 0
+        for match in _EMPTY_CHOICES.finditer(data):
+            start = data.rfind(b"\n", 0, match.start()) + 1
+            if start < kept_from:  # a second match on a line already cut
+                continue
+            stop = data.find(b"\n", match.end())
+            stop = len(data) if stop < 0 else stop + 1
+            if not _is_usage_event(data[start:stop]):
+                continue
+            blank = data.find(b"\n", stop)
+            if blank < 0:
+                self._cut_blank = stop == len(data)  # the blank line comes with the next chunk
+            elif data[stop:blank].strip() == b"":
+                stop = blank + 1
+            out.append(data[kept_from:start])
+            kept_from = stop
+        if not out:
+            return data
+        out.append(data[kept_from:])
+        return b"".join(out)
+
+
 _INCLUDE_USAGE: Final = b'{"stream_options":{"include_usage":true}'
 
 
@@ -131,9 +318,11 @@ def with_include_usage(raw: bytes) -> bytes | None:
     return _INCLUDE_USAGE + (rest if rest.startswith(b"}") else b"," + rest)
 
 
-def _tokens(usage: dict[str, Any] | None, name: str) -> int | None:
-    value = None if usage is None else usage.get(name)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+def _upstream_failure(exc: Exception, where: str) -> UpstreamError:
+    """The 502/504 for an upstream failure before the response started (details: the log)."""
+    if isinstance(exc, TimeoutError):
+        return UpstreamError(504, "upstream_timeout", f"upstream {where} timed out: {exc}")
+    return UpstreamError(502, "upstream_error", f"upstream {where} failed: {exc}")
 
 
 class OpenAIBackend(Backend):
@@ -158,97 +347,142 @@ class OpenAIBackend(Backend):
             await self._client.close()
             self._client = None
 
-    def _payload(self, call: BackendCall) -> bytes:
+    def _payload(self, call: BackendCall) -> tuple[bytes, bool]:
+        """The body to send, and whether the sidecar added ``include_usage`` to it."""
         if not call.stream:
-            return call.raw_body
+            return call.raw_body, False
         options = call.body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage") is True:
-            return call.raw_body
+            return call.raw_body, False
         if options is None and "stream_options" not in call.body:
             spliced = with_include_usage(call.raw_body)
             if spliced is not None:
-                return spliced
+                return spliced, True
         body = dict(call.body)
         body["stream_options"] = {**(options if isinstance(options, dict) else {}),
                                   "include_usage": True}  # fmt: skip
-        return json.dumps(body, separators=(",", ":")).encode()
+        try:
+            return json.dumps(body, separators=(",", ":")).encode(), True
+        except RecursionError:  # nested near the parser's limit: forwarded as is (the usage is
+            return call.raw_body, False  # then unknown, and the request settles at its estimate)
 
     async def respond(self, call: BackendCall) -> web.StreamResponse:
         client = self._client
         if client is None:
             raise UpstreamError(502, "upstream_unavailable", "the upstream client is closed")
         request = call.request
+        payload, injected = self._payload(call)
         try:
             upstream = await client.request(
                 "POST",
                 request.rel_url.raw_path_qs,  # encoded path + query (of absolute-form too)
                 request_headers(request.headers),
-                self._payload(call),
+                payload,
             )
-        except TimeoutError as exc:
-            raise UpstreamError(504, "upstream_timeout", f"upstream timed out: {exc}") from None
-        except UpstreamClosedError as exc:
-            raise UpstreamError(502, "upstream_error", f"upstream failed: {exc}") from None
+        except (TimeoutError, UpstreamClosedError) as exc:
+            raise _upstream_failure(exc, "request") from None
         try:
-            headers = response_headers(upstream.headers, call.response_headers)
+            coding = content_coding(upstream.headers)
+            decoder = BodyDecoder(coding) if coding in _DECODED_CODINGS else None
+            opaque = coding is not None and decoder is None  # relayed as is, with its header
+            headers = response_headers(
+                upstream.headers, call.response_headers, drop_encoding=decoder is not None
+            )
             if call.stream and upstream.status == 200:
-                return await self._relay_stream(call, upstream, headers)
+                return await self._relay_stream(call, upstream, headers, decoder, injected, opaque)
             try:
                 data = await upstream.read()
-            except TimeoutError as exc:
-                raise UpstreamError(
-                    504, "upstream_timeout", f"upstream response timed out: {exc}"
-                ) from None
-            except UpstreamClosedError as exc:
-                raise UpstreamError(502, "upstream_error", f"upstream failed: {exc}") from None
-            usage = usage_from_json(data)
-            if usage is None and upstream.status >= 400:
-                call.prompt_tokens = call.completion_tokens = 0
-            else:
-                call.prompt_tokens = _tokens(usage, "prompt_tokens")
-                call.completion_tokens = _tokens(usage, "completion_tokens")
+            except (TimeoutError, UpstreamClosedError) as exc:
+                raise _upstream_failure(exc, "response") from None
+            if decoder is not None:
+                try:
+                    data = decoder.decode_all(data, MAX_BUFFERED_BODY_BYTES)
+                except (zlib.error, ValueError) as exc:
+                    raise UpstreamError(
+                        502, "upstream_error", f"upstream {coding} body undecodable: {exc}"
+                    ) from None
+            self._settle_json(call, None if opaque else data, upstream.status)
             call.first_byte()
             return web.Response(body=data, status=upstream.status, headers=headers)
         finally:
             upstream.release()  # closes the connection unless the response was read to the end
 
+    @staticmethod
+    def _settle_json(call: BackendCall, data: bytes | None, status: int) -> None:
+        try:
+            usage = None if data is None else usage_from_json(data)
+        except UsageError as exc:
+            call.bad_usage(str(exc))
+            return
+        if usage is None and status >= 400:
+            call.prompt_tokens = call.completion_tokens = 0
+        else:
+            call.report_usage(usage)
+
     async def _relay_stream(
-        self, call: BackendCall, upstream: UpstreamResponse, headers: CIMultiDict[str]
+        self,
+        call: BackendCall,
+        upstream: UpstreamResponse,
+        headers: CIMultiDict[str],
+        decoder: BodyDecoder | None,
+        injected: bool,
+        opaque: bool,
     ) -> web.StreamResponse:
+        """Relay an SSE stream. ``injected``: the sidecar added ``include_usage`` (its usage
+        event is cut out); ``opaque``: the body is in a coding not decoded here (relayed as
+        is, its usage unread)."""
         response = web.StreamResponse(status=upstream.status, headers=headers)
         # The last bytes relayed (at least TAIL_BYTES once that many went by), trimmed only when
         # twice that size: an append per chunk, a copy every TAIL_BYTES.
         tail = bytearray()
+        usage_filter = UsageEventFilter() if injected and not opaque else None
         started = False
         try:
             while chunk := await upstream.next_chunk():
-                if not started:
-                    await response.prepare(call.request)
-                    started = True
-                    await response.write(chunk)
-                    call.first_byte()
-                else:
-                    await response.write(chunk)
-                tail += chunk
-                if len(tail) > 2 * TAIL_BYTES:
-                    del tail[:-TAIL_BYTES]
-        except (TimeoutError, UpstreamClosedError) as exc:
+                for piece in decoder.feed(chunk) if decoder is not None else (chunk,):
+                    if not opaque:
+                        tail += piece
+                        if len(tail) > 2 * TAIL_BYTES:
+                            del tail[:-TAIL_BYTES]
+                    out = piece if usage_filter is None else usage_filter.feed(piece)
+                    if not out:
+                        continue
+                    if not started:
+                        await response.prepare(call.request)
+                        started = True
+                        await call.write(response, out)
+                        call.first_byte()
+                    else:
+                        await call.write(response, out)
+            if decoder is not None and not decoder.complete:
+                raise UpstreamClosedError(f"the upstream's {decoder.coding} stream was cut short")
+        except (TimeoutError, UpstreamClosedError, zlib.error) as exc:
             if not started:
-                status = 504 if isinstance(exc, TimeoutError) else 502
-                code = "upstream_timeout" if status == 504 else "upstream_error"
-                raise UpstreamError(status, code, f"upstream stream failed: {exc}") from None
-            log.warning("upstream stream of %s broke: %s", call.decision.request_id, exc)
-            return response
+                raise _upstream_failure(exc, "stream") from None
+            log.warning("upstream stream of %s broke after it started: %s",
+                        call.decision.request_id, exc)  # fmt: skip
+            self._settle_stream(call, tail)
+            raise StreamAbortedError(response, str(exc)) from None
+        rest = usage_filter.flush() if usage_filter is not None else b""
         if not started:
             await response.prepare(call.request)
-        usage = usage_from_sse(bytes(tail))
-        call.prompt_tokens = _tokens(usage, "prompt_tokens")
-        call.completion_tokens = _tokens(usage, "completion_tokens")
+        if rest:
+            await call.write(response, rest)
+        self._settle_stream(call, tail)
         try:
             await response.write_eof()
         except ConnectionResetError:  # the client left after the last chunk: nothing to tell it
             log.info("client of %s left before the end of its stream", call.decision.request_id)
         return response
+
+    @staticmethod
+    def _settle_stream(call: BackendCall, tail: bytearray) -> None:
+        try:
+            usage = usage_from_sse(bytes(tail))
+        except UsageError as exc:
+            call.bad_usage(str(exc))
+            return
+        call.report_usage(usage)
 
 
 __all__ = ["OpenAIBackend"]
