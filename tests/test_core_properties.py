@@ -41,6 +41,7 @@ from tokenfair_sidecar.core import (
     Scheduler,
     make_scheduler,
 )
+from tokenfair_sidecar.core.jobs import JobState
 from tokenfair_sidecar.core.lesson import LessonDrrScheduler
 from tokenfair_sidecar.core.tokenfair import TokenfairScheduler
 from tokenfair_sidecar.costmodel import CostModel
@@ -353,3 +354,86 @@ def test_the_service_gap_in_actual_tokens_stays_within_the_settled_bound(
     widest = largest_charged + largest_actual
     bound = 3 * BASE_QUANTUM + widest / weights[0] + widest / weights[1]
     assert max(gaps) - min(gaps) <= bound
+
+
+def _check_lane_books(scheduler: TokenfairScheduler) -> None:
+    """The running sums the per-tenant admission reads equal what they sum."""
+    for lane_index, drr in enumerate(scheduler._lanes):
+        queues = list(drr.queues.values())
+        assert drr.credit_tokens == pytest.approx(sum(max(0.0, q.deficit) for q in queues))
+        live = [
+            job
+            for job in scheduler.jobs.values()
+            if job.state is JobState.QUEUED and job.lane == lane_index
+        ]
+        expected = sum(job.expected_tokens for job in live)
+        assert drr.queued_tokens == pytest.approx(expected, abs=1e-6)
+        assert sum(q.queued_tokens for q in queues) == pytest.approx(expected, abs=1e-6)
+        in_ring = [q for q in queues if q.in_active]
+        assert drr.active_quanta == pytest.approx(sum(q.quantum for q in in_ring))
+        flagged = [q for q in drr.active if q.joined_ahead]
+        assert drr.ahead_joiners == len(flagged)
+        assert list(drr.active)[1 : 1 + len(flagged)] == flagged  # right behind the front
+        for queue in queues:
+            if queue.live == 0:
+                assert queue.deficit <= 0.0  # an idle tenant banks nothing
+        competition = scheduler._competition[lane_index]
+        assert competition.competing_quanta == pytest.approx(sum(competition._counted.values()))
+
+
+@PROPERTY_SETTINGS
+@given(
+    config=configs(),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["submit", "submit", "dispatch", "complete", "cancel", "tick"]),
+            st.integers(0, 3),
+            st.integers(1, 4000),
+            st.sampled_from([0.0, 0.5, 1.0, 4.0]),
+        ),
+        min_size=1,
+        max_size=120,
+    ),
+)
+def test_tokenfair_keeps_its_running_sums_through_any_sequence(
+    config: Config, steps: list[tuple[str, int, int, float]]
+) -> None:
+    """Random submissions, dispatches (several in flight), settlements at 0x to 4x the
+    estimate, cancellations and the passage of time: after every step the DRR's credit, queued
+    tokens, ring quanta and ahead-joiners, and the competing quanta, equal what they sum; at the
+    end the books are zero."""
+    scheduler = TokenfairScheduler(config)
+    tenant_ids = [t.tenant_id for t in config.tenants]
+    now_ms = 0.0
+    running: list[str] = []
+    counter = 0
+    for action, index, size, usage in steps:
+        tenant = config.tenants[index % len(tenant_ids)]
+        if action == "submit":
+            counter += 1
+            request = Request(
+                f"r{counter}", tenant.tenant_id, now_ms, size, size // 8, tenant.priority_class
+            )
+            scheduler.submit(request, now_ms)
+        elif action == "dispatch":
+            scheduler.expire(now_ms)
+            decision = scheduler.next_dispatch(now_ms)
+            if decision is not None and decision.admitted:
+                running.append(decision.request_id)
+        elif action == "complete" and running:
+            request_id = running.pop(index % len(running))
+            estimate = scheduler.jobs[request_id].service_tokens
+            scheduler.complete(request_id, now_ms, round(estimate * usage))
+        elif action == "cancel":
+            queued = [j for j in scheduler.jobs.values() if j.state is JobState.QUEUED]
+            if queued:
+                scheduler.cancel(queued[index % len(queued)].request.request_id, now_ms)
+        else:
+            now_ms += size / 10.0
+        _check_lane_books(scheduler)
+    for request_id in running:
+        scheduler.complete(request_id, now_ms)
+    for job in [j for j in scheduler.jobs.values() if j.state is JobState.QUEUED]:
+        scheduler.cancel(job.request.request_id, now_ms)
+    _check_lane_books(scheduler)
+    assert scheduler.books() == Books(0, 0, 0, 0, 0)

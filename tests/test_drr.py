@@ -434,3 +434,40 @@ def test_joining_ahead_sends_next_least_served_first() -> None:
     # for c's 3000), then b, then a.
     assert drain(lane) == ["a1", "d0", "c0", "b0", "a2"]
     assert lane.ahead_joiners == 0
+
+
+def test_a_joiner_that_reaches_the_front_leaves_the_joiners_in_order() -> None:
+    lane = drr(a=1.0, x=1.0, j=1.0, k=1.0)
+    for request_id, tenant_id, cost in [("a0", "a", 400), ("a1", "a", 400), ("x0", "x", 600)]:
+        lane.push(job(request_id, tenant_id, cost))
+    lane.push(job("x1", "x", 600))
+    assert drain_one(lane) == "a0"  # a's turn is open (D 800); x waits
+    lane.push(job("j0", "j", 400), join_ahead=0.5)  # behind the front a, ahead of x
+    assert drain_one(lane) == "a1"  # a's queue empties: a leaves and j is the front now
+    assert lane.ahead_joiners == 0  # j's first turn has come: it no longer waits ahead
+    # The front j may still send its lifted 400; k joins ahead of x's tail turn.
+    assert lane.tokens_before_joining_ahead(0.9) == 400
+    lane.push(job("k0", "k", 400), join_ahead=0.9)
+    assert [q.tenant_id for q in lane.active] == ["j", "k", "x"]
+    assert drain(lane) == ["j0", "k0", "x0", "x1"]
+
+
+def test_a_queue_emptied_by_cancellations_banks_no_refund() -> None:
+    lane = drr(a=1.0, b=1.0)
+    a_jobs = [job(f"a{i}", "a", 300) for i in range(2)]
+    for queued in a_jobs:
+        lane.push(queued)
+    lane.push(job("b0", "b", 300))
+    assert drain_one(lane) == "a0"  # D_a = 1200 - 300 = 900, a1 still queued
+    cancel(lane, a_jobs[1])  # a has nothing live (it stays in the ring until passed)
+    lane.settle("a", -2900)  # a0 used nothing: the refund would be credit, but a is idle
+    assert lane.queues["a"].deficit == 0.0
+    assert lane.credit_tokens == pytest.approx(
+        sum(max(0.0, q.deficit) for q in lane.queues.values())
+    )
+
+
+def drain_one(lane: DeficitRoundRobin) -> str:
+    picked = lane.pick(always)
+    assert picked is not None
+    return picked.request.request_id

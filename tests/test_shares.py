@@ -3,7 +3,7 @@
 Behaviours under test:
 
 * ``tokens_ahead``: a tenant waits for its own queue, the others' current turn (their credit plus
-  one quantum each, never more than the lane holds) and one quantum of each other competing
+  one quantum each, never more than the lane holds) and one quantum of each other backlogged
   tenant per further quantum it needs; an open turn at the front that covers the request waits
   for nothing else; a tenant that joins ahead waits only for what is promised before it;
 * ``LaneCompetition``: a tenant competes while backlogged and for the horizon after its last
@@ -36,42 +36,45 @@ class Turn:
 
 def test_alone_a_tenant_waits_for_its_own_queue_only() -> None:
     own = Turn(1200.0)
-    # q = 2000 queued, nobody else competes (W = Q_i), the lane holds only its work.
-    assert tokens_ahead(2000, 400, own, 1200.0, 2000, 0.0, None) == 2000
+    # q = 2000 queued, nobody else competes (W = B = Q_i), the lane holds only its work; it still
+    # needs ceil(2400 / 1200) = 2 quanta: one later turn, in which nobody else sends.
+    assert tokens_ahead(2000, 400, own, 1200.0, 1200.0, 2000, 0.0, None) == (2000, 1)
 
 
 def test_the_others_take_one_quantum_per_quantum_it_still_needs() -> None:
     own, front = Turn(1200.0), Turn(2400.0, deficit=500.0, turn_open=True)
-    # k = ceil((2000 + 400 - 0) / 1200) = 2 quanta. W = 1200 + 2400 + 1200 (a third tenant).
-    # First turn of the others: credit 500 (the front's) + (W - Q_i = 3600) - the front's
-    # quantum already granted (2400) = 1700, within the lane's 9000 - 2000 others' tokens.
-    # Then one more turn of the others: 3600. Ahead: 2000 + 1700 + 3600 = 7300.
-    assert tokens_ahead(2000, 400, own, 4800.0, 9000, 500.0, front) == 7300
+    # k = ceil((2000 + 400 - 0) / 1200) = 2 quanta. W = B = 1200 + 2400 + 1200 (a third
+    # tenant, backlogged). First turn of the others: credit 500 (the front's) + (W - Q_i = 3600)
+    # - the front's quantum already granted (2400) = 1700, within the lane's 9000 - 2000 others'
+    # tokens. Then one more turn of the backlogged others: 3600. Ahead: 2000 + 1700 + 3600.
+    assert tokens_ahead(2000, 400, own, 4800.0, 4800.0, 9000, 500.0, front) == (7300, 1)
 
 
 def test_the_first_turn_is_capped_by_what_the_lane_holds() -> None:
     own = Turn(1200.0)
     # Ten other tenants compete (W - Q_i = 12000) but only 800 tokens of theirs are queued:
     # a tenant arriving later joins behind this one. k = 1: no further turns.
-    assert tokens_ahead(0, 400, own, 13200.0, 800, 0.0, None) == 800
+    assert tokens_ahead(0, 400, own, 13200.0, 2400.0, 800, 0.0, None) == (800, 0)
 
 
 def test_an_open_turn_that_covers_the_request_waits_for_nothing_else() -> None:
     own = Turn(1200.0, deficit=900.0, turn_open=True)
     # It is the front, its turn is open and D = 900 covers its queued 400 and the new 400.
-    assert tokens_ahead(400, 400, own, 6000.0, 5000, 900.0, own) == 400
+    assert tokens_ahead(400, 400, own, 6000.0, 6000.0, 5000, 900.0, own) == (400, 0)
 
 
 def test_a_debt_costs_more_quanta() -> None:
     own = Turn(1200.0, deficit=-2400.0)
-    # k = ceil((0 + 400 + 2400) / 1200) = 3: the others (W - Q_i = 1200) get 2 more turns.
-    assert tokens_ahead(0, 400, own, 2400.0, 1000, 0.0, None) == 1000 + 2 * 1200
+    # k = ceil((0 + 400 + 2400) / 1200) = 3: the backlogged others (B - Q_i = 1200) get 2 more
+    # turns; the idle competitor (W - B = 1200) is left to the caller's arrival estimate.
+    assert tokens_ahead(0, 400, own, 3600.0, 2400.0, 1000, 0.0, None) == (1000 + 2 * 1200, 2)
 
 
 def test_joining_ahead_waits_only_for_what_is_promised_before_it() -> None:
     own = Turn(1200.0)
     # Its first turn will cover the request (the lift): k = 1 whatever the cost.
-    assert tokens_ahead(0, 9000, own, 60000.0, 50000, 8000.0, None, first_turn_tokens=700) == 700
+    ahead = tokens_ahead(0, 9000, own, 60000.0, 60000.0, 50000, 8000.0, None, first_turn_tokens=700)
+    assert ahead == (700, 0)
 
 
 def test_a_tenant_competes_while_backlogged_and_for_the_horizon_after() -> None:

@@ -159,33 +159,30 @@ def test_budget_refuses_what_it_cannot_cover_in_time() -> None:
 
 
 def test_a_queued_request_past_its_wait_limit_expires() -> None:
-    tenants = [TenantConfig("chat", 1.0, 100_000, 100_000.0, "interactive")]
-    scheduler = TokenfairScheduler(build_config(PolicyConfig(), tenants))
-    # 15000 service tokens (333.3 ms of work at 45 tokens/ms), ceil(15000 / 16) = 938 KV blocks
-    # each: two do not fit under the interactive watermark together (1876 / 1600 = 1.17 > 0.9).
-    # Admission predicts the 333.3 ms in flight (within the 420 ms limit) but not the KV wait.
-    assert scheduler.submit(request("big", 15000, 0, 0.0, "chat", "interactive"), 0.0) is None
-    running = scheduler.next_dispatch(0.0)
-    assert running is not None
-    assert running.admitted
-    assert scheduler.submit(request("next", 15000, 0, 0.0, "chat", "interactive"), 0.0) is None
-    assert scheduler.next_dispatch(0.0) is None  # waits for KV headroom, is not shed
-    # Deadline: arrival 0 + maxInteractiveWaitMs 420; a request waiting exactly 420 ms may start.
-    assert scheduler.expire(420.0) == []
-    wakeup_ms = scheduler.next_wakeup_ms(0.0)
+    scheduler = TokenfairScheduler(budget_config())  # batch, 2000 burst, 1 token/ms refill
+    # r1: 1100 + 4 * 100 = 1500, dispatched at once: the bucket keeps 500.
+    assert scheduler.submit(request("r1", 1100, 100), 0.0) is None
+    assert scheduler.next_dispatch(0.0) is not None
+    # r2 (1500) needs 1000 more tokens: 1000 ms of refill, within the 3500 ms batch limit.
+    assert scheduler.submit(request("r2", 1100, 100), 0.0) is None
+    # r1 really used 6000 (it under-declared): the bucket falls to 500 - 4500 + 1 = -3999, so
+    # r2 now waits 5499 ms for its budget: admission could not know, and r2 expires.
+    scheduler.complete("r1", 1.0, 6000)
+    assert scheduler.next_dispatch(1.0) is None
+    # Deadline: arrival 0 + maxBatchWaitMs 3500; a request waiting exactly 3500 ms may start.
+    assert scheduler.expire(3500.0) == []
+    wakeup_ms = scheduler.next_wakeup_ms(1.0)
     assert wakeup_ms is not None
-    assert 420.0 < wakeup_ms == math.nextafter(420.0, math.inf)
+    assert 3500.0 < wakeup_ms == math.nextafter(3500.0, math.inf)
     expired = scheduler.expire(wakeup_ms)
     assert [(d.request_id, d.status_code, d.reason, d.gate) for d in expired] == [
-        ("next", 429, "shed_queue_timeout", "queue")
+        ("r2", 429, "shed_queue_timeout", "queue")
     ]
-    assert expired[0].queue_wait_ms == 420.0
-    assert expired[0].observed["max_wait_ms"] == 420.0
-    # Retry-After from the tenant's own position: its queue is empty and the work in flight ends
-    # at 333.3 ms, so a new request would wait less than the limit: retry at once.
+    assert expired[0].queue_wait_ms == 3500.0
+    assert expired[0].observed["max_wait_ms"] == 3500.0
+    # Retry-After from the tenant's own position: a new request of 1500 would wait for the
+    # budget until the level reaches 1500: (1500 + 3999 - 3499) ms = 2000 ms, within the limit.
     assert expired[0].retry_after_ms == 0.0
-    assert scheduler.books() == Books(0, 0, 0, 1, 938)
-    scheduler.complete("big", wakeup_ms)
     assert scheduler.books() == Books(0, 0, 0, 0, 0)
 
 
@@ -434,3 +431,77 @@ def test_the_simulator_runs_recorded_usage() -> None:
     decisions = {d.request_id: d for d in simulate(config, requests, TOKENFAIR, {"a0": 8200})}
     assert decisions["a0"].actual_service_tokens == 8200
     assert decisions["b0"].dispatch_ms == pytest.approx(8200 / 45.0)
+
+
+def test_a_big_request_next_to_light_idle_neighbours_is_admitted() -> None:
+    """A tenant that needs many quanta (12000 + 4 * 200 = 12800 tokens, 11 quanta of 1200) while
+    three light tenants compete but are idle: they could take one quantum per turn only if they
+    send meanwhile, and the lane's recent demand says they send little. Admitted."""
+    tenants = [TenantConfig(name, 1.0, UNBOUNDED, 1e9, "interactive") for name in "abcd"]
+    scheduler = TokenfairScheduler(build_config(PolicyConfig(), tenants))
+    now_ms = 0.0
+    for name in "bcd":  # one small request each, served at once: they compete, idle now
+        assert scheduler.submit(chat(f"{name}0", name, now_ms), now_ms) is None
+    while (decision := scheduler.next_dispatch(now_ms)) is not None:
+        now_ms += decision.service_tokens / 45.0
+        scheduler.complete(decision.request_id, now_ms)
+    big = request("a0", 12000, 200, now_ms, "a", "interactive")
+    # The DRR bound alone (10 later turns x 3 idle competitors x 1200 = 36000 tokens, 800 ms)
+    # would refuse it; the 1200 tokens the lane admitted lately say otherwise.
+    assert scheduler.submit(big, now_ms) is None
+
+
+def test_a_tenant_in_debt_does_not_join_ahead() -> None:
+    scheduler = pair()
+    now_ms = 0.0
+    for i in range(3):  # b builds up recent service so the lane has a history
+        assert scheduler.submit(chat(f"b{i}", "b", now_ms), now_ms) is None
+    assert scheduler.submit(chat("a0", "a", now_ms), now_ms) is None
+    while (decision := scheduler.next_dispatch(now_ms)) is not None:
+        now_ms += 10.0
+        actual = 4000 if decision.tenant_id == "a" else None  # a under-declared
+        scheduler.complete(decision.request_id, now_ms, actual)
+    queue = scheduler._lanes[Lane.INTERACTIVE].queues["a"]
+    assert queue.deficit < 0  # its debt outlived its queue
+    debt = queue.deficit
+    assert scheduler.submit(chat("b9", "b", now_ms), now_ms) is None
+    assert scheduler.submit(chat("a1", "a", now_ms), now_ms) is None
+    # a owes service: it joins at the tail (no lift wiping the debt), b goes first.
+    assert queue.deficit == debt
+    first = scheduler.next_dispatch(now_ms)
+    assert first is not None
+    assert first.request_id == "b9"
+
+
+def test_a_head_that_no_refill_can_cover_does_not_spin_the_wakeup() -> None:
+    tenants = [TenantConfig("capped", 1.0, 3000, 10.0, "interactive")]
+    lending = TokenfairScheduler(build_config(PolicyConfig(lend_idle_capacity=True), tenants))
+    big = request("big", 5000, 100, 0.0, "capped", "interactive")  # 5400 > the 3000 burst
+    assert lending.submit(big, 0.0) is None  # lending: it may borrow idle capacity
+    assert lending.next_wakeup_ms(0.0) is not None  # its deadline only
+    # A reload turns lending off: no refill will ever cover 5400, so no budget wake-up either;
+    # the next wake-up is the deadline at which it expires.
+    lending.reconfigure(build_config(PolicyConfig(), tenants), 0.0)
+    assert lending.next_dispatch(0.0) is None
+    assert lending.next_wakeup_ms(0.0) == math.nextafter(420.0, math.inf)
+
+
+def test_lending_refuses_what_within_budget_work_leaves_no_room_for() -> None:
+    tenants = [
+        TenantConfig("busy", 1.0, UNBOUNDED, 1e9, "interactive"),
+        TenantConfig("capped", 1.0, 400, 1.0, "interactive"),  # one request, then 1 token/s
+    ]
+    scheduler = TokenfairScheduler(build_config(PolicyConfig(lend_idle_capacity=True), tenants))
+    now_ms = 0.0
+    # 'busy' keeps the server full within its budget for 2 s (45 tokens/ms dispatched).
+    for i in range(225):
+        scheduler.submit(chat(f"busy{i}", "busy", now_ms), now_ms)
+        decision = scheduler.next_dispatch(now_ms)
+        assert decision is not None
+        now_ms += decision.service_tokens / 45.0
+        scheduler.complete(decision.request_id, now_ms)
+    assert scheduler.submit(chat("c0", "capped", now_ms), now_ms) is None  # within budget
+    refused = scheduler.submit(chat("c1", "capped", now_ms), now_ms)
+    # Over budget, and nothing left to borrow: within-budget work used the whole rate lately.
+    assert refused is not None
+    assert refused.reason == "shed_tenant_token_quota"

@@ -46,6 +46,7 @@ O(tenants waiting for their first turn ahead)).
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 
@@ -59,7 +60,6 @@ class TenantQueue:
         "deficit",
         "in_active",
         "jobs",
-        "join_rank",
         "joined_ahead",
         "live",
         "quantum",
@@ -78,7 +78,6 @@ class TenantQueue:
         self.turn_open = False
         self.in_active = False
         self.joined_ahead = False  # joined ahead of the ring's tail, first turn still to come
-        self.join_rank = 0.0  # its place among those that joined ahead (lower goes first)
 
     def head(self) -> Job | None:
         jobs = self.jobs
@@ -97,7 +96,15 @@ class TenantQueue:
 class DeficitRoundRobin:
     """Selects the next job of one lane; see the module docstring for the rules."""
 
-    __slots__ = ("active", "ahead_joiners", "credit_tokens", "queued_tokens", "queues")
+    __slots__ = (
+        "_joiner_credit",
+        "_joiner_ranks",
+        "active",
+        "active_quanta",
+        "credit_tokens",
+        "queued_tokens",
+        "queues",
+    )
 
     def __init__(self) -> None:
         self.queues: dict[str, TenantQueue] = {}
@@ -105,16 +112,27 @@ class DeficitRoundRobin:
         self.credit_tokens = 0.0
         """``sum_i max(0, D_i)``: what the tenants could send on deficits already granted
         (admission's bound on the others' next turns reads it)."""
-        self.ahead_joiners = 0
+        self.active_quanta = 0.0
+        """Sum of the quanta of the backlogged tenants (the ring)."""
+        # The tenants that joined ahead and wait for their first turn sit at active[1:1+n],
+        # in rank order; these lists hold their ranks and what they may send in that turn.
+        self._joiner_ranks: list[float] = []
+        self._joiner_credit: list[float] = []
         self.queued_tokens = 0.0
         """Expected service tokens of every live queued job of the lane."""
+
+    @property
+    def ahead_joiners(self) -> int:
         """Tenants that joined right behind the front and have not had their first turn."""
+        return len(self._joiner_ranks)
 
     def add_tenant(self, tenant_id: str, quantum: float) -> None:
         queue = self.queues.get(tenant_id)
         if queue is None:
             self.queues[tenant_id] = TenantQueue(tenant_id, quantum)
         else:
+            if queue.in_active:
+                self.active_quanta += quantum - queue.quantum
             queue.quantum = quantum
 
     def push(self, job: Job, *, join_ahead: float | None = None) -> None:
@@ -130,38 +148,30 @@ class DeficitRoundRobin:
         self.queued_tokens += job.expected_tokens
         if not queue.in_active:
             queue.in_active = True
+            self.active_quanta += queue.quantum
             active = self.active
             if join_ahead is not None:
-                if active:
-                    active.insert(1 + self._joiners_before(join_ahead), queue)
-                    queue.joined_ahead = True
-                    queue.join_rank = join_ahead
-                    self.ahead_joiners += 1
-                else:
-                    active.append(queue)
                 if queue.deficit < job.expected_tokens:
                     before = queue.deficit
                     queue.deficit = job.expected_tokens
                     self._credit_moved(before, queue.deficit)
                 queue.turn_open = True
+                if active:
+                    position = bisect_right(self._joiner_ranks, join_ahead)
+                    active.insert(1 + position, queue)
+                    self._joiner_ranks.insert(position, join_ahead)
+                    self._joiner_credit.insert(position, queue.deficit)
+                    queue.joined_ahead = True
+                else:
+                    active.append(queue)
             else:
                 active.append(queue)
-
-    def _joiners_before(self, rank: float) -> int:
-        """How many of the tenants waiting for their first turn ahead go before ``rank``."""
-        active = self.active
-        count = 0
-        for index in range(1, min(len(active), 1 + self.ahead_joiners)):
-            if active[index].join_rank > rank:
-                break
-            count += 1
-        return count
 
     def tokens_before_joining_ahead(self, rank: float) -> float:
         """What the ring sends before a tenant that joins ahead now with ``rank`` gets its
         first turn: the front's turn (its credit, or a fresh quantum on top if its turn is not
-        open yet), then the first turn of each joiner that goes before it, each capped by what
-        it has queued. O(tenants waiting for their first turn ahead)."""
+        open yet, capped by what it has queued), then the first turns of the joiners ranked no
+        higher. O(log n) to find them, then a sum over a list slice."""
         active = self.active
         if not active:
             return 0.0
@@ -169,11 +179,24 @@ class DeficitRoundRobin:
         credit = max(0.0, front.deficit)
         if not front.turn_open:
             credit += front.quantum
-        total = min(credit, front.queued_tokens)
-        for index in range(1, 1 + self._joiners_before(rank)):
-            queue = active[index]  # joined ahead: its turn is open, it sends its credit
-            total += min(max(0.0, queue.deficit), queue.queued_tokens)
-        return total
+        before = bisect_right(self._joiner_ranks, rank)
+        return min(credit, front.queued_tokens) + math.fsum(self._joiner_credit[:before])
+
+    def _front_changed(self) -> None:
+        """A queue reached the front of the ring: a joiner's first turn has come."""
+        active = self.active
+        if active and active[0].joined_ahead:
+            active[0].joined_ahead = False
+            del self._joiner_ranks[0]
+            del self._joiner_credit[0]
+
+    def _leave(self, queue: TenantQueue) -> None:
+        """The front queue has nothing live: it leaves the ring."""
+        self.active.popleft()
+        queue.in_active = False
+        self.active_quanta = self.active_quanta - queue.quantum if self.active else 0.0
+        self._drop_credit(queue)
+        self._front_changed()
 
     def forget(self, job: Job) -> None:
         """A queued job left without being picked (cancelled, expired): O(1), lazy removal."""
@@ -192,7 +215,7 @@ class DeficitRoundRobin:
         queue = self.queues[tenant_id]
         before = queue.deficit
         queue.deficit -= overrun_tokens
-        if not queue.in_active and queue.deficit > 0.0:
+        if queue.live == 0 and queue.deficit > 0.0:  # idle (or emptied by cancellations)
             queue.deficit = 0.0
         self._credit_moved(before, queue.deficit)
 
@@ -222,21 +245,18 @@ class DeficitRoundRobin:
         while active:
             candidates: list[TenantQueue] | None = None  # built only when a deficit falls short
             for _ in range(len(active)):
+                self._front_changed()
                 queue = active[0]
-                if queue.joined_ahead:  # its first turn, whatever comes of it
-                    queue.joined_ahead = False
-                    self.ahead_joiners -= 1
                 head = queue.head()
                 if head is None:
                     # Emptied by cancellations: leave the round robin, bank nothing.
-                    active.popleft()
-                    queue.in_active = False
-                    self._drop_credit(queue)
+                    self._leave(queue)
                     continue
                 if not eligible(head):
                     # An open turn stays open: closing it would grant a fresh quantum on top of
                     # an uncovered deficit, and a throttled tenant would bank without bound.
                     active.rotate(-1)
+                    self._front_changed()
                     continue
                 if not queue.turn_open:
                     before = queue.deficit
@@ -252,9 +272,7 @@ class DeficitRoundRobin:
                     queue.deficit -= cost  # stays >= 0: all of it was credit
                     self.credit_tokens -= cost
                     if queue.live == 0:
-                        active.popleft()
-                        queue.in_active = False
-                        self._drop_credit(queue)
+                        self._leave(queue)
                         if not active:
                             # Nobody holds credit or queued work: no float residue.
                             self.credit_tokens = self.queued_tokens = 0.0
@@ -264,6 +282,7 @@ class DeficitRoundRobin:
                     candidates = []
                 candidates.append(queue)
                 active.rotate(-1)
+                self._front_changed()
             if not candidates:
                 return None
             # Nobody's deficit covered its head: grant the quanta of the empty rounds at once.

@@ -114,6 +114,7 @@ class Job:
         "expected_tokens",
         "kv_blocks",
         "lane",
+        "lifted",
         "request",
         "service_tokens",
         "state",
@@ -129,6 +130,7 @@ class Job:
         self.decision: Decision | None = None
         self.borrowed = False  # dispatched on capacity lent to a tenant over its budget
         self.expected_tokens = float(service_tokens)  # what admission expects it to really use
+        self.lifted = False  # its tenant joined the ring ahead with it (drr.push join_ahead)
 
     def outcome(
         self, status_code: int, reason: str, gate: str, occupancy: float, **observed: float

@@ -299,6 +299,7 @@ class Scheduler(ABC):
             raise ValueError(f"request {request_id!r} has no KV to release (not completed)")
         del self.jobs[request_id]
         self.resident_blocks -= job.kv_blocks
+        self._kv_released(job)
 
     def cancel(self, request_id: str, now_ms: float) -> Decision | None:
         """A queued request leaves; returns its decision, or None if it is not queued."""
@@ -427,6 +428,9 @@ class Scheduler(ABC):
 
     def _charge(self, job: Job, tenant: TenantState, now_ms: float) -> None:
         """Charge the estimate to the tenant's budget at dispatch."""
+
+    def _kv_released(self, job: Job) -> None:
+        """Hook: a request's KV blocks were freed."""
 
     def _settle(self, job: Job, tenant: TenantState, refund: int, now_ms: float) -> None:
         """Apply ``estimate - actual`` to the tenant's budget (and fairness state); called at

@@ -13,15 +13,25 @@ the DRR quanta of the competing tenants (``Q_j = base_quantum_tokens * w_j``).
 its own queued ahead of it in its FIFO, ``L`` tokens queued in the whole lane)::
 
     k       = max(1, ceil((q_i + c - D_i) / Q_i))          quanta i still needs
-    ahead_i = q_i + min(C_i + W - Q_i - open_front, L - q_i) + (k - 1) * (W - Q_i)
-    wait_i  = residual_ms + ahead_i / lane_rate
+    ahead_i = q_i + min(C_i + W - Q_i - open_front, L - q_i) + (k - 1) * (B - Q_i)
+    T0      = residual_ms + ahead_i / lane_rate
+    T       = min(T0 + (k - 1) * (W - B) / lane_rate,  T0 / (1 - λ / lane_rate))
+    wait_i  = T / (1 - λ_lift / lane_rate)
 
 * ``k`` — DRR grants ``i`` one quantum per turn and it may start the request once its deficit
   ``D_i`` covers its queue and the request's cost ``c`` (a debt, ``D_i < 0``, adds turns);
 * ``min(...)`` — before ``i``'s next turn every other competing tenant gets at most one quantum
   and may spend the credit ``C_i`` it already holds; never more than the lane holds now, since a
   tenant that arrives later joins the ring behind ``i`` (:func:`tokens_ahead`);
-* ``(k - 1) * (W - Q_i)`` — one quantum each before each later turn of ``i``;
+* ``(k - 1) * (B - Q_i)`` — one quantum of each other *backlogged* tenant (``B``: their quanta)
+  before each later turn of ``i``; a competing tenant that is idle now (``W - B``) takes part
+  only if it sends during the wait: at most one quantum per turn, at most what the lane's recent
+  admitted demand ``λ`` brings in during the wait itself (``T = T0 + λ T / lane_rate``);
+* ``λ_lift`` — the first requests of under-served tenants that join ahead of the ring's tail
+  (:meth:`drr.DeficitRoundRobin.push`) go before ``i``'s queue, at the lane's recent rate of
+  such lifted dispatches;
+* the caller also takes the larger of this and the wait for KV room
+  (:meth:`TokenfairScheduler.kv_wait_ms`);
 * ``q_i`` and ``c`` are scaled by the tenant's recent ratio of actual to estimated usage (a
   tenant that under-declares waits for what its work will really cost);
 * ``residual_ms`` — work already dispatched and not yet done, as a fluid at the service rate
@@ -31,11 +41,12 @@ its own queued ahead of it in its FIFO, ``L`` tokens queued in the whole lane)::
   interactive lane's recently admitted service per ms (:class:`DemandRate`, time constant
   ``maxBatchWaitMs``).
 
-The error, stated: the prediction is an *upper* bound on DRR's service ahead of the request
-while the competing set holds, and overestimates the wait of a tenant whose neighbours have less
-work than their share (its queue is capped lower than it could be, which costs it nothing while
-it stays backlogged: DRR, not the cap, sets its service). It underestimates when a tenant that
-was not competing starts during the wait (it adds at most one quantum per later turn of ``i``),
+The error, stated: ``ahead_i`` is an *upper* bound on what the tenants backlogged now can send
+ahead of the request under DRR. The prediction overestimates the wait of a tenant whose
+neighbours have less work than their share (its queue is capped lower than it could be, which
+costs it nothing while it stays backlogged: DRR, not the cap, sets its service). It
+underestimates when a tenant that
+was not competing starts during the wait, when arrivals or lifts run above their recent rates,
 when the others' first turn receives arrivals, when the usage ratio changes, and when KV holds
 the request back (KV is not modelled: a request that fits the watermark alone is admitted).
 """
@@ -121,39 +132,45 @@ def tokens_ahead(
     cost_tokens: float,
     own: TurnState,
     competing_quanta: float,
+    backlogged_quanta: float,
     lane_queued_tokens: float,
     lane_credit_tokens: float,
     front: TurnState | None,
     first_turn_tokens: float | None = None,
-) -> float:
-    """Lane service before a new request of tenant ``i`` can start (an upper bound under DRR).
+) -> tuple[float, int]:
+    """Lane service before a new request of tenant ``i`` can start, from the tenants backlogged
+    now (an upper bound under DRR), and how many later turns of the others it waits for.
 
     ``i`` still needs ``k = max(1, ceil((q_i + c - D_i) / Q_i))`` quanta (none, and no wait for
-    the others, if its open turn at the front covers its queue and the request). Before each of
-    them every other competing tenant gets at most one turn of one quantum, and may also spend
-    the credit it holds (``C_i``: the lane's positive deficits but ``i``'s), so::
+    the others, if its open turn at the front already covers its queue and the request). Before
+    each of them every other tenant gets at most one turn of one quantum, and may also spend the
+    credit it already holds (``C_i``: the lane's positive deficits but ``i``'s), so::
 
-        ahead = q_i + min(C_i + W - Q_i - open_front, L - q_i) + (k - 1) * (W - Q_i)
+        ahead = q_i + min(C_i + W - Q_i - open_front, L - q_i) + (k - 1) * (B - Q_i)
 
-    The others' first turn is capped by what the lane holds now (a tenant that arrives later
-    joins the ring behind ``i``); a front tenant whose turn is open gets no new quantum in it
-    (``open_front = Q_front``; what it may still send is its credit). A tenant that joins the
-    ring ahead (``first_turn_tokens``: what the ring sends before its first turn) waits only
-    for that before its first turn."""
+    with ``W`` the quanta of the competing tenants, ``B`` those of the backlogged ones (both
+    counting ``i``). The others' first turn is capped by what the lane holds now (a tenant that
+    arrives later joins the ring behind ``i``); a front tenant whose turn is open gets no new
+    quantum in it (``open_front = Q_front``: what it may still send is its credit). A tenant
+    that joins ahead (``first_turn_tokens``: what is promised before its first turn) waits for
+    that only; its first turn covers the request. Competing tenants that are not backlogged now
+    take part in the later turns only if they send meanwhile: the caller adds that
+    (:meth:`TokenfairScheduler.predicted_wait_ms`). Returns ``(ahead, k - 1)``."""
     needed = own_queued_tokens + cost_tokens - own.deficit
     if front is own and own.turn_open and needed <= 0:
-        return own_queued_tokens
-    # Joining ahead lifts the deficit to cover the request: it goes in the first turn.
-    turns = 1 if first_turn_tokens is not None else max(1, math.ceil(needed / own.quantum))
-    others = max(0.0, competing_quanta - own.quantum)
+        return own_queued_tokens, 0
     if first_turn_tokens is not None:
+        # Joining ahead lifts the deficit to cover the request: it goes in the first turn.
+        later_turns = 0
         first_turn = first_turn_tokens
     else:
-        first_turn = lane_credit_tokens - max(0.0, own.deficit) + others
+        later_turns = max(0, math.ceil(needed / own.quantum) - 1)
+        first_turn = lane_credit_tokens - max(0.0, own.deficit) + competing_quanta - own.quantum
         if front is not None and front is not own and front.turn_open:
             first_turn -= front.quantum
         first_turn = min(first_turn, lane_queued_tokens - own_queued_tokens)
-    return own_queued_tokens + max(0.0, first_turn) + (turns - 1) * others
+    later = later_turns * max(0.0, backlogged_quanta - own.quantum)
+    return own_queued_tokens + max(0.0, first_turn) + later, later_turns
 
 
 class DemandRate:

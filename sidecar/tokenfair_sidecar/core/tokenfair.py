@@ -85,7 +85,14 @@ class TokenfairScheduler(Scheduler):
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
         self._lanes = (DeficitRoundRobin(), DeficitRoundRobin())
         self._competition = (LaneCompetition(), LaneCompetition())
-        self._interactive_demand = DemandRate()
+        self._interactive_demand = DemandRate()  # time constant: maxBatchWaitMs
+        # Per lane, over the lane's wait limit: admitted service, and the part of it that
+        # joined ahead of the ring's tail.
+        self._lane_demand = (DemandRate(), DemandRate())
+        self._lane_lifted = (DemandRate(), DemandRate())
+        self._budgeted = DemandRate()  # dispatched within budget (`_lending_memory_ms`)
+        # Resident requests -> when their KV is forecast to be freed (`kv_wait_ms`).
+        self._kv_release_ms: dict[str, float] = {}
         self._residual = ResidualWork()
         # Recent service per lane, per tenant and in all (time constant: SERVICE_MEMORY_LIMITS).
         self._served: tuple[dict[str, DemandRate], dict[str, DemandRate]] = ({}, {})
@@ -107,27 +114,34 @@ class TokenfairScheduler(Scheduler):
     # -- admission --------------------------------------------------------------------------
 
     def predicted_wait_ms(
-        self, tenant_id: str, lane: Lane, cost_tokens: int, now_ms: float
+        self,
+        tenant_id: str,
+        lane: Lane,
+        cost_tokens: int,
+        now_ms: float,
+        join_rank: float | None = None,
     ) -> float:
         """What a new request of the tenant costing ``cost_tokens`` would wait in ``lane``
-        (:mod:`.shares`): the work in flight, then ``ahead`` tokens of its lane — plus, for
-        interactive work, the batch requests its minimum share lets in meanwhile — at the rate
-        the lane gets."""
+        (:mod:`.shares`): the work in flight, then what DRR sends ahead of it — from the tenants
+        backlogged now, and from the competing tenants that are idle now as far as the lane's
+        recent demand says they will send — plus, for interactive work, the batch requests its
+        minimum share lets in meanwhile, at the rate the lane gets."""
         drr = self._lanes[lane]
         queue = drr.queues[tenant_id]
         competition = self._competition[lane]
         competing = competition.competing_quanta
         if not competition.competes(tenant_id):
             competing += queue.quantum
+        backlogged = drr.active_quanta + (0.0 if queue.in_active else queue.quantum)
         first_turn = None
-        rank = self._join_rank(tenant_id, lane, now_ms)
-        if rank is not None:
-            first_turn = drr.tokens_before_joining_ahead(rank)
-        ahead = tokens_ahead(
+        if join_rank is not None:  # it would join ahead with that rank (`_join_rank`)
+            first_turn = drr.tokens_before_joining_ahead(join_rank)
+        ahead, later_turns = tokens_ahead(
             queue.queued_tokens,
             cost_tokens * self.tenants[tenant_id].usage_ratio,
             queue,
             competing,
+            backlogged,
             drr.queued_tokens,
             drr.credit_tokens,
             drr.active[0] if drr.active else None,
@@ -141,13 +155,36 @@ class TokenfairScheduler(Scheduler):
             demand = self._interactive_demand.rate(now_ms, policy.max_batch_wait_ms)
             interactive_cap = rate * (1.0 - policy.batch_min_share)
             rate = max(rate - min(demand, interactive_cap), rate * MIN_LANE_RATE_FRACTION)
-        return self._residual.wait_ms(now_ms) + ahead / rate
+        wait_ms = self._residual.wait_ms(now_ms) + ahead / rate
+        # The competing tenants idle now take part in the later turns only if they send
+        # meanwhile: at most one quantum each per turn (the DRR bound), and at most what the
+        # lane's recent admitted demand λ brings in during the wait itself, i.e. the wait T with
+        # T = wait + λ T / rate. The smaller of the two.
+        idle_quanta = max(0.0, competing - backlogged)
+        horizon_ms = self.wait_limit_ms(lane)
+        if later_turns and idle_quanta:
+            by_turns_ms = wait_ms + later_turns * idle_quanta / rate
+            demand = self._lane_demand[lane].rate(now_ms, horizon_ms)
+            if demand < rate:
+                wait_ms = min(by_turns_ms, wait_ms / (1.0 - demand / rate))
+            else:
+                wait_ms = by_turns_ms
+        if first_turn is None:
+            # Tenants joining ahead send their first request before it: T = wait + λ_lift T.
+            lifted = self._lane_lifted[lane].rate(now_ms, horizon_ms)
+            wait_ms /= max(1.0 - lifted / rate, MIN_LANE_RATE_FRACTION)
+        return wait_ms
 
-    def _join_rank(self, tenant_id: str, lane: Lane, now_ms: float) -> float | None:
-        """A tenant that is not backlogged and has had less than its weighted share lately
-        joins the ring ahead, the least served first (VTC's lift, in DRR terms:
-        docs/fairness.md); its rank is its share ratio. None: it joins at the tail."""
-        if self._lanes[lane].queues[tenant_id].in_active:
+    def _join_rank(self, job: Job, now_ms: float) -> float | None:
+        """A tenant that is not backlogged, owes nothing and has had less than its weighted
+        share lately joins the ring ahead with ``job``, the least served first (VTC's lift, in
+        DRR terms: docs/fairness.md), if the job fits the KV cache now (a lifted request that
+        must wait for KV would hold a place it cannot use); its rank is its share ratio.
+        None: it joins at the tail."""
+        tenant_id = job.request.tenant_id
+        lane = job.lane
+        queue = self._lanes[lane].queues[tenant_id]
+        if queue.in_active or queue.deficit < 0.0 or not self.kv_fits(job):
             return None
         ratio = self.share_ratio(tenant_id, lane, now_ms)
         return ratio if ratio is not None and ratio < 1.0 else None
@@ -193,8 +230,10 @@ class TokenfairScheduler(Scheduler):
         if job.kv_blocks / policy.total_kv_blocks > self.watermark(lane):
             return shed_kv(self, job, "admission", job.kv_blocks / policy.total_kv_blocks)
         # From its arrival: a replay submits the arrivals of a busy stretch when it ends.
-        predicted_wait_ms = max(0.0, now_ms - job.request.arrival_ms) + self.predicted_wait_ms(
-            tenant_id, lane, job.service_tokens, now_ms
+        join_rank = self._join_rank(job, now_ms)
+        predicted_wait_ms = max(0.0, now_ms - job.request.arrival_ms) + max(
+            self.predicted_wait_ms(tenant_id, lane, job.service_tokens, now_ms, join_rank),
+            self.kv_wait_ms(job, now_ms),
         )
         if predicted_wait_ms > wait_limit_ms:
             return self._refusal(
@@ -206,46 +245,113 @@ class TokenfairScheduler(Scheduler):
                 predicted_wait_ms=predicted_wait_ms,
                 max_wait_ms=wait_limit_ms,
             )
-        if not policy.lend_idle_capacity:
-            bucket = tenant.bucket
-            budget_wait_ms = bucket.ms_until(
-                (tenant.queued_tokens + job.service_tokens) * tenant.usage_ratio, now_ms
-            )
-            if budget_wait_ms > 0.0:
-                # From its arrival; and with work of the tenant queued ahead, the server may
-                # still be running the previous request when the budget allows this one.
-                budget_wait_ms += max(0.0, now_ms - job.request.arrival_ms)
-                if tenant.queued:
-                    budget_wait_ms += job.service_tokens / policy.service_tokens_per_ms
-            if job.service_tokens > bucket.burst or budget_wait_ms > wait_limit_ms:
-                return self._refusal(
-                    job,
-                    SHED_TENANT_TOKEN_QUOTA,
-                    "admission",
-                    occupancy,
-                    None if job.service_tokens > bucket.burst else budget_wait_ms - wait_limit_ms,
-                    bucket_tokens=bucket.level,
-                    tenant_queued_tokens=tenant.queued_tokens,
-                    burst_tokens=bucket.burst,
-                    budget_wait_ms=budget_wait_ms,
-                )
+        refusal = self._budget_gate(job, tenant, wait_limit_ms, occupancy, now_ms)
+        if refusal is not None:
+            return refusal
         job.expected_tokens = job.service_tokens * tenant.usage_ratio
-        self._push_ahead = self._join_rank(tenant_id, lane, now_ms)
+        self._push_ahead = join_rank
         competition.admitted(tenant_id, drr.queues[tenant_id].quantum, now_ms)
+        self._lane_demand[lane].add(job.expected_tokens, now_ms, wait_limit_ms)
+        job.lifted = self._push_ahead is not None
         if lane is Lane.INTERACTIVE:
             self._interactive_demand.add(job.service_tokens, now_ms, policy.max_batch_wait_ms)
         return None
 
+    def kv_wait_ms(self, job: Job, now_ms: float) -> float:
+        """How long until the KV cache has room for ``job`` under its class watermark, if the
+        resident requests free their blocks when the cost model says: a request dispatched at
+        ``t`` holds them until ``t + kv_residency_factor * expected / rate``, corrected to its
+        actual usage when it settles. 0 if it fits now. O(r log r) in the resident requests,
+        and only for a request that does not fit now."""
+        excess = (
+            self.resident_blocks
+            + job.kv_blocks
+            - (self.watermark(job.lane) * self.policy.total_kv_blocks)
+        )
+        if excess <= 0:
+            return 0.0
+        jobs = self.jobs
+        freed = 0
+        last_ms = now_ms
+        for release_ms, request_id in sorted(
+            (ms, rid) for rid, ms in self._kv_release_ms.items() if rid in jobs
+        ):
+            freed += jobs[request_id].kv_blocks
+            last_ms = release_ms
+            if freed >= excess:
+                break
+        return max(0.0, last_ms - now_ms)
+
+    def _kv_released(self, job: Job) -> None:
+        self._kv_release_ms.pop(job.request.request_id, None)
+
+    def _budget_gate(
+        self, job: Job, tenant: TenantState, wait_limit_ms: float, occupancy: float, now_ms: float
+    ) -> Decision | None:
+        """Gate 4: can the tenant's budget cover its queued work and this request in time?
+
+        Each queued request needs its estimate in the bucket when it is dispatched (a refund
+        comes back only after it ran), a debt is paid at the usage ratio, and with work queued
+        ahead the server may still be running the previous request when the budget allows this
+        one. With ``lend_idle_capacity`` a request the budget cannot cover may still borrow: it
+        passes if its queue can be served in time at the capacity that work within budget has
+        left lately (``R`` minus the recent within-budget dispatch rate)."""
+        policy = self.policy
+        bucket = tenant.bucket
+        elapsed_ms = max(0.0, now_ms - job.request.arrival_ms)
+        never = job.service_tokens > bucket.burst
+        budget_wait_ms = 0.0
+        if not never:
+            needed = tenant.queued_tokens * max(1.0, tenant.usage_ratio) + job.service_tokens
+            budget_wait_ms = bucket.ms_until(needed, now_ms)
+            if budget_wait_ms > 0.0:
+                budget_wait_ms += elapsed_ms
+                if tenant.queued:
+                    budget_wait_ms += job.service_tokens / policy.service_tokens_per_ms
+            if budget_wait_ms <= wait_limit_ms:
+                return None
+        if policy.lend_idle_capacity:
+            rate = policy.service_tokens_per_ms
+            spare = rate - self._budgeted.rate(now_ms, self._lending_memory_ms())
+            spare = max(spare, rate * MIN_LANE_RATE_FRACTION)
+            queue = self._lanes[job.lane].queues[job.request.tenant_id]
+            borrow_wait_ms = (
+                elapsed_ms + self._residual.wait_ms(now_ms) + queue.queued_tokens / spare
+            )
+            if borrow_wait_ms <= wait_limit_ms:
+                return None
+            budget_wait_ms = max(budget_wait_ms, borrow_wait_ms)
+        return self._refusal(
+            job,
+            SHED_TENANT_TOKEN_QUOTA,
+            "admission",
+            occupancy,
+            None if never and not policy.lend_idle_capacity else budget_wait_ms - wait_limit_ms,
+            bucket_tokens=bucket.level,
+            tenant_queued_tokens=tenant.queued_tokens,
+            burst_tokens=bucket.burst,
+            budget_wait_ms=budget_wait_ms,
+        )
+
+    def _lending_memory_ms(self) -> float:
+        """Time constant of the within-budget dispatch rate: the shorter wait limit, so lending
+        stops within a wait limit of the neighbours coming back."""
+        return min(self.policy.max_interactive_wait_ms, self.policy.max_batch_wait_ms)
+
     def expire(self, now_ms: float) -> list[Decision]:
         """The base's expiry, with ``Retry-After`` from the tenant's own position: how much
-        longer than the limit a new request of the tenant would wait now."""
+        longer than the limit a new request of the tenant would wait now, for its turn or (with
+        budgets as caps) for its budget."""
         expired = super().expire(now_ms)
         for decision in expired:
             lane = Lane.of(decision.priority_class)
-            beyond_ms = self.predicted_wait_ms(
-                decision.tenant_id, lane, decision.service_tokens, now_ms
-            ) - self.wait_limit_ms(lane)
-            decision.retry_after_ms = max(0.0, beyond_ms)
+            tenant_id = decision.tenant_id
+            wait_ms = self.predicted_wait_ms(tenant_id, lane, decision.service_tokens, now_ms)
+            tenant = self.tenants[tenant_id]
+            if not self.policy.lend_idle_capacity:
+                needed = tenant.queued_tokens + decision.service_tokens
+                wait_ms = max(wait_ms, tenant.bucket.ms_until(needed, now_ms))
+            decision.retry_after_ms = max(0.0, wait_ms - self.wait_limit_ms(lane))
         return expired
 
     # -- selection --------------------------------------------------------------------------
@@ -322,10 +428,19 @@ class TokenfairScheduler(Scheduler):
     # -- budgets and settlement -------------------------------------------------------------
 
     def _charge(self, job: Job, tenant: TenantState, now_ms: float) -> None:
-        self._residual.dispatched(job.expected_tokens, self.policy.service_tokens_per_ms, now_ms)
+        rate = self.policy.service_tokens_per_ms
+        self._kv_release_ms[job.request.request_id] = (
+            now_ms + self.policy.kv_residency_factor * job.expected_tokens / rate
+        )
+        self._residual.dispatched(job.expected_tokens, rate, now_ms)
         self._record_service(job, job.expected_tokens, now_ms)
+        if job.lifted:
+            self._lane_lifted[job.lane].add(
+                job.expected_tokens, now_ms, self.wait_limit_ms(job.lane)
+            )
         if job.borrowed:
             return
+        self._budgeted.add(job.expected_tokens, now_ms, self._lending_memory_ms())
         tenant.bucket.refill(now_ms)
         tenant.bucket.level -= job.service_tokens
 
@@ -358,6 +473,13 @@ class TokenfairScheduler(Scheduler):
         # The round robin and the work in flight were charged the expected usage; the budget
         # was charged the estimate. Each is settled against what it was charged.
         overrun = job.service_tokens - refund - job.expected_tokens
+        dispatch_ms = job.decision.dispatch_ms if job.decision is not None else None
+        if dispatch_ms is not None:  # the hold follows the actual usage
+            self._kv_release_ms[job.request.request_id] = dispatch_ms + (
+                self.policy.kv_residency_factor
+                * (job.service_tokens - refund)
+                / self.policy.service_tokens_per_ms
+            )
         self._record_service(job, overrun, now_ms)
         self._lanes[job.lane].settle(tenant.config.tenant_id, overrun)
         self._residual.settled(overrun, self.policy.service_tokens_per_ms)
@@ -367,12 +489,16 @@ class TokenfairScheduler(Scheduler):
 
     def next_wakeup_ms(self, now_ms: float) -> float | None:
         wakeup = super().next_wakeup_ms(now_ms)
+        if self.policy.lend_idle_capacity:
+            return wakeup  # a head short of budget borrows when nothing else can start
         for lane in self._lanes:
             for queue in lane.active:
                 head = queue.head()
                 if head is None:
                     continue
                 bucket = self.tenants[queue.tenant_id].bucket
+                if head.service_tokens > bucket.burst:
+                    continue  # no refill ever covers it (a reload shrank the burst): it expires
                 wait_ms = bucket.ms_until(head.service_tokens, now_ms)
                 if wait_ms > 0:
                     # At least one ulp later, so a caller that sleeps until then makes progress.
