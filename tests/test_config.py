@@ -6,7 +6,8 @@ Behaviours under test:
   whose message names the file, the field and the rule (empty tenant id, non-positive weight and
   budgets, watermark order, decode weight, unknown keys at every level, duplicate tenant ids,
   unknown priority class, no tenants, wrong apiVersion/kind, invalid YAML, missing file; a
-  400-digit integer, YAML nested 5,000 deep or an integer of 5,000 digits);
+  400-digit integer, YAML nested 5,000 deep or an integer of 5,000 digits), and a message shows
+  a bad value bounded (a YAML alias bomb of 10**6 strings makes a short message);
 * a multi-document file of plain manifests (one SchedulingPolicy, TenantQuotas) reads as the
   user would ``kubectl apply`` it: ``tenantId`` defaults to ``metadata.name`` and may hold
   underscores that Kubernetes names cannot;
@@ -24,6 +25,7 @@ import pytest
 import yaml
 
 from tokenfair_sidecar.config import (
+    SHOWN_CHARS,
     Config,
     ConfigError,
     PolicyConfig,
@@ -32,6 +34,7 @@ from tokenfair_sidecar.config import (
     config_to_document,
     load_config,
     parse_documents,
+    shown,
 )
 
 GOOD_TENANT = {
@@ -390,3 +393,55 @@ def test_yaml_the_parser_cannot_hold_is_invalid_yaml(tmp_path: Path, text: str) 
     path.write_text("apiVersion: tokenfair.io/v1alpha1\nkind: TokenfairConfig\n" + text)
     with pytest.raises(ConfigError, match="invalid YAML"):
         load_config(path)
+
+
+def alias_bomb(levels: int) -> str:
+    """A YAML flow value of a few hundred bytes that builds nested lists of ``10**levels``
+    strings (each level an anchor aliased ten times by the next): the reviewer's case."""
+    parts = ["&a0 [" + ", ".join(['"xxxxxxxx"'] * 10) + "]"]
+    parts += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, levels + 1)]
+    return "[" + ", ".join(parts) + "]"
+
+
+@pytest.mark.parametrize(
+    ("where", "field"),
+    [
+        ("tenant", "weight"),
+        ("tenant", "priorityClass"),
+        ("tenant", "apiKeySha256"),
+        ("tenant", "tenantId"),
+        ("policy", "decodeWeight"),
+        ("document", "kind"),
+        ("document", "apiVersion"),
+    ],
+)
+def test_an_alias_bomb_makes_a_short_error_message(tmp_path: Path, where: str, field: str) -> None:
+    """Error messages show a value bounded (a few levels, items and characters): 10**6
+    strings behind one field make a message of a few hundred characters, not 100 MB."""
+    placeholder = "ALIAS_BOMB_HERE"
+    if where == "tenant":
+        path = config_file(tmp_path, tenants=[{**GOOD_TENANT, field: placeholder}])
+    elif where == "policy":
+        path = config_file(tmp_path, policy={field: placeholder})
+    elif field == "kind":
+        path = config_file(tmp_path, kind=placeholder)
+    else:
+        path = config_file(tmp_path, apiVersion=placeholder)
+    text = path.read_text(encoding="utf-8")
+    assert text.count(placeholder) == 1
+    path.write_text(text.replace(placeholder, alias_bomb(6)), encoding="utf-8")
+    message = load_error(path)
+    assert field in message
+    assert len(message) < 500, len(message)
+
+
+def test_shown_bounds_any_value() -> None:
+    nested: list[object] = ["x" * 10_000]
+    for _ in range(50):
+        nested = [nested] * 10
+    values: list[object] = [nested, "y" * 1_000_000, 10**5000, {str(i): i for i in range(10**5)}]
+    for value in values:
+        assert len(shown(value)) <= SHOWN_CHARS
+    assert shown(10**5000) == "<an integer of 16610 bits>"
+    assert shown("soon") == "'soon'"  # a short value as repr shows it
+    assert shown([1, 2.5, None]) == "[1, 2.5, None]"

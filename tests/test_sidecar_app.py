@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,9 @@ from test_sidecar_support import (
     wait_for,
 )
 
-from tokenfair_sidecar.config import PolicyConfig
+from tokenfair_sidecar.config import PolicyConfig, build_config
 from tokenfair_sidecar.records import read_trace
-from tokenfair_sidecar.server.settings import SidecarSettings
+from tokenfair_sidecar.server.settings import LoadedFile, SidecarSettings
 
 CHAT_BODY = {
     "model": "m",
@@ -261,31 +262,38 @@ async def test_queue_full_expiry_and_cancellation(aiohttp_client: ClientFactory)
 
 
 async def test_queued_request_past_its_wait_limit_gets_429(aiohttp_client: ClientFactory) -> None:
-    # Interactive requests may wait 30 model ms. Each of these costs 1000 + 4 * 1 = 1004 service
-    # tokens (22.3 model ms of work: admission predicts the second starts in time) and holds
-    # ceil(1001 / 16) = 63 of 100 KV blocks for 40 * 22.3 = 892 model ms: two do not fit under
-    # the 0.9 watermark, so the second waits for KV, which admission does not model, and expires
-    # (the long hold keeps that so on a machine too busy to answer within 100 ms).
-    policy = PolicyConfig(max_interactive_wait_ms=30, total_kv_blocks=100, kv_residency_factor=40)
-    clients = await start(
-        aiohttp_client, keyed_config(policy), SidecarSettings(time_scale=1.0, max_in_flight=1)
-    )
-    proxy = clients.proxy
+    # Interactive requests may wait 1000 model ms (time_scale 1: real ms). The running one costs
+    # 4000 + 4 * 4000 = 20000 service tokens (444 ms); the one behind it (1000 + 4 = 1004) is
+    # admitted: it would start after those 444 ms. Then a reload cuts its tenant's burst to 500,
+    # below its cost, so no refill can ever cover it: a prediction proved wrong, and it expires
+    # when its 1000 ms are up (the reload has 444 ms to land first, ample on a busy machine).
+    policy = PolicyConfig(max_interactive_wait_ms=1000)
+    config = keyed_config(policy)
+    clients = await start(aiohttp_client, config, SidecarSettings(time_scale=1.0, max_in_flight=1))
+    proxy, sidecar = clients.proxy, clients.sidecar
     long = asyncio.create_task(
+        proxy.post(
+            "/v1/completions", json=completion_body(4000, 4000), headers={"Authorization": CHAT}
+        )
+    )
+    assert await wait_for(lambda: sidecar.scheduler.running == 1)
+    late = asyncio.create_task(
         proxy.post(
             "/v1/completions", json=completion_body(1000, 1), headers={"Authorization": CHAT}
         )
     )
-    assert await wait_for(lambda: clients.sidecar.scheduler.running == 1)
-    late = await proxy.post(
-        "/v1/completions", json=completion_body(1000, 1), headers={"Authorization": CHAT}
-    )
-    assert late.status == 429
-    assert error_code(await late.json()) == "shed_queue_timeout"
-    # It expired once its wait passed the 30 model ms limit: at time_scale 1, >= 30 wall ms.
-    assert float(late.headers["x-tokenfair-queue-wait-ms"]) >= 30.0
+    assert await wait_for(lambda: sidecar.scheduler.queued_total == 1)
+    shrunk = [
+        replace(t, burst_service_tokens=500) if t.tenant_id == "tenant_chat_pro" else t
+        for t in config.tenants
+    ]
+    sidecar.apply_config(LoadedFile(build_config(policy, shrunk, "test-2"), {}, "2"))
+    answer = await late
+    assert answer.status == 429
+    assert error_code(await answer.json()) == "shed_queue_timeout"
+    assert float(answer.headers["x-tokenfair-queue-wait-ms"]) >= 1000.0
     assert (await long).status == 200
-    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+    assert await books_when_settled(sidecar) == ZERO_BOOKS
 
 
 async def test_status_and_metrics_report_books_and_counters(aiohttp_client: ClientFactory) -> None:

@@ -12,13 +12,19 @@ Cases: usage of 401 digits, out of range, not an integer, or nested 100,000 deep
 error (200 relayed, settled at the estimate, recorded ``upstream_bad_usage``), and the slot is
 free for the next request; the core refusing a settlement falls back to the estimate; a stream
 broken after its 200 reaches the client as an incomplete transfer and is recorded
-``502 upstream_aborted``; the ``include_usage`` chunk the sidecar added is cut from the client's
-stream (and still settles), kept when the client asked; gzip/deflate answers the sidecar did not
-ask for are decoded, other codings relayed with their header; a gzip request body reaches the
-upstream decoded and unlabelled, an undecodable one is 400, an unknown coding 415; hop-by-hop and
-``Connection``-named headers are stripped both ways; 502/504 bodies name no upstream address; a
-streaming client that stops reading is cut after ``client_write_timeout_s`` and its slot freed;
-a body that never finishes is 408; JSON nested 100,000 deep is 400; a non-UTF-8 API key is 401.
+``502 upstream_aborted``; the ``include_usage`` event the sidecar added is cut from the client's
+stream (and still settles), kept when the client asked, whatever its line ends (LF, CRLF, CR);
+a stream is relayed as it comes, never held whole (CR line ends, a line of a megabyte); gzip/
+deflate answers the sidecar did not ask for are decoded, other codings relayed with their header;
+a gzip request body reaches the upstream decoded and unlabelled, an undecodable one is 400, a
+zip bomb 413, an unknown coding (``br``/``zstd`` without their libraries too) an OpenAI-style
+415; hop-by-hop and ``Connection``-named headers are stripped both ways; 502/504 bodies name no
+upstream address; a streaming client that stops reading is cut after ``client_write_timeout_s``
+and its slot freed, also when it stops within the stream's last 64 KiB (the end of the stream
+waits for them), while a slow reader that keeps reading is served to the end; a body that never
+finishes is 408; JSON nested 100,000 deep is 400; a non-UTF-8 API key is 401; the core failing
+to settle (even at the estimate) or the accounting failing still frees the slot and KV and
+writes exactly one record per request.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from test_sidecar_support import (
     CHAT,
     ZERO_BOOKS,
@@ -50,9 +57,10 @@ from test_sidecar_support import (
 )
 
 from tokenfair_sidecar.core import Request, make_scheduler
-from tokenfair_sidecar.server.backends.base import MAX_USAGE_TOKENS
-from tokenfair_sidecar.server.backends.openai import UsageEventFilter
-from tokenfair_sidecar.server.dispatcher import Dispatcher, ModelClock, Ticket
+from tokenfair_sidecar.server.backends.base import MAX_USAGE_TOKENS, BackendCall
+from tokenfair_sidecar.server.backends.openai import MAX_HELD_EVENT_BYTES, UsageEventFilter
+from tokenfair_sidecar.server.dispatcher import Dispatcher, ModelClock, Settlement, Ticket
+from tokenfair_sidecar.server.proxy import HAS_BROTLI, HAS_ZSTD
 from tokenfair_sidecar.server.recorder import RecordWriter
 from tokenfair_sidecar.server.settings import SidecarSettings
 
@@ -295,7 +303,7 @@ async def test_usage_the_core_refuses_settles_at_the_estimate() -> None:
     ticket = dispatcher.submit(request)
     assert isinstance(ticket, Ticket)
     assert ticket.future.result().admitted
-    assert dispatcher.finish(ticket, 10**400, 0.0) is False
+    assert dispatcher.finish(ticket, 10**400, 0.0) is Settlement.AT_ESTIMATE
     assert scheduler.books() == ZERO_BOOKS
     assert scheduler.tenants["tenant_chat_pro"].served_tokens == 280 + 4 * 90  # the estimate
 
@@ -385,13 +393,137 @@ async def test_the_usage_chunk_the_sidecar_added_is_cut_from_the_clients_stream(
         (b'data: "choices":[] garbage\n\n', b'data: "choices":[] garbage\n\n'),
         # No final newline: held, then released (and still cut) at the end.
         (b'data: x\n\ndata: {"choices":[],"usage":{"prompt_tokens":1}}', b"data: x\n\n"),
+        # Lines ended by a lone CR (SSE allows LF, CRLF and CR).
+        (
+            b'data: x\r\rdata: {"choices":[],"usage":{"prompt_tokens":1}}\r\rdata: [DONE]\r\r',
+            b"data: x\r\rdata: [DONE]\r\r",
+        ),
+        # The whole event goes: its event:, id: and comment lines too; others' stay.
+        (
+            b'event: usage\nid: 7\n: c\ndata: {"choices":[],"usage":{"prompt_tokens":1}}\n\n'
+            b"event: done\ndata: [DONE]\n\n",
+            b"event: done\ndata: [DONE]\n\n",
+        ),
+        # Data over two lines: joined with LF, as a client reads it.
+        (
+            b'data: {"choices":[],\r\ndata: "usage":{"prompt_tokens":1}}\r\n\r\n: ping\r\n\r\n',
+            b": ping\r\n\r\n",
+        ),
+        # An extra blank line before the event stays; mixed line ends.
+        (
+            b'data: x\n\n\r\ndata: {"choices":[],"usage":{}}\r\n\ndata: y\r\r',
+            b"data: x\n\n\r\ndata: y\r\r",
+        ),
     ],
 )
 def test_usage_event_filter_line_shapes(wire: bytes, expected: bytes) -> None:
-    for size in (1, 7, len(wire)):  # fed whole and in pieces cutting through everything
+    for size in (1, 2, 7, len(wire)):  # fed whole and in pieces cutting through everything
         usage_filter = UsageEventFilter()
         out = b"".join(usage_filter.feed(wire[i : i + size]) for i in range(0, len(wire), size))
         assert out + usage_filter.flush() == expected, size
+
+
+def test_usage_event_filter_holds_at_most_an_event_of_64_kib() -> None:
+    """A line that never ends is not held whole: past 64 KiB it passes through as it comes."""
+    usage_filter = UsageEventFilter()
+    line = b"data: " + b"x" * (1 << 20)
+    piece = 4096
+    out = bytearray()
+    for i in range(0, len(line), piece):
+        out += usage_filter.feed(line[i : i + piece])
+        assert len(line[: i + piece]) - len(out) <= MAX_HELD_EVENT_BYTES + piece  # bounded
+    assert out == line  # all of it out before its end arrived
+    out += usage_filter.feed(b"\n\ndata: [DONE]\n\n")
+    assert out + usage_filter.flush() == line + b"\n\ndata: [DONE]\n\n"
+
+
+class Gate:
+    """An event the upstream waits on mid-reply, and whether the reply got past it: lets a test
+    check that the client had bytes while the upstream was still under way (order, not time)."""
+
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.passed = False
+
+    async def wait(self) -> None:
+        await self.open.wait()
+        self.passed = True
+
+
+async def read_at_least(response: aiohttp.ClientResponse, count: int) -> bytes:
+    data = b""
+    async with asyncio.timeout(30):  # a failure, not a speed: the bytes are due at once
+        while len(data) < count:
+            piece = await response.content.readany()
+            assert piece, f"the stream ended after {len(data)} bytes"
+            data += piece
+    return data
+
+
+async def test_a_stream_with_cr_line_ends_is_relayed_as_it_comes(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path
+) -> None:
+    """An upstream ending lines with a lone CR (as SSE allows) is relayed event by event, not
+    held until the end; its usage event (event: line included) is cut and still settles."""
+    first = b"".join(c.replace(b"\n", b"\r") for c in CONTENT_CHUNKS)
+    usage = b"event: usage\r" + USAGE_CHUNK.replace(b"\n", b"\r")
+    done = DONE.replace(b"\n", b"\r")
+    gate = Gate()
+
+    async def cr_stream(writer: asyncio.StreamWriter, _: Received) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" + chunk(first)
+        )
+        await writer.drain()
+        await gate.wait()  # until the client has the first events
+        writer.write(chunk(usage) + chunk(done) + b"0\r\n\r\n")
+        await writer.drain()
+
+    raw = await upstream({"cr": cr_stream})
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path)
+    async with asyncio.timeout(30):
+        response = await post(clients, chat("cr", stream=True))
+    assert response.status == 200
+    assert await read_at_least(response, len(first)) == first
+    assert not gate.passed  # the client had them while the upstream was still under way
+    gate.open.set()
+    assert await response.read() == done  # the usage event cut, [DONE] relayed
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+    (row,) = records(clients)
+    assert (row["status_code"], row["reason"]) == (200, "admitted")
+    assert row["actual_service_tokens"] == 9 + 4 * 3  # read from the CR-ended usage event
+
+
+async def test_a_line_of_a_megabyte_is_relayed_intact_as_it_comes(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path
+) -> None:
+    line = b"data: " + b"x" * (1 << 20)
+    gate = Gate()
+
+    async def long_line(writer: asyncio.StreamWriter, _: Received) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for i in range(0, len(line), 1 << 16):
+            writer.write(chunk(line[i : i + (1 << 16)]))
+            await writer.drain()
+        await gate.wait()  # the line has no end yet
+        writer.write(chunk(b"\n\n" + USAGE_CHUNK + DONE) + b"0\r\n\r\n")
+        await writer.drain()
+
+    raw = await upstream({"long": long_line})
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path)
+    async with asyncio.timeout(30):
+        response = await post(clients, chat("long", stream=True))
+    assert await read_at_least(response, len(line)) == line
+    assert not gate.passed
+    gate.open.set()
+    assert await response.read() == b"\n\n" + DONE
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+    (row,) = records(clients)
+    assert row["actual_service_tokens"] == 9 + 4 * 3
 
 
 # -- encodings -------------------------------------------------------------------------------------
@@ -485,9 +617,34 @@ async def test_request_content_encoding(
     assert response.status == 415
     assert (await response.json())["error"]["code"] == "unsupported_content_encoding"
 
-    assert len(raw.received) == 1  # the refused ones never reached the upstream
+    # Codings aiohttp decodes only with their libraries: without them 415 (not aiohttp's own
+    # plain-text 400), with them read as such (these bytes are no valid body of either).
+    for coding, available in (("br", HAS_BROTLI), ("zstd", HAS_ZSTD)):
+        response = await clients.proxy.post(
+            "/v1/chat/completions", data=b"\x8b\x00\xff", headers={**headers,
+                                                                    "Content-Encoding": coding}
+        )  # fmt: skip
+        error = (await response.json())["error"]  # OpenAI-style either way
+        expected = (400, "invalid_encoding") if available else (415, "unsupported_content_encoding")
+        assert (response.status, error["code"]) == expected, coding
+
+    # Any case, as aiohttp reads it; decoded at most to maxBodyBytes (a zip bomb is 413).
+    response = await clients.proxy.post(
+        "/v1/chat/completions", data=gzip.compress(body), headers={**headers,
+                                                                   "Content-Encoding": "GZip"}
+    )  # fmt: skip
+    assert response.status == 200
+    assert raw.received[-1].body == body
+    bomb = gzip.compress(b" " * (clients.sidecar.settings.max_body_bytes + 1))
+    response = await clients.proxy.post(
+        "/v1/chat/completions", data=bomb, headers={**headers, "Content-Encoding": "gzip"}
+    )
+    assert response.status == 413
+    assert (await response.json())["error"]["code"] == "request_too_large"
+
+    assert len(raw.received) == 2  # the refused ones never reached the upstream
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    assert [r["reason"] for r in records(clients)] == ["admitted"]
+    assert [r["reason"] for r in records(clients)] == ["admitted"] * 2
 
 
 # -- headers and messages --------------------------------------------------------------------------
@@ -626,6 +783,144 @@ async def test_a_streaming_client_that_stops_reading_is_cut_and_its_slot_freed(
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
     first = records(clients)[0]
     assert (first["status_code"], first["reason"]) == (499, "client_write_timeout")
+
+
+def small_send_buffers(
+    clients: Clients, monkeypatch: pytest.MonkeyPatch, *, high_water: int | None = None
+) -> None:
+    """Shrink the sidecar's side of each client connection before the backend answers: the
+    socket's send buffer (``SO_SNDBUF``) and, with ``high_water``, the transport's write buffer
+    limits, so a client that does not read fills them within a few KiB."""
+    backend = clients.sidecar.backend
+    respond = backend.respond
+
+    async def small(call: BackendCall) -> web.StreamResponse:
+        transport = call.request.transport
+        assert isinstance(transport, asyncio.Transport)
+        transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        if high_water is not None:
+            transport.set_write_buffer_limits(high=high_water)
+        return await respond(call)
+
+    monkeypatch.setattr(backend, "respond", small)
+
+
+async def client_socket(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the sidecar with a 4 KiB receive buffer, read through a 512-byte limit."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    return await asyncio.open_connection(sock=sock, limit=512)
+
+
+def dechunk(body: bytes) -> bytes:
+    """A chunked transfer's data; AssertionError unless it ends with its last chunk."""
+    data = b""
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            assert body == b"\r\n", "no clean end"
+            return data
+        data += body[:size]
+        assert body[size : size + 2] == b"\r\n"
+        body = body[size + 2 :]
+
+
+def sse_events(count: int, size: int = 2000) -> Reply:
+    """An SSE answer of ``count`` events of ``size`` bytes, [DONE], then the stream's end."""
+
+    async def write(writer: asyncio.StreamWriter, _: Received) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for _event in range(count):
+            writer.write(chunk(b"data: " + b"x" * (size - 8) + b"\n\n"))
+            await writer.drain()
+        writer.write(chunk(DONE) + b"0\r\n\r\n")
+        await writer.drain()
+
+    return write
+
+
+@pytest.mark.parametrize("backend", ["openai", "costmodel"])
+async def test_a_client_that_stops_reading_near_the_end_is_cut_at_write_eof(
+    aiohttp_client: ClientFactory,
+    upstream: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    backend: str,
+) -> None:
+    """The last bytes of a stream (under 64 KiB: no write waited for them) wait in the
+    transport; ending the stream waits for them to drain. A client that stops reading there is
+    cut like one that stops mid-stream, and its slot freed."""
+    # The write timeout is what the test waits for; 0.5 s is short only so the test is.
+    if backend == "openai":
+        # 20 events of 2,000 bytes: 40 KB, never enough for aiohttp to wait in a write (it
+        # drains only past 64 KiB written), so only the end of the stream can wait.
+        raw = await upstream({"tail": sse_events(20), "ok": reply(json_response(OK_JSON))})
+        clients = await sidecar_for(aiohttp_client, raw, tmp_path, client_write_timeout_s=0.5)
+        body = chat("tail", stream=True)
+    else:
+        settings = SidecarSettings(
+            time_scale=0.01,
+            max_in_flight=1,
+            records_path=str(tmp_path / "records.jsonl"),
+            client_write_timeout_s=0.5,
+        )
+        clients = await start(aiohttp_client, keyed_config(), settings)
+        # 6,000 words in 16 chunks: ~40 KB, under 64 KiB as well.
+        body = chat("m", stream=True, max_tokens=6000)
+    # Over a 4 KiB high-water mark, the transport is paused by the time the stream ends.
+    small_send_buffers(clients, monkeypatch, high_water=4096)
+    port = clients.proxy.port
+    assert port is not None
+    _reader, writer = await client_socket(port)
+    try:
+        writer.write(request_bytes(json.dumps(body).encode()))  # ... and never read
+        assert await wait_for(lambda: bool(records(clients)), budget_s=30.0)
+    finally:
+        writer.close()
+    (first,) = records(clients)
+    assert (first["status_code"], first["reason"]) == (499, "client_write_timeout")
+    if backend == "openai":
+        await assert_next_request_served(clients)
+    else:
+        response = await post(clients, chat("m"))
+        assert response.status == 200
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+
+
+async def test_a_slow_reader_that_keeps_reading_is_not_cut(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write timeout measures how long the client takes nothing, not how long a write
+    waits: a client reading ~50 KB/s needs ~1 s to take the 48 KiB a write waits on, over the
+    0.5 s timeout, and is still served to the end (it takes bytes every 10 ms)."""
+    raw = await upstream({"slow": sse_events(50)})  # 100 KB
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path, client_write_timeout_s=0.5)
+    small_send_buffers(clients, monkeypatch)
+    port = clients.proxy.port
+    assert port is not None
+    reader, writer = await client_socket(port)
+    received = b""
+    try:
+        writer.write(request_bytes(json.dumps(chat("slow", stream=True)).encode()))
+        async with asyncio.timeout(60):  # a failure, not a speed: ~2 s at this pace
+            while piece := await reader.read(512):
+                received += piece
+                await asyncio.sleep(0.01)
+    finally:
+        writer.close()
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    event = b"data: " + b"x" * 1992 + b"\n\n"
+    assert dechunk(body) == event * 50 + DONE  # the whole stream, cleanly ended
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+    (row,) = records(clients)
+    assert (row["status_code"], row["reason"]) == (200, "admitted")
 
 
 async def test_a_body_that_never_finishes_is_408(
@@ -803,6 +1098,138 @@ async def test_a_failure_inside_the_sidecar_is_one_500_record_and_no_leak(
     assert outcomes == [(500, "internal_error"), (200, "admitted")]
     text = await metrics_text(clients)
     assert 'code="internal_error"' in text
+
+
+async def post_twice(clients: Clients) -> list[aiohttp.ClientResponse]:
+    """Two requests one after the other (one in flight at most: a leaked slot would queue the
+    second until the test fails, rather than forever)."""
+    responses = []
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for _ in range(2):
+        async with asyncio.timeout(30):
+            response = await clients.proxy.post(
+                "/v1/chat/completions", json=body, headers={"Authorization": CHAT}
+            )
+            await response.read()
+        responses.append(response)
+    return responses
+
+
+def one_record_each(clients: Clients, responses: list[aiohttp.ClientResponse]) -> list[Any]:
+    """The records, asserted to be exactly one per response (joined by x-request-id)."""
+    rows = records(clients)
+    assert [row["request_id"] for row in rows] == [r.headers["x-request-id"] for r in responses]
+    return rows
+
+
+@pytest.mark.parametrize("failures", [1, 2], ids=["at-usage", "at-usage-and-estimate"])
+async def test_a_core_that_fails_to_settle_still_frees_the_slot_and_records_once(
+    aiohttp_client: ClientFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failures: int
+) -> None:
+    """``complete`` raising something unexpected (injected: a core bug) for the reported usage
+    falls back to the estimate; raising for that too, the slot and KV are released without the
+    core's settlement code. Either way the next request is served and the books are zero."""
+    settings = SidecarSettings(
+        time_scale=0.01, max_in_flight=1, records_path=str(tmp_path / "records.jsonl")
+    )
+    clients = await start(aiohttp_client, keyed_config(), settings)
+    scheduler = clients.sidecar.scheduler
+    complete = scheduler.complete
+    calls = 0
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls <= failures:
+            raise RuntimeError("injected core bug")
+        return complete(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "complete", failing)
+    responses = await post_twice(clients)
+    assert [r.status for r in responses] == [200, 200]  # answered, then the slot was free
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+    first, second = one_record_each(clients, responses)
+    assert (first["status_code"], first["reason"]) == (200, "internal_error")
+    assert first["actual_service_tokens"] in (None, first["service_tokens"])  # the estimate
+    assert (second["status_code"], second["reason"]) == (200, "admitted")
+    assert 'code="internal_error"' in await metrics_text(clients)
+
+
+async def test_an_accounting_failure_still_writes_one_record(
+    aiohttp_client: ClientFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = SidecarSettings(
+        time_scale=0.01, max_in_flight=1, records_path=str(tmp_path / "records.jsonl")
+    )
+    clients = await start(aiohttp_client, keyed_config(), settings)
+    sidecar = clients.sidecar
+    account = sidecar.account
+    failed = False
+
+    def failing(*args: Any, **kwargs: Any) -> None:
+        nonlocal failed
+        if not failed:
+            failed = True
+            raise RuntimeError("injected accounting bug")
+        account(*args, **kwargs)
+
+    monkeypatch.setattr(sidecar, "account", failing)
+    responses = await post_twice(clients)
+    assert failed
+    assert [r.status for r in responses] == [200, 200]
+    assert await books_when_settled(sidecar) == ZERO_BOOKS
+    rows = one_record_each(clients, responses)
+    assert [(row["status_code"], row["reason"]) for row in rows] == [(200, "admitted")] * 2
+
+    # A record that cannot be encoded is written minimal; one that cannot be queued is counted.
+    def broken_encoding(*args: Any, **kwargs: Any) -> str:
+        raise RuntimeError("injected encoding bug")
+
+    monkeypatch.setattr("tokenfair_sidecar.server.state.encode_record", broken_encoding)
+    responses += await post_twice(clients)
+    rows = one_record_each(clients, responses)
+    assert [(row["status_code"], row["reason"]) for row in rows[2:]] == [(200, "admitted")] * 2
+    assert "dispatch_ms" not in rows[2]  # minimal: the request's own fields and its outcome
+    assert sidecar.recorder is not None
+
+    def broken_write(line: str) -> None:
+        raise RuntimeError("injected write bug")
+
+    monkeypatch.setattr(sidecar.recorder, "write", broken_write)
+    responses += await post_twice(clients)
+    assert "tokenfair_records_dropped_total 2.0" in await metrics_text(clients)
+    assert await books_when_settled(sidecar) == ZERO_BOOKS
+
+
+async def test_release_unsettled_takes_what_the_core_cannot_settle_off_the_books(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dispatcher's core-free last resort: the core raising in ``complete`` (for the usage
+    and for the estimate) or in ``release_kv`` still frees the slot (the next request is
+    dispatched) and the KV."""
+    scheduler = make_scheduler("tokenfair", keyed_config(), 0.0)
+    dispatcher = Dispatcher(scheduler, ModelClock(), max_in_flight=1)
+    first = dispatcher.submit(Request("r-1", "tenant_chat_pro", 0.0, 280, 90, "interactive"))
+    second = dispatcher.submit(Request("r-2", "tenant_chat_pro", 0.0, 280, 90, "interactive"))
+    assert isinstance(first, Ticket)
+    assert isinstance(second, Ticket)
+    assert first.future.result().admitted
+    assert not second.future.done()  # queued behind the one slot
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected core bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(scheduler, "complete", broken)
+        assert dispatcher.finish(first, 300, 0.0) is Settlement.CORE_FAILED
+    assert first.finished
+    assert second.future.result().admitted  # the slot went to the next request
+    assert scheduler.books().running_requests == 1
+    with monkeypatch.context() as patch:
+        patch.setattr(scheduler, "release_kv", broken)
+        assert dispatcher.finish(second, 300, 0.0) is Settlement.AS_REPORTED
+    assert scheduler.books() == ZERO_BOOKS
+    assert dispatcher.finish(second, 300, 0.0) is Settlement.AS_REPORTED  # once only
 
 
 class _Lines:

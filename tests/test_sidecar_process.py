@@ -7,8 +7,10 @@ the client, which did not ask for it, receives); upstream reset ->
 502, refused -> 502, read timeout -> 504; a client leaving mid-stream aborts the upstream call;
 graceful drain on SIGTERM (readiness 503, new requests 503, queued 503 + Retry-After, in-flight
 finishes, records written, exit 0); the proxy listener's bounds (a connection over
-``maxClientConnections`` answered 503 at once, idle and slow-header connections closed after
-``clientIdleTimeoutSeconds``). After every fault the books read from ``/status`` are zero.
+``maxClientConnections`` answered 503 at once, with a long idle timeout so that nothing else can
+close the held ones; idle and slow-header connections closed after
+``clientIdleTimeoutSeconds``, in a sidecar of its own with a short one). After every fault the
+books read from ``/status`` are zero.
 """
 
 from __future__ import annotations
@@ -398,30 +400,30 @@ async def test_drain_grace_bounds_the_shutdown(stub: Stub, tmp_path: Path) -> No
             stop(sidecar)
 
 
-async def test_idle_slow_header_and_surplus_connections_are_closed(
+async def test_a_connection_over_the_cap_is_answered_503_at_once(
     stub: Stub, tmp_path: Path
 ) -> None:
-    """The proxy listener's bounds: at most ``maxClientConnections`` open (one more is answered
-    503 and closed at once), and a connection with no request under way — idle, or trickling a
-    request's head — is closed after ``clientIdleTimeoutSeconds``. The 0.5 s timeout is what
-    the test waits for, not a speed it needs."""
-    limits = {"maxClientConnections": 2, "clientIdleTimeoutSeconds": 0.5}
+    """At most ``maxClientConnections`` open: one more is answered 503 and closed at once, and
+    there is room again once one closes. The idle timeout is 60 s here, so that no stall of
+    the machine can close the held connections before the surplus one arrives."""
+    limits = {"maxClientConnections": 2, "clientIdleTimeoutSeconds": 60}
     async with aiohttp.ClientSession() as session:
         sidecar = await _running(tmp_path, stub.url, session, sidecar=limits)
         try:
             host, port = sidecar.proxy.removeprefix("http://").rsplit(":", 1)
-            idle = await asyncio.open_connection(host, int(port))
-            slow = await asyncio.open_connection(host, int(port))
-            slow[1].write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # never ends
-            # A third is over the cap: 503 and closed before anything is read.
+            held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+            # A third is over the cap (accepted after the two, in order): 503, closed before
+            # anything is read.
             surplus_reader, surplus_writer = await asyncio.open_connection(host, int(port))
             async with asyncio.timeout(10):
                 answer = await surplus_reader.read()
             surplus_writer.close()
             assert answer.startswith(b"HTTP/1.1 503"), answer
             assert b'"too_many_connections"' in answer
-            # The idle and the slow-header connections are closed by the sidecar (EOF).
-            for reader, writer in (idle, slow):
+            # Half-closed, a held connection is closed by the sidecar: its EOF comes after the
+            # sidecar stopped counting it.
+            for reader, writer in held:
+                writer.write_eof()
                 async with asyncio.timeout(10):
                     assert await reader.read() == b""
                 writer.close()
@@ -435,5 +437,28 @@ async def test_idle_slow_header_and_surplus_connections_are_closed(
             assert await sidecar.settled_books(session) == ZERO_BOOKS
             async with session.get(f"{sidecar.admin}/metrics") as response:
                 assert "tokenfair_refused_connections_total 1.0" in await response.text()
+        finally:
+            stop(sidecar)
+
+
+async def test_idle_and_slow_header_connections_are_closed(stub: Stub, tmp_path: Path) -> None:
+    """A connection with no request under way — idle, or trickling a request's head — is
+    closed after ``clientIdleTimeoutSeconds``. The 0.5 s timeout is what the test waits for,
+    not a speed it needs (a stall only makes the close come later)."""
+    limits = {"clientIdleTimeoutSeconds": 0.5}
+    async with aiohttp.ClientSession() as session:
+        sidecar = await _running(tmp_path, stub.url, session, sidecar=limits)
+        try:
+            host, port = sidecar.proxy.removeprefix("http://").rsplit(":", 1)
+            idle = await asyncio.open_connection(host, int(port))
+            slow = await asyncio.open_connection(host, int(port))
+            slow[1].write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # never ends
+            # Both are closed by the sidecar (EOF) while the client still holds them.
+            for reader, writer in (idle, slow):
+                async with asyncio.timeout(30):
+                    assert await reader.read() == b""
+                writer.close()
+            async with session.get(f"{sidecar.admin}/metrics") as response:
+                assert "tokenfair_refused_connections_total 0.0" in await response.text()
         finally:
             stop(sidecar)

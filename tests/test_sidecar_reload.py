@@ -46,7 +46,11 @@ from tokenfair_sidecar.server.backends.openai import with_include_usage
 from tokenfair_sidecar.server.estimate import EstimateError, chars4, decode_tokens
 from tokenfair_sidecar.server.recorder import RecordWriter
 from tokenfair_sidecar.server.reload import ConfigWatcher
-from tokenfair_sidecar.server.settings import SidecarSettings, settings_from_section
+from tokenfair_sidecar.server.settings import (
+    SidecarSettings,
+    loads_sidecar_file,
+    settings_from_section,
+)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "sidecar-standalone.yaml"
 
@@ -141,6 +145,23 @@ def test_sidecar_section_is_read_and_checked(tmp_path: Path) -> None:
     assert settings.upstream_url == "https://vllm/base/"
     with pytest.raises(ConfigError, match="defaultDecodeTokens"):
         settings_from_section({"defaultDecodeTokens": 10, "maxDecodeTokens": 5})
+
+
+@pytest.mark.parametrize("key", ["timeScale", "maxInFlight", "listen", "backend"])
+def test_a_sidecar_section_alias_bomb_makes_a_short_error_message(key: str) -> None:
+    """The reviewer's alias bomb in the ``sidecar:`` section: nested lists of 10**6 strings,
+    read from the file, shown bounded in the error (a message of 100 MB before)."""
+    anchors = ['&a0 ["xxxxxxxx", "xxxxxxxx", "xxxxxxxx", "xxxxxxxx", "xxxxxxxx"]']
+    anchors += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 7)]
+    bomb = f"[{', '.join(anchors)}]"  # a few hundred bytes of YAML
+    document = EXAMPLE.read_text(encoding="utf-8").replace(
+        "sidecar:\n", f"sidecar:\n  bomb: {bomb}\n", 1
+    )
+    loaded = loads_sidecar_file(document.encode(), "bomb.yaml")
+    with pytest.raises(ConfigError) as caught:
+        settings_from_section({key: loaded.section["bomb"]})
+    assert f"sidecar.{key}: must be" in str(caught.value)
+    assert len(str(caught.value)) < 500
 
 
 def test_prompt_and_decode_estimates() -> None:

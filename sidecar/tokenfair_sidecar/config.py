@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ API_VERSION: Final = "tokenfair.io/v1alpha1"
 CONFIG_KIND: Final = "TokenfairConfig"
 TENANT_KIND: Final = "TenantQuota"
 POLICY_KIND: Final = "SchedulingPolicy"
+_KINDS: Final = (CONFIG_KIND, TENANT_KIND, POLICY_KIND)
 
 PriorityClass = Literal["interactive", "batch"]
 PRIORITY_CLASSES: Final[tuple[PriorityClass, ...]] = ("interactive", "batch")
@@ -133,20 +135,55 @@ def _too_large(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and abs(value) > _MAX_INTEGER
 
 
+class _BoundedRepr(reprlib.Repr):
+    """``repr`` cut to a few levels, items and characters; an integer beyond
+    :data:`_MAX_INTEGER` by its size (``repr`` of one of over 4,300 digits raises)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 2
+        self.maxtuple = self.maxlist = self.maxarray = 3
+        self.maxdict = self.maxset = self.maxfrozenset = self.maxdeque = 3
+        self.maxstring = self.maxother = 40
+        self.maxlong = 40
+
+    def repr_int(self, x: int, level: int) -> str:
+        if _too_large(x):
+            return f"<an integer of {abs(x).bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_SHOWN: Final = _BoundedRepr()
+SHOWN_CHARS: Final = 120
+"""The most characters :func:`shown` gives a value."""
+
+
+def shown(value: object) -> str:
+    """A value as an error message shows it: its ``repr``, bounded (2 levels, 3 items a level,
+    40 characters a string, :data:`SHOWN_CHARS` in all), so a value from a YAML alias bomb
+    (nested lists of millions of items, built from a few lines) makes a short message, quickly.
+    Every value in a config error message goes through it."""
+    try:
+        text = _SHOWN.repr(value)
+    except Exception:  # a repr that fails
+        return f"<a value of type {type(value).__name__}>"
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+
+
 def _number(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{name}: must be a number (got {value!r})")
+        raise ConfigError(f"{name}: must be a number (got {shown(value)})")
     if _too_large(value):  # float() of it may overflow; its repr may be thousands of digits
         raise ConfigError(f"{name}: must be at most {_MAX_INTEGER} (got an integer beyond it)")
     if not math.isfinite(value):
-        raise ConfigError(f"{name}: must be finite (got {value!r})")
+        raise ConfigError(f"{name}: must be finite (got {shown(value)})")
     return float(value)
 
 
 def _positive(name: str, value: object) -> float:
     number = _number(name, value)
     if number <= 0:
-        raise ConfigError(f"{name}: must be > 0 (got {value!r})")
+        raise ConfigError(f"{name}: must be > 0 (got {shown(value)})")
     return number
 
 
@@ -154,46 +191,46 @@ def _positive_int(name: str, value: object) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}: must be an integer (got {value!r})")
+        raise ConfigError(f"{name}: must be an integer (got {shown(value)})")
     if _too_large(value):
         raise ConfigError(f"{name}: must be at most {_MAX_INTEGER} (got an integer beyond it)")
     if value <= 0:
-        raise ConfigError(f"{name}: must be > 0 (got {value!r})")
+        raise ConfigError(f"{name}: must be > 0 (got {shown(value)})")
     return value
 
 
 def _ratio(name: str, value: object) -> float:
     number = _number(name, value)
     if not 0 < number <= 1:
-        raise ConfigError(f"{name}: must be in (0, 1] (got {value!r})")
+        raise ConfigError(f"{name}: must be in (0, 1] (got {shown(value)})")
     return number
 
 
 def _share(name: str, value: object) -> float:
     number = _number(name, value)
     if not 0 <= number <= 0.5:
-        raise ConfigError(f"{name}: must be in [0, 0.5] (got {value!r})")
+        raise ConfigError(f"{name}: must be in [0, 0.5] (got {shown(value)})")
     return number
 
 
 def _non_negative(name: str, value: object) -> float:
     number = _number(name, value)
     if number < 0:
-        raise ConfigError(f"{name}: must be >= 0 (got {value!r})")
+        raise ConfigError(f"{name}: must be >= 0 (got {shown(value)})")
     return number
 
 
 def _boolean(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{name}: must be true or false (got {value!r})")
+        raise ConfigError(f"{name}: must be true or false (got {shown(value)})")
     return value
 
 
 def _tenant_id(name: str, value: object) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{name}: must be a non-empty string (got {value!r})")
+        raise ConfigError(f"{name}: must be a non-empty string (got {shown(value)})")
     if value != value.strip():
-        raise ConfigError(f"{name}: must not start or end with white space (got {value!r})")
+        raise ConfigError(f"{name}: must not start or end with white space (got {shown(value)})")
     return value
 
 
@@ -201,12 +238,12 @@ def _priority(name: str, value: object) -> PriorityClass:
     for option in PRIORITY_CLASSES:
         if value == option:
             return option
-    raise ConfigError(f"{name}: must be one of {', '.join(PRIORITY_CLASSES)} (got {value!r})")
+    raise ConfigError(f"{name}: must be one of {', '.join(PRIORITY_CLASSES)} (got {shown(value)})")
 
 
 def _key_hashes(name: str, value: object) -> tuple[str, ...]:
     if not isinstance(value, list):
-        raise ConfigError(f"{name}: must be a list of SHA-256 hex digests (got {value!r})")
+        raise ConfigError(f"{name}: must be a list of SHA-256 hex digests (got {shown(value)})")
     for i, digest in enumerate(value):
         if not isinstance(digest, str) or not _SHA256_HEX.match(digest):
             raise ConfigError(f"{name}[{i}]: must be 64 lower-case hex characters")
@@ -255,7 +292,7 @@ def _mapping(where: str, value: object) -> Mapping[str, object]:
         raise ConfigError(f"{where}: must be a mapping (got {type(value).__name__})")
     for key in value:
         if not isinstance(key, str):
-            raise ConfigError(f"{where}: keys must be strings (got {key!r})")
+            raise ConfigError(f"{where}: keys must be strings (got {shown(key)})")
     return cast(Mapping[str, object], value)
 
 
@@ -324,7 +361,7 @@ def build_config(
     for i, tenant in enumerate(tenants):
         if tenant.tenant_id in seen:
             raise ConfigError(
-                f"tenants[{i}].tenantId: duplicate tenant id {tenant.tenant_id!r} "
+                f"tenants[{i}].tenantId: duplicate tenant id {shown(tenant.tenant_id)} "
                 f"(also tenants[{seen[tenant.tenant_id]}])"
             )
         seen[tenant.tenant_id] = i
@@ -335,7 +372,7 @@ def build_config(
             if other != tenant.tenant_id:
                 raise ConfigError(
                     f"tenants[{tenant.tenant_id}].apiKeySha256: key hash {digest[:12]}… "
-                    f"is also a key of tenant {other!r}"
+                    f"is also a key of tenant {shown(other)}"
                 )
     return Config(policy=validate_policy(policy), tenants=tuple(tenants), version=version)
 
@@ -352,10 +389,12 @@ def parse_documents(documents: Iterable[object], source: str = "<config>") -> Co
         count += 1
         doc = _mapping(f"{source}: document {n}", raw)
         kind = doc.get("kind")
-        where = f"{source}: document {n} ({kind})"
+        where = f"{source}: document {n} ({kind if kind in _KINDS else shown(kind)})"
         api_version = doc.get("apiVersion")
         if api_version != API_VERSION:
-            raise ConfigError(f"{where}: apiVersion must be {API_VERSION} (got {api_version!r})")
+            raise ConfigError(
+                f"{where}: apiVersion must be {API_VERSION} (got {shown(api_version)})"
+            )
         if kind == CONFIG_KIND:
             _unknown_keys(where, doc, ["apiVersion", "kind", "version", "policy", "tenants"])
             if "policy" in doc:
@@ -373,7 +412,7 @@ def parse_documents(documents: Iterable[object], source: str = "<config>") -> Co
                 tenants.append(parse_tenant(_mapping(entry_where, entry), entry_where))
         elif kind in (TENANT_KIND, POLICY_KIND):
             name = _manifest_name(where, doc)
-            where = f"{source}: {kind} {name!r}"
+            where = f"{source}: {kind} {shown(name)}"
             spec = _mapping(f"{where}: spec", doc.get("spec", {}))
             if kind == TENANT_KIND:
                 tenants.append(parse_tenant(spec, f"{where}: spec", default_id=name))
@@ -384,7 +423,7 @@ def parse_documents(documents: Iterable[object], source: str = "<config>") -> Co
         else:
             raise ConfigError(
                 f"{where}: kind must be {CONFIG_KIND}, {TENANT_KIND} or {POLICY_KIND} "
-                f"(got {kind!r})"
+                f"(got {shown(kind)})"
             )
     if count == 0:
         raise ConfigError(f"{source}: no YAML documents")
@@ -465,11 +504,11 @@ def apply_overrides(config: Config, assignments: Iterable[str]) -> Config:
         key, sep, raw = assignment.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise ConfigError(f"--set {assignment!r}: expected key=value")
+            raise ConfigError(f"--set {shown(assignment)}: expected key=value")
         try:
             value = yaml.safe_load(raw)
         except yaml.YAMLError:
-            raise ConfigError(f"--set {key}: value {raw!r} is not a YAML scalar") from None
+            raise ConfigError(f"--set {key}: value {shown(raw)} is not a YAML scalar") from None
         if key.startswith("tenants."):
             tenant_id, dot, field_name = key.removeprefix("tenants.").rpartition(".")
             if not dot or tenant_id not in tenant_values:

@@ -301,6 +301,22 @@ class Scheduler(ABC):
         self.resident_blocks -= job.kv_blocks
         self._kv_released(job)
 
+    def release_unsettled(self, request_id: str) -> bool:
+        """Take a dispatched request off the books without settling it: its running slot (if
+        still held) and its KV blocks. The last resort of a caller whose ``complete`` or
+        ``release_kv`` raised: the tenant keeps the estimate charged at dispatch (no refund, no
+        fairness correction), and nothing it held stays held. False if nothing was held."""
+        job = self.jobs.get(request_id)
+        if job is None or job.state not in (_DISPATCHED, _DONE):
+            return False
+        del self.jobs[request_id]
+        if job.state is _DISPATCHED:
+            job.state = _DONE
+            self.running -= 1
+        self.resident_blocks -= job.kv_blocks
+        self._kv_released(job)
+        return True
+
     def cancel(self, request_id: str, now_ms: float) -> Decision | None:
         """A queued request leaves; returns its decision, or None if it is not queued."""
         job = self.jobs.get(request_id)

@@ -44,7 +44,11 @@ def create_app(
         config_path=config_path,
         section=section,
     )
-    app = web.Application(client_max_size=settings.max_body_bytes)
+    # auto_decompress off: the proxy decodes request bodies itself (proxy.decode_body), so that a
+    # coding aiohttp cannot decode is the proxy's 415, not aiohttp's plain-text 400.
+    app = web.Application(
+        client_max_size=settings.max_body_bytes, handler_args={"auto_decompress": False}
+    )
     app[SIDECAR] = sidecar
     for route in ROUTES:
         app.router.add_post(route, completions)

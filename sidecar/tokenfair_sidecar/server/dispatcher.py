@@ -10,8 +10,10 @@ The core (:mod:`tokenfair_sidecar.core`) is synchronous and pure; this module mo
   a completion, a KV release, a cancellation) and from one timer armed at ``next_wakeup_ms`` (a
   deadline passing, a budget refilling). Pumping inline costs no task switch per request.
 * :meth:`Dispatcher.finish` settles a dispatched request exactly once (``complete`` with the actual
-  usage, or with the estimate if the core refuses that usage: the slot is released either way);
-  its KV is released ``kv_hold_ms`` after dispatch (0 for a real server: at once).
+  usage, or with the estimate if the core refuses that usage) and never raises: if the core fails
+  (raises anything else, even for the estimate), the request's slot and KV are taken off the books
+  by :meth:`Dispatcher.release_unsettled`, which touches no settlement code of the core. Its KV is
+  released ``kv_hold_ms`` after dispatch (0 for a real server: at once).
 * A waiter whose task is cancelled (the client went away) leaves the queue with ``cancel`` and its
   reservation is refunded; if it was dispatched in that instant it is settled with zero usage.
 
@@ -22,13 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import enum
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 
 from tokenfair_sidecar.core import Decision, Request, Scheduler
-from tokenfair_sidecar.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED
+from tokenfair_sidecar.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED, JobState
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -49,6 +52,19 @@ class ModelClock:
         return model_ms * self.time_scale / 1000.0
 
 
+class Settlement(enum.Enum):
+    """How :meth:`Dispatcher.finish` settled a request."""
+
+    AS_REPORTED = "as_reported"
+    """The usage given was booked (or the request was already settled)."""
+    AT_ESTIMATE = "at_estimate"
+    """The core refused the usage given (``ValueError``, ``TypeError``, ``ArithmeticError``:
+    a value it cannot book): the estimate was booked instead."""
+    CORE_FAILED = "core_failed"
+    """The core raised something else (a bug, logged): the estimate was booked instead or, if
+    even that raised, the slot and KV were released unsettled."""
+
+
 @dataclass(slots=True, eq=False)
 class Ticket:
     """One queued request's handle. ``outcome`` is its final decision once known."""
@@ -64,6 +80,7 @@ class Ticket:
     """Event-loop time of the dispatch (a backend's engine may start then, before the handler
     gets round to it)."""
     finished: bool = field(default=False)
+    """Settled: its running slot is released (set only once that is done)."""
 
 
 class Dispatcher:
@@ -171,49 +188,90 @@ class Dispatcher:
 
     # -- settlement ------------------------------------------------------------------------
 
-    def finish(self, ticket: Ticket, actual_service_tokens: int | None, kv_hold_ms: float) -> bool:
+    def finish(
+        self, ticket: Ticket, actual_service_tokens: int | None, kv_hold_ms: float
+    ) -> Settlement:
         """Settle a dispatched request (once; later calls do nothing) and schedule its KV release
-        ``kv_hold_ms`` model milliseconds after its dispatch.
-
-        If the core refuses ``actual_service_tokens`` (it raises before changing any state for a
-        value it cannot book), the request is settled at its estimate instead and False is
-        returned: the running slot is released whatever the backend reported."""
+        ``kv_hold_ms`` model milliseconds after its dispatch. Never raises for the core's sake:
+        the running slot and the KV are released whatever ``complete`` raises (see
+        :class:`Settlement`); ``ticket.finished`` is set once the slot is released."""
         if ticket.finished or ticket.decision is None:
-            return True
-        ticket.finished = True
+            return Settlement.AS_REPORTED
         request_id = ticket.request.request_id
         now_ms = self.clock.now_ms()
-        accepted = True
+        settlement = Settlement.AS_REPORTED
+        scheduler = self.scheduler
         try:
-            self.scheduler.complete(request_id, now_ms, actual_service_tokens, release_kv=False)
-        except (ValueError, TypeError, ArithmeticError) as exc:
-            if actual_service_tokens is None:
-                raise  # the estimate itself was refused: a core bug, not a backend's fault
-            log.warning(
-                "request %s: the core refused the reported usage (%s); settling at the estimate",
-                request_id, exc,
-            )  # fmt: skip
-            accepted = False
-            self.scheduler.complete(request_id, now_ms, None, release_kv=False)
+            scheduler.complete(request_id, now_ms, actual_service_tokens, release_kv=False)
+        except Exception as exc:
+            if actual_service_tokens is None:  # the estimate itself: nothing else to try
+                settlement = Settlement.CORE_FAILED
+                log.exception("request %s: the core failed to settle it at the estimate",
+                              request_id)  # fmt: skip
+            else:
+                if isinstance(exc, ValueError | TypeError | ArithmeticError):
+                    settlement = Settlement.AT_ESTIMATE
+                    log.warning("request %s: the core refused the reported usage (%s); "
+                                "settling at the estimate", request_id, exc)  # fmt: skip
+                else:
+                    settlement = Settlement.CORE_FAILED
+                    log.exception("request %s: the core failed to settle it; settling at the "
+                                  "estimate", request_id)  # fmt: skip
+                if not self._complete_at_estimate(request_id, now_ms):
+                    settlement = Settlement.CORE_FAILED
         if not math.isfinite(kv_hold_ms):
             kv_hold_ms = 0.0
-        dispatch_ms = ticket.decision.dispatch_ms or now_ms
-        release_ms = dispatch_ms + kv_hold_ms
-        if release_ms <= now_ms:
-            self.scheduler.release_kv(request_id)
+        job = scheduler.jobs.get(request_id)
+        if job is not None and job.state is not JobState.DONE:  # still running: not settled
+            settlement = Settlement.CORE_FAILED
+            self.release_unsettled(request_id)
         else:
-            delay_s = self.clock.real_seconds(release_ms - now_ms)
-            loop = asyncio.get_running_loop()
-            self._kv_timers[request_id] = loop.call_later(delay_s, self._release, request_id)
-        if self.scheduler.running == 0:
+            dispatch_ms = ticket.decision.dispatch_ms or now_ms
+            release_ms = dispatch_ms + kv_hold_ms
+            if release_ms <= now_ms:
+                self._release(request_id, timer=False)
+            else:
+                delay_s = self.clock.real_seconds(release_ms - now_ms)
+                loop = asyncio.get_running_loop()
+                self._kv_timers[request_id] = loop.call_later(delay_s, self._release, request_id)
+        ticket.finished = True
+        if scheduler.running == 0:
             self._idle.set()
-        self._pump_if_queued()
-        return accepted
+        try:
+            self._pump_if_queued()
+        except Exception:  # the settlement stands; the next event pumps again
+            log.exception("request %s: dispatching after its settlement failed", request_id)
+        return settlement
 
-    def _release(self, request_id: str) -> None:
-        del self._kv_timers[request_id]
-        self.scheduler.release_kv(request_id)
-        self._pump_if_queued()
+    def _complete_at_estimate(self, request_id: str, now_ms: float) -> bool:
+        """``complete`` at the estimate; False (logged) if the core raised even for that."""
+        try:
+            self.scheduler.complete(request_id, now_ms, None, release_kv=False)
+        except Exception:
+            log.exception("request %s: the core failed to settle it at the estimate too",
+                          request_id)  # fmt: skip
+            return False
+        return True
+
+    def release_unsettled(self, request_id: str) -> None:
+        """The last resort when the core raised while settling or releasing a request:
+        :meth:`Scheduler.release_unsettled` takes its slot and KV off the books. Logged."""
+        if self.scheduler.release_unsettled(request_id):
+            log.error("request %s: released without settlement; the core's books for its "
+                      "tenant may be off by this request", request_id)  # fmt: skip
+
+    def _release(self, request_id: str, timer: bool = True) -> None:
+        """Free the request's KV (from its timer, or at once); if the core raises, the blocks
+        are taken off the books by :meth:`release_unsettled`."""
+        if timer:
+            del self._kv_timers[request_id]
+        try:
+            self.scheduler.release_kv(request_id)
+        except Exception:
+            log.exception("request %s: the core failed to release its KV", request_id)
+            self.release_unsettled(request_id)
+        if timer:
+            self._pump_if_queued()
 
     def _pump_if_queued(self) -> None:
         """Freed capacity matters only to queued requests: with none, there is nothing to
@@ -254,7 +312,7 @@ class Dispatcher:
         for request_id, handle in list(self._kv_timers.items()):
             handle.cancel()
             del self._kv_timers[request_id]
-            self.scheduler.release_kv(request_id)
+            self._release(request_id, timer=False)
 
     @property
     def queued(self) -> int:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Final
 
 from aiohttp import web
+
+INTERNAL_ERROR: Final = "internal_error"
+"""The code (and record reason) of a request the sidecar itself failed on (a bug, logged)."""
 
 _TYPES = {
     400: "invalid_request_error",

@@ -4,14 +4,15 @@ Status codes the client can get from the sidecar itself (OpenAI-style error bodi
 
 =====  ==========================================================================================
 400    ``invalid_json`` (body not a JSON object, or nested deeper than the parser follows),
-       ``invalid_encoding`` (body not decodable as its ``Content-Encoding`` says),
+       ``invalid_encoding`` (body not decodable as its ``Content-Encoding`` says:
+       :func:`decode_body`),
        ``invalid_value`` (``param`` names the field: ``max_tokens``,
        ``max_completion_tokens``, ``stream``, ``messages``, ``prompt``, or the
        ``x-tokenfair-priority`` header asking for a class above the tenant's)
 401    ``invalid_api_key`` (no ``Authorization: Bearer`` key, or an unknown one)
 404    ``not_found`` (any route but the two below)
 408    ``request_timeout`` (the body took over ``client_body_timeout_s``; connection closed)
-413    ``request_too_large`` (body over ``max_body_bytes``)
+413    ``request_too_large`` (body over ``max_body_bytes``, as sent or decoded)
 415    ``unsupported_content_encoding`` (see :data:`DECODED_REQUEST_CODINGS`)
 429    the gate's reason: ``shed_kv_watermark``, ``shed_queue_wait_slo``,
        ``shed_tenant_token_quota``, ``queue_full`` (admission) or ``shed_queue_timeout`` (waited
@@ -46,7 +47,7 @@ import re
 import sys
 from typing import Any, Final
 
-from aiohttp import web
+from aiohttp import compression_utils, web
 from aiohttp.web_protocol import RequestPayloadError
 
 from tokenfair_sidecar.config import PRIORITY_CLASSES, PriorityClass
@@ -58,10 +59,10 @@ from tokenfair_sidecar.server.backends import (
     StreamAbortedError,
     UpstreamError,
 )
-from tokenfair_sidecar.server.dispatcher import Ticket
-from tokenfair_sidecar.server.errors import error_response
+from tokenfair_sidecar.server.dispatcher import Settlement, Ticket
+from tokenfair_sidecar.server.errors import INTERNAL_ERROR, error_response
 from tokenfair_sidecar.server.estimate import Estimate, EstimateError, estimate
-from tokenfair_sidecar.server.recorder import Usage
+from tokenfair_sidecar.server.recorder import NO_USAGE, Usage
 from tokenfair_sidecar.server.state import Sidecar
 
 SIDECAR: Final = web.AppKey("sidecar", Sidecar)
@@ -73,13 +74,18 @@ REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}")
 (the trace ids of ``tokenfair trace``, e.g. ``tenant_chat_pro-000001``, and UUIDs)."""
 DRAINING: Final = "draining"
 CLIENT_WRITE_TIMEOUT: Final = "client_write_timeout"
-INTERNAL_ERROR: Final = "internal_error"
-DECODED_REQUEST_CODINGS: Final = frozenset({"", "identity", "gzip", "deflate", "br", "zstd"})
-"""Request ``Content-Encoding`` values the proxy reads: aiohttp decodes these (exactly these
-lower-case names) as the body arrives, and its decoded size counts against ``max_body_bytes``
-(``br`` and ``zstd`` only where their libraries are installed; without them aiohttp answers
-400 itself). Any other coding would reach the JSON parser, and the upstream, still encoded:
-``415``."""
+HAS_BROTLI: Final[bool] = getattr(compression_utils, "HAS_BROTLI", False)
+HAS_ZSTD: Final[bool] = getattr(compression_utils, "HAS_ZSTD", False)
+DECODED_REQUEST_CODINGS: Final = frozenset(
+    {"", "identity", "gzip", "deflate"} | ({"br"} if HAS_BROTLI else set())
+    | ({"zstd"} if HAS_ZSTD else set())
+)  # fmt: skip
+"""Request ``Content-Encoding`` values the proxy reads (compared as aiohttp does: ASCII, any
+case): ``br`` and ``zstd`` only where aiohttp can decode them (its ``HAS_BROTLI`` /
+``HAS_ZSTD``: the Brotli and zstandard libraries are installed). The body is decoded by
+:func:`decode_body`, not by aiohttp (whose parser answers a coding it cannot decode with a
+plain-text 400 before any handler runs); any other coding would reach the JSON parser, and the
+upstream, still encoded: ``415``."""
 _PARSE_STACK_FRAMES: Final = 20
 """About how deep the handler's stack is when it parses a body: the JSON parser recurses once
 per nesting level within the interpreter's recursion limit, minus these frames."""
@@ -112,6 +118,48 @@ def _refusal(sidecar: Sidecar, decision: Decision) -> web.Response:
     headers[REQUEST_ID_HEADER] = decision.request_id
     headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
     return error_response(429, message, decision.reason, headers=headers)
+
+
+class BodyTooLargeError(ValueError):
+    """A request body decodes to more than ``max_body_bytes``."""
+
+
+def decode_body(raw: bytes, coding: str, limit: int) -> bytes:
+    """``raw`` decoded as ``coding`` (one of :data:`DECODED_REQUEST_CODINGS`, lower case) by
+    aiohttp's own decompressors, exactly as aiohttp would have decoded it (concatenated members,
+    a raw deflate stream recognised by its first byte), and at most ``limit`` bytes of it: never
+    more is decoded, so a few compressed bytes cannot expand into gigabytes.
+    :class:`BodyTooLargeError` past ``limit``; ``ValueError`` if it does not decode."""
+    if coding in ("", "identity"):
+        return raw
+    decompressor: (
+        compression_utils.ZLibDecompressor
+        | compression_utils.BrotliDecompressor
+        | compression_utils.ZSTDDecompressor
+    )
+    if coding == "br":
+        decompressor = compression_utils.BrotliDecompressor()
+    elif coding == "zstd":
+        decompressor = compression_utils.ZSTDDecompressor()
+    else:  # RFC 1950: a zlib stream's first byte has compression method 8 in its low bits
+        raw_deflate = coding == "deflate" and bool(raw) and raw[0] & 0x0F != 8
+        decompressor = compression_utils.ZLibDecompressor(
+            encoding=coding, suppress_deflate_header=raw_deflate
+        )
+    try:
+        body = decompressor.decompress_sync(raw, max_length=limit + 1)
+    except Exception as exc:
+        raise ValueError(f"not a valid {coding} body: {exc}") from None
+    if len(body) > limit:
+        raise BodyTooLargeError(f"decodes to over {limit} bytes")
+    if (  # the check aiohttp makes (a gzip member's end is checked by zlib itself)
+        isinstance(decompressor, compression_utils.ZLibDecompressor)
+        and coding == "deflate"
+        and raw
+        and not decompressor.eof
+    ):
+        raise ValueError("the deflate body is cut short")
+    return body
 
 
 async def _answer_and_close(request: web.Request, response: web.Response) -> web.Response:
@@ -171,9 +219,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         priority = "batch" if wanted == "batch" else priority
     settings = sidecar.settings
     coding = headers.get("Content-Encoding")
-    if coding is not None and coding.lower() not in DECODED_REQUEST_CODINGS:
-        # aiohttp decodes the codings above as it reads; any other would reach the JSON parser
-        # (and the upstream) still encoded.
+    decoded_as = "" if coding is None or not coding.isascii() else coding.lower()
+    if coding is not None and decoded_as not in DECODED_REQUEST_CODINGS:
+        # Any other coding would reach the JSON parser (and the upstream) still encoded.
         return _invalid(
             sidecar, 415,
             f"Content-Encoding {coding[:40]!r} is not supported "
@@ -196,11 +244,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
             sidecar, 408, f"the request body took over {settings.client_body_timeout_s:g} s",
             "request_timeout",
         ))  # fmt: skip
-    except RequestPayloadError:  # a compressed body that does not decode
+    except RequestPayloadError:  # a body whose transfer is broken (e.g. bad chunked framing)
         return await _answer_and_close(request, _invalid(
-            sidecar, 400, f"the body does not decode as its Content-Encoding ({coding}) says",
+            sidecar, 400, "the body could not be read (its transfer is malformed)",
             "invalid_encoding",
         ))  # fmt: skip
+    try:
+        raw = decode_body(raw, decoded_as, settings.max_body_bytes)
+    except BodyTooLargeError:
+        return _invalid(
+            sidecar, 413, f"request body over {settings.max_body_bytes} bytes decoded",
+            "request_too_large",
+        )  # fmt: skip
+    except ValueError:
+        return _invalid(
+            sidecar, 400,
+            f"the body does not decode as its Content-Encoding ({(coding or '')[:40]!r}) says",
+            "invalid_encoding",
+        )  # fmt: skip
     try:
         body = json.loads(raw)
     except ValueError:
@@ -255,7 +316,7 @@ async def _serve(
     ``status_code, reason`` is the outcome as the client met it; it starts as "the client went
     away" (the only way out of the ``await`` without an answer) and is set on every other path.
     Whatever the backend or settlement raises, the ``finally`` releases the request's slot and
-    KV and writes exactly one record (:func:`_settle`)."""
+    KV and writes exactly one record (:func:`_settle`, which never raises)."""
     job = ticket.request
     clock = sidecar.clock
     status_code = STATUS_CLIENT_CLOSED
@@ -329,11 +390,7 @@ async def _serve(
     finally:
         if call is not None:
             call.close()
-        try:
-            _settle(sidecar, ticket, call, status_code, reason, ttft_ms)
-        except Exception:  # never let settlement hide the request's own outcome or leak
-            log.exception("request %s: settlement failed", job.request_id)
-            sidecar.dispatcher.finish(ticket, None, 0.0)
+        _settle(sidecar, ticket, call, status_code, reason, ttft_ms)
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -368,53 +425,85 @@ def _settle(
     reason: str,
     ttft_ms: list[float],
 ) -> None:
+    """Settle the request in the core, then account for it; never raises. Each step is guarded
+    on its own, so that whatever raises, the slot and KV are released
+    (:meth:`~tokenfair_sidecar.server.dispatcher.Dispatcher.finish` never raises for the core's
+    sake) and exactly one record is written (by ``account``, or, if that raised, by
+    ``record`` alone, which counts a record it cannot write as dropped)."""
     job = ticket.request
     actual: int | None = None
-    usage = Usage()
-    if call is not None:
-        prompt, completion = call.prompt_tokens, call.completion_tokens
+    usage = NO_USAGE
+    try:
+        if call is not None:
+            actual, usage, reason = _settle_call(sidecar, ticket, call, reason, ttft_ms)
+        elif ticket.decision is not None:
+            # Dispatched but no backend call made (its client left, or the handler failed before
+            # the call): settled at zero. `finish` does nothing if the dispatcher settled it.
+            actual = 0
+            sidecar.dispatcher.finish(ticket, 0, 0.0)
+    except Exception:  # a bug: logged; the request is released at its estimate below
+        log.exception("request %s: settlement failed", job.request_id)
+        actual, usage = None, NO_USAGE
+        reason = INTERNAL_ERROR if reason == ADMITTED else reason
+    if ticket.decision is not None and not ticket.finished:
         try:
-            actual = _actual_service_tokens(sidecar, job, prompt, completion)
-        except Exception:  # the backend's numbers: whatever they are, the estimate stands
-            log.exception("request %s: usage not computable; settling at the estimate",
-                          job.request_id)  # fmt: skip
-            actual = prompt = completion = None
-            reason = BAD_USAGE if reason == ADMITTED else reason
-        try:
-            kv_hold_ms = sidecar.backend.kv_hold_ms(call)
+            sidecar.dispatcher.finish(ticket, None, 0.0)
         except Exception:
-            log.exception("request %s: KV hold time failed; releasing at once", job.request_id)
-            kv_hold_ms = 0.0
-        if not sidecar.dispatcher.finish(ticket, actual, kv_hold_ms):
-            # The core would not book that usage: settled at the estimate, recorded as such.
-            actual = prompt = completion = None
-            if reason == ADMITTED:
-                reason = BAD_USAGE
-        usage = Usage(
-            prompt, completion, ttft_ms[0] if ttft_ms else None,
-            sidecar.clock.now_ms() - job.arrival_ms,
-        )  # fmt: skip
-    elif ticket.decision is not None:
-        # Dispatched but no backend call made (its client left, or the handler failed before the
-        # call): settled at zero. `finish` is a no-op if the dispatcher already settled it.
-        actual = 0
-        sidecar.dispatcher.finish(ticket, 0, 0.0)
+            log.exception("request %s: releasing it failed", job.request_id)
     decision = ticket.decision or ticket.outcome
     if decision is None:  # cannot happen: a ticket ends dispatched, refused or cancelled
+        log.error("request %s ended with no decision: no record", job.request_id)
         return
     if ticket.outcome is not None and ticket.decision is None:
         status_code, reason = (
             (503, DRAINING) if ticket.drained else (ticket.outcome.status_code,
                                                     ticket.outcome.reason)
         )  # fmt: skip
-    sidecar.account(
-        job,
-        decision,
-        status_code=status_code,
-        reason=reason,
-        actual_service_tokens=actual,
-        usage=usage,
-    )
+    try:
+        sidecar.account(
+            job,
+            decision,
+            status_code=status_code,
+            reason=reason,
+            actual_service_tokens=actual,
+            usage=usage,
+        )
+    except Exception:  # a bug: the record is still written, alone
+        log.exception("request %s: accounting failed; writing its record alone", job.request_id)
+        sidecar.record(job, decision, status_code=status_code, reason=reason, usage=usage)
+
+
+def _settle_call(
+    sidecar: Sidecar, ticket: Ticket, call: BackendCall, reason: str, ttft_ms: list[float]
+) -> tuple[int | None, Usage, str]:
+    """Settle a request the backend ran: the service tokens booked (None: the estimate), its
+    usage for the record, and its reason (changed when the usage was not booked)."""
+    job = ticket.request
+    prompt, completion = call.prompt_tokens, call.completion_tokens
+    actual: int | None
+    try:
+        actual = _actual_service_tokens(sidecar, job, prompt, completion)
+    except Exception:  # the backend's numbers: whatever they are, the estimate stands
+        log.exception("request %s: usage not computable; settling at the estimate",
+                      job.request_id)  # fmt: skip
+        actual = prompt = completion = None
+        reason = BAD_USAGE if reason == ADMITTED else reason
+    try:
+        kv_hold_ms = sidecar.backend.kv_hold_ms(call)
+    except Exception:
+        log.exception("request %s: KV hold time failed; releasing at once", job.request_id)
+        kv_hold_ms = 0.0
+    settlement = sidecar.dispatcher.finish(ticket, actual, kv_hold_ms)
+    if settlement is not Settlement.AS_REPORTED:
+        # Not booked as reported: settled at the estimate (or released unsettled), recorded so.
+        actual = prompt = completion = None
+        if reason == ADMITTED:
+            reason = BAD_USAGE if settlement is Settlement.AT_ESTIMATE else INTERNAL_ERROR
+    usage = Usage(
+        prompt, completion, ttft_ms[0] if ttft_ms else None,
+        sidecar.clock.now_ms() - job.arrival_ms,
+    )  # fmt: skip
+    return actual, usage, reason
 
 
 async def not_found(request: web.Request) -> web.Response:

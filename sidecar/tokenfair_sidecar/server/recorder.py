@@ -84,6 +84,25 @@ def request_record(
     return record
 
 
+def minimal_record(request: Request, policy: str, *, status_code: int, reason: str) -> str:
+    """A record of the request's own fields and its outcome only (JSON text): written when the
+    full record cannot be encoded (a bug), so that the request still has its one record. It
+    holds the trace fields a replay needs; the decision's fields are missing."""
+    return _ENCODER.encode(
+        {
+            "policy": policy,
+            "request_id": request.request_id,
+            "tenant_id": request.tenant_id,
+            "priority_class": request.priority_class,
+            "status_code": status_code,
+            "reason": reason,
+            "arrival_ms": request.arrival_ms,
+            "prefill_tokens": request.prefill_tokens,
+            "decode_tokens": request.decode_tokens,
+        }
+    )
+
+
 _string: Final = json.encoder.encode_basestring_ascii
 """json's own string encoder (C): the quoted, escaped, ASCII-only JSON string."""
 

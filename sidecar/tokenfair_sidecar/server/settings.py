@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import yaml
 
-from tokenfair_sidecar.config import CONFIG_KIND, Config, ConfigError, parse_documents
+from tokenfair_sidecar.config import CONFIG_KIND, Config, ConfigError, parse_documents, shown
 from tokenfair_sidecar.server.upstream import parse_origin
 
 BACKENDS: Final = ("costmodel", "openai")
@@ -79,10 +79,11 @@ class SidecarSettings:
     """Reading one request's body longer than this is ``408`` (the body is at most
     ``max_body_bytes``: 30 s is ~35 KB/s for the default 1 MiB)."""
     client_write_timeout_s: float = 30.0
-    """A write to a streaming client that has waited this long for the client to read aborts
-    the client's connection and settles the request (``499 client_write_timeout``): a client
-    that stops reading cannot hold an in-flight slot. Generous: the socket buffers hold
-    megabytes, so a write waits only once the client has read nothing for a long while."""
+    """A write to a streaming client (or the end of its stream) that has waited this long with
+    the client taking no bytes aborts the client's connection and settles the request (``499
+    client_write_timeout``): a client that stops reading cannot hold an in-flight slot, while
+    one that reads slowly is never cut (the clock restarts whenever it takes bytes: see
+    :meth:`~tokenfair_sidecar.server.backends.base.BackendCall.write`)."""
     max_client_connections: int = 4096
     """Open connections on the proxy listener; one more is answered ``503`` and closed at once.
     Every queued request holds one, so keep it above ``maxInFlight`` plus the queue you expect
@@ -94,12 +95,8 @@ MAX_SETTING_INT: Final = 2**53
 
 
 def _shown(value: object) -> str:
-    """A value for an error message: a huge integer by its size (a 5,000-digit one cannot even
-    be printed), anything else by ``repr``, cut short."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_SETTING_INT:
-        return f"an integer of {abs(value).bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """A value for an error message, bounded (:func:`tokenfair_sidecar.config.shown`)."""
+    return shown(value)
 
 
 def _positive_float(name: str, value: object) -> float:
@@ -108,7 +105,7 @@ def _positive_float(name: str, value: object) -> float:
     if (isinstance(value, int) and abs(value) > MAX_SETTING_INT) or not math.isfinite(value):
         raise ConfigError(f"{name}: must be a finite number (got {_shown(value)})")
     if value <= 0:
-        raise ConfigError(f"{name}: must be > 0 (got {value!r})")
+        raise ConfigError(f"{name}: must be > 0 (got {_shown(value)})")
     return float(value)
 
 
@@ -170,7 +167,7 @@ def parse_address(value: str, name: str = "address") -> tuple[str, int]:
     """``HOST:PORT`` -> ``(host, port)``; ``[::1]:80`` for IPv6."""
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{name}: must be HOST:PORT (got {value!r})")
+        raise ConfigError(f"{name}: must be HOST:PORT (got {_shown(value)})")
     return host.strip("[]"), int(port)
 
 
@@ -200,7 +197,7 @@ def check_settings(settings: SidecarSettings) -> SidecarSettings:
         try:
             parse_origin(settings.upstream_url)
         except ValueError as exc:
-            raise ConfigError(f"upstreamUrl: {exc} (got {settings.upstream_url!r})") from None
+            raise ConfigError(f"upstreamUrl: {exc} (got {_shown(settings.upstream_url)})") from None
     if settings.default_decode_tokens > settings.max_decode_tokens:
         raise ConfigError(
             f"defaultDecodeTokens ({settings.default_decode_tokens}) must be <= "

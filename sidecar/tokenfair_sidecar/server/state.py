@@ -2,7 +2,8 @@
 
 Owns the scheduler, its dispatcher, the authenticator and the accounting of outcomes (metrics,
 per-tenant counters for ``/status``, request records). Every request that reaches admission is
-accounted exactly once, by :meth:`Sidecar.account`.
+accounted exactly once, by :meth:`Sidecar.account`, and has exactly one record whatever fails
+(:meth:`Sidecar.record` never raises: a record it cannot write is counted as dropped).
 """
 
 from __future__ import annotations
@@ -27,9 +28,16 @@ from tokenfair_sidecar.costmodel import CostModel
 from tokenfair_sidecar.server.auth import Authenticator
 from tokenfair_sidecar.server.backends import Backend, CostModelBackend
 from tokenfair_sidecar.server.dispatcher import Dispatcher, ModelClock
+from tokenfair_sidecar.server.errors import INTERNAL_ERROR
 from tokenfair_sidecar.server.estimate import ESTIMATORS, PromptEstimator
 from tokenfair_sidecar.server.metrics import LANE_NAMES, LaneSeries, Metrics
-from tokenfair_sidecar.server.recorder import NO_USAGE, RecordWriter, Usage, encode_record
+from tokenfair_sidecar.server.recorder import (
+    NO_USAGE,
+    RecordWriter,
+    Usage,
+    encode_record,
+    minimal_record,
+)
 from tokenfair_sidecar.server.settings import LoadedFile, SidecarSettings
 
 log = logging.getLogger("tokenfair.sidecar")
@@ -157,7 +165,26 @@ class Sidecar:
         actual_service_tokens: int | None = None,
         usage: Usage | None = None,
     ) -> None:
-        """Count, measure and record one request's outcome (exactly once per request)."""
+        """Count, measure and record one request's outcome (exactly once per request). A failure
+        while counting (a bug, logged) does not stop the record."""
+        if usage is None:
+            usage = NO_USAGE
+        try:
+            self._count(request, decision, status_code, reason, actual_service_tokens, usage)
+        except Exception:
+            log.exception("request %s: counting its outcome failed; its record is still written",
+                          request.request_id)  # fmt: skip
+        self.record(request, decision, status_code=status_code, reason=reason, usage=usage)
+
+    def _count(
+        self,
+        request: Request,
+        decision: Decision,
+        status_code: int,
+        reason: str,
+        actual_service_tokens: int | None,
+        usage: Usage,
+    ) -> None:
         tenant = request.tenant_id
         series = self._series(tenant, request.priority_class)
         lane = series.lane
@@ -165,17 +192,16 @@ class Sidecar:
         counts = self.tenant_counts.get(tenant)
         if counts is None:
             counts = self.tenant_counts[tenant] = Counter()
-        if usage is None:
-            usage = NO_USAGE
         if status_code in (429, 503):
             metrics.refused.labels(tenant, lane, reason).inc()
             counts["refused"] += 1
         elif status_code == 499:
             series.cancelled += 1
             counts["cancelled"] += 1
-        elif reason.startswith("upstream_") or status_code >= 500:
+        elif reason.startswith("upstream_") or reason == INTERNAL_ERROR or status_code >= 500:
             # Upstream faults (502, 504, a stream cut after its 200, usage not believed on a
-            # 200) and the sidecar's own failures (500 internal_error).
+            # 200) and the sidecar's own failures (500 internal_error, or a 200 it could not
+            # settle).
             metrics.backend_errors.labels(tenant, lane, reason).inc()
             counts["backend_errors"] += 1
         else:
@@ -191,17 +217,39 @@ class Sidecar:
         if usage.ttft_ms is not None:
             series.ttft.observe(usage.ttft_ms / 1000.0)
             decision.ttft_ms = round(usage.ttft_ms, 2)
-        if self.recorder is not None:
-            self.recorder.write(
-                encode_record(
-                    request,
-                    decision,
-                    self.policy_name,
-                    status_code=status_code,
-                    reason=reason,
-                    usage=usage,
-                )
-            )
+
+    def record(
+        self,
+        request: Request,
+        decision: Decision,
+        *,
+        status_code: int,
+        reason: str,
+        usage: Usage = NO_USAGE,
+    ) -> None:
+        """Write the request's record, if records are on. Never raises: a record that cannot
+        be encoded is written minimal (:func:`minimal_record`), and one that cannot be queued
+        at all is counted in ``tokenfair_records_dropped_total`` (both logged)."""
+        recorder = self.recorder
+        if recorder is None:
+            return
+        try:
+            try:
+                line = encode_record(request, decision, self.policy_name, status_code=status_code,
+                                     reason=reason, usage=usage)  # fmt: skip
+            except Exception:
+                log.exception("request %s: its record could not be encoded; writing a minimal "
+                              "one", request.request_id)  # fmt: skip
+                line = minimal_record(request, self.policy_name, status_code=status_code,
+                                      reason=reason)  # fmt: skip
+            recorder.write(line)
+        except Exception:
+            log.exception("request %s: its record could not be written; counted as dropped",
+                          request.request_id)  # fmt: skip
+            try:
+                self.metrics.records_dropped.inc()
+            except Exception:
+                log.exception("counting a dropped record failed")
 
     def status(self) -> dict[str, object]:
         """The ``/status`` document: config, books, per-tenant state and counters."""

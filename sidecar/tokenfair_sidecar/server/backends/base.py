@@ -8,9 +8,11 @@ proxy then cuts the client's connection, so the client sees an incomplete transf
 clean end. While it runs it fills in ``call.prompt_tokens`` / ``call.completion_tokens`` (the
 usage to settle; :meth:`BackendCall.report_usage` checks reported values) and calls
 ``call.first_byte()`` when the first body bytes go out (TTFT). Stream bytes go out through
-:meth:`BackendCall.write`, which bounds how long one write may wait for a client that does not
-read. It may be cancelled at any await (the client went away); it must then free what it holds
-(an upstream connection) and re-raise.
+:meth:`BackendCall.write` and a stream ends with :meth:`BackendCall.write_eof` (never a bare
+``response.write``/``write_eof``: both wait for the client to take the bytes), which cut a client
+that takes nothing for ``client_write_timeout_s`` while they wait. It may be cancelled at any
+await (the client went away); it must then free what it holds (an upstream connection) and
+re-raise.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
@@ -47,6 +49,9 @@ CLIENT_MESSAGES: Final = {
     "upstream_unavailable": "the model server is not available",
 }
 """What a tenant reads in a 502/504: no upstream host, port or errno (those go to the log)."""
+WRITE_CHECKS_PER_TIMEOUT: Final = 4
+"""While a write to the client waits, the client's progress is looked at this many times per
+``client_write_timeout_s`` (the transport's buffer shrinking: the client took bytes)."""
 
 
 class UpstreamError(Exception):
@@ -120,16 +125,25 @@ class BackendCall:
     dispatched_at_s: float
     """Event-loop time when the scheduler dispatched the request."""
     client_write_timeout_s: float | None = None
-    """Longest one write to the client may wait (the client not reading); None: unbounded."""
+    """How long a write to the client may wait while the client takes nothing (see
+    :meth:`write`); None: unbounded."""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     usage_error: str | None = None
     """Why the reported usage was not believed (then the request settles at its estimate)."""
     first_byte_sent: bool = field(default=False)
     client_write_timed_out: bool = field(default=False)
-    """Set when a write waited past ``client_write_timeout_s`` and the client's connection was
-    aborted (the request is then recorded as ``client_write_timeout``)."""
+    """Set when a write waited ``client_write_timeout_s`` without the client taking a byte and
+    the client's connection was aborted (the request is then recorded as
+    ``client_write_timeout``)."""
     _writing_since: float | None = field(default=None, init=False, repr=False)
+    """Loop time the write under way began (None: no write under way)."""
+    _progress_at: float = field(default=0.0, init=False, repr=False)
+    """Loop time of the last look that saw the client take bytes."""
+    _buffered: int = field(default=0, init=False, repr=False)
+    """The transport's write buffer at the last look."""
+    _appended: int = field(default=0, init=False, repr=False)
+    """Bytes handed to writes since the last look."""
     _watchdog: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
 
     def first_byte(self) -> None:
@@ -162,38 +176,68 @@ class BackendCall:
     # -- writing to the client ------------------------------------------------------------------
 
     async def write(self, response: web.StreamResponse, data: bytes) -> None:
-        """``response.write(data)``, bounded: a write still waiting for the client to read after
-        ``client_write_timeout_s`` aborts the client's connection (the write then raises), so a
-        client that stops reading cannot hold its in-flight slot. One timer per call, re-armed
-        only when it fires while a write is under way (not per write)."""
+        """``response.write(data)``, bounded: see :meth:`_bounded`."""
+        await self._bounded(response.write(data), len(data))
+
+    async def write_eof(self, response: web.StreamResponse) -> None:
+        """``response.write_eof()``, bounded like :meth:`write`: it too waits until the client
+        has taken what is buffered (the last bytes of a stream may be up to 64 KiB that no
+        ``write`` waited for), so a client that stops reading near the end is cut as well."""
+        await self._bounded(response.write_eof(), 0)
+
+    async def _bounded(self, operation: Awaitable[None], size: int) -> None:
+        """Await ``operation`` (a write of ``size`` bytes to the client). While it waits, a
+        timer looks at the client's connection :data:`WRITE_CHECKS_PER_TIMEOUT` times per
+        ``client_write_timeout_s``: the client made progress if the transport's buffer is
+        smaller than at the last look plus what was written since. A write that has waited
+        ``client_write_timeout_s`` since it began, or since progress was last seen, aborts the
+        client's connection (the write then raises), so a client that stops reading cannot hold
+        its in-flight slot, while one that reads slowly is never cut. One timer per call, armed
+        by a write and re-armed only while a write waits (not per write)."""
         timeout_s = self.client_write_timeout_s
         if timeout_s is None:
-            await response.write(data)
+            await operation
             return
         loop = asyncio.get_running_loop()
-        self._writing_since = now = loop.time()
+        now = loop.time()
         if self._watchdog is None:
-            self._watchdog = loop.call_at(now + timeout_s, self._check_write, timeout_s)
+            transport = self.request.transport
+            self._buffered = 0 if transport is None else transport.get_write_buffer_size()
+            self._appended = 0
+            interval_s = timeout_s / WRITE_CHECKS_PER_TIMEOUT
+            self._watchdog = loop.call_at(now + interval_s, self._check_write, timeout_s)
+        self._appended += size
+        self._writing_since = now
         try:
-            await response.write(data)
+            await operation
         finally:
             self._writing_since = None
 
     def _check_write(self, timeout_s: float) -> None:
         self._watchdog = None
         since = self._writing_since
-        if since is None:  # no write under way: the next write arms the timer again
+        transport = self.request.transport
+        if since is None or transport is None:
+            # No write under way (the next one arms the timer again, with a new baseline), or
+            # the connection is gone (the write fails by itself).
             return
         loop = asyncio.get_running_loop()
-        if loop.time() < since + timeout_s:
-            self._watchdog = loop.call_at(since + timeout_s, self._check_write, timeout_s)
+        now = loop.time()
+        buffered = transport.get_write_buffer_size()
+        if buffered < self._buffered + self._appended:
+            self._progress_at = now  # the client took bytes since the last look
+        self._buffered, self._appended = buffered, 0
+        deadline = max(since, self._progress_at) + timeout_s
+        if now < deadline:
+            interval_s = timeout_s / WRITE_CHECKS_PER_TIMEOUT
+            self._watchdog = loop.call_at(
+                min(deadline, now + interval_s), self._check_write, timeout_s
+            )
             return
         self.client_write_timed_out = True
-        log.warning("request %s: the client read nothing for %g s; aborting its connection",
+        log.warning("request %s: the client took nothing for %g s; aborting its connection",
                     self.decision.request_id, timeout_s)  # fmt: skip
-        transport = self.request.transport
-        if transport is not None:
-            transport.abort()
+        transport.abort()
 
     def close(self) -> None:
         """Stop the write timer (the proxy calls this once the request is over)."""

@@ -191,5 +191,5 @@ class CostModelBackend(Backend):
                     "usage": usage,
                 }))  # fmt: skip
         await call.write(response, b"data: [DONE]\n\n")
-        await response.write_eof()
+        await call.write_eof(response)
         return response

@@ -10,8 +10,9 @@
   in a final chunk (``"choices": []``). That chunk was not asked for: it is read for settlement
   and cut out of what the client receives (OpenAI SDK loops over ``chunk.choices[0]``).
 * Streaming passthrough: upstream bytes are written to the client as they arrive, never parsed per
-  chunk (only a line holding ``"choices": []`` is decoded, to cut the injected usage event); only
-  the last :data:`TAIL_BYTES` are kept, and searched for the usage chunk at the end.
+  chunk (only an SSE event holding ``"choices": []`` is decoded, to cut the injected usage
+  event, see :class:`UsageEventFilter`); only the last :data:`TAIL_BYTES` are kept, and searched
+  for the usage chunk at the end.
 * Usage is read from the response (``usage.prompt_tokens`` / ``completion_tokens``) to settle;
   without it the estimate stands; an upstream error status with no usage settles at zero; a usage
   that is not believable (not an integer in ``[0, MAX_USAGE_TOKENS]``, nested too deeply) settles
@@ -216,92 +217,164 @@ def usage_from_json(data: bytes) -> dict[str, Any] | None:
 
 def usage_from_sse(tail: bytes) -> dict[str, Any] | None:
     """The usage of the last SSE ``data:`` line that carries one, searched from the end (the
-    usage chunk is the last before ``[DONE]``; earlier chunks may say ``"usage":null``)."""
+    usage chunk is the last before ``[DONE]``; earlier chunks may say ``"usage":null``). Lines
+    end with LF, CRLF or CR."""
     end = len(tail)
     while (index := tail.rfind(b'"usage"', 0, end)) >= 0:
-        start = tail.rfind(b"\n", 0, index) + 1
+        start = max(tail.rfind(b"\n", 0, index), tail.rfind(b"\r", 0, index)) + 1
         line = tail[start:index].lstrip()
         if line.startswith(b"data:"):
-            stop = tail.find(b"\n", index)
-            usage = usage_from_json(tail[index : len(tail) if stop < 0 else stop])
+            ends = (tail.find(b"\n", index), tail.find(b"\r", index))
+            usage = usage_from_json(tail[index : min((e for e in ends if e >= 0), default=None)])
             if usage is not None:
                 return usage
         end = start
     return None
 
 
-def _is_usage_event(line: bytes) -> bool:
-    """Whether an SSE line is ``data: {... "choices": [] ..., "usage": {...}}``: the chunk that
-    ``include_usage`` adds."""
-    payload = line.strip()
-    if not payload.startswith(b"data:"):
+_LINE_END: Final = rb"(?:\r\n|\n|\r(?!\n))"
+_EVENT_END: Final = re.compile(_LINE_END + _LINE_END)
+"""Two line ends in a row: the blank line that ends an SSE event. A line ends with CRLF, LF or a
+lone CR (SSE allows all three); a CR at the end of the bytes so far counts as a lone one (an LF
+that starts the next chunk is then part of that line end)."""
+_LINE_SPLIT: Final = re.compile(rb"\r\n|\n|\r")
+_EMPTY_CHOICES: Final = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+MAX_HELD_EVENT_BYTES: Final = 1 << 16
+"""An SSE event longer than this (64 KiB) is passed through unexamined rather than held."""
+
+
+def _is_usage_event(event: bytes) -> bool:
+    """Whether an SSE event's data (its ``data:`` lines' values joined with LF, as a client
+    reads them) is a JSON object with ``"choices": []`` and a ``"usage"`` object: the event
+    that ``include_usage`` adds."""
+    values: list[bytes] = []
+    for line in _LINE_SPLIT.split(event):
+        if line.startswith(b"data:"):
+            value = line[5:]
+            values.append(value[1:] if value.startswith(b" ") else value)
+        elif line == b"data":
+            values.append(b"")
+    if not values:
         return False
     try:
-        event = json.loads(payload[5:])
+        payload = json.loads(b"\n".join(values))
     except (ValueError, RecursionError):
         return False
     return (
-        isinstance(event, dict)
-        and event.get("choices") == []
-        and isinstance(event.get("usage"), dict)
+        isinstance(payload, dict)
+        and payload.get("choices") == []
+        and isinstance(payload.get("usage"), dict)
     )
 
 
-_EMPTY_CHOICES: Final = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+def _leading_line_ends(event: bytes) -> int:
+    """How many bytes of line ends (extra blank lines) start ``event``."""
+    return len(event) - len(event.lstrip(b"\r\n"))
 
 
 class UsageEventFilter:
     """Cuts the usage-only event out of an SSE stream (for a client that did not ask for it).
 
-    Bytes pass through as whole lines: a partial last line is held back until its newline
-    arrives (upstream servers write whole events, so in practice nothing waits). Only a line
-    holding ``"choices": []`` is decoded to check it (one per stream: the usage event), so an
-    ordinary chunk costs a search for its last newline and one regex scan. The event's data line
-    goes with the blank line that ends it, even when that arrives in a later chunk."""
+    The stream is read as SSE is specified: lines end with LF, CRLF or CR, an event is the lines
+    up to a blank line, and its data is its ``data:`` lines' values joined with LF. The event cut
+    is one whose data is a JSON object with ``"choices": []`` and a ``"usage"`` object: all of
+    it goes (its ``event:``, ``id:`` and comment lines, its data and the blank line ending it);
+    every other byte passes through unchanged.
+
+    Bytes pass through as whole events: an event is held until the blank line that ends it
+    arrives (a client acts on an event only then, and servers write whole events, so in practice
+    nothing waits). An event that grows past :data:`MAX_HELD_EVENT_BYTES` without ending is
+    not examined: what was held goes out, and the rest of that event passes through as it comes.
+    Only an event holding ``"choices"`` with an empty list is decoded to check it, so an
+    ordinary chunk costs a scan for the blank line and one for that pattern."""
 
     def __init__(self) -> None:
         self._held = b""
-        self._cut_blank = False
-        """A usage line was cut at the end of the last output: its blank line is still due."""
+        """The start of the current event (no blank line yet)."""
+        self._passing = False
+        """The current event grew past the bound: its bytes pass through until it ends."""
+        self._tail = b""
+        """While passing: the last two bytes passed (a blank line may span two chunks)."""
+        self._after_cr: bytes | None = None
+        """The bytes so far ended an event with a lone CR: an LF starting the next chunk is
+        part of that line end, and goes as the event went (``b"\\n"`` passed, ``b""`` cut)."""
 
     def feed(self, data: bytes) -> bytes:
-        if self._held:
-            data = self._held + data
-        cut = data.rfind(b"\n") + 1
-        self._held = data[cut:]
-        return self._filter(data[:cut])
+        out: list[bytes] = []
+        if self._after_cr is not None and data:
+            if data.startswith(b"\n"):
+                out.append(self._after_cr)
+                data = data[1:]
+            self._after_cr = None
+        if self._passing:
+            data = self._pass(data, out)
+        if not data:
+            return b"".join(out)
+        held = self._held
+        buffer = held + data if held else data
+        end = 0
+        # A blank line completed by `data` starts at most 3 bytes before it (CRLF CR).
+        for match in _EVENT_END.finditer(buffer, max(0, len(held) - 3)):
+            end = match.end()
+        if end:
+            out.append(self._filter(buffer[:end], at_end=end == len(buffer)))
+        rest = buffer[end:] if end else buffer
+        if len(rest) > MAX_HELD_EVENT_BYTES:  # too long to hold: pass it on unexamined
+            out.append(rest)
+            self._passing = True
+            self._tail = rest[-2:]
+            rest = b""
+        self._held = rest
+        return b"".join(out)
 
     def flush(self) -> bytes:
+        """The held bytes at the end of the stream (an event no blank line ended: cut if it is
+        the usage event)."""
         held, self._held = self._held, b""
-        return self._filter(held)
+        if held and _EMPTY_CHOICES.search(held) is not None and _is_usage_event(held):
+            return held[: _leading_line_ends(held)]
+        return held
 
-    def _filter(self, data: bytes) -> bytes:
-        if self._cut_blank and data:
-            self._cut_blank = False
-            end = data.find(b"\n")
-            if end >= 0 and data[:end].strip() == b"":
-                data = data[end + 1 :]
-        out: list[bytes] = []
-        kept_from = 0
-        for match in _EMPTY_CHOICES.finditer(data):
-            start = data.rfind(b"\n", 0, match.start()) + 1
-            if start < kept_from:  # a second match on a line already cut
-                continue
-            stop = data.find(b"\n", match.end())
-            stop = len(data) if stop < 0 else stop + 1
-            if not _is_usage_event(data[start:stop]):
-                continue
-            blank = data.find(b"\n", stop)
-            if blank < 0:
-                self._cut_blank = stop == len(data)  # the blank line comes with the next chunk
-            elif data[stop:blank].strip() == b"":
-                stop = blank + 1
-            out.append(data[kept_from:start])
-            kept_from = stop
-        if not out:
-            return data
-        out.append(data[kept_from:])
-        return b"".join(out)
+    def _pass(self, data: bytes, out: list[bytes]) -> bytes:
+        """Pass ``data`` on as part of an oversized event; returns what follows its end."""
+        tail = self._tail
+        # The last bytes passed hold no blank line (the event would have ended there), but one
+        # may start in them and end in `data`.
+        match = _EVENT_END.search(tail + data)
+        if match is None:
+            out.append(data)
+            self._tail = (tail + data[-2:])[-2:]
+            return b""
+        split = max(0, match.end() - len(tail))
+        out.append(data[:split])
+        self._passing = False
+        self._tail = b""
+        if split == len(data) and data.endswith(b"\r"):
+            self._after_cr = b"\n"
+        return data[split:]
+
+    def _filter(self, events: bytes, *, at_end: bool) -> bytes:
+        """``events`` (whole events) without the usage event; ``at_end``: nothing follows them
+        yet (a final lone CR may be continued by an LF)."""
+        ends_with_cr = at_end and events.endswith(b"\r")
+        kept = True  # the last event's fate
+        if _EMPTY_CHOICES.search(events) is not None:
+            out: list[bytes] = []
+            start = kept_from = 0
+            for match in _EVENT_END.finditer(events):
+                end = match.end()
+                event = events[start:end]
+                kept = _EMPTY_CHOICES.search(event) is None or not _is_usage_event(event)
+                if not kept:
+                    out.append(events[kept_from : start + _leading_line_ends(event)])
+                    kept_from = end
+                start = end
+            if out:
+                out.append(events[kept_from:])
+                events = b"".join(out)
+        if ends_with_cr:
+            self._after_cr = b"\n" if kept else b""
+        return events
 
 
 _INCLUDE_USAGE: Final = b'{"stream_options":{"include_usage":true}'
@@ -470,8 +543,11 @@ class OpenAIBackend(Backend):
             await call.write(response, rest)
         self._settle_stream(call, tail)
         try:
-            await response.write_eof()
-        except ConnectionResetError:  # the client left after the last chunk: nothing to tell it
+            await call.write_eof(response)
+        except ConnectionResetError:
+            if call.client_write_timed_out:  # cut for not reading: the proxy records it so
+                raise
+            # The client left after the last chunk: nothing to tell it.
             log.info("client of %s left before the end of its stream", call.decision.request_id)
         return response
 
