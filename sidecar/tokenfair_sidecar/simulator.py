@@ -127,6 +127,10 @@ def _replay(
         heappush(releases, (clock_ms + execution_ms * residency, sequence, request_id))
         clock_ms += execution_ms
         complete(
-            request_id, clock_ms, used, actual_kv_blocks=actual_kv.get(request_id), release_kv=False
+            request_id,
+            clock_ms,
+            used,
+            actual_kv_blocks=actual_kv.get(request_id) if actual_kv else None,
+            release_kv=False,
         )
     return outcomes

@@ -106,6 +106,11 @@ class Scheduler(ABC):
     """``_dispatch_gate`` may refuse a selected request (skipped on the hot path otherwise)."""
     charges_at_dispatch: ClassVar[bool] = False
     """``_charge`` debits the budget at dispatch (skipped on the hot path otherwise)."""
+    settles_every_request: ClassVar[bool] = False
+    """``_settle`` (and the usage ratio) run at every settlement, not only when the actual
+    usage differs from the estimate (skipped on the hot path otherwise)."""
+    tracks_kv_releases: ClassVar[bool] = False
+    """``_kv_released`` is called when a request's KV is freed."""
 
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
         self.config = config
@@ -269,19 +274,22 @@ class Scheduler(ABC):
         decision = job.decision
         if job.state is not _DISPATCHED or decision is None:
             raise ValueError(f"request {request_id!r} is not running")
-        actual = job.service_tokens if actual_service_tokens is None else actual_service_tokens
-        _check_settled("actual_service_tokens", actual)
+        if actual_service_tokens is None:
+            actual = job.service_tokens  # the estimate: nothing to check, nothing to correct
+        else:
+            _check_settled("actual_service_tokens", actual_service_tokens)
+            actual = actual_service_tokens
         if actual_kv_blocks is not None:
             _check_settled("actual_kv_blocks", actual_kv_blocks)
         refund = job.service_tokens - actual
-        tenant = self.tenants[job.request.tenant_id]
-        if job.service_tokens:
-            ratio = tenant.usage_ratio + (actual / job.service_tokens - tenant.usage_ratio) * (
-                USAGE_RATIO_WEIGHT
-            )
-            tenant.usage_ratio = min(USAGE_RATIO_RANGE[1], max(USAGE_RATIO_RANGE[0], ratio))
-        tenant.served_tokens -= refund
-        self._settle(job, tenant, refund, now_ms)
+        if refund or self.settles_every_request:
+            tenant = self.tenants[job.request.tenant_id]
+            if job.service_tokens:
+                ratio = tenant.usage_ratio
+                ratio += (actual / job.service_tokens - ratio) * USAGE_RATIO_WEIGHT
+                tenant.usage_ratio = min(USAGE_RATIO_RANGE[1], max(USAGE_RATIO_RANGE[0], ratio))
+            tenant.served_tokens -= refund
+            self._settle(job, tenant, refund, now_ms)
         if actual_kv_blocks is not None:
             self.resident_blocks += actual_kv_blocks - job.kv_blocks
             job.kv_blocks = actual_kv_blocks
@@ -299,7 +307,8 @@ class Scheduler(ABC):
             raise ValueError(f"request {request_id!r} has no KV to release (not completed)")
         del self.jobs[request_id]
         self.resident_blocks -= job.kv_blocks
-        self._kv_released(job)
+        if self.tracks_kv_releases:
+            self._kv_released(job)
 
     def release_unsettled(self, request_id: str) -> bool:
         """Take a dispatched request off the books without settling it: its running slot (if
@@ -449,8 +458,8 @@ class Scheduler(ABC):
         """Hook: a request's KV blocks were freed."""
 
     def _settle(self, job: Job, tenant: TenantState, refund: int, now_ms: float) -> None:
-        """Apply ``estimate - actual`` to the tenant's budget (and fairness state); called at
-        every settlement, ``refund`` 0 included."""
+        """Apply ``estimate - actual`` to the tenant's budget (and fairness state); called when
+        they differ, or at every settlement with ``settles_every_request``."""
 
 
 MAX_SETTLED_TOKENS: Final = 2**40

@@ -81,6 +81,8 @@ class TokenfairScheduler(Scheduler):
     name = "tokenfair"
     expires_queued = True
     charges_at_dispatch = True
+    settles_every_request = True  # the expected cost (estimate x usage ratio) may differ
+    tracks_kv_releases = True  # the KV forecast of `kv_wait_ms`
 
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
         self._lanes = (DeficitRoundRobin(), DeficitRoundRobin())
@@ -440,7 +442,8 @@ class TokenfairScheduler(Scheduler):
             )
         if job.borrowed:
             return
-        self._budgeted.add(job.expected_tokens, now_ms, self._lending_memory_ms())
+        if self.policy.lend_idle_capacity:  # only lending reads it
+            self._budgeted.add(job.expected_tokens, now_ms, self._lending_memory_ms())
         tenant.bucket.refill(now_ms)
         tenant.bucket.level -= job.service_tokens
 
@@ -473,17 +476,18 @@ class TokenfairScheduler(Scheduler):
         # The round robin and the work in flight were charged the expected usage; the budget
         # was charged the estimate. Each is settled against what it was charged.
         overrun = job.service_tokens - refund - job.expected_tokens
-        dispatch_ms = job.decision.dispatch_ms if job.decision is not None else None
-        if dispatch_ms is not None:  # the hold follows the actual usage
-            self._kv_release_ms[job.request.request_id] = dispatch_ms + (
-                self.policy.kv_residency_factor
-                * (job.service_tokens - refund)
-                / self.policy.service_tokens_per_ms
-            )
-        self._record_service(job, overrun, now_ms)
-        self._lanes[job.lane].settle(tenant.config.tenant_id, overrun)
-        self._residual.settled(overrun, self.policy.service_tokens_per_ms)
-        if not job.borrowed:  # a borrowed dispatch was never charged to the bucket
+        if overrun:
+            dispatch_ms = job.decision.dispatch_ms if job.decision is not None else None
+            if dispatch_ms is not None:  # the hold follows the actual usage
+                self._kv_release_ms[job.request.request_id] = dispatch_ms + (
+                    self.policy.kv_residency_factor
+                    * (job.service_tokens - refund)
+                    / self.policy.service_tokens_per_ms
+                )
+            self._record_service(job, overrun, now_ms)
+            self._lanes[job.lane].settle(tenant.config.tenant_id, overrun)
+            self._residual.settled(overrun, self.policy.service_tokens_per_ms)
+        if refund and not job.borrowed:  # a borrowed dispatch was never charged to the bucket
             tenant.bucket.refill(now_ms)
             tenant.bucket.settle(refund)
 
