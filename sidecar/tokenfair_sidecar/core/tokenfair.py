@@ -8,16 +8,17 @@ Admission (at arrival; the first gate that fails decides, with a ``Retry-After``
 2. ``shed_kv_watermark`` — only a request that could *never* fit: ``kv_blocks / total_kv_blocks``
    above its class watermark. Anything smaller waits in the queue for KV headroom instead of being
    shed because the cache is busy right now (the lesson shed 14 of 18 batch requests that way).
-3. ``shed_queue_wait_slo`` — the wait *this tenant* can expect under the DRR that will serve it
-   is above the class limit (:mod:`tokenfair_sidecar.core.shares`): its own queued work scaled by
-   the weights competing in its lane, one turn of the others, the work in flight, at the rate its
-   lane gets. A flooder's backlog lengthens the flooder's own predicted wait, not its
-   neighbours'.
+3. ``shed_queue_wait_slo`` — the wait *this tenant* can expect, counted from the request's
+   arrival, is above the class limit: its turns under the DRR that will serve it (its own queue,
+   one quantum of the others per quantum it still needs, the work in flight, at the rate its lane
+   gets; :mod:`tokenfair_sidecar.core.shares`), or the wait for KV room if that is longer
+   (:meth:`TokenfairScheduler.kv_wait_ms`). A flooder's backlog lengthens the flooder's own
+   predicted wait, not its neighbours'.
 4. ``shed_tenant_token_quota`` — the tenant's budget cannot cover its queued work plus this
    request before the class wait limit: ``(queued_tenant_tokens + cost - bucket_level) /
-   sustained_rate > max_wait``, or ``cost > burst`` (never coverable). Skipped when the policy
-   lends idle capacity (``lend_idle_capacity``): such a request may still run on capacity nobody
-   within budget wants.
+   sustained_rate > max_wait``, or ``cost > burst`` (never coverable). With
+   ``lend_idle_capacity`` such a request may still be admitted if it can borrow in time (the
+   capacity within-budget work has left lately serves its queue within the limit).
 
 Budgets *shape* rather than police: the estimate is charged at dispatch, and a head whose tenant
 bucket is below its cost waits for the refill (``next_wakeup_ms`` says when) — or, with
@@ -34,12 +35,15 @@ empties, so an idle lane banks nothing). Under sustained interactive overload ba
 ``s`` of the service, and none of the interactive burst when its work is short. Inside a lane:
 weighted DRR over tenants (:mod:`tokenfair_sidecar.core.drr`), FIFO inside a tenant.
 
-Settlement charges ``actual - estimate`` to the tenant's bucket *and* its DRR deficit, so the
-round robin is fair in actual service tokens; a debt outlives the tenant's queue.
+Settlement charges ``actual - estimate`` to the tenant's bucket and ``actual - expected`` (the
+estimate times its usage ratio, what the round robin charged) to its DRR deficit, so the round
+robin is fair in actual service tokens; a debt outlives the tenant's queue. A tenant that becomes
+backlogged while under its weighted share of the lane's recent service joins the ring ahead
+(``DeficitRoundRobin.push``, VTC's lift in DRR terms).
 
 Queued requests past ``arrival + max_wait`` of their class are refused ``shed_queue_timeout``, so
 every request that starts, starts within its class's wait limit; the refusal's ``Retry-After`` is
-the tenant's own predicted wait beyond the limit.
+the tenant's own predicted wait (for its turn or its budget) beyond the limit.
 """
 
 from __future__ import annotations
