@@ -94,16 +94,7 @@ async def test_valid_reload_applies_without_dropping_requests_and_invalid_is_ref
     assert (await running).status == 200
     assert (await queued).status == 200
     # The old key was rotated out with the reload; the new one works.
-    old = await proxy.post(
-        "/v1/completions", json=completion_body(1, 1), headers={"Authorization": CHAT}
-    )
-    assert old.status == 401
-    new = await proxy.post(
-        "/v1/completions",
-        json=completion_body(1, 1),
-        headers={"Authorization": "Bearer sk-rotated"},
-    )
-    assert new.status == 200
+    await assert_key_rotated(proxy)
     assert await books_when_settled(sidecar) == ZERO_BOOKS
     metrics = await (await clients.admin.get("/metrics")).text()
     assert 'tokenfair_config_reloads_total{result="applied"} 1.0' in metrics
@@ -287,16 +278,7 @@ async def test_the_watcher_survives_anything_and_applies_a_later_revocation(
     assert len(logged) == 1  # once, with its traceback
     assert logged[0].exc_info is not None
     assert count("applied") == 1
-    old = await proxy.post(
-        "/v1/completions", json=completion_body(1, 1), headers={"Authorization": CHAT}
-    )
-    assert old.status == 401  # the revocation applies
-    new = await proxy.post(
-        "/v1/completions",
-        json=completion_body(1, 1),
-        headers={"Authorization": "Bearer sk-rotated"},
-    )
-    assert new.status == 200
+    await assert_key_rotated(proxy)  # the revocation applies
     assert await books_when_settled(sidecar) == ZERO_BOOKS
     metrics = await (await clients.admin.get("/metrics")).text()
     assert 'tokenfair_config_reloads_total{result="error"} 1.0' in metrics
@@ -338,3 +320,17 @@ def test_an_unreadable_file_is_retried_every_tick_until_it_reads(
 
 def applied_version(versions: list[str]) -> Callable[[LoadedFile], None]:
     return lambda loaded: versions.append(loaded.config.version)
+
+
+async def assert_key_rotated(proxy: Any) -> None:
+    """The reload rotated tenant_chat_pro's key: the old one is refused, the new one served."""
+    old = await proxy.post(
+        "/v1/completions", json=completion_body(1, 1), headers={"Authorization": CHAT}
+    )
+    assert old.status == 401
+    new = await proxy.post(
+        "/v1/completions",
+        json=completion_body(1, 1),
+        headers={"Authorization": "Bearer sk-rotated"},
+    )
+    assert new.status == 200

@@ -44,17 +44,6 @@ from tokenfair_sidecar.core.jobs import (
 )
 from tokenfair_sidecar.costmodel import CostModel
 
-USAGE_RATIO_WEIGHT: Final = 0.25
-"""Weight of the newest settlement in a tenant's usage ratio: four settlements take it most of
-the way to a new level, so a tenant that starts under-declaring is priced right within a few
-requests, and one odd request moves it by a quarter."""
-
-USAGE_RATIO_RANGE: Final = (0.1, 100.0)
-"""Bounds of a tenant's usage ratio. The floor keeps requests that end at once (a client that
-cancels right after dispatch settles at 0) from making the tenant's next requests nearly free to
-the round robin until they settle; the ceiling keeps one absurd report from pricing a tenant
-out for long. Settlement corrects whatever the ratio gets wrong."""
-
 _DISPATCHED: Final = JobState.DISPATCHED
 _DONE: Final = JobState.DONE
 
@@ -81,8 +70,8 @@ class TenantState:
         self.queued_tokens = 0
         self.served_tokens = 0  # S_i: service tokens dispatched, settled to actual usage
         self.usage_ratio = 1.0
-        """Recent actual ÷ estimated usage of the tenant's requests (an EWMA over settlements,
-        weight :data:`USAGE_RATIO_WEIGHT`); admission scales the tenant's queued work by it."""
+        """Recent actual ÷ estimated usage of the tenant's requests, kept by the policies that
+        price work by it (``tokenfair``: an EWMA over settlements); 1 otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,10 +273,6 @@ class Scheduler(ABC):
         refund = job.service_tokens - actual
         if refund or self.settles_every_request:
             tenant = self.tenants[job.request.tenant_id]
-            if job.service_tokens:
-                ratio = tenant.usage_ratio
-                ratio += (actual / job.service_tokens - ratio) * USAGE_RATIO_WEIGHT
-                tenant.usage_ratio = min(USAGE_RATIO_RANGE[1], max(USAGE_RATIO_RANGE[0], ratio))
             tenant.served_tokens -= refund
             self._settle(job, tenant, refund, now_ms)
         if actual_kv_blocks is not None:

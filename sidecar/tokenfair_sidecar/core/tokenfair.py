@@ -72,6 +72,17 @@ SERVICE_MEMORY_LIMITS = 10.0
 """How far back a tenant's recent service reaches, in wait limits of its lane (time constant
 of the averages that admission compares)."""
 
+USAGE_RATIO_WEIGHT = 0.25
+"""Weight of the newest settlement in a tenant's usage ratio: four settlements take it most of
+the way to a new level, so a tenant that starts under-declaring is priced right within a few
+requests, and one odd request moves it by a quarter."""
+
+USAGE_RATIO_RANGE = (0.1, 100.0)
+"""Bounds of a tenant's usage ratio. The floor keeps requests that end at once (a client that
+cancels right after dispatch settles at 0) from making the tenant's next requests nearly free to
+the round robin until they settle; the ceiling keeps one absurd report from pricing a tenant
+out for long. Settlement corrects whatever the ratio gets wrong."""
+
 MIN_LANE_RATE_FRACTION = 1e-3
 """Floor of a lane's predicted rate, as a fraction of the service rate: with ``batchMinShare``
 0 and interactive demand at capacity the batch lane's rate is 0, and its predicted wait (which
@@ -477,6 +488,12 @@ class TokenfairScheduler(Scheduler):
         return (served.rate(now_ms, memory_ms) / quantum) / (lane_rate / competing)
 
     def _settle(self, job: Job, tenant: TenantState, refund: int, now_ms: float) -> None:
+        if job.service_tokens:
+            ratio = tenant.usage_ratio
+            ratio += ((job.service_tokens - refund) / job.service_tokens - ratio) * (
+                USAGE_RATIO_WEIGHT
+            )
+            tenant.usage_ratio = min(USAGE_RATIO_RANGE[1], max(USAGE_RATIO_RANGE[0], ratio))
         # The round robin and the work in flight were charged the expected usage; the budget
         # was charged the estimate. Each is settled against what it was charged.
         overrun = job.service_tokens - refund - job.expected_tokens
