@@ -28,7 +28,12 @@ sizes are actual service tokens where known, else the estimate):
 * **refusals while idle** (computed here): refusals (status 429) decided at a time ``t`` when no
   dispatched request was executing, i.e. ``t`` in no ``[dispatch_ms, dispatch_ms + size / C)``.
   ``t`` is the arrival for a refusal at admission, ``arrival + queue_wait_ms`` (rounded to
-  0.01 ms by the core) for one from the queue or at dispatch;
+  0.01 ms by the core) for one from the queue or at dispatch. Split in two: *KV room* — the
+  refused request also fit the KV cache at ``t`` (blocks resident then, each dispatched request
+  holding its blocks for ``kvResidencyFactor * size / C`` as the simulator keeps them, plus its
+  own, within its class watermark): the server had room for it, the target is 0; *KV full* —
+  the cache was held (by requests that finished executing but whose KV is still resident), so
+  the request could not have started then (printed, no target);
 * **interactive p99 TTFT**: ``report.summarize`` (nearest rank) over dispatched interactive
   requests.
 
@@ -46,7 +51,7 @@ Scenarios (rates in units of C; Poisson = exponential gaps, constant = evenly sp
    interactive prefill time; expired <= 0.02.
 4. KV-heavy neighbour — interactive: a small tenant (200+50) Poisson 1.0 C next to a tenant
    flooding constant 1.0 C of 12000+200 requests (763 KV blocks, 48 % of the cache each).
-   Utilisation >= 0.97, refusals while idle = 0, expired <= 0.02.
+   Utilisation >= 0.97, refusals while idle with KV room = 0, expired <= 0.02.
 5. over-share — equal interactive tenants, A Poisson 1.0 C, B Poisson 0.5 C: expired <= 0.02.
    batch minimum share — two interactive tenants Poisson 0.65 C each, a batch tenant constant
    0.5 C of 3200+350 requests: expired <= 0.02 (the batch share of service is printed).
@@ -299,26 +304,52 @@ def both(workload: Workload, window_ms: float) -> tuple[Run, Run]:
     return replay(workload, TOKENFAIR, window_ms), replay(workload, LESSON_DRR, window_ms)
 
 
-def refusals_while_idle(run: Run, capacity: float, actual: dict[str, int]) -> int:
-    """Refusals decided while no dispatched request was executing (see the module docstring)."""
+def refusals_while_idle(run: Run, workload: Workload) -> tuple[int, int]:
+    """Refusals decided while no dispatched request was executing (see the module docstring):
+    ``(all of them, those whose request also fit the KV cache then)``. The second is the
+    server having room for the request: the KV blocks resident at ``t`` (each dispatched
+    request holds its blocks for ``kvResidencyFactor`` times its execution time, as the
+    simulator keeps them) plus the request's own are within its class watermark."""
     from tokenfair_sidecar.fairness import request_size
 
+    capacity = workload.capacity
+    actual = workload.actual
+    cost = workload.cost
+    policy = workload.config.policy
+    blocks = {
+        r.request_id: cost.kv_blocks(r.prefill_tokens, r.decode_tokens) for r in workload.requests
+    }
     spans = sorted(
-        (d.dispatch_ms, d.dispatch_ms + request_size(d, actual) / capacity)
+        (d.dispatch_ms, d.dispatch_ms + request_size(d, actual) / capacity, d.request_id)
         for d in run.decisions
         if d.admitted and d.dispatch_ms is not None
     )
-    starts = [start for start, _ in spans]
-    reach = list(accumulate((end for _, end in spans), max))  # latest end of spans started so far
-    idle = 0
+    starts = [start for start, _, _ in spans]
+    reach = list(accumulate((end for _, end, _ in spans), max))  # latest end of spans so far
+    holds = [
+        (start, start + (end - start) * policy.kv_residency_factor, rid)
+        for start, end, rid in spans
+    ]
+    idle = idle_with_room = 0
     for d in run.decisions:
         if d.status_code != STATUS_SHED:
             continue
         at_ms = d.arrival_ms if d.gate == "admission" else d.arrival_ms + d.queue_wait_ms
         index = bisect_right(starts, at_ms) - 1
-        if index < 0 or reach[index] <= at_ms:
-            idle += 1
-    return idle
+        if index >= 0 and reach[index] > at_ms:
+            continue
+        idle += 1
+        resident = sum(
+            b for start, end, rid in holds[: index + 1] if end > at_ms for b in (blocks[rid],)
+        )
+        watermark = (
+            policy.interactive_kv_watermark
+            if d.priority_class == "interactive"
+            else policy.batch_kv_watermark
+        )
+        if resident + blocks[d.request_id] <= watermark * policy.total_kv_blocks:
+            idle_with_room += 1
+    return idle, idle_with_room
 
 
 def expired_row(new: Run, old: Run) -> Row:
@@ -499,6 +530,7 @@ def kv_heavy(seed: int, window_ms: float) -> Block:
     times = constant_arrivals(w.per_ms(1.0, heavy_p, heavy_d), window_ms, phase_ms=1.0)
     w.requests.extend(fixed_size("kvheavy", "interactive", times, heavy_p, heavy_d))
     new, old = both(w, window_ms)
+    idle_new, idle_old = refusals_while_idle(new, w), refusals_while_idle(old, w)
     blocks = w.cost.kv_blocks(heavy_p, heavy_d)
     share = blocks / w.config.policy.total_kv_blocks
     block = Block(
@@ -513,10 +545,17 @@ def kv_heavy(seed: int, window_ms: float) -> Block:
     block.rows += [
         Row("utilisation", new.report.utilisation, Target(">=", 0.97), old.report.utilisation),
         Row(
-            "refusals while idle",
-            refusals_while_idle(new, w.capacity, w.actual),
+            "refusals while idle, KV room",
+            idle_new[1],
             Target("==", 0, ".0f"),
-            refusals_while_idle(old, w.capacity, w.actual),
+            idle_old[1],
+            ".0f",
+        ),
+        Row(
+            "refusals while idle, KV full",
+            idle_new[0] - idle_new[1],
+            None,
+            idle_old[0] - idle_old[1],
             ".0f",
         ),
         Row("small demand served", new.demand_served("small"), None, old.demand_served("small")),

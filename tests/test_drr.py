@@ -459,7 +459,7 @@ def test_a_queue_emptied_by_cancellations_banks_no_refund() -> None:
         lane.push(queued)
     lane.push(job("b0", "b", 300))
     assert drain_one(lane) == "a0"  # D_a = 1200 - 300 = 900, a1 still queued
-    cancel(lane, a_jobs[1])  # a has nothing live (it stays in the ring until passed)
+    cancel(lane, a_jobs[1])  # a has nothing live: it leaves the ring
     lane.settle("a", -2900)  # a0 used nothing: the refund would be credit, but a is idle
     assert lane.queues["a"].deficit == 0.0
     assert lane.credit_tokens == pytest.approx(
@@ -471,3 +471,37 @@ def drain_one(lane: DeficitRoundRobin) -> str:
     picked = lane.pick(always)
     assert picked is not None
     return picked.request.request_id
+
+
+def test_a_queue_emptied_by_cancellation_leaves_the_ring_at_once() -> None:
+    lane = drr(a=1.0, b=1.0, c=2.0)
+    for tenant_id in "abc":
+        lane.push(job(f"{tenant_id}0", tenant_id, 600))
+    b0 = lane.queues["b"].jobs[0]
+    cancel(lane, b0)
+    # b is not backlogged any more, wherever it stood in the ring: admission must not count it.
+    assert [q.tenant_id for q in lane.active] == ["a", "c"]
+    assert not lane.queues["b"].in_active
+    assert lane.active_quanta == BASE_QUANTUM * (1.0 + 2.0)
+    # Its next request is that of a newcomer: it may join ahead, right behind the front.
+    lane.push(job("b1", "b", 600), join_ahead=0.1)
+    assert [q.tenant_id for q in lane.active] == ["a", "b", "c"]
+    assert drain(lane) == ["a0", "b1", "c0"]
+
+
+def test_a_joiner_cancelled_before_its_first_turn_leaves_the_joiners() -> None:
+    lane = drr(a=1.0, j=1.0, k=1.0, x=1.0)
+    lane.push(job("a0", "a", 400))
+    lane.push(job("a1", "a", 400))
+    lane.push(job("x0", "x", 400))
+    assert drain_one(lane) == "a0"  # a's turn is open with 800 left; a1 waits
+    lane.push(job("j0", "j", 500), join_ahead=0.2)
+    lane.push(job("k0", "k", 700), join_ahead=0.6)
+    assert lane.ahead_joiners == 2
+    cancel(lane, lane.queues["j"].jobs[0])
+    assert lane.ahead_joiners == 1
+    assert [q.tenant_id for q in lane.active] == ["a", "k", "x"]
+    # Promised before a joiner of rank 0.9: a's open turn (its 400 queued) and k's lifted 700.
+    assert lane.tokens_before_joining_ahead(0.9) == 400 + 700
+    assert drain(lane) == ["a1", "k0", "x0"]
+    assert lane.ahead_joiners == 0

@@ -9,7 +9,9 @@ Behaviours under test:
 * ``LaneCompetition``: a tenant competes while backlogged and for the horizon after its last
   admission, the sum of quanta follows, and a reweighted tenant is counted at its new quantum;
 * ``DemandRate``: a steady stream reads its rate, a stopped one fades with the time constant;
-* ``ResidualWork``: dispatched work drains at the service rate and settlement corrects it.
+* ``ResidualWork``: dispatched work drains at the service rate and settlement corrects it;
+* ``water_level``: the level at which the weighted max-min allocations (``min(demand, L * w)``)
+  use the capacity, by hand and against the fairness report's ``water_fill`` on random inputs.
 """
 
 from __future__ import annotations
@@ -18,13 +20,17 @@ import math
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tokenfair_sidecar.core.shares import (
     DemandRate,
     LaneCompetition,
     ResidualWork,
     tokens_ahead,
+    water_level,
 )
+from tokenfair_sidecar.fairness import water_fill
 
 
 @dataclass
@@ -116,3 +122,35 @@ def test_residual_work_drains_at_the_rate_and_is_settled() -> None:
     residual.settled(-225.0, 45.0)  # the second used half its expectation: busy until 15 ms
     assert residual.wait_ms(5.0) == pytest.approx(10.0)
     assert residual.wait_ms(30.0) == 0.0
+
+
+def test_water_level_by_hand() -> None:
+    # Capacity 10 over demands 1 (w 1), 4 (w 1), 20 (w 2): 1 is met, the rest share 9 by
+    # weight: level 3 gives 3 and 6.
+    assert water_level(10.0, [(1.0, 1.0), (4.0, 1.0), (20.0, 2.0)]) == pytest.approx(3.0)
+    assert water_level(25.0, [(1.0, 1.0), (4.0, 1.0), (20.0, 2.0)]) == math.inf  # all fit
+    assert water_level(0.0, [(1.0, 1.0)]) == 0.0
+    assert water_level(5.0, []) == math.inf
+
+
+@given(
+    st.floats(min_value=0.0, max_value=1e6),
+    st.lists(
+        st.tuples(st.floats(min_value=0.0, max_value=1e6), st.floats(min_value=0.01, max_value=8)),
+        min_size=1,
+        max_size=30,
+    ),
+)
+def test_water_level_agrees_with_the_reports_water_fill(
+    capacity: float, pairs: list[tuple[float, float]]
+) -> None:
+    level = water_level(capacity, pairs)
+    names = [f"t{i}" for i in range(len(pairs))]
+    filled = water_fill(
+        capacity,
+        dict(zip(names, (d for d, _ in pairs), strict=True)),
+        dict(zip(names, (w for _, w in pairs), strict=True)),
+    )
+    for name, (demand, weight) in zip(names, pairs, strict=True):
+        expected = demand if math.isinf(level) else min(demand, level * weight)
+        assert expected == pytest.approx(filled[name], rel=1e-6, abs=1e-6)

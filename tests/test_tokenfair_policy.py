@@ -505,3 +505,56 @@ def test_lending_refuses_what_within_budget_work_leaves_no_room_for() -> None:
     # Over budget, and nothing left to borrow: within-budget work used the whole rate lately.
     assert refused is not None
     assert refused.reason == "shed_tenant_token_quota"
+
+
+def test_the_lift_goes_to_tenants_under_their_max_min_share() -> None:
+    """Three equal tenants offer 2 C, 1/3 C and 1/10 C of 400-token requests, one request served
+    every 400/45 ms for 13 s. Max-min: light 4.5 and mid 15 tokens/ms are met, heavy gets the
+    rest, 25.5 — the water level. Only heavy is at its level; the equal share (15 each) would
+    have called mid served in full and heavy over-served by 1.7."""
+    tenants = [
+        TenantConfig(name, 1.0, UNBOUNDED, 1e9, "interactive") for name in ("heavy", "light", "mid")
+    ]
+    scheduler = TokenfairScheduler(build_config(PolicyConfig(), tenants))
+    now_ms, step_ms, sent = 0.0, 400 / 45.0, 0
+    for k in range(1500):
+        for name, every in (("heavy", 1), ("heavy", 1), ("light", 10), ("mid", 3)):
+            if k % every == 0:
+                scheduler.submit(chat(f"{name}{sent}", name, now_ms), now_ms)
+                sent += 1
+        scheduler.expire(now_ms)
+        decision = scheduler.next_dispatch(now_ms)
+        if decision is not None:
+            scheduler.complete(decision.request_id, now_ms + step_ms)
+        now_ms += step_ms
+    level = scheduler.fair_level(Lane.INTERACTIVE, now_ms) * PolicyConfig().base_quantum_tokens
+    assert 20.0 < level < 30.0  # tokens/ms owed to a weight-1 tenant that asks for more
+    ratio = {}
+    for name in ("heavy", "light", "mid"):
+        value = scheduler.share_ratio(name, Lane.INTERACTIVE, now_ms)
+        assert value is not None
+        ratio[name] = value
+    assert ratio["light"] < 0.3
+    assert ratio["mid"] < 0.8  # served its demand, under the level
+    assert ratio["heavy"] > 0.9
+
+
+def test_a_tenant_whose_queue_was_cancelled_is_a_newcomer_again() -> None:
+    """A tenant whose only queued request was cancelled while others stayed backlogged leaves
+    the ring: its next request is judged as a newcomer's (it joins ahead, under its share), not
+    as if it were still backlogged behind the others."""
+    tenants = [TenantConfig(name, 1.0, UNBOUNDED, 1e9, "interactive") for name in "abc"]
+    scheduler = TokenfairScheduler(build_config(PolicyConfig(), tenants))
+    for i in range(4):
+        assert scheduler.submit(chat(f"a{i}", "a"), 0.0) is None
+        assert scheduler.submit(chat(f"c{i}", "c"), 0.0) is None
+    first = scheduler.next_dispatch(0.0)  # the lane has served someone: shares are defined
+    assert first is not None
+    scheduler.complete(first.request_id, 10.0)
+    assert scheduler.submit(chat("b0", "b", 10.0), 10.0) is None
+    scheduler.cancel("b0", 10.0)
+    drr = scheduler._lanes[Lane.INTERACTIVE]
+    assert not drr.queues["b"].in_active
+    assert scheduler.submit(chat("b1", "b", 10.0), 10.0) is None
+    # b joined right behind the front (a, whose turn is open), ahead of c.
+    assert [q.tenant_id for q in drr.active][:2] == ["a", "b"]

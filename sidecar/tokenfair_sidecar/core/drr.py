@@ -40,7 +40,8 @@ Three departures from the textbook, all bounded:
   never loops on large requests.
 
 Costs of selection: O(active tenants) per pick; enqueue and cancel O(1) (joining ahead:
-O(tenants waiting for their first turn ahead)).
+O(tenants waiting for their first turn ahead); a cancel that empties a tenant's queue takes it
+out of the ring, O(active tenants) in C).
 """
 
 from __future__ import annotations
@@ -199,13 +200,34 @@ class DeficitRoundRobin:
         self._front_changed()
 
     def forget(self, job: Job) -> None:
-        """A queued job left without being picked (cancelled, expired): O(1), lazy removal."""
+        """A queued job left without being picked (cancelled, expired): O(1), the job is dropped
+        lazily at the head. If it was the tenant's last live job the tenant leaves the ring at
+        once (``deque.remove``: O(active tenants), in C), so it is not backlogged any more — a
+        tenant left in the ring with nothing queued would be taken for backlogged by admission
+        and could not join ahead until the ring came round to it."""
         queue = self.queues[job.request.tenant_id]
         queue.live -= 1
         queue.queued_tokens -= job.expected_tokens
         self.queued_tokens -= job.expected_tokens
         if queue.live == 0:
             self._drop_credit(queue)
+            if queue.in_active:
+                self._remove(queue)
+
+    def _remove(self, queue: TenantQueue) -> None:
+        """Take a queue with nothing live out of the ring, wherever it is."""
+        active = self.active
+        if active[0] is queue:
+            self._leave(queue)
+            return
+        index = active.index(queue)
+        del active[index]
+        if queue.joined_ahead:  # the joiners waiting for their first turn sit at active[1:1+n]
+            del self._joiner_ranks[index - 1]
+            del self._joiner_credit[index - 1]
+            queue.joined_ahead = False
+        queue.in_active = False
+        self.active_quanta = self.active_quanta - queue.quantum if active else 0.0
 
     def settle(self, tenant_id: str, overrun_tokens: float) -> None:
         """Charge ``actual - charged`` of a sent request to its tenant's deficit.

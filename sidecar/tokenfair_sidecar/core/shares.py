@@ -220,3 +220,20 @@ class ResidualWork:
 
     def wait_ms(self, now_ms: float) -> float:
         return max(0.0, self._busy_until_ms - now_ms)
+
+
+def water_level(capacity: float, demands: list[tuple[float, float]]) -> float:
+    """The weighted max-min water level ``L`` of ``capacity`` over ``(demand, weight)`` pairs:
+    each gets ``min(demand, L * weight)`` and the allocations sum to ``capacity``; ``inf`` when
+    the demands fit. O(n log n)."""
+    if sum(d for d, _ in demands) <= capacity:
+        return math.inf
+    rest_weight = sum(w for _, w in demands)
+    remaining = capacity
+    for demand, weight in sorted(demands, key=lambda p: p[0] / p[1]):
+        level = remaining / rest_weight
+        if demand > level * weight:
+            return level
+        remaining -= demand
+        rest_weight -= weight
+    return math.inf

@@ -38,8 +38,10 @@ weighted DRR over tenants (:mod:`tokenfair_sidecar.core.drr`), FIFO inside a ten
 Settlement charges ``actual - estimate`` to the tenant's bucket and ``actual - expected`` (the
 estimate times its usage ratio, what the round robin charged) to its DRR deficit, so the round
 robin is fair in actual service tokens; a debt outlives the tenant's queue. A tenant that becomes
-backlogged while under its weighted share of the lane's recent service joins the ring ahead
-(``DeficitRoundRobin.push``, VTC's lift in DRR terms).
+backlogged while under its fair share of the lane's recent service joins the ring ahead
+(``DeficitRoundRobin.push``, VTC's lift in DRR terms): the weighted max-min share of the lane's
+recent service given every tenant's recent offered service (:meth:`TokenfairScheduler.
+fair_level`), or the equal weighted share while the offers fit the lane.
 
 Queued requests past ``arrival + max_wait`` of their class are refused ``shed_queue_timeout``, so
 every request that starts, starts within its class's wait limit; the refusal's ``Retry-After`` is
@@ -66,6 +68,7 @@ from tokenfair_sidecar.core.shares import (
     LaneCompetition,
     ResidualWork,
     tokens_ahead,
+    water_level,
 )
 
 SERVICE_MEMORY_LIMITS = 10.0
@@ -82,6 +85,9 @@ USAGE_RATIO_RANGE = (0.1, 100.0)
 cancels right after dispatch settles at 0) from making the tenant's next requests nearly free to
 the round robin until they settle; the ceiling keeps one absurd report from pricing a tenant
 out for long. Settlement corrects whatever the ratio gets wrong."""
+
+FORGOTTEN_RATE = 1e-9
+"""An offered rate (service tokens per ms) below which a tenant's offer is forgotten."""
 
 MIN_LANE_RATE_FRACTION = 1e-3
 """Floor of a lane's predicted rate, as a fraction of the service rate: with ``batchMinShare``
@@ -114,6 +120,11 @@ class TokenfairScheduler(Scheduler):
         # Recent service per lane, per tenant and in all (time constant: SERVICE_MEMORY_LIMITS).
         self._served: tuple[dict[str, DemandRate], dict[str, DemandRate]] = ({}, {})
         self._lane_served = (DemandRate(), DemandRate())
+        # Per lane: each tenant's recent offered service (every arrival, admitted or not;
+        # time constant SERVICE_MEMORY_LIMITS), and the lane's max-min water level over it as
+        # (when computed, level), recomputed at most once per wait limit.
+        self._offered: tuple[dict[str, DemandRate], dict[str, DemandRate]] = ({}, {})
+        self._level = [(-math.inf, math.inf), (-math.inf, math.inf)]
         self._batch_credit = 0.0
         self._cheapest_batch_head: float | None = None  # as of the last selection that looked
         self._now_ms = now_ms  # the clock of the selection in progress (read by `_eligible`)
@@ -193,18 +204,28 @@ class TokenfairScheduler(Scheduler):
         return wait_ms
 
     def _join_rank(self, job: Job, now_ms: float) -> float | None:
-        """A tenant that is not backlogged, owes nothing and has had less than its weighted
-        share lately joins the ring ahead with ``job``, the least served first (VTC's lift, in
-        DRR terms: docs/fairness.md), if the job fits the KV cache now (a lifted request that
-        must wait for KV would hold a place it cannot use); its rank is its share ratio.
-        None: it joins at the tail."""
+        """A tenant that is not backlogged, owes nothing and has had less than its fair share
+        lately (:meth:`share_ratio`) joins the ring ahead with ``job``, the least served first
+        (VTC's lift, in DRR terms: docs/fairness.md), if the job can start when its turn comes:
+        it fits the KV cache now, or the cache is forecast to have room for it before the work
+        ahead of it is done at the full rate (a lifted request that cannot start at its turn
+        goes to the tail). Its rank is its share ratio. None: it joins at the tail."""
         tenant_id = job.request.tenant_id
         lane = job.lane
-        queue = self._lanes[lane].queues[tenant_id]
-        if queue.in_active or queue.deficit < 0.0 or not self.kv_fits(job):
+        drr = self._lanes[lane]
+        queue = drr.queues[tenant_id]
+        if queue.in_active or queue.deficit < 0.0:
             return None
         ratio = self.share_ratio(tenant_id, lane, now_ms)
-        return ratio if ratio is not None and ratio < 1.0 else None
+        if ratio is None or ratio >= 1.0:
+            return None
+        if not self.kv_fits(job):
+            turn_ms = self._residual.wait_ms(now_ms) + (
+                drr.tokens_before_joining_ahead(ratio) / self.policy.service_tokens_per_ms
+            )
+            if self.kv_wait_ms(job, now_ms) > turn_ms:
+                return None
+        return ratio
 
     def _batch_intrusion(self, interactive_tokens: float) -> float:
         """Batch service tokens the minimum share lets run while ``interactive_tokens`` are
@@ -230,6 +251,12 @@ class TokenfairScheduler(Scheduler):
         drr = self._lanes[lane]
         competition = self._competition[lane]
         competition.retire(now_ms, wait_limit_ms, drr.backlogged)
+        offered = self._offered[lane].get(tenant_id)
+        if offered is None:
+            offered = self._offered[lane][tenant_id] = DemandRate()
+        offered.add(
+            job.service_tokens * tenant.usage_ratio, now_ms, wait_limit_ms * SERVICE_MEMORY_LIMITS
+        )
         queued_all = self.queued_count[0] + self.queued_count[1]
         if (
             queued_all >= policy.max_queued_requests
@@ -472,20 +499,55 @@ class TokenfairScheduler(Scheduler):
         served.add(tokens, now_ms, memory_ms)
         self._lane_served[lane].add(tokens, now_ms, memory_ms)
 
+    def fair_level(self, lane: Lane, now_ms: float) -> float:
+        """The lane's weighted max-min water level ``L``, in service tokens per ms per quantum
+        token: each tenant ``j`` is owed ``min(offered_j, L * Q_j)`` of the lane's recent service
+        rate, ``offered_j`` being its recent offered rate (every arrival, admitted or not).
+        ``inf`` while the offers fit. Recomputed at most once per wait limit of the lane, in
+        O(n log n) over the tenants that offered lately (``shares.water_level``); tenants whose
+        offer has faded below 1e-9 tokens per ms are forgotten then."""
+        at_ms, level = self._level[lane]
+        horizon_ms = self.wait_limit_ms(lane)
+        if now_ms - at_ms < horizon_ms:
+            return level
+        memory_ms = horizon_ms * SERVICE_MEMORY_LIMITS
+        queues = self._lanes[lane].queues
+        offered = self._offered[lane]
+        demands: list[tuple[float, float]] = []
+        for tenant_id, rate in list(offered.items()):
+            value = rate.rate(now_ms, memory_ms)
+            if value < FORGOTTEN_RATE:
+                del offered[tenant_id]
+            elif tenant_id in queues:
+                demands.append((value, queues[tenant_id].quantum))
+        # Capacity: what the lane served lately, with the same time constant as the offers (so
+        # both warm up alike), not what it could serve: the batch lane gets what interactive
+        # leaves.
+        served = self._lane_served[lane].rate(now_ms, memory_ms)
+        level = water_level(served, demands)
+        if served > 0.0:  # a lane that has served nothing yet is asked again at its first service
+            self._level[lane] = (now_ms, level)
+        return level
+
     def share_ratio(self, tenant_id: str, lane: Lane, now_ms: float) -> float | None:
-        """The tenant's recent service per quantum over the lane's recent service per competing
-        quantum (above 1: more than an equal weighted share lately); None while the lane has
-        served nothing lately (nobody is owed anything then)."""
+        """The tenant's recent service per quantum over the lane's max-min water level (below 1:
+        owed service), or over the lane's recent service per competing quantum while the offers
+        fit the lane; None while the lane has served nothing lately."""
         memory_ms = self.wait_limit_ms(lane) * SERVICE_MEMORY_LIMITS
-        lane_rate = self._lane_served[lane].rate(now_ms, memory_ms)
-        competing = self._competition[lane].competing_quanta
-        if lane_rate <= 0.0 or competing <= 0.0:
+        quantum = self._lanes[lane].queues[tenant_id].quantum
+        level = self.fair_level(lane, now_ms)
+        if math.isinf(level):
+            lane_rate = self._lane_served[lane].rate(now_ms, memory_ms)
+            competing = self._competition[lane].competing_quanta
+            if lane_rate <= 0.0 or competing <= 0.0:
+                return None
+            level = lane_rate / competing
+        if level <= 0.0:
             return None
         served = self._served[lane].get(tenant_id)
         if served is None:
             return 0.0
-        quantum = self._lanes[lane].queues[tenant_id].quantum
-        return (served.rate(now_ms, memory_ms) / quantum) / (lane_rate / competing)
+        return served.rate(now_ms, memory_ms) / (level * quantum)
 
     def _settle(self, job: Job, tenant: TenantState, refund: int, now_ms: float) -> None:
         if job.service_tokens:
