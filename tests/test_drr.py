@@ -483,10 +483,25 @@ def test_a_queue_emptied_by_cancellation_leaves_the_ring_at_once() -> None:
     assert [q.tenant_id for q in lane.active] == ["a", "c"]
     assert not lane.queues["b"].in_active
     assert lane.active_quanta == BASE_QUANTUM * (1.0 + 2.0)
-    # Its next request is that of a newcomer: it may join ahead, right behind the front.
+    # Its next request is that of a newcomer: it may join ahead — before the front even, as
+    # a has not started its turn.
     lane.push(job("b1", "b", 600), join_ahead=0.1)
-    assert [q.tenant_id for q in lane.active] == ["a", "b", "c"]
-    assert drain(lane) == ["a0", "b1", "c0"]
+    assert [q.tenant_id for q in lane.active] == ["b", "a", "c"]
+    assert lane.ahead_joiners == 0  # b's turn has come
+    assert drain(lane) == ["b1", "a0", "c0"]
+
+
+def test_a_joiner_goes_before_a_front_that_has_not_started_its_turn() -> None:
+    lane = drr(a=1.0, b=1.0, j=1.0, k=1.0)
+    lane.push(job("a0", "a", 600))
+    lane.push(job("b0", "b", 600))
+    assert lane.tokens_before_joining_ahead(0.5) == 0.0  # a has been granted nothing yet
+    lane.push(job("j0", "j", 900), join_ahead=0.5)
+    # Now j's turn is open at the front: a later joiner waits for j's lifted 900 only.
+    assert lane.tokens_before_joining_ahead(0.1) == 900
+    lane.push(job("k0", "k", 300), join_ahead=0.1)
+    assert [q.tenant_id for q in lane.active] == ["j", "k", "a", "b"]
+    assert drain(lane) == ["j0", "k0", "a0", "b0"]
 
 
 def test_a_joiner_cancelled_before_its_first_turn_leaves_the_joiners() -> None:

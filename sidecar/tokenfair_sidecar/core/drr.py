@@ -32,7 +32,8 @@ Three departures from the textbook, all bounded:
 * **joining ahead** — a tenant that was not backlogged and is owed service (the caller decides:
   ``tokenfair`` asks for it when the tenant had less than its weighted share of the lane's
   recent service) joins right behind the front, least served first, with its turn open and its
-  deficit lifted to cover the job: VTC's counter lift in DRR terms. Two tenants that stay
+  deficit lifted to cover the job: VTC's counter lift in DRR terms. If the front has not started
+  its turn (it was granted nothing yet) and no joiner waits, it goes before the front instead. Two tenants that stay
   backlogged never change their relative order, so the bound above holds for them;
 * **skipping empty rounds** — when a full pass finds no eligible head covered by its deficit,
   every eligible tenant is granted the quanta of the rounds it would have waited through,
@@ -141,7 +142,8 @@ class DeficitRoundRobin:
         a ``join_ahead`` rank, right behind the front and behind the tenants that joined that
         way with a rank no higher (lower ranks first, FIFO among equals), its turn open with a
         deficit that covers this job: it sends the job in its first turn (VTC's lift, in DRR
-        terms)."""
+        terms). When the front has not started its turn and no joiner waits, before the front:
+        a tenant owed service goes before one that has been granted nothing yet."""
         queue = self.queues[job.request.tenant_id]
         queue.jobs.append(job)
         queue.live += 1
@@ -157,7 +159,11 @@ class DeficitRoundRobin:
                     queue.deficit = job.expected_tokens
                     self._credit_moved(before, queue.deficit)
                 queue.turn_open = True
-                if active:
+                if active and not active[0].turn_open and not self._joiner_ranks:
+                    # The front has not started its turn and nobody waits ahead: the joiner
+                    # goes first (its turn has come; it is no longer waiting ahead).
+                    active.appendleft(queue)
+                elif active:
                     position = bisect_right(self._joiner_ranks, join_ahead)
                     active.insert(1 + position, queue)
                     self._joiner_ranks.insert(position, join_ahead)
@@ -170,13 +176,16 @@ class DeficitRoundRobin:
 
     def tokens_before_joining_ahead(self, rank: float) -> float:
         """What the ring sends before a tenant that joins ahead now with ``rank`` gets its
-        first turn: the front's turn (its credit, or a fresh quantum on top if its turn is not
-        open yet, capped by what it has queued), then the first turns of the joiners ranked no
-        higher. O(log n) to find them, then a sum over a list slice."""
+        first turn: nothing if it would go before the front (:meth:`push`); else the front's
+        turn (its credit, or a fresh quantum on top if its turn is not open yet, capped by what
+        it has queued), then the first turns of the joiners ranked no higher. O(log n) to find
+        them, then a sum over a list slice."""
         active = self.active
         if not active:
             return 0.0
         front = active[0]
+        if not front.turn_open and not self._joiner_ranks:
+            return 0.0  # it would go before the front (`push`)
         credit = max(0.0, front.deficit)
         if not front.turn_open:
             credit += front.quantum
