@@ -384,10 +384,21 @@ class Crowd:
         lane = lanes[Lane.of(self.classes[tenant_id])]
         return lane, lane.queues[tenant_id]
 
-    def joined_ahead(self, tenant_id: str) -> bool | None:
-        """Did the tenant's last admission join the ring ahead? None: no join-ahead here."""
-        flag = getattr(self._lane_state(tenant_id)[1], "joined_ahead", None)
-        return None if flag is None else bool(flag)
+    def in_ring(self, tenant_id: str) -> bool:
+        """Is the tenant in its lane's ring (backlogged) now?"""
+        return bool(getattr(self._lane_state(tenant_id)[1], "in_active", False))
+
+    def joined_ahead(self, tenant_id: str, was_in_ring: bool) -> bool | None:
+        """Did the tenant's last admission join the ring ahead (waiting for its first turn
+        behind the front, or at the front itself, which a joiner takes when the front has not
+        started its turn)? None: no join-ahead here."""
+        lane, queue = self._lane_state(tenant_id)
+        flag = getattr(queue, "joined_ahead", None)
+        if flag is None:
+            return None
+        active: Sequence[object] = getattr(lane, "active", ())
+        at_front = not was_in_ring and len(active) > 1 and active[0] is queue
+        return bool(flag) or at_front
 
     def joiners_waiting(self, tenant_id: str) -> int | None:
         """Tenants waiting for their first turn ahead in the tenant's lane (None: see above)."""
@@ -410,11 +421,12 @@ def _timed_submits(
         request = crowd.request(tenant_id)
         now_ms = crowd.now_ms
         waiting.append(crowd.joiners_waiting(tenant_id))
+        was_in_ring = crowd.in_ring(tenant_id)
         start = clock()
         refusal = submit(request, now_ms)
         total_ns += clock() - start
         refused += refusal is not None
-        flags.append(crowd.joined_ahead(tenant_id))
+        flags.append(crowd.joined_ahead(tenant_id, was_in_ring))
         if between is not None:
             between()
     assert not refused, f"{refused} refusals in a many-tenant run"
@@ -533,7 +545,7 @@ MANY_TENANT_ROWS = (
     ),
     Row(
         "dispatch+complete: N batch + 1 interactive",
-        "O(batch tenants): min_head_cost",
+        "O(log batch tenants): min_head_cost heap",
         select_two_lanes,
         _fixed,
         "ops",

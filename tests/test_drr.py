@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tokenfair_sidecar.config import Config, PolicyConfig, TenantConfig, build_config
 from tokenfair_sidecar.core import (
@@ -520,3 +522,43 @@ def test_a_joiner_cancelled_before_its_first_turn_leaves_the_joiners() -> None:
     assert lane.tokens_before_joining_ahead(0.9) == 400 + 700
     assert drain(lane) == ["a1", "k0", "x0"]
     assert lane.ahead_joiners == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["push", "push", "pick", "cancel", "cancel_after"]),
+            st.sampled_from("abcd"),
+            st.integers(min_value=100, max_value=5000),
+        ),
+        max_size=80,
+    )
+)
+def test_min_head_cost_is_the_cheapest_live_head_after_any_sequence(
+    ops: list[tuple[str, str, int]],
+) -> None:
+    """The heap behind ``min_head_cost`` against a scan of every live head, whatever mix of
+    queueing, sending and cancelling (the scheduler cancels before it marks the job; the
+    ``cancel`` helper marks it first: both orders)."""
+    lane = drr(a=1.0, b=2.0, c=1.0, d=4.0)
+    queued: list[Job] = []
+    for step, (op, tenant_id, cost) in enumerate(ops):
+        if op == "push":
+            new = job(f"j{step}", tenant_id, cost)
+            lane.push(new, join_ahead=0.5 if cost % 3 == 0 else None)
+            queued.append(new)
+        elif op == "pick":
+            picked = lane.pick(always)
+            if picked is not None:
+                picked.state = JobState.DISPATCHED
+                queued.remove(picked)
+        elif queued:
+            victim = queued.pop(cost % len(queued))
+            if op == "cancel":
+                cancel(lane, victim)
+            else:
+                lane.forget(victim)
+                victim.state = JobState.CANCELLED
+        heads = [h.expected_tokens for q in lane.queues.values() if (h := q.head()) is not None]
+        assert lane.min_head_cost() == (min(heads) if heads else None)

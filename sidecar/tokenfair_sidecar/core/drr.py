@@ -33,8 +33,9 @@ Three departures from the textbook, all bounded:
   ``tokenfair`` asks for it when the tenant had less than its weighted share of the lane's
   recent service) joins right behind the front, least served first, with its turn open and its
   deficit lifted to cover the job: VTC's counter lift in DRR terms. If the front has not started
-  its turn (it was granted nothing yet) and no joiner waits, it goes before the front instead. Two tenants that stay
-  backlogged never change their relative order, so the bound above holds for them;
+  its turn (it was granted nothing yet) and no joiner waits, it goes before the front instead.
+  Two tenants that stay backlogged never change their relative order, so the bound above holds
+  for them;
 * **skipping empty rounds** — when a full pass finds no eligible head covered by its deficit,
   every eligible tenant is granted the quanta of the rounds it would have waited through,
   ``k = min_i ceil((cost_i - D_i) / Q_i) - 1`` in one step, so selection costs O(tenants) and
@@ -51,8 +52,12 @@ import math
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
+from heapq import heapify, heappop, heappush
+from itertools import count
 
 from tokenfair_sidecar.core.jobs import Job, JobState
+
+_QUEUED = JobState.QUEUED
 
 
 class TenantQueue:
@@ -99,8 +104,10 @@ class DeficitRoundRobin:
     """Selects the next job of one lane; see the module docstring for the rules."""
 
     __slots__ = (
+        "_head_costs",
         "_joiner_credit",
         "_joiner_ranks",
+        "_sequence",
         "active",
         "active_quanta",
         "credit_tokens",
@@ -122,6 +129,10 @@ class DeficitRoundRobin:
         self._joiner_credit: list[float] = []
         self.queued_tokens = 0.0
         """Expected service tokens of every live queued job of the lane."""
+        # (cost, sequence, job) of every live queue's head, plus stale entries (a head that was
+        # sent or cancelled) dropped when they surface: `min_head_cost` in O(log n) amortised.
+        self._head_costs: list[tuple[float, int, Job]] = []
+        self._sequence = count()
 
     @property
     def ahead_joiners(self) -> int:
@@ -145,6 +156,8 @@ class DeficitRoundRobin:
         terms). When the front has not started its turn and no joiner waits, before the front:
         a tenant owed service goes before one that has been granted nothing yet."""
         queue = self.queues[job.request.tenant_id]
+        if queue.live == 0:  # the job is the queue's head
+            self._head_changed(job)
         queue.jobs.append(job)
         queue.live += 1
         queue.queued_tokens += job.expected_tokens
@@ -222,6 +235,15 @@ class DeficitRoundRobin:
             self._drop_credit(queue)
             if queue.in_active:
                 self._remove(queue)
+        else:
+            for queued in queue.jobs:  # was it the head? (its state may not have changed yet)
+                if queued is job:
+                    self._head_changed(
+                        next(j for j in queue.jobs if j is not job and j.state is _QUEUED)
+                    )
+                    break
+                if queued.state is _QUEUED:
+                    break  # a job ahead of it is the head
 
     def _remove(self, queue: TenantQueue) -> None:
         """Take a queue with nothing live out of the ring, wherever it is."""
@@ -263,12 +285,28 @@ class DeficitRoundRobin:
         """The tenant has live (not cancelled) jobs queued in this lane."""
         return self.queues[tenant_id].live > 0
 
+    def _head_changed(self, head: Job) -> None:
+        """``head`` is now the first live job of its queue: index its cost."""
+        heads = self._head_costs
+        heappush(heads, (head.expected_tokens, next(self._sequence), head))
+        if len(heads) > 64 + 4 * len(self.active):
+            # Mostly stale (heads sent while nobody asked for the cheapest): rebuild, O(n).
+            heads[:] = [entry for entry in heads if self._is_head(entry[2])]
+            heapify(heads)
+
+    def _is_head(self, job: Job) -> bool:
+        return job.state is _QUEUED and self.queues[job.request.tenant_id].head() is job
+
     def min_head_cost(self) -> float | None:
-        """Cheapest head among backlogged tenants (O(active tenants))."""
-        return min(
-            (head.expected_tokens for q in self.active if (head := q.head()) is not None),
-            default=None,
-        )
+        """Cheapest head among backlogged tenants: O(log n) amortised (a heap of the heads'
+        costs; entries of heads that were sent or cancelled are dropped as they surface)."""
+        heads = self._head_costs
+        while heads:
+            cost, _, job = heads[0]
+            if self._is_head(job):
+                return cost
+            heappop(heads)
+        return None
 
     def pick(self, eligible: Callable[[Job], bool]) -> Job | None:
         """Remove and return the next job to run, or None if no head is eligible now."""
@@ -302,7 +340,11 @@ class DeficitRoundRobin:
                     self.queued_tokens -= cost
                     queue.deficit -= cost  # stays >= 0: all of it was credit
                     self.credit_tokens -= cost
-                    if queue.live == 0:
+                    if queue.live:
+                        next_head = queue.head()
+                        if next_head is not None:
+                            self._head_changed(next_head)
+                    else:
                         self._leave(queue)
                         if not active:
                             # Nobody holds credit or queued work: no float residue.
