@@ -188,9 +188,15 @@ class DemandRate:
         self._at_ms = 0.0
 
     def add(self, tokens: float, now_ms: float, tau_ms: float) -> None:
+        value = self._value
+        elapsed_ms = now_ms - self._at_ms
+        if elapsed_ms > 0.0:
+            self._at_ms = now_ms
+            if value:
+                value *= math.exp(-elapsed_ms / tau_ms)
+        value += tokens / tau_ms
         # A settlement may take back more than is left of a decayed dispatch: never below 0.
-        self._value = max(0.0, self.rate(now_ms, tau_ms) + tokens / tau_ms)
-        self._at_ms = max(self._at_ms, now_ms)
+        self._value = value if value > 0.0 else 0.0
 
     def rate(self, now_ms: float, tau_ms: float) -> float:
         elapsed_ms = now_ms - self._at_ms
