@@ -132,6 +132,14 @@ class TokenfairScheduler(Scheduler):
         self._push_ahead: float | None = None  # join rank of the job `_admit` just admitted
         super().__init__(config, now_ms)
 
+    def _adopt_cost_model(self) -> None:
+        super()._adopt_cost_model()
+        # Per lane, read on every request: the wait limit, the service memory, the watermark.
+        policy = self.policy
+        self._wait_limits = (policy.max_interactive_wait_ms, policy.max_batch_wait_ms)
+        self._memories_ms = tuple(limit * SERVICE_MEMORY_LIMITS for limit in self._wait_limits)
+        self._watermarks = (policy.interactive_kv_watermark, policy.batch_kv_watermark)
+
     def _tenant_added(self, tenant: TenantState) -> None:
         quantum = self.tenant_quantum(tenant)
         tenant_id = tenant.config.tenant_id
@@ -189,7 +197,7 @@ class TokenfairScheduler(Scheduler):
         # lane's recent admitted demand λ brings in during the wait itself, i.e. the wait T with
         # T = wait + λ T / rate. The smaller of the two.
         idle_quanta = max(0.0, competing - backlogged)
-        horizon_ms = self.wait_limit_ms(lane)
+        horizon_ms = self._wait_limits[lane]
         if later_turns and idle_quanta:
             by_turns_ms = wait_ms + later_turns * idle_quanta / rate
             demand = self._lane_demand[lane].rate(now_ms, horizon_ms)
@@ -247,16 +255,14 @@ class TokenfairScheduler(Scheduler):
         lane = job.lane
         tenant_id = job.request.tenant_id
         occupancy = (self.resident_blocks + job.kv_blocks) / policy.total_kv_blocks
-        wait_limit_ms = self.wait_limit_ms(lane)
+        wait_limit_ms = self._wait_limits[lane]
         drr = self._lanes[lane]
         competition = self._competition[lane]
         competition.retire(now_ms, wait_limit_ms, drr.backlogged)
         offered = self._offered[lane].get(tenant_id)
         if offered is None:
             offered = self._offered[lane][tenant_id] = DemandRate()
-        offered.add(
-            job.service_tokens * tenant.usage_ratio, now_ms, wait_limit_ms * SERVICE_MEMORY_LIMITS
-        )
+        offered.add(job.service_tokens * tenant.usage_ratio, now_ms, self._memories_ms[lane])
         queued_all = self.queued_count[0] + self.queued_count[1]
         if (
             queued_all >= policy.max_queued_requests
@@ -271,7 +277,7 @@ class TokenfairScheduler(Scheduler):
                 queued_requests=queued_all,
                 tenant_queued_requests=tenant.queued,
             )
-        if job.kv_blocks / policy.total_kv_blocks > self.watermark(lane):
+        if job.kv_blocks / policy.total_kv_blocks > self._watermarks[lane]:
             return shed_kv(self, job, "admission", job.kv_blocks / policy.total_kv_blocks)
         # From its arrival: a replay submits the arrivals of a busy stretch when it ends.
         join_rank = self._join_rank(job, now_ms)
@@ -395,7 +401,7 @@ class TokenfairScheduler(Scheduler):
             if not self.policy.lend_idle_capacity:
                 needed = tenant.queued_tokens + decision.service_tokens
                 wait_ms = max(wait_ms, tenant.bucket.ms_until(needed, now_ms))
-            decision.retry_after_ms = max(0.0, wait_ms - self.wait_limit_ms(lane))
+            decision.retry_after_ms = max(0.0, wait_ms - self._wait_limits[lane])
         return expired
 
     # -- selection --------------------------------------------------------------------------
@@ -416,7 +422,10 @@ class TokenfairScheduler(Scheduler):
             self._cheapest_batch_head = None
 
     def _eligible(self, job: Job) -> bool:
-        if not self.kv_fits(job):
+        # `kv_fits`, inline: this runs for every head a selection looks at.
+        if (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks > (
+            self._watermarks[job.lane]
+        ):
             return False
         if self._lending:
             return True
@@ -480,7 +489,7 @@ class TokenfairScheduler(Scheduler):
         self._record_service(job, job.expected_tokens, now_ms)
         if job.lifted:
             self._lane_lifted[job.lane].add(
-                job.expected_tokens, now_ms, self.wait_limit_ms(job.lane)
+                job.expected_tokens, now_ms, self._wait_limits[job.lane]
             )
         if job.borrowed:
             return
@@ -491,7 +500,7 @@ class TokenfairScheduler(Scheduler):
 
     def _record_service(self, job: Job, tokens: float, now_ms: float) -> None:
         lane = job.lane
-        memory_ms = self.wait_limit_ms(lane) * SERVICE_MEMORY_LIMITS
+        memory_ms = self._memories_ms[lane]
         tenant_id = job.request.tenant_id
         served = self._served[lane].get(tenant_id)
         if served is None:
@@ -507,7 +516,7 @@ class TokenfairScheduler(Scheduler):
         O(n log n) over the tenants that offered lately (``shares.water_level``); tenants whose
         offer has faded below 1e-9 tokens per ms are forgotten then."""
         at_ms, level = self._level[lane]
-        horizon_ms = self.wait_limit_ms(lane)
+        horizon_ms = self._wait_limits[lane]
         if now_ms - at_ms < horizon_ms:
             return level
         memory_ms = horizon_ms * SERVICE_MEMORY_LIMITS
@@ -533,7 +542,7 @@ class TokenfairScheduler(Scheduler):
         """The tenant's recent service per quantum over the lane's max-min water level (below 1:
         owed service), or over the lane's recent service per competing quantum while the offers
         fit the lane; None while the lane has served nothing lately."""
-        memory_ms = self.wait_limit_ms(lane) * SERVICE_MEMORY_LIMITS
+        memory_ms = self._memories_ms[lane]
         quantum = self._lanes[lane].queues[tenant_id].quantum
         level = self.fair_level(lane, now_ms)
         if math.isinf(level):
