@@ -273,7 +273,7 @@ class DeficitRoundRobin:
         self._credit_moved(before, queue.deficit)
 
     def _credit_moved(self, before: float, after: float) -> None:
-        self.credit_tokens += max(0.0, after) - max(0.0, before)
+        self.credit_tokens += (after if after > 0.0 else 0.0) - (before if before > 0.0 else 0.0)
 
     def _drop_credit(self, queue: TenantQueue) -> None:
         """The queue emptied: its credit goes (a debt stays), and its turn ends."""

@@ -164,13 +164,22 @@ def tokens_ahead(
         later_turns = 0
         first_turn = first_turn_tokens
     else:
-        later_turns = max(0, math.ceil(needed / own.quantum) - 1)
-        first_turn = lane_credit_tokens - max(0.0, own.deficit) + competing_quanta - own.quantum
+        # Conditionals rather than min/max calls: this runs for every admission.
+        later_turns = math.ceil(needed / own.quantum) - 1
+        if later_turns < 0:
+            later_turns = 0
+        deficit = own.deficit
+        first_turn = (
+            lane_credit_tokens - (deficit if deficit > 0.0 else 0.0) + competing_quanta
+        ) - own.quantum
         if front is not None and front is not own and front.turn_open:
             first_turn -= front.quantum
-        first_turn = min(first_turn, lane_queued_tokens - own_queued_tokens)
-    later = later_turns * max(0.0, backlogged_quanta - own.quantum)
-    return own_queued_tokens + max(0.0, first_turn) + later, later_turns
+        held = lane_queued_tokens - own_queued_tokens
+        if held < first_turn:
+            first_turn = held
+    others = backlogged_quanta - own.quantum
+    later = later_turns * others if others > 0.0 else 0.0
+    return own_queued_tokens + (first_turn if first_turn > 0.0 else 0.0) + later, later_turns
 
 
 class DemandRate:
@@ -219,13 +228,17 @@ class ResidualWork:
         self._busy_until_ms = 0.0
 
     def dispatched(self, service_tokens: float, rate_per_ms: float, now_ms: float) -> None:
-        self._busy_until_ms = max(self._busy_until_ms, now_ms) + service_tokens / rate_per_ms
+        busy_until_ms = self._busy_until_ms
+        if busy_until_ms < now_ms:
+            busy_until_ms = now_ms
+        self._busy_until_ms = busy_until_ms + service_tokens / rate_per_ms
 
     def settled(self, overrun_tokens: float, rate_per_ms: float) -> None:
         self._busy_until_ms += overrun_tokens / rate_per_ms
 
     def wait_ms(self, now_ms: float) -> float:
-        return max(0.0, self._busy_until_ms - now_ms)
+        wait_ms = self._busy_until_ms - now_ms
+        return wait_ms if wait_ms > 0.0 else 0.0
 
 
 def water_level(capacity: float, demands: list[tuple[float, float]]) -> float:

@@ -196,9 +196,9 @@ class TokenfairScheduler(Scheduler):
         # meanwhile: at most one quantum each per turn (the DRR bound), and at most what the
         # lane's recent admitted demand λ brings in during the wait itself, i.e. the wait T with
         # T = wait + λ T / rate. The smaller of the two.
-        idle_quanta = max(0.0, competing - backlogged)
+        idle_quanta = competing - backlogged
         horizon_ms = self._wait_limits[lane]
-        if later_turns and idle_quanta:
+        if later_turns and idle_quanta > 0.0:
             by_turns_ms = wait_ms + later_turns * idle_quanta / rate
             demand = self._lane_demand[lane].rate(now_ms, horizon_ms)
             if demand < rate:
@@ -208,7 +208,11 @@ class TokenfairScheduler(Scheduler):
         if first_turn is None:
             # Tenants joining ahead send their first request before it: T = wait + λ_lift T.
             lifted = self._lane_lifted[lane].rate(now_ms, horizon_ms)
-            wait_ms /= max(1.0 - lifted / rate, MIN_LANE_RATE_FRACTION)
+            if lifted > 0.0:
+                share_left = 1.0 - lifted / rate
+                wait_ms /= (
+                    share_left if share_left > MIN_LANE_RATE_FRACTION else (MIN_LANE_RATE_FRACTION)
+                )
         return wait_ms
 
     def _join_rank(self, job: Job, now_ms: float) -> float | None:
@@ -281,9 +285,13 @@ class TokenfairScheduler(Scheduler):
             return shed_kv(self, job, "admission", job.kv_blocks / policy.total_kv_blocks)
         # From its arrival: a replay submits the arrivals of a busy stretch when it ends.
         join_rank = self._join_rank(job, now_ms)
-        predicted_wait_ms = max(0.0, now_ms - job.request.arrival_ms) + max(
-            self.predicted_wait_ms(tenant_id, lane, job.service_tokens, now_ms, join_rank),
-            self.kv_wait_ms(job, now_ms),
+        elapsed_ms = now_ms - job.request.arrival_ms
+        turn_wait_ms = self.predicted_wait_ms(
+            tenant_id, lane, job.service_tokens, now_ms, join_rank
+        )
+        kv_wait_ms = self.kv_wait_ms(job, now_ms)
+        predicted_wait_ms = (elapsed_ms if elapsed_ms > 0.0 else 0.0) + (
+            turn_wait_ms if turn_wait_ms > kv_wait_ms else kv_wait_ms
         )
         if predicted_wait_ms > wait_limit_ms:
             return self._refusal(
