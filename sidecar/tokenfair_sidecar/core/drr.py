@@ -301,10 +301,13 @@ class DeficitRoundRobin:
         """Cheapest head among backlogged tenants: O(log n) amortised (a heap of the heads'
         costs; entries of heads that were sent or cancelled are dropped as they surface)."""
         heads = self._head_costs
+        queues = self.queues
         while heads:
             cost, _, job = heads[0]
-            if self._is_head(job):
-                return cost
+            if job.state is _QUEUED:
+                queue = queues[job.request.tenant_id]
+                if queue.jobs[0] is job or queue.head() is job:  # the first test is the usual
+                    return cost
             heappop(heads)
         return None
 
