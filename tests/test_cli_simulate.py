@@ -8,19 +8,32 @@ Behaviours under test:
 * ``--records`` writes one JSONL line per request per policy with the lesson's outcome fields;
 * ``--plot`` writes a PNG;
 * ``--trace`` replays a JSONL trace against ``--tenants`` (TenantQuota manifests);
+* the streamed replay (a trace in order is read once per policy, decisions folded as they come)
+  reports exactly what the in-memory functions (``simulate``, ``summarize``,
+  ``fairness_report``) give, for a trace in order and one shuffled, with recorded usage and
+  without, arrivals spread out or all at once;
 * bad inputs exit 2 with one line on stderr naming the field: a bad ``--set`` key, a trace with
-  an unknown tenant, a trace line with a bad field, ``--trace`` without ``--tenants``.
+  an unknown tenant, a trace line with a bad field, ``--trace`` without ``--tenants``, a
+  ``--records`` path that cannot be written.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tokenfair_sidecar.config import load_config
+from tokenfair_sidecar.costmodel import CostModel
+from tokenfair_sidecar.fairness import fairness_report, fairness_to_json
+from tokenfair_sidecar.records import read_trace
+from tokenfair_sidecar.report import summarize
+from tokenfair_sidecar.simulator import simulate
 
 TOKENFAIR = Path(sys.executable).parent / "tokenfair"
 LESSON_POLICIES = ["request_count_no_admission", "service_token_drr_with_admission"]
@@ -207,6 +220,63 @@ def test_trace_with_tenant_manifests_and_a_weight_override(tmp_path: Path) -> No
     assert first_dispatches(records, 6) == ["etl", "rag", "rag"] * 2
 
 
+def spread_with_usage() -> list[dict[str, object]]:
+    """Both tenants, arrivals every 0-3 ms (ties included), about half with recorded usage."""
+    rng = random.Random(7)
+    lines: list[dict[str, object]] = []
+    arrival_ms = 0.0
+    for i in range(120):
+        arrival_ms += rng.choice((0, 0.5, 1, 3))
+        line: dict[str, object] = {
+            "request_id": f"q{i:03d}",
+            "tenant_id": rng.choice(("tenant_batch_etl", "tenant_batch_rag")),
+            "arrival_ms": arrival_ms,
+            "prefill_tokens": rng.randint(100, 900),
+            "decode_tokens": rng.randint(10, 200),
+            "priority_class": "batch",
+        }
+        if i % 2:
+            line["actual_decode_tokens"] = rng.randint(0, 250)
+        lines.append(line)
+    return lines
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+@pytest.mark.parametrize("make_lines", [backlog, spread_with_usage])
+def test_streamed_report_is_the_in_memory_report(
+    tmp_path: Path, shuffled: bool, make_lines: Any
+) -> None:
+    lines = make_lines()
+    if shuffled:
+        random.Random(3).shuffle(lines)
+    trace, tenants = write_trace(tmp_path, lines)
+    policies = ["service_token_drr_with_admission", "tokenfair"]
+    result = report(
+        *("--trace", trace, "--tenants", tenants),
+        *("--policy", policies[0]),
+        *("--policy", policies[1]),
+        cwd=tmp_path,
+    )
+    config = load_config(tenants)
+    cost = CostModel.from_policy(config.policy)
+    records = read_trace(trace)
+    actual = {
+        r.request.request_id: cost.service_tokens(*used)
+        for r in records
+        if (used := r.actual_tokens()) is not None
+    }
+    actual_kv = {
+        r.request.request_id: cost.kv_blocks(*used)
+        for r in records
+        if (used := r.actual_tokens()) is not None
+    }
+    for policy in policies:
+        decisions = simulate(config, [r.request for r in records], policy, actual, actual_kv)
+        assert result["comparison"][policy] == summarize(decisions)
+        expected = fairness_report(decisions, config, actual_service_tokens=actual)
+        assert result["fairness"][policy] == json.loads(json.dumps(fairness_to_json(expected)))
+
+
 def test_records_one_line_per_request_per_policy(tmp_path: Path) -> None:
     records = tmp_path / "out.jsonl"
     report("--scenario", "noisy-neighbor", "--records", records, cwd=tmp_path)
@@ -274,6 +344,12 @@ def test_trace_line_with_a_bad_field(
     trace, tenants = write_trace(tmp_path, lines)
     line = bad_run(tmp_path, "--trace", trace, "--tenants", tenants)
     assert f"{trace}:2: {message}" in line
+
+
+def test_records_path_that_cannot_be_written(tmp_path: Path) -> None:
+    target = tmp_path / "missing" / "records.jsonl"
+    line = bad_run(tmp_path, "--scenario", "noisy-neighbor", "--records", target)
+    assert f"--records {target}: cannot write (No such file or directory)" in line
 
 
 def test_trace_without_tenants(tmp_path: Path) -> None:

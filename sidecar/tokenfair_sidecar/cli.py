@@ -1,17 +1,19 @@
 """The ``tokenfair`` command line: one entry point, one module per subcommand.
 
 Each module in :mod:`tokenfair_sidecar.commands` exposes ``register(subparsers)``, which adds its
-parser and sets ``func`` (``args -> exit code``). Errors a user can fix (bad config, bad trace, bad
-flag) print one line to stderr and exit 2; nothing prints a traceback for them.
+parser and sets ``func`` (``args -> exit code``). Only the module of the subcommand being run is
+imported (the others get a parser that carries their one-line summary): ``tokenfair simulate``
+must not pay for aiohttp, the server or loadgen. Errors a user can fix (bad config, bad trace,
+bad flag) print one line to stderr and exit 2; nothing prints a traceback for them.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
-from tokenfair_sidecar.commands import COMMANDS
+from tokenfair_sidecar.commands import COMMANDS, load
 from tokenfair_sidecar.config import ConfigError
 
 
@@ -19,20 +21,37 @@ class UsageError(Exception):
     """A problem with the command's inputs; the message says what to fix."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen(argv: Sequence[str]) -> str | None:
+    """The subcommand ``argv`` names: its first argument that is not an option (the top-level
+    parser has no option that takes a value), or None."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+    return None
+
+
+def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The parser: each subcommand of ``full`` (default: every one) with its own options, the
+    others with only their one-line summary (their modules are not imported)."""
     parser = argparse.ArgumentParser(
         prog="tokenfair",
         description="Fair admission and scheduling for shared LLM inference, in service tokens.",
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS:
-        command.register(subparsers)
+    for name, entry in COMMANDS.items():
+        if full is None or name in full:
+            load(name).register(subparsers)
+        else:
+            subparsers.add_parser(name, help=entry.summary)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    command = _chosen(arguments)
+    # `tokenfair`, `tokenfair --help`, a typo: the summaries suffice.
+    parser = build_parser(() if command is None else (command,))
+    args = parser.parse_args(arguments)
     try:
         code: int = args.func(args)
     except (ConfigError, UsageError, ValueError) as exc:

@@ -187,10 +187,14 @@ class FairnessReport:
 
 def request_size(decision: Decision, actual_service_tokens: Mapping[str, int]) -> int:
     """The size ``s`` of a request: actual service tokens when known, else the estimate."""
+    return decision_size(decision, actual_service_tokens.get(decision.request_id))
+
+
+def decision_size(decision: Decision, actual_service_tokens: int | None) -> int:
+    """:func:`request_size` given the request's recorded usage itself (None: not recorded)."""
     if decision.actual_service_tokens is not None:
         return decision.actual_service_tokens
-    actual = actual_service_tokens.get(decision.request_id)
-    return decision.service_tokens if actual is None else actual
+    return decision.service_tokens if actual_service_tokens is None else actual_service_tokens
 
 
 def is_served(decision: Decision) -> bool:
@@ -219,25 +223,6 @@ def _refusal_key(decision: Decision) -> str:
     if decision.reason == ADMITTED:
         return f"http_{decision.status_code}"
     return decision.reason
-
-
-def default_window_ms(
-    decisions: Sequence[Decision], sizes: Sequence[int], service_tokens_per_ms: float
-) -> tuple[float, float]:
-    """``[min arrival, max arrival]``; if zero-length, up to the last dispatch end or 1 ms."""
-    if not decisions:
-        return (0.0, EMPTY_WINDOW_MS)
-    start_ms = min(d.arrival_ms for d in decisions)
-    end_ms = max(d.arrival_ms for d in decisions)
-    if end_ms > start_ms:
-        return (start_ms, end_ms)
-    ends_ms = [
-        d.dispatch_ms + size / service_tokens_per_ms
-        for d, size in zip(decisions, sizes, strict=True)
-        if d.dispatch_ms is not None
-    ]
-    end_ms = max(ends_ms, default=start_ms)
-    return (start_ms, end_ms if end_ms > start_ms else start_ms + EMPTY_WINDOW_MS)
 
 
 def _check_window(window_ms: tuple[float, float]) -> tuple[float, float]:
@@ -278,28 +263,71 @@ def fairness_report(
     """Fairness of one policy's decisions (definitions in the module docstring).
 
     Tenants: every tenant of ``config`` and every tenant of ``decisions`` (one with no request in
-    the window shows zeros). ``window_ms`` must have ``end > start``.
+    the window shows zeros). ``window_ms`` must have ``end > start``. For decisions that arrive
+    one at a time (a replay too large to hold), feed a :class:`FairnessTally` instead.
     """
     rows = list(decisions)
     actual = actual_service_tokens or {}
-    rate = config.policy.service_tokens_per_ms
     sizes = [request_size(d, actual) for d in rows]
-    window = default_window_ms(rows, sizes, rate) if window_ms is None else window_ms
-    start_ms, end_ms = _check_window(window)
-
-    tallies: dict[str, _Tally] = {t.tenant_id: _Tally(t.priority_class) for t in config.tenants}
-    dispatched_tokens = 0
+    window: tuple[float, float | None]
+    if window_ms is not None:
+        window = window_ms
+    elif not rows:
+        window = (0.0, EMPTY_WINDOW_MS)
+    else:
+        start_ms = min(d.arrival_ms for d in rows)
+        end_ms = max(d.arrival_ms for d in rows)
+        window = (start_ms, end_ms) if end_ms > start_ms else (start_ms, None)
+    tally = FairnessTally(config, window)
     for decision, size in zip(rows, sizes, strict=True):
-        tally = tallies.get(decision.tenant_id)
+        tally.add(decision, size)
+    return tally.report()
+
+
+class FairnessTally:
+    """:func:`fairness_report` one decision at a time, in constant memory per tenant.
+
+    ``window_ms`` is ``(start, end)``, or ``(start, None)`` for the default window of decisions
+    that all arrived at ``start`` (its end is then the end of the last dispatch,
+    ``max(dispatch_ms + s / serviceTokensPerMs)``, or ``start + 1``; every dispatch counts then,
+    as none is earlier than its arrival nor later than that end). A caller streaming a replay
+    knows the default window before it starts: ``[min arrival_ms, max arrival_ms]`` of the trace.
+    Feed every decision with its size ``s`` (:func:`request_size`), then call :meth:`report`.
+    """
+
+    def __init__(self, config: Config, window_ms: tuple[float, float | None]) -> None:
+        start_ms, end_ms = window_ms
+        if end_ms is not None:
+            start_ms, end_ms = _check_window((start_ms, end_ms))
+        elif not math.isfinite(start_ms):
+            raise ValueError(f"window: START_MS must be finite (got {start_ms:g})")
+        self._config = config
+        self._rate = config.policy.service_tokens_per_ms
+        self._start_ms = float(start_ms)
+        self._end_ms = math.inf if end_ms is None else end_ms
+        self._open_end = end_ms is None
+        self._last_end_ms = self._start_ms  # the latest dispatch end (open-ended window only)
+        self._dispatched_tokens = 0
+        self._tallies: dict[str, _Tally] = {
+            t.tenant_id: _Tally(t.priority_class) for t in config.tenants
+        }
+
+    def add(self, decision: Decision, size: int) -> None:
+        """Count one decision of size ``size`` service tokens."""
+        tally = self._tallies.get(decision.tenant_id)
         if tally is None:
-            tally = tallies[decision.tenant_id] = _Tally(decision.priority_class)
-        elif decision.tenant_id not in config.tenant_index:
+            tally = self._tallies[decision.tenant_id] = _Tally(decision.priority_class)
+        elif decision.tenant_id not in self._config.tenant_index:
             tally.priority_class = decision.priority_class  # its last decision's lane
+        start_ms, end_ms = self._start_ms, self._end_ms
         dispatch_ms = decision.dispatch_ms
-        if dispatch_ms is not None and start_ms <= dispatch_ms <= end_ms:
-            dispatched_tokens += size
+        if dispatch_ms is not None:
+            if start_ms <= dispatch_ms <= end_ms:
+                self._dispatched_tokens += size
+            if self._open_end:
+                self._last_end_ms = max(self._last_end_ms, dispatch_ms + size / self._rate)
         if not start_ms <= decision.arrival_ms <= end_ms:
-            continue
+            return
         tally.offered_requests += 1
         tally.offered_tokens += size
         if is_admitted(decision):
@@ -307,7 +335,7 @@ def fairness_report(
         if is_served(decision):
             tally.served_requests += 1
             tally.served_tokens += size
-            continue
+            return
         if is_expired(decision):
             tally.expired += 1
         if tally.refused is None:
@@ -315,58 +343,65 @@ def fairness_report(
         key = _refusal_key(decision)
         tally.refused[key] = tally.refused.get(key, 0) + 1
 
-    weights = {
-        tenant_id: (
-            config.tenant_index[tenant_id].weight
-            if tenant_id in config.tenant_index
-            else DEFAULT_WEIGHT
-        )
-        for tenant_id in tallies
-    }
-    tenants: dict[str, TenantFairness] = {}
-    jain_by_lane: dict[str, float | None] = {}
-    for lane in PRIORITY_CLASSES:
-        members = sorted(t for t, tally in tallies.items() if tally.priority_class == lane)
-        shares = water_fill(
-            capacity=sum(tallies[t].served_tokens for t in members),
-            demands={t: float(tallies[t].offered_tokens) for t in members},
-            weights={t: weights[t] for t in members},
-        )
-        ratios: list[float] = []
-        for tenant_id in members:
-            tally = tallies[tenant_id]
-            over_fair = _ratio(tally.served_tokens, shares[tenant_id])
-            if tally.offered_tokens > 0 and over_fair is not None:
-                ratios.append(over_fair)
-            tenants[tenant_id] = TenantFairness(
-                tenant_id=tenant_id,
-                priority_class=lane,
-                weight=weights[tenant_id],
-                offered_requests=tally.offered_requests,
-                offered_service_tokens=tally.offered_tokens,
-                admitted_requests=tally.admitted_requests,
-                served_requests=tally.served_requests,
-                served_service_tokens=tally.served_tokens,
-                fair_share_service_tokens=shares[tenant_id],
-                served_over_fair=over_fair,
-                demand_served=_ratio(tally.served_tokens, tally.offered_tokens),
-                refused_by_reason=dict(sorted((tally.refused or {}).items())),
-                admitted_then_expired=tally.expired,
+    def report(self) -> FairnessReport:
+        """The report of the decisions added so far."""
+        config, tallies = self._config, self._tallies
+        start_ms, end_ms = self._start_ms, self._end_ms
+        if self._open_end:
+            last = self._last_end_ms
+            end_ms = last if last > start_ms else start_ms + EMPTY_WINDOW_MS
+        weights = {
+            tenant_id: (
+                config.tenant_index[tenant_id].weight
+                if tenant_id in config.tenant_index
+                else DEFAULT_WEIGHT
             )
-        jain_by_lane[lane] = jain_index(ratios)
-    admitted = sum(t.admitted_requests for t in tenants.values())
-    expired = sum(t.admitted_then_expired for t in tenants.values())
-    return FairnessReport(
-        tenants=tenants,
-        jain_by_lane=jain_by_lane,
-        utilisation=dispatched_tokens / (rate * (end_ms - start_ms)),
-        window_ms=(start_ms, end_ms),
-        admitted_requests=admitted,
-        admitted_then_expired=expired,
-        admitted_then_expired_ratio=_ratio(expired, admitted),
-        dispatched_service_tokens=dispatched_tokens,
-        service_tokens_per_ms=rate,
-    )
+            for tenant_id in tallies
+        }
+        tenants: dict[str, TenantFairness] = {}
+        jain_by_lane: dict[str, float | None] = {}
+        for lane in PRIORITY_CLASSES:
+            members = sorted(t for t, tally in tallies.items() if tally.priority_class == lane)
+            shares = water_fill(
+                capacity=sum(tallies[t].served_tokens for t in members),
+                demands={t: float(tallies[t].offered_tokens) for t in members},
+                weights={t: weights[t] for t in members},
+            )
+            ratios: list[float] = []
+            for tenant_id in members:
+                tally = tallies[tenant_id]
+                over_fair = _ratio(tally.served_tokens, shares[tenant_id])
+                if tally.offered_tokens > 0 and over_fair is not None:
+                    ratios.append(over_fair)
+                tenants[tenant_id] = TenantFairness(
+                    tenant_id=tenant_id,
+                    priority_class=lane,
+                    weight=weights[tenant_id],
+                    offered_requests=tally.offered_requests,
+                    offered_service_tokens=tally.offered_tokens,
+                    admitted_requests=tally.admitted_requests,
+                    served_requests=tally.served_requests,
+                    served_service_tokens=tally.served_tokens,
+                    fair_share_service_tokens=shares[tenant_id],
+                    served_over_fair=over_fair,
+                    demand_served=_ratio(tally.served_tokens, tally.offered_tokens),
+                    refused_by_reason=dict(sorted((tally.refused or {}).items())),
+                    admitted_then_expired=tally.expired,
+                )
+            jain_by_lane[lane] = jain_index(ratios)
+        admitted = sum(t.admitted_requests for t in tenants.values())
+        expired = sum(t.admitted_then_expired for t in tenants.values())
+        return FairnessReport(
+            tenants=tenants,
+            jain_by_lane=jain_by_lane,
+            utilisation=self._dispatched_tokens / (self._rate * (end_ms - start_ms)),
+            window_ms=(start_ms, end_ms),
+            admitted_requests=admitted,
+            admitted_then_expired=expired,
+            admitted_then_expired_ratio=_ratio(expired, admitted),
+            dispatched_service_tokens=self._dispatched_tokens,
+            service_tokens_per_ms=self._rate,
+        )
 
 
 def _round(value: float | None, places: int) -> float | None:

@@ -1,17 +1,48 @@
-"""Subcommands of ``tokenfair``; each module has ``register(subparsers)``."""
+"""Subcommands of ``tokenfair``; each module has ``register(subparsers)``.
+
+The modules are imported lazily, one per run: :data:`COMMANDS` names each subcommand's module
+and its one-line summary (what ``tokenfair --help`` lists), so ``tokenfair simulate`` never
+imports what only the sidecar or loadgen need (aiohttp, the server, the HTTP client).
+``tests/test_cli_imports.py`` checks both: the summaries against each module's own ``help``, and
+the modules a real ``tokenfair simulate`` run loads.
+"""
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
-from typing import Final
+from typing import Final, NamedTuple
 
-from tokenfair_sidecar.commands import calibrate, loadgen, report, sidecar, simulate, trace
 
-COMMANDS: Final[tuple[ModuleType, ...]] = (
-    simulate,
-    loadgen,
-    trace,
-    calibrate,
-    report,
-    sidecar,
-)
+class Command(NamedTuple):
+    """A subcommand: its module (under this package) and its one-line summary."""
+
+    module: str
+    summary: str
+
+
+COMMANDS: Final[dict[str, Command]] = {
+    "simulate": Command(
+        "simulate", "replay a workload under one or more policies and compare them"
+    ),
+    "loadgen": Command(
+        "loadgen", "replay a workload against a live OpenAI-compatible endpoint (the sidecar)"
+    ),
+    "trace": Command("trace", "make request traces"),
+    "calibrate": Command(
+        "calibrate", "fit decodeWeight and serviceTokensPerMs to observed request times"
+    ),
+    "report": Command(
+        "report",
+        "per-tenant fairness of recorded decisions: served vs weighted max-min fair share",
+    ),
+    "sidecar": Command(
+        "sidecar", "run the admission and fair-scheduling proxy in front of one model server"
+    ),
+}
+"""Every subcommand by name, in the order ``tokenfair --help`` lists them."""
+
+
+def load(name: str) -> ModuleType:
+    """Import the module of subcommand ``name`` (a key of :data:`COMMANDS`)."""
+    return importlib.import_module(f"{__name__}.{COMMANDS[name].module}")

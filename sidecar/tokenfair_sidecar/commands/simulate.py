@@ -5,23 +5,30 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from tokenfair_sidecar.config import apply_overrides, load_config
+from tokenfair_sidecar.config import Config, apply_overrides, load_config
 from tokenfair_sidecar.core import DEFAULT_POLICY, LESSON_POLICIES, POLICIES, Decision
 from tokenfair_sidecar.costmodel import CostModel
 from tokenfair_sidecar.fairness import (
     FairnessReport,
-    fairness_report,
+    FairnessTally,
+    decision_size,
     fairness_to_json,
     format_fairness,
 )
-from tokenfair_sidecar.records import TraceRecord, read_trace, write_decisions
-from tokenfair_sidecar.report import summarize
+from tokenfair_sidecar.records import (
+    TraceRecord,
+    encode_decision,
+    iter_trace_lines,
+    scan_trace,
+    stream_requests,
+)
+from tokenfair_sidecar.report import SummaryTally
 from tokenfair_sidecar.scenarios import SCENARIOS
-from tokenfair_sidecar.simulator import simulate
+from tokenfair_sidecar.simulator import Arrival, replay
 
 EXPERIMENT = "multi-tenant-service-token-drr-and-admission-control"
 
@@ -35,7 +42,9 @@ def register(subparsers: Any) -> None:
             "server, the lesson's cost model) and report admissions, sheds and TTFT per policy, "
             "then each tenant's served service tokens against its weighted max-min fair share "
             "over the arrival window (docs/report.md). The JSON report keeps the lesson's "
-            "'comparison' block and adds 'fairness' by policy beside it."
+            "'comparison' block and adds 'fairness' by policy beside it. A trace is validated "
+            "in one pass, then streamed once per policy when its lines are in (arrival_ms, "
+            "request_id) order (memory follows the backlog, not the file; docs/records.md)."
         ),
     )
     source = parser.add_mutually_exclusive_group(required=True)
@@ -72,50 +81,115 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+Window = tuple[float, float | None]
+"""The fairness window known before a replay: ``(min arrival, max arrival)``, or ``(t, None)``
+when every request arrives at ``t`` (see ``FairnessTally``)."""
+
+
+def _window(first_arrival_ms: float, last_arrival_ms: float) -> Window:
+    if last_arrival_ms > first_arrival_ms:
+        return (first_arrival_ms, last_arrival_ms)
+    return (first_arrival_ms, None)
+
+
+def _arrival(cost: CostModel, record: TraceRecord) -> Arrival:
+    """A trace record as the replay takes it: its recorded usage priced by ``cost``."""
+    used = record.actual_tokens()
+    if used is None:
+        return (record.request, None, None)
+    return (record.request, cost.service_tokens(*used), cost.kv_blocks(*used))
+
+
+def _in_memory(arrivals: list[Arrival]) -> tuple[Callable[[], Iterable[Arrival]], Window]:
+    arrivals.sort(key=lambda a: (a[0].arrival_ms, a[0].request_id))
+    times = [a[0].arrival_ms for a in arrivals]
+    return (lambda: arrivals), _window(min(times), max(times))
+
+
+def _trace_source(
+    path: Path, config: Config, overrides: list[str]
+) -> tuple[Config, Callable[[], Iterable[Arrival]], Window]:
+    """Validate the trace in one pass, then stream it once per policy (or, when its lines are
+    not in ``(arrival_ms, request_id)`` order, hold it sorted in memory)."""
+    scan = scan_trace(path, known_tenants=config.tenant_index)
+    # Recorded usage is priced by the (possibly overridden) policy's cost model.
+    config = apply_overrides(config, overrides)
+    cost = CostModel.from_policy(config.policy)
+
+    def records() -> Iterator[TraceRecord]:
+        return map(TraceRecord.from_line, iter_trace_lines(path, unique_ids=False))
+
+    if not scan.in_order:
+        return (config, *_in_memory([_arrival(cost, r) for r in records()]))
+    window = _window(scan.first_arrival_ms, scan.last_arrival_ms)
+    if scan.observed_usage:
+        return config, lambda: (_arrival(cost, r) for r in records()), window
+    return config, lambda: ((r, None, None) for r in stream_requests(path)), window
+
+
+def _replay_policy(
+    config: Config,
+    arrivals: Iterable[Arrival],
+    policy: str,
+    window: Window,
+    records: BinaryIO | None,
+    kept: list[Decision] | None,
+) -> tuple[dict[str, Any], FairnessReport]:
+    """One policy's replay, folded as it goes: its summary, its fairness; each decision written
+    to ``records`` and appended to ``kept`` when given, else dropped once counted."""
+    summary = SummaryTally()
+    fairness = FairnessTally(config, window)
+    add_summary, add_fairness = summary.add, fairness.add
+    for decision, actual in replay(config, arrivals, policy):
+        add_summary(decision)
+        add_fairness(decision, decision_size(decision, actual))
+        if records is not None:
+            records.write(encode_decision(decision, policy))
+        if kept is not None:
+            kept.append(decision)
+    return summary.summary(), fairness.report()
+
+
 def run(args: argparse.Namespace) -> int:
-    trace: list[TraceRecord] = []
     if args.scenario:
         if args.tenants:
             config = load_config(args.tenants)
             _, requests = SCENARIOS[args.scenario]()
         else:
             config, requests = SCENARIOS[args.scenario]()
+        config = apply_overrides(config, args.overrides)
+        arrivals, window = _in_memory(_unique([(r, None, None) for r in requests]))
     else:
         if not args.tenants:
             raise ValueError("--trace needs --tenants FILE.yaml (the quotas to replay against)")
-        config = load_config(args.tenants)
-        trace = read_trace(args.trace, known_tenants=config.tenant_index)
-        requests = [record.request for record in trace]
-    config = apply_overrides(config, args.overrides)
-    # Recorded usage: the replay runs it (time and KV) and settles it, priced by the (possibly
-    # overridden) policy's cost model.
-    cost = CostModel.from_policy(config.policy)
-    actual: dict[str, int] = {}
-    actual_kv: dict[str, int] = {}
-    for record in trace:
-        used = record.actual_tokens()
-        if used is not None:
-            actual[record.request.request_id] = cost.service_tokens(*used)
-            actual_kv[record.request.request_id] = cost.kv_blocks(*used)
+        config, arrivals, window = _trace_source(
+            args.trace, load_config(args.tenants), args.overrides
+        )
     policies = args.policy or [*LESSON_POLICIES, DEFAULT_POLICY]
-    results: dict[str, list[Decision]] = {
-        name: simulate(config, requests, name, actual, actual_kv) for name in policies
-    }
-    comparison = {name: summarize(decisions) for name, decisions in results.items()}
-    # The trace's actual usage sizes refused requests too (offered demand), not only settled ones.
-    fairness = {
-        name: fairness_report(decisions, config, actual_service_tokens=actual)
-        for name, decisions in results.items()
-    }
+    comparison: dict[str, dict[str, Any]] = {}
+    fairness: dict[str, FairnessReport] = {}
+    # Decisions are kept only for --plot; --records streams them to the file.
+    results: dict[str, list[Decision]] | None = {} if args.plot else None
+    try:
+        records = args.records.open("wb") if args.records else None
+    except OSError as exc:  # opened before the replays, so a bad path costs nothing
+        raise ValueError(f"--records {args.records}: cannot write ({exc.strerror})") from None
+    try:
+        for name in policies:
+            kept = None if results is None else results.setdefault(name, [])
+            comparison[name], fairness[name] = _replay_policy(
+                config, arrivals(), name, window, records, kept
+            )
+    finally:
+        if records is not None:
+            records.close()
     report = {
         "experiment": EXPERIMENT,
         "decode_weight": config.policy.decode_weight,
         "comparison": comparison,  # exactly the lesson's shape: nothing of ours inside
         "fairness": {name: fairness_to_json(f) for name, f in fairness.items()},
     }
-    if args.records:
-        write_decisions(args.records, results)
-    if args.plot:
+    if results is not None:
         from tokenfair_sidecar.plot import plot_report  # matplotlib is an optional extra
 
         plot_report(results, args.plot, fairness)
@@ -125,6 +199,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(format_table(comparison, fairness))
     return 0
+
+
+def _unique(arrivals: list[Arrival]) -> list[Arrival]:
+    if len({a[0].request_id for a in arrivals}) != len(arrivals):
+        raise ValueError("request ids must be unique within a trace")
+    return arrivals
 
 
 def format_table(

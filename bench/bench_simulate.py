@@ -1,0 +1,312 @@
+"""Benchmark of the whole ``tokenfair simulate`` command against the lesson's lab, end to end.
+
+Not part of the test suite (speed is measured here only). What a user pays, measured as a user
+runs it: the installed console script in a subprocess,
+
+    tokenfair simulate --trace T.jsonl --tenants Q.yaml --policy P --format json
+
+(interpreter start, imports, reading and validating the trace, the replay with whatever the
+command does about the cyclic collector, the report) against **the lab**: the lesson's
+bookkeeping (``tests/lesson_reference.py``, loaded through ``tests/lesson_bridge.py`` as
+``bench/bench_core.py`` does) reading the *same* JSONL line by line with ``json.loads`` into
+its request objects, replaying it and summarising it as the lesson's lab does, in-process,
+with the cyclic collector on as a plain script has it. The lab runs in a child process of this
+script (``--lab``) so its peak RSS is its own; its time is measured inside that process, from
+opening the trace to the report written (interpreter start and imports excluded: the lab's
+favour).
+
+Regimes (``bench/bench_core.py``'s trace: the lesson's three tenants, ~1.4x overload):
+
+1. **default** — the lesson's default parameters at ``--default-size`` requests (200k);
+2. **relaxed** — wait limits 10^12 ms, queue bounds 10^8, KV 10^9 blocks (the backlog grows) at
+   ``--relaxed-sizes`` (32k); the lab's cost grows with the backlog (quadratic), so it runs at
+   the sizes up to ``--lab-max`` only; ``--million`` adds the 1M relaxed run (minutes) of the
+   command alone, and the ratio of its cost per request to the smallest relaxed size's.
+
+In each regime the command also runs with ``--policy tokenfair``: its time over the lesson
+DRR policy's is the fair-admission work's price (target <= 1.5). ``--profile`` adds a cProfile
+top-15 (by own time) of the ``tokenfair`` policy's command at ``--profile-size`` requests.
+
+Figures per run: wall seconds (``time.perf_counter`` around the child), CPU seconds (user +
+system of that child, ``os.wait4``), microseconds per request, peak RSS (``ru_maxrss``) and the
+admitted count (the lab's and the command's must agree for the lesson policy: same decisions).
+Ratios are lab / command (above 1: the command is faster). Each run is the best of
+``--repeat`` (runs alternate lab, command).
+
+    .venv/bin/python bench/bench_simulate.py                  # default 200k + relaxed 32k
+    .venv/bin/python bench/bench_simulate.py --million        # + relaxed 1M (several minutes)
+    .venv/bin/python bench/bench_simulate.py --quick          # smoke run, ~10 s
+
+Figures and how to read them: bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import yaml
+
+# The lab (the oracle) is a test helper; the trace is bench_core's.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_core import default_config, overloaded_trace, relaxed_config
+from lesson_bridge import DRR, oracle_inputs
+from lesson_reference import OracleRequest, lab_summary, run_service_token_drr
+
+from tokenfair_sidecar.config import Config, config_to_document, load_config
+
+TOKENFAIR = Path(sys.executable).parent / "tokenfair"
+OURS = "tokenfair"
+EXPERIMENT = "multi-tenant-service-token-drr-and-admission-control"
+MILLION = 1_000_000
+
+
+class Run(NamedTuple):
+    """One child process: its times, peak memory and the admitted count it reported."""
+
+    wall_s: float
+    cpu_s: float
+    peak_rss_mb: float
+    admitted: int
+
+
+def write_trace(path: Path, count: int) -> None:
+    """``bench_core.overloaded_trace(count)`` as JSONL (the trace format of docs/records.md)."""
+    with path.open("w", encoding="utf-8") as handle:
+        for r in overloaded_trace(count):
+            handle.write(
+                json.dumps(
+                    {
+                        "request_id": r.request_id,
+                        "tenant_id": r.tenant_id,
+                        "arrival_ms": r.arrival_ms,
+                        "prefill_tokens": r.prefill_tokens,
+                        "decode_tokens": r.decode_tokens,
+                        "priority_class": r.priority_class,
+                    },
+                    separators=(",", ":"),
+                )
+                + "\n"
+            )
+
+
+def write_tenants(path: Path, config: Config) -> None:
+    path.write_text(yaml.safe_dump(config_to_document(config), sort_keys=False), encoding="utf-8")
+
+
+def run_child(argv: Sequence[str], stdout_path: Path) -> tuple[float, float, float]:
+    """Run ``argv`` with stdout to a file; ``(wall s, cpu s, peak RSS MB)`` of that child."""
+    with stdout_path.open("wb") as out:
+        start = time.perf_counter()
+        child = subprocess.Popen(argv, stdout=out)
+        _, status, usage = os.wait4(child.pid, 0)
+        wall_s = time.perf_counter() - start
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)}: exit {child.returncode}")
+    # ru_maxrss is in KiB on Linux.
+    return wall_s, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024.0
+
+
+def run_command(trace: Path, tenants: Path, policy: str, work: Path) -> Run:
+    out = work / "command.json"
+    argv = [str(TOKENFAIR), "simulate", "--trace", str(trace), "--tenants", str(tenants)]
+    wall_s, cpu_s, rss = run_child([*argv, "--policy", policy, "--format", "json"], out)
+    report = json.loads(out.read_text(encoding="utf-8"))
+    return Run(wall_s, cpu_s, rss, int(report["comparison"][policy]["admitted_requests"]))
+
+
+def run_lab(trace: Path, tenants: Path, work: Path) -> Run:
+    out = work / "lab.json"
+    argv = [sys.executable, str(Path(__file__).resolve()), "--lab", str(trace), str(tenants)]
+    _, _, rss = run_child(argv, out)
+    measured = json.loads(out.read_text(encoding="utf-8"))
+    # The lab's own times, in-process (its start-up and imports excluded); RSS of the child.
+    return Run(measured["wall_s"], measured["cpu_s"], rss, int(measured["admitted"]))
+
+
+def lab_main(trace: Path, tenants: Path) -> None:
+    """The lab, in-process: read the JSONL with ``json.loads``, replay, summarise, report."""
+    tenant_rows, _, knobs = oracle_inputs(load_config(tenants), [])
+    start, cpu_start = time.perf_counter(), time.process_time()
+    requests: list[OracleRequest] = []
+    with trace.open(encoding="utf-8") as handle:
+        for line in handle:
+            data = json.loads(line)
+            requests.append(
+                OracleRequest(
+                    data["request_id"],
+                    data["tenant_id"],
+                    data["arrival_ms"],
+                    data["prefill_tokens"],
+                    data["decode_tokens"],
+                    data["priority_class"],
+                )
+            )
+    outcomes = run_service_token_drr(tenant_rows, requests, knobs)
+    summary = lab_summary(outcomes)
+    report = json.dumps(
+        {
+            "experiment": EXPERIMENT,
+            "decode_weight": knobs.decode_weight,
+            "comparison": {DRR: summary},
+        },
+        indent=2,
+    )
+    wall_s, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+    print(
+        json.dumps(
+            {
+                "wall_s": wall_s,
+                "cpu_s": cpu_s,
+                "admitted": summary["admitted_requests"],
+                "bytes": len(report),
+            }
+        )
+    )
+
+
+def best(runs: Sequence[Run]) -> Run:
+    return min(runs, key=lambda r: r.wall_s)
+
+
+HEADER = (
+    f"  {'run':<38}{'requests':>9}{'wall s':>9}{'wall us':>9}{'cpu s':>9}{'cpu us':>9}"
+    f"{'peak MB':>9}{'admitted':>10}"
+)
+
+
+def row(label: str, size: int, run: Run) -> str:
+    return (
+        f"  {label:<38}{size:>9}{run.wall_s:>9.3f}{run.wall_s / size * 1e6:>9.2f}"
+        f"{run.cpu_s:>9.3f}{run.cpu_s / size * 1e6:>9.2f}{run.peak_rss_mb:>9.1f}{run.admitted:>10}"
+    )
+
+
+def bench_regime(
+    name: str, config: Config, sizes: Sequence[int], lab_max: int, repeat: int, work: Path
+) -> dict[int, Run]:
+    """Lab, command (lesson DRR) and command (tokenfair) at each size; the command's runs."""
+    tenants = work / f"{name}.yaml"
+    write_tenants(tenants, config)
+    print(f"{name} regime")
+    print(HEADER)
+    commands: dict[int, Run] = {}
+    for size in sizes:
+        trace = work / f"trace-{size}.jsonl"
+        if not trace.exists():
+            write_trace(trace, size)
+        labs: list[Run] = []
+        ours: list[Run] = []
+        for _ in range(max(1, repeat)):
+            if size <= lab_max:
+                labs.append(run_lab(trace, tenants, work))
+            ours.append(run_command(trace, tenants, DRR, work))
+        command = commands[size] = best(ours)
+        if labs:
+            lab = best(labs)
+            print(row("lab (lesson DRR, json.loads)", size, lab))
+        print(row(f"tokenfair simulate --policy {DRR}"[:38], size, command))
+        fair = best([run_command(trace, tenants, OURS, work) for _ in range(max(1, repeat))])
+        print(row(f"tokenfair simulate --policy {OURS}", size, fair))
+        if labs:
+            print(
+                f"    lab / command: wall {lab.wall_s / command.wall_s:.2f}, "
+                f"cpu {lab.cpu_s / command.cpu_s:.2f}; same admitted count: "
+                f"{lab.admitted == command.admitted}"
+            )
+        print(
+            f"    command tokenfair / {DRR}: wall {fair.wall_s / command.wall_s:.2f}, "
+            f"cpu {fair.cpu_s / command.cpu_s:.2f}"
+        )
+    if len(commands) > 1:
+        small, large = min(commands), max(commands)
+        first, last = commands[small], commands[large]
+        print(
+            f"    command per request, {large} / {small} requests: "
+            f"wall {last.wall_s / large / (first.wall_s / small):.2f}, "
+            f"cpu {last.cpu_s / large / (first.cpu_s / small):.2f}"
+        )
+    return commands
+
+
+def profile(config: Config, size: int, work: Path, top: int = 15) -> None:
+    """cProfile of the ``tokenfair`` policy's command; the top functions by own time."""
+    tenants = work / "profile.yaml"
+    write_tenants(tenants, config)
+    trace = work / f"trace-{size}.jsonl"
+    if not trace.exists():
+        write_trace(trace, size)
+    stats_path = work / "tokenfair.prof"
+    argv = [sys.executable, "-m", "cProfile", "-o", str(stats_path), "-m", "tokenfair_sidecar.cli"]
+    argv += ["simulate", "--trace", str(trace), "--tenants", str(tenants)]
+    run_child([*argv, "--policy", OURS, "--format", "json"], work / "profile.json")
+    print(
+        f"cProfile of `tokenfair simulate --policy {OURS}` (default regime, {size} requests), "
+        f"top {top} by own time:"
+    )
+    stats = pstats.Stats(str(stats_path), stream=sys.stdout)
+    stats.strip_dirs().sort_stats("tottime").print_stats(top)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument(
+        "--lab", nargs=2, type=Path, metavar=("TRACE", "TENANTS"), help=argparse.SUPPRESS
+    )
+    parser.add_argument("--default-size", type=int, default=200_000)
+    parser.add_argument("--relaxed-sizes", default="32000", help="comma-separated (32000)")
+    parser.add_argument("--lab-max", type=int, default=32_000, help="largest relaxed lab size")
+    parser.add_argument("--million", action="store_true", help="add the relaxed 1M command run")
+    parser.add_argument("--repeat", type=int, default=1, help="best of N runs (1)")
+    parser.add_argument("--profile", action="store_true", help="cProfile top-15 of tokenfair")
+    parser.add_argument("--profile-size", type=int, default=50_000)
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    parser.add_argument("--keep", type=Path, help="write the traces here and keep them")
+    args = parser.parse_args(argv)
+    if args.lab:
+        lab_main(*args.lab)
+        return 0
+    relaxed_sizes = [int(s) for s in args.relaxed_sizes.split(",") if s]
+    if args.million:
+        relaxed_sizes.append(MILLION)
+    if args.quick:
+        args.default_size, relaxed_sizes, args.lab_max, args.profile_size = (
+            10_000,
+            [2_000, 4_000],
+            4_000,
+            5_000,
+        )
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average {load}, "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}"
+    )
+    with tempfile.TemporaryDirectory() as scratch:
+        work = args.keep or Path(scratch)
+        work.mkdir(parents=True, exist_ok=True)
+        bench_regime(
+            "default", default_config(), [args.default_size], args.default_size, args.repeat, work
+        )
+        bench_regime("relaxed", relaxed_config(), relaxed_sizes, args.lab_max, args.repeat, work)
+        if args.profile:
+            profile(default_config(), args.profile_size, work)
+    gc.collect()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
