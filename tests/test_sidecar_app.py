@@ -220,18 +220,27 @@ async def test_budget_refusal_derives_retry_after_and_ratelimit_headers(
 
 async def test_oversized_requests_are_shed_at_the_kv_gate(aiohttp_client: ClientFactory) -> None:
     # 100 KV blocks of 16 tokens; interactive watermark 0.9 -> at most 90 blocks = 1440 tokens.
+    # 1400 + 100 tokens need ceil(1500 / 16) = 94 blocks: no state of the cache could hold
+    # them, so it is a 400 (not retried by SDKs), recorded and counted with its own reason.
     policy = PolicyConfig(total_kv_blocks=100)
     clients = await start(aiohttp_client, keyed_config(policy))
     response = await clients.proxy.post(
         "/v1/completions", json=completion_body(1400, 100), headers={"Authorization": CHAT}
     )
-    assert response.status == 429
+    assert response.status == 400
     payload = await response.json()
-    assert error_code(payload) == "shed_kv_watermark"
-    # ceil(1500 / 16) = 94 blocks -> attempted occupancy 0.94, reported unclamped.
-    assert "attempted_kv_occupancy=0.94" in payload["error"]["message"]
-    assert response.headers["Retry-After"] == "1"  # no time would help: the documented fallback
-    assert clients.sidecar.scheduler.books() == ZERO_BOOKS
+    assert error_code(payload) == "request_over_kv_capacity"
+    assert "needs 94 KV blocks" in payload["error"]["message"]
+    assert "at most 90" in payload["error"]["message"]
+    assert "Retry-After" not in response.headers
+    assert clients.sidecar.tenant_counts["tenant_chat_pro"]["refused"] == 1
+    # 1300 + 100 tokens need 88 blocks: it fits an empty cache, so a refusal is only "not now".
+    # Here the cache is empty: it is served.
+    response = await clients.proxy.post(
+        "/v1/completions", json=completion_body(1300, 100), headers={"Authorization": CHAT}
+    )
+    assert response.status == 200
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
 
 
 async def test_queue_full_expiry_and_cancellation(aiohttp_client: ClientFactory) -> None:

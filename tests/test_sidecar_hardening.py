@@ -744,6 +744,46 @@ async def test_upstream_failures_tell_the_tenant_nothing_about_the_upstream(
         assert await books_when_settled(sidecar.sidecar) == ZERO_BOOKS
 
 
+async def test_an_upstream_head_or_body_too_large_is_502_recorded_and_dropped(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path
+) -> None:
+    """Headers of 4 MiB (one header, written in pieces) or a non-streamed body of 16 MiB: the
+    client gets a 502 ``upstream_too_large`` naming no upstream detail, the record says so,
+    the sidecar stops reading (the upstream sees it leave) and the slot is free."""
+
+    async def huge_head(writer: asyncio.StreamWriter, _: Received) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nx-huge: ")
+        for _piece in range(64):
+            writer.write(b"v" * 65536)
+            await writer.drain()
+        writer.write(b"\r\nContent-Length: 2\r\n\r\n{}")
+        await writer.drain()
+
+    async def huge_body(writer: asyncio.StreamWriter, _: Received) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (16 << 20))
+        for _piece in range(256):
+            writer.write(bytes(65536))
+            await writer.drain()
+
+    raw = await upstream(
+        {"head": huge_head, "body": huge_body, "ok": reply(json_response(OK_JSON))}
+    )
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path)
+    for model in ("head", "body"):
+        raw.client_gone.clear()
+        response = await post(clients, chat(model))
+        assert response.status == 502
+        error = (await response.json())["error"]
+        assert error["code"] == "upstream_too_large"
+        assert "127.0.0.1" not in error["message"]
+        async with asyncio.timeout(5):
+            await raw.client_gone.wait()  # dropped, not read to the end
+    await assert_next_request_served(clients)
+    outcomes = [(r["status_code"], r["reason"]) for r in records(clients)]
+    assert outcomes == [(502, "upstream_too_large")] * 2 + [(200, "admitted")]
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+
+
 # -- clients that hold resources -------------------------------------------------------------------
 
 
@@ -951,12 +991,28 @@ async def test_hostile_bodies_and_keys(aiohttp_client: ClientFactory, tmp_path: 
     clients = await start(aiohttp_client, keyed_config())
     port = clients.proxy.port
     assert port is not None
+    # 100,000 levels: refused before the parse, over maxJsonValues (200,000 brackets).
     deep = b'{"model":"m","messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     head, body = await raw_exchange(port, request_bytes(deep))
     assert head.startswith(b"HTTP/1.1 400")
     error = json.loads(body)["error"]
+    assert error["code"] == "body_too_complex"
+    assert "max_json_values" in error["message"]
+    # With the value bound lifted, the parser's own limit still answers 400, not 500.
+    lifted = await start(
+        aiohttp_client, keyed_config(), SidecarSettings(time_scale=0.01, max_json_values=10**6)
+    )
+    assert lifted.proxy.port is not None
+    head, body = await raw_exchange(lifted.proxy.port, request_bytes(deep))
+    assert head.startswith(b"HTTP/1.1 400")
+    error = json.loads(body)["error"]
     assert error["code"] == "invalid_json"
     assert "nests JSON more deeply" in error["message"]
+    # 100 levels parse, and are over maxJsonDepth (64): named.
+    hundred = b'{"model":"m","prompt":"x","x":' + b"[" * 100 + b"]" * 100 + b"}"
+    head, body = await raw_exchange(port, request_bytes(hundred))
+    assert head.startswith(b"HTTP/1.1 400")
+    assert "max_json_depth" in json.loads(body)["error"]["message"]
 
     key = b"Bearer sk-\xff\xfe\x80-not-utf8"
     head, body = await raw_exchange(port, request_bytes(b"{}", authorization=key))
@@ -972,7 +1028,8 @@ async def test_hostile_bodies_and_keys(aiohttp_client: ClientFactory, tmp_path: 
     assert response.status == 200
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
     text = await metrics_text(clients)
-    assert 'tokenfair_invalid_requests_total{status="400"} 1.0' in text
+    # Two 400s on this sidecar (values, depth), one 401; the parser's 400 on the other one.
+    assert 'tokenfair_invalid_requests_total{status="400"} 2.0' in text
     assert 'tokenfair_invalid_requests_total{status="401"} 1.0' in text
 
 

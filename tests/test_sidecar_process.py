@@ -16,11 +16,13 @@ books read from ``/status`` are zero.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,11 +158,12 @@ def start_sidecar(
 ) -> SidecarProcess:
     policy = {"max_interactive_wait_ms": 60_000, **policy}  # see PATIENT_POLICY
     document = config_to_document(keyed_config(PolicyConfig(**policy)))
-    document["sidecar"] = {
+    section = {
         "upstreamReadTimeoutSeconds": 0.5,
         "upstreamConnectTimeoutSeconds": 1.0,
         **(sidecar or {}),
     }
+    document["sidecar"] = section
     config = tmp_path / "sidecar.yaml"
     config.write_text(yaml.safe_dump(document), encoding="utf-8")
     proxy, admin = free_ports(2)
@@ -168,7 +171,8 @@ def start_sidecar(
     process = subprocess.Popen(
         [str(TOKENFAIR), "sidecar", "--config", str(config),
          "--listen", f"127.0.0.1:{proxy}", "--admin-listen", f"127.0.0.1:{admin}",
-         "--backend", "openai", "--upstream", upstream, "--max-in-flight", "1",
+         "--backend", "openai", "--upstream", upstream,
+         *(() if "maxInFlight" in section else ("--max-in-flight", "1")),
          "--records", str(records), "--drain-grace", str(drain_grace_s), "--log-level", "WARNING"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -378,24 +382,38 @@ async def test_sigterm_drains(stub: Stub, tmp_path: Path) -> None:
 
 
 async def test_drain_grace_bounds_the_shutdown(stub: Stub, tmp_path: Path) -> None:
+    """Two endless streams outlive a 0.3 s grace: the sidecar cuts them (each client sees a
+    truncated transfer), aborts their upstream calls, records each as ``503 drain_aborted``
+    (not as a client that left) and exits 0 — within the documented grace + 1 s, checked here
+    only against a generous bound (+ 5 s: a loaded machine must not fail it; the old drain's
+    two waits of aiohttp's shutdown timeout, + 2 s, are measured in the report, not here)."""
     async with aiohttp.ClientSession() as session:
-        sidecar = await _running(tmp_path, stub.url, session, drain_grace_s=0.3)
+        sidecar = await _running(
+            tmp_path, stub.url, session, drain_grace_s=0.3, sidecar={"maxInFlight": 2}
+        )
         try:
             url = f"{sidecar.proxy}/v1/chat/completions"
-            async with session.post(
-                url, json=chat("endless", stream=True), headers={"Authorization": CHAT}
-            ) as response:
-                assert response.status == 200
-                await response.content.readany()
+            async with contextlib.AsyncExitStack() as stack:
+                responses = [
+                    await stack.enter_async_context(
+                        session.post(url, json=chat("endless", stream=True),
+                                     headers={"Authorization": CHAT})
+                    )
+                    for _ in range(2)
+                ]  # fmt: skip
+                for response in responses:
+                    assert response.status == 200
+                    await response.content.readany()
                 sidecar.process.send_signal(signal.SIGTERM)
-                # The endless stream outlives the 0.3 s grace (+ 1 s): the sidecar cuts it (the
-                # client sees a truncated transfer), aborts the upstream call and exits cleanly.
-                with pytest.raises(aiohttp.ClientPayloadError):
-                    await response.content.read()
-            assert sidecar.process.wait(10) == 0
+                signalled = time.monotonic()
+                for response in responses:
+                    with pytest.raises(aiohttp.ClientPayloadError):
+                        await response.content.read()
+            assert sidecar.process.wait(15) == 0
+            assert time.monotonic() - signalled < 0.3 + 1.0 + 5.0
             await asyncio.wait_for(stub.aborted.wait(), 5)
             lines = [json.loads(line) for line in sidecar.records.read_text().splitlines()]
-            assert [(r["status_code"], r["reason"]) for r in lines] == [(499, "cancelled")]
+            assert [(r["status_code"], r["reason"]) for r in lines] == [(503, "drain_aborted")] * 2
         finally:
             stop(sidecar)
 

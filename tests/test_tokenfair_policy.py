@@ -558,3 +558,24 @@ def test_a_tenant_whose_queue_was_cancelled_is_a_newcomer_again() -> None:
     assert scheduler.submit(chat("b1", "b", 10.0), 10.0) is None
     # b joined right behind the front (a, whose turn is open), ahead of c.
     assert [q.tenant_id for q in drr.active][:2] == ["a", "b"]
+
+
+def test_the_deadline_heap_holds_the_queue_not_the_history() -> None:
+    """With a distant deadline at the top of the heap, the requests served meanwhile must not
+    stay behind it (each with its Request and Decision): memory follows the queue."""
+    policy = PolicyConfig(max_interactive_wait_ms=1e12, max_batch_wait_ms=1e12)
+    scheduler = pair(policy=policy)
+    assert scheduler.submit(chat("first", "a"), 0.0) is None  # stays queued throughout
+    now_ms = 0.0
+    for i in range(5000):
+        assert scheduler.submit(chat(f"b{i}", "b", now_ms), now_ms) is None
+        decision = scheduler.next_dispatch(now_ms)
+        assert decision is not None
+        if decision.request_id == "first":  # keep "first" queued: put it back
+            scheduler.complete(decision.request_id, now_ms)
+            assert scheduler.submit(chat("first-again", "a", now_ms), now_ms) is None
+            continue
+        now_ms += 10.0
+        scheduler.complete(decision.request_id, now_ms)
+    assert scheduler.queued_total <= 2
+    assert len(scheduler._deadlines) <= 2 * scheduler.queued_total + 65

@@ -28,10 +28,12 @@ from tokenfair_sidecar.server.upstream import (
     HIGH_WATER_BYTES,
     IDLE_KEEPALIVE_S,
     MAX_BUFFERED_BODY_BYTES,
+    MAX_RESPONSE_HEAD_BYTES,
     Origin,
     UpstreamClient,
     UpstreamClosedError,
     UpstreamResponse,
+    UpstreamTooLargeError,
     parse_origin,
 )
 
@@ -917,6 +919,89 @@ async def test_read_refuses_a_body_over_the_buffer_limit(
             await response.read()
     response.close()
     await gone(server.peers[0])
+
+
+def head_with(header_bytes: int, *, lines: int) -> bytes:
+    """A 200 head whose ``lines`` extra header lines hold ``header_bytes`` in all (names,
+    values, ``": "`` and CRLF), then an empty body."""
+    per_line = header_bytes // lines
+    value = "v" * (per_line - len("x-pad-0000: \r\n"))
+    extra = "".join(f"x-pad-{i:04d}: {value}\r\n" for i in range(lines))
+    return f"HTTP/1.1 200 OK\r\n{extra}Content-Length: 2\r\n\r\nok".encode()
+
+
+@pytest.mark.parametrize(
+    ("lines", "pieces"),
+    [(1, 1), (1, 64), (2000, 1), (2000, 64)],
+    ids=["one-header-one-write", "one-header-many-writes", "many-headers-one-write",
+         "many-headers-many-writes"],
+)  # fmt: skip
+async def test_a_response_head_over_the_limit_is_refused_and_dropped(
+    serve: ServerFactory, clients: ClientFactory, lines: int, pieces: int
+) -> None:
+    """A head over MAX_RESPONSE_HEAD_BYTES is refused however it arrives (in one read: the
+    header lines are counted; over many: the bytes fed while no head is complete), and its
+    connection is dropped (the server sees the client leave before it finished sending)."""
+    oversized = head_with(4 * MAX_RESPONSE_HEAD_BYTES, lines=lines)
+
+    async def script(peer: Peer) -> None:
+        await peer.read_request()
+        step = -(-len(oversized) // pieces)
+        for start in range(0, len(oversized), step):
+            await peer.send(oversized[start : start + step])
+            await asyncio.sleep(0)
+        await peer.until_client_gone()
+
+    server = await serve(script)
+    client = clients(server.url())
+    with pytest.raises(UpstreamTooLargeError, match=f"head over {MAX_RESPONSE_HEAD_BYTES} bytes"):
+        await client.request("POST", "/", [], b"")
+    await gone(server.peers[0])
+    assert not client.connections
+
+
+async def test_a_response_head_within_the_limit_is_read(
+    serve: ServerFactory, clients: ClientFactory
+) -> None:
+    """Just under the limit, in many writes: the head and its body arrive intact."""
+    within = head_with(MAX_RESPONSE_HEAD_BYTES - 200, lines=100)
+
+    async def script(peer: Peer) -> None:
+        await peer.read_request()
+        for start in range(0, len(within), 1000):
+            await peer.send(within[start : start + 1000])
+            await asyncio.sleep(0)
+
+    server = await serve(script)
+    response = await clients(server.url()).request("POST", "/", [], b"")
+    assert len(response.headers) == 101
+    assert await response.read() == b"ok"
+    response.release()
+
+
+async def test_a_body_over_the_clients_cap_fails_with_the_cap(
+    serve: ServerFactory, clients: ClientFactory
+) -> None:
+    """``max_body_bytes`` is the client's: a 1 MiB body read whole by a client capped at
+    64 KiB is refused and its connection dropped (the rest is never buffered)."""
+    body = bytes(1 << 20)
+
+    async def script(peer: Peer) -> None:
+        await peer.read_request()
+        await peer.send(ok(body))
+
+    server = await serve(script)
+    client = UpstreamClient(
+        server.url(), connect_timeout_s=2.0, read_timeout_s=2.0, max_body_bytes=1 << 16
+    )
+    try:
+        response = await client.request("POST", "/", [], b"")
+        with pytest.raises(UpstreamTooLargeError, match=f"body over {1 << 16} bytes"):
+            await response.read()
+        response.close()
+        await wait_for(lambda: not client.connections)  # dropped (connection_lost is a turn on)
+    finally:
+        await client.close()
 
 
 # -- the pool and close() --------------------------------------------------------------------------

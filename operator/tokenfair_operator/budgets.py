@@ -7,21 +7,17 @@ one gets ``1/n`` of the TenantQuota and the pool as a whole never exceeds it:
   ``n * per_replica <= burst`` except when ``burst < n``, where each replica still needs 1);
 * sustained per replica ``= sustained / n`` service tokens per second.
 
-``n < 1`` (no ready pod yet) is treated as 1: the first pod gets the whole quota.
+``n < 1`` (no ready pod yet) is treated as 1: the first pod gets the whole quota. The rule itself
+lives in the sidecar (:func:`tokenfair_sidecar.poolconfig.split_budgets`), which applies it too
+when a policy with a ``budgetStore`` falls back from pool-wide budgets.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from tokenfair_sidecar.config import TenantConfig
+from tokenfair_sidecar.poolconfig import split_budgets as _split
 
 
 def split_budgets(tenant: TenantConfig, ready_replicas: int) -> TenantConfig:
     """The per-replica share of ``tenant``'s budgets (weight and keys unchanged)."""
-    replicas = max(1, ready_replicas)
-    return dataclasses.replace(
-        tenant,
-        burst_service_tokens=max(1, tenant.burst_service_tokens // replicas),
-        sustained_service_tokens_per_second=tenant.sustained_service_tokens_per_second / replicas,
-    )
+    return _split(tenant, ready_replicas)

@@ -15,15 +15,20 @@ naming the field and the rule it broke.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 import reprlib
+import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal, cast
+from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 import yaml
+
+if TYPE_CHECKING:  # poolconfig imports this module; its parser is imported where it is used
+    from tokenfair_sidecar.poolconfig import BudgetStoreConfig
 
 API_VERSION: Final = "tokenfair.io/v1alpha1"
 CONFIG_KIND: Final = "TokenfairConfig"
@@ -111,6 +116,9 @@ class Config:
     tenants: tuple[TenantConfig, ...]
     version: str = ""
     """Free-form version of the document (the operator writes a content hash)."""
+    budget_store: BudgetStoreConfig | None = None
+    """Pool-wide budgets through a shared store (:mod:`tokenfair_sidecar.poolconfig`); None:
+    each sidecar enforces the budgets in this document on its own."""
     tenant_index: Mapping[str, TenantConfig] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -285,6 +293,8 @@ _REQUIRED_TENANT_FIELDS: Final = (
 # CRD fields the operator resolves; a standalone sidecar accepts and ignores them.
 _OPERATOR_ONLY_TENANT_FIELDS: Final = frozenset({"policyName", "apiKeySecretRef"})
 _OPERATOR_ONLY_POLICY_FIELDS: Final = frozenset({"selector"})
+# A SchedulingPolicy section read by parse_documents (poolconfig), not a policy parameter.
+_POLICY_SECTIONS: Final = frozenset({"budgetStore"})
 
 
 def _mapping(where: str, value: object) -> Mapping[str, object]:
@@ -306,7 +316,7 @@ def _unknown_keys(where: str, data: Mapping[str, object], known: Iterable[str]) 
 
 def parse_policy(data: Mapping[str, object], where: str = "policy") -> PolicyConfig:
     """Build a :class:`PolicyConfig` from camelCase keys; missing keys take the defaults."""
-    _unknown_keys(where, data, [*POLICY_FIELDS, *_OPERATOR_ONLY_POLICY_FIELDS])
+    _unknown_keys(where, data, [*POLICY_FIELDS, *_OPERATOR_ONLY_POLICY_FIELDS, *_POLICY_SECTIONS])
     values = {
         attr: parse(f"{where}.{key}", data[key])
         for key, (attr, parse) in POLICY_FIELDS.items()
@@ -352,7 +362,10 @@ def parse_tenant(
 
 
 def build_config(
-    policy: PolicyConfig, tenants: Sequence[TenantConfig], version: str = ""
+    policy: PolicyConfig,
+    tenants: Sequence[TenantConfig],
+    version: str = "",
+    budget_store: BudgetStoreConfig | None = None,
 ) -> Config:
     """Check the rules that span tenants and return the :class:`Config`."""
     if not tenants:
@@ -374,7 +387,33 @@ def build_config(
                     f"tenants[{tenant.tenant_id}].apiKeySha256: key hash {digest[:12]}… "
                     f"is also a key of tenant {shown(other)}"
                 )
-    return Config(policy=validate_policy(policy), tenants=tuple(tenants), version=version)
+    return Config(
+        policy=validate_policy(policy),
+        tenants=tuple(tenants),
+        version=version,
+        budget_store=budget_store,
+    )
+
+
+MAX_VERSION_CHARS: Final = 256
+"""Longest ``version`` of a config document (the operator writes a 64-character content hash);
+it is shown in ``/status``, the logs and a metric label, so it is bounded."""
+
+
+def _version(name: str, value: object) -> str:
+    """A document's ``version``: a string (or a number YAML read from an unquoted one, within
+    :data:`_MAX_INTEGER`) of at most :data:`MAX_VERSION_CHARS` characters."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ConfigError(f"{name}: must be a string (got {shown(value)})")
+    if isinstance(value, int) and abs(value) > _MAX_INTEGER:
+        raise ConfigError(f"{name}: must be a string of at most {MAX_VERSION_CHARS} characters "
+                          "(got an integer beyond it)")  # fmt: skip
+    version = str(value)
+    if len(version) > MAX_VERSION_CHARS:
+        raise ConfigError(
+            f"{name}: must be at most {MAX_VERSION_CHARS} characters (got {len(version)})"
+        )
+    return version
 
 
 def parse_documents(documents: Iterable[object], source: str = "<config>") -> Config:
@@ -382,6 +421,7 @@ def parse_documents(documents: Iterable[object], source: str = "<config>") -> Co
     policy: PolicyConfig | None = None
     tenants: list[TenantConfig] = []
     version = ""
+    budget_store: BudgetStoreConfig | None = None
     count = 0
     for n, raw in enumerate(documents, start=1):
         if raw is None:  # an empty document between `---` separators
@@ -396,14 +436,18 @@ def parse_documents(documents: Iterable[object], source: str = "<config>") -> Co
                 f"{where}: apiVersion must be {API_VERSION} (got {shown(api_version)})"
             )
         if kind == CONFIG_KIND:
-            _unknown_keys(where, doc, ["apiVersion", "kind", "version", "policy", "tenants"])
+            _unknown_keys(
+                where, doc, ["apiVersion", "kind", "version", "policy", "tenants", "budgetStore"]
+            )
             if "policy" in doc:
                 if policy is not None:
                     raise ConfigError(f"{where}: the policy is defined twice")
                 policy = parse_policy(
                     _mapping(f"{where}.policy", doc["policy"]), f"{source}: policy"
                 )
-            version = str(doc.get("version", ""))
+            version = _version(f"{where}.version", doc.get("version", ""))
+            if "budgetStore" in doc:
+                budget_store = _budget_store(budget_store, doc["budgetStore"], where)
             entries = doc.get("tenants", [])
             if not isinstance(entries, list):
                 raise ConfigError(f"{where}.tenants: must be a list")
@@ -420,6 +464,10 @@ def parse_documents(documents: Iterable[object], source: str = "<config>") -> Co
                 if policy is not None:
                     raise ConfigError(f"{where}: the policy is defined twice")
                 policy = parse_policy(spec, f"{where}: spec")
+                if "budgetStore" in spec:
+                    budget_store = _budget_store(
+                        budget_store, spec["budgetStore"], f"{where}: spec"
+                    )
         else:
             raise ConfigError(
                 f"{where}: kind must be {CONFIG_KIND}, {TENANT_KIND} or {POLICY_KIND} "
@@ -428,9 +476,17 @@ def parse_documents(documents: Iterable[object], source: str = "<config>") -> Co
     if count == 0:
         raise ConfigError(f"{source}: no YAML documents")
     try:
-        return build_config(policy or PolicyConfig(), tenants, version)
+        return build_config(policy or PolicyConfig(), tenants, version, budget_store)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _budget_store(earlier: BudgetStoreConfig | None, data: object, where: str) -> BudgetStoreConfig:
+    from tokenfair_sidecar.poolconfig import parse_budget_store
+
+    if earlier is not None:
+        raise ConfigError(f"{where}: the budgetStore is defined twice")
+    return parse_budget_store(data, f"{where}.budgetStore")
 
 
 def _manifest_name(where: str, doc: Mapping[str, object]) -> str:
@@ -453,15 +509,52 @@ def load_config(path: str | Path) -> Config:
 
 def loads_config(text: str, source: str = "<config>") -> Config:
     """Parse YAML text (one or many documents) into a :class:`Config`."""
+    return parse_documents(load_documents(text, source), source)
+
+
+GZIP_MAGIC: Final = b"\x1f\x8b"
+MAX_DOCUMENT_BYTES: Final = 64 * 1024 * 1024
+"""Largest config document after decompression (64 MiB, about 300,000 tenants): a gzip bomb
+in a mounted or served document is refused by size instead of filling the sidecar's memory."""
+
+
+def document_text(data: bytes, source: str = "<config>") -> str:
+    """The text of a config file's bytes: UTF-8, or gzip of UTF-8 (the operator compresses
+    documents too big for one Kubernetes object, ``docs/operator.md``), at most
+    :data:`MAX_DOCUMENT_BYTES` once decompressed."""
+    if data.startswith(GZIP_MAGIC):
+        inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        try:
+            data = inflater.decompress(data, MAX_DOCUMENT_BYTES)
+        except zlib.error as exc:
+            raise ConfigError(f"{source}: invalid gzip: {exc}") from None
+        if inflater.unconsumed_tail:
+            raise ConfigError(
+                f"{source}: must be at most {MAX_DOCUMENT_BYTES} bytes once decompressed"
+            )
     try:
-        documents = list(yaml.safe_load_all(text))
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+
+
+def load_documents(text: str, source: str = "<config>") -> list[object]:
+    """The documents of a config text. A text opening with ``{`` is one JSON document (JSON is
+    YAML; the operator renders JSON because reading 10,000 tenants takes ~20 ms as JSON and ~1 s
+    even with libyaml); anything else is read as YAML, one or many documents."""
+    try:
+        if text.lstrip().startswith("{"):
+            try:
+                return [json.loads(text)]
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{source}: invalid JSON: {exc}") from None
+        return list(yaml.safe_load_all(text))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: invalid YAML: {exc}") from None
-    except RecursionError:  # PyYAML composes nested collections recursively
+    except RecursionError:  # PyYAML and json build nested collections recursively
         raise ConfigError(f"{source}: invalid YAML: nested too deeply") from None
     except ValueError as exc:  # an integer of more digits than Python converts (4,300)
         raise ConfigError(f"{source}: invalid YAML: {exc}") from None
-    return parse_documents(documents, source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -491,6 +584,10 @@ def config_to_document(config: Config) -> dict[str, object]:
     if config.version:
         doc["version"] = config.version
     doc["policy"] = policy_to_dict(config.policy)
+    if config.budget_store is not None:
+        from tokenfair_sidecar.poolconfig import budget_store_to_dict
+
+        doc["budgetStore"] = budget_store_to_dict(config.budget_store)
     doc["tenants"] = [tenant_to_dict(t) for t in config.tenants]
     return doc
 
@@ -532,10 +629,10 @@ def apply_overrides(config: Config, assignments: Iterable[str]) -> Config:
     tenants = [
         parse_tenant(values, f"--set tenants.{tid}") for tid, values in tenant_values.items()
     ]
-    return build_config(policy, tenants, config.version)
+    return build_config(policy, tenants, config.version, config.budget_store)
 
 
 def replace_policy(config: Config, **changes: Any) -> Config:
     """A copy of ``config`` with policy attributes changed (validated)."""
     policy = dataclasses.replace(config.policy, **changes)
-    return build_config(policy, config.tenants, config.version)
+    return build_config(policy, config.tenants, config.version, config.budget_store)

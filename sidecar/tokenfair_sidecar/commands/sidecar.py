@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,12 @@ from tokenfair_sidecar.config import ConfigError
 from tokenfair_sidecar.costmodel import CostModel
 from tokenfair_sidecar.server import create_app, load_sidecar_file, make_backend
 from tokenfair_sidecar.server.runner import serve
-from tokenfair_sidecar.server.settings import BACKENDS, check_settings, settings_from_section
+from tokenfair_sidecar.server.settings import (
+    BACKENDS,
+    SidecarSettings,
+    check_settings,
+    settings_from_section,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -72,12 +78,11 @@ _FLAGS = {
 }
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    loaded = load_sidecar_file(args.config)
-    settings = settings_from_section(loaded.section)
+def settings_for(args: argparse.Namespace, section: Mapping[str, object]) -> SidecarSettings:
+    """The defaults, then the file's ``sidecar:`` section, then the flags; the cross-field rules
+    are checked once all three are applied (a file's ``backend: openai`` may get its upstream
+    from ``--upstream``)."""
+    settings = settings_from_section(section, check=False)
     flags = {attr: getattr(args, flag) for flag, attr in _FLAGS.items()}
     changes = {attr: value for attr, value in flags.items() if value is not None}
     if changes.get("trusted_tenant_header"):
@@ -85,7 +90,15 @@ def run(args: argparse.Namespace) -> int:
     for name in ("time_scale", "max_in_flight", "drain_grace_s"):
         if name in changes and not changes[name] > 0:
             raise ConfigError(f"--{name.removesuffix('_s').replace('_', '-')}: must be > 0")
-    settings = check_settings(dataclasses.replace(settings, **changes))
+    return check_settings(dataclasses.replace(settings, **changes))
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    loaded = load_sidecar_file(args.config)
+    settings = settings_for(args, loaded.section)
     backend = make_backend(settings, CostModel.from_policy(loaded.config.policy))
     app = create_app(
         settings,

@@ -19,6 +19,7 @@ per lane; resident KV blocks) make every operation O(1) or O(tenants) — never 
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from abc import ABC, abstractmethod
@@ -33,6 +34,7 @@ from tokenfair_sidecar.core.jobs import (
     CANCELLED,
     SHED_KV_WATERMARK,
     SHED_QUEUE_TIMEOUT,
+    SHED_TENANT_TOKEN_QUOTA,
     STATUS_CLIENT_CLOSED,
     STATUS_OK,
     STATUS_SHED,
@@ -46,6 +48,13 @@ from tokenfair_sidecar.costmodel import CostModel
 
 _DISPATCHED: Final = JobState.DISPATCHED
 _DONE: Final = JobState.DONE
+STATUS_NEVER_ADMISSIBLE: Final = 400
+"""Status of a request no state of the running configuration could admit (not retryable)."""
+OVER_KV_CAPACITY: Final = "request_over_kv_capacity"
+"""Reason: the request's own KV blocks pass its class watermark of the whole cache."""
+OVER_TENANT_BURST: Final = "request_over_tenant_burst"
+"""Reason: the request costs more service tokens than its tenant's bucket can ever hold (and
+no capacity is lent to tenants over their budget)."""
 
 
 class UnknownTenantError(KeyError):
@@ -196,8 +205,67 @@ class Scheduler(ABC):
         if self.expires_queued:
             job.deadline_ms = request.arrival_ms + self.wait_limit_ms(lane)
             self._seq += 1
-            heapq.heappush(self._deadlines, (job.deadline_ms, self._seq, job))
+            deadlines = self._deadlines
+            heapq.heappush(deadlines, (job.deadline_ms, self._seq, job))
+            if len(deadlines) > 2 * (self.queued_count[0] + self.queued_count[1]) + 64:
+                # Mostly requests that left the queue: `expire` prunes only from the top, and a
+                # queued request with a distant deadline there would keep every one behind it
+                # (and its Request and Decision) alive. Rebuild: O(n), amortised O(1).
+                deadlines[:] = [entry for entry in deadlines if entry[2].state is JobState.QUEUED]
+                heapq.heapify(deadlines)
         self._push(job)
+        return None
+
+    def never_admissible(self, request: Request, refusal: Decision) -> Decision | None:
+        """``refusal`` (from :meth:`submit`) restated as ``400`` when no state of the running
+        configuration could admit ``request``; None when waiting could (the refusal stands).
+
+        * ``shed_kv_watermark`` and ``ceil((prefill + decode) / block) / total_kv_blocks`` above
+          the class watermark: even an empty cache would refuse it -> ``request_over_kv_capacity``;
+        * ``shed_tenant_token_quota``, the cost above the tenant's ``burst_service_tokens``
+          (the bucket never holds more), ``lend_idle_capacity`` off and no pool-wide budget
+          store -> ``request_over_tenant_burst``. With lending on (idle capacity could admit it
+          later) or a store (the pool's budget may cover it), the 429 stands.
+
+        Reads state only; the policy's own decision (and the simulator's) is unchanged: callers
+        that answer clients (the sidecar) use this to tell "never" from "not now"."""
+        policy = self.policy
+        if refusal.reason == SHED_KV_WATERMARK:
+            blocks = -(-(request.prefill_tokens + request.decode_tokens) // self._kv_block_tokens)
+            watermark = self.watermark(Lane.of(request.priority_class))
+            if blocks / policy.total_kv_blocks <= watermark:
+                return None
+            return dataclasses.replace(
+                refusal,
+                status_code=STATUS_NEVER_ADMISSIBLE,
+                reason=OVER_KV_CAPACITY,
+                retry_after_ms=None,
+                observed={
+                    "request_kv_blocks": blocks,
+                    "max_kv_blocks": math.floor(watermark * policy.total_kv_blocks),
+                },
+            )
+        # A pool-wide budget (a shared store) may hold more than this sidecar's bucket: only
+        # without one is the local burst the most the tenant can ever have.
+        pooled = getattr(self.config, "budget_store", None) is not None
+        if (
+            refusal.reason == SHED_TENANT_TOKEN_QUOTA
+            and not policy.lend_idle_capacity
+            and not pooled
+        ):
+            tenant = self.tenants.get(request.tenant_id)
+            if tenant is None or refusal.service_tokens <= tenant.bucket.burst:
+                return None
+            return dataclasses.replace(
+                refusal,
+                status_code=STATUS_NEVER_ADMISSIBLE,
+                reason=OVER_TENANT_BURST,
+                retry_after_ms=None,
+                observed={
+                    "request_service_tokens": refusal.service_tokens,
+                    "burst_service_tokens": tenant.bucket.burst,
+                },
+            )
         return None
 
     @property
@@ -322,8 +390,8 @@ class Scheduler(ABC):
         """Refuse queued requests whose wait passed their class limit (``now > deadline``).
 
         Also drops the stale entries (requests no longer queued) from the top of the deadline
-        heap, so the heap holds O(queued requests + those behind a queued one), whether or not
-        the caller ever asks for :meth:`next_wakeup_ms` (which prunes the same way)."""
+        heap; :meth:`submit` rebuilds the heap when stale entries are more than half of it, so
+        it holds O(queued requests) whatever the wait limits."""
         expired: list[Decision] = []
         deadlines = self._deadlines
         queued = JobState.QUEUED

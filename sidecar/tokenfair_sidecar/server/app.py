@@ -2,8 +2,8 @@
 
 Long-lived resources live in the proxy app's ``cleanup_ctx`` (set up in this order, torn down in
 reverse, each only if its setup ran): the backend (the upstream ``ClientSession``), the records
-file, the dispatcher (its timers; teardown drains the queue and releases every reservation), and
-the config watcher task.
+file, the budget store's lease task (teardown returns the leases), the dispatcher (its timers;
+teardown drains the queue and releases every reservation), and the config watcher task.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from aiohttp import web
 from tokenfair_sidecar.config import Config
 from tokenfair_sidecar.server.admin import create_admin_app
 from tokenfair_sidecar.server.backends import ROUTES, Backend
-from tokenfair_sidecar.server.proxy import SIDECAR, completions, not_found
+from tokenfair_sidecar.server.proxy import SIDECAR, completions, expect_continue, not_found
 from tokenfair_sidecar.server.recorder import RecordWriter
 from tokenfair_sidecar.server.reload import watch_config
 from tokenfair_sidecar.server.settings import SidecarSettings
@@ -51,10 +51,11 @@ def create_app(
     )
     app[SIDECAR] = sidecar
     for route in ROUTES:
-        app.router.add_post(route, completions)
+        app.router.add_post(route, completions, expect_handler=expect_continue)
     app.router.add_route("*", "/{tail:.*}", not_found)
     app.cleanup_ctx.append(_backend_ctx)
     app.cleanup_ctx.append(_records_ctx)
+    app.cleanup_ctx.append(_pool_ctx)
     app.cleanup_ctx.append(_dispatcher_ctx)
     app.cleanup_ctx.append(_watcher_ctx)
     return app
@@ -76,6 +77,21 @@ async def _records_ctx(app: web.Application) -> AsyncIterator[None]:
     if sidecar.recorder is not None:
         sidecar.recorder.close()
         sidecar.recorder = None
+
+
+async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The budget store's lease task; torn down after the dispatcher's drain, so the leases
+    returned at shutdown include the refunds of the last settlements."""
+    pool = app[SIDECAR].pool
+    if pool is None:
+        yield
+        return
+    task = asyncio.create_task(pool.run(), name="tokenfair-budget-pool")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await pool.close()
 
 
 async def _dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:

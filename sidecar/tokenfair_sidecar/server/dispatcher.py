@@ -29,6 +29,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenfair_sidecar.core import Decision, Request, Scheduler
 from tokenfair_sidecar.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED, JobState
@@ -91,6 +92,11 @@ class Dispatcher:
         self.clock = clock
         self.max_in_flight = max_in_flight
         self.draining = False
+        self.aborting = False
+        """The drain grace is over: handlers still running are being cancelled by the sidecar
+        (their requests are recorded ``503 drain_aborted``, not as clients that left)."""
+        self.handlers: set[asyncio.Task[Any]] = set()
+        """Tasks of the handlers between admission and their record (:meth:`abort_handlers`)."""
         self._tickets: dict[str, Ticket] = {}
         self._kv_timers: dict[str, asyncio.TimerHandle] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -102,10 +108,14 @@ class Dispatcher:
     # -- arrival and waiting ---------------------------------------------------------------
 
     def submit(self, request: Request) -> Decision | Ticket:
-        """Admission; a refusal ``Decision`` or a queued :class:`Ticket`."""
-        refusal = self.scheduler.submit(request, self.clock.now_ms())
+        """Admission; a refusal ``Decision`` or a queued :class:`Ticket`. A refusal that no
+        state of the running configuration could turn into an admission comes back as the
+        scheduler's ``400`` (:meth:`~tokenfair_sidecar.core.scheduler.Scheduler.
+        never_admissible`): a client must not retry it."""
+        scheduler = self.scheduler
+        refusal = scheduler.submit(request, self.clock.now_ms())
         if refusal is not None:
-            return refusal
+            return scheduler.never_admissible(request, refusal) or refusal
         ticket = Ticket(request, asyncio.get_running_loop().create_future())
         self._tickets[request.request_id] = ticket
         self.pump()
@@ -295,6 +305,20 @@ class Dispatcher:
             if decision is not None and not ticket.future.done():
                 ticket.future.set_result(decision)
         return len(tickets)
+
+    async def abort_handlers(self, timeout_s: float) -> int:
+        """Cancel every handler still running after the drain grace and wait at most
+        ``timeout_s`` for them to settle and record their requests. Returns how many were
+        cancelled. Done here, not by aiohttp's shutdown (which first waits its whole timeout
+        for handlers to end on their own, then as long again after cancelling them), so the
+        drain ends within the grace plus ``timeout_s``."""
+        self.aborting = True
+        tasks = [task for task in self.handlers if not task.done()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        return len(tasks)
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing runs on the backend; False if ``timeout_s`` passed first."""

@@ -17,6 +17,7 @@ _TYPES = {
     408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    417: "invalid_request_error",
     429: "rate_limit_exceeded",
     499: "client_closed_request",
     500: "server_error",

@@ -2,25 +2,58 @@
 
 * **prefill (prompt) tokens** — by a named, pluggable estimator (``SidecarSettings.
   prompt_estimator``). The default ``chars4`` counts the characters of every text the model reads
-  (``prompt`` as a string or list of strings; each ``messages[].content`` as a string or a list of
-  ``{"type": "text", "text": ...}`` parts) and charges ``ceil(chars / 4) + 4`` per message
-  (OpenAI's rule of thumb: ~4 characters of English per token, a few tokens of chat framing). It is
-  an estimate; settlement corrects it with the usage the backend reports.
+  and charges ``ceil(chars / 4)`` (OpenAI's rule of thumb: ~4 characters of English per token):
+
+  - ``prompt`` as a string or a list of strings;
+  - each ``messages[i]``: its ``content`` (a string, or a list of parts whose ``text`` is
+    counted), its ``name``, and its ``tool_calls`` / ``function_call`` (function names and
+    arguments: counted as their compact JSON, the text a server renders into the prompt), plus
+    :data:`MESSAGE_OVERHEAD_TOKENS` (4) of chat framing per message;
+  - ``tools``, ``functions`` (their names, descriptions and JSON-schema parameters),
+    ``response_format`` (a JSON schema) and ``tool_choice``: counted as their compact JSON
+    (servers render tool and schema definitions into the prompt as JSON text).
+
+  It is an estimate; settlement corrects it with the usage the backend reports.
 * **decode tokens** — ``max_completion_tokens`` or else ``max_tokens`` (an integer ``>= 1`` and
-  ``<= max_decode_tokens``), or ``default_decode_tokens`` when neither is set.
+  ``<= max_decode_tokens``), or ``default_decode_tokens`` when neither is set, **per generated
+  sequence**: ``decode = per_choice * max(n, best_of)``. ``n`` (choices returned) and
+  ``best_of`` (sequences generated, the best ``n`` returned: legacy completions) are integers in
+  ``1..MAX_CHOICES`` (128, OpenAI's limit for ``n``), with ``best_of >= n``. The prompt is
+  charged **once**, whatever ``n`` and ``best_of``: vLLM (and OpenAI's usage) prefill a prompt
+  once and fork its sequences from the shared prefix (``prompt_tokens`` is reported once, the
+  ``completion_tokens`` of all sequences summed), so each extra sequence costs decode work and
+  its own KV for its decoded tokens only — which is what ``prefill + n * decode`` reserves.
 
 A bad field raises :class:`EstimateError` naming it (the proxy answers ``400`` with ``param``).
+The estimate walks only what its caller bounded: the proxy checks a body's nesting depth and
+number of JSON values (:func:`check_json_shape`) before estimating it.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
 CHARS_PER_TOKEN: Final = 4
 MESSAGE_OVERHEAD_TOKENS: Final = 4
+MAX_CHOICES: Final = 128
+"""Largest ``n`` and ``best_of`` accepted (OpenAI's documented maximum for ``n``)."""
+STRUCTURED_PROMPT_FIELDS: Final = ("tools", "functions", "response_format", "tool_choice")
+"""Top-level fields whose text a server renders into the prompt (counted as compact JSON)."""
+MAX_JSON_DEPTH: Final = 64
+"""Default nesting limit of a request body (``SidecarSettings.max_json_depth``): deep enough for
+any JSON schema in ``tools`` or ``response_format`` (the body, a tool, its ``parameters`` and a
+few levels of nested properties are ~10), far below the ~1,000 levels where the parser fails."""
+MAX_JSON_VALUES: Final = 20_000
+"""Default limit on the JSON values of a request body (``SidecarSettings.max_json_values``;
+counted as :func:`check_raw_values` says): a chat of 1,000 messages of role and content is
+~3,000; 128 tools with schemas of a dozen properties ~10,000. It bounds the event-loop time a
+body costs before admission: the parse (~0.1-0.4 µs per value) and the estimate, which walks
+messages and parts one by one (a 1 MiB body of 234,000 empty messages took ~0.2 s)."""
 
 
 class EstimateError(ValueError):
@@ -31,13 +64,84 @@ class EstimateError(ValueError):
         self.param = param
 
 
+class BodyShapeError(ValueError):
+    """The body nests deeper or holds more JSON values than allowed; ``rule`` names the limit
+    (``max_json_depth`` or ``max_json_values``)."""
+
+    def __init__(self, rule: str, message: str) -> None:
+        super().__init__(message)
+        self.rule = rule
+
+
 @dataclass(frozen=True, slots=True)
 class Estimate:
     prefill_tokens: int
     decode_tokens: int
+    """Over all generated sequences: ``per_choice * max(n, best_of)``."""
 
 
 PromptEstimator = Callable[[Mapping[str, object]], int]
+
+
+_JSON_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+"""A JSON string literal (escapes included), for :func:`check_raw_values`."""
+
+
+def _structural(raw: bytes) -> int:
+    return raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+
+
+def check_raw_values(raw: bytes, max_values: int) -> None:
+    """Raise :class:`BodyShapeError` (``max_json_values``) if the JSON text ``raw`` holds more
+    than ``max_values`` values, **before** it is parsed: the parser's time grows with the
+    values (~0.1-0.4 µs each for numbers and containers, so 1 MiB of ``[]`` costs ~0.15 s of the
+    event loop, and a thread would not help: the parser holds the GIL).
+
+    Values are counted as ``1 + commas + opening brackets`` outside string literals — at least
+    the number of values (each array element or object member after a container's first adds a
+    comma, each container a bracket). In three steps, each bounded: (1) the same count over the
+    whole text, strings included, is an upper bound (``bytes.count``, ~1 ms per MiB): at most
+    ``max_values`` passes at once; (2) more string literals than ``max_values`` (unescaped
+    quotes over two) fails at once; (3) otherwise the strings are cut out (one regex pass, at
+    most ~``max_values`` matches) and the count is exact."""
+    if _structural(raw) <= max_values:
+        return
+    message = f"the body holds over {max_values} JSON values"
+    if (raw.count(b'"') - raw.count(b'\\"')) // 2 > max_values:
+        raise BodyShapeError("max_json_values", message)
+    if _structural(_JSON_STRING.sub(b"", raw)) > max_values:
+        raise BodyShapeError("max_json_values", message)
+
+
+def check_json_shape(body: object, max_depth: int, max_values: int) -> None:
+    """Raise :class:`BodyShapeError` if ``body`` (parsed JSON) nests containers more than
+    ``max_depth`` levels deep (the body itself is level 1) or holds more than ``max_values``
+    values in all. Walks one nesting level at a time and stops as soon as a limit is passed, so
+    its cost is bounded by ``max_values`` whatever the body (a level's children are gathered
+    with C-level ``list.extend``)."""
+    level: list[object] = [body]
+    depth = 0
+    count = 1
+    while level:
+        containers: list[dict[str, object] | list[object]] = [
+            v for v in level if isinstance(v, dict | list)
+        ]
+        if not containers:
+            return
+        depth += 1
+        if depth > max_depth:
+            raise BodyShapeError(
+                "max_json_depth", f"the body nests JSON over {max_depth} levels deep"
+            )
+        children: list[object] = []
+        for container in containers:
+            count += len(container)
+            if count > max_values:
+                raise BodyShapeError(
+                    "max_json_values", f"the body holds over {max_values} JSON values"
+                )
+            children.extend(container.values() if isinstance(container, dict) else container)
+        level = children
 
 
 def _text_chars(param: str, content: object) -> int:
@@ -62,33 +166,110 @@ def _text_chars(param: str, content: object) -> int:
     )
 
 
+def _json_chars(value: object) -> int:
+    """Characters of ``value`` as compact JSON (non-ASCII kept as is, not ``\\u`` escaped)."""
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
+
+
+def _structured_chars(body: Mapping[str, object]) -> int:
+    """Characters of the tool, function and schema definitions (see the module docstring)."""
+    chars = 0
+    for param in STRUCTURED_PROMPT_FIELDS:
+        value = body.get(param)
+        if value is None:
+            continue
+        if param in ("tools", "functions") and not isinstance(value, list):
+            raise EstimateError(param, f"{param}: must be a list")
+        if param == "response_format" and not isinstance(value, Mapping):
+            raise EstimateError(param, f"{param}: must be an object")
+        if param == "tool_choice" and not isinstance(value, str | Mapping):
+            raise EstimateError(param, f"{param}: must be a string or an object")
+        chars += len(value) if isinstance(value, str) else _json_chars(value)
+    return chars
+
+
+def _message_chars(i: int, message: Mapping[str, object]) -> int:
+    chars = _text_chars(f"messages[{i}].content", message.get("content"))
+    name = message.get("name")
+    if name is not None:
+        if not isinstance(name, str):
+            raise EstimateError(f"messages[{i}].name", f"messages[{i}].name: must be a string")
+        chars += len(name)
+    tool_calls = message.get("tool_calls")
+    if tool_calls is not None:
+        if not isinstance(tool_calls, list):
+            raise EstimateError(
+                f"messages[{i}].tool_calls", f"messages[{i}].tool_calls: must be a list"
+            )
+        chars += _json_chars(tool_calls)
+    function_call = message.get("function_call")
+    if function_call is not None:
+        if not isinstance(function_call, Mapping):
+            raise EstimateError(
+                f"messages[{i}].function_call", f"messages[{i}].function_call: must be an object"
+            )
+        chars += _json_chars(function_call)
+    return chars
+
+
 def chars4(body: Mapping[str, object]) -> int:
-    """``ceil(chars / 4)`` over the prompt, plus 4 framing tokens per chat message."""
+    """``ceil(chars / 4)`` over every text the model reads, plus 4 framing tokens per chat
+    message (see the module docstring for what counts)."""
+    structured = _structured_chars(body)
     messages = body.get("messages")
     if messages is not None:
         if not isinstance(messages, list):
             raise EstimateError("messages", "messages: must be a list")
-        tokens = 0
+        tokens = math.ceil(structured / CHARS_PER_TOKEN)
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping):
                 raise EstimateError(f"messages[{i}]", f"messages[{i}]: must be an object")
-            chars = _text_chars(f"messages[{i}].content", message.get("content"))
-            tokens += math.ceil(chars / CHARS_PER_TOKEN) + MESSAGE_OVERHEAD_TOKENS
+            tokens += math.ceil(_message_chars(i, message) / CHARS_PER_TOKEN)
+            tokens += MESSAGE_OVERHEAD_TOKENS
         return tokens
-    return math.ceil(_text_chars("prompt", body.get("prompt")) / CHARS_PER_TOKEN)
+    chars = _text_chars("prompt", body.get("prompt")) + structured
+    return math.ceil(chars / CHARS_PER_TOKEN)
 
 
 ESTIMATORS: Final[dict[str, PromptEstimator]] = {"chars4": chars4}
 """Prompt estimators by name; add one here to make it selectable."""
 
 
+def _choices_param(body: Mapping[str, object], param: str) -> int | None:
+    value = body.get(param)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CHOICES:
+        raise EstimateError(
+            param, f"{param}: must be an integer in 1..{MAX_CHOICES} (got {_shown(value)})"
+        )
+    return value
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def sequences(body: Mapping[str, object]) -> int:
+    """Sequences the request generates: ``max(n, best_of)`` (each default 1)."""
+    n = _choices_param(body, "n") or 1
+    best_of = _choices_param(body, "best_of")
+    if best_of is None:
+        return n
+    if best_of < n:
+        raise EstimateError("best_of", f"best_of: must be >= n (got best_of={best_of}, n={n})")
+    return best_of
+
+
 def decode_tokens(body: Mapping[str, object], default: int, cap: int) -> int:
+    """Decode tokens of one sequence (see the module docstring)."""
     for param in ("max_completion_tokens", "max_tokens"):
         value = body.get(param)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise EstimateError(param, f"{param}: must be an integer >= 1 (got {value!r})")
+            raise EstimateError(param, f"{param}: must be an integer >= 1 (got {_shown(value)})")
         if value > cap:
             raise EstimateError(param, f"{param}: must be <= {cap} (got {value})")
         return value
@@ -98,4 +279,6 @@ def decode_tokens(body: Mapping[str, object], default: int, cap: int) -> int:
 def estimate(
     body: Mapping[str, object], estimator: PromptEstimator, default_decode: int, max_decode: int
 ) -> Estimate:
-    return Estimate(estimator(body), decode_tokens(body, default_decode, max_decode))
+    """``prefill = estimator(body)``; ``decode = decode_tokens(body) * sequences(body)``."""
+    per_sequence = decode_tokens(body, default_decode, max_decode)
+    return Estimate(estimator(body), per_sequence * sequences(body))

@@ -4,13 +4,26 @@ Status codes the client can get from the sidecar itself (OpenAI-style error bodi
 
 =====  ==========================================================================================
 400    ``invalid_json`` (body not a JSON object, or nested deeper than the parser follows),
+       ``body_too_complex`` (JSON nested over ``max_json_depth`` levels or holding over
+       ``max_json_values`` values: the message names the rule),
        ``invalid_encoding`` (body not decodable as its ``Content-Encoding`` says:
        :func:`decode_body`),
        ``invalid_value`` (``param`` names the field: ``max_tokens``,
-       ``max_completion_tokens``, ``stream``, ``messages``, ``prompt``, or the
-       ``x-tokenfair-priority`` header asking for a class above the tenant's)
+       ``max_completion_tokens``, ``n``, ``best_of``, ``stream``, ``messages`` (and
+       ``messages[i].…``), ``prompt``, ``tools``, ``functions``, ``response_format``,
+       ``tool_choice``, or the ``x-tokenfair-priority`` header asking for a class above the
+       tenant's);
+       ``request_over_kv_capacity`` / ``request_over_tenant_burst``: a request no state of the
+       running configuration could admit — its own KV blocks above its class's watermark of
+       the whole cache, or its cost above the tenant's burst with ``lendIdleCapacity`` off
+       (:meth:`~tokenfair_sidecar.core.scheduler.Scheduler.never_admissible`); recorded with
+       that reason, counted as refused. With lending on, an over-burst request stays a
+       ``429`` (idle capacity may admit it later)
 401    ``invalid_api_key`` (no ``Authorization: Bearer`` key, or an unknown one)
 404    ``not_found`` (any route but the two below)
+417    ``expectation_failed`` (an ``Expect`` other than ``100-continue``; see
+       :func:`expect_continue`: ``100 Continue`` is sent only after the key and the announced
+       size passed)
 408    ``request_timeout`` (the body took over ``client_body_timeout_s``; connection closed)
 413    ``request_too_large`` (body over ``max_body_bytes``, as sent or decoded)
 415    ``unsupported_content_encoding`` (see :data:`DECODED_REQUEST_CODINGS`)
@@ -35,7 +48,8 @@ refusal at the door, the wait until expiry for ``shed_queue_timeout``).
 Outcomes recorded for a request whose answer started and then ended otherwise: ``502
 upstream_aborted`` (the upstream broke a stream: the client's connection is aborted, so it sees
 an incomplete transfer), ``499 client_write_timeout`` (the client stopped reading a stream),
-``200 upstream_bad_usage`` (the reported usage was not believable: settled at the estimate).
+``200 upstream_bad_usage`` (the reported usage was not believable: settled at the estimate),
+``503 drain_aborted`` (still running when the drain grace ran out: cut by the sidecar).
 """
 
 from __future__ import annotations
@@ -50,9 +64,10 @@ from typing import Any, Final
 from aiohttp import compression_utils, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from tokenfair_sidecar.config import PRIORITY_CLASSES, PriorityClass
+from tokenfair_sidecar.config import PRIORITY_CLASSES, PriorityClass, TenantConfig
 from tokenfair_sidecar.core import Decision, Request, UnknownTenantError
 from tokenfair_sidecar.core.jobs import ADMITTED, CANCELLED, STATUS_CLIENT_CLOSED
+from tokenfair_sidecar.core.scheduler import OVER_KV_CAPACITY, STATUS_NEVER_ADMISSIBLE
 from tokenfair_sidecar.server.backends import (
     BAD_USAGE,
     BackendCall,
@@ -61,7 +76,14 @@ from tokenfair_sidecar.server.backends import (
 )
 from tokenfair_sidecar.server.dispatcher import Settlement, Ticket
 from tokenfair_sidecar.server.errors import INTERNAL_ERROR, error_response
-from tokenfair_sidecar.server.estimate import Estimate, EstimateError, estimate
+from tokenfair_sidecar.server.estimate import (
+    BodyShapeError,
+    Estimate,
+    EstimateError,
+    check_json_shape,
+    check_raw_values,
+    estimate,
+)
 from tokenfair_sidecar.server.recorder import NO_USAGE, Usage
 from tokenfair_sidecar.server.state import Sidecar
 
@@ -73,6 +95,10 @@ REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}")
 """A client's request id is honoured when it matches this: 1-128 letters, digits and ``_.:-``
 (the trace ids of ``tokenfair trace``, e.g. ``tenant_chat_pro-000001``, and UUIDs)."""
 DRAINING: Final = "draining"
+DRAIN_ABORTED: Final = "drain_aborted"
+"""Record reason (status 503) of a request still running when the drain grace ran out: the
+sidecar cut it (a stream ends incomplete; a non-streamed request gets no answer)."""
+BODY_TOO_COMPLEX: Final = "body_too_complex"
 CLIENT_WRITE_TIMEOUT: Final = "client_write_timeout"
 HAS_BROTLI: Final[bool] = getattr(compression_utils, "HAS_BROTLI", False)
 HAS_ZSTD: Final[bool] = getattr(compression_utils, "HAS_ZSTD", False)
@@ -118,6 +144,30 @@ def _refusal(sidecar: Sidecar, decision: Decision) -> web.Response:
     headers[REQUEST_ID_HEADER] = decision.request_id
     headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
     return error_response(429, message, decision.reason, headers=headers)
+
+
+def _never_admissible(sidecar: Sidecar, decision: Decision) -> web.Response:
+    """``400`` for a request no state of the running configuration could admit (SDKs do not
+    retry a 400, as they would a 429): the message names the limit and the request's size."""
+    observed = decision.observed
+    if decision.reason == OVER_KV_CAPACITY:
+        message = (
+            f"the request needs {observed['request_kv_blocks']:g} KV blocks (prompt plus "
+            f"max_tokens times n) and its class may hold at most {observed['max_kv_blocks']:g}: "
+            "lower max_tokens, n or the prompt"
+        )
+    else:
+        message = (
+            f"the request costs {observed['request_service_tokens']:g} service tokens (prompt "
+            f"plus decode weight times max_tokens times n), over the tenant's burst of "
+            f"{observed['burst_service_tokens']:g} (burstServiceTokens): lower max_tokens, n "
+            "or the prompt"
+        )
+    headers = {
+        REQUEST_ID_HEADER: decision.request_id,
+        QUEUE_WAIT_HEADER: _queue_wait_header(sidecar, decision),
+    }
+    return error_response(400, message, decision.reason, headers=headers)
 
 
 class BodyTooLargeError(ValueError):
@@ -187,6 +237,50 @@ def _request_id(sidecar: Sidecar, asked: str | None) -> str:
     return sidecar.next_request_id()
 
 
+def _unauthenticated(sidecar: Sidecar) -> web.Response:
+    return _invalid(
+        sidecar, 401, "missing or unknown API key (Authorization: Bearer <key>)",
+        "invalid_api_key",
+    )  # fmt: skip
+
+
+def _authenticate(sidecar: Sidecar, request: web.Request) -> TenantConfig | None:
+    headers = request.headers
+    trusted_header = sidecar.settings.trusted_tenant_header
+    return sidecar.auth.authenticate(
+        headers.get("Authorization"), headers.get(trusted_header) if trusted_header else None
+    )
+
+
+async def expect_continue(request: web.Request) -> web.Response | None:
+    """``Expect: 100-continue``: the ``100 Continue`` goes out only once the request could be
+    read — the sidecar is not draining, the key is valid, the announced ``Content-Length`` is
+    within ``max_body_bytes`` — else the refusal is the answer (``503``, ``401``, ``413``) and
+    the connection is closed (the body the client held back is never read). Any other
+    expectation is ``417``."""
+    sidecar = request.app[SIDECAR]
+    response: web.Response | None = None
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        response = error_response(
+            417, "only Expect: 100-continue is supported", "expectation_failed", param="Expect"
+        )
+    elif sidecar.dispatcher.draining:
+        response = _draining(sidecar)
+    elif _authenticate(sidecar, request) is None:
+        response = _unauthenticated(sidecar)
+    elif (request.content_length or 0) > sidecar.settings.max_body_bytes:
+        response = _invalid(
+            sidecar, 413, f"request body over {sidecar.settings.max_body_bytes} bytes",
+            "request_too_large",
+        )  # fmt: skip
+    if response is not None:  # closed at once: the client holds its body back for our answer
+        return await _answer_and_close(request, response)
+    if request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer proper has not started
+    return None
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
     sidecar = request.app[SIDECAR]
@@ -194,15 +288,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if sidecar.dispatcher.draining:
         return _draining(sidecar)
     headers = request.headers
-    trusted_header = sidecar.settings.trusted_tenant_header
-    tenant = sidecar.auth.authenticate(
-        headers.get("Authorization"), headers.get(trusted_header) if trusted_header else None
-    )
+    tenant = _authenticate(sidecar, request)
     if tenant is None:
-        return _invalid(
-            sidecar, 401, "missing or unknown API key (Authorization: Bearer <key>)",
-            "invalid_api_key",
-        )  # fmt: skip
+        return _unauthenticated(sidecar)
     priority: PriorityClass = tenant.priority_class
     asked = headers.get(PRIORITY_HEADER)
     if asked is not None:
@@ -263,6 +351,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "invalid_encoding",
         )  # fmt: skip
     try:
+        check_raw_values(raw, settings.max_json_values)  # before the parse: it bounds its time
+    except BodyShapeError as exc:
+        return _invalid(sidecar, 400, f"{exc} (the sidecar's {exc.rule})", BODY_TOO_COMPLEX)
+    try:
         body = json.loads(raw)
     except ValueError:
         body = None
@@ -275,6 +367,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         )  # fmt: skip
     if not isinstance(body, dict):
         return _invalid(sidecar, 400, "the body must be a JSON object", "invalid_json")
+    try:
+        check_json_shape(body, settings.max_json_depth, settings.max_json_values)
+    except BodyShapeError as exc:
+        return _invalid(sidecar, 400, f"{exc} (the sidecar's {exc.rule})", BODY_TOO_COMPLEX)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         return _invalid(sidecar, 400, "stream: must be a boolean", "invalid_value", "stream")
@@ -297,7 +393,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     except UnknownTenantError:  # removed by a reload while its body was being read
         return _invalid(sidecar, 401, "the tenant of this key no longer exists", "invalid_api_key")
     if isinstance(admission, Decision):
-        sidecar.account(job, admission, status_code=429, reason=admission.reason)
+        sidecar.account(job, admission, status_code=admission.status_code, reason=admission.reason)
+        if admission.status_code == STATUS_NEVER_ADMISSIBLE:
+            return _never_admissible(sidecar, admission)
         return _refusal(sidecar, admission)
     return await _serve(sidecar, request, admission, body, raw, stream, cost)
 
@@ -323,6 +421,10 @@ async def _serve(
     reason = CANCELLED
     call: BackendCall | None = None
     ttft_ms: list[float] = []
+    handler = asyncio.current_task()
+    handlers = sidecar.dispatcher.handlers
+    if handler is not None:
+        handlers.add(handler)
     try:
         decision = await sidecar.dispatcher.wait(ticket)
         if ticket.drained:
@@ -369,6 +471,10 @@ async def _serve(
     except asyncio.CancelledError:
         if call is not None and call.client_write_timed_out:
             status_code, reason = STATUS_CLIENT_CLOSED, CLIENT_WRITE_TIMEOUT
+        elif sidecar.dispatcher.aborting:  # cut by the drain, not by its client
+            status_code, reason = 503, DRAIN_ABORTED
+            if request.writer.output_size > 0:  # a stream under way: end it incomplete
+                _abort_client(request)
         raise
     except Exception as exc:
         if isinstance(exc, ConnectionError) and _client_gone(request):
@@ -391,6 +497,8 @@ async def _serve(
         if call is not None:
             call.close()
         _settle(sidecar, ticket, call, status_code, reason, ttft_ms)
+        if handler is not None:
+            handlers.discard(handler)
 
 
 def _client_gone(request: web.Request) -> bool:

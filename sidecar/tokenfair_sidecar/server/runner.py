@@ -6,10 +6,14 @@ Drain sequence on SIGTERM (or SIGINT):
 2. every still-queued request is taken out of the queue and answered ``503`` with
    ``Retry-After`` (its reservation released);
 3. in-flight requests run to the end, for at most ``drain_grace_s``;
-4. the proxy listener closes; handlers still running get :data:`SHUTDOWN_AFTER_GRACE_S` more and
-   are then cancelled (their reservations released in ``finally:``); then the admin listener
-   closes, and the cleanup context closes the upstream session and the records file and releases
-   any remaining KV. The whole drain takes at most ``drain_grace_s + 1`` seconds.
+4. handlers still running are cancelled by the sidecar and get :data:`SHUTDOWN_AFTER_GRACE_S`
+   to settle and record their requests (``503 drain_aborted``: a stream ends incomplete, its
+   upstream call is closed); then the proxy listener closes (aiohttp's own shutdown, given
+   :data:`RUNNER_SHUTDOWN_S`, finds nothing left to wait for), then the admin listener, and the
+   cleanup context closes the upstream session and the records file and releases any remaining
+   KV. The drain ends within ``drain_grace_s + 1`` s (``+ 1.5`` s at worst: a handler that
+   ignores its cancellation costs aiohttp's two waits of :data:`RUNNER_SHUTDOWN_S`), then
+   the process exits.
 
 The proxy listener is bounded (the admin listener serves a few scrapers and is not):
 
@@ -33,6 +37,7 @@ from collections.abc import Callable
 from typing import Final
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from tokenfair_sidecar.server.admin import create_admin_app
 from tokenfair_sidecar.server.app import SIDECAR
@@ -44,7 +49,11 @@ GC_GEN0_THRESHOLD: Final = 10_000
 """Allocations between young collections (CPython's default: 700)."""
 
 SHUTDOWN_AFTER_GRACE_S: Final = 1.0
-"""After the drain grace, how long the closing listener waits before cancelling handlers."""
+"""After the drain grace, how long handlers cancelled by the sidecar get to settle and record."""
+RUNNER_SHUTDOWN_S: Final = 0.25
+"""aiohttp's ``shutdown_timeout`` of the proxy listener: it waits this long for a handler to end
+on its own, then as long again after cancelling it. Nothing should be left for it (the sidecar
+cancelled the handlers first); it bounds what a stuck one can add to the drain."""
 
 
 def _tune_gc() -> None:
@@ -61,6 +70,30 @@ def _tune_gc() -> None:
     gc.freeze()
     _, gen1, gen2 = gc.get_threshold()
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+
+
+class MalformedRequestLogFilter(logging.Filter):
+    """Turns aiohttp's ``ERROR`` + traceback for a request it could not parse (bad framing,
+    bad header bytes: anyone can send them, and the client got its ``400``) into one ``INFO``
+    line naming the peer and the parser's complaint. Other records pass unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError) and record.levelno >= logging.ERROR:
+            peer = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            # One line: the parser's message quotes the client's bytes (newlines, controls).
+            record.msg = "malformed request from %s (%s %r)"
+            record.args = (peer, exc.code, " ".join(str(exc.message).split())[:120])
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def quiet_malformed_requests() -> None:
+    """Install :class:`MalformedRequestLogFilter` on aiohttp's server logger (once)."""
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequestLogFilter) for f in server_log.filters):
+        server_log.addFilter(MalformedRequestLogFilter())
 
 
 _CAP_RESPONSE: Final = (
@@ -140,15 +173,16 @@ async def serve(settings: SidecarSettings, app: web.Application) -> None:
     """Serve ``app`` and its admin app until SIGTERM/SIGINT, then drain."""
     sidecar = app[SIDECAR]
     admin = create_admin_app(sidecar)
+    quiet_malformed_requests()
     # handler_cancellation: a client that disconnects cancels its handler, so a queued request
     # leaves the queue at once and a streaming one stops its upstream call.
-    # The grace is spent in `wait_idle` below; the runner then only closes connections and
-    # cancels what still runs (SHUTDOWN_AFTER_GRACE_S), so the whole drain stays bounded.
+    # The grace is spent in `wait_idle` below and the handlers still running are cancelled by
+    # `abort_handlers`; the runner then only closes connections (RUNNER_SHUTDOWN_S).
     # keepalive_timeout: see the module docstring (it closes idle and slow-header connections).
     proxy_runner = web.AppRunner(
         app,
         handler_cancellation=True,
-        shutdown_timeout=SHUTDOWN_AFTER_GRACE_S,
+        shutdown_timeout=RUNNER_SHUTDOWN_S,
         access_log=None,
         keepalive_timeout=settings.client_idle_timeout_s,
     )
@@ -189,6 +223,8 @@ async def serve(settings: SidecarSettings, app: web.Application) -> None:
         if not await sidecar.dispatcher.wait_idle(settings.drain_grace_s):
             log.warning("drain grace of %.1f s over; aborting what still runs",
                         settings.drain_grace_s)  # fmt: skip
+            aborted = await sidecar.dispatcher.abort_handlers(SHUTDOWN_AFTER_GRACE_S)
+            log.warning("drain: %d request(s) cut (recorded 503 drain_aborted)", aborted)
     finally:
         if listener is not None:
             listener.close()  # no new connections; the runner closes the open ones

@@ -19,9 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-import yaml
-
-from tokenfair_sidecar.config import CONFIG_KIND, Config, ConfigError, parse_documents, shown
+from tokenfair_sidecar.config import (
+    CONFIG_KIND,
+    Config,
+    ConfigError,
+    document_text,
+    load_documents,
+    parse_documents,
+    shown,
+)
+from tokenfair_sidecar.server.estimate import MAX_JSON_DEPTH, MAX_JSON_VALUES
 from tokenfair_sidecar.server.upstream import parse_origin
 
 BACKENDS: Final = ("costmodel", "openai")
@@ -50,6 +57,13 @@ class SidecarSettings:
     ``max_completion_tokens``."""
     max_decode_tokens: int = 8192
     """Largest ``max_tokens`` accepted; larger is ``400`` (the KV reservation must be honest)."""
+    max_json_depth: int = MAX_JSON_DEPTH
+    """Deepest nesting of a request body's JSON (the body itself is level 1); deeper is ``400
+    body_too_complex`` (see :data:`~tokenfair_sidecar.server.estimate.MAX_JSON_DEPTH`)."""
+    max_json_values: int = MAX_JSON_VALUES
+    """Most JSON values in a request body (objects, arrays, strings, numbers, literals); more is
+    ``400 body_too_complex``: it bounds the event-loop time a body costs before admission (see
+    :data:`~tokenfair_sidecar.server.estimate.MAX_JSON_VALUES`)."""
     trusted_tenant_header: str | None = None
     """When set (e.g. ``x-tokenfair-tenant``), that header names the tenant instead of an API key:
     only behind a gateway that authenticates callers and strips the header from outside."""
@@ -147,6 +161,8 @@ SECTION_FIELDS: Final[dict[str, tuple[str, Any]]] = {
     "maxBodyBytes": ("max_body_bytes", _positive_int),
     "defaultDecodeTokens": ("default_decode_tokens", _positive_int),
     "maxDecodeTokens": ("max_decode_tokens", _positive_int),
+    "maxJsonDepth": ("max_json_depth", _positive_int),
+    "maxJsonValues": ("max_json_values", _positive_int),
     "trustedTenantHeader": ("trusted_tenant_header", _header),
     "recordsPath": ("records_path", _string),
     "maxInFlight": ("max_in_flight", _positive_int),
@@ -172,9 +188,12 @@ def parse_address(value: str, name: str = "address") -> tuple[str, int]:
 
 
 def settings_from_section(
-    section: Mapping[str, object], base: SidecarSettings | None = None
+    section: Mapping[str, object], base: SidecarSettings | None = None, *, check: bool = True
 ) -> SidecarSettings:
-    """Apply a ``sidecar:`` section (camelCase) over ``base`` (default: the defaults)."""
+    """Apply a ``sidecar:`` section (camelCase) over ``base`` (default: the defaults); each
+    field is checked, and with ``check`` the cross-field rules too (:func:`check_settings`).
+    A caller that applies more (command-line flags) passes ``check=False`` and checks the
+    result: ``backend: openai`` in the file with the upstream from ``--upstream`` is valid."""
     unknown = sorted(set(section) - set(SECTION_FIELDS))
     if unknown:
         raise ConfigError(
@@ -186,7 +205,8 @@ def settings_from_section(
         for key, (attr, parse) in SECTION_FIELDS.items()
         if key in section
     }
-    return check_settings(dataclasses.replace(base or SidecarSettings(), **values))
+    settings = dataclasses.replace(base or SidecarSettings(), **values)
+    return check_settings(settings) if check else settings
 
 
 def check_settings(settings: SidecarSettings) -> SidecarSettings:
@@ -219,15 +239,8 @@ class LoadedFile:
 
 def loads_sidecar_file(data: bytes, source: str) -> LoadedFile:
     """Parse YAML bytes holding TokenfairConfig / TenantQuota / SchedulingPolicy documents."""
-    try:
-        documents = list(yaml.safe_load_all(data.decode("utf-8")))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
-    except RecursionError:
-        # PyYAML composes nested collections recursively: thousands of levels exhaust the stack.
-        raise ConfigError(f"{source}: invalid YAML: nested too deeply") from None
-    except ValueError as exc:  # an integer of more digits than Python converts (4,300)
-        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
+    # gzip and JSON (the operator's large documents) are read by the contract's own loader.
+    documents = load_documents(document_text(data, source), source)
     section: dict[str, object] = {}
     stripped: list[object] = []
     for document in documents:

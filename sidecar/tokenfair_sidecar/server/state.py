@@ -8,9 +8,11 @@ accounted exactly once, by :meth:`Sidecar.account`, and has exactly one record w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import secrets
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Final
@@ -31,6 +33,7 @@ from tokenfair_sidecar.server.dispatcher import Dispatcher, ModelClock
 from tokenfair_sidecar.server.errors import INTERNAL_ERROR
 from tokenfair_sidecar.server.estimate import ESTIMATORS, PromptEstimator
 from tokenfair_sidecar.server.metrics import LANE_NAMES, LaneSeries, Metrics
+from tokenfair_sidecar.server.pool import BudgetPool
 from tokenfair_sidecar.server.recorder import (
     NO_USAGE,
     RecordWriter,
@@ -78,6 +81,17 @@ class Sidecar:
         self.auth = Authenticator(config, settings.trusted_tenant_header)
         self.estimator: PromptEstimator = ESTIMATORS[settings.prompt_estimator]
         self.metrics = Metrics(self._scrape_state)
+        self.pool: BudgetPool | None = None
+        """Pool-wide budgets through the config's ``budgetStore``; None without one."""
+        if config.budget_store is not None:
+            scale = settings.time_scale
+            self.pool = BudgetPool(
+                config.budget_store,
+                self.scheduler,
+                wall_ms=lambda: time.time() * 1000.0 / scale,
+                on_tokens=self.dispatcher.pump,
+            )
+            self.metrics.registry.register(self.pool.collector())
         self.recorder: RecordWriter | None = None
         self.tenant_counts: dict[str, Counter[str]] = {}
         self._series_cache: dict[tuple[str, PriorityClass], LaneSeries] = {}
@@ -98,6 +112,7 @@ class Sidecar:
         """Adopt a valid new config: queued and running requests keep going."""
         config = loaded.config
         self.scheduler.reconfigure(config, self.clock.now_ms())
+        self._adopt_budget_store(config)
         self.auth = Authenticator(config, self.settings.trusted_tenant_header)
         if isinstance(self.backend, CostModelBackend):
             self.backend.retune(CostModel.from_policy(config.policy))
@@ -108,6 +123,21 @@ class Sidecar:
             log.warning("config reload: the sidecar: section changed; restart to apply it")
         log.info("config reloaded: version %r, sha256 %s", config.version, loaded.sha256[:12])
         self.dispatcher.pump()
+
+    def _adopt_budget_store(self, config: Config) -> None:
+        """A reload keeps the store it started with (its connection); its other fields (the
+        replicas of the fallback split, lease sizes) and the tenants' buckets follow."""
+        old, new = self.config.budget_store, config.budget_store
+        same_store = (old is None) == (new is None) and (
+            old is None
+            or new is None
+            or (old.url, old.password_env, old.key_prefix)
+            == (new.url, new.password_env, new.key_prefix)
+        )
+        if not same_store:
+            log.warning("config reload: budgetStore changed; restart to apply it")
+        if self.pool is not None:
+            self.pool.adopt(config if same_store else dataclasses.replace(config, budget_store=old))
 
     def refuse_config(self, message: str) -> None:
         self.metrics.reloads.labels("invalid").inc()
@@ -192,7 +222,7 @@ class Sidecar:
         counts = self.tenant_counts.get(tenant)
         if counts is None:
             counts = self.tenant_counts[tenant] = Counter()
-        if status_code in (429, 503):
+        if status_code in (400, 429, 503):  # 400: refused as never admissible
             metrics.refused.labels(tenant, lane, reason).inc()
             counts["refused"] += 1
         elif status_code == 499:
@@ -283,4 +313,5 @@ class Sidecar:
                 "resident_kv_blocks": books.resident_kv_blocks,
             },
             "tenants": tenants,
+            **({"budget_store": self.pool.status()} if self.pool is not None else {}),
         }

@@ -11,8 +11,12 @@ What it does, and nothing else:
 * ``request(method, target, headers, body)`` writes the request in one ``write`` (``Host`` and
   ``Content-Length`` are added; header values must not contain CR or LF) and returns the
   response once its head arrived: ``status``, ``headers`` (name and value decoded, in order),
-  then ``read()`` (the whole body, at most :data:`MAX_BUFFERED_BODY_BYTES`) or ``next_chunk()``
-  (the bytes received since the last call; ``b""`` at the end).
+  then ``read()`` (the whole body, at most ``max_body_bytes``, default
+  :data:`MAX_BUFFERED_BODY_BYTES`) or ``next_chunk()`` (the bytes received since the last call;
+  ``b""`` at the end).
+* Bounds: a response head over :data:`MAX_RESPONSE_HEAD_BYTES` (64 KiB), or a body read whole
+  over ``max_body_bytes`` (8 MiB), raises :class:`UpstreamTooLargeError` and drops the
+  connection at once (nothing more of it is kept in memory).
 * Bodies framed by ``Content-Length``, chunked encoding, or the end of the connection;
   ``1xx`` interim responses are skipped.
 * Keep-alive: a connection goes back to the pool only when its response was read to the end and
@@ -52,8 +56,15 @@ uvicorn (vLLM's server), so the sidecar does not race the upstream closing the s
 MAX_IDLE_CONNECTIONS: Final = 256
 HIGH_WATER_BYTES: Final = 1 << 16
 """Unread response bytes that pause reading from the upstream (64 KiB)."""
-MAX_BUFFERED_BODY_BYTES: Final = 1 << 25
-"""``read()`` refuses a body over 32 MiB (a non-streamed completion is tens of KB)."""
+MAX_BUFFERED_BODY_BYTES: Final = 1 << 23
+"""``read()`` refuses a body over 8 MiB (:class:`UpstreamTooLargeError`: the connection is
+dropped as soon as the body passes it). A non-streamed completion is tens of KB; 128 choices of
+8,192 tokens are ~4 MiB of text. Each request in flight may hold this much: ``maxInFlight``
+(64 for ``openai``) times it bounds the memory of buffered answers."""
+MAX_RESPONSE_HEAD_BYTES: Final = 1 << 16
+"""A response head (status line and headers, of interim ``1xx`` heads too) over 64 KiB is
+refused (:class:`UpstreamTooLargeError`) and its connection dropped: real servers send a few
+hundred bytes (nginx refuses request heads over 32 KiB by default, Node.js over 16 KiB)."""
 
 
 _PATH_RE: Final = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@%/]*")
@@ -62,6 +73,11 @@ _PATH_RE: Final = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@%/]*")
 
 class UpstreamClosedError(ConnectionError):
     """The upstream refused, reset or closed the connection, or sent a malformed response."""
+
+
+class UpstreamTooLargeError(UpstreamClosedError):
+    """The response's head passed :data:`MAX_RESPONSE_HEAD_BYTES`, or a body being read whole
+    passed the client's ``max_body_bytes``; the connection was dropped."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,12 +138,9 @@ class UpstreamResponse:
         connection.unbounded = True
         connection.resume()
         while not connection.complete:
-            connection.raise_error()
-            if connection.buffered > MAX_BUFFERED_BODY_BYTES:
-                raise UpstreamClosedError(
-                    f"upstream response body over {MAX_BUFFERED_BODY_BYTES} bytes"
-                )
+            connection.raise_error()  # on_body fails the exchange past max_body_bytes
             await connection.wait()
+        connection.raise_error()
         return connection.take()
 
     async def next_chunk(self) -> bytes:
@@ -177,6 +190,8 @@ class _Connection(asyncio.Protocol):
         self.status = 0
         self.headers: list[tuple[str, str]] = []
         self.head_done = False
+        self.head_fed = 0  # bytes of reads that did not complete a head (all head bytes)
+        self.header_bytes = 0  # header lines seen, of every head of the exchange
         self.complete = False
         self.keep_alive = False
         self.until_eof = False
@@ -284,12 +299,22 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         self.last_read = self.loop.time()
+        head_pending = not self.head_done
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._broken("the upstream switched protocols")
         except httptools.HttpParserError as exc:
             self._broken(f"malformed upstream response ({exc})")
+        if head_pending and not self.head_done and self.error is None:
+            # The parser holds a header's bytes until the header ends: count what it was fed.
+            self.head_fed += len(data)
+            if self.head_fed > MAX_RESPONSE_HEAD_BYTES:
+                self._too_large(f"response head over {MAX_RESPONSE_HEAD_BYTES} bytes")
+
+    def _too_large(self, message: str) -> None:
+        self._fail(UpstreamTooLargeError(f"the upstream's {message}"))
+        self.abort()
 
     def _broken(self, message: str) -> None:
         self._fail(UpstreamClosedError(message))
@@ -324,9 +349,13 @@ class _Connection(asyncio.Protocol):
             raise UpstreamClosedError("the upstream sent more than one response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_bytes += len(name) + len(value) + 4  # ": " and CRLF
         self.headers.append((name.decode("latin-1"), value.decode("utf-8", "replace")))
 
     def on_headers_complete(self) -> None:
+        if self.header_bytes > MAX_RESPONSE_HEAD_BYTES:  # a head that came whole in one read
+            self._too_large(f"response head over {MAX_RESPONSE_HEAD_BYTES} bytes")
+            return
         status = self.parser.get_status_code()
         if 100 <= status < 200:  # interim (100 Continue, 103 Early Hints): wait for the real one
             self.interim = True
@@ -346,8 +375,15 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.error is not None:  # refused (e.g. its head too large): nothing more is kept
+            return
         self.chunks.append(body)
         self.buffered += len(body)
+        if self.unbounded and self.buffered > self.client.max_body_bytes:
+            self.chunks.clear()
+            self.buffered = 0
+            self._too_large(f"response body over {self.client.max_body_bytes} bytes")
+            return
         if self.buffered > HIGH_WATER_BYTES and not self.unbounded and not self.paused:
             self.paused = True
             assert self.transport is not None
@@ -370,10 +406,18 @@ class UpstreamClient:
     """The connection pool for one origin (see the module docstring). Create it inside the event
     loop that uses it; :meth:`close` when done."""
 
-    def __init__(self, url: str, *, connect_timeout_s: float, read_timeout_s: float) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        max_body_bytes: int = MAX_BUFFERED_BODY_BYTES,
+    ) -> None:
         self.origin = parse_origin(url)
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self.max_body_bytes = max_body_bytes
         self.loop = asyncio.get_running_loop()
         self.connections: set[_Connection] = set()
         self._idle: deque[_Connection] = deque()
@@ -478,5 +522,6 @@ __all__ = [
     "UpstreamClient",
     "UpstreamClosedError",
     "UpstreamResponse",
+    "UpstreamTooLargeError",
     "parse_origin",
 ]

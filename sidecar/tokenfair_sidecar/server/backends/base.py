@@ -40,6 +40,10 @@ orders of magnitude above any context window). A reported value that is not an i
 says ``upstream_bad_usage``."""
 BAD_USAGE: Final = "upstream_bad_usage"
 UPSTREAM_ABORTED: Final = "upstream_aborted"
+UPSTREAM_TOO_LARGE: Final = "upstream_too_large"
+"""502 code and record reason: the upstream's response head (over 64 KiB) or non-streamed body
+(over 8 MiB) passed the client's bounds (:class:`~tokenfair_sidecar.server.upstream.
+UpstreamTooLargeError`); the connection was dropped."""
 
 CLIENT_MESSAGES: Final = {
     "upstream_error": "the model server failed to answer (refused, reset or a malformed "
@@ -47,6 +51,8 @@ CLIENT_MESSAGES: Final = {
     "upstream_timeout": "the model server did not answer in time; the sidecar's log has the "
     "details under this request's x-request-id",
     "upstream_unavailable": "the model server is not available",
+    "upstream_too_large": "the model server's answer was larger than the sidecar relays; the "
+    "sidecar's log has the details under this request's x-request-id",
 }
 """What a tenant reads in a 502/504: no upstream host, port or errno (those go to the log)."""
 WRITE_CHECKS_PER_TIMEOUT: Final = 4

@@ -44,6 +44,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from tokenfair_sidecar.server.backends.base import (
+    UPSTREAM_TOO_LARGE,
     Backend,
     BackendCall,
     StreamAbortedError,
@@ -55,6 +56,7 @@ from tokenfair_sidecar.server.upstream import (
     UpstreamClient,
     UpstreamClosedError,
     UpstreamResponse,
+    UpstreamTooLargeError,
 )
 
 log = logging.getLogger("tokenfair.sidecar")
@@ -395,6 +397,8 @@ def _upstream_failure(exc: Exception, where: str) -> UpstreamError:
     """The 502/504 for an upstream failure before the response started (details: the log)."""
     if isinstance(exc, TimeoutError):
         return UpstreamError(504, "upstream_timeout", f"upstream {where} timed out: {exc}")
+    if isinstance(exc, UpstreamTooLargeError):
+        return UpstreamError(502, UPSTREAM_TOO_LARGE, f"upstream {where} refused: {exc}")
     return UpstreamError(502, "upstream_error", f"upstream {where} failed: {exc}")
 
 

@@ -1,0 +1,169 @@
+"""Issue 11's leftovers (#14), over real HTTP on loopback and real YAML files.
+
+Behaviours: ``Expect: 100-continue`` is answered ``100 Continue`` only after the key and the
+announced size passed (a bad key is a ``401``, an oversized ``Content-Length`` a ``413``, an
+unknown expectation a ``417``, each without a ``100`` and with the connection closed); a config
+whose ``sidecar:`` section says ``backend: openai`` without ``upstreamUrl`` is accepted when
+``--upstream`` gives it (flags apply before the cross-field check) and refused naming the
+upstream when nothing does; a request aiohttp cannot parse is logged as one ``INFO`` line, no
+``ERROR`` and no traceback; a config ``version`` over 256 characters, or not a string, is refused
+naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+import yaml
+from aiohttp import web
+from test_sidecar_support import KEYS, ClientFactory, keyed_config, start
+
+from tokenfair_sidecar.cli import build_parser
+from tokenfair_sidecar.commands.sidecar import settings_for
+from tokenfair_sidecar.config import (
+    MAX_VERSION_CHARS,
+    ConfigError,
+    build_config,
+    config_to_document,
+    parse_documents,
+)
+from tokenfair_sidecar.costmodel import CostModel
+from tokenfair_sidecar.server import create_app, load_sidecar_file, make_backend
+from tokenfair_sidecar.server.runner import quiet_malformed_requests
+from tokenfair_sidecar.server.settings import SidecarSettings
+
+KEY = KEYS["tenant_chat_pro"]
+BODY = b'{"model":"m","prompt":"hi","max_tokens":2}'
+
+
+async def exchange_expecting(port: int, key: str, length: int, expect: str = "100-continue"
+                             ) -> tuple[bytes, bytes]:  # fmt: skip
+    """Send a head with ``Expect``, wait for the sidecar's first answer; if it is ``100
+    Continue``, send ``BODY`` and read the final answer. Returns (first line, final head)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\n"
+            f"Expect: {expect}\r\n\r\n".encode()
+        )
+        await writer.drain()
+        async with asyncio.timeout(10):
+            first = await reader.readuntil(b"\r\n\r\n")
+            if not first.startswith(b"HTTP/1.1 100"):
+                return first.split(b"\r\n")[0], first + await reader.read()
+            writer.write(BODY)
+            await writer.drain()
+            final = await reader.readuntil(b"\r\n\r\n")
+            return first.split(b"\r\n")[0], final
+    finally:
+        writer.close()
+
+
+async def test_100_continue_only_after_auth_and_size(aiohttp_client: ClientFactory) -> None:
+    settings = SidecarSettings(time_scale=0.01, max_body_bytes=1024)
+    clients = await start(aiohttp_client, keyed_config(), settings)
+    port = clients.proxy.port
+    assert port is not None
+    first, final = await exchange_expecting(port, KEY, len(BODY))
+    assert first == b"HTTP/1.1 100 Continue"
+    assert final.startswith(b"HTTP/1.1 200")
+    for key, length, expect, status in [
+        ("sk-wrong", len(BODY), "100-continue", b"401"),
+        (KEY, 4096, "100-continue", b"413"),
+        (KEY, len(BODY), "something-else", b"417"),
+    ]:
+        first, final = await exchange_expecting(port, key, length, expect)
+        assert first == b"HTTP/1.1 " + status + (
+            b" Unauthorized" if status == b"401" else
+            b" Request Entity Too Large" if status == b"413" else b" Expectation Failed"
+        )  # fmt: skip
+        assert b"100 Continue" not in final
+        assert b"connection: close" in final.lower()
+
+
+def write_config(tmp_path: Path, section: dict[str, object]) -> Path:
+    document = config_to_document(keyed_config())
+    document["sidecar"] = section
+    path = tmp_path / "sidecar.yaml"
+    path.write_text(yaml.safe_dump(document), encoding="utf-8")
+    return path
+
+
+def test_backend_openai_in_the_file_takes_its_upstream_from_the_flag(tmp_path: Path) -> None:
+    path = write_config(tmp_path, {"backend": "openai"})
+    parser = build_parser({"sidecar"})
+    loaded = load_sidecar_file(path)
+    args = parser.parse_args(["sidecar", "--config", str(path), "--upstream", "http://h:8000"])
+    settings = settings_for(args, loaded.section)
+    assert (settings.backend, settings.upstream_url) == ("openai", "http://h:8000")
+    # Nothing gives the upstream: refused, naming it.
+    args = parser.parse_args(["sidecar", "--config", str(path)])
+    with pytest.raises(ConfigError, match="upstream URL"):
+        settings_for(args, loaded.section)
+    # A bad URL from the flag is refused like one from the file.
+    args = parser.parse_args(["sidecar", "--config", str(path), "--upstream", "ftp://h"])
+    with pytest.raises(ConfigError, match="upstreamUrl"):
+        settings_for(args, loaded.section)
+
+
+async def test_a_malformed_request_is_one_info_line(caplog: pytest.LogCaptureFixture) -> None:
+    settings = SidecarSettings(time_scale=0.01)
+    config = keyed_config()
+    app = create_app(settings, config, make_backend(settings, CostModel.from_policy(config.policy)))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    quiet_malformed_requests()
+    try:
+        port = runner.addresses[0][1]
+        caplog.set_level(logging.DEBUG, logger="aiohttp.server")
+        for malformed in (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        ):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(malformed)
+            async with asyncio.timeout(10):
+                answer = await reader.read()
+            writer.close()
+            assert answer.startswith(b"HTTP/1.0 400") or answer.startswith(b"HTTP/1.1 400")
+        await asyncio.sleep(0.05)
+    finally:
+        await runner.cleanup()
+    server_records = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(server_records) == 2
+    for record in server_records:
+        assert record.levelno == logging.INFO
+        assert record.exc_info is None
+        assert record.getMessage().startswith("malformed request from 127.0.0.1 (400 ")
+        assert "\n" not in record.getMessage()
+
+
+@pytest.mark.parametrize(
+    ("version", "message"),
+    [
+        ("v" * (MAX_VERSION_CHARS + 1), f"at most {MAX_VERSION_CHARS} characters"),
+        (["a"], "must be a string"),
+        ({"a": 1}, "must be a string"),
+        (10**30, "integer beyond it"),
+    ],
+)
+def test_a_config_version_is_bounded(version: object, message: str) -> None:
+    document = config_to_document(keyed_config())
+    document["version"] = version
+    with pytest.raises(ConfigError, match="version") as raised:
+        parse_documents([document], "cfg.yaml")
+    assert message in str(raised.value)
+
+
+def test_a_config_version_within_the_bound_is_kept() -> None:
+    config = keyed_config()
+    for version, kept in (("a" * MAX_VERSION_CHARS, "a" * MAX_VERSION_CHARS), (3, "3")):
+        document = config_to_document(build_config(config.policy, config.tenants))
+        document["version"] = version
+        assert parse_documents([document], "cfg.yaml").version == kept
