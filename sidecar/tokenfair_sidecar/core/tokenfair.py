@@ -242,7 +242,8 @@ class TokenfairScheduler(Scheduler):
     def _batch_intrusion(self, interactive_tokens: float) -> float:
         """Batch service tokens the minimum share lets run while ``interactive_tokens`` are
         served: none until the credit ``c + X * s / (1 - s)`` covers the cheapest batch head,
-        else that credit plus one head (a due head may cost more than the credit)."""
+        else that credit plus one head — the front's of the batch ring, the one its round robin
+        sends next, if dearer than the cheapest (a due head may cost more than the credit)."""
         if not self.queued_count[Lane.BATCH]:
             return 0.0
         cheapest = self._cheapest_batch_head
@@ -252,7 +253,17 @@ class TokenfairScheduler(Scheduler):
                 return 0.0
         share = self.policy.batch_min_share
         credit = self._batch_credit + interactive_tokens * share / (1.0 - share)
-        return 0.0 if credit < cheapest else credit + cheapest
+        if credit < cheapest:
+            return 0.0
+        # Due: the batch lane sends the head its round robin picks, which is the front's
+        # (usually), not the cheapest one.
+        head = cheapest
+        active = self._lanes[Lane.BATCH].active
+        if active:
+            front = active[0].head()
+            if front is not None and front.expected_tokens > head:
+                head = front.expected_tokens
+        return credit + head
 
     def _admit(self, job: Job, tenant: TenantState, now_ms: float) -> Decision | None:
         policy = self.policy
