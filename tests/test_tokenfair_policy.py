@@ -579,3 +579,20 @@ def test_the_deadline_heap_holds_the_queue_not_the_history() -> None:
         scheduler.complete(decision.request_id, now_ms)
     assert scheduler.queued_total <= 2
     assert len(scheduler._deadlines) <= 2 * scheduler.queued_total + 65
+
+
+def test_interactive_waits_count_the_batch_head_the_ring_sends() -> None:
+    """When the minimum share falls due the batch lane sends its round robin's next head (the
+    front's), however cheap another head is: an interactive request's prediction counts that."""
+    tenants = [
+        TenantConfig("big", 1.0, UNBOUNDED, 1e9, "batch"),
+        TenantConfig("small", 1.0, UNBOUNDED, 1e9, "batch"),
+        TenantConfig("chat", 1.0, UNBOUNDED, 1e9, "interactive"),
+    ]
+    scheduler = TokenfairScheduler(build_config(PolicyConfig(), tenants))
+    assert scheduler.submit(request("big0", 8000, 250, 0.0, "big", "batch"), 0.0) is None
+    assert scheduler.submit(request("small0", 300, 25, 0.0, "small", "batch"), 0.0) is None
+    scheduler._batch_credit = 500.0  # covers the cheapest head (400), not the front's (9000)
+    assert scheduler._batch_intrusion(0.0) == 500.0 + 9000.0
+    scheduler._batch_credit = 300.0  # covers no head: batch is not due
+    assert scheduler._batch_intrusion(0.0) == 0.0
