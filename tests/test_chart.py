@@ -358,7 +358,9 @@ def test_static_webhooks_call_the_operators_handlers() -> None:
     assert paths == kopf_webhook_ids()
     (service,) = [d for d in of_kind(docs, "Service") if d["metadata"]["name"].endswith("operator")]
     for hook in hooks:
-        assert hook["failurePolicy"] == "Ignore"  # the operator's documented fail-open
+        # Validation fails open (CEL and status still refuse); injection fails closed.
+        closed = hook["name"].startswith("inject-sidecar")
+        assert hook["failurePolicy"] == ("Fail" if closed else "Ignore")
         ref = hook["clientConfig"]["service"]
         assert ref["name"] == service["metadata"]["name"]
         assert ref["port"] in {p["port"] for p in service["spec"]["ports"]}
@@ -592,6 +594,8 @@ def test_install_reconcile_uninstall(
     remap = {"0.0.0.0:8080": f"127.0.0.1:{health_port}", "--all-namespaces": f"--namespace={ns}"}
     env = {**os.environ, **{e["name"]: e["value"] for e in operator["env"]}}
     env["KUBECONFIG"] = str(kubeconfig)
+    # The operator's HTTP server (sidecars' long-poll, /metrics) on a free loopback port here.
+    env["TOKENFAIR_HTTP_ADDR"], env["TOKENFAIR_HTTP_PORT"] = "127.0.0.1", str(free_ports(1)[0])
     with process(local_command(operator, remap), tmp_path / "operator.log", env) as log:
         quotas = wait_for("the demo quotas to be Ready", lambda: all_ready(kube_cluster, ns))
         assert len(quotas) == len(LESSON_TENANTS)
@@ -712,6 +716,8 @@ def test_install_with_the_operators_own_certificate(
         "TOKENFAIR_WEBHOOK_ADDR": "127.0.0.1",
         "TOKENFAIR_WEBHOOK_PORT": str(webhook_port),
         "TOKENFAIR_WEBHOOK_CERT_DIR": str(tmp_path / "certs"),
+        "TOKENFAIR_HTTP_ADDR": "127.0.0.1",
+        "TOKENFAIR_HTTP_PORT": str(free_ports(1)[0]),
     }
     secret_path = f"/api/v1/namespaces/{ns}/secrets/{release}-tokenfair-webhook-tls"
     dns_names = chart_env["TOKENFAIR_WEBHOOK_DNS_NAMES"].split(",")

@@ -2,7 +2,8 @@
 
 Behaviours under test, reading the YAML files directly (no cluster):
 
-- SchedulingPolicy's spec properties are exactly ``config.POLICY_FIELDS`` plus ``selector``, and
+- SchedulingPolicy's spec properties are exactly ``config.POLICY_FIELDS`` plus ``selector`` and
+  ``budgetStore`` (whose defaults and bounds are ``poolconfig``'s), and
   TenantQuota's exactly ``config.TENANT_FIELDS`` plus ``policyName`` and ``apiKeySecretRef``;
 - the policy defaults, read back through the sidecar's ``parse_policy``, equal ``PolicyConfig()``;
 - every number is bounded on both sides, and each bound agrees with the sidecar's parser: an
@@ -34,6 +35,7 @@ from tokenfair_sidecar.config import (
     parse_policy,
     parse_tenant,
 )
+from tokenfair_sidecar.poolconfig import BudgetStoreConfig, parse_budget_store
 
 CRDS = Path(__file__).resolve().parents[1] / "crds"
 
@@ -72,7 +74,20 @@ QUOTA_BASE = {"weight": 1.0, "burstServiceTokens": 1, "sustainedServiceTokensPer
 
 
 def test_policy_properties_are_the_config_fields() -> None:
-    assert set(POLICY_SPEC["properties"]) == {*POLICY_FIELDS, "selector"}
+    assert set(POLICY_SPEC["properties"]) == {*POLICY_FIELDS, "selector", "budgetStore"}
+
+
+def test_budget_store_defaults_and_bounds_are_the_sidecars() -> None:
+    store = POLICY_SPEC["properties"]["budgetStore"]["properties"]
+    spec = {"redis": {"url": "redis://r:6379", "secretRef": {"name": "s"}}}
+    defaults = {key: store[key]["default"] for key in ("leaseMs", "timeoutMs", "probeIntervalMs")}
+    assert parse_budget_store({**spec, **defaults}) == BudgetStoreConfig("redis://r:6379")
+    for key in defaults:
+        parse_budget_store({**spec, key: store[key]["minimum"]})
+        parse_budget_store({**spec, key: store[key]["maximum"]})
+        with pytest.raises(ConfigError, match=key):
+            parse_budget_store({**spec, key: store[key]["maximum"] * 2})
+    assert set(store["redis"]["properties"]) == {"url", "secretRef"}
 
 
 def test_quota_properties_are_the_tenant_fields() -> None:

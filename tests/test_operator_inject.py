@@ -18,7 +18,15 @@ from typing import Any
 
 import pytest
 
-from tokenfair_operator.inject import InjectionError, InjectionSettings, injected
+from tokenfair_operator.inject import (
+    CONTAINER,
+    InjectionError,
+    InjectionSettings,
+    SecretKey,
+    injected,
+    store_password_key,
+)
+from tokenfair_operator.render import PASSWORD_ENV
 
 SETTINGS = InjectionSettings(image="registry.local/tokenfair:test")
 
@@ -118,3 +126,25 @@ def test_taken_names_are_refused() -> None:
     taken_port["spec"]["containers"][0]["ports"].append({"containerPort": 8080})
     with pytest.raises(InjectionError, match="reserved"):
         injected(taken_port, SETTINGS)
+
+
+def test_a_budget_store_secret_becomes_the_password_variable() -> None:
+    """The policy's ``budgetStore.redis.secretRef`` reaches the sidecar as the variable its
+    rendered config names (``passwordEnv``), optional so a missing Secret does not stop the Pod."""
+    spec = {"budgetStore": {"redis": {"url": "redis://r:6379", "secretRef": {"name": "store"}}}}
+    password = store_password_key(spec)
+    assert password == SecretKey("store", "password")
+    change = injected(pod(), InjectionSettings(), password)
+    assert change is not None
+    (sidecar,) = [c for c in change["containers"] if c["name"] == CONTAINER]
+    assert sidecar["env"] == [
+        {
+            "name": PASSWORD_ENV,
+            "valueFrom": {"secretKeyRef": {"name": "store", "key": "password", "optional": True}},
+        }
+    ]
+    assert store_password_key({}) is None
+    assert store_password_key({"budgetStore": {"redis": {"url": "redis://r:6379"}}}) is None
+    plain = injected(pod(), InjectionSettings())
+    assert plain is not None
+    assert all("env" not in c for c in plain["containers"] if c["name"] == CONTAINER)

@@ -568,14 +568,21 @@ def webhook_operator(
         TOKENFAIR_WEBHOOK_KEY=str(key),
         TOKENFAIR_WEBHOOK_MANAGED="tokenfair.io",
     ) as log:
-        path = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/tokenfair.io"
-        wait_for(
-            "the webhook configuration to point at our port",
-            lambda: f":{port}/" in json.dumps(get(kube_cluster, path) or {}),
-        )
+        # Kopf configures the validating webhook, then the mutating one: wait for both, or a
+        # Pod created in between is admitted with no injection webhook at all.
+        for kind in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations"):
+            path = f"/apis/admissionregistration.k8s.io/v1/{kind}/tokenfair.io"
+            wait_for(
+                f"the {kind} to point at our port",
+                functools.partial(_points_at, kube_cluster, path, port),
+            )
         yield log
     for kind in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations"):
         kube_cluster.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/{kind}/tokenfair.io")
+
+
+def _points_at(cluster: KubeCluster, path: str, port: int) -> bool:
+    return f":{port}/" in json.dumps(get(cluster, path) or {})
 
 
 def refused(cluster: KubeCluster, ns: str, doc: dict[str, Any]) -> str:
@@ -637,6 +644,38 @@ def test_labelled_pod_comes_back_injected(
     plain = {"metadata": {"name": "plain"}, "spec": {"containers": containers}}
     stored = kube_cluster.expect(201, "POST", pods, plain).body
     assert [c["name"] for c in stored["spec"]["containers"]] == ["model"]
+
+
+def test_injected_sidecar_gets_the_budget_store_password(
+    kube_cluster: KubeCluster, kube_namespace: str, webhook_operator: Path
+) -> None:
+    """A policy whose ``budgetStore.redis.secretRef`` names a Secret: the sidecar injected into
+    its Pods reads the password from that Secret key, as the rendered config's passwordEnv."""
+    ns = kube_namespace
+    store = {"redis": {"url": "redis://store:6379", "secretRef": {"name": "store-pass"}}}
+    policy = {"apiVersion": "tokenfair.io/v1alpha1", "kind": "SchedulingPolicy"}
+    apply(
+        kube_cluster, ns, {**policy, "metadata": {"name": "pool"}, "spec": {"budgetStore": store}}
+    )
+    labelled = {
+        "metadata": {"name": "model", "labels": {"tokenfair.io/policy": "pool"}},
+        "spec": {"containers": [{"name": "model", "image": "vllm/vllm-openai"}]},
+    }
+    pods = f"/api/v1/namespaces/{ns}/pods?dryRun=All"
+
+    def password_env() -> dict[str, Any] | None:  # the operator's index learns the policy first
+        created = kube_cluster.expect(201, "POST", pods, labelled).body
+        sidecar = created["spec"]["containers"][0]
+        env = {e["name"]: e for e in sidecar.get("env", [])}
+        found = env.get("TOKENFAIR_BUDGET_STORE_PASSWORD")
+        return dict(found) if found is not None else None
+
+    found = wait_for("the password variable in the injected sidecar", password_env)
+    assert found["valueFrom"]["secretKeyRef"] == {
+        "name": "store-pass",
+        "key": "password",
+        "optional": True,
+    }
 
 
 # --- end to end: a sidecar fed by the ConfigMap -------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Any
 
 import pytest
@@ -21,10 +22,12 @@ from tokenfair_sidecar.server.estimate import (
     MAX_CHOICES,
     BodyShapeError,
     EstimateError,
+    NotUtf8Error,
     chars4,
     check_json_shape,
     check_raw_values,
     estimate,
+    utf8_text,
 )
 from tokenfair_sidecar.server.settings import SidecarSettings
 
@@ -46,6 +49,56 @@ def test_n_and_best_of_multiply_decode_not_prefill() -> None:
     assert best.decode_tokens == 500
     # Without max_tokens the default applies per sequence: 3 * 256.
     assert estimate({"prompt": "x", "n": 3}, chars4, 256, 8192).decode_tokens == 768
+
+
+def test_a_batch_of_prompts_is_charged_per_prompt() -> None:
+    # Three prompts, n=2, best_of=4: 3 * 4 sequences of up to 10 tokens; every prompt's text.
+    batch = {"prompt": ["x" * 8, "y" * 8, "z" * 8], "max_tokens": 10, "n": 2, "best_of": 4}
+    cost = estimate(batch, chars4, 256, 8192)
+    assert (cost.prefill_tokens, cost.decode_tokens) == (6, 120)
+    # Token IDs: one prompt of 3 tokens (one per ID), or two prompts of 2 and 1.
+    ids = estimate({"prompt": [1, 2, 3], "max_tokens": 10}, chars4, 256, 8192)
+    assert (ids.prefill_tokens, ids.decode_tokens) == (3, 10)
+    two = estimate({"prompt": [[1, 2], [3]], "max_tokens": 10, "n": 3}, chars4, 256, 8192)
+    assert (two.prefill_tokens, two.decode_tokens) == (3, 60)
+    # One string, or a chat: one prompt.
+    assert estimate({"prompt": "x" * 8, "max_tokens": 10}, chars4, 256, 8192).decode_tokens == 10
+    chat = {"messages": [{"role": "user", "content": "hi"}], "prompt": ["a", "b"], "max_tokens": 5}
+    assert estimate(chat, chars4, 256, 8192).decode_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[1, "a"], [[1], "a"], [[1, -2]], [True], [[1.5]], [{"text": "a"}], 7, {"a": 1}],
+)
+def test_a_prompt_of_another_shape_is_a_400_naming_it(prompt: object) -> None:
+    with pytest.raises(EstimateError) as raised:
+        estimate({"prompt": prompt}, chars4, 256, 8192)
+    assert raised.value.param == "prompt"
+
+
+async def test_a_batch_of_prompts_is_charged_through_the_sidecar(
+    aiohttp_client: ClientFactory,
+) -> None:
+    # Burst 5000: one prompt of 40 tokens and 100 decode tokens costs 40 + 4 * 100 = 440; the
+    # same 40 tokens as 16 prompts of 10 ask for 16 * 100 decode tokens: 40 + 6400 = 6440.
+    config = keyed_config(burst_service_tokens=5000)
+    clients = await start(aiohttp_client, config, SidecarSettings(time_scale=0.01))
+    one = await clients.proxy.post(
+        "/v1/completions",
+        json={"model": "m", "prompt": "x" * 160, "max_tokens": 100},
+        headers={"Authorization": CHAT},
+    )
+    assert one.status == 200
+    batch = await clients.proxy.post(
+        "/v1/completions",
+        json={"model": "m", "prompt": ["x" * 10] * 16, "max_tokens": 100},
+        headers={"Authorization": CHAT},
+    )
+    assert batch.status == 400
+    error = (await batch.json())["error"]
+    assert error["code"] == "request_over_tenant_burst"
+    assert "6440" in error["message"]
 
 
 @pytest.mark.parametrize(
@@ -160,6 +213,98 @@ def test_values_are_counted_outside_strings_only() -> None:
     check_raw_values(raw, 14)
     with pytest.raises(BodyShapeError):
         check_raw_values(raw, 13)
+
+
+UNCLOSED_ESCAPED_QUOTES = b'{"model":"m","prompt":"' + b"," * 20_001 + b'\\"' * 300_000
+"""A string that never closes, full of escaped quotes, after 20,001 commas (so the first, cheap
+count is over the limit): a scan that retried a string from each later quote took time
+quadratic in them (60 KB: 36 s; this 620 KB: hours)."""
+
+
+def test_an_unclosed_string_of_escaped_quotes_is_counted_in_linear_time() -> None:
+    for raw in (UNCLOSED_ESCAPED_QUOTES, b'{"a":"' + b'\\",' * 20_000):
+        started = time.perf_counter()
+        check_raw_values(raw, 20_000)  # outside strings: `{:,:` — few values; the parser fails
+        assert time.perf_counter() - started < 5.0  # ~10 ms; the quadratic scan took hours
+        with pytest.raises(json.JSONDecodeError, match="Unterminated string"):
+            json.loads(raw)
+
+
+async def test_an_unclosed_string_of_escaped_quotes_is_a_prompt_400(
+    aiohttp_client: ClientFactory,
+) -> None:
+    clients = await start(aiohttp_client, keyed_config(), SidecarSettings(time_scale=0.01))
+    started = time.perf_counter()
+    response = await clients.proxy.post(
+        "/v1/completions", data=UNCLOSED_ESCAPED_QUOTES, headers={"Authorization": CHAT}
+    )
+    assert response.status == 400
+    assert (await response.json())["error"]["code"] == "invalid_json"
+    assert time.perf_counter() - started < 10.0
+    assert clients.sidecar.scheduler.books() == ZERO_BOOKS
+
+
+def test_more_strings_than_twice_the_limit_are_refused_unparsed() -> None:
+    # 40,001 strings can be at most 20,000 keys and 20,000 values... plus one: over 20,000.
+    raw = b"[" + b",".join([b'"\\\\"'] * 40_001) + b"]"
+    with pytest.raises(BodyShapeError):
+        check_raw_values(raw, 40_001 // 2)
+
+
+def test_keys_are_not_counted_as_values() -> None:
+    # 5,001 messages of role and content: 1 + 3 + 5,001 * 3 = 15,007 values, 20,006 strings
+    # (keys included): under the 20,000 values, though over 20,000 string literals.
+    messages = [{"role": "user", "content": "hi, there"} for _ in range(5_001)]
+    body = {"model": "m", "messages": messages, "max_tokens": 1}
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    check_json_shape(body, 64, 20_000)
+    check_raw_values(raw, 20_000)
+
+
+async def test_a_chat_under_the_values_limit_passes_the_body_checks(
+    aiohttp_client: ClientFactory,
+) -> None:
+    clients = await start(aiohttp_client, keyed_config(), SidecarSettings(time_scale=0.01))
+    messages = [{"role": "user", "content": "hi, there"} for _ in range(5_001)]
+    response = await clients.proxy.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": messages, "max_tokens": 1},
+        headers={"Authorization": CHAT},
+    )
+    # Parsed and estimated (35,007 prompt tokens: over the lesson's KV cache, a 400 of the
+    # scheduler's, not of the body checks).
+    error = (await response.json())["error"]
+    assert error["code"] == "request_over_kv_capacity", error
+
+
+@pytest.mark.parametrize("codec", ["utf-16-le", "utf-16-be", "utf-16", "utf-32-le", "utf-32"])
+def test_utf16_and_utf32_bodies_are_not_utf8(codec: str) -> None:
+    # json.loads(bytes) would read these (it detects UTF-16/32), while the value count reads
+    # the bytes as UTF-8: refused before any counting (RFC 8259 section 8.1).
+    text = '{"model":"m","prompt":"x\u5c00","a":[' + ",".join(["{}"] * 100) + "]}"
+    with pytest.raises(NotUtf8Error, match="UTF-8"):
+        utf8_text(text.encode(codec))
+
+
+def test_utf8_text() -> None:
+    assert utf8_text('{"p":"é"}'.encode()) == '{"p":"é"}'
+    with pytest.raises(NotUtf8Error, match="RFC 8259"):
+        utf8_text(b'{"p":"\xff"}')
+
+
+async def test_a_utf16_body_is_a_400_naming_utf8(aiohttp_client: ClientFactory) -> None:
+    clients = await start(aiohttp_client, keyed_config(), SidecarSettings(time_scale=0.01))
+    # 170,000 empty objects: in UTF-8 over the values limit; as UTF-16 read whole by the parser.
+    text = '{"model":"m","prompt":"x\u5c00","a":[' + ",".join(["{}"] * 170_000) + '],"b":"y"}'
+    for codec in ("utf-16-le", "utf-32-be"):
+        response = await clients.proxy.post(
+            "/v1/completions", data=text.encode(codec)[: 1 << 20], headers={"Authorization": CHAT}
+        )
+        assert response.status == 400
+        error = (await response.json())["error"]
+        assert error["code"] == "invalid_json"
+        assert "UTF-8" in error["message"]
+    assert clients.sidecar.scheduler.books() == ZERO_BOOKS
 
 
 @pytest.mark.parametrize(

@@ -784,6 +784,62 @@ async def test_an_upstream_head_or_body_too_large_is_502_recorded_and_dropped(
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
 
 
+async def test_a_gzip_answer_decoding_past_the_buffer_cap_is_upstream_too_large(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path
+) -> None:
+    """A small gzip body (it passed the cap as sent) that decodes to over 8 MiB is the same
+    ``502 upstream_too_large`` as a body over 8 MiB as sent, not an ``upstream_error``."""
+    bomb = gzip.compress(b"{" + b" " * (9 << 20) + b"}")
+    raw = await upstream({
+        "bomb": reply(json_response(bomb, "Content-Encoding: gzip")),
+        "ok": reply(json_response(OK_JSON)),
+    })  # fmt: skip
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path)
+    response = await post(clients, chat("bomb"))
+    assert response.status == 502
+    error = (await response.json())["error"]
+    assert error["code"] == "upstream_too_large"
+    await assert_next_request_served(clients)
+    outcomes = [(r["status_code"], r["reason"]) for r in records(clients)]
+    assert outcomes == [(502, "upstream_too_large"), (200, "admitted")]
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+
+
+async def test_an_upstreams_own_4xx_and_503_are_not_counted_as_refusals(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path
+) -> None:
+    """A dispatched request the upstream answered 400, 429 or 503: relayed, recorded with that
+    status, but not a refusal of the sidecar's (it was admitted and ran): 400 and 429 count as
+    served, 503 as a backend error; ``tokenfair_refused_requests_total`` stays empty."""
+
+    def status_reply(status: str) -> Reply:
+        body = b'{"error":{"message":"upstream says no","code":null}}'
+        return reply(
+            f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+
+    raw = await upstream({
+        "u400": status_reply("400 Bad Request"),
+        "u429": status_reply("429 Too Many Requests"),
+        "u503": status_reply("503 Service Unavailable"),
+    })  # fmt: skip
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path)
+    for model, status in (("u400", 400), ("u429", 429), ("u503", 503)):
+        response = await post(clients, chat(model))
+        assert response.status == status
+    counts = (await (await clients.admin.get("/status")).json())["tenants"]["tenant_chat_pro"]
+    assert counts["counts"].get("refused", 0) == 0, counts
+    assert counts["counts"]["served"] == 2
+    assert counts["counts"]["backend_errors"] == 1
+    assert counts["counts"]["admitted"] == 3
+    text = await metrics_text(clients)
+    assert 'reason="admitted"' not in text
+    assert "tokenfair_refused_requests_total{" not in text
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+
+
 # -- clients that hold resources -------------------------------------------------------------------
 
 

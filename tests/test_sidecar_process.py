@@ -418,6 +418,45 @@ async def test_drain_grace_bounds_the_shutdown(stub: Stub, tmp_path: Path) -> No
             stop(sidecar)
 
 
+async def test_a_drain_aborted_request_with_nothing_sent_gets_its_503(
+    stub: Stub, tmp_path: Path
+) -> None:
+    """A non-streamed request still running when the grace runs out (its upstream takes 3 s)
+    gets a real ``503 drain_aborted`` with ``Retry-After`` — what its record says — not a
+    reset; a stream already under way next to it is still cut (an incomplete transfer)."""
+    async with aiohttp.ClientSession() as session:
+        sidecar = await _running(
+            tmp_path, stub.url, session, drain_grace_s=0.3, sidecar={"maxInFlight": 2}
+        )
+        try:
+            url = f"{sidecar.proxy}/v1/chat/completions"
+            headers = {"Authorization": CHAT}
+            async with session.post(
+                url, json=chat("endless", stream=True), headers=headers
+            ) as streaming:
+                assert streaming.status == 200
+                await streaming.content.readany()
+                slow = asyncio.create_task(session.post(url, json=chat("slow"), headers=headers))
+                for _ in range(500):  # until the upstream has it (dispatched, nothing sent)
+                    if len(stub.bodies) == 2:
+                        break
+                    await asyncio.sleep(0.01)
+                assert len(stub.bodies) == 2
+                sidecar.process.send_signal(signal.SIGTERM)
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await streaming.content.read()
+                answer = await slow
+                assert answer.status == 503
+                assert (await answer.json())["error"]["code"] == "drain_aborted"
+                assert int(answer.headers["Retry-After"]) >= 1
+                assert answer.headers["x-request-id"]
+            assert sidecar.process.wait(15) == 0
+            lines = [json.loads(line) for line in sidecar.records.read_text().splitlines()]
+            assert [(r["status_code"], r["reason"]) for r in lines] == [(503, "drain_aborted")] * 2
+        finally:
+            stop(sidecar)
+
+
 async def test_a_connection_over_the_cap_is_answered_503_at_once(
     stub: Stub, tmp_path: Path
 ) -> None:

@@ -14,6 +14,13 @@ lastTransitionTime``, ``observedGeneration`` on each), no ``phase``:
 * ``Ready`` — ``True``/``Ready`` when both are true; otherwise ``False`` with the reason and
   message of the first false one, so ``kubectl get`` shows the cause in one column.
 
+A SchedulingPolicy has a fourth, outside ``Ready`` (which speaks of its document):
+
+* ``SidecarsInjected`` — every Pod labelled ``tokenfair.io/policy: <policy>`` runs the sidecar
+  (``AllInjected``); ``False``/``PodsWithoutSidecar`` names the Pods that serve unprotected
+  (created while injection failed open), with a Warning Event and the operator's metric
+  ``tokenfair_operator_pods_without_sidecar``.
+
 ``lastTransitionTime`` changes only when a condition's status does, so recomputing an unchanged
 world yields an identical status and the operator writes nothing.
 """
@@ -27,6 +34,8 @@ from typing import Any, Final
 READY: Final = "Ready"
 ACCEPTED: Final = "Accepted"
 CONFIG_PUBLISHED: Final = "ConfigPublished"
+SIDECARS_INJECTED: Final = "SidecarsInjected"
+PODS_WITHOUT_SIDECAR: Final = "PodsWithoutSidecar"
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,23 +67,28 @@ def conditions_for(
         if failing is None
         else Check(READY, False, failing.reason, failing.message)
     )
-    before = {str(c.get("type")): c for c in previous}
-    out = []
-    for check in (ready, accepted, published):
-        status = "True" if check.ok else "False"
-        old = before.get(check.type, {})
-        since = old.get("lastTransitionTime") if old.get("status") == status else None
-        out.append(
-            {
-                "type": check.type,
-                "status": status,
-                "reason": check.reason,
-                "message": check.message,
-                "observedGeneration": generation,
-                "lastTransitionTime": since or now,
-            }
-        )
-    return out
+    return [
+        condition_for(check, generation=generation, previous=previous, now=now)
+        for check in (ready, accepted, published)
+    ]
+
+
+def condition_for(
+    check: Check, *, generation: int, previous: Sequence[Mapping[str, Any]], now: str
+) -> dict[str, Any]:
+    """One condition; it keeps its ``lastTransitionTime`` from ``previous`` if its status is
+    unchanged, else gets ``now``."""
+    status = "True" if check.ok else "False"
+    old = next((c for c in previous if c.get("type") == check.type), {})
+    since = old.get("lastTransitionTime") if old.get("status") == status else None
+    return {
+        "type": check.type,
+        "status": status,
+        "reason": check.reason,
+        "message": check.message,
+        "observedGeneration": generation,
+        "lastTransitionTime": since or now,
+    }
 
 
 def ready_reason(conditions: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:

@@ -2,26 +2,38 @@
 
 Run with ``kopf run -m tokenfair_operator.handlers [--namespace NS | --all-namespaces]``.
 
-Triggers, each reconciling one whole policy (see :mod:`.reconcile`):
+Triggers, each reconciling one whole policy (see :mod:`.reconcile`), all Kopf *event*
+handlers: Kopf keeps no per-object state (no diff-base or progress annotations, no finalizer),
+so several replicas can watch the same objects, and the reconciler is level-based anyway:
 
-* a TenantQuota created, resumed, changed (spec) or deleted -> its policy;
-* a SchedulingPolicy created, resumed, changed (spec) or deleted -> itself;
+* a TenantQuota listed, created, at a new generation (its spec changed) or deleted -> its
+  policy; our own status writes bring no new generation and trigger nothing;
+* a SchedulingPolicy likewise -> itself (a deleted one marks its quotas ``PolicyNotFound``);
 * a sidecar Pod (labelled ``tokenfair.io/policy``) changing the policy's count of Ready
-  sidecars -> that policy (budgets are divided across them, :mod:`.budgets`; only the Pods the
-  policy's ``spec.selector`` matches count, :mod:`.selector`);
+  sidecars, or which labelled Pods run without the sidecar -> that policy (budgets are divided
+  across them, :mod:`.budgets`; only the Pods the policy's ``spec.selector`` matches count,
+  :mod:`.selector`);
 * every ``resync_interval_s``, one operator-level loop (:mod:`.periodic`) -> every policy that
-  exists or is named by a quota: picks up what no watch reports (a key Secret's content) and
-  repairs anything a failed pass left behind;
+  exists or is named by a quota, after re-reading its key Secrets: picks up what no watch
+  reports (a key Secret's content) and repairs anything a failed pass left behind;
 * every ``usage_interval_s``, a second loop: each policy's Ready sidecars' metrics -> its
-  TenantQuotas' ``status.usage`` (:mod:`.usage`).
+  TenantQuotas' ``status.usage`` (:mod:`.usage`) and its own ``status.sidecars``, how many
+  run the published version (:mod:`.rollout`).
 
-No handler makes Kopf add a finalizer (no per-object timers or daemons, the delete handler is
-``optional``): deleting an object never waits for the operator, so ``helm uninstall``, which
-removes the operator and its RBAC at once, leaves nothing stuck. A finalizer left by an older
-version is removed by Kopf on the first event of the object.
+A pass that loses a race (409) is tried again, 1 s apart, :data:`CONFLICT_RETRIES` times.
+
+With ``$TOKENFAIR_LEADER_ELECTION=true`` (two or more replicas) only the Lease's holder
+(:mod:`.leader`) reconciles, runs the loops and issues or rotates the webhook certificate; every
+replica watches, indexes, answers admission webhooks and serves its HTTP routes. A new leader
+runs a full pass at once.
+
+No handler makes Kopf add a finalizer: deleting an object never waits for the operator, so
+``helm uninstall``, which removes the operator and its RBAC at once, leaves nothing stuck.
 
 With ``$TOKENFAIR_WEBHOOK_CERT_SECRET`` the startup hook also issues (or reuses) the operator's
-own webhook certificate and a third loop renews it (:mod:`.webhook_certs`).
+own webhook certificate and a third loop renews it (:mod:`.webhook_certs`). With
+``$TOKENFAIR_HTTP_PORT`` it starts the plain-HTTP server (:mod:`.serve`): the sidecars'
+long-poll of their policy's document, and ``/metrics``.
 
 Admission (when a webhook server is configured, see :mod:`.settings`): creating a TenantQuota or
 changing its spec is checked by :func:`.admission.quota_refusal`; a SchedulingPolicy's spec by
@@ -38,12 +50,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ParamSpec
+from typing import Any
 
 import kopf
+from aiohttp import web
 
 from tokenfair_sidecar.config import ConfigError, parse_policy
 
@@ -51,46 +63,40 @@ from .admission import quota_refusal
 from .inject import (
     ADMIN_PORT,
     ADMIN_PORT_ANNOTATION,
+    CONTAINER,
     POLICY_LABEL,
     InjectionError,
     InjectionSettings,
     injected,
+    store_password_key,
 )
 from .kube import KubeApi, api_client, is_conflict
+from .leader import LeaderElector
 from .model import GROUP, POLICY_PLURAL, QUOTA_PLURAL, VERSION, PolicyView, QuotaView, SidecarView
 from .periodic import Job, Periodic
-from .reconcile import PolicyKey, Reconciler
+from .reconcile import PolicyKey, Reconciler, Snapshot
 from .scrape import scrape_metrics
 from .selector import parse_selector, ready_sidecars, selected_sidecars
+from .serve import TokenAuthenticator, create_app, start_server
 from .settings import OperatorConfig, configure_kopf
 from .webhook_certs import CertKeeper
 
-P = ParamSpec("P")
 RECONCILER = "reconciler"
 PERIODIC = "periodic"
+SERVER = "server"
+ELECTOR = "elector"
+GENERATIONS = "generations"
+CERT_WAIT_S = 2.0
+"""A standby starting before the leader issued the certificate looks again this often."""
+CONFLICT_RETRIES = 3
+"""Passes tried when one loses a race (409 Conflict: another writer, e.g. a leader stepping
+down, changed an object since we read it), 1 s apart; then the resync repairs."""
 INDEX_NAMES = ("policies_by_name", "quotas_by_policy", "sidecars_by_policy")
 CONFIG = OperatorConfig.from_env()
 
 PolicyIndex = kopf.Index[PolicyKey, PolicyView]
 QuotaIndex = kopf.Index[PolicyKey, QuotaView]
 SidecarIndex = kopf.Index[PolicyKey, SidecarView]
-
-
-def retry_on_conflict(
-    fn: Callable[P, Coroutine[Any, Any, None]],
-) -> Callable[P, Coroutine[Any, Any, None]]:
-    """A 409 Conflict (we raced another writer) becomes a retry in 1 s, not a failure."""
-
-    @functools.wraps(fn)
-    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> None:
-        try:
-            await fn(*args, **kwargs)
-        except Exception as exc:
-            if is_conflict(exc):
-                raise kopf.TemporaryError(f"conflict, retrying: {exc}", delay=1) from exc
-            raise
-
-    return wrapper
 
 
 @kopf.on.startup()
@@ -103,11 +109,19 @@ async def configure(
     api = api_client()
     periodic = Periodic()
     config = CONFIG
-    if CONFIG.webhook_port is not None and CONFIG.webhook_cert_secret is not None:
-        config = await _own_certificates(api, periodic, logger)
-    configure_kopf(settings, config)
-    memo[RECONCILER] = Reconciler(KubeApi(api))
+    reconciler = memo[RECONCILER] = Reconciler(KubeApi(api))
     indexes = {name: kwargs[name] for name in INDEX_NAMES}
+    if CONFIG.leader_election:
+        await _elect(api, memo, logger, indexes)
+    if CONFIG.webhook_port is not None and CONFIG.webhook_cert_secret is not None:
+        config = await _own_certificates(api, memo, periodic, logger)
+    configure_kopf(settings, config)
+    if CONFIG.http_port is not None:
+        auth = TokenAuthenticator(reconciler.api.review_token)
+        elector = memo.get(ELECTOR)
+        leader = elector.leader_address if isinstance(elector, LeaderElector) else _no_leader
+        app = create_app(reconciler.documents, reconciler.metrics, auth, leader)
+        memo[SERVER] = await start_server(app, CONFIG.http_addr, CONFIG.http_port)
     periodic.start(
         "tokenfair-resync", CONFIG.resync_interval_s, _resync_job(memo, logger, indexes), logger
     )
@@ -117,10 +131,40 @@ async def configure(
     memo[PERIODIC] = periodic
 
 
-async def _own_certificates(api: Any, periodic: Periodic, logger: kopf.Logger) -> OperatorConfig:
+async def _elect(
+    api: Any, memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]
+) -> None:
+    """Leader election (:mod:`.leader`). On becoming the leader: a full pass of every policy
+    at once (a standby only watched), so a failover costs the lease expiry plus one pass."""
+    resync = _resync_job(memo, logger, indexes)
+
+    async def on_lead() -> None:
+        try:
+            await resync()
+        except Exception:
+            logger.exception("first pass as the leader failed; the resync retries")
+
+    elector = LeaderElector(
+        api,
+        CONFIG.lease_namespace,
+        CONFIG.lease_name,
+        CONFIG.identity,
+        on_lead=on_lead,
+        advertise=CONFIG.http_advertise,
+    )
+    memo[ELECTOR] = elector
+    elector.start()
+    await elector.first_round()  # the certificates' keeper needs to know who leads
+
+
+async def _own_certificates(
+    api: Any, memo: kopf.Memo, periodic: Periodic, logger: kopf.Logger
+) -> OperatorConfig:
     """No cert-manager: issue (or take from the Secret) our own CA and serving certificate,
     set the webhook configurations' caBundle, and check hourly for renewal
-    (:mod:`.webhook_certs`). The settings then point Kopf's server at the files."""
+    (:mod:`.webhook_certs`). The settings then point Kopf's server at the files. Only the
+    leader issues and rotates; a standby serves what the leader keeps in the Secret (waiting
+    at startup until there is one, or until it leads itself)."""
     assert CONFIG.webhook_cert_secret is not None
     keeper = CertKeeper(
         api,
@@ -131,11 +175,17 @@ async def _own_certificates(api: Any, periodic: Periodic, logger: kopf.Logger) -
     )
 
     async def renew() -> None:
+        if not _leads(memo):
+            await asyncio.to_thread(keeper.follow)
+            return
         reason = await asyncio.to_thread(keeper.ensure)
         if reason is not None:
             logger.info(f"issued a new webhook certificate: {reason}")
 
     await renew()
+    while not keeper.files.cert.exists():  # a standby before the leader's first issue
+        await asyncio.sleep(CERT_WAIT_S)
+        await renew()
     periodic.start("tokenfair-certs", CONFIG.cert_check_interval_s, renew, logger)
     files = keeper.files
     return dataclasses.replace(
@@ -148,6 +198,12 @@ async def stop_loops(*, memo: kopf.Memo, **_: Any) -> None:
     periodic = memo.get(PERIODIC)
     if isinstance(periodic, Periodic):
         await periodic.stop()
+    elector = memo.get(ELECTOR)
+    if isinstance(elector, LeaderElector):
+        await elector.stop()  # releases the Lease: the standby leads at its next attempt
+    server = memo.get(SERVER)
+    if isinstance(server, web.AppRunner):
+        await server.cleanup()
 
 
 @kopf.index(GROUP, VERSION, QUOTA_PLURAL)
@@ -171,19 +227,28 @@ def _reconciler(memo: kopf.Memo) -> Reconciler:
 @kopf.index("", "v1", "pods", labels={POLICY_LABEL: kopf.PRESENT})
 def sidecars_by_policy(
     *,
+    name: str | None,
     namespace: str | None,
     labels: kopf.Labels,
     annotations: kopf.Annotations,
+    spec: kopf.Spec,
     status: kopf.Status,
     **_: Any,
 ) -> dict[PolicyKey, SidecarView]:
     """Each sidecar Pod (labelled ``tokenfair.io/policy``): Ready or not, where its admin
-    port answers (``status.podIP``, port 9090 or annotation ``tokenfair.io/admin-port``), and
-    its labels (for the policy's ``spec.selector``)."""
+    port answers (``status.podIP``, port 9090 or annotation ``tokenfair.io/admin-port``), its
+    labels (for the policy's ``spec.selector``), and whether it runs the sidecar at all."""
     ip = status.get("podIP")
     port = annotations.get(ADMIN_PORT_ANNOTATION, str(ADMIN_PORT))
     address = f"{ip}:{port}" if ip else None
-    view = SidecarView(pod_is_ready(status), address, {str(k): str(v) for k, v in labels.items()})
+    containers = spec.get("containers") or []
+    view = SidecarView(
+        pod_is_ready(status),
+        address,
+        {str(k): str(v) for k, v in labels.items()},
+        name=name or "",
+        injected=any(c.get("name") == CONTAINER for c in containers),
+    )
     return {(namespace or "", labels[POLICY_LABEL]): view}
 
 
@@ -202,30 +267,90 @@ def _ready_sidecars(key: PolicyKey, kwargs: Mapping[str, Any]) -> int:
 async def _reconcile(
     key: PolicyKey, memo: kopf.Memo, logger: kopf.Logger, kwargs: Mapping[str, Any]
 ) -> None:
-    """Reconcile policy ``key``; Kopf passes the indexes as keyword arguments named after their
-    functions (taken from ``kwargs``: a required parameter would not fit Kopf's handler types)."""
+    """Reconcile policy ``key`` (coalesced with the triggers queued behind a running pass,
+    :meth:`.Reconciler.request`); Kopf passes the indexes as keyword arguments named after their
+    functions (taken from ``kwargs``: a required parameter would not fit Kopf's handler types).
+    The indexes are live: the pass reads them when it starts, not when the trigger came."""
     policies: PolicyIndex = kwargs["policies_by_name"]
     quotas: QuotaIndex = kwargs["quotas_by_policy"]
     sidecars: SidecarIndex = kwargs["sidecars_by_policy"]
-    await _reconciler(memo).reconcile(
-        key, policies.get(key, ()), quotas.get(key, ()), logger, sidecars.get(key, ())
-    )
+
+    def snapshot() -> Snapshot:
+        return policies.get(key, ()), quotas.get(key, ()), sidecars.get(key, ())
+
+    if not _leads(memo):  # the leader reconciles; a standby keeps its indexes warm
+        return
+    for attempt in range(1, CONFLICT_RETRIES + 1):
+        try:
+            await _reconciler(memo).request(key, snapshot, logger)
+            return
+        except Exception as exc:
+            if not is_conflict(exc) or attempt == CONFLICT_RETRIES:
+                raise
+            logger.info(f"pass of {key[0]}/{key[1]}: conflict, retrying in 1 s")
+            await asyncio.sleep(1)
 
 
-@kopf.on.resume(GROUP, VERSION, QUOTA_PLURAL)
-@kopf.on.create(GROUP, VERSION, QUOTA_PLURAL)
-@kopf.on.update(GROUP, VERSION, QUOTA_PLURAL, field="spec")
-@retry_on_conflict
-async def quota_changed(
+def _no_leader() -> None:
+    """One replica (no election): this one serves its own documents."""
+
+
+def _leads(memo: kopf.Memo) -> bool:
+    elector = memo.get(ELECTOR)
+    return not isinstance(elector, LeaderElector) or elector.is_leader
+
+
+@kopf.on.event(GROUP, VERSION, QUOTA_PLURAL)
+async def quota_event(
     *,
+    type: str | None,
+    body: kopf.Body,
     namespace: str | None,
     spec: kopf.Spec,
     memo: kopf.Memo,
     logger: kopf.Logger,
     **kwargs: Any,
 ) -> None:
-    key = (namespace or "", str(spec.get("policyName", "")))
-    await _reconcile(key, memo, logger, kwargs)
+    """A quota listed, created, changed (spec: a new generation) or deleted -> a pass of its
+    policy. Our own status writes bring no new generation, so they trigger nothing."""
+    if _news(memo, type, body):
+        key = (namespace or "", str(spec.get("policyName", "")))
+        await _reconcile(key, memo, logger, kwargs)
+
+
+@kopf.on.event(GROUP, VERSION, POLICY_PLURAL)
+async def policy_event(
+    *,
+    type: str | None,
+    body: kopf.Body,
+    namespace: str | None,
+    name: str | None,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    **kwargs: Any,
+) -> None:
+    """A policy listed, created, changed or deleted -> its pass (a deleted one marks its
+    quotas ``PolicyNotFound``; no finalizer: deletion never waits for us)."""
+    if _news(memo, type, body):
+        await _reconcile((namespace or "", name or ""), memo, logger, kwargs)
+
+
+def _news(memo: kopf.Memo, type: str | None, body: kopf.Body) -> bool:
+    """True for an event a pass must follow: the object is new to us (``type`` None is the
+    initial listing), deleted, being deleted, or at a generation not seen yet. Recorded on
+    every replica, leader or not, so a standby that takes over starts from the same place
+    (and runs a full pass anyway)."""
+    seen: dict[str, tuple[int, bool]] = memo.setdefault(GENERATIONS, {})
+    meta = body.get("metadata", {})
+    uid = str(meta.get("uid", ""))
+    if type == "DELETED":
+        seen.pop(uid, None)
+        return True
+    state = (int(meta.get("generation", 0)), bool(meta.get("deletionTimestamp")))
+    if seen.get(uid) == state:
+        return False
+    seen[uid] = state
+    return True
 
 
 @kopf.on.event("", "v1", "pods", labels={POLICY_LABEL: kopf.PRESENT})
@@ -237,59 +362,15 @@ async def sidecar_changed(
     logger: kopf.Logger,
     **kwargs: Any,
 ) -> None:
-    """A sidecar Pod came, went or changed readiness: re-divide budgets if the count moved."""
+    """A sidecar Pod came, went or changed readiness: re-divide budgets if the count moved;
+    report a labelled Pod that runs without the sidecar (or no longer does)."""
     key = (namespace or "", labels[POLICY_LABEL])
-    if _reconciler(memo).replicas_changed(key, _ready_sidecars(key, kwargs)):
+    reconciler = _reconciler(memo)
+    sidecars: SidecarIndex = kwargs["sidecars_by_policy"]
+    if reconciler.replicas_changed(
+        key, _ready_sidecars(key, kwargs)
+    ) or reconciler.unprotected_changed(key, sidecars.get(key, ())):
         await _reconcile(key, memo, logger, kwargs)
-
-
-def _is_deletion(*, type: str | None, **_: Any) -> bool:
-    return type == "DELETED"
-
-
-@kopf.on.event(GROUP, VERSION, QUOTA_PLURAL, when=_is_deletion)
-async def quota_deleted(
-    *,
-    namespace: str | None,
-    spec: kopf.Spec,
-    memo: kopf.Memo,
-    logger: kopf.Logger,
-    **kwargs: Any,
-) -> None:
-    """A deleted quota leaves its policy's document (no finalizer: deletion never blocks; a
-    failed pass here is repaired by the policy's resync timer)."""
-    key = (namespace or "", str(spec.get("policyName", "")))
-    await _reconcile(key, memo, logger, kwargs)
-
-
-@kopf.on.resume(GROUP, VERSION, POLICY_PLURAL)
-@kopf.on.create(GROUP, VERSION, POLICY_PLURAL)
-@kopf.on.update(GROUP, VERSION, POLICY_PLURAL, field="spec")
-@kopf.on.delete(GROUP, VERSION, POLICY_PLURAL, optional=True)
-@retry_on_conflict
-async def policy_changed(
-    *,
-    namespace: str | None,
-    name: str,
-    memo: kopf.Memo,
-    logger: kopf.Logger,
-    **kwargs: Any,
-) -> None:
-    await _reconcile((namespace or "", name), memo, logger, kwargs)
-
-
-@kopf.on.event(GROUP, VERSION, POLICY_PLURAL, when=_is_deletion)
-async def policy_deleted(
-    *,
-    namespace: str | None,
-    name: str,
-    memo: kopf.Memo,
-    logger: kopf.Logger,
-    **kwargs: Any,
-) -> None:
-    """A deleted policy marks its quotas ``PolicyNotFound``. Without a finalizer (none: deletion
-    never waits for us) the delete handler above rarely sees the policy; this watch event does."""
-    await _reconcile((namespace or "", name), memo, logger, kwargs)
 
 
 def _resync_job(memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]) -> Job:
@@ -298,10 +379,13 @@ def _resync_job(memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]
     left behind (a quota of a vanished policy included). One policy failing skips only itself."""
 
     async def resync() -> None:
+        if not _leads(memo):
+            return
         policies: PolicyIndex = indexes["policies_by_name"]
         quotas: QuotaIndex = indexes["quotas_by_policy"]
         for key in sorted({*policies, *quotas}):
             try:
+                await _reconciler(memo).refresh_keys(quotas.get(key, ()))
                 await _reconcile(key, memo, logger, indexes)
             except Exception as exc:
                 if is_conflict(exc):
@@ -314,21 +398,25 @@ def _resync_job(memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]
 
 def _usage_job(memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]) -> Job:
     """Every ``usage_interval_s``: scrape each policy's Ready sidecars (those its selector
-    matches) and write their tenants' live usage."""
+    matches), write their tenants' live usage, and how many of them run the published config
+    version (:mod:`.rollout`; also for a policy with no Ready sidecar: ``0/0``)."""
 
     async def scrape() -> None:
+        if not _leads(memo):
+            return
         policies: PolicyIndex = indexes["policies_by_name"]
         sidecars: SidecarIndex = indexes["sidecars_by_policy"]
         quotas: QuotaIndex = indexes["quotas_by_policy"]
-        for key in sorted(sidecars):
+        for key in sorted({*sidecars, *policies}):
+            live = [p for p in policies.get(key, ()) if not p.deleting]
             selected = selected_sidecars(policies.get(key, ()), sidecars.get(key, ()))
             addresses = [s.address for s in selected if s.ready and s.address]
-            if not addresses or key not in quotas:
-                continue
-            scrapes = await scrape_metrics(addresses, CONFIG.scrape_timeout_s)
+            scrapes = await scrape_metrics(addresses, CONFIG.scrape_timeout_s) if addresses else []
             try:
-                if scrapes:
+                if scrapes and key in quotas:
                     await _reconciler(memo).write_usage(quotas.get(key, ()), scrapes)
+                if live:
+                    await _reconciler(memo).write_rollout(key, live[0], len(addresses), scrapes)
             except Exception:  # best effort: one policy's failed write skips only itself
                 logger.exception(f"usage of {key[0]}/{key[1]} not written, retried next round")
 
@@ -367,10 +455,23 @@ def admit_policy(*, name: str | None, spec: kopf.Spec, **kwargs: Any) -> None:
         raise kopf.AdmissionError(str(exc), code=422) from None
 
 
-def inject_sidecar(*, body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-    """Mutating webhook: add the sidecar to a Pod labelled ``tokenfair.io/policy`` (once)."""
+def inject_sidecar(
+    *, body: kopf.Body, patch: kopf.Patch, namespace: str | None = None, **kwargs: Any
+) -> None:
+    """Mutating webhook: add the sidecar to a Pod labelled ``tokenfair.io/policy`` (once), with
+    its policy's budget-store password if the policy names one (from the live index)."""
     try:
-        change = injected(body, InjectionSettings(image=CONFIG.sidecar_image))
+        settings = InjectionSettings(
+            image=CONFIG.sidecar_image, config_url_base=CONFIG.config_url_base
+        )
+        policy_name = (body.get("metadata", {}).get("labels") or {}).get(POLICY_LABEL)
+        policies: PolicyIndex | None = kwargs.get("policies_by_name")
+        pod_namespace = namespace or body.get("metadata", {}).get("namespace") or ""
+        password = None
+        if policies is not None:
+            for view in policies.get((pod_namespace, str(policy_name)), ()):
+                password = store_password_key(view.spec)
+        change = injected(body, settings, password)
     except InjectionError as exc:
         raise kopf.AdmissionError(str(exc), code=422) from None
     if change is not None:
@@ -379,9 +480,10 @@ def inject_sidecar(*, body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
 
 
 # Registered only with a webhook server configured: Kopf refuses to start with admission
-# handlers and no server. They fail open (failurePolicy Ignore): with the operator down, objects
-# are still checked by CEL on the way in and by the reconciler into status; the cluster is never
-# blocked on us.
+# handlers and no server. Validation fails open (failurePolicy Ignore): with the operator down,
+# objects are still checked by CEL on the way in and by the reconciler into status. Injection
+# fails closed unless $TOKENFAIR_INJECTION_FAILURE_POLICY=Ignore: a labelled Pod waits for us
+# rather than serving unprotected (only labelled Pods are sent: the objectSelector).
 if CONFIG.webhook_port is not None:
     # Explicit ids: Kopf serves each handler at ``/<id>``, and a webhook's Service path must
     # be made of RFC 1123 labels (no underscores), which the function names are not.
@@ -405,5 +507,5 @@ if CONFIG.webhook_port is not None:
         id="inject-sidecar",
         operations=["CREATE"],
         labels={POLICY_LABEL: kopf.PRESENT},
-        ignore_failures=True,
+        ignore_failures=CONFIG.injection_failure_policy == "Ignore",
     )(inject_sidecar)

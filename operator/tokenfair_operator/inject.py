@@ -10,7 +10,14 @@ A Pod labelled ``tokenfair.io/policy: <name>`` gets, once:
   readiness ``/readyz`` on the admin port, a locked-down security context;
 * volume ``tokenfair-config``: the policy's Secret ``tokenfair-<policy>-keys`` (the document with
   API-key digests), or its ConfigMap ``tokenfair-<policy>`` with annotation
-  ``tokenfair.io/config-source: configmap`` (tenants named by a trusted header, no keys).
+  ``tokenfair.io/config-source: configmap`` (tenants named by a trusted header, no keys);
+* with ``config_url_base`` (the operator's document server): the long-poll URL of the same
+  document in ``$TOKENFAIR_CONFIG_URL`` and a projected ServiceAccount token (volume
+  ``tokenfair-token``) to show the operator; the mounted file stays the fallback;
+* with the policy's ``spec.budgetStore.redis.secretRef``: ``$TOKENFAIR_BUDGET_STORE_PASSWORD``
+  from that Secret key (the rendered config names that variable as the store's ``passwordEnv``).
+  Optional: a missing Secret leaves the variable unset, the store refuses the sidecar, and the
+  sidecar serves on the 1/n split and reports it (``docs/pool.md``) rather than not starting.
 
 Idempotent: a Pod that already has the container is returned unchanged (``None``), so
 re-applying, re-invocation and dry runs never inject twice.
@@ -24,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from .model import GROUP, configmap_name, secret_name
+from .render import PASSWORD_ENV
 
 POLICY_LABEL: Final = f"{GROUP}/policy"
 UPSTREAM_PORT_ANNOTATION: Final = f"{GROUP}/upstream-port"
@@ -37,6 +45,10 @@ PROXY_PORT: Final = 8080
 ADMIN_PORT: Final = 9090
 DEFAULT_UPSTREAM_PORT: Final = 8000
 DEFAULT_IMAGE: Final = "tokenfair/tokenfair:0.1.0"
+TOKEN_VOLUME: Final = "tokenfair-token"
+TOKEN_MOUNT_PATH: Final = "/var/run/secrets/tokenfair"
+TOKEN_EXPIRATION_S: Final = 3600
+"""Lifetime of the projected token; the kubelet renews it at 80 %, the sidecar rereads it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +61,30 @@ class InjectionSettings:
     memory_request: str = "128Mi"
     memory_limit: str = "512Mi"
     """Bounded: the sidecar's queues are bounded, so its memory is too."""
+    config_url_base: str | None = None
+    """``http://<operator Service>:<port>`` of the operator's document server
+    (``$TOKENFAIR_CONFIG_URL_BASE``): the sidecar long-polls its policy's document there
+    (< 2 s from apply to enforced) and keeps the mounted file as the fallback. None: the file
+    alone (the kubelet refreshes it in ~60 s)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SecretKey:
+    """One key of a Secret in the Pod's namespace."""
+
+    name: str
+    key: str
+
+
+def store_password_key(policy_spec: Mapping[str, Any]) -> SecretKey | None:
+    """``spec.budgetStore.redis.secretRef`` of a SchedulingPolicy (key ``password`` by
+    default, as the CRD defaults it), or None."""
+    store = policy_spec.get("budgetStore")
+    redis = store.get("redis") if isinstance(store, Mapping) else None
+    ref = redis.get("secretRef") if isinstance(redis, Mapping) else None
+    if not isinstance(ref, Mapping) or not ref.get("name"):
+        return None
+    return SecretKey(str(ref["name"]), str(ref.get("key") or "password"))
 
 
 class InjectionError(ValueError):
@@ -56,9 +92,12 @@ class InjectionError(ValueError):
 
 
 def injected(
-    pod: Mapping[str, Any], settings: InjectionSettings
+    pod: Mapping[str, Any],
+    settings: InjectionSettings,
+    store_password: SecretKey | None = None,
 ) -> dict[str, list[dict[str, Any]]] | None:
-    """New ``spec.containers`` and ``spec.volumes`` for ``pod``, or None if nothing to do."""
+    """New ``spec.containers`` and ``spec.volumes`` for ``pod``, or None if nothing to do.
+    ``store_password``: the Secret key of the policy's budget-store password, if it names one."""
     meta = pod.get("metadata", {})
     policy = (meta.get("labels") or {}).get(POLICY_LABEL)
     spec = pod.get("spec", {})
@@ -66,8 +105,9 @@ def injected(
     if not policy or any(c.get("name") == CONTAINER for c in containers):
         return None
     volumes = [copy.deepcopy(dict(v)) for v in spec.get("volumes") or []]
-    if any(v.get("name") == VOLUME for v in volumes):
-        raise InjectionError(f"spec.volumes: the name {VOLUME!r} is reserved for tokenfair")
+    for reserved in (VOLUME, TOKEN_VOLUME):
+        if any(v.get("name") == reserved for v in volumes):
+            raise InjectionError(f"spec.volumes: the name {reserved!r} is reserved for tokenfair")
     annotations = meta.get("annotations") or {}
     upstream = _port(annotations.get(UPSTREAM_PORT_ANNOTATION, DEFAULT_UPSTREAM_PORT))
     taken = {p.get("containerPort") for c in containers for p in c.get("ports") or []}
@@ -83,10 +123,46 @@ def injected(
             f"metadata.annotations[{CONFIG_SOURCE_ANNOTATION}]: must be secret or configmap "
             f"(got {source!r})"
         )
-    return {
-        "containers": [_container(settings, upstream), *containers],
-        "volumes": [*volumes, volume],
-    }
+    sidecar = _container(settings, upstream)
+    added = [volume]
+    env: list[dict[str, Any]] = []
+    if store_password is not None:
+        secret_ref = {"name": store_password.name, "key": store_password.key, "optional": True}
+        env.append({"name": PASSWORD_ENV, "valueFrom": {"secretKeyRef": secret_ref}})
+    if settings.config_url_base is not None:
+        env += _long_poll_env(settings.config_url_base, policy, source)
+        sidecar["volumeMounts"].append(
+            {"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_PATH, "readOnly": True}
+        )
+        added.append(_token_volume())
+    if env:
+        sidecar["env"] = env
+    return {"containers": [sidecar, *containers], "volumes": [*volumes, *added]}
+
+
+def _long_poll_env(base: str, policy: str, source: str) -> list[dict[str, Any]]:
+    """The sidecar's long-poll URL (``tokenfair_sidecar.server.remote``): the Pod's namespace
+    comes from the downward API and is expanded by the kubelet (``$(VAR)``), since a Pod being
+    created may not carry ``metadata.namespace`` in the admission request."""
+    return [
+        {
+            "name": "TOKENFAIR_POD_NAMESPACE",
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+        },
+        {
+            "name": "TOKENFAIR_CONFIG_URL",
+            "value": f"{base.rstrip('/')}/v1/config/$(TOKENFAIR_POD_NAMESPACE)/{policy}"
+            f"?source={source}",
+        },
+        {"name": "TOKENFAIR_CONFIG_TOKEN_FILE", "value": f"{TOKEN_MOUNT_PATH}/token"},
+    ]
+
+
+def _token_volume() -> dict[str, Any]:
+    """The Pod's ServiceAccount token for the operator's TokenReview, projected (rotated by the
+    kubelet) so it works whatever ``automountServiceAccountToken`` says."""
+    token = {"path": "token", "expirationSeconds": TOKEN_EXPIRATION_S}
+    return {"name": TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": token}]}}
 
 
 def _port(value: object) -> int:

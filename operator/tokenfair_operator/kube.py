@@ -1,21 +1,22 @@
 """Blocking Kubernetes I/O of the operator, with the official client (run in worker threads).
 
 Small on purpose: read a key Secret, publish a ConfigMap or Secret owned by its policy, patch a
-status subresource, and (for admission, which must not trust a lagging watch) read a policy and
-list quotas as stored now. Writes are conditional on ``resourceVersion``; a lost race raises the
-client's ``ApiException`` with status 409, which the handlers turn into a quick retry.
+status subresource, review a sidecar's token (:mod:`.serve`), and (for admission, which must
+not trust a lagging watch) read a policy and list quotas as stored now. Writes are conditional
+on ``resourceVersion``; a lost race raises the client's ``ApiException`` with status 409, which
+the handlers turn into a quick retry.
 """
 
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
 from typing import Any, Final, cast
 
 from kubernetes import client, config
 from kubernetes.client import ApiException
 
 from .model import (
+    CONFIG_KEY,
     GROUP,
     MANAGED_BY,
     MANAGED_BY_LABEL,
@@ -27,19 +28,32 @@ from .model import (
     PolicyView,
     QuotaView,
 )
+from .payload import is_text
 from .render import KeyLookup, KeyProblem, sha256_hex
 
 NOT_FOUND: Final = 404
 CONFLICT: Final = 409
 
 
-def api_client() -> Any:
-    """A client for the pod's ServiceAccount in a cluster, else for ``$KUBECONFIG``."""
-    try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-    except config.ConfigException:
-        config.load_kube_config()  # type: ignore[no-untyped-call]
-    return client.ApiClient()
+CONNECTIONS: Final = 32
+"""HTTP connections the client keeps to the API server: above the reconciler's
+``IO_CONCURRENCY`` (16) plus the loops' calls, so concurrent calls never open and discard extra
+connections (urllib3's default is 5 per CPU)."""
+
+
+def api_client(kubeconfig: str | None = None) -> Any:
+    """A client for ``kubeconfig`` if given, else the pod's ServiceAccount in a cluster, else
+    ``$KUBECONFIG``."""
+    if kubeconfig is not None:
+        config.load_kube_config(kubeconfig)  # type: ignore[no-untyped-call]
+    else:
+        try:
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+        except config.ConfigException:
+            config.load_kube_config()  # type: ignore[no-untyped-call]
+    configuration = client.Configuration.get_default_copy()
+    configuration.connection_pool_maxsize = CONNECTIONS
+    return client.ApiClient(configuration)
 
 
 class KubeApi:
@@ -48,6 +62,7 @@ class KubeApi:
     def __init__(self, api: Any) -> None:
         self._core = client.CoreV1Api(api)
         self._custom = client.CustomObjectsApi(api)
+        self._auth = client.AuthenticationV1Api(api)
 
     def key_hashes(self, namespace: str, name: str) -> KeyLookup:
         """SHA-256 digests of every data value of Secret ``name`` (sorted), or the problem."""
@@ -64,11 +79,21 @@ class KubeApi:
         return tuple(sorted({sha256_hex(key) for key in keys}))
 
     def publish(
-        self, kind: str, name: str, policy: PolicyView, data: Mapping[str, str], version: str
+        self, kind: str, name: str, policy: PolicyView, payload: bytes, version: str
     ) -> bool:
-        """Create or update ConfigMap/Secret ``name`` owned by ``policy``; True if it wrote."""
+        """Create or update ConfigMap/Secret ``name`` owned by ``policy`` holding ``payload``
+        under ``config.yaml`` (a ConfigMap keeps text in ``data``, gzip in ``binaryData``,
+        :mod:`.payload`); True if it wrote."""
         read, create, replace = self._verbs(kind)
-        stored = dict(data) if kind == "ConfigMap" else _b64(data)
+        encoded = base64.b64encode(payload).decode()
+        stored: dict[str, str] = {}
+        binary: dict[str, str] = {}
+        if kind == "Secret":
+            stored[CONFIG_KEY] = encoded
+        elif is_text(payload):
+            stored[CONFIG_KEY] = payload.decode()
+        else:
+            binary[CONFIG_KEY] = encoded
         meta = {
             "name": name,
             "namespace": policy.namespace,
@@ -79,6 +104,8 @@ class KubeApi:
         body: dict[str, Any] = {"apiVersion": "v1", "kind": kind, "metadata": meta, "data": stored}
         if kind == "Secret":
             body["type"] = "Opaque"
+        else:
+            body["binaryData"] = binary
         try:
             current = read(name, policy.namespace)
         except ApiException as exc:
@@ -88,8 +115,10 @@ class KubeApi:
             return True
         annotations = current.metadata.annotations or {}
         owners = [ref.uid for ref in current.metadata.owner_references or []]
+        current_binary = getattr(current, "binary_data", None) or {}
         if (
             (current.data or {}) == stored
+            and (kind == "Secret" or current_binary == binary)
             and annotations.get(VERSION_ANNOTATION) == version
             and owners == [policy.uid]
         ):
@@ -118,11 +147,27 @@ class KubeApi:
         items = cast(dict[str, Any], listing).get("items", [])
         return [QuotaView.from_body(item) for item in items]
 
-    def patch_status(self, plural: str, namespace: str, name: str, status: Any) -> None:
-        """Merge-patch ``status`` of a custom object; a vanished object is not an error."""
+    def review_token(self, token: str) -> str | None:
+        """The username the API server authenticates bearer ``token`` as (a TokenReview), or
+        None when it does not (for :mod:`.serve`)."""
+        review = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token))
+        result = self._auth.create_token_review(review).status
+        if result is None or not result.authenticated or result.user is None:
+            return None
+        return str(result.user.username)
+
+    def patch_status(
+        self, plural: str, namespace: str, name: str, status: Any, resource_version: str = ""
+    ) -> None:
+        """Merge-patch ``status`` of a custom object, conditional on ``resource_version`` when
+        given (the API server answers 409 if the object changed since); a vanished object is
+        not an error."""
+        body: dict[str, Any] = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
         try:
             self._custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, plural, name, {"status": status}
+                GROUP, VERSION, namespace, plural, name, body
             )
         except ApiException as exc:
             if exc.status != NOT_FOUND:
@@ -141,10 +186,6 @@ class KubeApi:
             core.create_namespaced_secret,
             core.replace_namespaced_secret,
         )
-
-
-def _b64(data: Mapping[str, str]) -> dict[str, str]:
-    return {key: base64.b64encode(value.encode()).decode() for key, value in data.items()}
 
 
 def _owner(policy: PolicyView) -> dict[str, Any]:

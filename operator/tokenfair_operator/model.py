@@ -58,6 +58,8 @@ class ObjectView:
     status: Mapping[str, Any] = field(default_factory=dict)
     deleting: bool = False
     """``metadata.deletionTimestamp`` is set: the object is on its way out."""
+    resource_version: str = ""
+    """``metadata.resourceVersion`` of the snapshot: status writes are conditional on it."""
 
     @classmethod
     def from_body(cls, body: Mapping[str, Any]) -> Self:
@@ -71,6 +73,7 @@ class ObjectView:
             spec=_plain(body.get("spec")),
             status=_plain(body.get("status")),
             deleting=bool(meta.get("deletionTimestamp")),
+            resource_version=str(meta.get("resourceVersion", "")),
         )
 
 
@@ -110,6 +113,11 @@ class SidecarView:
     ready: bool
     address: str | None
     labels: Mapping[str, str] = field(default_factory=dict)
+    name: str = ""
+    """``metadata.name`` of the Pod (named in the ``SidecarsInjected`` condition)."""
+    injected: bool = True
+    """The Pod runs the ``tokenfair-sidecar`` container: False is a labelled Pod that serves
+    unprotected (created while the injection webhook was unreachable and set to Ignore)."""
 
 
 def object_reference(view: ObjectView) -> dict[str, Any]:

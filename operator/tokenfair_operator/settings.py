@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -28,6 +31,13 @@ DEFAULT_RESYNC_S: Final = 30.0
 USAGE_ENV: Final = "TOKENFAIR_USAGE_SECONDS"
 DEFAULT_USAGE_S: Final = 15.0
 DEFAULT_WEBHOOK_ADDR: Final = "0.0.0.0"
+INJECTION_POLICY_ENV: Final = "TOKENFAIR_INJECTION_FAILURE_POLICY"
+FAILURE_POLICIES: Final = ("Fail", "Ignore")
+HTTP_PORT_ENV: Final = "TOKENFAIR_HTTP_PORT"
+HTTP_ADDR_ENV: Final = "TOKENFAIR_HTTP_ADDR"
+CONFIG_URL_BASE_ENV: Final = "TOKENFAIR_CONFIG_URL_BASE"
+LEADER_ELECTION_ENV: Final = "TOKENFAIR_LEADER_ELECTION"
+POD_NAME_ENV: Final = "TOKENFAIR_POD_NAME"
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +96,36 @@ class OperatorConfig:
     """Per-round bound on fetching every sidecar's metrics; a slow sidecar is skipped."""
     sidecar_image: str = DEFAULT_IMAGE
     """Image of injected sidecars (``$TOKENFAIR_SIDECAR_IMAGE``)."""
+    injection_failure_policy: str = "Fail"
+    """``failurePolicy`` of the injection webhook Kopf manages (``$TOKENFAIR_INJECTION_FAILURE_
+    POLICY``): ``Fail`` refuses a labelled Pod while we cannot answer, so none ever serves
+    without the sidecar; ``Ignore`` (unsafe) starts it uninjected. The chart's static webhook
+    takes ``webhook.injectionFailurePolicy`` instead."""
+    http_port: int | None = None
+    """TCP port of the operator's plain-HTTP server (``$TOKENFAIR_HTTP_PORT``, the chart's
+    8081): ``/metrics`` (:mod:`.metrics`) and the config documents' long-poll for sidecars
+    (:mod:`.serve`); None serves neither (sidecars then read their mounted file only)."""
+    http_addr: str = DEFAULT_WEBHOOK_ADDR
+    """Address that server listens on (``$TOKENFAIR_HTTP_ADDR``)."""
+    config_url_base: str | None = None
+    """``http://<Service>:<port>`` at which injected sidecars reach that server
+    (``$TOKENFAIR_CONFIG_URL_BASE``, the chart sets it); None: injected sidecars read their
+    mounted file only."""
+    http_advertise: str = ""
+    """``host:port`` at which other replicas reach this one's HTTP server
+    (``$TOKENFAIR_HTTP_ADVERTISE``, default: this host's IP and ``$TOKENFAIR_HTTP_PORT``):
+    written into the Lease by the leader, so a standby relays sidecars' long-polls to it."""
+    leader_election: bool = False
+    """Run with leader election on a Lease (``$TOKENFAIR_LEADER_ELECTION=true``; the chart sets
+    it): for two or more replicas, :mod:`.leader`. Off: this replica always leads."""
+    lease_namespace: str = "default"
+    """Namespace of the Lease (``$TOKENFAIR_LEASE_NAMESPACE``, the chart: its release's)."""
+    lease_name: str = "tokenfair-operator"
+    """Name of the Lease (``$TOKENFAIR_LEASE_NAME``)."""
+    identity: str = ""
+    """This process's name in the Lease: ``$TOKENFAIR_POD_NAME`` (else the host name, in a Pod
+    the Pod's name), ``_`` and 8 random hex digits, so a restarted container is a new holder
+    and waits for its predecessor's lease to expire like anyone else (as client-go)."""
     batch_window_s: float = 0.02
     """Seconds Kopf waits for more events of one object before handling it (Kopf's default is
     0.1). Our handlers reconcile a whole policy, so coalescing buys little; the window adds
@@ -94,7 +134,9 @@ class OperatorConfig:
     @classmethod
     def from_env(cls) -> OperatorConfig:
         """Defaults, overridden by ``$TOKENFAIR_RESYNC_SECONDS``, ``$TOKENFAIR_USAGE_SECONDS``,
-        ``$TOKENFAIR_SIDECAR_IMAGE`` and ``$TOKENFAIR_WEBHOOK_PORT``,
+        ``$TOKENFAIR_SIDECAR_IMAGE``, ``$TOKENFAIR_INJECTION_FAILURE_POLICY``,
+        ``$TOKENFAIR_HTTP_PORT``, ``_ADDR``, ``$TOKENFAIR_CONFIG_URL_BASE`` and
+        ``$TOKENFAIR_WEBHOOK_PORT``,
         ``_ADDR``, ``_HOST``, ``_CERT``, ``_KEY``, ``_MANAGED``, ``_CERT_SECRET``,
         ``_DNS_NAMES``, ``_CONFIGURATIONS``, ``_CERT_DIR``."""
         env = os.environ
@@ -114,7 +156,43 @@ class OperatorConfig:
             webhook_cert_dir=hook.get("CERT_DIR", "/tmp/tokenfair-webhook"),
             webhook_managed=hook.get("MANAGED"),
             sidecar_image=env.get(IMAGE_ENV) or DEFAULT_IMAGE,
+            injection_failure_policy=_failure_policy(env.get(INJECTION_POLICY_ENV) or "Fail"),
+            http_port=int(env[HTTP_PORT_ENV]) if env.get(HTTP_PORT_ENV) else None,
+            http_addr=env.get(HTTP_ADDR_ENV) or DEFAULT_WEBHOOK_ADDR,
+            config_url_base=env.get(CONFIG_URL_BASE_ENV) or None,
+            http_advertise=env.get("TOKENFAIR_HTTP_ADVERTISE") or _own_address(env),
+            leader_election=_flag(LEADER_ELECTION_ENV, env.get(LEADER_ELECTION_ENV, "false")),
+            lease_namespace=env.get("TOKENFAIR_LEASE_NAMESPACE") or "default",
+            lease_name=env.get("TOKENFAIR_LEASE_NAME") or "tokenfair-operator",
+            identity=f"{env.get(POD_NAME_ENV) or socket.gethostname()}_{uuid.uuid4().hex[:8]}",
         )
+
+
+def _own_address(env: Mapping[str, str]) -> str:
+    """``<this host's IP>:<$TOKENFAIR_HTTP_PORT>`` (in a Pod, the host name resolves to the
+    Pod's IP); "" without a port."""
+    port = env.get(HTTP_PORT_ENV)
+    if not port:
+        return ""
+    try:
+        host = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        host = "127.0.0.1"
+    return f"{host}:{port}"
+
+
+def _flag(name: str, value: str) -> bool:
+    if value.lower() not in ("true", "false"):
+        raise ValueError(f"${name}: must be true or false (got {value!r})")
+    return value.lower() == "true"
+
+
+def _failure_policy(value: str) -> str:
+    if value not in FAILURE_POLICIES:
+        raise ValueError(
+            f"${INJECTION_POLICY_ENV}: must be one of {', '.join(FAILURE_POLICIES)} (got {value!r})"
+        )
+    return value
 
 
 def _namespaced(value: str | None) -> tuple[str, str] | None:
@@ -139,7 +217,8 @@ def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> N
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key=DIFFBASE_KEY
     )
-    # One replica (a Deployment with `Recreate`); no KopfPeering CRD to install or grant.
+    # No Kopf peering (no KopfPeering CRD to install or grant): one replica, or several with
+    # our own Lease-based election (.leader), which needs no handler to pause.
     settings.peering.standalone = True
     settings.posting.level = logging.WARNING
     # The CRDs are installed before the operator (chart order); not watching CRDs and

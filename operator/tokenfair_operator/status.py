@@ -10,21 +10,39 @@ tenant's budgets were divided across (at least 1). Fields the operator does not 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Final
 
-from .conditions import ACCEPTED, CONFIG_PUBLISHED, Check, conditions_for
+from .conditions import (
+    ACCEPTED,
+    CONFIG_PUBLISHED,
+    PODS_WITHOUT_SIDECAR,
+    SIDECARS_INJECTED,
+    Check,
+    condition_for,
+    conditions_for,
+)
 from .model import PolicyView, QuotaView, configmap_name, secret_name
 from .render import Rendering, Verdict
 
 POLICY_NOT_FOUND = "PolicyNotFound"
+DOCUMENT_TOO_LARGE = "DocumentTooLarge"
+"""The accepted tenants' document does not fit one object even compressed (:mod:`.payload`)."""
 
 
 def quota_status(
     quota: QuotaView, verdict: Verdict, rendering: Rendering | None, *, now: str
 ) -> dict[str, Any]:
-    """Status of one quota; ``rendering`` is None when its policy does not exist."""
+    """Status of one quota; ``rendering`` is None when its policy does not exist.
+
+    ``configVersion`` is the first published document holding this generation of the quota:
+    a quota already published at its generation keeps it while later documents (another
+    quota's change) come and go, so one change among 10,000 quotas writes one quota status,
+    not 10,000. The policy's ``status.configVersion`` is the current document."""
     accepted = Check(ACCEPTED, verdict.accepted, verdict.reason, verdict.message)
     version = rendering.version if rendering is not None and verdict.accepted else ""
+    if version and _published_at(quota):
+        version = str(quota.status["configVersion"])
     if not verdict.accepted:
         published = Check(CONFIG_PUBLISHED, False, "NotAccepted", verdict.message)
     elif version:
@@ -32,9 +50,11 @@ def quota_status(
             CONFIG_PUBLISHED,
             True,
             "Published",
-            f"tenant {quota.tenant_id!r} is in config version {version} of policy "
+            f"tenant {quota.tenant_id!r} is published since config version {version} of policy "
             f"{quota.policy_name!r} (ConfigMap {configmap_name(quota.policy_name)})",
         )
+    elif rendering is not None and rendering.publish_error is not None:
+        published = Check(CONFIG_PUBLISHED, False, DOCUMENT_TOO_LARGE, rendering.publish_error)
     else:  # accepted but nothing published: cannot happen (an accepted tenant makes a document)
         published = Check(CONFIG_PUBLISHED, False, "NotPublished", "no config document")
     return {
@@ -51,6 +71,16 @@ def quota_status(
     }
 
 
+def _published_at(quota: QuotaView) -> bool:
+    """The stored status already has this generation published, with a version."""
+    return bool(quota.status.get("configVersion")) and any(
+        c.get("type") == CONFIG_PUBLISHED
+        and c.get("status") == "True"
+        and c.get("observedGeneration") == quota.generation
+        for c in quota.status.get("conditions", [])
+    )
+
+
 def orphan_verdict(quota: QuotaView) -> Verdict:
     """The verdict for a quota whose policy does not exist (or is being deleted)."""
     return Verdict(
@@ -61,8 +91,30 @@ def orphan_verdict(quota: QuotaView) -> Verdict:
     )
 
 
-def policy_status(policy: PolicyView, rendering: Rendering, *, now: str) -> dict[str, Any]:
-    """Status of one policy after rendering it."""
+NAMED_PODS: Final = 5
+"""Pods named in the ``SidecarsInjected`` message at most (the count is always given)."""
+
+
+def injection_check(unprotected: Sequence[str]) -> Check:
+    """``SidecarsInjected`` from the names of the policy's labelled Pods without the sidecar."""
+    if not unprotected:
+        return Check(SIDECARS_INJECTED, True, "AllInjected", "every labelled Pod runs the sidecar")
+    named = ", ".join(unprotected[:NAMED_PODS]) + (", ..." if len(unprotected) > NAMED_PODS else "")
+    return Check(
+        SIDECARS_INJECTED,
+        False,
+        PODS_WITHOUT_SIDECAR,
+        f"{len(unprotected)} Pod(s) labelled tokenfair.io/policy run without the tokenfair "
+        f"sidecar and serve every tenant unadmitted: {named} (created while sidecar injection "
+        "was unreachable with failurePolicy Ignore; delete them to have them re-created injected)",
+    )
+
+
+def policy_status(
+    policy: PolicyView, rendering: Rendering, *, now: str, unprotected: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Status of one policy after rendering it; ``unprotected`` names its labelled Pods that
+    run without the sidecar."""
     if rendering.policy_error is not None:
         accepted = Check(ACCEPTED, False, "InvalidSpec", rendering.policy_error)
         published = Check(CONFIG_PUBLISHED, False, "NotAccepted", rendering.policy_error)
@@ -78,6 +130,8 @@ def policy_status(policy: PolicyView, rendering: Rendering, *, now: str) -> dict
                 f"per sidecar for {rendering.replicas} ready sidecar(s), in ConfigMap "
                 f"{configmap_name(policy.name)}; {refused} TenantQuota(s) refused",
             )
+        elif rendering.publish_error is not None:  # the last document published stays
+            published = Check(CONFIG_PUBLISHED, False, DOCUMENT_TOO_LARGE, rendering.publish_error)
         else:
             published = Check(
                 CONFIG_PUBLISHED,
@@ -93,13 +147,21 @@ def policy_status(policy: PolicyView, rendering: Rendering, *, now: str) -> dict
         "secretName": secret_name(policy.name),
         "tenants": rendering.tenants,
         "budgetShares": rendering.replicas,
-        "conditions": conditions_for(
-            accepted,
-            published,
-            generation=policy.generation,
-            previous=policy.status.get("conditions", []),
-            now=now,
-        ),
+        "conditions": [
+            *conditions_for(
+                accepted,
+                published,
+                generation=policy.generation,
+                previous=policy.status.get("conditions", []),
+                now=now,
+            ),
+            condition_for(
+                injection_check(unprotected),
+                generation=policy.generation,
+                previous=policy.status.get("conditions", []),
+                now=now,
+            ),
+        ],
     }
     return status
 

@@ -93,6 +93,15 @@ class CertKeeper:
         self._write_files(current, bundle)
         return reason
 
+    def follow(self) -> bool:
+        """A standby's pass: write the files from the certificates the leader keeps in the
+        Secret (never issues, never patches); False while there are none yet."""
+        stored, _ = self._read_secret()
+        if stored is None:
+            return False
+        self._write_files(stored, ca_bundle(stored, None))
+        return True
+
     def _read_secret(self) -> tuple[ServingCerts | None, Any]:
         """The stored certificates (None if absent or incomplete) and the Secret (None if
         there is none)."""

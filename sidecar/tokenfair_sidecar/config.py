@@ -401,13 +401,18 @@ it is shown in ``/status``, the logs and a metric label, so it is bounded."""
 
 
 def _version(name: str, value: object) -> str:
-    """A document's ``version``: a string (or a number YAML read from an unquoted one, within
-    :data:`_MAX_INTEGER`) of at most :data:`MAX_VERSION_CHARS` characters."""
+    """A document's ``version``: a string of at most :data:`MAX_VERSION_CHARS` characters.
+    ``null`` (``version:`` left empty) is ``""``; a number (YAML reads an unquoted ``3`` or
+    ``20261201`` as one) is kept as its text, however large the integer — only its length
+    counts."""
+    if value is None:
+        return ""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise ConfigError(f"{name}: must be a string (got {shown(value)})")
-    if isinstance(value, int) and abs(value) > _MAX_INTEGER:
-        raise ConfigError(f"{name}: must be a string of at most {MAX_VERSION_CHARS} characters "
-                          "(got an integer beyond it)")  # fmt: skip
+    if isinstance(value, int) and abs(value) >= 10**MAX_VERSION_CHARS:
+        # Its text would pass the bound (and str() of a huge integer is slow, or refused).
+        raise ConfigError(f"{name}: must be at most {MAX_VERSION_CHARS} characters (got an "
+                          f"integer of over {MAX_VERSION_CHARS} digits)")  # fmt: skip
     version = str(value)
     if len(version) > MAX_VERSION_CHARS:
         raise ConfigError(

@@ -19,7 +19,6 @@ per lane; resident KV blocks) make every operation O(1) or O(tenants) — never 
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 from abc import ABC, abstractmethod
@@ -34,7 +33,6 @@ from tokenfair_sidecar.core.jobs import (
     CANCELLED,
     SHED_KV_WATERMARK,
     SHED_QUEUE_TIMEOUT,
-    SHED_TENANT_TOKEN_QUOTA,
     STATUS_CLIENT_CLOSED,
     STATUS_OK,
     STATUS_SHED,
@@ -216,57 +214,73 @@ class Scheduler(ABC):
         self._push(job)
         return None
 
-    def never_admissible(self, request: Request, refusal: Decision) -> Decision | None:
-        """``refusal`` (from :meth:`submit`) restated as ``400`` when no state of the running
-        configuration could admit ``request``; None when waiting could (the refusal stands).
+    def never_admissible(self, request: Request) -> Decision | None:
+        """A ``400`` decision if no state of the running configuration could admit
+        ``request``, else None. A pure check of the request against the configuration: it reads
+        no load and changes nothing, so a caller that answers clients (the sidecar) makes it
+        **before** :meth:`submit`, and a request that can never pass gets its 400 whatever the
+        load — not a ``queue_full`` or ``shed_queue_wait_slo`` 429 that a client would retry.
 
-        * ``shed_kv_watermark`` and ``ceil((prefill + decode) / block) / total_kv_blocks`` above
-          the class watermark: even an empty cache would refuse it -> ``request_over_kv_capacity``;
-        * ``shed_tenant_token_quota``, the cost above the tenant's ``burst_service_tokens``
-          (the bucket never holds more), ``lend_idle_capacity`` off and no pool-wide budget
-          store -> ``request_over_tenant_burst``. With lending on (idle capacity could admit it
-          later) or a store (the pool's budget may cover it), the 429 stands.
+        * The policy gates KV at admission (``tokenfair``, ``service_token_drr_with_admission``)
+          and ``ceil((prefill + decode) / block) / total_kv_blocks`` is above the class
+          watermark: even an empty cache refuses it -> ``request_over_kv_capacity``.
+        * The policy holds the request's class to its budget at admission (``tokenfair``: both
+          classes; ``service_token_drr_with_admission``: batch), its cost is above the tenant's
+          ``burst_service_tokens`` (the bucket never holds more), ``lend_idle_capacity`` is off
+          and there is no pool-wide budget store (whose budget may hold more than this
+          sidecar's bucket) -> ``request_over_tenant_burst``. With lending on (idle capacity
+          could admit it later) or a store, it is None: the policy's 429 stands.
 
-        Reads state only; the policy's own decision (and the simulator's) is unchanged: callers
-        that answer clients (the sidecar) use this to tell "never" from "not now"."""
+        The policy's own decisions (and the simulator's, which never calls this) are unchanged:
+        :meth:`submit` of such a request is still refused with the gate's 429. An unknown
+        tenant is None (:meth:`submit` raises for it)."""
+        # Per policy: does admission gate KV, and which classes does it hold to their budget?
+        gates: dict[str, tuple[bool, tuple[str, ...]]] = {
+            "tokenfair": (True, ("interactive", "batch")),
+            "service_token_drr_with_admission": (True, ("batch",)),
+        }
+        kv_gated, budget_classes = gates.get(self.name, (False, ()))
+        tenant = self.tenants.get(request.tenant_id)
+        if tenant is None:
+            return None
         policy = self.policy
-        if refusal.reason == SHED_KV_WATERMARK:
-            blocks = -(-(request.prefill_tokens + request.decode_tokens) // self._kv_block_tokens)
-            watermark = self.watermark(Lane.of(request.priority_class))
-            if blocks / policy.total_kv_blocks <= watermark:
+        prefill, decode = request.prefill_tokens, request.decode_tokens
+        blocks = -(-(prefill + decode) // self._kv_block_tokens)
+        share = blocks / policy.total_kv_blocks
+        if kv_gated and share > self.watermark(Lane.of(request.priority_class)):
+            reason = OVER_KV_CAPACITY
+            observed: dict[str, float] = {
+                "request_kv_blocks": blocks,
+                "max_kv_blocks": math.floor(
+                    self.watermark(Lane.of(request.priority_class)) * policy.total_kv_blocks
+                ),
+            }
+        else:
+            service_tokens = self.cost.service_tokens(prefill, decode)
+            if (
+                request.priority_class not in budget_classes
+                or policy.lend_idle_capacity
+                or self.config.budget_store is not None
+                or service_tokens <= tenant.bucket.burst
+            ):
                 return None
-            return dataclasses.replace(
-                refusal,
-                status_code=STATUS_NEVER_ADMISSIBLE,
-                reason=OVER_KV_CAPACITY,
-                retry_after_ms=None,
-                observed={
-                    "request_kv_blocks": blocks,
-                    "max_kv_blocks": math.floor(watermark * policy.total_kv_blocks),
-                },
-            )
-        # A pool-wide budget (a shared store) may hold more than this sidecar's bucket: only
-        # without one is the local burst the most the tenant can ever have.
-        pooled = getattr(self.config, "budget_store", None) is not None
-        if (
-            refusal.reason == SHED_TENANT_TOKEN_QUOTA
-            and not policy.lend_idle_capacity
-            and not pooled
-        ):
-            tenant = self.tenants.get(request.tenant_id)
-            if tenant is None or refusal.service_tokens <= tenant.bucket.burst:
-                return None
-            return dataclasses.replace(
-                refusal,
-                status_code=STATUS_NEVER_ADMISSIBLE,
-                reason=OVER_TENANT_BURST,
-                retry_after_ms=None,
-                observed={
-                    "request_service_tokens": refusal.service_tokens,
-                    "burst_service_tokens": tenant.bucket.burst,
-                },
-            )
-        return None
+            reason = OVER_TENANT_BURST
+            observed = {
+                "request_service_tokens": service_tokens,
+                "burst_service_tokens": tenant.bucket.burst,
+            }
+        return Decision(
+            request_id=request.request_id,
+            tenant_id=request.tenant_id,
+            priority_class=request.priority_class,
+            status_code=STATUS_NEVER_ADMISSIBLE,
+            reason=reason,
+            gate="admission",
+            service_tokens=self.cost.service_tokens(prefill, decode),
+            arrival_ms=request.arrival_ms,
+            kv_occupancy_ratio=round(share, 4),
+            observed=observed,
+        )
 
     @property
     def queued_total(self) -> int:

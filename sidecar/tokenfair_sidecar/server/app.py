@@ -18,7 +18,13 @@ from aiohttp import web
 from tokenfair_sidecar.config import Config
 from tokenfair_sidecar.server.admin import create_admin_app
 from tokenfair_sidecar.server.backends import ROUTES, Backend
-from tokenfair_sidecar.server.proxy import SIDECAR, completions, expect_continue, not_found
+from tokenfair_sidecar.server.proxy import (
+    SIDECAR,
+    completions,
+    expect_continue,
+    expect_not_found,
+    not_found,
+)
 from tokenfair_sidecar.server.recorder import RecordWriter
 from tokenfair_sidecar.server.reload import watch_config
 from tokenfair_sidecar.server.settings import SidecarSettings
@@ -52,7 +58,7 @@ def create_app(
     app[SIDECAR] = sidecar
     for route in ROUTES:
         app.router.add_post(route, completions, expect_handler=expect_continue)
-    app.router.add_route("*", "/{tail:.*}", not_found)
+    app.router.add_route("*", "/{tail:.*}", not_found, expect_handler=expect_not_found)
     app.cleanup_ctx.append(_backend_ctx)
     app.cleanup_ctx.append(_records_ctx)
     app.cleanup_ctx.append(_pool_ctx)

@@ -108,14 +108,19 @@ class Dispatcher:
     # -- arrival and waiting ---------------------------------------------------------------
 
     def submit(self, request: Request) -> Decision | Ticket:
-        """Admission; a refusal ``Decision`` or a queued :class:`Ticket`. A refusal that no
-        state of the running configuration could turn into an admission comes back as the
-        scheduler's ``400`` (:meth:`~tokenfair_sidecar.core.scheduler.Scheduler.
-        never_admissible`): a client must not retry it."""
+        """Admission; a refusal ``Decision`` or a queued :class:`Ticket`. A request that no
+        state of the running configuration could admit is answered first, whatever the load,
+        with the scheduler's ``400`` (:meth:`~tokenfair_sidecar.core.scheduler.Scheduler.
+        never_admissible`, a static check of the request: a client must not retry it) and never
+        reaches the scheduler's gates (whose ``queue_full`` or ``shed_queue_wait_slo`` 429 would
+        tell it to retry)."""
         scheduler = self.scheduler
+        never = scheduler.never_admissible(request)
+        if never is not None:
+            return never
         refusal = scheduler.submit(request, self.clock.now_ms())
         if refusal is not None:
-            return scheduler.never_admissible(request, refusal) or refusal
+            return refusal
         ticket = Ticket(request, asyncio.get_running_loop().create_future())
         self._tickets[request.request_id] = ticket
         self.pump()

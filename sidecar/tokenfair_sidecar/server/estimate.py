@@ -4,7 +4,8 @@
   prompt_estimator``). The default ``chars4`` counts the characters of every text the model reads
   and charges ``ceil(chars / 4)`` (OpenAI's rule of thumb: ~4 characters of English per token):
 
-  - ``prompt`` as a string or a list of strings;
+  - ``prompt`` (legacy completions) as a string or a list of strings — or as token IDs, a
+    list of integers or a list of lists of integers, counted one token per ID;
   - each ``messages[i]``: its ``content`` (a string, or a list of parts whose ``text`` is
     counted), its ``name``, and its ``tool_calls`` / ``function_call`` (function names and
     arguments: counted as their compact JSON, the text a server renders into the prompt), plus
@@ -23,6 +24,10 @@
   once and fork its sequences from the shared prefix (``prompt_tokens`` is reported once, the
   ``completion_tokens`` of all sequences summed), so each extra sequence costs decode work and
   its own KV for its decoded tokens only — which is what ``prefill + n * decode`` reserves.
+  A batch of prompts (legacy completions: ``prompt`` as a list of strings, or a list of lists
+  of token IDs) generates ``max(n, best_of)`` sequences **per prompt**:
+  ``decode = per_choice * max(n, best_of) * prompts`` (and the KV of those decoded tokens,
+  which the scheduler reserves from ``prefill + decode``); the prefill is every prompt's.
 
 A bad field raises :class:`EstimateError` naming it (the proxy answers ``400`` with ``param``).
 The estimate walks only what its caller bounded: the proxy checks a body's nesting depth and
@@ -77,14 +82,43 @@ class BodyShapeError(ValueError):
 class Estimate:
     prefill_tokens: int
     decode_tokens: int
-    """Over all generated sequences: ``per_choice * max(n, best_of)``."""
+    """Over all generated sequences: ``per_choice * max(n, best_of) * prompts``."""
 
 
 PromptEstimator = Callable[[Mapping[str, object]], int]
 
 
-_JSON_STRING: Final = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-"""A JSON string literal (escapes included), for :func:`check_raw_values`."""
+_JSON_STRING: Final = re.compile(rb'"(?:[^"\\]++|\\.)*+"?', re.DOTALL)
+"""A JSON string literal (escapes included) — or, if it never closes, the rest of the text from
+its opening quote: the quantifiers are possessive (no backtracking), so a match at a quote
+always succeeds and consumes to the closing quote or the end. A scan over the text therefore
+never retries a string from a later quote (which made an unclosed string full of escaped
+quotes cost time quadratic in its length), and reads each byte once."""
+
+
+class NotUtf8Error(ValueError):
+    """The body is not UTF-8 (RFC 8259 §8.1: JSON exchanged between systems is UTF-8)."""
+
+
+def utf8_text(raw: bytes) -> str:
+    """``raw`` decoded as UTF-8, or :class:`NotUtf8Error`. JSON between systems must be UTF-8
+    (RFC 8259 §8.1); ``json.loads`` of bytes would also accept UTF-16 and UTF-32 (detected from
+    NUL bytes among the first four), which :func:`check_raw_values` would count wrongly (it
+    reads the bytes as UTF-8), so such a body is refused before any counting, as is one with a
+    NUL among its first four bytes (no JSON text starts with NUL: UTF-16/32 ASCII text is
+    valid UTF-8 byte by byte). Parse the returned text, not the bytes."""
+    if b"\x00" in raw[:4]:
+        raise NotUtf8Error(
+            "the body must be JSON encoded as UTF-8 (RFC 8259 section 8.1); it starts with NUL "
+            "bytes (UTF-16 or UTF-32?)"
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise NotUtf8Error(
+            f"the body must be JSON encoded as UTF-8 (RFC 8259 section 8.1); byte {exc.start} "
+            "is not valid UTF-8"
+        ) from None
 
 
 def _structural(raw: bytes) -> int:
@@ -92,24 +126,31 @@ def _structural(raw: bytes) -> int:
 
 
 def check_raw_values(raw: bytes, max_values: int) -> None:
-    """Raise :class:`BodyShapeError` (``max_json_values``) if the JSON text ``raw`` holds more
-    than ``max_values`` values, **before** it is parsed: the parser's time grows with the
-    values (~0.1-0.4 µs each for numbers and containers, so 1 MiB of ``[]`` costs ~0.15 s of the
-    event loop, and a thread would not help: the parser holds the GIL).
+    """Raise :class:`BodyShapeError` (``max_json_values``) if the JSON text ``raw`` (UTF-8:
+    :func:`utf8_text`) holds more than ``max_values`` values, **before** it is parsed: the
+    parser's time grows with the values (~0.1-0.4 µs each for numbers and containers, so 1 MiB
+    of ``[]`` costs ~0.15 s of the event loop, and a thread would not help: the parser holds
+    the GIL).
 
     Values are counted as ``1 + commas + opening brackets`` outside string literals — at least
     the number of values (each array element or object member after a container's first adds a
-    comma, each container a bracket). In three steps, each bounded: (1) the same count over the
-    whole text, strings included, is an upper bound (``bytes.count``, ~1 ms per MiB): at most
-    ``max_values`` passes at once; (2) more string literals than ``max_values`` (unescaped
-    quotes over two) fails at once; (3) otherwise the strings are cut out (one regex pass, at
-    most ~``max_values`` matches) and the count is exact."""
+    comma, each container a bracket). In two steps, each linear in the size of ``raw`` (~15 ms
+    per MiB at worst): (1) the same count over the whole text, strings included, is an upper
+    bound (``bytes.count``, ~1 ms per MiB): at most ``max_values`` passes at once; (2) otherwise
+    the string literals are cut out in one left-to-right regex pass (:data:`_JSON_STRING`, at
+    most ``2 * max_values + 1`` of them: a body with more strings than twice its values
+    cannot be JSON of at most ``max_values`` values — each string is an object key or a value,
+    and each value has at most one key) and the count is exact.
+
+    A text that is not JSON is not refused here unless its count is over: an unclosed string
+    runs to the end of the text, so the count is that of the JSON parser's own reading up to
+    where it fails, and the parser (linear) answers it."""
     if _structural(raw) <= max_values:
         return
     message = f"the body holds over {max_values} JSON values"
-    if (raw.count(b'"') - raw.count(b'\\"')) // 2 > max_values:
-        raise BodyShapeError("max_json_values", message)
-    if _structural(_JSON_STRING.sub(b"", raw)) > max_values:
+    max_strings = 2 * max_values
+    outside, strings = _JSON_STRING.subn(b"", raw, count=max_strings + 1)
+    if strings > max_strings or _structural(outside) > max_values:
         raise BodyShapeError("max_json_values", message)
 
 
@@ -227,12 +268,57 @@ def chars4(body: Mapping[str, object]) -> int:
             tokens += math.ceil(_message_chars(i, message) / CHARS_PER_TOKEN)
             tokens += MESSAGE_OVERHEAD_TOKENS
         return tokens
-    chars = _text_chars("prompt", body.get("prompt")) + structured
-    return math.ceil(chars / CHARS_PER_TOKEN)
+    chars, token_ids, _ = _prompts(body.get("prompt"))
+    return math.ceil((chars + structured) / CHARS_PER_TOKEN) + token_ids
 
 
 ESTIMATORS: Final[dict[str, PromptEstimator]] = {"chars4": chars4}
 """Prompt estimators by name; add one here to make it selectable."""
+
+
+_PROMPT_SHAPES: Final = (
+    "prompt: must be a string, a list of strings, a list of token IDs (integers >= 0) or a "
+    "list of lists of token IDs"
+)
+
+
+def _token_ids(value: list[object]) -> bool:
+    """Whether ``value`` is a list of token IDs (integers >= 0, not booleans)."""
+    return all(type(item) is int and item >= 0 for item in value)
+
+
+def _prompts(prompt: object) -> tuple[int, int, int]:
+    """``(characters, token IDs, prompts)`` of a legacy completions ``prompt``: a string (one
+    prompt), a list of strings (one prompt each), a list of token IDs (one prompt of that many
+    tokens) or a list of lists of token IDs (one prompt each). None (or ``[]``) is one empty
+    prompt."""
+    if prompt is None:
+        return 0, 0, 1
+    if isinstance(prompt, str):
+        return len(prompt), 0, 1
+    if not isinstance(prompt, list):
+        raise EstimateError("prompt", f"{_PROMPT_SHAPES} (got {type(prompt).__name__})")
+    if not prompt:
+        return 0, 0, 1
+    if all(isinstance(item, str) for item in prompt):
+        return sum(len(item) for item in prompt if isinstance(item, str)), 0, len(prompt)
+    if _token_ids(prompt):
+        return 0, len(prompt), 1
+    tokens = 0
+    for item in prompt:
+        if not isinstance(item, list) or not _token_ids(item):
+            raise EstimateError("prompt", _PROMPT_SHAPES)
+        tokens += len(item)
+    return 0, tokens, len(prompt)
+
+
+def prompts(body: Mapping[str, object]) -> int:
+    """Prompts the request holds: one for a chat (``messages``), else as many as a legacy
+    completions ``prompt`` batches (a list of strings, or a list of lists of token IDs); each
+    generates its own ``max(n, best_of)`` sequences."""
+    if body.get("messages") is not None:
+        return 1
+    return _prompts(body.get("prompt"))[2]
 
 
 def _choices_param(body: Mapping[str, object], param: str) -> int | None:
@@ -279,6 +365,7 @@ def decode_tokens(body: Mapping[str, object], default: int, cap: int) -> int:
 def estimate(
     body: Mapping[str, object], estimator: PromptEstimator, default_decode: int, max_decode: int
 ) -> Estimate:
-    """``prefill = estimator(body)``; ``decode = decode_tokens(body) * sequences(body)``."""
+    """``prefill = estimator(body)``;
+    ``decode = decode_tokens(body) * sequences(body) * prompts(body)``."""
     per_sequence = decode_tokens(body, default_decode, max_decode)
-    return Estimate(estimator(body), per_sequence * sequences(body))
+    return Estimate(estimator(body), per_sequence * sequences(body) * prompts(body))

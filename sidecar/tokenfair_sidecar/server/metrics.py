@@ -3,16 +3,19 @@
 Counters (labels ``tenant``, ``lane`` and, for refusals, ``reason``):
 
 * ``tokenfair_admitted_requests_total`` — dispatched to the backend;
-* ``tokenfair_refused_requests_total`` — refused: the core's reasons (``shed_kv_watermark``,
-  ``shed_queue_wait_slo``, ``shed_tenant_token_quota``, ``queue_full``, ``shed_queue_timeout``)
-  and ``draining``;
+* ``tokenfair_refused_requests_total`` — refused, never dispatched: the core's reasons
+  (``shed_kv_watermark``, ``shed_queue_wait_slo``, ``shed_tenant_token_quota``, ``queue_full``,
+  ``shed_queue_timeout``), ``request_over_kv_capacity`` / ``request_over_tenant_burst`` (never
+  admissible) and ``draining`` (an upstream's own 400/429/503 is not a refusal);
 * ``tokenfair_cancelled_requests_total`` — the client went away (queued or mid-response);
 * ``tokenfair_backend_errors_total`` (``code``: ``upstream_error``, ``upstream_timeout``,
-  ``upstream_aborted``, ``upstream_bad_usage``, ``upstream_unavailable``, and
-  ``internal_error`` for the sidecar's own failures);
+  ``upstream_aborted``, ``upstream_bad_usage``, ``upstream_too_large``,
+  ``upstream_unavailable``, ``internal_error`` for the sidecar's own failures, and
+  ``drain_aborted`` for requests the drain cut);
 * ``tokenfair_estimated_service_tokens_total`` (charged at dispatch) and
   ``tokenfair_actual_service_tokens_total`` (settled at completion);
-* ``tokenfair_invalid_requests_total`` (``status``: 400, 401, 413) — before any tenant is charged;
+* ``tokenfair_invalid_requests_total`` (``status``: 400, 401, 408, 413, 415, 417) — before any
+  tenant is charged;
 * ``tokenfair_config_reloads_total`` (``result``: ``applied``, ``invalid``, ``error``);
 * ``tokenfair_records_dropped_total`` — request records dropped while the records file refused
   writes and the pending buffer was full;

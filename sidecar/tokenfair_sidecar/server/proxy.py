@@ -3,7 +3,8 @@
 Status codes the client can get from the sidecar itself (OpenAI-style error bodies; ``code``):
 
 =====  ==========================================================================================
-400    ``invalid_json`` (body not a JSON object, or nested deeper than the parser follows),
+400    ``invalid_json`` (body not a JSON object, not UTF-8 — RFC 8259 §8.1: UTF-16 and UTF-32
+       bodies are refused — or nested deeper than the parser follows),
        ``body_too_complex`` (JSON nested over ``max_json_depth`` levels or holding over
        ``max_json_values`` values: the message names the rule),
        ``invalid_encoding`` (body not decodable as its ``Content-Encoding`` says:
@@ -20,7 +21,8 @@ Status codes the client can get from the sidecar itself (OpenAI-style error bodi
        that reason, counted as refused. With lending on, an over-burst request stays a
        ``429`` (idle capacity may admit it later)
 401    ``invalid_api_key`` (no ``Authorization: Bearer`` key, or an unknown one)
-404    ``not_found`` (any route but the two below)
+404    ``not_found`` (any route but the two below; with ``Expect``, answered at once instead of
+       ``100 Continue``, and the connection closed)
 417    ``expectation_failed`` (an ``Expect`` other than ``100-continue``; see
        :func:`expect_continue`: ``100 Continue`` is sent only after the key and the announced
        size passed)
@@ -33,8 +35,10 @@ Status codes the client can get from the sidecar itself (OpenAI-style error bodi
 500    ``internal_error`` (the sidecar failed on the request: a bug, logged with its traceback)
 502    ``upstream_error`` (refused, reset, broken response) — ``openai`` backend; the message
        is generic, the upstream's address and errno go to the log
-503    ``draining`` (shutting down; ``Retry-After``); ``too_many_connections`` (the
-       listener's cap, answered by :mod:`~tokenfair_sidecar.server.runner` before parsing)
+503    ``draining`` (shutting down; ``Retry-After``); ``drain_aborted`` (still running when the
+       drain grace ran out, nothing sent yet: cut by the sidecar; ``Retry-After``);
+       ``too_many_connections`` (the listener's cap, answered by
+       :mod:`~tokenfair_sidecar.server.runner` before parsing)
 504    ``upstream_timeout``
 =====  ==========================================================================================
 
@@ -80,9 +84,11 @@ from tokenfair_sidecar.server.estimate import (
     BodyShapeError,
     Estimate,
     EstimateError,
+    NotUtf8Error,
     check_json_shape,
     check_raw_values,
     estimate,
+    utf8_text,
 )
 from tokenfair_sidecar.server.recorder import NO_USAGE, Usage
 from tokenfair_sidecar.server.state import Sidecar
@@ -97,7 +103,8 @@ REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}")
 DRAINING: Final = "draining"
 DRAIN_ABORTED: Final = "drain_aborted"
 """Record reason (status 503) of a request still running when the drain grace ran out: the
-sidecar cut it (a stream ends incomplete; a non-streamed request gets no answer)."""
+sidecar cut it (a stream ends incomplete; a request with nothing sent yet is answered ``503
+drain_aborted`` with ``Retry-After``)."""
 BODY_TOO_COMPLEX: Final = "body_too_complex"
 CLIENT_WRITE_TIMEOUT: Final = "client_write_timeout"
 HAS_BROTLI: Final[bool] = getattr(compression_utils, "HAS_BROTLI", False)
@@ -134,6 +141,17 @@ def _draining(sidecar: Sidecar) -> web.Response:
     )
 
 
+def _drain_aborted(sidecar: Sidecar, request_id: str) -> web.Response:
+    """The answer of a non-streamed request still running when the drain grace ran out."""
+    return error_response(
+        503,
+        "the sidecar is shutting down and cut this request before it finished; retry (another "
+        "replica will serve you)",
+        DRAIN_ABORTED,
+        headers={"Retry-After": str(sidecar.retry_after_s(None)), REQUEST_ID_HEADER: request_id},
+    )
+
+
 def _refusal(sidecar: Sidecar, decision: Decision) -> web.Response:
     observed = ", ".join(f"{k}={v:g}" for k, v in decision.observed.items())
     message = f"refused by the {decision.gate} gate: {decision.reason}"
@@ -149,19 +167,20 @@ def _refusal(sidecar: Sidecar, decision: Decision) -> web.Response:
 def _never_admissible(sidecar: Sidecar, decision: Decision) -> web.Response:
     """``400`` for a request no state of the running configuration could admit (SDKs do not
     retry a 400, as they would a 429): the message names the limit and the request's size."""
-    observed = decision.observed
+    # Whole numbers, as integers (`:g` would print 1e+06 for a million).
+    shown = {name: round(value) for name, value in decision.observed.items()}
     if decision.reason == OVER_KV_CAPACITY:
         message = (
-            f"the request needs {observed['request_kv_blocks']:g} KV blocks (prompt plus "
-            f"max_tokens times n) and its class may hold at most {observed['max_kv_blocks']:g}: "
+            f"the request needs {shown['request_kv_blocks']} KV blocks (prompt plus max_tokens "
+            f"times n, per prompt) and its class may hold at most {shown['max_kv_blocks']}: "
             "lower max_tokens, n or the prompt"
         )
     else:
         message = (
-            f"the request costs {observed['request_service_tokens']:g} service tokens (prompt "
-            f"plus decode weight times max_tokens times n), over the tenant's burst of "
-            f"{observed['burst_service_tokens']:g} (burstServiceTokens): lower max_tokens, n "
-            "or the prompt"
+            f"the request costs {shown['request_service_tokens']} service tokens (prompt plus "
+            "decode weight times max_tokens times n, per prompt), over the tenant's burst of "
+            f"{shown['burst_service_tokens']} (burstServiceTokens): lower max_tokens, n or the "
+            "prompt"
         )
     headers = {
         REQUEST_ID_HEADER: decision.request_id,
@@ -261,9 +280,10 @@ async def expect_continue(request: web.Request) -> web.Response | None:
     sidecar = request.app[SIDECAR]
     response: web.Response | None = None
     if request.headers.get("Expect", "").lower() != "100-continue":
-        response = error_response(
-            417, "only Expect: 100-continue is supported", "expectation_failed", param="Expect"
-        )
+        response = _invalid(
+            sidecar, 417, "only Expect: 100-continue is supported", "expectation_failed",
+            param="Expect",
+        )  # fmt: skip
     elif sidecar.dispatcher.draining:
         response = _draining(sidecar)
     elif _authenticate(sidecar, request) is None:
@@ -351,11 +371,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
             "invalid_encoding",
         )  # fmt: skip
     try:
+        text = utf8_text(raw)  # before counting: the count reads the bytes as UTF-8
+    except NotUtf8Error as exc:
+        return _invalid(sidecar, 400, str(exc), "invalid_json")
+    try:
         check_raw_values(raw, settings.max_json_values)  # before the parse: it bounds its time
     except BodyShapeError as exc:
         return _invalid(sidecar, 400, f"{exc} (the sidecar's {exc.rule})", BODY_TOO_COMPLEX)
     try:
-        body = json.loads(raw)
+        body = json.loads(text)
     except ValueError:
         body = None
     except RecursionError:
@@ -473,8 +497,13 @@ async def _serve(
             status_code, reason = STATUS_CLIENT_CLOSED, CLIENT_WRITE_TIMEOUT
         elif sidecar.dispatcher.aborting:  # cut by the drain, not by its client
             status_code, reason = 503, DRAIN_ABORTED
-            if request.writer.output_size > 0:  # a stream under way: end it incomplete
+            writer = request.writer
+            # A stream under way (bytes out, or a chunked answer prepared): end it incomplete.
+            if writer.output_size > 0 or getattr(writer, "chunked", True):
                 _abort_client(request)
+            elif handler is not None and not _client_gone(request) and handler.uncancel() == 0:
+                # Nothing sent yet: the client gets the 503 its record says (not a reset).
+                return _drain_aborted(sidecar, job.request_id)
         raise
     except Exception as exc:
         if isinstance(exc, ConnectionError) and _client_gone(request):
@@ -612,6 +641,13 @@ def _settle_call(
         sidecar.clock.now_ms() - job.arrival_ms,
     )  # fmt: skip
     return actual, usage, reason
+
+
+async def expect_not_found(request: web.Request) -> web.Response:
+    """The ``Expect`` handler of every other route: no ``100 Continue`` for a request that has
+    nowhere to go — its ``404`` is the answer and the connection closes (the body the client
+    holds back is never read)."""
+    return await _answer_and_close(request, await not_found(request))
 
 
 async def not_found(request: web.Request) -> web.Response:

@@ -1,4 +1,12 @@
-"""Hot reload: poll the config file and apply valid changes to the running sidecar.
+"""Hot reload: the operator's long-poll first, the config file as the fallback.
+
+With ``$TOKENFAIR_CONFIG_URL`` set (the injector sets it), a :class:`~.remote.RemoteFeed`
+long-polls the operator for the document and hands each new one to :meth:`ConfigWatcher.offer`:
+applied within about a second of the operator storing it. While that feed is healthy the file
+is not read (the kubelet refreshes it up to ~60 s late and could briefly bring back an older
+version); when the operator is unreachable the file is polled as before. Either way an invalid
+document is refused and the last good config stays, and bytes already applied (the same
+document arriving by the other path) are recognised by their SHA-256 and skipped.
 
 Every ``reload_interval_s`` the file's ``(mtime_ns, ctime_ns, size, inode)`` is compared with the
 last one read successfully; on a change its bytes are hashed, and a new SHA-256 is parsed. A valid
@@ -24,8 +32,10 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 from tokenfair_sidecar.config import ConfigError
+from tokenfair_sidecar.server.remote import RemoteFeed, RemoteSource
 from tokenfair_sidecar.server.settings import LoadedFile, loads_sidecar_file
 
 log = logging.getLogger("tokenfair.sidecar")
@@ -43,8 +53,11 @@ class ConfigWatcher:
         apply: Callable[[LoadedFile], None],
         refuse: Report,
         fail: Report,
+        defer: Callable[[], bool] = lambda: False,
     ) -> None:
         self.path = path
+        self.defer = defer
+        """True while another source (the long-poll) is authoritative: the file waits."""
         self.apply = apply
         self.refuse = refuse
         self.fail = fail
@@ -74,7 +87,30 @@ class ConfigWatcher:
                 log.error("%s", message, exc_info=exc)  # the traceback once per distinct error
             self._report(message, self.fail)
 
+    def offer(self, data: bytes, source: str) -> None:
+        """A document from elsewhere (the long-poll): applied unless it is what runs already
+        or invalid (refused, reported, the last good config stays); never raises."""
+        try:
+            digest = hashlib.sha256(data).hexdigest()
+            if digest == self.last_sha256:
+                return
+            try:
+                loaded = loads_sidecar_file(data, source)
+            except ConfigError as exc:
+                self._report(str(exc), self.refuse)
+                return
+            self.apply(loaded)
+            self.last_sha256 = digest
+            self._reported = None
+        except Exception as exc:  # as tick(): the feed must outlive any failure
+            message = f"config from {source} failed: {type(exc).__name__}: {exc}"
+            if message != self._reported:
+                log.error("%s", message, exc_info=exc)
+            self._report(message, self.fail)
+
     def _check(self) -> None:
+        if self.defer():  # not marked as seen: read once the other source stops answering
+            return
         path = self.path
         try:
             stat = path.stat()
@@ -114,9 +150,24 @@ async def watch_config(
     apply: Callable[[LoadedFile], None],
     refuse: Report,
     fail: Report,
+    remote: RemoteSource | Literal["env"] | None = "env",
 ) -> None:
-    """Run until cancelled."""
+    """Run until cancelled: the long-poll of ``remote`` (by default from the environment,
+    :meth:`RemoteSource.from_env`; None: none) and the file poll every ``interval_s``."""
+    if remote == "env":
+        try:
+            remote = RemoteSource.from_env()
+        except ValueError as exc:  # a bad URL must not cost the file watch
+            log.error("no config long-poll: %s", exc)
+            remote = None
+    feed: RemoteFeed | None = None
     watcher = ConfigWatcher(path, current_sha256, apply, refuse, fail)
-    while True:
-        await asyncio.sleep(interval_s)
-        watcher.tick()
+    if remote is not None:
+        feed = RemoteFeed(remote, lambda data, version: watcher.offer(data, remote.url))
+        watcher.defer = feed.healthy
+    async with asyncio.TaskGroup() as tasks:
+        if feed is not None:
+            tasks.create_task(feed.run(), name="tokenfair-config-long-poll")
+        while True:
+            await asyncio.sleep(interval_s)
+            watcher.tick()

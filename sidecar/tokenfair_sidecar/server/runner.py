@@ -75,7 +75,8 @@ def _tune_gc() -> None:
 class MalformedRequestLogFilter(logging.Filter):
     """Turns aiohttp's ``ERROR`` + traceback for a request it could not parse (bad framing,
     bad header bytes: anyone can send them, and the client got its ``400``) into one ``INFO``
-    line naming the peer and the parser's complaint. Other records pass unchanged."""
+    line naming the peer and the parser's complaint — emitted only where that logger would emit
+    an ``INFO`` line (not under ``--log-level WARNING``). Other records pass unchanged."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
@@ -86,6 +87,8 @@ class MalformedRequestLogFilter(logging.Filter):
             record.args = (peer, exc.code, " ".join(str(exc.message).split())[:120])
             record.exc_info = record.exc_text = None
             record.levelno, record.levelname = logging.INFO, "INFO"
+            # The logger let it through as an ERROR; as an INFO it passes only if INFO is on.
+            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
         return True
 
 

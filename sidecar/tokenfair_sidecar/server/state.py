@@ -47,6 +47,9 @@ log = logging.getLogger("tokenfair.sidecar")
 
 FALLBACK_RETRY_AFTER_S: Final = 1
 """``Retry-After`` when the gate gives no time (a request that can never fit as sized)."""
+REFUSAL_STATUSES: Final = frozenset({400, 429, 503})
+"""Statuses of a request never dispatched that count as refused (``400`` never admissible,
+``429`` a gate, ``503`` draining); the same statuses after dispatch are the upstream's."""
 
 
 class Sidecar:
@@ -222,16 +225,19 @@ class Sidecar:
         counts = self.tenant_counts.get(tenant)
         if counts is None:
             counts = self.tenant_counts[tenant] = Counter()
-        if status_code in (400, 429, 503):  # 400: refused as never admissible
-            metrics.refused.labels(tenant, lane, reason).inc()
-            counts["refused"] += 1
-        elif status_code == 499:
+        if status_code == 499:
             series.cancelled += 1
             counts["cancelled"] += 1
+        elif decision.dispatch_ms is None and status_code in REFUSAL_STATUSES:
+            # Never dispatched: refused at admission (429, or 400 never admissible), shed from
+            # the queue (429) or taken out of it by a drain (503 draining). A dispatched
+            # request's 400, 429 or 503 is the upstream's answer, not a refusal.
+            metrics.refused.labels(tenant, lane, reason).inc()
+            counts["refused"] += 1
         elif reason.startswith("upstream_") or reason == INTERNAL_ERROR or status_code >= 500:
             # Upstream faults (502, 504, a stream cut after its 200, usage not believed on a
-            # 200) and the sidecar's own failures (500 internal_error, or a 200 it could not
-            # settle).
+            # 200, the upstream's own 5xx), the sidecar's own failures (500 internal_error, or
+            # a 200 it could not settle) and requests the drain cut (503 drain_aborted).
             metrics.backend_errors.labels(tenant, lane, reason).inc()
             counts["backend_errors"] += 1
         else:

@@ -183,12 +183,14 @@ class BodyDecoder:
                 break
 
     def decode_all(self, data: bytes, limit: int) -> bytes:
-        """The whole body decoded; ``ValueError`` past ``limit`` bytes or cut short."""
+        """The whole body decoded; :class:`UpstreamTooLargeError` past ``limit`` bytes (a
+        ``502 upstream_too_large``, as a body that large before decoding), ``ValueError`` if it
+        is cut short."""
         out = bytearray()
         for piece in self.feed(data):
             out += piece
             if len(out) > limit:
-                raise ValueError(f"decoded body over {limit} bytes")
+                raise UpstreamTooLargeError(f"the {self.coding} body decodes to over {limit} bytes")
         if not self.complete:
             raise ValueError(f"{self.coding} body cut short")
         return bytes(out)
@@ -474,6 +476,8 @@ class OpenAIBackend(Backend):
             if decoder is not None:
                 try:
                     data = decoder.decode_all(data, MAX_BUFFERED_BODY_BYTES)
+                except UpstreamTooLargeError as exc:
+                    raise _upstream_failure(exc, "response") from None
                 except (zlib.error, ValueError) as exc:
                     raise UpstreamError(
                         502, "upstream_error", f"upstream {coding} body undecodable: {exc}"

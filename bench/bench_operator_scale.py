@@ -1,0 +1,228 @@
+"""The operator and the sidecar at 100 / 1,000 / 10,000 TenantQuotas in one policy (issue 13).
+
+Per size, printed as one table (best of ``--repeat`` runs for each timed step, except the
+reconcile passes, which run once):
+
+* ``render_s`` — :func:`tokenfair_operator.render_config` (judging every quota, the document,
+  its version, the read-back by the sidecar's loader, packing) with one API-key digest per
+  tenant from its key Secret, budgets divided across 3 sidecars; target < 1 s at 10,000;
+* ``doc_kB`` / ``stored_kB`` — the Secret's document as rendered and as stored (gzip above
+  256 KiB); the API server refuses more than 1,048.6 kB (1 MiB) in one object;
+* ``reload_s`` — the sidecar taking that stored Secret payload: ``loads_sidecar_file`` (gunzip,
+  JSON, validation) + ``Scheduler.reconfigure`` of a ``tokenfair`` scheduler already holding
+  the previous document (target < 1 s);
+* ``admit_us`` — the sidecar's admission cost per request with that many tenants: ``submit`` +
+  ``dispatch`` + ``complete`` of one request, averaged over 2,000 requests spread across tenants
+  (it should stay flat from 100 to 10,000);
+* with ``--kube`` (a real etcd + kube-apiserver from ``tests/kubecluster.py``; needs
+  ``make controlplane``): the quotas are created through the API, then the reconciler
+  (:class:`tokenfair_operator.reconcile.Reconciler`, the code Kopf handlers call) runs a
+  ``first`` pass (publishes and writes every status), a ``steady`` pass (nothing changed: reads
+  the key Secrets, renders, writes nothing) and a ``change`` pass (one quota's weight changed:
+  a new version: a new document, that quota's status and the policy's); target < 5 s; then
+  ``refresh_s``, the resync's re-read of every key Secret (outside the policy's lock).
+
+    .venv/bin/python bench/bench_operator_scale.py                # render + reload (~15 s)
+    .venv/bin/python bench/bench_operator_scale.py --kube         # + passes on the API (~6 min)
+    .venv/bin/python bench/bench_operator_scale.py --sizes 100,1000 --kube
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import gc
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Final
+
+ROOT: Final = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # kubecluster: the control plane the tests build
+
+from tokenfair_operator import PolicyView, QuotaView, render_config, sha256_hex  # noqa: E402
+from tokenfair_operator.reconcile import Reconciler  # noqa: E402
+from tokenfair_operator.render import KeyLookup  # noqa: E402
+from tokenfair_sidecar.core import make_scheduler  # noqa: E402
+from tokenfair_sidecar.core.jobs import Request  # noqa: E402
+from tokenfair_sidecar.core.scheduler import Scheduler  # noqa: E402
+from tokenfair_sidecar.server.settings import loads_sidecar_file  # noqa: E402
+
+REPLICAS: Final = 3
+ADMIT_REQUESTS: Final = 2_000
+NAMESPACE: Final = "bench"
+
+
+def quota_spec(i: int) -> dict[str, Any]:
+    return {
+        "policyName": "pool",
+        "weight": 1.0 + i % 4,
+        "burstServiceTokens": 200_000,
+        "sustainedServiceTokensPerSecond": 5_000.0,
+        "priorityClass": "batch" if i % 2 else "interactive",
+        "apiKeySecretRef": {"name": f"key-{i:05d}"},
+    }
+
+
+def world(n: int) -> tuple[PolicyView, list[QuotaView], dict[str, KeyLookup]]:
+    policy = PolicyView("pool", NAMESPACE, "uid-pool", 1, "2026-01-01T00:00:00Z", {})
+    quotas = [
+        QuotaView(f"tenant-{i:05d}", NAMESPACE, f"uid-{i}", 1, _created(i), quota_spec(i))
+        for i in range(n)
+    ]
+    keys: dict[str, KeyLookup] = {q.name: (sha256_hex(f"sk-{q.name}"),) for q in quotas}
+    return policy, quotas, keys
+
+
+def _created(i: int) -> str:
+    return f"2026-01-01T{i // 3600 % 24:02d}:{i // 60 % 60:02d}:{i % 60:02d}Z"
+
+
+def best_s(repeat: int, fn: Callable[[], object]) -> float:
+    times = []
+    for _ in range(repeat):
+        gc.collect()
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def offline(n: int, repeat: int) -> dict[str, float]:
+    policy, quotas, keys = world(n)
+    render_s = best_s(repeat, lambda: render_config(policy, quotas, keys, REPLICAS))
+    rendering = render_config(policy, quotas, keys, REPLICAS)
+    payload = rendering.secret_payload
+    before = render_config(policy, quotas[:-1], keys, REPLICAS).secret_payload
+    scheduler = make_scheduler("tokenfair", loads_sidecar_file(before, "before").config)
+
+    def reload() -> None:
+        scheduler.reconfigure(loads_sidecar_file(payload, "secret").config, 0.0)
+
+    reload_s = best_s(repeat, reload)
+    return {
+        "render_s": render_s,
+        "doc_kB": len(rendering.secret_data["config.yaml"].encode()) / 1000,
+        "stored_kB": len(payload) / 1000,
+        "reload_s": reload_s,
+        "admit_us": admission_us(scheduler, n),
+    }
+
+
+def admission_us(scheduler: Scheduler, n: int) -> float:
+    """Mean µs of submit + dispatch + complete, one request at a time, tenants spread."""
+    tenants = scheduler.config.tenants
+    requests = []
+    for k in range(ADMIT_REQUESTS):
+        tenant = tenants[(k * 7919) % n]
+        requests.append(
+            Request(f"r{k}", tenant.tenant_id, float(k), 200, 50, tenant.priority_class)
+        )
+    started = time.perf_counter()
+    for request in requests:
+        now_ms = request.arrival_ms
+        scheduler.submit(request, now_ms)
+        while (decision := scheduler.next_dispatch(now_ms)) is not None:
+            scheduler.complete(decision.request_id, now_ms)
+    return (time.perf_counter() - started) / ADMIT_REQUESTS * 1e6
+
+
+@contextlib.contextmanager
+def cluster() -> Iterator[Any]:
+    import kubecluster
+
+    binaries = kubecluster.find_binaries()
+    if isinstance(binaries, str):
+        raise SystemExit(f"--kube: {binaries}")
+    with kubecluster.running_cluster(binaries) as running:
+        yield running
+
+
+def on_kube(running: Any, n: int) -> dict[str, float]:
+    from tokenfair_operator.kube import KubeApi, api_client
+
+    ns = running.create_namespace("bench")
+    api_path = f"/apis/tokenfair.io/v1alpha1/namespaces/{ns}"
+    kind = {"apiVersion": "tokenfair.io/v1alpha1"}
+    policy = {**kind, "kind": "SchedulingPolicy", "metadata": {"name": "pool"}, "spec": {}}
+    running.expect(201, "POST", f"{api_path}/schedulingpolicies", policy)
+
+    def create(i: int) -> None:  # not timed: the world the passes reconcile
+        secret = {"metadata": {"name": f"key-{i:05d}"}, "stringData": {"k": f"sk-{i}"}}
+        running.expect(201, "POST", f"/api/v1/namespaces/{ns}/secrets", secret)
+        body = {**kind, "kind": "TenantQuota", "metadata": {"name": f"tenant-{i:05d}"}}
+        running.expect(201, "POST", f"{api_path}/tenantquotas", body | {"spec": quota_spec(i)})
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(create, range(n)))
+    kube = KubeApi(api_client(str(running.kubeconfig)))
+    reconciler = Reconciler(kube)
+    logger = logging.getLogger("bench")
+    key = (ns, "pool")
+
+    def objects() -> tuple[list[PolicyView], list[QuotaView]]:
+        policy = kube.get_policy(ns, "pool")
+        assert policy is not None
+        return [policy], kube.list_quotas(ns)
+
+    async def timed_pass() -> float:
+        policies, quotas = objects()  # the indexes' job under Kopf: not timed
+        started = time.perf_counter()
+        await reconciler.reconcile(key, policies, quotas, logger)
+        return time.perf_counter() - started
+
+    first_s = asyncio.run(timed_pass())
+    steady_s = asyncio.run(timed_pass())
+    changed = {"spec": {"weight": 9.0}}
+    running.request(
+        "PATCH",
+        f"{api_path}/tenantquotas/tenant-00000",
+        changed,
+        content_type="application/merge-patch+json",
+    )
+    change_s = asyncio.run(timed_pass())
+    quotas = objects()[1]
+    started = time.perf_counter()
+    asyncio.run(reconciler.refresh_keys(quotas))
+    refresh_s = time.perf_counter() - started
+    running.delete_namespace(ns)
+    return {"first_s": first_s, "steady_s": steady_s, "change_s": change_s, "refresh_s": refresh_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="100,1000,10000", help="quota counts, comma-separated")
+    parser.add_argument("--repeat", type=int, default=3, help="best of N for offline steps")
+    parser.add_argument("--kube", action="store_true", help="also time passes on a real API")
+    args = parser.parse_args()
+    # A SIGTERM unwinds like Ctrl-C: the control plane's processes are stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    sizes = [int(s) for s in args.sizes.split(",")]
+    columns = ["render_s", "doc_kB", "stored_kB", "reload_s", "admit_us"]
+    if args.kube:
+        columns += ["first_s", "steady_s", "change_s", "refresh_s"]
+    print(f"{'quotas':>7} " + " ".join(f"{c:>10}" for c in columns))
+    with cluster() if args.kube else contextlib.nullcontext() as running:
+        rows = {}
+        for n in sizes:
+            row = offline(n, args.repeat)
+            if running is not None:
+                row |= on_kube(running, n)
+            rows[n] = row
+            print(f"{n:>7} " + " ".join(f"{row[c]:>10.3f}" for c in columns), flush=True)
+    if len(sizes) > 1:
+        small, large = sizes[0], sizes[-1]
+        ratio = rows[large]["render_s"] / rows[small]["render_s"]
+        print(
+            f"render {large} / {small}: x{ratio:.0f} for x{large // small} quotas "
+            "(linear is the ratio of the counts)"
+        )
+
+
+if __name__ == "__main__":
+    main()

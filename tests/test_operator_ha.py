@@ -1,0 +1,169 @@
+"""Two operator replicas with leader election on a ``coordination.k8s.io`` Lease.
+
+Behaviours under test, on the real control plane with the shipped RBAC (two ``kopf run``
+processes, each with its own document server):
+
+- one replica leads (it holds the Lease and writes the documents and statuses); the other only
+  watches: its log shows no write, and the documents carry one version;
+- the standby relays a sidecar's long-poll to the leader (the address in the Lease): the same
+  version and bytes as the leader serves;
+- the leader crashes (SIGKILL, no release): the standby takes the Lease over once it expired,
+  says so in its log, runs a full pass, and a quota changed right after the crash reaches the
+  ConfigMap; the Lease counts one transition more; no storm of 409 retries in its log.
+
+The failover time is measured by ``bench/bench_failover.py``; nothing here asserts a duration
+(the waits are generous bounds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubecluster import KubeCluster, free_ports, stop_process
+from test_operator_kube import (
+    RESYNC_S,
+    USAGE_S,
+    _weight,
+    get,
+    operator_kubeconfig,
+    published,
+    running_operator,
+    wait_for,
+)
+from test_propagation import apply_lesson_and_wait, http_get, token_file
+
+__all__ = ["operator_kubeconfig"]  # a fixture, imported to be found by pytest
+
+LEASE = "tokenfair-operator"
+# Lease duration (10 s) + a retry (2 s) + a pass, with room for a loaded machine.
+FAILOVER_WAIT_S = 60.0
+
+
+def replica_env(ns: str, name: str, port: int) -> dict[str, str]:
+    return {
+        "TOKENFAIR_LEADER_ELECTION": "true",
+        "TOKENFAIR_LEASE_NAMESPACE": ns,
+        "TOKENFAIR_LEASE_NAME": LEASE,
+        "TOKENFAIR_POD_NAME": name,
+        "TOKENFAIR_HTTP_PORT": str(port),
+        "TOKENFAIR_HTTP_ADDR": "127.0.0.1",
+        "TOKENFAIR_HTTP_ADVERTISE": f"127.0.0.1:{port}",
+    }
+
+
+def start_replica(
+    kubeconfig: Path, ns: str, log: Path, env: dict[str, str]
+) -> subprocess.Popen[bytes]:
+    """A replica we may kill: ``running_operator`` insists its operator outlives the test."""
+    full_env = {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "TOKENFAIR_RESYNC_SECONDS": RESYNC_S,
+        "TOKENFAIR_USAGE_SECONDS": USAGE_S,
+        "NO_PROXY": "127.0.0.1,localhost",
+        "no_proxy": "127.0.0.1,localhost",
+        **env,
+    }
+    cmd = [sys.executable, "-m", "kopf", "run", "-m", "tokenfair_operator.handlers"]
+    cmd += ["--namespace", ns, "--standalone"]
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+
+
+def lease(cluster: KubeCluster, ns: str) -> dict[str, Any]:
+    body = get(cluster, f"/apis/coordination.k8s.io/v1/namespaces/{ns}/leases/{LEASE}")
+    spec: dict[str, Any] = (body or {}).get("spec", {})
+    return spec
+
+
+def held_by(cluster: KubeCluster, ns: str, name: str) -> dict[str, Any] | None:
+    spec = lease(cluster, ns)
+    holder = str(spec.get("holderIdentity", ""))
+    return spec if holder.startswith(f"{name}_") else None  # <pod name>_<random>
+
+
+def _answers(url: str) -> bool:
+    try:
+        return http_get(url)[0] == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def leader_process(
+    operator_kubeconfig: Path, kube_namespace: str, tmp_path: Path
+) -> Iterator[tuple[subprocess.Popen[bytes], Path, int]]:
+    (port,) = free_ports(1)
+    log = tmp_path / "leader.log"
+    proc = start_replica(
+        operator_kubeconfig, kube_namespace, log, replica_env(kube_namespace, "op-a", port)
+    )
+    try:
+        yield proc, log, port
+    finally:
+        stop_process(proc)
+        print(f"--- leader log (tail) ---\n{log.read_text(errors='replace')[-4000:]}")
+
+
+def test_one_leader_writes_the_standby_relays_and_takes_over(
+    kube_cluster: KubeCluster,
+    kube_namespace: str,
+    operator_kubeconfig: Path,
+    leader_process: tuple[subprocess.Popen[bytes], Path, int],
+    tmp_path: Path,
+) -> None:
+    ns = kube_namespace
+    leader, leader_log, leader_port = leader_process
+    wait_for("op-a to hold the Lease", lambda: held_by(kube_cluster, ns, "op-a"))
+    (standby_port,) = free_ports(1)
+    standby_env = replica_env(ns, "op-b", standby_port)
+    with running_operator(
+        operator_kubeconfig, ns, tmp_path / "standby.log", **standby_env
+    ) as standby_log:
+        health = f"http://127.0.0.1:{standby_port}/healthz"
+        wait_for("the standby's server", lambda: _answers(health))
+        version = apply_lesson_and_wait(kube_cluster, ns)
+        assert held_by(kube_cluster, ns, "op-a") is not None
+        transitions = lease(kube_cluster, ns).get("leaseTransitions", 0)
+        assert "published config version" in leader_log.read_text()
+        assert "published config version" not in standby_log.read_text()
+
+        # A sidecar sent to the standby gets the leader's document, relayed.
+        token = token_file(kube_cluster, ns, "model", tmp_path).read_text()
+        path = f"/v1/config/{ns}/pool?source=configmap&waitSeconds=0"
+        direct = http_get(f"http://127.0.0.1:{leader_port}{path}", token)
+        relayed = http_get(f"http://127.0.0.1:{standby_port}{path}", token)
+        assert direct[0] == relayed[0] == 200
+        assert direct[1]["X-Tokenfair-Config-Version"] == version
+        assert relayed[1]["X-Tokenfair-Config-Version"] == version
+        assert relayed[2] == direct[2]
+
+        # The leader crashes: nothing releases the Lease.
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+        patch = json.dumps({"spec": {"weight": 5}})
+        kube_cluster.kubectl("patch", "tq", "chat-pro", "-n", ns, "--type=merge", "-p", patch)
+
+        spec = wait_for(
+            "op-b to hold the Lease", lambda: held_by(kube_cluster, ns, "op-b"), FAILOVER_WAIT_S
+        )
+        assert spec["leaseTransitions"] == transitions + 1
+        wait_for(
+            "the change published by the new leader",
+            lambda: _weight(published(kube_cluster, ns), "tenant_chat_pro", 5.0),
+            FAILOVER_WAIT_S,
+        )
+        text = standby_log.read_text()
+        assert "became the leader" in text
+        assert "published config version" in text
+        assert text.count("conflict, retrying") <= 3  # no 409 storm

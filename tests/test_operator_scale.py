@@ -1,0 +1,202 @@
+"""A policy whose document no longer fits one Kubernetes object uncompressed.
+
+Behaviours under test:
+
+- on the real control plane, with the shipped RBAC: 1,000 TenantQuotas of 16 inline key
+  digests each make a Secret document of over 1 MiB (the API server's limit on a ConfigMap's or
+  Secret's data, which the plain-YAML documents of earlier versions hit at ~4,500 tenants of one
+  key); the operator publishes it gzip-compressed (the ConfigMap's, over 256 KiB by long
+  tenant ids, in ``binaryData``), under the limit, and the sidecar's own file loader reads back
+  all 1,000 tenants from the stored bytes of both, the Secret's with their digests; every
+  quota's status names that version;
+- a document that does not fit even compressed (random digests barely compress) is not
+  published: ``DocumentTooLarge`` on the policy and its quotas, naming the size and the limit;
+- a small document stays plain text (``kubectl get cm -o yaml`` shows it);
+- the sidecar refuses a gzip bomb by its decompressed size, and corrupt gzip, naming the rule.
+
+The 10,000-quota figures (render, reconcile pass, sidecar reload) come from
+``bench/bench_operator_scale.py``; nothing here asserts a duration.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubecluster import KubeCluster
+from test_operator_kube import (
+    API,
+    condition,
+    get,
+    operator_kubeconfig,
+    policy_path,
+    running_operator,
+    wait_for,
+)
+
+from tokenfair_operator import PolicyView, QuotaView, render_config
+from tokenfair_operator.payload import COMPRESS_ABOVE_BYTES, MAX_OBJECT_DATA_BYTES
+from tokenfair_operator.status import policy_status, quota_status
+from tokenfair_sidecar.config import MAX_DOCUMENT_BYTES, ConfigError
+from tokenfair_sidecar.server.settings import loads_sidecar_file
+
+__all__ = ["operator_kubeconfig"]  # a fixture, imported to be found by pytest
+
+QUOTAS = 1_000
+KEYS_PER_QUOTA = 16
+# Generous: 1,000 creations and 1,000 status writes on a loaded 2-core machine.
+SCALE_WAIT_S = 240.0
+
+
+def digests(quota_index: int, count: int) -> list[str]:
+    return [hashlib.sha256(f"key-{quota_index}-{k}".encode()).hexdigest() for k in range(count)]
+
+
+def quota_spec(i: int, keys: int = KEYS_PER_QUOTA) -> dict[str, Any]:
+    return {
+        "policyName": "pool",
+        "weight": 1.0 + i % 4,
+        "burstServiceTokens": 20_000,
+        "sustainedServiceTokensPerSecond": 500.0,
+        "priorityClass": "batch" if i % 2 else "interactive",
+        "apiKeySha256": digests(i, keys),
+        # Long ids take the ConfigMap's document (no digests) past 256 KiB too: gzip there,
+        # stored in binaryData.
+        "tenantId": tenant_id(i),
+    }
+
+
+def tenant_id(i: int) -> str:
+    return f"tenant-{i:04d}-" + "x" * 150
+
+
+@pytest.fixture
+def scale_operator(
+    operator_kubeconfig: Path, kube_namespace: str, tmp_path: Path
+) -> Iterator[Path]:
+    with running_operator(operator_kubeconfig, kube_namespace, tmp_path / "operator.log") as log:
+        yield log
+
+
+def stored_payload(cluster: KubeCluster, ns: str, kind: str, name: str) -> bytes | None:
+    obj = get(cluster, f"/api/v1/namespaces/{ns}/{kind}/{name}")
+    if obj is None:
+        return None
+    if kind == "secrets":
+        return base64.b64decode(obj["data"]["config.yaml"])
+    if "config.yaml" in obj.get("data", {}):
+        return str(obj["data"]["config.yaml"]).encode()
+    return base64.b64decode(obj["binaryData"]["config.yaml"])
+
+
+def test_a_document_over_one_mebibyte_is_published_compressed(
+    kube_cluster: KubeCluster, kube_namespace: str, scale_operator: Path
+) -> None:
+    ns = kube_namespace
+    policy = {"apiVersion": "tokenfair.io/v1alpha1", "kind": "SchedulingPolicy"}
+    kube_cluster.expect(
+        201,
+        "POST",
+        f"{API}/namespaces/{ns}/schedulingpolicies",
+        {**policy, "metadata": {"name": "pool"}, "spec": {}},
+    )
+    for i in range(QUOTAS):
+        body = {
+            "apiVersion": "tokenfair.io/v1alpha1",
+            "kind": "TenantQuota",
+            "metadata": {"name": f"tenant-{i:04d}"},
+            "spec": quota_spec(i),
+        }
+        kube_cluster.expect(201, "POST", f"{API}/namespaces/{ns}/tenantquotas", body)
+
+    def all_published() -> dict[str, Any] | None:
+        obj = get(kube_cluster, policy_path(ns))
+        status = (obj or {}).get("status", {})
+        return (
+            obj if status.get("tenants") == QUOTAS and condition(obj)["status"] == "True" else None
+        )
+
+    pool = wait_for(f"{QUOTAS} tenants published", all_published, SCALE_WAIT_S)
+    version = pool["status"]["configVersion"]
+    for kind, name in (("secrets", "tokenfair-pool-keys"), ("configmaps", "tokenfair-pool")):
+        payload = stored_payload(kube_cluster, ns, kind, name)
+        assert payload is not None
+        assert payload[:2] == b"\x1f\x8b", f"{kind}: a document this large is stored as gzip"
+        assert len(payload) < MAX_OBJECT_DATA_BYTES
+        loaded = loads_sidecar_file(payload, f"{kind}/{name}")
+        assert loaded.config.version == version
+        assert len(loaded.config.tenants) == QUOTAS
+    plain = gzip.decompress(
+        stored_payload(kube_cluster, ns, "secrets", "tokenfair-pool-keys") or b""
+    )
+    # The old way (the document stored as it is) would have been refused by the API server.
+    assert len(plain) > MAX_OBJECT_DATA_BYTES
+    secret_config = loads_sidecar_file(plain, "secret").config
+    by_id = {t.tenant_id: t for t in secret_config.tenants}
+    assert by_id[tenant_id(999)].api_key_sha256 == tuple(digests(999, KEYS_PER_QUOTA))
+    # Every quota's status names the first version that held it (written in bounded-parallel
+    # batches as the quotas arrived), each one a 16-hex-digit content hash.
+    # The policy's status is written before its quotas': wait for the last of those.
+    listing = wait_for("every quota's status", lambda: quotas_with_status(kube_cluster, ns))
+    for item in listing:
+        assert len(item["status"].get("configVersion", "")) == 16, item["metadata"]["name"]
+        assert condition(item, "ConfigPublished")["status"] == "True"
+
+
+def quotas_with_status(cluster: KubeCluster, ns: str) -> list[dict[str, Any]] | None:
+    items: list[dict[str, Any]] = cluster.expect(
+        200, "GET", f"{API}/namespaces/{ns}/tenantquotas"
+    ).body["items"]
+    done = [item for item in items if item.get("status", {}).get("configVersion")]
+    return items if len(done) == QUOTAS else None
+
+
+def view_policy() -> PolicyView:
+    return PolicyView("pool", "ns", "uid-pool", 1, "2026-01-01T00:00:00Z", {})
+
+
+def view_quota(i: int, keys: int) -> QuotaView:
+    spec = quota_spec(i, keys)
+    return QuotaView(f"tenant-{i:04d}", "ns", f"uid-{i}", 3, "2026-01-01T00:00:01Z", spec)
+
+
+def test_a_document_too_large_even_compressed_is_not_published() -> None:
+    # 33,000 random digests are ~1.1 MB of entropy: no compression brings them under 1 MiB.
+    quotas = [view_quota(i, 64) for i in range(520)]
+
+    rendering = render_config(view_policy(), quotas, {})
+
+    assert rendering.version == ""
+    assert rendering.publish_error is not None
+    assert str(MAX_OBJECT_DATA_BYTES) in rendering.publish_error
+    assert all(v.accepted for v in rendering.verdicts.values())
+    status = policy_status(view_policy(), rendering, now="2026-01-01T00:00:02Z")
+    published = {c["type"]: c for c in status["conditions"]}["ConfigPublished"]
+    assert (published["status"], published["reason"]) == ("False", "DocumentTooLarge")
+    one = quota_status(quotas[0], rendering.verdicts[quotas[0].name], rendering, now="t")
+    reasons = {c["type"]: c["reason"] for c in one["conditions"]}
+    assert reasons["ConfigPublished"] == "DocumentTooLarge"
+    assert one["configVersion"] == ""
+
+
+def test_a_small_document_stays_plain_json() -> None:
+    rendering = render_config(view_policy(), [view_quota(i, 1) for i in range(10)], {})
+
+    assert len(rendering.secret_payload) <= COMPRESS_ABOVE_BYTES
+    document = json.loads(rendering.secret_payload)
+    assert document["version"] == rendering.version
+    assert rendering.configmap_payload.decode() == rendering.configmap_data["config.yaml"]
+
+
+def test_the_sidecar_refuses_a_gzip_bomb_and_corrupt_gzip() -> None:
+    bomb = gzip.compress(b"{" + b" " * (MAX_DOCUMENT_BYTES + 1) + b"}")
+    with pytest.raises(ConfigError, match=f"at most {MAX_DOCUMENT_BYTES} bytes once decompressed"):
+        loads_sidecar_file(bomb, "bomb.yaml")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid gzip"):
+        loads_sidecar_file(b"\x1f\x8b" + b"\x00" * 20, "bad.yaml")

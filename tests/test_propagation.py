@@ -1,0 +1,367 @@
+"""Fast config propagation: the operator serves each policy's document over a long-poll.
+
+Behaviours under test, on the real control plane with the operator's shipped RBAC and real
+``tokenfair sidecar`` processes (three, as the Pods of one policy would run them):
+
+- a quota change reaches every sidecar through the long-poll alone: the file each sidecar was
+  started from is never rewritten (no kubelet here), yet all three run the new version and its
+  new burst; the document server answers a sidecar with exactly the ConfigMap's stored bytes;
+- the last good config stays through an operator outage (sidecars keep serving their version,
+  still ready), the mounted file takes over while the operator is away (a document written to
+  it is applied), and once the operator is back its document wins again;
+- the document server checks who asks: no token or an invalid one -> 401, a ServiceAccount of
+  another namespace -> 403 (its own namespace's only), the policy's namespace -> 200 with the
+  version header, the same version with ``waitSeconds=0`` -> 304, bad parameters -> 400 naming
+  the parameter and the rule; an unknown policy -> 404;
+- the injector wires it: with ``config_url_base`` the sidecar gets the long-poll URL (the Pod's
+  namespace from the downward API) and a projected token; without it, nothing changes;
+- the policy's status counts the Ready sidecars on its published version: of three (two on
+  the long-poll, one reading a file nobody refreshes), after the budgets are re-split three
+  ways ``status.sidecars`` is ``2/3 @ <version>``, and ``kubectl get tsp`` shows it.
+
+Latency figures (p50/p99 over 20 rounds) come from ``bench/bench_propagation.py``; nothing here
+asserts a duration.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubecluster import KubeCluster, free_ports, stop_process
+from test_operator_kube import (
+    LESSON,
+    get,
+    operator_kubeconfig,
+    policy_path,
+    running_operator,
+    sidecar_status,
+    wait_for,
+)
+
+from tokenfair_operator.inject import InjectionSettings, injected
+
+__all__ = ["operator_kubeconfig"]  # a fixture, imported to be found by pytest
+
+SIDECARS = 3
+VERSION_HEADER = "X-Tokenfair-Config-Version"
+
+
+@contextlib.contextmanager
+def serving_operator(kubeconfig: Path, ns: str, log: Path, port: int) -> Iterator[str]:
+    """The operator with its document server on ``127.0.0.1:port``; yields the URL base."""
+    env = {"TOKENFAIR_HTTP_PORT": str(port), "TOKENFAIR_HTTP_ADDR": "127.0.0.1"}
+    with running_operator(kubeconfig, ns, log, **env):
+        yield f"http://127.0.0.1:{port}"
+
+
+def token_file(cluster: KubeCluster, ns: str, name: str, folder: Path) -> Path:
+    """A TokenRequest token of a new ServiceAccount ``ns/name``, in a file (as projected)."""
+    cluster.create_service_account(ns, name)
+    path = folder / f"{ns}-{name}.token"
+    path.write_text(cluster.service_account_token(ns, name))
+    return path
+
+
+def http_get(url: str, token: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with opener.open(request, timeout=70) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as err:
+        with err:
+            return err.code, dict(err.headers), err.read()
+
+
+def stored_configmap(cluster: KubeCluster, ns: str) -> bytes:
+    configmap = get(cluster, f"/api/v1/namespaces/{ns}/configmaps/tokenfair-pool")
+    assert configmap is not None
+    if "config.yaml" in configmap.get("data", {}):
+        return str(configmap["data"]["config.yaml"]).encode()
+    return base64.b64decode(configmap["binaryData"]["config.yaml"])
+
+
+def apply_lesson_and_wait(cluster: KubeCluster, ns: str) -> str:
+    cluster.kubectl("apply", "-n", ns, "-f", str(LESSON))
+
+    def version() -> str | None:
+        policy = get(cluster, policy_path(ns))
+        status = (policy or {}).get("status", {})
+        return status.get("configVersion") if status.get("tenants") == 3 else None
+
+    return wait_for("3 tenants published", version)
+
+
+@contextlib.contextmanager
+def sidecars(
+    count: int, config_file: Path, folder: Path, env: dict[str, str]
+) -> Iterator[list[str]]:
+    """``count`` ``tokenfair sidecar`` processes (cost-model backend) started from
+    ``config_file`` with ``env``; yields their admin URLs."""
+    tokenfair = Path(sys.executable).with_name("tokenfair")
+    folder.mkdir(exist_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    admins = []
+    try:
+        for i in range(count):
+            proxy_port, admin_port = free_ports(2)
+            cmd = [str(tokenfair), "sidecar", "--config", str(config_file)]
+            cmd += ["--backend", "costmodel", "--listen", f"127.0.0.1:{proxy_port}"]
+            cmd += ["--admin-listen", f"127.0.0.1:{admin_port}"]
+            with (folder / f"sidecar-{i}.log").open("wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env={**os.environ, **env},
+                        start_new_session=True,
+                    )
+                )
+            admins.append(f"http://127.0.0.1:{admin_port}")
+        yield admins
+    finally:
+        for proc in procs:
+            stop_process(proc)
+        for i in range(len(procs)):
+            print(f"--- sidecar-{i} log ---\n{(folder / f'sidecar-{i}.log').read_text()[-3000:]}")
+
+
+def runs(admin: str, version: str) -> dict[str, Any] | None:
+    status = sidecar_status(admin)
+    return status if status is not None and status["config"]["version"] == version else None
+
+
+def all_run(admins: list[str], version: str) -> list[dict[str, Any]] | None:
+    statuses = [runs(admin, version) for admin in admins]
+    return [s for s in statuses if s is not None] if all(statuses) else None
+
+
+def long_poll_env(base: str, ns: str, token: Path) -> dict[str, str]:
+    return {
+        "TOKENFAIR_CONFIG_URL": f"{base}/v1/config/{ns}/pool?source=configmap",
+        "TOKENFAIR_CONFIG_TOKEN_FILE": str(token),
+    }
+
+
+def patch_burst(cluster: KubeCluster, ns: str, burst: int) -> None:
+    patch = json.dumps({"spec": {"burstServiceTokens": burst}})
+    cluster.kubectl("patch", "tq", "chat-pro", "-n", ns, "--type=merge", "-p", patch)
+
+
+def new_version(cluster: KubeCluster, ns: str, old: str) -> str:
+    def changed() -> str | None:
+        status = (get(cluster, policy_path(ns)) or {}).get("status", {})
+        version = status.get("configVersion")
+        return version if version and version != old else None
+
+    return wait_for("a new config version", changed)
+
+
+def test_a_change_reaches_every_sidecar_through_the_long_poll(
+    kube_cluster: KubeCluster, kube_namespace: str, operator_kubeconfig: Path, tmp_path: Path
+) -> None:
+    ns = kube_namespace
+    token = token_file(kube_cluster, ns, "model", tmp_path)
+    (port,) = free_ports(1)
+    with serving_operator(operator_kubeconfig, ns, tmp_path / "operator.log", port) as base:
+        first = apply_lesson_and_wait(kube_cluster, ns)
+        config_file = tmp_path / "config.yaml"
+        config_file.write_bytes(stored_configmap(kube_cluster, ns))  # the kubelet, once
+        started_from = config_file.read_bytes()
+        with sidecars(SIDECARS, config_file, tmp_path, long_poll_env(base, ns, token)) as admins:
+            wait_for("every sidecar on the first version", lambda: all_run(admins, first))
+
+            patch_burst(kube_cluster, ns, 24_000)
+            second = new_version(kube_cluster, ns, first)
+            statuses = wait_for("every sidecar on the new version", lambda: all_run(admins, second))
+
+        assert len(statuses) == SIDECARS
+        for status in statuses:
+            assert status["tenants"]["tenant_chat_pro"]["burst_service_tokens"] == 24_000
+        assert config_file.read_bytes() == started_from  # the file played no part
+        status_code, headers, body = http_get(
+            f"{base}/v1/config/{ns}/pool?source=configmap&waitSeconds=0", token.read_text()
+        )
+        assert (status_code, headers[VERSION_HEADER]) == (200, second)
+        assert body == stored_configmap(kube_cluster, ns)
+
+
+def test_last_good_config_through_an_outage_and_the_file_as_fallback(
+    kube_cluster: KubeCluster, kube_namespace: str, operator_kubeconfig: Path, tmp_path: Path
+) -> None:
+    ns = kube_namespace
+    token = token_file(kube_cluster, ns, "model", tmp_path)
+    (port,) = free_ports(1)
+    config_file = tmp_path / "config.yaml"
+    env = long_poll_env(f"http://127.0.0.1:{port}", ns, token)
+    with serving_operator(operator_kubeconfig, ns, tmp_path / "operator.log", port):
+        first = apply_lesson_and_wait(kube_cluster, ns)
+        document = json.loads(stored_configmap(kube_cluster, ns))
+    # The operator is gone: a sidecar starts from the file and keeps it.
+    config_file.write_text(json.dumps(document))
+    with sidecars(1, config_file, tmp_path, env) as (admin,):
+        wait_for("the sidecar on the file's version", lambda: runs(admin, first))
+        # While the operator is away the file is the source: a change to it is applied.
+        manual = {**document, "version": "written-by-hand"}
+        manual["tenants"][0]["burstServiceTokens"] = 1234
+        staged = tmp_path / "config.staged"
+        staged.write_text(json.dumps(manual))
+        staged.replace(config_file)
+        status = wait_for("the file's new version", lambda: runs(admin, "written-by-hand"))
+        assert status["tenants"][manual["tenants"][0]["tenantId"]]["burst_service_tokens"] == 1234
+        ready = http_get(f"{admin}/readyz")
+        assert ready[0] == 200
+
+        # The operator is back: its document (the cluster's) wins over the hand-written file.
+        with serving_operator(operator_kubeconfig, ns, tmp_path / "operator-2.log", port):
+            wait_for("the operator's version again", lambda: runs(admin, first))
+
+
+def test_the_document_server_checks_who_asks(
+    kube_cluster: KubeCluster, kube_namespace: str, operator_kubeconfig: Path, tmp_path: Path
+) -> None:
+    ns = kube_namespace
+    own = token_file(kube_cluster, ns, "model", tmp_path).read_text()
+    other_ns = kube_cluster.create_namespace("other")
+    try:
+        other = token_file(kube_cluster, other_ns, "model", tmp_path).read_text()
+        (port,) = free_ports(1)
+        with serving_operator(operator_kubeconfig, ns, tmp_path / "operator.log", port) as base:
+            version = apply_lesson_and_wait(kube_cluster, ns)
+            url = f"{base}/v1/config/{ns}/pool"
+
+            assert http_get(f"{url}?waitSeconds=0")[0] == 401
+            status, _, body = http_get(f"{url}?waitSeconds=0", "not-a-token")
+            assert (status, b"not a valid ServiceAccount token" in body) == (401, True)
+            status, _, body = http_get(f"{url}?waitSeconds=0", other)
+            assert status == 403
+            assert f"namespace {other_ns!r} may not read policy {ns}/pool".encode() in body
+
+            status, headers, secret = http_get(f"{url}?source=secret&waitSeconds=0", own)
+            assert (status, headers[VERSION_HEADER]) == (200, version)
+            tenants = {t["tenantId"] for t in json.loads(secret)["tenants"]}
+            assert tenants == {"tenant_chat_pro", "tenant_ide_assist", "tenant_batch_rag"}
+            same = http_get(f"{url}?version={version}&waitSeconds=0", own)
+            assert same[0] == 304
+
+            status, _, body = http_get(f"{url}?source=vault", own)
+            assert (status, body.startswith(b"source: must be one of secret, configmap")) == (
+                400,
+                True,
+            )
+            status, _, body = http_get(f"{url}?waitSeconds=600", own)
+            assert (status, b"waitSeconds: must be an integer 0..60" in body) == (400, True)
+            missing = http_get(f"{base}/v1/config/{ns}/nowhere?waitSeconds=0", own)
+            assert missing[0] == 404
+    finally:
+        kube_cluster.delete_namespace(other_ns)
+
+
+def pod(annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "metadata": {"labels": {"tokenfair.io/policy": "pool"}, "annotations": annotations or {}},
+        "spec": {"containers": [{"name": "model", "image": "vllm"}]},
+    }
+
+
+@pytest.mark.parametrize("source", ["secret", "configmap"])
+def test_the_injector_wires_the_long_poll(source: str) -> None:
+    settings = InjectionSettings(config_url_base="http://tokenfair-operator.tf.svc:8081/")
+    change = injected(pod({"tokenfair.io/config-source": source}), settings)
+
+    assert change is not None
+    sidecar = change["containers"][0]
+    env = {e["name"]: e for e in sidecar["env"]}
+    assert env["TOKENFAIR_POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == (
+        "metadata.namespace"
+    )
+    assert env["TOKENFAIR_CONFIG_URL"]["value"] == (
+        "http://tokenfair-operator.tf.svc:8081/v1/config/$(TOKENFAIR_POD_NAMESPACE)/pool"
+        f"?source={source}"
+    )
+    token = env["TOKENFAIR_CONFIG_TOKEN_FILE"]["value"]
+    mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
+    assert token == f"{mounts['tokenfair-token']}/token"
+    volume = next(v for v in change["volumes"] if v["name"] == "tokenfair-token")
+    (projected,) = volume["projected"]["sources"]
+    assert projected["serviceAccountToken"]["path"] == "token"
+    # Without a document server: the file alone, as before.
+    plain = injected(pod(), InjectionSettings())
+    assert plain is not None
+    assert "env" not in plain["containers"][0]
+    assert [v["name"] for v in plain["volumes"]] == ["tokenfair-config"]
+
+
+def register_pod(cluster: KubeCluster, ns: str, name: str, admin: str) -> None:
+    """A Ready Pod standing for a sidecar process (the test plays the kubelet)."""
+    pod = {
+        "metadata": {
+            "name": name,
+            "labels": {"tokenfair.io/policy": "pool"},
+            "annotations": {"tokenfair.io/admin-port": admin.rsplit(":", 1)[1]},
+        },
+        "spec": {"containers": [{"name": "tokenfair-sidecar", "image": "tokenfair"}]},
+    }
+    cluster.expect(201, "POST", f"/api/v1/namespaces/{ns}/pods", pod)
+    body = {
+        "status": {
+            "podIP": "127.0.0.1",
+            "podIPs": [{"ip": "127.0.0.1"}],
+            "conditions": [{"type": "Ready", "status": "True"}],
+        }
+    }
+    path = f"/api/v1/namespaces/{ns}/pods/{name}/status"
+    resp = cluster.request("PATCH", path, body, content_type="application/merge-patch+json")
+    assert resp.status == 200, resp.body
+
+
+def test_status_shows_how_many_sidecars_run_the_current_version(
+    kube_cluster: KubeCluster, kube_namespace: str, operator_kubeconfig: Path, tmp_path: Path
+) -> None:
+    ns = kube_namespace
+    token = token_file(kube_cluster, ns, "model", tmp_path)
+    (port,) = free_ports(1)
+    with serving_operator(operator_kubeconfig, ns, tmp_path / "operator.log", port) as base:
+        apply_lesson_and_wait(kube_cluster, ns)
+        config_file = tmp_path / "config.yaml"
+        config_file.write_bytes(stored_configmap(kube_cluster, ns))
+        with (
+            sidecars(2, config_file, tmp_path / "a", long_poll_env(base, ns, token)) as polling,
+            sidecars(1, config_file, tmp_path / "b", {}) as (file_only,),
+        ):
+            for i, admin in enumerate([*polling, file_only]):
+                register_pod(kube_cluster, ns, f"sidecar-{i}", admin)
+
+            # Three Ready sidecars: budgets split three ways, a new version. The two on the
+            # long-poll take it; the third reads a file nobody refreshes: a stuck rollout.
+            def stuck() -> dict[str, Any] | None:
+                status = (get(kube_cluster, policy_path(ns)) or {}).get("status", {})
+                version = status.get("configVersion")
+                wanted = f"2/3 @ {version}"
+                return (
+                    status
+                    if status.get("budgetShares") == 3 and status.get("sidecars") == wanted
+                    else None
+                )
+
+            status = wait_for("2 of 3 sidecars on the version", stuck)
+            assert (status["sidecarsReady"], status["sidecarsCurrent"]) == (3, 2)
+            version = status["configVersion"]
+            for admin in polling:
+                assert runs(admin, version) is not None
+            assert runs(file_only, version) is None
+            table = kube_cluster.kubectl("get", "tsp", "pool", "-n", ns).stdout
+            assert f"2/3 @ {version}" in table
