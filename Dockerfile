@@ -3,21 +3,28 @@
 #   operator:  kopf run -m tokenfair_operator.handlers --all-namespaces   (charts/tokenfair)
 #   sidecar:   tokenfair sidecar --config FILE --listen 0.0.0.0:8080 --admin-listen 0.0.0.0:9090
 # Build:       docker build -t tokenfair/tokenfair:0.1.0 .
+# Offline:     a `wheels/` folder in the context (every dependency and the build backend as
+#              wheels) and --build-arg PIP_INSTALL_ARGS="--no-index --find-links=/src" install
+#              from it instead of the package index: what `make image` does (docs/node.md).
 # Runs as UID 10001 with a read-only root filesystem: nothing is written at run time except /tmp
 # (the chart mounts an emptyDir there), bytecode is compiled at build time.
 
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+# Extra `pip install` options, e.g. an offline wheelhouse (see above); empty: the package index.
+ARG PIP_INSTALL_ARGS=""
 
 # --- build: a virtualenv holding tokenfair with the operator extra (kopf, kubernetes, crypto) ---
 FROM ${PYTHON_IMAGE} AS build
+ARG PIP_INSTALL_ARGS
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/tokenfair
 WORKDIR /src
 # Only what the package build reads (.dockerignore keeps the rest out of the context).
-COPY pyproject.toml README.md ./
+# `wheel[s]` matches an optional wheelhouse folder (its files land in /src); with none, nothing.
+COPY pyproject.toml README.md wheel[s] ./
 COPY sidecar/tokenfair_sidecar sidecar/tokenfair_sidecar
 COPY operator/tokenfair_operator operator/tokenfair_operator
-RUN /opt/tokenfair/bin/pip install --no-compile '.[operator]' \
+RUN /opt/tokenfair/bin/pip install --no-compile ${PIP_INSTALL_ARGS} '.[operator]' \
  && /opt/tokenfair/bin/python -m compileall -q /opt/tokenfair/lib
 
 # --- run: the same Python, the virtualenv, no compilers, pip or sources ------------------------

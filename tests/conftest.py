@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-pytest_plugins = ["kubecluster"]
+pytest_plugins = ["kubecluster", "kubenode"]
 
 
 @pytest.fixture

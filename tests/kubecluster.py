@@ -13,6 +13,8 @@ group at the end of the session. What it runs:
   serviceaccount controllers: owner references cascade and deleted namespaces go away.
 
 Every YAML file in the repository's ``crds/`` folder is applied (server-side) and waited for.
+``start_cluster``/``running_cluster`` take a :class:`ControlPlaneOptions` whose defaults are
+exactly the above; the node plugin (tests/kubenode.py) passes the flags a kubelet needs.
 
 Binaries are looked up in ``$KUBEBUILDER_ASSETS`` first (envtest's convention: a folder with
 ``kube-apiserver``, ``etcd`` and ``kubectl``), then in the folders that ``make controlplane tools``
@@ -437,42 +439,84 @@ def etcd_command(binary: Path, workdir: Path, client_port: int, peer_port: int) 
     ]
 
 
-def apiserver_command(binary: Path, workdir: Path, etcd_port: int, port: int) -> list[str]:
+@dataclass(frozen=True)
+class ControlPlaneOptions:
+    """What differs between the API-only control plane (``kube_cluster``, the defaults) and one
+    that a kubelet joins (``kube_node`` in tests/kubenode.py, see docs/node.md)."""
+
+    #: Address kube-apiserver listens on; ``0.0.0.0`` lets Pods reach it through the
+    #: ``kubernetes`` Service (its self-signed certificate then names ``advertise_address``).
+    bind_address: str = "127.0.0.1"
+    #: Address published in the ``kubernetes`` Service's endpoints and used by the clients here.
+    advertise_address: str = "127.0.0.1"
+    #: ClusterIP range (``--service-cluster-ip-range``); its first address is ``kubernetes``.
+    service_cidr: str = "10.0.0.0/24"
+    #: The ``ServiceAccount`` admission plugin, which gives Pods their token volume. Off without
+    #: a kubelet: the ``default`` ServiceAccount would race the controller that creates it.
+    service_account_admission: bool = False
+    #: ``none``: loopback may not be an endpoint; ``lease`` keeps ``kubernetes`` pointing at
+    #: ``advertise_address`` (a node address).
+    endpoint_reconciler: str = "none"
+    #: kube-controller-manager's ``--controllers``.
+    controllers: str = "garbage-collector-controller,namespace-controller,serviceaccount-controller"
+    #: Give kube-controller-manager the serving certificate's CA as ``--root-ca-file``, so it
+    #: publishes ConfigMap ``kube-root-ca.crt`` in every namespace (Pods' token volumes use it).
+    publish_root_ca: bool = False
+    #: Appended to kube-apiserver's flags.
+    extra_apiserver_flags: tuple[str, ...] = ()
+    #: Appended to kube-controller-manager's flags.
+    extra_controller_manager_flags: tuple[str, ...] = ()
+
+
+DEFAULT_OPTIONS = ControlPlaneOptions()
+
+
+def apiserver_command(
+    binary: Path,
+    workdir: Path,
+    etcd_port: int,
+    port: int,
+    options: ControlPlaneOptions = DEFAULT_OPTIONS,
+) -> list[str]:
     """kube-apiserver flags, after envtest's (controller-runtime's controlplane/apiserver.go),
     with token instead of client-certificate authentication."""
     sa_key = workdir / "sa.key"
-    return [
+    command = [
         str(binary),
         f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-        "--bind-address=127.0.0.1",
-        "--advertise-address=127.0.0.1",
+        f"--bind-address={options.bind_address}",
+        f"--advertise-address={options.advertise_address}",
         f"--secure-port={port}",
         f"--cert-dir={workdir / 'pki'}",
         f"--token-auth-file={workdir / 'tokens.csv'}",
         "--authorization-mode=RBAC",
-        f"--service-account-issuer=https://127.0.0.1:{port}",
+        f"--service-account-issuer=https://{options.advertise_address}:{port}",
         f"--service-account-key-file={sa_key}",
         f"--service-account-signing-key-file={sa_key}",
-        "--service-cluster-ip-range=10.0.0.0/24",
+        f"--service-cluster-ip-range={options.service_cidr}",
         "--allow-privileged=true",
-        # No kubelet mounts tokens and the `default` ServiceAccount would race the controller.
-        "--disable-admission-plugins=ServiceAccount",
-        # Endpoints of the `kubernetes` Service may not point at loopback; nothing here needs them.
-        "--endpoint-reconciler-type=none",
-        "--profiling=false",
     ]
+    if not options.service_account_admission:
+        # No kubelet mounts tokens and the `default` ServiceAccount would race the controller.
+        command.append("--disable-admission-plugins=ServiceAccount")
+    # Endpoints of the `kubernetes` Service may not point at loopback (`none` then).
+    command.append(f"--endpoint-reconciler-type={options.endpoint_reconciler}")
+    command.append("--profiling=false")
+    return [*command, *options.extra_apiserver_flags]
 
 
-def controller_manager_command(binary: Path, kubeconfig: Path) -> list[str]:
+def controller_manager_command(
+    binary: Path, kubeconfig: Path, options: ControlPlaneOptions = DEFAULT_OPTIONS
+) -> list[str]:
     """kube-controller-manager with just the controllers API-level tests notice."""
-    controllers = "garbage-collector-controller,namespace-controller,serviceaccount-controller"
     return [
         str(binary),
         f"--kubeconfig={kubeconfig}",
-        f"--controllers={controllers}",
+        f"--controllers={options.controllers}",
         "--leader-elect=false",
         "--bind-address=127.0.0.1",
         "--secure-port=0",  # serves nothing: no port to collide on
+        *options.extra_controller_manager_flags,
     ]
 
 
@@ -518,7 +562,11 @@ def remove_stale_workdirs() -> None:
             continue  # being created, or not ours to judge
 
 
-def start_cluster(binaries: Binaries, stack: contextlib.ExitStack) -> KubeCluster:
+def start_cluster(
+    binaries: Binaries,
+    stack: contextlib.ExitStack,
+    options: ControlPlaneOptions = DEFAULT_OPTIONS,
+) -> KubeCluster:
     """Start the control plane in a fresh temporary folder and return it once ready (CRDs
     applied). Stopping the processes and removing the folder are pushed onto ``stack``."""
     started = time.monotonic()
@@ -532,7 +580,7 @@ def start_cluster(binaries: Binaries, stack: contextlib.ExitStack) -> KubeCluste
     generate_service_account_key(workdir / "sa.key")
     etcd_port, peer_port, port = free_ports(3)
     cluster = KubeCluster(
-        server=f"https://127.0.0.1:{port}",
+        server=f"https://{options.advertise_address}:{port}",
         ca_file=workdir / "pki" / "apiserver.crt",
         admin_token=admin_token,
         kubeconfig=workdir / "admin.kubeconfig",
@@ -542,7 +590,9 @@ def start_cluster(binaries: Binaries, stack: contextlib.ExitStack) -> KubeCluste
     # Started together: kube-apiserver retries etcd until it answers, which saves a second.
     commands = {
         "etcd": etcd_command(binaries.etcd, workdir, etcd_port, peer_port),
-        "kube-apiserver": apiserver_command(binaries.kube_apiserver, workdir, etcd_port, port),
+        "kube-apiserver": apiserver_command(
+            binaries.kube_apiserver, workdir, etcd_port, port, options
+        ),
     }
     procs: dict[str, subprocess.Popen[bytes]] = {}
     for name, cmd in commands.items():
@@ -551,7 +601,11 @@ def start_cluster(binaries: Binaries, stack: contextlib.ExitStack) -> KubeCluste
     wait_ready(cluster, procs)
     cluster.write_kubeconfig(cluster.kubeconfig)
     if binaries.kube_controller_manager is not None:
-        kcm = controller_manager_command(binaries.kube_controller_manager, cluster.kubeconfig)
+        kcm = controller_manager_command(
+            binaries.kube_controller_manager, cluster.kubeconfig, options
+        )
+        if options.publish_root_ca:
+            kcm.append(f"--root-ca-file={cluster.ca_file}")
         stack.callback(stop_process, start_process("kube-controller-manager", kcm, workdir))
     apply_crds(cluster)
     cluster.startup_seconds = time.monotonic() - started
@@ -559,13 +613,15 @@ def start_cluster(binaries: Binaries, stack: contextlib.ExitStack) -> KubeCluste
 
 
 @contextlib.contextmanager
-def running_cluster(binaries: Binaries) -> Iterator[KubeCluster]:
+def running_cluster(
+    binaries: Binaries, options: ControlPlaneOptions = DEFAULT_OPTIONS
+) -> Iterator[KubeCluster]:
     """:func:`start_cluster`, retried with new ports if one was taken in the meantime; on exit
     every process is stopped and the temporary folder removed."""
     for attempt in range(1, START_ATTEMPTS + 1):
         with contextlib.ExitStack() as stack:
             try:
-                cluster = start_cluster(binaries, stack)
+                cluster = start_cluster(binaries, stack, options)
             except RuntimeError as err:
                 if "address already in use" in str(err) and attempt < START_ATTEMPTS:
                     continue
