@@ -154,3 +154,9 @@ def test_water_level_agrees_with_the_reports_water_fill(
     for name, (demand, weight) in zip(names, pairs, strict=True):
         expected = demand if math.isinf(level) else min(demand, level * weight)
         assert expected == pytest.approx(filled[name], rel=1e-6, abs=1e-6)
+
+
+def test_water_level_survives_weights_of_very_different_sizes() -> None:
+    # Subtracting 1.2e19 from a running weight sum of 1.2e19 + 600 left 0, and a division by it.
+    level = water_level(10.0, [(1.0, 1.2e19), (100.0, 600.0)])
+    assert level == pytest.approx(9.0 / 600.0)

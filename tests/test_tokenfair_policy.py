@@ -507,13 +507,12 @@ def test_lending_refuses_what_within_budget_work_leaves_no_room_for() -> None:
     assert refused.reason == "shed_tenant_token_quota"
 
 
-def test_the_lift_goes_to_tenants_under_their_max_min_share() -> None:
-    """Three equal tenants offer 2 C, 1/3 C and 1/10 C of 400-token requests, one request served
-    every 400/45 ms for 13 s. Max-min: light 4.5 and mid 15 tokens/ms are met, heavy gets the
-    rest, 25.5 — the water level. Only heavy is at its level; the equal share (15 each) would
-    have called mid served in full and heavy over-served by 1.7."""
+def three_tenant_stream(weight: float = 1.0) -> tuple[TokenfairScheduler, float]:
+    """Equal tenants offering 2 C, 1/3 C and 1/10 C of 400-token requests, one request served
+    every 400/45 ms for 13 s; the scheduler and the clock at the end."""
     tenants = [
-        TenantConfig(name, 1.0, UNBOUNDED, 1e9, "interactive") for name in ("heavy", "light", "mid")
+        TenantConfig(name, weight, UNBOUNDED, 1e9, "interactive")
+        for name in ("heavy", "light", "mid")
     ]
     scheduler = TokenfairScheduler(build_config(PolicyConfig(), tenants))
     now_ms, step_ms, sent = 0.0, 400 / 45.0, 0
@@ -527,16 +526,45 @@ def test_the_lift_goes_to_tenants_under_their_max_min_share() -> None:
         if decision is not None:
             scheduler.complete(decision.request_id, now_ms + step_ms)
         now_ms += step_ms
-    level = scheduler.fair_level(Lane.INTERACTIVE, now_ms) * PolicyConfig().base_quantum_tokens
-    assert 20.0 < level < 30.0  # tokens/ms owed to a weight-1 tenant that asks for more
-    ratio = {}
+    return scheduler, now_ms
+
+
+def ratios(scheduler: TokenfairScheduler, now_ms: float) -> dict[str, float]:
+    found = {}
     for name in ("heavy", "light", "mid"):
         value = scheduler.share_ratio(name, Lane.INTERACTIVE, now_ms)
         assert value is not None
-        ratio[name] = value
+        found[name] = value
+    return found
+
+
+def test_the_lift_goes_to_tenants_under_their_max_min_share() -> None:
+    """Max-min over offers of 2 C, 1/3 C and 1/10 C: light 4.5 and mid 15 tokens/ms are met,
+    heavy gets the rest, 25.5 — the water level. Only heavy is at its level; the equal share (15
+    each) would have called mid served in full and heavy over-served by 1.7."""
+    scheduler, now_ms = three_tenant_stream()
+    level = scheduler.fair_level(Lane.INTERACTIVE, now_ms) * PolicyConfig().base_quantum_tokens
+    assert 20.0 < level < 30.0  # tokens/ms owed to a weight-1 tenant that asks for more
+    ratio = ratios(scheduler, now_ms)
     assert ratio["light"] < 0.3
     assert ratio["mid"] < 0.8  # served its demand, under the level
     assert ratio["heavy"] > 0.9
+
+
+def test_a_reload_that_scales_every_weight_leaves_the_shares_alone() -> None:
+    """The water level is per quantum token: a reload that multiplies every weight by 10 (the
+    same max-min shares) must not read every tenant as under-served until the next wait limit."""
+    scheduler, now_ms = three_tenant_stream()
+    before = ratios(scheduler, now_ms)
+    tenants = [
+        TenantConfig(n, 10.0, UNBOUNDED, 1e9, "interactive") for n in ("heavy", "light", "mid")
+    ]
+    scheduler.reconfigure(build_config(PolicyConfig(), tenants), now_ms)
+    after = ratios(scheduler, now_ms)
+    for name, value in before.items():
+        # Not exact: the level before was computed up to one wait limit earlier. Stale, it read
+        # a tenth of the truth (every weight x 10 over the old level).
+        assert after[name] == pytest.approx(value, rel=0.05)
 
 
 def test_a_tenant_whose_queue_was_cancelled_is_a_newcomer_again() -> None:

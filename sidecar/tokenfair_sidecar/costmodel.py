@@ -17,8 +17,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Final
 
 from tokenfair_sidecar.config import PolicyConfig
+
+MAX_REQUEST_TOKENS: Final = 2**31 - 1
+"""The most prompt or completion tokens one request may count (no model comes near): the bound
+of a backend's reported usage and of a trace record's token fields, so that recorded usage
+always replays, and a replay never meets a count the core refuses (``prefill + w * decode``
+stays under the core's settlement bound of 2**40 for decode weights up to 511)."""
 
 
 def service_tokens(prefill_tokens: int, decode_tokens: int, decode_weight: float) -> int:

@@ -34,12 +34,12 @@ import msgspec
 
 from tokenfair_sidecar.config import PRIORITY_CLASSES, PriorityClass, shown
 from tokenfair_sidecar.core import Decision, Request
-from tokenfair_sidecar.costmodel import service_tokens
+from tokenfair_sidecar.costmodel import MAX_REQUEST_TOKENS, service_tokens
 
 # ---------------------------------------------------------------------------------------------
 # The request record schema: one definition, read by a compiled decoder (msgspec).
 
-NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_REQUEST_TOKENS)]
 NonNegativeMs = Annotated[float, msgspec.Meta(ge=0)]
 NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
 
@@ -58,11 +58,11 @@ class TraceLine(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=Fals
     request_id: NonEmptyText
     tenant_id: NonEmptyText
     arrival_ms: NonNegativeMs
-    prefill_tokens: NonNegativeInt
-    decode_tokens: NonNegativeInt
+    prefill_tokens: TokenCount
+    decode_tokens: TokenCount
     priority_class: PriorityClass
-    actual_prefill_tokens: NonNegativeInt | None = None
-    actual_decode_tokens: NonNegativeInt | None = None
+    actual_prefill_tokens: TokenCount | None = None
+    actual_decode_tokens: TokenCount | None = None
     ttft_ms: NonNegativeMs | None = None
     e2e_ms: NonNegativeMs | None = None
 
@@ -103,7 +103,7 @@ def _rule(info: msgspec.inspect.Type, declared: object) -> str | None:
         kinds = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
         return _rule(kinds[0], declared) if len(kinds) == 1 else None
     if isinstance(info, msgspec.inspect.IntType) and info.ge == 0:
-        return "an integer >= 0"
+        return "an integer >= 0" + ("" if info.le is None else f" and <= {info.le}")
     if isinstance(info, msgspec.inspect.FloatType) and info.ge == 0:
         return "a number >= 0"
     if isinstance(info, msgspec.inspect.StrType) and info.min_length == 1:

@@ -41,9 +41,9 @@ Three departures from the textbook, all bounded:
   ``k = min_i ceil((cost_i - D_i) / Q_i) - 1`` in one step, so selection costs O(tenants) and
   never loops on large requests.
 
-Costs of selection: O(active tenants) per pick; enqueue and cancel O(1) (joining ahead:
-O(tenants waiting for their first turn ahead); a cancel that empties a tenant's queue takes it
-out of the ring, O(active tenants) in C).
+Costs of selection: O(active tenants) per pick; enqueue and cancel amortised O(1) (joining
+ahead: O(tenants waiting for their first turn ahead); a cancel that empties a tenant's queue
+takes it out of the ring, O(active tenants) in C); ``min_head_cost`` O(log n) amortised.
 """
 
 from __future__ import annotations
@@ -222,28 +222,31 @@ class DeficitRoundRobin:
         self._front_changed()
 
     def forget(self, job: Job) -> None:
-        """A queued job left without being picked (cancelled, expired): O(1), the job is dropped
-        lazily at the head. If it was the tenant's last live job the tenant leaves the ring at
-        once (``deque.remove``: O(active tenants), in C), so it is not backlogged any more — a
-        tenant left in the ring with nothing queued would be taken for backlogged by admission
-        and could not join ahead until the ring came round to it."""
+        """A queued job left without being picked (cancelled, expired): amortised O(1). A job
+        behind the head is dropped lazily when it reaches the head; the head itself (and the
+        dead jobs in front of it) leave the queue at once, so the next head is indexed for
+        :meth:`min_head_cost` (the caller may change ``job.state`` before or after this). If it
+        was the tenant's last live job the tenant leaves the ring at once (``deque.remove``:
+        O(active tenants), in C), so it is not backlogged any more — a tenant left in the ring
+        with nothing queued would be taken for backlogged by admission and could not join
+        ahead until the ring came round to it."""
         queue = self.queues[job.request.tenant_id]
         queue.live -= 1
         queue.queued_tokens -= job.expected_tokens
         self.queued_tokens -= job.expected_tokens
+        jobs = queue.jobs
+        while jobs and jobs[0] is not job and jobs[0].state is not _QUEUED:
+            jobs.popleft()  # each dead job is popped once: amortised O(1)
+        if jobs and jobs[0] is job:  # it was the head
+            jobs.popleft()
+            while jobs and jobs[0].state is not _QUEUED:
+                jobs.popleft()
+            if jobs:
+                self._head_changed(jobs[0])
         if queue.live == 0:
             self._drop_credit(queue)
             if queue.in_active:
                 self._remove(queue)
-        else:
-            for queued in queue.jobs:  # was it the head? (its state may not have changed yet)
-                if queued is job:
-                    self._head_changed(
-                        next(j for j in queue.jobs if j is not job and j.state is _QUEUED)
-                    )
-                    break
-                if queued.state is _QUEUED:
-                    break  # a job ahead of it is the head
 
     def _remove(self, queue: TenantQueue) -> None:
         """Take a queue with nothing live out of the ring, wherever it is."""

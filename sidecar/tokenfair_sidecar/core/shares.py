@@ -56,6 +56,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Protocol
 
 
@@ -244,15 +245,16 @@ class ResidualWork:
 def water_level(capacity: float, demands: list[tuple[float, float]]) -> float:
     """The weighted max-min water level ``L`` of ``capacity`` over ``(demand, weight)`` pairs:
     each gets ``min(demand, L * weight)`` and the allocations sum to ``capacity``; ``inf`` when
-    the demands fit. O(n log n)."""
+    the demands fit. O(n log n). The weight still to fill is summed from the end (a suffix
+    sum), not by subtraction, so it never drifts to 0 however the weights differ in size."""
     if sum(d for d, _ in demands) <= capacity:
         return math.inf
-    rest_weight = sum(w for _, w in demands)
+    ordered = sorted(demands, key=lambda p: p[0] / p[1])
+    rest_weights = list(accumulate(w for _, w in reversed(ordered)))[::-1]
     remaining = capacity
-    for demand, weight in sorted(demands, key=lambda p: p[0] / p[1]):
+    for (demand, weight), rest_weight in zip(ordered, rest_weights, strict=True):
         level = remaining / rest_weight
         if demand > level * weight:
             return level
         remaining -= demand
-        rest_weight -= weight
     return math.inf

@@ -121,10 +121,10 @@ class TokenfairScheduler(Scheduler):
         self._served: tuple[dict[str, DemandRate], dict[str, DemandRate]] = ({}, {})
         self._lane_served = (DemandRate(), DemandRate())
         # Per lane: each tenant's recent offered service (every arrival, admitted or not;
-        # time constant SERVICE_MEMORY_LIMITS), and the lane's max-min water level over it as
-        # (when computed, level), recomputed at most once per wait limit.
+        # time constant SERVICE_MEMORY_LIMITS). The lane's max-min water level over it, as
+        # (when computed, level), recomputed at most once per wait limit, is `_level`
+        # (`_adopt_cost_model` starts it).
         self._offered: tuple[dict[str, DemandRate], dict[str, DemandRate]] = ({}, {})
-        self._level = [(-math.inf, math.inf), (-math.inf, math.inf)]
         self._batch_credit = 0.0
         self._cheapest_batch_head: float | None = None  # as of the last selection that looked
         self._now_ms = now_ms  # the clock of the selection in progress (read by `_eligible`)
@@ -139,6 +139,9 @@ class TokenfairScheduler(Scheduler):
         self._wait_limits = (policy.max_interactive_wait_ms, policy.max_batch_wait_ms)
         self._memories_ms = tuple(limit * SERVICE_MEMORY_LIMITS for limit in self._wait_limits)
         self._watermarks = (policy.interactive_kv_watermark, policy.batch_kv_watermark)
+        # The water level is per quantum token and over the tenants of the old configuration:
+        # computed again at the next admission that asks.
+        self._level: list[tuple[float, float]] = [(-math.inf, math.inf), (-math.inf, math.inf)]
 
     def _tenant_added(self, tenant: TenantState) -> None:
         quantum = self.tenant_quantum(tenant)
@@ -539,22 +542,25 @@ class TokenfairScheduler(Scheduler):
         if now_ms - at_ms < horizon_ms:
             return level
         memory_ms = horizon_ms * SERVICE_MEMORY_LIMITS
+        # Capacity: what the lane served lately, with the same time constant as the offers (so
+        # both warm up alike), not what it could serve: the batch lane gets what interactive
+        # leaves. Nothing served yet: level 0 (nobody is owed a share of nothing), asked again
+        # at the lane's first service, without the O(n log n) pass.
+        served = self._lane_served[lane].rate(now_ms, memory_ms)
+        if served <= 0.0:
+            return 0.0
         queues = self._lanes[lane].queues
+        configured = self.config.tenant_index
         offered = self._offered[lane]
         demands: list[tuple[float, float]] = []
         for tenant_id, rate in list(offered.items()):
             value = rate.rate(now_ms, memory_ms)
-            if value < FORGOTTEN_RATE:
-                del offered[tenant_id]
-            elif tenant_id in queues:
+            if value < FORGOTTEN_RATE or tenant_id not in configured:
+                del offered[tenant_id]  # faded, or removed by a reload
+            else:
                 demands.append((value, queues[tenant_id].quantum))
-        # Capacity: what the lane served lately, with the same time constant as the offers (so
-        # both warm up alike), not what it could serve: the batch lane gets what interactive
-        # leaves.
-        served = self._lane_served[lane].rate(now_ms, memory_ms)
         level = water_level(served, demands)
-        if served > 0.0:  # a lane that has served nothing yet is asked again at its first service
-            self._level[lane] = (now_ms, level)
+        self._level[lane] = (now_ms, level)
         return level
 
     def share_ratio(self, tenant_id: str, lane: Lane, now_ms: float) -> float | None:

@@ -27,13 +27,14 @@ from typing import Any, ClassVar, Final
 from aiohttp import web
 
 from tokenfair_sidecar.core import Decision
+from tokenfair_sidecar.costmodel import MAX_REQUEST_TOKENS
 from tokenfair_sidecar.server.estimate import Estimate
 
 log = logging.getLogger("tokenfair.sidecar")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 
-MAX_USAGE_TOKENS: Final = 2**31 - 1
+MAX_USAGE_TOKENS: Final = MAX_REQUEST_TOKENS
 """Largest ``usage.prompt_tokens`` / ``usage.completion_tokens`` believed (a signed 32-bit int:
 orders of magnitude above any context window). A reported value that is not an integer in
 ``[0, MAX_USAGE_TOKENS]`` is a protocol error: the request settles at its estimate and its record
