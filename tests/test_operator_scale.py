@@ -200,3 +200,24 @@ def test_the_sidecar_refuses_a_gzip_bomb_and_corrupt_gzip() -> None:
         loads_sidecar_file(bomb, "bomb.yaml")
     with pytest.raises(ConfigError, match=r"bad\.yaml: invalid gzip"):
         loads_sidecar_file(b"\x1f\x8b" + b"\x00" * 20, "bad.yaml")
+
+
+def test_the_sidecar_refuses_truncated_or_trailing_gzip_and_caps_at_16_mib() -> None:
+    assert MAX_DOCUMENT_BYTES == 16 * 1024 * 1024  # the operator publishes <= 1 MiB compressed
+    policy = PolicyView("p", "ns", "uid", 1, "2026-01-01T00:00:00Z", {})
+    spec = {"policyName": "p", "weight": 1, "burstServiceTokens": 9_000,
+            "sustainedServiceTokensPerSecond": 30_000}  # fmt: skip
+    quota = QuotaView("a", "ns", "uid-a", 1, "2026-01-01T00:00:01Z", spec)
+    rendering = render_config(policy, [quota], {})
+    packed = gzip.compress(rendering.secret_payload, mtime=0)
+    assert loads_sidecar_file(packed, "whole.json").config.version == rendering.version
+    for cut in (len(packed) - 1, len(packed) - 8, 12):  # the trailer, part of it, the data
+        with pytest.raises(ConfigError, match=r"cut\.json: invalid gzip: truncated"):
+            loads_sidecar_file(packed[:cut], "cut.json")
+    for tail in (b"\x00", b"garbage", packed):  # junk, or a second member
+        with pytest.raises(ConfigError, match=r"tail\.json: invalid gzip: \d+ byte\(s\) after"):
+            loads_sidecar_file(packed + tail, "tail.json")
+    at_cap = gzip.compress(b"{" + b" " * (MAX_DOCUMENT_BYTES - 2) + b"}", mtime=0)
+    with pytest.raises(ConfigError) as refused:  # exactly the cap: read, then refused as YAML
+        loads_sidecar_file(at_cap, "cap.json")
+    assert "decompressed" not in str(refused.value)

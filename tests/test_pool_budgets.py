@@ -31,6 +31,7 @@ import itertools
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -60,7 +61,9 @@ from tokenfair_sidecar.config import (
 from tokenfair_sidecar.core import Request, Scheduler, make_scheduler
 from tokenfair_sidecar.core.bucket import LeasedBucket
 from tokenfair_sidecar.poolconfig import BudgetStoreConfig, parse_budget_store
+from tokenfair_sidecar.server import load_sidecar_file
 from tokenfair_sidecar.server.pool import BudgetPool
+from tokenfair_sidecar.server.settings import SidecarSettings
 
 __all__ = ["redis_server"]  # the fixture, used by name
 
@@ -458,6 +461,114 @@ async def test_sidecar_serves_through_a_store_outage_without_5xx(
     assert await wait_for(lambda: pool.shared)
     assert set(await burst_of(10)) == {200}
     assert await books_when_settled(sidecar) == ZERO_BOOKS
+
+
+# -- a reload that adds, removes or moves the store ---------------------------------------------
+
+POOL_QUOTA = QuotaView("a", "ns", "uid-a", 1, "2026-01-01T00:00:01Z", {
+    "policyName": "pool", "weight": 1, "burstServiceTokens": 9_000,
+    "sustainedServiceTokensPerSecond": 30_000})  # fmt: skip
+PLAIN_POLICY = PolicyView("pool", "ns", "uid", 1, "2026-01-01T00:00:00Z", {})
+
+
+def pooled_policy(url: str) -> PolicyView:
+    return replace(PLAIN_POLICY, spec={"budgetStore": {"redis": {"url": url}}})
+
+
+def write_rendered(path: Path, policy: PolicyView, replicas: int = 4) -> None:
+    """The operator's document for ``policy`` (4 Ready sidecars), as a mounted file."""
+    path.write_bytes(
+        render_config(policy, [POOL_QUOTA], {}, ready_replicas=replicas).secret_payload
+    )
+
+
+async def start_from(aiohttp_client: ClientFactory, path: Path) -> Any:
+    loaded = load_sidecar_file(path)
+    settings = SidecarSettings(time_scale=1.0, reload_interval_s=0.02)
+    return await start(
+        aiohttp_client, loaded.config, settings, config_path=path, config_sha256=loaded.sha256
+    )
+
+
+async def test_a_reload_adding_the_store_keeps_the_split_until_a_restart(
+    aiohttp_client: ClientFactory, tmp_path: Path
+) -> None:
+    path = tmp_path / "config.yaml"
+    write_rendered(path, PLAIN_POLICY)
+    clients = await start_from(aiohttp_client, path)
+    sidecar = clients.sidecar
+    assert sidecar.pool is None
+    assert sidecar.scheduler.tenants["a"].bucket.burst == 2_250  # 9_000 / 4
+    # The policy gains spec.budgetStore: the document's budgets are now the pool's (whole).
+    write_rendered(path, pooled_policy("redis://127.0.0.1:1/0"))
+    applied = sidecar.metrics.reloads.labels("applied")
+    assert await wait_for(lambda: applied._value.get() == 1)
+    assert sidecar.config.budget_store is not None
+    assert sidecar.config.tenant("a").burst_service_tokens == 9_000
+    bucket = sidecar.scheduler.tenants["a"].bucket
+    assert sidecar.pool is None
+    assert not isinstance(bucket, LeasedBucket)
+    assert (bucket.burst, bucket.sustained_per_second) == (2_250, 7_500.0)  # not 9_000 each
+    assert sidecar.scheduler.config.budget_store is None
+    status = await (await clients.admin.get("/status")).json()
+    assert "budgetStore added" in status["config"]["restart_needed"]
+    assert "1/4" in status["config"]["restart_needed"]
+    assert status["tenants"]["a"]["burst_service_tokens"] == 2_250
+    # Three sidecars now: the store's replicas follow the document.
+    write_rendered(path, pooled_policy("redis://127.0.0.1:1/0"), replicas=3)
+    assert await wait_for(lambda: applied._value.get() == 2)
+    assert sidecar.scheduler.tenants["a"].bucket.burst == 3_000
+    # The store removed again: the document's split applies as it is, the notice goes.
+    write_rendered(path, PLAIN_POLICY, replicas=2)
+    assert await wait_for(lambda: applied._value.get() == 3)
+    assert sidecar.scheduler.tenants["a"].bucket.burst == 4_500
+    status = await (await clients.admin.get("/status")).json()
+    assert "restart_needed" not in status["config"]
+
+
+async def test_a_reload_removing_or_moving_the_store_keeps_the_running_pool(
+    aiohttp_client: ClientFactory, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    path = tmp_path / "config.yaml"
+    write_rendered(path, pooled_policy(redis_server.url))
+    clients = await start_from(aiohttp_client, path)
+    sidecar = clients.sidecar
+    pool = sidecar.pool
+    assert pool is not None
+    assert pool.store.key_prefix == "tokenfair:ns:pool"
+    assert sidecar.scheduler.tenants["a"].bucket.burst == 9_000
+    first_version = sidecar.config.version
+    # The store removed: the document's budgets are 1/4 shares, wrong for the pool: refused.
+    write_rendered(path, PLAIN_POLICY)
+    invalid = sidecar.metrics.reloads.labels("invalid")
+    assert await wait_for(lambda: invalid._value.get() == 1)
+    assert sidecar.pool is pool
+    assert sidecar.config.version == first_version
+    bucket = sidecar.scheduler.tenants["a"].bucket
+    assert isinstance(bucket, LeasedBucket)
+    assert bucket.burst == 9_000
+    status = await (await clients.admin.get("/status")).json()
+    assert "budgetStore removed" in status["config"]["restart_needed"]
+    assert status["budget_store"]["mode"] == "shared"
+    # The store moved (another key prefix): applied, leasing on from the running store.
+    moved = replace(pooled_policy(redis_server.url), name="other")
+    write_rendered(path, moved, replicas=2)
+    applied = sidecar.metrics.reloads.labels("applied")
+    assert await wait_for(lambda: applied._value.get() == 1)
+    assert sidecar.config.budget_store is not None
+    assert sidecar.config.budget_store.key_prefix == "tokenfair:ns:other"
+    assert pool.store.key_prefix == "tokenfair:ns:pool"
+    assert pool.store.replicas == 2
+    assert pool.leases["a"].key == "tokenfair:ns:pool:a"
+    assert sidecar.scheduler.tenants["a"].bucket.burst == 9_000
+    status = await (await clients.admin.get("/status")).json()
+    assert "budgetStore changed" in status["config"]["restart_needed"]
+    # The same store again: nothing pending.
+    write_rendered(path, pooled_policy(redis_server.url), replicas=3)
+    assert await wait_for(lambda: applied._value.get() == 2)
+    assert pool.store.replicas == 3
+    status = await (await clients.admin.get("/status")).json()
+    assert "restart_needed" not in status["config"]
 
 
 # -- the operator's rendering -----------------------------------------------------------------

@@ -39,6 +39,9 @@ class DocumentStore:
 
     _documents: dict[PolicyKey, Document] = field(default_factory=dict)
     _changed: dict[PolicyKey, asyncio.Event] = field(default_factory=dict)
+    """The Event waiters of a policy wait on; there only while someone waits."""
+    _waiters: dict[PolicyKey, int] = field(default_factory=dict)
+    """How many wait on the policy's current Event (the last to leave removes it)."""
 
     def get(self, key: PolicyKey) -> Document | None:
         return self._documents.get(key)
@@ -68,11 +71,27 @@ class DocumentStore:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return None
-            event = self._changed.setdefault(key, asyncio.Event())
+            event = self._changed.get(key)
+            if event is None:
+                event = self._changed[key] = asyncio.Event()
+            self._waiters[key] = self._waiters.get(key, 0) + 1
             try:
                 await asyncio.wait_for(event.wait(), remaining)
             except TimeoutError:
                 return None
+            finally:
+                self._left(key)
+
+    def _left(self, key: PolicyKey) -> None:
+        """A waiter of ``key`` is done (woken, timed out or cancelled). The count spans the
+        Events of every generation; when it reaches zero nobody waits on any, and the policy's
+        Event goes: polls for names never published hold no memory."""
+        count = self._waiters.get(key, 0) - 1
+        if count > 0:
+            self._waiters[key] = count
+            return
+        self._waiters.pop(key, None)
+        self._changed.pop(key, None)
 
     def _wake(self, key: PolicyKey) -> None:
         # A fresh Event per generation: the woken re-check, later waiters wait on the new one.

@@ -193,7 +193,10 @@ async def _relay(request: web.Request, leader: str) -> web.Response:
             f"http://{leader}{request.path_qs}", headers=headers
         ) as answer:
             body = await answer.read()
-            relayed = {k: v for k, v in answer.headers.items() if k == VERSION_HEADER}
+            # Header names are case-insensitive (a proxy or HTTP/2 hop lowercases them):
+            # looked up in aiohttp's CIMultiDict, sent on in the canonical spelling.
+            version = answer.headers.get(VERSION_HEADER)
+            relayed = {VERSION_HEADER: version} if version is not None else {}
             return web.Response(
                 status=answer.status,
                 body=body,

@@ -518,24 +518,33 @@ def loads_config(text: str, source: str = "<config>") -> Config:
 
 
 GZIP_MAGIC: Final = b"\x1f\x8b"
-MAX_DOCUMENT_BYTES: Final = 64 * 1024 * 1024
-"""Largest config document after decompression (64 MiB, about 300,000 tenants): a gzip bomb
-in a mounted or served document is refused by size instead of filling the sidecar's memory."""
+MAX_DOCUMENT_BYTES: Final = 16 * 1024 * 1024
+"""Largest config document after decompression (16 MiB, about 75,000 tenants; the operator
+publishes at most 1 MiB compressed, ~5 MB of JSON): a gzip bomb in a mounted or served
+document is refused by size instead of filling the sidecar's memory."""
 
 
 def document_text(data: bytes, source: str = "<config>") -> str:
     """The text of a config file's bytes: UTF-8, or gzip of UTF-8 (the operator compresses
     documents too big for one Kubernetes object, ``docs/operator.md``), at most
-    :data:`MAX_DOCUMENT_BYTES` once decompressed."""
+    :data:`MAX_DOCUMENT_BYTES` once decompressed. A gzip document must be exactly one whole
+    stream: a truncated one, or one with bytes after its end, is refused."""
     if data.startswith(GZIP_MAGIC):
         inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
         try:
             data = inflater.decompress(data, MAX_DOCUMENT_BYTES)
         except zlib.error as exc:
             raise ConfigError(f"{source}: invalid gzip: {exc}") from None
-        if inflater.unconsumed_tail:
+        if inflater.unconsumed_tail or (not inflater.eof and len(data) >= MAX_DOCUMENT_BYTES):
             raise ConfigError(
                 f"{source}: must be at most {MAX_DOCUMENT_BYTES} bytes once decompressed"
+            )
+        if not inflater.eof:
+            raise ConfigError(f"{source}: invalid gzip: truncated (the stream does not end)")
+        if inflater.unused_data:
+            raise ConfigError(
+                f"{source}: invalid gzip: {len(inflater.unused_data)} byte(s) after the end of "
+                "the stream"
             )
     try:
         return data.decode("utf-8")

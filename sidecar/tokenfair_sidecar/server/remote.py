@@ -15,11 +15,12 @@ Configured by the environment, which the injector sets:
 
 The loop: ``GET <url>&version=<the version we run>&waitSeconds=`` :data:`WAIT_S`. ``200``: a
 new document, handed over with its version; ``304``: nothing new, ask again at once. Anything
-else (a refusal, a 404 from an operator that has not rendered the policy yet, a connection
-error, a timeout) waits ``min(`` :data:`MAX_BACKOFF_S` ``, 2^failures)`` seconds and asks again,
-and marks the feed unhealthy at once. The feed is healthy while its last answer was good and
-is at most ``WAIT_S +`` :data:`HEALTH_GRACE_S` seconds old (a request that hangs without an
-answer); only then is the mounted file a mere fallback.
+else (a ``200`` without the version header, a refusal, a 404 from an operator that has not
+rendered the policy yet, a connection error, a timeout) waits ``min(`` :data:`MAX_BACKOFF_S`
+``, 2^failures)`` seconds and asks again, and marks the feed unhealthy at once. The feed is
+healthy while its last answer was good and is at most ``WAIT_S +`` :data:`HEALTH_GRACE_S`
+seconds old (a request that hangs without an answer); only then is the mounted file a mere
+fallback.
 """
 
 from __future__ import annotations
@@ -115,7 +116,11 @@ class RemoteFeed:
             if response.status != 200:
                 reason = (await response.content.read(500)).decode(errors="replace").strip()
                 raise RuntimeError(f"HTTP {response.status}: {reason}")
-            version = response.headers.get(VERSION_HEADER, "")
+            version = response.headers.get(VERSION_HEADER)
+            if version is None:
+                # Not a document we can track: delivering it as version "" would be answered
+                # at once again, and again (a hot loop); a failed poll, with the backoff.
+                raise RuntimeError(f"HTTP 200 without a {VERSION_HEADER} header")
             body = await _bounded_body(response)
         self._good()
         self.version = version

@@ -27,6 +27,7 @@ from tokenfair_sidecar.core import (
     make_scheduler,
 )
 from tokenfair_sidecar.costmodel import CostModel
+from tokenfair_sidecar.poolconfig import split_budgets
 from tokenfair_sidecar.server.auth import Authenticator
 from tokenfair_sidecar.server.backends import Backend, CostModelBackend
 from tokenfair_sidecar.server.dispatcher import Dispatcher, ModelClock
@@ -95,6 +96,9 @@ class Sidecar:
                 on_tokens=self.dispatcher.pump,
             )
             self.metrics.registry.register(self.pool.collector())
+        self.budget_store_notice = ""
+        """Why the budgets enforced differ from the document's until a restart ("" if not):
+        a reload added, removed or moved the budget store (:meth:`_enforceable`)."""
         self.recorder: RecordWriter | None = None
         self.tenant_counts: dict[str, Counter[str]] = {}
         self._series_cache: dict[tuple[str, PriorityClass], LaneSeries] = {}
@@ -112,10 +116,21 @@ class Sidecar:
     # -- reload ------------------------------------------------------------------------------
 
     def apply_config(self, loaded: LoadedFile) -> None:
-        """Adopt a valid new config: queued and running requests keep going."""
+        """Adopt a valid new config: queued and running requests keep going. A document whose
+        budget store this sidecar cannot honour until a restart is enforced as it can
+        (:meth:`_enforceable`) or refused (the last good config stays)."""
         config = loaded.config
-        self.scheduler.reconfigure(config, self.clock.now_ms())
-        self._adopt_budget_store(config)
+        enforced, notice = self._enforceable(config)
+        if enforced is None:
+            self.budget_store_notice = notice
+            self.refuse_config(notice)
+            return
+        self.scheduler.reconfigure(enforced, self.clock.now_ms())
+        if self.pool is not None:
+            self.pool.adopt(enforced)
+        if notice:
+            log.warning("config reload: %s", notice)
+        self.budget_store_notice = notice
         self.auth = Authenticator(config, self.settings.trusted_tenant_header)
         if isinstance(self.backend, CostModelBackend):
             self.backend.retune(CostModel.from_policy(config.policy))
@@ -127,20 +142,51 @@ class Sidecar:
         log.info("config reloaded: version %r, sha256 %s", config.version, loaded.sha256[:12])
         self.dispatcher.pump()
 
-    def _adopt_budget_store(self, config: Config) -> None:
-        """A reload keeps the store it started with (its connection); its other fields (the
-        replicas of the fallback split, lease sizes) and the tenants' buckets follow."""
-        old, new = self.config.budget_store, config.budget_store
-        same_store = (old is None) == (new is None) and (
-            old is None
-            or new is None
-            or (old.url, old.password_env, old.key_prefix)
-            == (new.url, new.password_env, new.key_prefix)
+    def _enforceable(self, config: Config) -> tuple[Config | None, str]:
+        """What of ``config`` this running sidecar enforces, and why it differs (or "").
+
+        The store's connection (and the lease client) is made at start only, and a document's
+        budgets are the pool's with a store but one sidecar's share without one. So:
+
+        * started without a store, the document adds one: its budgets are the pool's, and no
+          lease client runs here; each tenant gets ``split_budgets(tenant, replicas)`` (the
+          store's fallback split) on a local bucket, until a restart;
+        * started with a store, the document removes it: its budgets are one sidecar's share,
+          wrong for the running pool; refused (None), the last good config stays;
+        * the store's identity (url, passwordEnv, keyPrefix) changes: the budgets are still
+          the pool's; the running store keeps serving them (its replicas and lease settings
+          follow the document), until a restart.
+        """
+        new = config.budget_store
+        pool = self.pool
+        if pool is None:
+            if new is None:
+                return config, ""
+            shares = tuple(split_budgets(tenant, new.replicas) for tenant in config.tenants)
+            return dataclasses.replace(config, tenants=shares, budget_store=None), (
+                f"budgetStore added ({new.url}, key prefix {new.key_prefix!r}) but this sidecar "
+                f"started without one: each tenant's pool budget is enforced here as "
+                f"1/{new.replicas} on a local bucket until the sidecar is restarted"
+            )
+        running = pool.store
+        if new is None:
+            return None, (
+                f"budgetStore removed, but this sidecar leases from {running.url} (key prefix "
+                f"{running.key_prefix!r}) and the document's budgets are per-sidecar shares; "
+                "reload refused, the last good config and its pool stay until the sidecar is "
+                "restarted"
+            )
+        identity = (running.url, running.password_env, running.key_prefix)
+        if (new.url, new.password_env, new.key_prefix) == identity:
+            return config, ""
+        kept = dataclasses.replace(
+            new, url=running.url, password_env=running.password_env, key_prefix=running.key_prefix
         )
-        if not same_store:
-            log.warning("config reload: budgetStore changed; restart to apply it")
-        if self.pool is not None:
-            self.pool.adopt(config if same_store else dataclasses.replace(config, budget_store=old))
+        return dataclasses.replace(config, budget_store=kept), (
+            f"budgetStore changed to {new.url} (key prefix {new.key_prefix!r}); this sidecar "
+            f"keeps leasing from {running.url} (key prefix {running.key_prefix!r}) until it is "
+            "restarted"
+        )
 
     def refuse_config(self, message: str) -> None:
         self.metrics.reloads.labels("invalid").inc()
@@ -292,6 +338,9 @@ class Sidecar:
         scheduler = self.scheduler
         now_ms = self.clock.now_ms()
         books = scheduler.books()
+        config: dict[str, object] = {"version": self.config.version, "sha256": self.config_sha256}
+        if self.budget_store_notice:
+            config["restart_needed"] = self.budget_store_notice
         tenants: dict[str, object] = {}
         for tenant_id, state in scheduler.tenants.items():
             tenants[tenant_id] = {
@@ -307,7 +356,7 @@ class Sidecar:
         return {
             "policy": self.policy_name,
             "backend": self.backend.name,
-            "config": {"version": self.config.version, "sha256": self.config_sha256},
+            "config": config,
             "draining": self.dispatcher.draining,
             "max_in_flight": self.dispatcher.max_in_flight,
             "time_scale": self.settings.time_scale,
