@@ -12,7 +12,12 @@ NODE_PACKAGES := containerd runc containernetworking-plugins iptables conntrack 
 image: ## build tokenfair's image from the Dockerfile, and the node's pause image (root; cached by content)
 	$(PYTHON) hack/node/image.py build
 
+# Debian's containerd/docker.io conflict with Docker CE's containerd.io/docker-ce: `apt-get -y`
+# would remove those, so stop instead and let the owner of the machine decide.
 node-packages: ## apt-get install the Debian packages the node and `make image` need (root)
+	@if dpkg-query -W -f='$${Status}\n' containerd.io docker-ce 2>/dev/null | grep -q 'ok installed'; then \
+		echo "node-packages: Docker CE (containerd.io/docker-ce) is installed; installing Debian's" \
+			"$(NODE_PACKAGES) would remove it. Nothing installed: see docs/node.md" >&2; exit 1; fi
 	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(NODE_PACKAGES)
 
 # The kubelet file, not `controlplane`: KUBEBUILDER_ASSETS may stand in for the API server, but

@@ -18,10 +18,13 @@ node joined to it:
 
 Teardown: workloads deleted through the API and waited for (the kubelet tears down sandboxes and
 their CNI), then every process stopped by process group, ``kube-proxy --cleanup``, then a sweep
-that removes whatever is left: containers, mounts under the folder, network namespaces, the
-bridge, iptables/ip6tables rules and chains that were not there before, the cgroup trees, and
-the kernel settings the node changed (restored). A folder left by a killed session is swept the
-same way by the next one (:func:`sweep_stale_nodes`).
+that removes whatever of the node is left: containers, mounts under the folder (the Pods'
+network namespaces live there), the bridge, the iptables/ip6tables rules and chains that are the
+node's (:func:`iptables_deletions`: ``KUBE-``/``CNI-`` chains, rules jumping to them or naming
+the bridge or the node's address ranges; never another program's), the cgroup trees, and the
+kernel settings the node changed (restored from this session's own record). A folder left by a
+killed session is swept the same way by the next one (:func:`sweep_stale_nodes`), except that
+its kernel settings are left alone: its record may be days old.
 
 Needs root, the Debian packages containerd, runc, containernetworking-plugins, iptables and
 conntrack, and ``make controlplane tools image``. Without them ``node`` tests are skipped with a
@@ -32,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import ipaddress
+import itertools
 import json
 import os
 import shlex
@@ -77,6 +82,9 @@ CLUSTER_DOMAIN = "cluster.local"
 CGROUP_PREFIX = "tokenfair-node-"
 WORKDIR_PREFIX = "tfnode-"
 STATE_FILE = "node-state.json"
+# Chains the node's programs make: kube-proxy's and the CNI bridge/portmap plugins'. The sweep
+# touches nothing else in the firewall (Docker, tailscale, firewalld... add rules meanwhile).
+NODE_CHAIN_PREFIXES = ("KUBE-", "CNI-", NODE_NAME)
 OWNER_FILE = "owner.pid"
 HOW_TO_GET = (
     "run as root with the Debian packages `containerd runc containernetworking-plugins "
@@ -98,7 +106,8 @@ HOST_COMMANDS = {
 CNI_PLUGINS = ("bridge", "host-local", "portmap", "loopback")
 # Debian's containernetworking-plugins, then upstream's release tarball layout.
 CNI_BIN_DIRS = ("/usr/lib/cni", "/opt/cni/bin")
-# Kernel settings the kubelet or kube-proxy may change; their values are restored on teardown.
+# Kernel settings the kubelet or kube-proxy may change; the ones the node changed are restored on
+# the session's own teardown (never from a killed session's record: it may be days old).
 SYSCTLS = (
     "net/ipv4/ip_forward",
     "net/ipv4/conf/all/route_localnet",
@@ -277,6 +286,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
   restrict_oom_score_adj = true
   disable_apparmor = true
   enable_selinux = false
+  # Pods' network namespaces under the node's folder, not /run/netns: the sweep unmounts them
+  # with the folder's mounts and never touches another program's namespaces.
+  netns_mounts_under_state_dir = true
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
   [plugins."io.containerd.grpc.v1.cri".containerd]
@@ -367,18 +379,102 @@ def iptables_rules() -> dict[str, dict[str, list[str]]]:
     result: dict[str, dict[str, list[str]]] = {}
     for family, command in (("ipv4", "iptables-save"), ("ipv6", "ip6tables-save")):
         out = subprocess.run([command], capture_output=True, text=True, check=False).stdout
-        tables: dict[str, list[str]] = {}
-        table = ""
-        for line in out.splitlines():
-            if line.startswith("*"):
-                table = line[1:]
-                tables[table] = []
-            elif line.startswith(":"):
-                tables[table].append("-N " + line[1:].split()[0])
-            elif line.startswith("-A "):
-                tables[table].append(line)
-        result[family] = tables
+        result[family] = parse_iptables_save(out)
     return result
+
+
+def parse_iptables_save(out: str) -> dict[str, list[str]]:
+    """One family's ``iptables-save`` listing as ``{table: ["-N chain" | "-A chain spec"]}``."""
+    tables: dict[str, list[str]] = {}
+    table = ""
+    for line in out.splitlines():
+        if line.startswith("*"):
+            table = line[1:]
+            tables[table] = []
+        elif line.startswith(":"):
+            tables[table].append("-N " + line[1:].split()[0])
+        elif line.startswith("-A "):
+            tables[table].append(line)
+    return tables
+
+
+def is_node_chain(chain: str) -> bool:
+    return chain.startswith(NODE_CHAIN_PREFIXES)
+
+
+_NODE_NETWORKS = (ipaddress.ip_network(POD_CIDR), ipaddress.ip_network(SERVICE_CIDR))
+
+
+def _names_node_address(token: str) -> bool:
+    """``token`` is an address or range inside the Pod or Service range (``10.213.0.5/32``)."""
+    try:
+        net = ipaddress.ip_network(token, strict=False)
+    except ValueError:
+        return False
+    return any(
+        net.version == own.version and net.subnet_of(own)  # type: ignore[arg-type]
+        for own in _NODE_NETWORKS
+    )
+
+
+def is_node_rule(rule: str) -> bool:
+    """An ``-A chain spec`` line the node made: in one of its chains, jumping (``-j``/``-g``) to
+    one, or naming its bridge or its Pod/Service ranges (the CNI plugin's MASQUERADE rules)."""
+    args = _split_rule(rule[3:])
+    if is_node_chain(args[0]):
+        return True
+    for flag, value in itertools.pairwise(args):
+        if flag in ("-j", "--jump", "-g", "--goto") and is_node_chain(value):
+            return True
+    return any(token == BRIDGE or _names_node_address(token.split(",")[0]) for token in args[1:])
+
+
+def iptables_deletions(
+    before: dict[str, dict[str, list[str]]], now: dict[str, dict[str, list[str]]]
+) -> list[tuple[str, str, list[str]]]:
+    """What the sweep deletes, as ``(family, table, iptables arguments)`` in order: the node's
+    rules (:func:`is_node_rule`) that are in ``now`` but not in ``before``, then its new chains
+    flushed and removed. Rules and chains of other programs are kept, however new."""
+    commands: list[tuple[str, str, list[str]]] = []
+    for family, tables in now.items():
+        for table, lines in tables.items():
+            old = set(before.get(family, {}).get(table, []))
+            chains = [ln[3:] for ln in lines if ln.startswith("-N ") and ln not in old]
+            chains = [c for c in chains if is_node_chain(c)]
+            for rule in lines:
+                if not rule.startswith("-A ") or rule in old or not is_node_rule(rule):
+                    continue
+                args = _split_rule(rule[3:])
+                if args[0] not in chains:  # rules in chains removed below go with them
+                    commands.append((family, table, ["-D", *args]))
+            commands += [(family, table, ["-F", chain]) for chain in chains]
+            commands += [(family, table, ["-X", chain]) for chain in chains]
+    return commands
+
+
+def record_node_sysctls(workdir: Path) -> None:
+    """Add the kernel settings as the running node left them to the record (see
+    :func:`sysctls_to_restore`)."""
+    state_path = workdir / STATE_FILE
+    state = json.loads(state_path.read_text())
+    state["sysctls_after"] = read_sysctls()
+    state_path.write_text(json.dumps(state))
+
+
+def _delete_node_iptables(before: dict[str, dict[str, list[str]]]) -> list[str]:
+    """Run :func:`iptables_deletions` against the live tables; return a summary of what it did."""
+    binaries = {"ipv4": "iptables", "ipv6": "ip6tables"}
+    counts: dict[str, dict[str, int]] = {}
+    for family, table, args in iptables_deletions(before, iptables_rules()):
+        subprocess.run([binaries[family], "-w", "-t", table, *args], capture_output=True)
+        count = counts.setdefault(f"{family}/{table}", {"-D": 0, "-F": 0, "-X": 0})
+        count[args[0]] += 1
+    return [f"{key}: {c['-D']} rules, {c['-X']} chains" for key, c in counts.items()]
+
+
+def _split_rule(spec: str) -> list[str]:
+    """An iptables-save rule body as arguments (its comments are shell-quoted)."""
+    return shlex.split(spec)
 
 
 def read_sysctls() -> dict[str, str]:
@@ -444,18 +540,12 @@ def mounts_under(folder: Path) -> list[str]:
     return targets
 
 
-def netns_names() -> set[str]:
-    folder = Path("/run/netns")
-    return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
-
-
 def record_host_state(workdir: Path, cgroup: str) -> None:
     """Write what teardown must restore to ``workdir/STATE_FILE`` (also read by the sweep)."""
     state = {
         "cgroup": cgroup,
         "sysctls": read_sysctls(),
         "iptables": iptables_rules(),
-        "netns": sorted(netns_names()),
         "host_dirs": {folder: Path(folder).exists() for folder in HOST_DIRS},
         "containers_logs": sorted(p.name for p in Path("/var/log/containers").glob("*"))
         if Path("/var/log/containers").is_dir()
@@ -464,35 +554,12 @@ def record_host_state(workdir: Path, cgroup: str) -> None:
     (workdir / STATE_FILE).write_text(json.dumps(state))
 
 
-def _delete_new_iptables(before: dict[str, dict[str, list[str]]]) -> list[str]:
-    """Delete every rule and chain that exists now but not in ``before``; return what was done."""
-    done = []
-    now = iptables_rules()
-    for family, command in (("ipv4", "iptables"), ("ipv6", "ip6tables")):
-        for table, lines in now.get(family, {}).items():
-            old = set(before.get(family, {}).get(table, []))
-            new_rules = [line for line in lines if line.startswith("-A ") and line not in old]
-            new_chains = [line[3:] for line in lines if line.startswith("-N ") and line not in old]
-            for rule in new_rules:
-                args = ["-D", *_split_rule(rule[3:])]
-                subprocess.run([command, "-w", "-t", table, *args], capture_output=True)
-            for chain in new_chains:
-                subprocess.run([command, "-w", "-t", table, "-F", chain], capture_output=True)
-            for chain in new_chains:
-                subprocess.run([command, "-w", "-t", table, "-X", chain], capture_output=True)
-            if new_rules or new_chains:
-                done.append(f"{family}/{table}: {len(new_rules)} rules, {len(new_chains)} chains")
-    return done
-
-
-def _split_rule(spec: str) -> list[str]:
-    """An iptables-save rule body as arguments (its comments are shell-quoted)."""
-    return shlex.split(spec)
-
-
-def sweep(workdir: Path) -> list[str]:
+def sweep(workdir: Path, *, restore_sysctls: bool = True) -> list[str]:
     """Remove everything the node in ``workdir`` left on the host; idempotent. Returns a list of
-    what it had to clean (empty after an orderly teardown, except the folder itself)."""
+    what it had to clean (empty after an orderly teardown, except the folder itself).
+
+    ``restore_sysctls``: put back the kernel settings the node changed (its own session's
+    teardown only; :func:`sweep_stale_nodes` passes False: an old record is not the truth)."""
     notes: list[str] = []
     state_path = workdir / STATE_FILE
     state: dict[str, Any] = json.loads(state_path.read_text()) if state_path.exists() else {}
@@ -511,22 +578,15 @@ def sweep(workdir: Path) -> list[str]:
     for target in sorted(mounts_under(workdir), key=len, reverse=True):
         subprocess.run(["umount", "-l", target], capture_output=True)
         notes.append(f"unmounted {target}")
-    for name in sorted(netns_names() - set(state.get("netns", []))):
-        if name.startswith("cni-"):
-            subprocess.run(["umount", "-l", f"/run/netns/{name}"], capture_output=True)
-            with contextlib.suppress(OSError):
-                Path("/run/netns", name).unlink()
-            notes.append(f"removed netns {name}")
     if Path("/sys/class/net", BRIDGE).exists():
         subprocess.run(["ip", "link", "delete", BRIDGE], capture_output=True)
-    notes += _delete_new_iptables(state.get("iptables", {}))
+    notes += _delete_node_iptables(state.get("iptables", {}))
     subprocess.run(["conntrack", "-D", "-s", POD_CIDR], capture_output=True)
     subprocess.run(["conntrack", "-D", "-d", POD_CIDR], capture_output=True)
-    for name, value in state.get("sysctls", {}).items():
-        with contextlib.suppress(OSError):
-            path = Path("/proc/sys") / name
-            if path.read_text().strip() != value:
-                path.write_text(value)
+    if restore_sysctls:
+        for name, value in sysctls_to_restore(state).items():
+            with contextlib.suppress(OSError):
+                (Path("/proc/sys") / name).write_text(value)
                 notes.append(f"restored {name}={value}")
     logs = Path("/var/log/containers")
     if logs.is_dir():
@@ -548,13 +608,29 @@ def sweep(workdir: Path) -> list[str]:
     return notes
 
 
+def sysctls_to_restore(state: dict[str, Any]) -> dict[str, str]:
+    """``{name: value before}`` for the settings the node changed and nobody changed since: the
+    value now is the one recorded once the node was up (``sysctls_after``), and differs from
+    the one before. Before that record (start failed), any setting that differs from before."""
+    before: dict[str, str] = state.get("sysctls", {})
+    after: dict[str, str] | None = state.get("sysctls_after")
+    now = read_sysctls()
+    return {
+        name: value
+        for name, value in before.items()
+        if name in now
+        and now[name] != value
+        and (after is None or (name in after and now[name] == after[name]))
+    }
+
+
 def sweep_stale_nodes() -> None:
     """Sweep and remove node folders whose owning pytest is gone (killed without teardown)."""
     for workdir in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*"):
         try:
             os.kill(int((workdir / OWNER_FILE).read_text()), 0)
         except ProcessLookupError:
-            sweep(workdir)
+            sweep(workdir, restore_sysctls=False)
             shutil.rmtree(workdir, ignore_errors=True)
         except (OSError, ValueError):
             continue
@@ -730,6 +806,7 @@ def start_node(binaries: Binaries, reqs: NodeRequirements, stack: contextlib.Exi
     start("clusterdns", dns)
     logs = tuple(workdir / f"{n}.log" for n in ("kubelet", "containerd", "kube-proxy"))
     wait_for("node Ready", lambda: node_ready(cluster), NODE_READY_TIMEOUT_S, logs)
+    record_node_sysctls(workdir)
     # Pushed after the node processes: runs before they stop.
     stack.callback(drain, cluster)
     node.startup_seconds = time.monotonic() - started
