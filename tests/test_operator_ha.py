@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,13 +28,12 @@ from typing import Any
 import pytest
 from kubecluster import KubeCluster, free_ports, stop_process
 from test_operator_kube import (
-    RESYNC_S,
-    USAGE_S,
     _weight,
     get,
     operator_kubeconfig,
     published,
     running_operator,
+    start_operator,
     wait_for,
 )
 from test_propagation import apply_lesson_and_wait, http_get, token_file
@@ -63,21 +61,7 @@ def start_replica(
     kubeconfig: Path, ns: str, log: Path, env: dict[str, str]
 ) -> subprocess.Popen[bytes]:
     """A replica we may kill: ``running_operator`` insists its operator outlives the test."""
-    full_env = {
-        **os.environ,
-        "KUBECONFIG": str(kubeconfig),
-        "TOKENFAIR_RESYNC_SECONDS": RESYNC_S,
-        "TOKENFAIR_USAGE_SECONDS": USAGE_S,
-        "NO_PROXY": "127.0.0.1,localhost",
-        "no_proxy": "127.0.0.1,localhost",
-        **env,
-    }
-    cmd = [sys.executable, "-m", "kopf", "run", "-m", "tokenfair_operator.handlers"]
-    cmd += ["--namespace", ns, "--standalone"]
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
-        )
+    return start_operator(kubeconfig, ns, log, env)
 
 
 def lease(cluster: KubeCluster, ns: str) -> dict[str, Any]:

@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -102,12 +102,11 @@ def operator_kubeconfig(
     return kube_cluster.write_kubeconfig(path, token, user="tokenfair-operator")
 
 
-@contextlib.contextmanager
-def running_operator(
-    kubeconfig: Path, namespace: str, log_path: Path, **env: str
-) -> Iterator[Path]:
-    """``kopf run -m tokenfair_operator.handlers --namespace <ns>`` as a child process; yields
-    its log file. On exit: stopped, and its log must show no refused API call."""
+def start_operator(
+    kubeconfig: Path, namespace: str, log_path: Path, env: Mapping[str, str]
+) -> subprocess.Popen[bytes]:
+    """``kopf run -m tokenfair_operator.handlers --namespace <ns>`` as a child process in its
+    own session, its output in ``log_path``, the test's short resync and usage periods."""
     full_env = {
         **os.environ,
         "KUBECONFIG": str(kubeconfig),
@@ -120,9 +119,18 @@ def running_operator(
     cmd = [sys.executable, "-m", "kopf", "run", "-m", "tokenfair_operator.handlers"]
     cmd += ["--namespace", namespace, "--standalone"]
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
         )
+
+
+@contextlib.contextmanager
+def running_operator(
+    kubeconfig: Path, namespace: str, log_path: Path, **env: str
+) -> Iterator[Path]:
+    """:func:`start_operator`, yielding its log file. On exit: stopped, and its log must show
+    no refused API call."""
+    proc = start_operator(kubeconfig, namespace, log_path, env)
     try:
         yield log_path
         assert proc.poll() is None, "the operator exited during the test"
