@@ -273,28 +273,33 @@ def iter_trace_lines(
     Errors name ``path:line``. Nothing else is kept: memory does not grow with the file.
     """
     seen: set[str] = set()
-    decode = _DECODER.decode
+    for number, record in _decoded_lines(path, _DECODER):
+        if unique_ids:
+            if record.request_id in seen:
+                raise TraceError(f"{path}:{number}: duplicate request_id {record.request_id!r}")
+            seen.add(record.request_id)
+        if known_tenants is not None and record.tenant_id not in known_tenants:
+            raise TraceError(
+                f"{path}:{number}: tenant_id {record.tenant_id!r} is not in the tenants "
+                f"file (known: {', '.join(known_tenants)})"
+            )
+        yield record
+
+
+def _decoded_lines(path: str | Path, decoder: msgspec.json.Decoder[_T]) -> Iterator[tuple[int, _T]]:
+    """``(line number, decoded line)`` for each non-blank line of ``path``, in file order; a
+    line the decoder refuses raises :class:`TraceError` naming ``path:line``, field and rule."""
+    decode = decoder.decode
     try:
         with Path(path).open("rb") as handle:
             for number, line in enumerate(handle, start=1):
                 try:
-                    record: TraceLine = decode(line)
+                    decoded = decode(line)
                 except msgspec.MsgspecError as exc:
                     if not line.strip():
                         continue
                     raise _trace_error(line, f"{path}:{number}", exc) from None
-                if unique_ids:
-                    if record.request_id in seen:
-                        raise TraceError(
-                            f"{path}:{number}: duplicate request_id {record.request_id!r}"
-                        )
-                    seen.add(record.request_id)
-                if known_tenants is not None and record.tenant_id not in known_tenants:
-                    raise TraceError(
-                        f"{path}:{number}: tenant_id {record.tenant_id!r} is not in the tenants "
-                        f"file (known: {', '.join(known_tenants)})"
-                    )
-                yield record
+                yield number, decoded
     except OSError as exc:
         raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
 
@@ -372,19 +377,8 @@ def stream_requests(path: str | Path) -> Iterator[Request]:
     a replay that reads the file once per policy. A line that no longer decodes (the file
     changed since its scan) raises ``TraceError`` naming it.
     """
-    decode = _REQUEST_DECODER.decode
-    try:
-        with Path(path).open("rb") as handle:
-            for number, line in enumerate(handle, start=1):
-                try:
-                    request: Request = decode(line)
-                except msgspec.MsgspecError as exc:
-                    if not line.strip():
-                        continue
-                    raise _trace_error(line, f"{path}:{number}", exc) from None
-                yield request
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
+    for _, request in _decoded_lines(path, _REQUEST_DECODER):
+        yield request
 
 
 def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
