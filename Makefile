@@ -1,23 +1,41 @@
 # tokenfair — every command a newcomer or CI needs. Nothing is installed outside `.venv/`
 # and the build cache (`$(TOKENFAIR_CACHE)`).
-PYTHON ?= python3
+# Python 3.11: what CI and the image run (Debian 12's); python3 when no python3.11 is on PATH.
+PYTHON ?= $(shell command -v python3.11 >/dev/null 2>&1 && echo python3.11 || echo python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# The locks (`make lock`): every package pinned with its hashes, for the venv and the image.
+LOCK := requirements/dev.txt
+IMAGE_LOCK := requirements/image.txt
+# Universal resolution (markers instead of this machine's answers): Debian 12's Python 3.11.2
+# needs async-timeout where 3.11.3 and later do not. LOCK_FLAGS=--upgrade moves every pin.
+UV_COMPILE := $(BIN)/uv pip compile --quiet --universal --python-version 3.11 --generate-hashes
 export TOKENFAIR_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/tokenfair
 
-.PHONY: help venv run simulate test lint format bench bench-fairness bench-simulate bench-sidecar bench-pool clean
+.PHONY: help venv lock run simulate test lint format bench bench-fairness bench-simulate bench-sidecar bench-pool clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-$(STAMP): pyproject.toml
+# Installing needs pip only: the lock with --require-hashes, then tokenfair itself, built by the
+# locked setuptools. A changed lock reinstalls in place (`make clean venv` for an exact copy).
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,operator,plot]'
+	@$(BIN)/python -c 'import sys; v = sys.version_info[:2]; v == (3, 11) or print( \
+		f"make: warning: .venv runs Python {v[0]}.{v[1]}; CI, the image and $(LOCK) use 3.11", \
+		file=sys.stderr)'
+	$(BIN)/python -m pip install --quiet --require-hashes -r $(LOCK)
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
-venv: $(STAMP) ## create .venv and install tokenfair with its dev tools
+venv: $(STAMP) ## create .venv and install tokenfair with its dev tools (from the lock)
+
+lock: $(STAMP) ## re-resolve requirements/*.txt after a pyproject.toml edit (uv; LOCK_FLAGS=--upgrade)
+	UV_CUSTOM_COMPILE_COMMAND='make lock' $(UV_COMPILE) $(LOCK_FLAGS) \
+		--extra dev --extra operator --extra plot -o $(LOCK) pyproject.toml requirements/build.in
+	UV_CUSTOM_COMPILE_COMMAND='make lock' $(UV_COMPILE) --constraint $(LOCK) \
+		--extra operator -o $(IMAGE_LOCK) pyproject.toml requirements/build.in
 
 run: $(STAMP) ## the main job: the sidecar standalone on the cost-model engine, lesson's tenants
 	@echo "tokenfair sidecar: proxy http://127.0.0.1:8080, admin http://127.0.0.1:9090 (Ctrl-C stops)"

@@ -8,20 +8,24 @@ inputs is a no-op (~0.1 s) and a changed source file names a new tarball:
 
 - ``python-base-<suite>-<key>.tar``: a ``debootstrap --variant=minbase`` root of Debian <suite>
   with ``python3``, ``python3-venv``, ``python-is-python3`` and ``ca-certificates``; key =
-  sha256(suite, package list, BASE_RECIPE, BASE_PRUNE). It stands in for ``python:3.X-slim``
+  sha256(suite, package list, BASE_RECIPE, BASE_PRUNE): pinned by these build inputs, as it has
+  no registry digest. It stands in for the Dockerfile's default ``python:3.11-slim-bookworm``
   (same Debian, Debian's own Python 3.11; documentation and translations pruned as slim does).
   Debian's mirror is debootstrap's own default unless ``$DEBIAN_MIRROR`` names another.
-- ``wheels-<key>/``: every dependency of ``tokenfair[operator]`` and the build backend as
-  wheels, fetched by ``pip download`` on this machine (whatever index and certificates pip is
+- ``wheels-<key>/``: the wheels of the image's lock file (:data:`IMAGE_LOCK`: every dependency
+  of ``tokenfair[operator]`` and the build backend, pinned with hashes), fetched by ``pip
+  download --require-hashes`` on this machine (whatever index and certificates pip is
   configured with here) for the base's exact CPython (recorded in ``python-base-*.python``: a
   marker like ``python_full_version < "3.11.3"`` must be evaluated for Debian's 3.11.2, not
   for the Python running this script) and glibc (:data:`SUITE_MANYLINUX`); key =
-  sha256(pyproject.toml, that version, the platform).
+  sha256(the lock file, that version, the platform).
 - ``tokenfair-<key>.tar``: ``docker build`` of the repository's Dockerfile with
   ``--build-arg PYTHON_IMAGE=<the imported base>`` and ``PIP_INSTALL_ARGS=--no-index
   --find-links=/src`` on a context holding exactly what the Dockerfile copies plus ``wheels/``:
-  nothing in the build talks to a package index; key = sha256(base key, wheelhouse key,
-  Dockerfile, pyproject.toml, README.md, every file under the two import packages). Tagged
+  nothing in the build talks to a package index, and the Dockerfile installs the lock file
+  ``--require-hashes`` (then tokenfair itself ``--no-deps``); key = sha256(base key, wheelhouse
+  key, Dockerfile, pyproject.toml, README.md, the lock file, every file under the two import
+  packages). Tagged
   ``tokenfair/tokenfair:<appVersion of charts/tokenfair/Chart.yaml>``, the chart's default.
 - ``pause-<key>.tar``: ``FROM scratch`` + ``hack/node/pause`` (a static Go program); key =
   sha256(its sources, ``go version``). Tagged ``tokenfair/pause:<key[:12]>``.
@@ -76,8 +80,10 @@ BASE_PRUNE = (
 )
 IMAGE_REPOSITORY = "tokenfair/tokenfair"
 PAUSE_REPOSITORY = "tokenfair/pause"
+# The image's lock file (`make lock`): what the wheelhouse fetches and the Dockerfile installs.
+IMAGE_LOCK = "requirements/image.txt"
 # Inputs of the project image besides the two import packages (the Dockerfile's COPY lines).
-IMAGE_FILES = ("Dockerfile", "pyproject.toml", "README.md")
+IMAGE_FILES = ("Dockerfile", "pyproject.toml", "README.md", IMAGE_LOCK)
 IMAGE_TREES = ("sidecar/tokenfair_sidecar", "operator/tokenfair_operator")
 DOCKERD_START_TIMEOUT_S = 60.0
 # Host folders dockerd (and the containerd it starts) makes whatever its flags say: removed
@@ -138,7 +144,7 @@ def base_python(cache: Path) -> str:
 
 
 def wheels_key(cache: Path, root: Path = REPO_ROOT) -> str:
-    parts = [("pyproject.toml", (root / "pyproject.toml").read_bytes())]
+    parts = [(IMAGE_LOCK, (root / IMAGE_LOCK).read_bytes())]
     parts.append(("python", base_python(cache).encode()))
     parts.append(("platform", f"{SUITE_MANYLINUX}_{platform.machine()}".encode()))
     return _digest(parts)[:16]
@@ -243,18 +249,11 @@ def manylinux_tags() -> list[str]:
 
 
 def build_wheels(folder: Path, root: Path, python: str) -> None:
-    """``pip download`` every dependency of ``tokenfair[operator]`` and the build backend, as
-    wheels for the base's CPython ``python`` (X.Y.Z: markers are evaluated for it, not for the
-    Python running this script) on :data:`SUITE_MANYLINUX`, into ``folder``."""
-    import tomllib
-
-    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
-    project = pyproject["project"]
-    requirements = [
-        *project["dependencies"],
-        *project.get("optional-dependencies", {}).get("operator", []),
-        *pyproject["build-system"]["requires"],
-    ]
+    """``pip download --require-hashes`` the image's lock file (every dependency of
+    ``tokenfair[operator]`` and the build backend), as wheels for the base's CPython ``python``
+    (X.Y.Z: markers are evaluated for it, not for the Python running this script) on
+    :data:`SUITE_MANYLINUX`, into ``folder``. A file whose hash is not in the lock, or a
+    dependency the lock lacks for this Python, fails here rather than in ``docker build``."""
     major, minor = python.split(".")[:2]
     target = ["--only-binary=:all:", "--implementation=cp", f"--python-version={python}"]
     target.append(f"--abi=cp{major}{minor}")
@@ -262,7 +261,8 @@ def build_wheels(folder: Path, root: Path, python: str) -> None:
     partial = folder.with_suffix(".partial")
     shutil.rmtree(partial, ignore_errors=True)
     pip = [sys.executable, "-c", PIP_FOR_PYTHON, python, "--disable-pip-version-check"]
-    run([*pip, "download", "--quiet", *target, "--dest", str(partial), *requirements])
+    lock = ["--require-hashes", "--requirement", str(root / IMAGE_LOCK)]
+    run([*pip, "download", "--quiet", *target, "--dest", str(partial), *lock])
     partial.rename(folder)
 
 
@@ -288,6 +288,7 @@ runpy.run_module("pip", run_name="__main__", alter_sys=True)
 def snapshot_sources(folder: Path) -> None:
     """Copy what the Dockerfile's COPY lines read (as .dockerignore allows) to ``folder``."""
     for name in IMAGE_FILES:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO_ROOT / name, folder / name)
     for tree in IMAGE_TREES:
         for path in _tree_files(REPO_ROOT / tree):
