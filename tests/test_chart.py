@@ -12,9 +12,21 @@ Behaviours under test:
   refuses unknown keys; every key of ``values.yaml`` is commented;
 - ``helm create`` labels on every object, selectors without the version;
 - the ``restricted`` Pod Security Standard on every Pod and container;
-- the ClusterRole is never wider than ``operator/rbac/clusterrole.yaml`` and lacks only the
-  rules for Kopf-managed webhook configurations (the chart installs static ones), except, with
-  the operator's own certificate, get/patch on exactly the chart's two webhook configurations;
+- the operator's ClusterRole is never wider than the shipped ``tokenfair-operator`` of
+  ``operator/rbac/clusterrole.yaml`` and lacks only the rules for Kopf-managed webhook
+  configurations (the chart installs static ones), except, with the operator's own certificate,
+  get/patch on exactly the chart's two webhook configurations; no ClusterRole of the chart grants
+  Leases, and only the ``-secrets`` one (the shipped ``tokenfair-operator-secrets``) grants
+  Secrets, bound by RoleBindings only: in ``operator.secretNamespaces``, else the watched
+  namespaces, else the release namespace (plus the demo's); the Lease by name, get and update,
+  in the release namespace only;
+- the operator's Deployment: Kopf's logging flags from ``logLevel``/``logFormat``,
+  ``extraArgs``/``extraEnv`` appended (a variable the chart sets is refused), ``image.digest``
+  as ``repository@digest`` everywhere (injected sidecars too), and the ``sidecar.*`` values as
+  the variables the operator's own ``injection_from_env`` reads back as the same defaults;
+- the PodDisruptionBudget, NetworkPolicy (ports the container has; the webhook's only with the
+  webhook), ServiceMonitor (a Service port) and PrometheusRule (``files/alerts.yaml`` as is, every
+  metric it names exported by the operator or the sidecar) behind their toggles;
 - the static webhook paths are the ids Kopf registers for the operator's admission handlers;
 - without cert-manager: an empty chart Secret, a Role on exactly that Secret (get, update), the
   operator told the Secret, the Service's DNS names and the configurations, no cert-manager
@@ -44,6 +56,7 @@ import datetime
 import hashlib
 import json
 import os
+import re
 import socket
 import ssl
 import subprocess
@@ -66,6 +79,9 @@ from kubecluster import (
 )
 
 from tokenfair_operator.certs import ServingCerts, due
+from tokenfair_operator.inject import InjectionSettings
+from tokenfair_operator.metrics import OperatorMetrics
+from tokenfair_operator.settings import SIDECAR_ENV, injection_from_env
 from tokenfair_sidecar.config import parse_documents
 from tokenfair_sidecar.scenarios import LESSON_TENANTS
 
@@ -81,7 +97,17 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "webhook-cert-manager": ("webhook.enabled=true", "certManager.enabled=true"),
     "webhook-own-certificate": ("webhook.enabled=true",),
     "watch-namespaces": ("operator.watchNamespaces={team-a,team-b}",),
+    "production": (
+        "webhook.enabled=true",
+        "networkPolicy.enabled=true",
+        "serviceMonitor.enabled=true",
+        "prometheusRule.enabled=true",
+        "image.digest=sha256:" + "0123456789abcdef" * 4,
+        "operator.logFormat=json",
+    ),
 }
+# Kinds of CRDs the test control plane does not have: checked offline only.
+FOREIGN_API_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
 # The public demo keys of examples/sidecar-standalone.yaml, by tenant id.
 DEMO_KEYS = {
     "tenant_chat_pro": "sk-local-chat-pro",
@@ -89,7 +115,7 @@ DEMO_KEYS = {
     "tenant_batch_rag": "sk-local-batch-rag",
 }
 # Maps whose keys are free (labels, annotations): a typed additionalProperties, not false.
-FREE_MAPS = {"annotations", "podAnnotations", "podLabels", "nodeSelector"}
+FREE_MAPS = {"annotations", "podAnnotations", "podLabels", "nodeSelector", "labels", "matchLabels"}
 WAIT_S = 30.0
 GC_WAIT_S = 75.0
 T = TypeVar("T")
@@ -250,6 +276,7 @@ def test_lint_strict_and_render(major: int, variant: str) -> None:
     assert ("Certificate" in kinds) == (variant == "webhook-cert-manager")
     binding = "RoleBinding" if variant == "watch-namespaces" else "ClusterRoleBinding"
     assert binding in kinds
+    assert ("PrometheusRule" in kinds) == (variant == "production")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -320,21 +347,123 @@ def ca_bundle_grants(docs: list[Doc]) -> set[tuple[str, str, str, str]]:
     }
 
 
+def shipped_roles() -> dict[str, Doc]:
+    """The ClusterRoles of ``operator/rbac/clusterrole.yaml`` by name."""
+    docs = [d for d in yaml.safe_load_all(SHIPPED_ROLE.read_text()) if d is not None]
+    return {d["metadata"]["name"]: d for d in docs}
+
+
+def cluster_roles(docs: list[Doc]) -> dict[str, Doc]:
+    """The chart's ClusterRoles by what they are for: ``operator`` and ``secrets``."""
+    roles = {d["metadata"]["name"]: d for d in of_kind(docs, "ClusterRole")}
+    (main,) = [r for n, r in roles.items() if n.endswith("-operator")]
+    (secrets,) = [r for n, r in roles.items() if n.endswith("-operator-secrets")]
+    assert len(roles) == 2, sorted(roles)
+    return {"operator": main, "secrets": secrets}
+
+
+def own_certificate(sets: tuple[str, ...]) -> bool:
+    return "webhook.enabled=true" in sets and "certManager.enabled=true" not in sets
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_cluster_role_is_the_shipped_one_without_webhook_management(variant: str) -> None:
     docs = parse(render(4, VARIANTS[variant]))
-    (role,) = of_kind(docs, "ClusterRole")
-    shipped = grants(yaml.safe_load(SHIPPED_ROLE.read_text()))
-    chart = grants(role)
-    if variant == "webhook-own-certificate":
+    roles = cluster_roles(docs)
+    shipped = shipped_roles()
+    shipped_main = grants(shipped["tokenfair-operator"])
+    chart = grants(roles["operator"])
+    if own_certificate(VARIANTS[variant]):
         # One addition, by name: caBundle on the chart's own two configurations.
         own = ca_bundle_grants(docs)
         assert len(own) == 4  # (validating, mutating) x (get, patch)
         assert own <= chart
         chart -= own
-    assert chart <= shipped, chart - shipped
+    assert chart <= shipped_main, chart - shipped_main
     # What is left out is exactly Kopf's management of its own webhook configurations.
-    assert {g[0] for g in shipped - chart} == {"admissionregistration.k8s.io"}
+    assert {g[0] for g in shipped_main - chart} == {"admissionregistration.k8s.io"}
+    assert grants(roles["secrets"]) == grants(shipped["tokenfair-operator-secrets"])
+    # Secrets and Leases are never part of the cluster-wide role, shipped or charted.
+    for grant in (*chart, *shipped_main):
+        assert grant[1] not in ("secrets", "leases"), grant
+
+
+def bound_namespaces(docs: list[Doc], role: Doc) -> list[str]:
+    """Namespaces in which ``role`` (a ClusterRole) is bound; ``*`` for a ClusterRoleBinding."""
+    name = role["metadata"]["name"]
+    bindings = [
+        d
+        for d in of_kind(docs, "RoleBinding") + of_kind(docs, "ClusterRoleBinding")
+        if d["roleRef"]
+        == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name}
+    ]
+    return sorted(d["metadata"].get("namespace", "*") for d in bindings)
+
+
+@pytest.mark.parametrize(
+    ("sets", "namespaces"),
+    [
+        ((), ["tokenfair-system"]),
+        (("operator.watchNamespaces={team-a,team-b}",), ["team-a", "team-b"]),
+        (
+            ("operator.watchNamespaces={team-a}", "operator.secretNamespaces={team-c,team-d}"),
+            ["team-c", "team-d"],
+        ),
+        (
+            ("operator.secretNamespaces={team-c}", "demo.enabled=true"),
+            ["team-c", "tokenfair-system"],
+        ),
+        (
+            ("operator.watchNamespaces={tokenfair-system}", "demo.enabled=true"),
+            ["tokenfair-system"],
+        ),
+    ],
+)
+def test_secrets_are_granted_per_namespace_only(
+    sets: tuple[str, ...], namespaces: list[str]
+) -> None:
+    docs = parse(render(4, sets))
+    roles = cluster_roles(docs)
+    assert bound_namespaces(docs, roles["secrets"]) == namespaces  # never "*"
+    service_account = of_kind(docs, "ServiceAccount")[0]["metadata"]
+    for binding in of_kind(docs, "RoleBinding"):
+        (subject,) = binding["subjects"]
+        assert subject == {
+            "kind": "ServiceAccount",
+            "name": service_account["name"],
+            "namespace": "tokenfair-system",
+        }
+    # The only other Secret rule anywhere: the webhook certificate's, by name (own certificate).
+    for role in of_kind(docs, "Role"):
+        for rule in role["rules"]:
+            if "secrets" in rule["resources"]:
+                assert rule["resourceNames"] == ["tokenfair-webhook-tls"], role["metadata"]
+
+
+def test_the_lease_is_granted_by_name_in_the_release_namespace() -> None:
+    docs = parse(render(4, ()))
+    (lease,) = of_kind(docs, "Lease")
+    leases = [
+        (role, rule)
+        for role in of_kind(docs, "Role") + of_kind(docs, "ClusterRole")
+        for rule in role["rules"]
+        if "leases" in rule["resources"]
+    ]
+    ((role, rule),) = leases
+    assert role["kind"] == "Role"
+    assert role["metadata"]["namespace"] == lease["metadata"]["namespace"] == "tokenfair-system"
+    assert rule == {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "resourceNames": [lease["metadata"]["name"]],
+        "verbs": ["get", "update"],
+    }
+    (binding,) = [d for d in of_kind(docs, "RoleBinding") if d["roleRef"]["kind"] == "Role"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    operator = container(docs, "Deployment", "operator")
+    env = env_of(operator)
+    assert env["TOKENFAIR_LEASE_NAME"] == lease["metadata"]["name"]
+    assert env["TOKENFAIR_LEASE_NAMESPACE"] == "tokenfair-system"
 
 
 def kopf_webhook_ids() -> set[str]:
@@ -402,11 +531,13 @@ def test_own_certificate_variant_wires_secret_rbac_and_configurations() -> None:
     assert "data" not in secret
     secret_ref = f"{secret['metadata']['namespace']}/{secret['metadata']['name']}"
     assert env["TOKENFAIR_WEBHOOK_CERT_SECRET"] == secret_ref
-    (role,) = of_kind(docs, "Role")
+    (role,) = [r for r in of_kind(docs, "Role") if r["metadata"]["name"].endswith("-certs")]
     assert grants(role) == {
         ("", "secrets", verb, secret["metadata"]["name"]) for verb in ("get", "update")
     }
-    (binding,) = of_kind(docs, "RoleBinding")
+    (binding,) = [
+        b for b in of_kind(docs, "RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"]
+    ]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"][0]["name"] == spec["serviceAccountName"]
     # caBundle on exactly the rendered configurations (both are named alike).
@@ -441,6 +572,179 @@ def test_demo_is_the_lessons_tenants_as_the_sidecar_reads_them() -> None:
     assert volume["secret"]["secretName"] == f"tokenfair-{policy['metadata']['name']}-keys"
 
 
+# --- offline: operator settings, injection defaults, PDB, NetworkPolicy, monitoring ------------
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+def operator_container(docs: list[Doc]) -> Doc:
+    return container(docs, "Deployment", "operator")
+
+
+def test_logging_extra_args_and_extra_env() -> None:
+    default = operator_container(parse(render(4)))
+    assert default["args"][-1] == "--log-format=full"
+    assert not {"--debug", "--quiet", "--verbose"} & set(default["args"])  # Kopf's INFO
+    sets = (
+        "operator.logLevel=debug",
+        "operator.logFormat=json",
+        "operator.extraArgs={--log-refkey=object}",
+        "operator.extraEnv[0].name=HTTPS_PROXY",
+        "operator.extraEnv[0].value=http://proxy:3128",
+    )
+    tuned = operator_container(parse(render(4, sets)))
+    assert tuned["args"][-3:] == ["--debug", "--log-format=json", "--log-refkey=object"]
+    assert tuned["env"][-1] == {"name": "HTTPS_PROXY", "value": "http://proxy:3128"}
+    quiet = operator_container(parse(render(4, ("operator.logLevel=warning",))))
+    assert "--quiet" in quiet["args"]
+    # A variable the chart sets itself is refused (server-side apply refuses a repeated name).
+    for name in ("TOKENFAIR_RESYNC_SECONDS", "TOKENFAIR_SIDECAR_CPU_REQUEST"):
+        bad = (f"operator.extraEnv[0].name={name}", "operator.extraEnv[0].value=x")
+        result = run_helm(4, "template", "t", str(CHART), *set_args(bad), check=False)
+        assert result.returncode != 0
+        assert f"operator.extraEnv: {name} is set by the chart itself" in result.stderr
+
+
+def test_image_digest_replaces_the_tag_everywhere() -> None:
+    docs = parse(render(4, (f"image.digest={DIGEST}", "demo.enabled=true", "image.tag=9.9")))
+    images = [c["image"] for spec in pod_specs(docs) for c in spec["containers"]]
+    assert len(images) == 3  # operator, demo model server, helm test
+    assert set(images) == {f"tokenfair/tokenfair@{DIGEST}"}
+    assert env_of(operator_container(docs))["TOKENFAIR_SIDECAR_IMAGE"] == images[0]
+    # Without a digest: the tag (the chart's appVersion by default).
+    plain = operator_container(parse(render(4)))
+    assert plain["image"] == "tokenfair/tokenfair:0.1.0"
+
+
+def test_sidecar_values_are_the_injectors_defaults() -> None:
+    """The chart's ``sidecar.*`` values reach injected sidecars through the operator's
+    environment, read back by the operator's own parser (one rule, one home)."""
+    default = injection_from_env(env_of(operator_container(parse(render(4)))))
+    assert default == InjectionSettings(
+        image="tokenfair/tokenfair:0.1.0",
+        config_url_base=default.config_url_base,
+        env_names=SIDECAR_ENV,
+    )
+    sets = (
+        "sidecar.resources.requests.cpu=250m",
+        "sidecar.resources.requests.memory=256Mi",
+        "sidecar.resources.limits.cpu=2",
+        "sidecar.resources.limits.memory=1Gi",
+        "sidecar.maxInFlight=32",
+        "sidecar.logLevel=warning",
+        "sidecar.drainGraceSeconds=20",
+        "sidecar.scrapeAnnotations=false",
+    )
+    tuned = injection_from_env(env_of(operator_container(parse(render(4, sets)))))
+    assert (tuned.cpu_request, tuned.memory_request) == ("250m", "256Mi")
+    assert (tuned.cpu_limit, tuned.memory_limit) == ("2", "1Gi")
+    assert (tuned.max_in_flight, tuned.log_level, tuned.drain_grace_s) == (32, "warning", 20.0)
+    assert tuned.scrape_annotations is False
+
+
+@pytest.mark.parametrize(
+    ("bad", "where"),
+    [
+        ("image.digest=latest", "/image/digest"),
+        ("operator.logLevel=trace", "/operator/logLevel"),
+        ("operator.logFormat=xml", "/operator/logFormat"),
+        ("sidecar.resources.requests.cpu=fast", "/sidecar/resources/requests/cpu"),
+        ("sidecar.logLevel=verbose", "/sidecar/logLevel"),
+        ("sidecar.maxInFlight=-1", "/sidecar/maxInFlight"),
+        ("operator.podDisruptionBudget.maxUnavailable=0", "/operator/podDisruptionBudget"),
+        ("networkPolicy.httpFrom[0].bogus=1", "bogus"),
+    ],
+)
+def test_schema_refuses_bad_new_values(bad: str, where: str) -> None:
+    result = run_helm(4, "template", "t", str(CHART), "--set", bad, check=False)
+    assert result.returncode != 0, bad
+    assert where in result.stderr, result.stderr
+
+
+def test_pod_disruption_budget() -> None:
+    docs = parse(render(4))
+    (pdb,) = of_kind(docs, "PodDisruptionBudget")
+    (deployment,) = of_kind(docs, "Deployment")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"] == deployment["spec"]["selector"]
+    off = parse(render(4, ("operator.podDisruptionBudget.enabled=false",)))
+    assert not of_kind(off, "PodDisruptionBudget")
+    percent = parse(render(4, ("operator.podDisruptionBudget.maxUnavailable=50%",)))
+    assert of_kind(percent, "PodDisruptionBudget")[0]["spec"]["maxUnavailable"] == "50%"
+
+
+def test_network_policy_opens_only_the_operators_ports() -> None:
+    assert not of_kind(parse(render(4)), "NetworkPolicy")
+    peer = "networkPolicy.webhookFrom[0].ipBlock.cidr=10.0.0.0/24"
+    for webhook in (False, True):
+        sets = ("networkPolicy.enabled=true", peer, f"webhook.enabled={str(webhook).lower()}")
+        docs = parse(render(4, sets))
+        (policy,) = of_kind(docs, "NetworkPolicy")
+        (deployment,) = of_kind(docs, "Deployment")
+        spec = policy["spec"]
+        assert spec["podSelector"] == deployment["spec"]["selector"]
+        assert spec["policyTypes"] == ["Ingress"]
+        ports = {p["name"] for p in operator_container(docs)["ports"]}
+        opened = [p["port"] for rule in spec["ingress"] for p in rule["ports"]]
+        assert set(opened) == ports  # every port the container has, nothing else
+        assert ("webhook" in opened) == webhook
+        if webhook:
+            (rule,) = [r for r in spec["ingress"] if r["ports"][0]["port"] == "webhook"]
+            assert rule["from"] == [{"ipBlock": {"cidr": "10.0.0.0/24"}}]
+        http = next(r for r in spec["ingress"] if r["ports"][0]["port"] == "http")
+        assert "from" not in http  # none listed: from anywhere
+
+
+def test_service_monitor_scrapes_the_operators_metrics() -> None:
+    assert not of_kind(parse(render(4)), "ServiceMonitor")
+    docs = parse(render(4, ("serviceMonitor.enabled=true", "serviceMonitor.labels.release=prom")))
+    (monitor,) = of_kind(docs, "ServiceMonitor")
+    (service,) = [d for d in of_kind(docs, "Service") if d["metadata"]["name"].endswith("operator")]
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics"
+
+
+ALERTS = CHART / "files" / "alerts.yaml"
+SIDECAR_METRICS = REPO / "sidecar" / "tokenfair_sidecar" / "server" / "metrics.py"
+SERIES_SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
+
+
+def exported_metrics() -> set[str]:
+    """Metric families the operator exports (its real exposition) and the sidecar declares
+    (the names its metrics module registers; counters without ``_total``)."""
+    operator = {
+        line.split()[2]
+        for line in OperatorMetrics().exposition().decode().splitlines()
+        if line.startswith("# TYPE ")
+    }
+    sidecar = set(re.findall(r'"(tokenfair_[a-z0-9_]+)"', SIDECAR_METRICS.read_text()))
+    return operator | sidecar
+
+
+def test_prometheus_rule_is_the_alerts_file_and_names_real_metrics() -> None:
+    assert not of_kind(parse(render(4)), "PrometheusRule")
+    docs = parse(render(4, ("prometheusRule.enabled=true",)))
+    (rule,) = of_kind(docs, "PrometheusRule")
+    alerts = yaml.safe_load(ALERTS.read_text())
+    assert rule["spec"] == alerts
+    exported = exported_metrics()
+    assert "tokenfair_operator_pods_without_sidecar" in exported
+    assert "tokenfair_backend_errors" in exported
+    rules = [r for group in alerts["groups"] for r in group["rules"]]
+    assert len(rules) >= 5
+    for alert in rules:
+        assert set(alert) <= {"alert", "expr", "for", "labels", "annotations"}, alert
+        assert alert["labels"]["severity"] in {"critical", "warning", "info"}
+        names = re.findall(r"\btokenfair_[a-z0-9_]+", alert["expr"])
+        assert names, alert["alert"]
+        for name in names:
+            family = next((name.removesuffix(s) for s in SERIES_SUFFIXES if name.endswith(s)), name)
+            assert name in exported or family in exported, f"{alert['alert']}: {name}"
+
+
 # --- on the real control plane -----------------------------------------------------------------
 
 
@@ -462,9 +766,9 @@ def test_every_rendered_object_passes_server_dry_run(
     if variant == "watch-namespaces":  # RoleBindings in namespaces that exist
         sets = (f"operator.watchNamespaces={{{kube_namespace}}}",)
     docs = parse(render(4, sets, namespace=kube_namespace))
-    # cert-manager's CRDs are not installed on the test control plane: its two objects are
-    # checked offline only (test_static_webhooks_call_the_operators_handlers).
-    docs = [d for d in docs if not d["apiVersion"].startswith("cert-manager.io/")]
+    # cert-manager's and the Prometheus Operator's CRDs are not installed on the test control
+    # plane: their objects are checked offline only.
+    docs = [d for d in docs if not d["apiVersion"].startswith(FOREIGN_API_GROUPS)]
     out = dry_run(kube_cluster, kube_namespace, docs)
     assert out.count("(server dry run)") == len(docs), out
 

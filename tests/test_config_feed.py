@@ -5,7 +5,9 @@
 * the sidecar's feed treats a ``200`` without a version header as a failed poll (backoff, no
   delivery), not as version ``""`` (asked again at once, forever);
 * polls for policies never published leave no ``asyncio.Event`` behind once they end (timed
-  out, woken or cancelled), and a wake still reaches every waiter.
+  out, woken or cancelled), and a wake still reaches every waiter;
+* a standby relays more than 100 long-polls at once (aiohttp's default connector limit):
+  150 held at the leader together, each answered.
 """
 
 from __future__ import annotations
@@ -14,11 +16,17 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from tokenfair_operator.documents import Document, DocumentStore
 from tokenfair_operator.metrics import OperatorMetrics
-from tokenfair_operator.serve import VERSION_HEADER, TokenAuthenticator, create_app
+from tokenfair_operator.serve import (
+    DEFAULT_RELAY_CONNECTIONS,
+    VERSION_HEADER,
+    TokenAuthenticator,
+    create_app,
+)
 from tokenfair_sidecar.server.remote import RemoteFeed, RemoteSource
 
 
@@ -62,7 +70,7 @@ async def test_a_200_without_a_version_is_a_failed_poll_with_backoff(
     token.write_text("t")
     delivered: list[str] = []
     source = RemoteSource(f"http://{server.host}:{server.port}/v1/config/ns/p?source=secret", token)
-    feed = RemoteFeed(source, lambda body, version: delivered.append(version))
+    feed = RemoteFeed(source, lambda body, version, generation: delivered.append(version))
     task = asyncio.create_task(feed.run())
     try:
         await asyncio.sleep(0.5)  # the first backoff is 2 s: one request, no hot loop
@@ -106,3 +114,39 @@ async def test_a_publish_still_wakes_every_waiter_and_leaves_no_event() -> None:
     assert await late is None
     assert store._changed == {}
     assert store._waiters == {}
+
+
+async def test_the_standby_relays_more_than_100_long_polls_at_once(
+    aiohttp_server: Any, aiohttp_client: Any
+) -> None:
+    polls = 150
+    assert polls <= DEFAULT_RELAY_CONNECTIONS
+    held = 0
+    all_held = asyncio.Event()
+
+    async def hold(request: web.Request) -> web.Response:
+        # Answers only once every poll is held here at once: with a relay limited to 100
+        # connections the 101st never arrives and none is answered.
+        nonlocal held
+        held += 1
+        if held == polls:
+            all_held.set()
+        await asyncio.wait_for(all_held.wait(), 60)
+        return web.Response(body=b"{}", headers={VERSION_HEADER: "v1"})
+
+    app = web.Application()
+    app.router.add_get("/v1/config/{namespace}/{policy}", hold)
+    leader = await aiohttp_server(app)
+    # The sidecars' side: unlimited, so only the relay's own limit is under test.
+    unlimited = aiohttp.TCPConnector(limit=0)
+    standby = await aiohttp_client(standby_app(f"{leader.host}:{leader.port}"), connector=unlimited)
+    answers = await asyncio.gather(
+        *(
+            standby.get("/v1/config/ns/p?waitSeconds=30", headers={"Authorization": "Bearer t"})
+            for _ in range(polls)
+        )
+    )
+    assert [answer.status for answer in answers] == [200] * polls
+    assert held == polls
+    for answer in answers:
+        answer.release()

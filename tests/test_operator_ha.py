@@ -6,10 +6,11 @@ processes, each with its own document server):
 - one replica leads (it holds the Lease and writes the documents and statuses); the other only
   watches: its log shows no write, and the documents carry one version;
 - the standby relays a sidecar's long-poll to the leader (the address in the Lease): the same
-  version and bytes as the leader serves;
+  version, generation and bytes as the leader serves;
 - the leader crashes (SIGKILL, no release): the standby takes the Lease over once it expired,
   says so in its log, runs a full pass, and a quota changed right after the crash reaches the
-  ConfigMap; the Lease counts one transition more; no storm of 409 retries in its log.
+  ConfigMap at the next generation (the counter lives in the ConfigMap, not in the dead
+  leader's memory); the Lease counts one transition more; no storm of 409 retries in its log.
 
 The failover time is measured by ``bench/bench_failover.py``; nothing here asserts a duration
 (the waits are generous bounds).
@@ -76,6 +77,12 @@ def held_by(cluster: KubeCluster, ns: str, name: str) -> dict[str, Any] | None:
     return spec if holder.startswith(f"{name}_") else None  # <pod name>_<random>
 
 
+def published_generation(cluster: KubeCluster, ns: str) -> int:
+    configmap = get(cluster, f"/api/v1/namespaces/{ns}/configmaps/tokenfair-pool")
+    assert configmap is not None
+    return int(configmap["metadata"]["annotations"]["tokenfair.io/config-generation"])
+
+
 def _answers(url: str) -> bool:
     try:
         return http_get(url)[0] == 200
@@ -131,6 +138,9 @@ def test_one_leader_writes_the_standby_relays_and_takes_over(
         assert direct[1]["X-Tokenfair-Config-Version"] == version
         assert relayed[1]["X-Tokenfair-Config-Version"] == version
         assert relayed[2] == direct[2]
+        generation = int(direct[1]["X-Tokenfair-Config-Generation"])
+        assert relayed[1]["X-Tokenfair-Config-Generation"] == str(generation)
+        assert generation == published_generation(kube_cluster, ns)
 
         # The leader crashes: nothing releases the Lease.
         os.killpg(leader.pid, signal.SIGKILL)
@@ -147,6 +157,7 @@ def test_one_leader_writes_the_standby_relays_and_takes_over(
             lambda: _weight(published(kube_cluster, ns), "tenant_chat_pro", 5.0),
             FAILOVER_WAIT_S,
         )
+        assert published_generation(kube_cluster, ns) > generation  # continued, not restarted
         text = standby_log.read_text()
         assert "became the leader" in text
         assert "published config version" in text

@@ -8,25 +8,54 @@ Behaviours under test:
   volumes are kept, in order;
 - the upstream port comes from the annotation (default 8000);
 - idempotent: injecting an injected Pod changes nothing; an unlabelled Pod is left alone;
-- refusals name the field: a bad port annotation, a bad config source, a taken volume name or port.
+- refusals name the field: a bad port annotation, a bad config source, a taken volume name or port;
+- per-Pod annotations (``tokenfair.io/sidecar-cpu``, ``-memory``, ``-cpu-limit``,
+  ``-memory-limit``, ``-max-in-flight``, ``-log-level``, ``-drain-grace-seconds``) override the
+  operator's defaults, which come from its environment (the chart's ``sidecar.*`` values); each
+  bad value, a request above its limit, a drain longer than the Pod's grace period and an unknown
+  ``tokenfair.io/sidecar-*`` annotation are refused with the annotation's name and the rule; a
+  bad default stops the operator naming its variable;
+- an injected Pod gets the Prometheus scrape annotations for the admin port, unless it sets any
+  of them itself or they are turned off;
+- the webhook handler with a cold policy index (right after a restart) reads the policy from the
+  API server, so the sidecar still gets the budget store's password; a warm index costs no read;
+  a failed read refuses the Pod (503) instead of injecting a sidecar without its password, a
+  403 (a namespace outside the operator's RBAC) counts as no policy;
+- on the real control plane (``kube``): the operator (Kopf-managed webhook, shipped RBAC) whose
+  index cannot hold the policy (it lives in a namespace the operator does not watch) injects a
+  Pod of that policy with the password variable at the first attempt, and with the per-Pod
+  settings and scrape annotations, as stored by the API server.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, cast
 
+import kopf
 import pytest
+from kubecluster import KubeCluster
+from test_operator_kube import operator_kubeconfig, webhook_operator
 
+from tokenfair_operator import handlers
 from tokenfair_operator.inject import (
     CONTAINER,
     InjectionError,
     InjectionSettings,
     SecretKey,
     injected,
+    scrape_annotations,
+    sidecar_runtime,
     store_password_key,
 )
+from tokenfair_operator.model import PolicyView
+from tokenfair_operator.reconcile import Reconciler
 from tokenfair_operator.render import PASSWORD_ENV
+from tokenfair_operator.settings import SIDECAR_ENV, injection_from_env
+
+__all__ = ["operator_kubeconfig", "webhook_operator"]  # fixtures, imported to be found by pytest
 
 SETTINGS = InjectionSettings(image="registry.local/tokenfair:test")
 
@@ -148,3 +177,312 @@ def test_a_budget_store_secret_becomes_the_password_variable() -> None:
     plain = injected(pod(), InjectionSettings())
     assert plain is not None
     assert all("env" not in c for c in plain["containers"] if c["name"] == CONTAINER)
+
+
+# --- per-Pod annotations and the operator's defaults ---------------------------------------------
+
+
+def sidecar_of(target: dict[str, Any], settings: InjectionSettings = SETTINGS) -> dict[str, Any]:
+    change = injected(target, settings)
+    assert change is not None
+    container: dict[str, Any] = change["containers"][0]
+    assert container["name"] == CONTAINER
+    return container
+
+
+def test_defaults_are_the_settings() -> None:
+    sidecar = sidecar_of(pod())
+    assert sidecar["resources"] == {
+        "requests": {"cpu": "100m", "memory": "128Mi"},
+        "limits": {"memory": "512Mi"},  # no CPU limit: throttling adds latency
+    }
+    assert "--log-level=INFO" in sidecar["args"]
+    assert not [a for a in sidecar["args"] if a.startswith(("--max-in-flight", "--drain-grace"))]
+    tuned = InjectionSettings(
+        cpu_request="250m",
+        memory_request="256Mi",
+        cpu_limit="2",
+        memory_limit="1Gi",
+        max_in_flight=32,
+        log_level="warning",
+        drain_grace_s=20.0,
+    )
+    sidecar = sidecar_of(pod(), tuned)
+    assert sidecar["resources"] == {
+        "requests": {"cpu": "250m", "memory": "256Mi"},
+        "limits": {"cpu": "2", "memory": "1Gi"},
+    }
+    assert sidecar["args"][-3:] == ["--log-level=WARNING", "--max-in-flight=32", "--drain-grace=20"]
+
+
+def test_annotations_override_resources_and_flags() -> None:
+    annotations = {
+        "tokenfair.io/sidecar-cpu": "500m",
+        "tokenfair.io/sidecar-memory": "1Gi",
+        "tokenfair.io/sidecar-cpu-limit": "1",
+        "tokenfair.io/sidecar-memory-limit": "2Gi",
+        "tokenfair.io/sidecar-max-in-flight": "8",
+        "tokenfair.io/sidecar-log-level": "DEBUG",
+        "tokenfair.io/sidecar-drain-grace-seconds": "45",
+    }
+    target = pod(annotations=annotations)
+    target["spec"]["terminationGracePeriodSeconds"] = 60
+    sidecar = sidecar_of(target)
+    assert sidecar["resources"] == {
+        "requests": {"cpu": "500m", "memory": "1Gi"},
+        "limits": {"cpu": "1", "memory": "2Gi"},
+    }
+    assert sidecar["args"][-3:] == ["--log-level=DEBUG", "--max-in-flight=8", "--drain-grace=45"]
+    # Quantities compare by value, not text: 1.5Gi of request under a 2048Mi limit is fine.
+    fits = {"tokenfair.io/sidecar-memory": "1.5Gi", "tokenfair.io/sidecar-memory-limit": "2048Mi"}
+    assert sidecar_of(pod(annotations=fits))["resources"]["limits"]["memory"] == "2048Mi"
+
+
+@pytest.mark.parametrize(
+    ("annotations", "field", "rule"),
+    [
+        ({"tokenfair.io/sidecar-cpu": "lots"}, "tokenfair.io/sidecar-cpu", "positive Kubernetes"),
+        ({"tokenfair.io/sidecar-memory": "-1Gi"}, "tokenfair.io/sidecar-memory", "quantity"),
+        ({"tokenfair.io/sidecar-memory": "0"}, "tokenfair.io/sidecar-memory", "positive"),
+        ({"tokenfair.io/sidecar-cpu-limit": "1 core"}, "tokenfair.io/sidecar-cpu-limit", "250m"),
+        (
+            {"tokenfair.io/sidecar-memory": "1Gi"},  # above the default 512Mi limit
+            "tokenfair.io/sidecar-memory",
+            r"memory request 1Gi is above the memory limit 512Mi \(InjectionSettings",
+        ),
+        (
+            {"tokenfair.io/sidecar-cpu": "2", "tokenfair.io/sidecar-cpu-limit": "1500m"},
+            "tokenfair.io/sidecar-cpu",
+            "raise the limit with tokenfair.io/sidecar-cpu-limit",
+        ),
+        ({"tokenfair.io/sidecar-max-in-flight": "0"}, "tokenfair.io/sidecar-max-in-flight", "1.."),
+        ({"tokenfair.io/sidecar-max-in-flight": "many"}, "max-in-flight", "integer"),
+        ({"tokenfair.io/sidecar-log-level": "verbose"}, "tokenfair.io/sidecar-log-level", "debug"),
+        ({"tokenfair.io/sidecar-drain-grace-seconds": "0"}, "drain-grace-seconds", "> 0"),
+        ({"tokenfair.io/sidecar-drain-grace-seconds": "nan"}, "drain-grace-seconds", "> 0"),
+        (
+            {"tokenfair.io/sidecar-drain-grace-seconds": "45"},  # the Pod's default grace is 30
+            "tokenfair.io/sidecar-drain-grace-seconds",
+            r"terminationGracePeriodSeconds \(30\)",
+        ),
+        ({"tokenfair.io/sidecar-cpus": "1"}, "tokenfair.io/sidecar-cpus", "unknown tokenfair"),
+    ],
+)
+def test_bad_sidecar_annotations_name_the_annotation_and_rule(
+    annotations: dict[str, str], field: str, rule: str
+) -> None:
+    with pytest.raises(InjectionError, match=rule) as caught:
+        injected(pod(annotations=annotations), SETTINGS)
+    assert f"metadata.annotations[{field}" in str(caught.value) or field in str(caught.value)
+
+
+def test_operator_defaults_come_from_its_environment() -> None:
+    env = {
+        "TOKENFAIR_SIDECAR_IMAGE": "registry.local/tokenfair@sha256:" + "ab" * 32,
+        "TOKENFAIR_SIDECAR_CPU_REQUEST": "200m",
+        "TOKENFAIR_SIDECAR_MEMORY_REQUEST": "192Mi",
+        "TOKENFAIR_SIDECAR_CPU_LIMIT": "",  # empty: no CPU limit, as unset
+        "TOKENFAIR_SIDECAR_MEMORY_LIMIT": "768Mi",
+        "TOKENFAIR_SIDECAR_MAX_IN_FLIGHT": "16",
+        "TOKENFAIR_SIDECAR_LOG_LEVEL": "warning",
+        "TOKENFAIR_SIDECAR_DRAIN_GRACE_SECONDS": "25",
+        "TOKENFAIR_SIDECAR_SCRAPE_ANNOTATIONS": "false",
+        "TOKENFAIR_CONFIG_URL_BASE": "http://op.tf.svc:8081",
+    }
+    settings = injection_from_env(env)
+    assert (settings.cpu_request, settings.memory_request) == ("200m", "192Mi")
+    assert (settings.cpu_limit, settings.memory_limit) == (None, "768Mi")
+    assert (settings.max_in_flight, settings.log_level, settings.drain_grace_s) == (
+        16,
+        "warning",
+        25,
+    )
+    assert settings.scrape_annotations is False
+    assert settings.config_url_base == "http://op.tf.svc:8081"
+    assert sidecar_of(pod(), settings)["image"] == env["TOKENFAIR_SIDECAR_IMAGE"]
+    assert injection_from_env({}) == InjectionSettings(env_names=SIDECAR_ENV)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "rule"),
+    [
+        ("TOKENFAIR_SIDECAR_CPU_REQUEST", "fast", "positive Kubernetes quantity"),
+        ("TOKENFAIR_SIDECAR_MEMORY_REQUEST", "1Gi", "above the memory limit 512Mi"),
+        ("TOKENFAIR_SIDECAR_MAX_IN_FLIGHT", "-3", "integer 1.."),
+        ("TOKENFAIR_SIDECAR_LOG_LEVEL", "trace", "one of debug, info, warning, error"),
+        ("TOKENFAIR_SIDECAR_DRAIN_GRACE_SECONDS", "soon", "seconds > 0"),
+        ("TOKENFAIR_SIDECAR_SCRAPE_ANNOTATIONS", "yes", "true or false"),
+    ],
+)
+def test_a_bad_default_names_its_variable(variable: str, value: str, rule: str) -> None:
+    with pytest.raises(ValueError, match=rule) as caught:
+        injection_from_env({variable: value})
+    assert f"${variable}" in str(caught.value)
+
+
+def test_sidecar_runtime_checks_the_defaults_alone() -> None:
+    runtime = sidecar_runtime(InjectionSettings(), {}, None)
+    assert runtime.args == ("--log-level=INFO",)
+    with pytest.raises(InjectionError, match=r"InjectionSettings\.memory_limit"):
+        InjectionSettings(memory_limit="lots").check()
+
+
+def test_scrape_annotations_for_the_admin_port() -> None:
+    assert scrape_annotations(pod(), SETTINGS) == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": "9090",
+        "prometheus.io/path": "/metrics",
+    }
+    # The Pod's owner chose what to scrape (one port per Pod): nothing of ours is added.
+    own = pod(annotations={"prometheus.io/port": "8000"})
+    assert scrape_annotations(own, SETTINGS) == {}
+    assert scrape_annotations(pod(), InjectionSettings(scrape_annotations=False)) == {}
+
+
+# --- the webhook handler: the policy from the index, or from the API when the index is cold -----
+
+
+class Forbidden(Exception):
+    """What the Kubernetes client raises for a 403 (``ApiException.status``)."""
+
+    status = 403
+
+
+class FakePolicies:
+    """``get_policy`` of :class:`~tokenfair_operator.kube.KubeApi`, counting reads."""
+
+    def __init__(
+        self, stored: Mapping[tuple[str, str], PolicyView], fail: Exception | None = None
+    ) -> None:
+        self.stored = stored
+        self.fail = fail
+        self.reads: list[tuple[str, str]] = []
+
+    def get_policy(self, namespace: str, name: str) -> PolicyView | None:
+        self.reads.append((namespace, name))
+        if self.fail is not None:
+            raise self.fail
+        return self.stored.get((namespace, name))
+
+
+STORE = {"budgetStore": {"redis": {"url": "redis://r:6379", "secretRef": {"name": "store"}}}}
+
+
+def policy_view(spec: dict[str, Any]) -> PolicyView:
+    body = {"metadata": {"name": "pool", "namespace": "ns", "uid": "u1"}, "spec": spec}
+    return PolicyView.from_body(body)
+
+
+async def run_webhook(
+    api: FakePolicies, index: Mapping[tuple[str, str], list[PolicyView]]
+) -> kopf.Patch:
+    patch = kopf.Patch()
+    memo = kopf.Memo()
+    memo[handlers.RECONCILER] = Reconciler(api)  # type: ignore[arg-type]
+    await handlers.inject_sidecar(
+        body=kopf.Body(cast(kopf.RawBody, pod())),
+        patch=patch,
+        memo=memo,
+        namespace="ns",
+        policies_by_name=index,
+    )
+    return patch
+
+
+def password_env(patch: kopf.Patch) -> dict[str, Any] | None:
+    sidecar = patch["spec"]["containers"][0]
+    env = {e["name"]: e for e in sidecar.get("env", [])}
+    found = env.get(PASSWORD_ENV)
+    return dict(found) if found is not None else None
+
+
+async def test_cold_index_reads_the_policy_from_the_api() -> None:
+    """Right after a restart the index has no entry yet: the live read still finds the
+    budget store's Secret (issue 13's review defect)."""
+    api = FakePolicies({("ns", "pool"): policy_view(STORE)})
+    patch = await run_webhook(api, {})
+    assert api.reads == [("ns", "pool")]
+    assert password_env(patch) == {
+        "name": PASSWORD_ENV,
+        "valueFrom": {"secretKeyRef": {"name": "store", "key": "password", "optional": True}},
+    }
+    assert patch["metadata"]["annotations"]["prometheus.io/port"] == "9090"
+
+
+async def test_warm_index_costs_no_read_and_a_missing_policy_no_password() -> None:
+    api = FakePolicies({})
+    patch = await run_webhook(api, {("ns", "pool"): [policy_view(STORE)]})
+    assert api.reads == []
+    assert password_env(patch) is not None
+    patch = await run_webhook(api, {})  # no such policy anywhere: injected, no password
+    assert api.reads == [("ns", "pool")]
+    assert password_env(patch) is None
+
+
+async def test_a_failed_read_refuses_the_pod() -> None:
+    unreachable = FakePolicies({}, fail=ConnectionError("API server unreachable"))
+    with pytest.raises(kopf.AdmissionError, match="could not be read") as caught:
+        await run_webhook(unreachable, {})
+    assert caught.value.code == 503
+    # A namespace outside the operator's RBAC (not watched): injected without a password.
+    patch = await run_webhook(FakePolicies({}, fail=Forbidden()), {})
+    assert password_env(patch) is None
+    assert patch["spec"]["containers"][0]["name"] == CONTAINER
+
+
+async def test_a_bad_annotation_is_an_admission_refusal() -> None:
+    patch = kopf.Patch()
+    memo = kopf.Memo()
+    memo[handlers.RECONCILER] = Reconciler(FakePolicies({}))  # type: ignore[arg-type]
+    bad = pod(annotations={"tokenfair.io/sidecar-log-level": "loud"})
+    with pytest.raises(kopf.AdmissionError, match=r"sidecar-log-level\]: must be one of") as caught:
+        await handlers.inject_sidecar(
+            body=kopf.Body(cast(kopf.RawBody, bad)),
+            patch=patch,
+            memo=memo,
+            namespace="ns",
+            policies_by_name={},
+        )
+    assert caught.value.code == 422
+    assert not patch
+
+
+def test_cold_index_on_the_real_control_plane(
+    kube_cluster: KubeCluster, kube_namespace: str, webhook_operator: Path
+) -> None:
+    """The operator watches ``kube_namespace`` only, so its index never holds a policy of
+    another namespace: the webhook (which sees every namespace's labelled Pods) must read it
+    from the API server. Without that read the first Pod would miss the password."""
+    cold = kube_cluster.create_namespace("cold")
+    try:
+        policy = {
+            "apiVersion": "tokenfair.io/v1alpha1",
+            "kind": "SchedulingPolicy",
+            "metadata": {"name": "pool"},
+            "spec": STORE,
+        }
+        kube_cluster.expect(
+            201, "POST", f"/apis/tokenfair.io/v1alpha1/namespaces/{cold}/schedulingpolicies", policy
+        )
+        labelled = pod(annotations={"tokenfair.io/sidecar-memory-limit": "1Gi"})
+        del labelled["spec"]["volumes"]
+        path = f"/api/v1/namespaces/{cold}/pods?dryRun=All"
+        created = kube_cluster.expect(201, "POST", path, labelled).body
+        sidecar = created["spec"]["containers"][0]
+        assert sidecar["name"] == CONTAINER
+        env = {e["name"]: e for e in sidecar.get("env", [])}
+        assert env[PASSWORD_ENV]["valueFrom"]["secretKeyRef"] == {
+            "name": "store",
+            "key": "password",
+            "optional": True,
+        }
+        assert sidecar["resources"]["limits"]["memory"] == "1Gi"
+        assert created["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        # A bad annotation is refused by the API server with our message.
+        bad = pod(annotations={"tokenfair.io/sidecar-cpu": "lots"})
+        del bad["spec"]["volumes"]
+        refused = kube_cluster.request("POST", path, bad)
+        assert refused.status == 422, refused.body
+        assert "metadata.annotations[tokenfair.io/sidecar-cpu]" in refused.body["message"]
+    finally:
+        kube_cluster.delete_namespace(cold)

@@ -8,7 +8,9 @@ Behaviours under test, on the real control plane with the operator's shipped RBA
   new burst; the document server answers a sidecar with exactly the ConfigMap's stored bytes;
 - the last good config stays through an operator outage (sidecars keep serving their version,
   still ready), the mounted file takes over while the operator is away (a document written to
-  it is applied), and once the operator is back its document wins again;
+  it is applied), and once the operator is back its document wins again; away once more, a
+  file of a lower generation than the operator's document (the kubelet's late copy) is
+  refused, counted as an invalid reload, and the operator's version stays;
 - the document server checks who asks: no token or an invalid one -> 401, a ServiceAccount of
   another namespace -> 403 (its own namespace's only), the policy's namespace -> 200 with the
   version header, the same version with ``waitSeconds=0`` -> 304, bad parameters -> 400 naming
@@ -228,6 +230,31 @@ def test_last_good_config_through_an_outage_and_the_file_as_fallback(
         # The operator is back: its document (the cluster's) wins over the hand-written file.
         with serving_operator(operator_kubeconfig, ns, tmp_path / "operator-2.log", port):
             wait_for("the operator's version again", lambda: runs(admin, first))
+        configmap = get(kube_cluster, f"/api/v1/namespaces/{ns}/configmaps/tokenfair-pool")
+        assert configmap is not None
+        generation = int(configmap["metadata"]["annotations"]["tokenfair.io/config-generation"])
+        assert configmap["data"]["generation"] == str(generation)
+
+        # Away again, and the file turns into an older document (a lower generation beside
+        # it): refused, never going back; the operator's version keeps running.
+        refused_before = reloads(admin, "invalid")
+        (tmp_path / "generation").write_text(str(generation - 1))
+        staged.write_text(json.dumps({**document, "version": "older"}))
+        staged.replace(config_file)
+        wait_for("the older file refused", lambda: reloads(admin, "invalid") > refused_before)
+        assert runs(admin, first)
+
+
+def reloads(admin: str, result: str) -> float:
+    """``tokenfair_config_reloads_total{result=...}`` of a sidecar (0 before the first)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(f"{admin}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    prefix = f'tokenfair_config_reloads_total{{result="{result}"}} '
+    values = [
+        float(line.removeprefix(prefix)) for line in text.splitlines() if line.startswith(prefix)
+    ]
+    return values[0] if values else 0.0
 
 
 def test_the_document_server_checks_who_asks(

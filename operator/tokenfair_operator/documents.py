@@ -1,19 +1,41 @@
 """The config documents the operator last published, for sidecars to long-poll (:mod:`.serve`).
 
-One entry per policy: its version and the two payloads exactly as stored in the ConfigMap and
-the Secret (:mod:`.payload`: the document's UTF-8 text, or gzip of it). A waiter gives the
-version it runs and is woken when another one is published, or when its wait ends.
+One entry per policy: its version, its generation and the two payloads exactly as stored in
+the ConfigMap and the Secret (:mod:`.payload`: the document's UTF-8 text, or gzip of it). A
+waiter gives the version it runs and is woken when another one is published, or when its wait
+ends.
+
+**Generations.** A version is a content hash: it says *which* document, not which is newer.
+Each published document also has a generation, a counter that only grows: the next one is
+one more than the highest generation stored in the policy's ConfigMap and Secret
+(annotation :data:`GENERATION_ANNOTATION`, and data key ``generation``, so that a mounted
+volume shows it next to ``config.yaml``), unless one of them already holds this very version
+(a pass that wrote the ConfigMap and failed before the Secret: the same document keeps its
+number). The counter lives in the API server, not in a replica's memory, so a new leader
+continues from what the last one published (:func:`next_generation`). Sidecars refuse a
+document of a lower generation than the one they run, from the long-poll or from the file.
 
 Contract: :meth:`DocumentStore.publish` is called by the reconciler after every pass that
-rendered a document (an unchanged version wakes nobody); :meth:`DocumentStore.withdraw` when
-the policy is gone. Memory: two payloads per policy, at most ~2 MiB each (the object limit).
+rendered a document (an unchanged version wakes nobody; a lower generation than the stored
+one is ignored); :meth:`DocumentStore.withdraw` when the policy is gone;
+:meth:`DocumentStore.clear` when this replica stops leading (a re-elected leader serves
+nothing until its first pass has published). Memory: two payloads per policy, at most ~2 MiB
+each (the object limit).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final, Literal
+
+from tokenfair_sidecar.server.remote import GENERATION_FILE
+
+GENERATION_ANNOTATION: Final = "tokenfair.io/config-generation"
+GENERATION_KEY: Final = GENERATION_FILE
+"""Data key of the generation in the ConfigMap and Secret: a file beside ``config.yaml`` in a
+mounted volume, which the sidecar reads with it."""
 
 Source = Literal["secret", "configmap"]
 SOURCES: Final[tuple[Source, ...]] = ("secret", "configmap")
@@ -28,6 +50,8 @@ class Document:
     version: str
     secret_payload: bytes
     configmap_payload: bytes
+    generation: int = 0
+    """Monotonic per policy (module docstring); 0: none known."""
 
     def payload(self, source: Source) -> bytes:
         return self.secret_payload if source == "secret" else self.configmap_payload
@@ -42,17 +66,30 @@ class DocumentStore:
     """The Event waiters of a policy wait on; there only while someone waits."""
     _waiters: dict[PolicyKey, int] = field(default_factory=dict)
     """How many wait on the policy's current Event (the last to leave removes it)."""
+    _term: int = 0
+    """How many times :meth:`clear` ran: a waiter from an earlier term returns at once."""
 
     def get(self, key: PolicyKey) -> Document | None:
         return self._documents.get(key)
 
-    def publish(self, key: PolicyKey, document: Document) -> None:
-        """Make ``document`` the policy's current one; wakes waiters if the version changed."""
+    def publish(self, key: PolicyKey, document: Document) -> bool:
+        """Make ``document`` the policy's current one; wakes waiters if the version changed.
+        False (nothing changes) when it is of a lower generation than the current one."""
         current = self._documents.get(key)
-        if current is not None and current.version == document.version:
-            return
+        if current is not None and document.generation < current.generation:
+            return False
         self._documents[key] = document
-        self._wake(key)
+        if current is None or current.version != document.version:
+            self._wake(key)
+        return True
+
+    def clear(self) -> None:
+        """Forget every document (this replica stopped leading); waiters get their wait's
+        end at once and the server tells them where to go."""
+        self._term += 1
+        self._documents.clear()
+        for key in list(self._changed):
+            self._wake(key)
 
     def withdraw(self, key: PolicyKey) -> None:
         """The policy is gone: nothing is served for it (waiters get their wait's end)."""
@@ -61,15 +98,17 @@ class DocumentStore:
 
     async def newer(self, key: PolicyKey, have: str, wait_s: float) -> Document | None:
         """The policy's document if its version is not ``have``, at once or as soon as one is
-        published within ``wait_s`` seconds; None if none came (or the policy has none)."""
+        published within ``wait_s`` seconds; None if none came (or the policy has none), or
+        at once when the store is cleared meanwhile."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
+        term = self._term
         while True:
             current = self._documents.get(key)
             if current is not None and current.version != have:
                 return current
             remaining = deadline - loop.time()
-            if remaining <= 0:
+            if remaining <= 0 or self._term != term:
                 return None
             event = self._changed.get(key)
             if event is None:
@@ -98,3 +137,23 @@ class DocumentStore:
         event = self._changed.pop(key, None)
         if event is not None:
             event.set()
+
+
+def next_generation(version: str, published: Iterable[tuple[str | None, int]]) -> int:
+    """The generation of document ``version`` given what the policy's objects hold now,
+    ``(version, generation)`` each (``(None, 0)`` for a missing object or annotation): the
+    generation of an object already holding ``version``, else one more than the highest."""
+    held = list(published)
+    same = [generation for stored, generation in held if stored == version and generation > 0]
+    if same:
+        return max(same)
+    return max((generation for _, generation in held), default=0) + 1
+
+
+def parse_generation(value: object) -> int:
+    """An annotation's generation; 0 when absent or not a non-negative integer."""
+    try:
+        generation = int(str(value))
+    except ValueError:
+        return 0
+    return max(generation, 0)

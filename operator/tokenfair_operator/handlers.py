@@ -52,7 +52,7 @@ import asyncio
 import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import kopf
 from aiohttp import web
@@ -66,11 +66,11 @@ from .inject import (
     CONTAINER,
     POLICY_LABEL,
     InjectionError,
-    InjectionSettings,
     injected,
+    scrape_annotations,
     store_password_key,
 )
-from .kube import KubeApi, api_client, is_conflict
+from .kube import KubeApi, NotLeader, api_client, is_conflict
 from .leader import LeaderElector
 from .model import GROUP, POLICY_PLURAL, QUOTA_PLURAL, VERSION, PolicyView, QuotaView, SidecarView
 from .periodic import Job, Periodic
@@ -89,6 +89,7 @@ GENERATIONS = "generations"
 CERT_WAIT_S = 2.0
 """A standby starting before the leader issued the certificate looks again this often."""
 CONFLICT_RETRIES = 3
+FORBIDDEN = 403
 """Passes tried when one loses a race (409 Conflict: another writer, e.g. a leader stepping
 down, changed an object since we read it), 1 s apart; then the resync repairs."""
 INDEX_NAMES = ("policies_by_name", "quotas_by_policy", "sidecars_by_policy")
@@ -109,7 +110,8 @@ async def configure(
     api = api_client()
     periodic = Periodic()
     config = CONFIG
-    reconciler = memo[RECONCILER] = Reconciler(KubeApi(api))
+    # Every write asks, right before it is sent, whether this replica leads now (.leader).
+    reconciler = memo[RECONCILER] = Reconciler(KubeApi(api, may_write=lambda: _leads(memo)))
     indexes = {name: kwargs[name] for name in INDEX_NAMES}
     if CONFIG.leader_election:
         await _elect(api, memo, logger, indexes)
@@ -120,7 +122,9 @@ async def configure(
         auth = TokenAuthenticator(reconciler.api.review_token)
         elector = memo.get(ELECTOR)
         leader = elector.leader_address if isinstance(elector, LeaderElector) else _no_leader
-        app = create_app(reconciler.documents, reconciler.metrics, auth, leader)
+        app = create_app(
+            reconciler.documents, reconciler.metrics, auth, leader, CONFIG.relay_connections
+        )
         memo[SERVER] = await start_server(app, CONFIG.http_addr, CONFIG.http_port)
     periodic.start(
         "tokenfair-resync", CONFIG.resync_interval_s, _resync_job(memo, logger, indexes), logger
@@ -135,7 +139,9 @@ async def _elect(
     api: Any, memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]
 ) -> None:
     """Leader election (:mod:`.leader`). On becoming the leader: a full pass of every policy
-    at once (a standby only watched), so a failover costs the lease expiry plus one pass."""
+    at once (a standby only watched), so a failover costs the lease expiry plus one pass. On
+    stepping down: the documents held are forgotten, so a replica elected again serves none
+    from its previous term (only what its first pass publishes, :mod:`.documents`)."""
     resync = _resync_job(memo, logger, indexes)
 
     async def on_lead() -> None:
@@ -150,6 +156,7 @@ async def _elect(
         CONFIG.lease_name,
         CONFIG.identity,
         on_lead=on_lead,
+        on_lose=_reconciler(memo).documents.clear,
         advertise=CONFIG.http_advertise,
     )
     memo[ELECTOR] = elector
@@ -284,6 +291,9 @@ async def _reconcile(
         try:
             await _reconciler(memo).request(key, snapshot, logger)
             return
+        except NotLeader as exc:  # stepped down during the pass: the new leader redoes it
+            logger.info(f"pass of {key[0]}/{key[1]} stopped: {exc}")
+            return
         except Exception as exc:
             if not is_conflict(exc) or attempt == CONFLICT_RETRIES:
                 raise
@@ -417,6 +427,8 @@ def _usage_job(memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any])
                     await _reconciler(memo).write_usage(quotas.get(key, ()), scrapes)
                 if live:
                     await _reconciler(memo).write_rollout(key, live[0], len(addresses), scrapes)
+            except NotLeader:
+                return  # stepped down during the round
             except Exception:  # best effort: one policy's failed write skips only itself
                 logger.exception(f"usage of {key[0]}/{key[1]} not written, retried next round")
 
@@ -455,28 +467,66 @@ def admit_policy(*, name: str | None, spec: kopf.Spec, **kwargs: Any) -> None:
         raise kopf.AdmissionError(str(exc), code=422) from None
 
 
-def inject_sidecar(
-    *, body: kopf.Body, patch: kopf.Patch, namespace: str | None = None, **kwargs: Any
+async def inject_sidecar(
+    *,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    memo: kopf.Memo,
+    namespace: str | None = None,
+    **kwargs: Any,
 ) -> None:
     """Mutating webhook: add the sidecar to a Pod labelled ``tokenfair.io/policy`` (once), with
-    its policy's budget-store password if the policy names one (from the live index)."""
+    the resources and flags its annotations ask for (:mod:`.inject`), the scrape annotations,
+    and its policy's budget-store password if the policy names one (:func:`policy_spec_for`)."""
+    meta = body.get("metadata", {})
+    settings = CONFIG.injection
     try:
-        settings = InjectionSettings(
-            image=CONFIG.sidecar_image, config_url_base=CONFIG.config_url_base
-        )
-        policy_name = (body.get("metadata", {}).get("labels") or {}).get(POLICY_LABEL)
-        policies: PolicyIndex | None = kwargs.get("policies_by_name")
-        pod_namespace = namespace or body.get("metadata", {}).get("namespace") or ""
-        password = None
-        if policies is not None:
-            for view in policies.get((pod_namespace, str(policy_name)), ()):
-                password = store_password_key(view.spec)
+        if injected(body, settings) is None:  # unlabelled or already injected: no reads
+            return
+        policy_name = str((meta.get("labels") or {}).get(POLICY_LABEL))
+        key = (namespace or meta.get("namespace") or "", policy_name)
+        spec = await policy_spec_for(key, kwargs.get("policies_by_name"), _reconciler(memo).api)
+        password = store_password_key(spec) if spec is not None else None
         change = injected(body, settings, password)
     except InjectionError as exc:
         raise kopf.AdmissionError(str(exc), code=422) from None
-    if change is not None:
-        patch.spec["containers"] = change["containers"]
-        patch.spec["volumes"] = change["volumes"]
+    if change is None:
+        return
+    patch.spec["containers"] = change["containers"]
+    patch.spec["volumes"] = change["volumes"]
+    for name, value in scrape_annotations(body, settings).items():
+        patch.metadata.setdefault("annotations", {})[name] = value
+
+
+class PolicyReader(Protocol):
+    def get_policy(self, namespace: str, name: str) -> PolicyView | None: ...
+
+
+async def policy_spec_for(
+    key: PolicyKey, policies: PolicyIndex | None, api: PolicyReader
+) -> Mapping[str, Any] | None:
+    """The spec of SchedulingPolicy ``key`` for injection: from the live index, or, when the
+    index has no entry (right after a restart, or the policy applied together with its Pods,
+    before the watch delivered it), read from the API server, so a Pod is never injected
+    without the budget-store password because our cache was cold. None: no such policy. A
+    failed read refuses the Pod (503) rather than injecting a sidecar that cannot reach its
+    store; its ReplicaSet retries. A 403 (a namespace the operator is not granted, so not
+    watched either) counts as no policy: the Pod is injected without the password."""
+    for indexed in policies.get(key, ()) if policies is not None else ():
+        return indexed.spec
+    if not key[0]:  # no namespace to read from (the API server sets it before admission)
+        return None
+    try:
+        view = await asyncio.to_thread(api.get_policy, *key)
+    except Exception as exc:
+        if getattr(exc, "status", None) == FORBIDDEN:
+            return None  # a namespace outside our RBAC (not watched): nothing of ours there
+        raise kopf.AdmissionError(
+            f"SchedulingPolicy {key[1]!r} in namespace {key[0]!r} could not be read to inject "
+            f"its sidecar ({exc.__class__.__name__}); retry",
+            code=503,
+        ) from None
+    return view.spec if view is not None else None
 
 
 # Registered only with a webhook server configured: Kopf refuses to start with admission

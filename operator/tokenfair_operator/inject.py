@@ -19,6 +19,23 @@ A Pod labelled ``tokenfair.io/policy: <name>`` gets, once:
   Optional: a missing Secret leaves the variable unset, the store refuses the sidecar, and the
   sidecar serves on the 1/n split and reports it (``docs/pool.md``) rather than not starting.
 
+Per-Pod overrides (annotations, as Istio's ``sidecar.istio.io/proxyCPU`` & co.), each checked
+with an error naming the annotation and the rule (the webhook then refuses the Pod with it):
+
+=====================================================  ==========================================
+``tokenfair.io/sidecar-cpu`` / ``-memory``             requests (a positive Kubernetes quantity)
+``tokenfair.io/sidecar-cpu-limit`` / ``-memory-limit``  limits (a quantity, never below the request)
+``tokenfair.io/sidecar-max-in-flight``                 ``--max-in-flight`` (integer 1..100000)
+``tokenfair.io/sidecar-log-level``                     ``--log-level`` (debug, info, warning, error)
+``tokenfair.io/sidecar-drain-grace-seconds``           ``--drain-grace`` (> 0, at most the Pod's
+                                                       ``terminationGracePeriodSeconds``, 30)
+=====================================================  ==========================================
+
+Any other ``tokenfair.io/sidecar-*`` annotation is refused (a typo would otherwise be silently
+ignored). Unset ones take :class:`InjectionSettings` (the operator's environment, i.e. the chart's
+``sidecar.*`` values). An injected Pod also gets the Prometheus scrape annotations for the
+sidecar's admin port (:func:`scrape_annotations`) unless it sets any of them itself.
+
 Idempotent: a Pod that already has the container is returned unchanged (``None``), so
 re-applying, re-invocation and dry runs never inject twice.
 """
@@ -26,8 +43,10 @@ re-applying, re-invocation and dry runs never inject twice.
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 from typing import Any, Final
 
 from .model import GROUP, configmap_name, secret_name
@@ -38,11 +57,36 @@ UPSTREAM_PORT_ANNOTATION: Final = f"{GROUP}/upstream-port"
 CONFIG_SOURCE_ANNOTATION: Final = f"{GROUP}/config-source"
 ADMIN_PORT_ANNOTATION: Final = f"{GROUP}/admin-port"
 """Read by the usage scraper: where a sidecar's admin listener is when not on 9090."""
+SIDECAR_ANNOTATION_PREFIX: Final = f"{GROUP}/sidecar-"
+CPU_ANNOTATION: Final = f"{SIDECAR_ANNOTATION_PREFIX}cpu"
+MEMORY_ANNOTATION: Final = f"{SIDECAR_ANNOTATION_PREFIX}memory"
+CPU_LIMIT_ANNOTATION: Final = f"{SIDECAR_ANNOTATION_PREFIX}cpu-limit"
+MEMORY_LIMIT_ANNOTATION: Final = f"{SIDECAR_ANNOTATION_PREFIX}memory-limit"
+MAX_IN_FLIGHT_ANNOTATION: Final = f"{SIDECAR_ANNOTATION_PREFIX}max-in-flight"
+LOG_LEVEL_ANNOTATION: Final = f"{SIDECAR_ANNOTATION_PREFIX}log-level"
+DRAIN_GRACE_ANNOTATION: Final = f"{SIDECAR_ANNOTATION_PREFIX}drain-grace-seconds"
+SIDECAR_ANNOTATIONS: Final = (
+    CPU_ANNOTATION,
+    MEMORY_ANNOTATION,
+    CPU_LIMIT_ANNOTATION,
+    MEMORY_LIMIT_ANNOTATION,
+    MAX_IN_FLIGHT_ANNOTATION,
+    LOG_LEVEL_ANNOTATION,
+    DRAIN_GRACE_ANNOTATION,
+)
+SCRAPE_ANNOTATIONS: Final = ("prometheus.io/scrape", "prometheus.io/port", "prometheus.io/path")
+"""The de-facto Pod scrape convention (Prometheus' ``kubernetes_sd`` example relabelling, the
+community chart's ``kubernetes-pods`` job): one port per Pod, so a Pod that names any of them
+keeps its own choice."""
+LOG_LEVELS: Final = ("debug", "info", "warning", "error")
+MAX_IN_FLIGHT_LIMIT: Final = 100_000
+DEFAULT_TERMINATION_GRACE_S: Final = 30
 CONTAINER: Final = "tokenfair-sidecar"
 VOLUME: Final = "tokenfair-config"
 MOUNT_PATH: Final = "/etc/tokenfair"
 PROXY_PORT: Final = 8080
 ADMIN_PORT: Final = 9090
+METRICS_PATH: Final = "/metrics"
 DEFAULT_UPSTREAM_PORT: Final = 8000
 DEFAULT_IMAGE: Final = "tokenfair/tokenfair:0.1.0"
 TOKEN_VOLUME: Final = "tokenfair-token"
@@ -50,22 +94,205 @@ TOKEN_MOUNT_PATH: Final = "/var/run/secrets/tokenfair"
 TOKEN_EXPIRATION_S: Final = 3600
 """Lifetime of the projected token; the kubelet renews it at 80 %, the sidecar rereads it."""
 
+# A Kubernetes resource quantity (k8s.io/apimachinery resource.Quantity): a decimal number
+# with a binary (Ki..Ei) or decimal (m, k, M..E) suffix, or an exponent.
+_QUANTITY = re.compile(
+    r"^(?P<number>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+    r"(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$"
+)
+_SCALE: Final = {
+    "": Decimal(1),
+    "m": Decimal("0.001"),
+    "k": Decimal(10) ** 3,
+    "M": Decimal(10) ** 6,
+    "G": Decimal(10) ** 9,
+    "T": Decimal(10) ** 12,
+    "P": Decimal(10) ** 15,
+    "E": Decimal(10) ** 18,
+    "Ki": Decimal(2) ** 10,
+    "Mi": Decimal(2) ** 20,
+    "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40,
+    "Pi": Decimal(2) ** 50,
+    "Ei": Decimal(2) ** 60,
+}
+
+
+class InjectionError(ValueError):
+    """The Pod cannot take the sidecar (the message says why)."""
+
+
+def quantity(value: object, where: str) -> Decimal:
+    """The value of a positive Kubernetes quantity (``250m``, ``1``, ``256Mi``, ``1e9``);
+    InjectionError naming ``where`` otherwise."""
+    text = str(value).strip()
+    match = _QUANTITY.match(text)
+    if match is not None:
+        suffix = match["suffix"] or ""
+        try:
+            number = Decimal(match["number"])
+            scaled = number * _SCALE[suffix] if suffix in _SCALE else Decimal(text)
+        except InvalidOperation:
+            scaled = Decimal(0)
+        if scaled > 0:
+            return scaled
+    raise InjectionError(
+        f"{where}: must be a positive Kubernetes quantity such as 250m or 1 (CPU), 256Mi or 1Gi "
+        f"(memory) (got {value!r})"
+    )
+
 
 @dataclass(frozen=True, slots=True)
 class InjectionSettings:
-    """What every injected sidecar shares."""
+    """What every injected sidecar gets unless its Pod's annotations say otherwise; the
+    operator reads them from its environment (:meth:`.settings.OperatorConfig.from_env`, the
+    chart's ``sidecar.*`` values)."""
 
     image: str = DEFAULT_IMAGE
     """Container image holding the ``tokenfair`` command (the chart sets its own tag)."""
     cpu_request: str = "100m"
+    """CPU the scheduler reserves: admission and proxying cost little next to a model server."""
     memory_request: str = "128Mi"
+    """Memory the scheduler reserves: the sidecar's steady state with a few thousand tenants."""
+    cpu_limit: str | None = None
+    """No CPU limit by default: throttling would add latency to every proxied request."""
     memory_limit: str = "512Mi"
     """Bounded: the sidecar's queues are bounded, so its memory is too."""
+    max_in_flight: int | None = None
+    """``--max-in-flight``, requests the backend runs at once; None: the backend's default (64
+    for an OpenAI-compatible upstream)."""
+    log_level: str = "info"
+    """``--log-level`` of the sidecar (debug, info, warning, error)."""
+    drain_grace_s: float | None = None
+    """``--drain-grace`` seconds for in-flight requests on SIGTERM; None: the sidecar's 30 s,
+    the Pod's default ``terminationGracePeriodSeconds``."""
+    scrape_annotations: bool = True
+    """Add ``prometheus.io/scrape|port|path`` for the admin port's ``/metrics`` to injected Pods
+    that set none of them."""
     config_url_base: str | None = None
     """``http://<operator Service>:<port>`` of the operator's document server
     (``$TOKENFAIR_CONFIG_URL_BASE``): the sidecar long-polls its policy's document there
     (< 2 s from apply to enforced) and keeps the mounted file as the fallback. None: the file
     alone (the kubelet refreshes it in ~60 s)."""
+    env_names: Mapping[str, str] = field(default_factory=dict)
+    """Where each field came from (field name -> environment variable), for error messages:
+    a bad default is reported under its variable, not under an annotation the Pod lacks."""
+
+    def check(self) -> None:
+        """Raise InjectionError (naming the variable) if a default breaks its rule."""
+        sidecar_runtime(self, {}, None)
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarRuntime:
+    """The resolved resources and flags of one injected sidecar."""
+
+    resources: dict[str, dict[str, str]]
+    args: tuple[str, ...]
+
+
+def _source(settings: InjectionSettings, field_name: str, annotation: str, pod: bool) -> str:
+    if pod:
+        return f"metadata.annotations[{annotation}]"
+    variable = settings.env_names.get(field_name)
+    return f"${variable}" if variable else f"InjectionSettings.{field_name}"
+
+
+def sidecar_runtime(
+    settings: InjectionSettings, annotations: Mapping[str, str], pod_spec: Mapping[str, Any] | None
+) -> SidecarRuntime:
+    """Resources and runtime flags: each annotation if the Pod sets it, else the setting;
+    checked, with errors naming the annotation (or the variable of a bad default)."""
+    unknown = sorted(
+        k
+        for k in annotations
+        if k.startswith(SIDECAR_ANNOTATION_PREFIX) and k not in SIDECAR_ANNOTATIONS
+    )
+    if unknown:
+        raise InjectionError(
+            f"metadata.annotations[{unknown[0]}]: unknown tokenfair sidecar annotation (known: "
+            f"{', '.join(SIDECAR_ANNOTATIONS)})"
+        )
+
+    def pick(field_name: str, annotation: str) -> tuple[Any, str]:
+        if annotation in annotations:
+            return annotations[annotation], _source(settings, field_name, annotation, True)
+        return getattr(settings, field_name), _source(settings, field_name, annotation, False)
+
+    resources: dict[str, dict[str, str]] = {"requests": {}, "limits": {}}
+    for kind, request_field, limit_field, request_key, limit_key in (
+        ("cpu", "cpu_request", "cpu_limit", CPU_ANNOTATION, CPU_LIMIT_ANNOTATION),
+        ("memory", "memory_request", "memory_limit", MEMORY_ANNOTATION, MEMORY_LIMIT_ANNOTATION),
+    ):
+        request, request_where = pick(request_field, request_key)
+        limit, limit_where = pick(limit_field, limit_key)
+        low = _set_quantity(resources["requests"], kind, request, request_where)
+        high = _set_quantity(resources["limits"], kind, limit, limit_where)
+        if low is not None and high is not None and low > high:
+            raise InjectionError(
+                f"{request_where}: the {kind} request {request!s} is above the {kind} limit "
+                f"{limit!s} ({limit_where}); raise the limit with {limit_key} or lower the request"
+            )
+    resources = {k: v for k, v in resources.items() if v}
+    args = [f"--log-level={checked_log_level(*pick('log_level', LOG_LEVEL_ANNOTATION))}"]
+    max_in_flight, where = pick("max_in_flight", MAX_IN_FLIGHT_ANNOTATION)
+    if max_in_flight is not None:
+        args.append(f"--max-in-flight={checked_max_in_flight(max_in_flight, where)}")
+    grace, where = pick("drain_grace_s", DRAIN_GRACE_ANNOTATION)
+    if grace is not None:
+        args.append(f"--drain-grace={checked_drain_grace_s(grace, where, pod_spec):g}")
+    return SidecarRuntime(resources, tuple(args))
+
+
+def _set_quantity(target: dict[str, str], kind: str, value: object, where: str) -> Decimal | None:
+    """Check ``value`` (None or empty: unset) and put it in ``target[kind]``; its amount."""
+    if value is None or str(value).strip() == "":
+        return None
+    amount = quantity(value, where)
+    target[kind] = str(value).strip()
+    return amount
+
+
+def checked_log_level(value: object, where: str) -> str:
+    """``value`` as the sidecar's ``--log-level`` (upper case); InjectionError naming ``where``."""
+    level = str(value).strip().lower()
+    if level not in LOG_LEVELS:
+        raise InjectionError(f"{where}: must be one of {', '.join(LOG_LEVELS)} (got {value!r})")
+    return level.upper()
+
+
+def checked_max_in_flight(value: object, where: str) -> int:
+    """``value`` as ``--max-in-flight``; InjectionError naming ``where``."""
+    text = str(value).strip()
+    if not text.isdigit() or not 1 <= int(text) <= MAX_IN_FLIGHT_LIMIT:
+        raise InjectionError(
+            f"{where}: must be an integer 1..{MAX_IN_FLIGHT_LIMIT}, the requests the backend "
+            f"runs at once (got {value!r})"
+        )
+    return int(text)
+
+
+def checked_drain_grace_s(
+    value: object, where: str, pod_spec: Mapping[str, Any] | None = None
+) -> float:
+    """``value`` as ``--drain-grace`` seconds, at most the Pod's grace period (when given);
+    InjectionError naming ``where``."""
+    try:
+        seconds = float(str(value).strip())
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise InjectionError(f"{where}: must be a number of seconds > 0 (got {value!r})")
+    if pod_spec is not None:
+        grace = pod_spec.get("terminationGracePeriodSeconds")
+        period = DEFAULT_TERMINATION_GRACE_S if grace is None else int(grace)
+        if seconds > period:
+            raise InjectionError(
+                f"{where}: {seconds:g} s is longer than the Pod's "
+                f"spec.terminationGracePeriodSeconds ({period}): the kubelet would kill the "
+                "sidecar before its drain ends"
+            )
+    return seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +314,13 @@ def store_password_key(policy_spec: Mapping[str, Any]) -> SecretKey | None:
     return SecretKey(str(ref["name"]), str(ref.get("key") or "password"))
 
 
-class InjectionError(ValueError):
-    """The Pod cannot take the sidecar (the message says why)."""
+def scrape_annotations(pod: Mapping[str, Any], settings: InjectionSettings) -> dict[str, str]:
+    """The Prometheus scrape annotations for the injected sidecar's admin port, or ``{}`` when
+    turned off or when the Pod names any of them itself (its owner chose what to scrape)."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    if not settings.scrape_annotations or any(k in annotations for k in SCRAPE_ANNOTATIONS):
+        return {}
+    return dict(zip(SCRAPE_ANNOTATIONS, ("true", str(ADMIN_PORT), METRICS_PATH), strict=True))
 
 
 def injected(
@@ -123,7 +355,8 @@ def injected(
             f"metadata.annotations[{CONFIG_SOURCE_ANNOTATION}]: must be secret or configmap "
             f"(got {source!r})"
         )
-    sidecar = _container(settings, upstream)
+    runtime = sidecar_runtime(settings, annotations, spec)
+    sidecar = _container(settings, upstream, runtime)
     added = [volume]
     env: list[dict[str, Any]] = []
     if store_password is not None:
@@ -186,7 +419,9 @@ def _probe(path: str) -> dict[str, Any]:
     }
 
 
-def _container(settings: InjectionSettings, upstream_port: int) -> dict[str, Any]:
+def _container(
+    settings: InjectionSettings, upstream_port: int, runtime: SidecarRuntime
+) -> dict[str, Any]:
     return {
         "name": CONTAINER,
         "image": settings.image,
@@ -198,6 +433,7 @@ def _container(settings: InjectionSettings, upstream_port: int) -> dict[str, Any
             f"--admin-listen=0.0.0.0:{ADMIN_PORT}",
             "--backend=openai",
             f"--upstream=http://127.0.0.1:{upstream_port}",
+            *runtime.args,
         ],
         "ports": [
             {"name": "tokenfair", "containerPort": PROXY_PORT, "protocol": "TCP"},
@@ -206,14 +442,12 @@ def _container(settings: InjectionSettings, upstream_port: int) -> dict[str, Any
         "livenessProbe": _probe("/healthz"),
         "readinessProbe": _probe("/readyz"),
         "volumeMounts": [{"name": VOLUME, "mountPath": MOUNT_PATH, "readOnly": True}],
-        "resources": {
-            "requests": {"cpu": settings.cpu_request, "memory": settings.memory_request},
-            "limits": {"memory": settings.memory_limit},
-        },
+        "resources": runtime.resources,
         "securityContext": {
             "runAsNonRoot": True,
             "readOnlyRootFilesystem": True,
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},  # the restricted Pod Security Standard
         },
     }

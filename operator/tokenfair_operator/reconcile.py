@@ -203,10 +203,13 @@ class Reconciler:
         lookups = {q.name: self._keys[(q.namespace, str(q.key_secret))] for q in keyed}
         rendering = render_config(policy, members, lookups, self._replicas[key])
         if rendering.version:
-            await self._publish(policy, rendering, logger)
+            generation = await self._publish(policy, rendering, logger)
             # Served only once stored: a sidecar never runs what the API server refused.
             document = Document(
-                rendering.version, rendering.secret_payload, rendering.configmap_payload
+                rendering.version,
+                rendering.secret_payload,
+                rendering.configmap_payload,
+                generation,
             )
             self.documents.publish(key, document)
         status = policy_status(policy, rendering, now=now, unprotected=unprotected)
@@ -246,15 +249,23 @@ class Reconciler:
                 self.api.patch_status, POLICY_PLURAL, policy.namespace, policy.name, fresh
             )
 
-    async def _publish(self, policy: PolicyView, rendering: Rendering, logger: kopf.Logger) -> None:
+    async def _publish(self, policy: PolicyView, rendering: Rendering, logger: kopf.Logger) -> int:
+        """Store the document in the ConfigMap and Secret; its generation (:mod:`.documents`)."""
         version = rendering.version
-        for kind, name, data in (
-            ("ConfigMap", configmap_name(policy.name), rendering.configmap_payload),
-            ("Secret", secret_name(policy.name), rendering.secret_payload),
-        ):
-            wrote = await self._call(self.api.publish, kind, name, policy, data, version)
-            if wrote:
-                logger.info(f"published config version {version} to {kind} {name}")
+        generation, written = await self._call(
+            self.api.publish_document,
+            policy,
+            version,
+            rendering.configmap_payload,
+            rendering.secret_payload,
+        )
+        names = {"ConfigMap": configmap_name(policy.name), "Secret": secret_name(policy.name)}
+        for kind in written:
+            logger.info(
+                f"published config version {version} (generation {generation}) "
+                f"to {kind} {names[kind]}"
+            )
+        return generation
 
     async def _write_quota(self, quota: QuotaView, status: dict[str, Any]) -> None:
         await self._write(QUOTA_PLURAL, quota, status)

@@ -5,7 +5,8 @@ Routes:
 * ``GET /v1/config/{namespace}/{policy}?source=secret|configmap&version=V&waitSeconds=S`` —
   the policy's current document (:mod:`.documents`) as soon as its version is not ``V``:
   ``200`` with the payload exactly as the ConfigMap/Secret store it (text, or gzip: the sidecar
-  tells them apart by the magic bytes) and header ``X-Tokenfair-Config-Version``; ``304`` when
+  tells them apart by the magic bytes) and headers ``X-Tokenfair-Config-Version`` and
+  ``X-Tokenfair-Config-Generation`` (monotonic, :mod:`.documents`); ``304`` when
   ``S`` seconds (default 30, at most 60) passed with no other version; ``404`` when the policy
   has no document here (not yet rendered since this operator started, or no such policy).
   A sidecar keeps one such request open, so a change reaches it one network round trip after
@@ -15,25 +16,44 @@ Routes:
 With two replicas (:mod:`.leader`) a Service sends a sidecar to either; only the leader
 reconciles, so a standby relays the config route to the leader's advertised address (from the
 Lease) and answers ``503`` while it knows none: a sidecar never gets a standby's stale view.
+Leadership is asked right before answering (after a long-poll's wait too): a replica that
+stepped down while a request waited relays it instead. The relay holds up to
+``relay_connections`` requests to the leader at once (:data:`DEFAULT_RELAY_CONNECTIONS`, one
+per sidecar: each keeps one long-poll open; aiohttp's default would be 100).
 
 Authentication: the config route requires ``Authorization: Bearer <token>``, a ServiceAccount
 token the API server accepts (a TokenReview, cached :data:`REVIEW_TTL_S` seconds), of the
 policy's own namespace: exactly who could mount that namespace's Secret in a Pod. No per-Pod
 RBAC: the operator alone needs ``create tokenreviews``. ``401`` without a valid token, ``403``
-for another namespace's; each refusal says why.
+for another namespace's; each refusal says why. TokenReviews are bounded so that a flood of
+junk tokens costs the API server and this process a fixed rate and never delays the Lease's
+renewal (which has its own thread, :mod:`.leader`): they run on their own
+:data:`REVIEW_THREADS` threads, at most :data:`REVIEWS_PER_S` new tokens a second (a bucket of
+:data:`REVIEW_BURST`: a restarted operator's sidecars all come back at once), one review per
+token however many requests show it at once; a refused token is remembered
+:data:`REJECTED_TTL_S` seconds (at most :data:`REJECTED_CACHE_SIZE`, apart from the accepted
+ones, so junk never evicts a sidecar's entry). Over the rate: ``429`` with ``Retry-After``; a
+review that fails: ``503``. Tokens already accepted are served from the cache, flood or not,
+and re-reviewed when their entry expires without drawing on the rate (1,000 sidecars re-check
+~17 tokens a second).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
+
+from tokenfair_sidecar.server.remote import GENERATION_HEADER
 
 from .documents import SOURCES, DocumentStore, Source
 from .metrics import OperatorMetrics
@@ -45,11 +65,26 @@ MAX_WAIT_S: Final = 60
 REVIEW_TTL_S: Final = 60.0
 """How long an accepted token's namespace is trusted without asking the API server again: a
 sidecar polls every ~30 s, so this halves TokenReviews; a revoked token lasts at most this."""
-REJECTED_TTL_S: Final = 5.0
-"""How long a refused token stays refused without asking again (bounds a retry storm)."""
+REJECTED_TTL_S: Final = 60.0
+"""How long a refused token stays refused without asking again: a junk token repeated costs
+one review a minute."""
 REVIEW_CACHE_SIZE: Final = 20_000
-"""Tokens remembered at most (one per sidecar); the oldest entry goes first."""
+"""Accepted tokens remembered at most (one per sidecar); the oldest entry goes first."""
+REJECTED_CACHE_SIZE: Final = 10_000
+"""Refused tokens remembered at most (their own cache); the oldest entry goes first."""
+REVIEW_THREADS: Final = 4
+"""TokenReviews in flight at once, on threads of their own."""
+REVIEWS_PER_S: Final = 20.0
+"""New tokens reviewed per second, sustained: 1,000 sidecars' projected tokens (rotated about
+hourly by the kubelet) bring well under one a second; a restarted operator's fleet comes back
+through the burst and then this rate (1,000 sidecars within ~40 s)."""
+REVIEW_BURST: Final = 200
+"""New tokens reviewed at once before the rate applies."""
+DEFAULT_RELAY_CONNECTIONS: Final = 1_000
+"""Long-polls a standby relays to the leader at once: one per sidecar (the expected fleet of
+one operator); more wait for a free connection. ``$TOKENFAIR_RELAY_CONNECTIONS``."""
 SERVICE_ACCOUNT_PREFIX: Final = "system:serviceaccount:"
+V = TypeVar("V")
 
 STORE: Final = web.AppKey("store", DocumentStore)
 METRICS: Final = web.AppKey("metrics", OperatorMetrics)
@@ -61,40 +96,119 @@ class Reviewer(Protocol):
     def __call__(self, token: str) -> str | None: ...
 
 
+class ReviewUnavailable(Exception):
+    """No answer for this token now: over the review rate (``retry_after_s``) or the review
+    failed; the caller asks again later."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 @dataclass
 class TokenAuthenticator:
-    """ServiceAccount tokens -> their namespace, by TokenReview, cached."""
+    """ServiceAccount tokens -> their namespace, by TokenReview: cached, rate-limited, on
+    threads of its own (module docstring)."""
 
     review: Reviewer
     clock: Callable[[], float] = time.monotonic
-    _cache: dict[str, tuple[str | None, float]] = field(default_factory=dict)
+    reviews_per_s: float = REVIEWS_PER_S
+    burst: int = REVIEW_BURST
+    threads: int = REVIEW_THREADS
+    accepted_cache_size: int = REVIEW_CACHE_SIZE
+    rejected_cache_size: int = REJECTED_CACHE_SIZE
+    _accepted: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
+    """sha256(token) -> (namespace, expiry)."""
+    _rejected: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    """sha256(token) -> expiry."""
+    _inflight: dict[str, asyncio.Task[str | None]] = field(default_factory=dict)
+    _allowance: float = -1.0
+    """Reviews the bucket allows now (-1: full, set on first use)."""
+    _refilled_at: float = 0.0
+    _executor: ThreadPoolExecutor | None = None
 
     async def namespace_of(self, token: str) -> str | None:
-        """The namespace of the ServiceAccount ``token`` belongs to; None if not one."""
+        """The namespace of the ServiceAccount ``token`` belongs to; None if not one. Raises
+        :class:`ReviewUnavailable` when it cannot be told now."""
         digest = hashlib.sha256(token.encode()).hexdigest()  # no token kept in memory
         now = self.clock()
-        cached = self._cache.get(digest)
-        if cached is not None and cached[1] > now:
-            return cached[0]
-        username = await asyncio.to_thread(self.review, token)
+        accepted = self._accepted.get(digest)
+        if accepted is not None and accepted[1] > now:
+            return accepted[0]
+        rejected = self._rejected.get(digest)
+        if rejected is not None and rejected > now:
+            return None
+        task = self._inflight.get(digest)
+        if task is None:
+            if accepted is None:  # a token accepted before is re-checked outside the bucket:
+                self._take(now)  # junk never gets there, and a fleet's refreshes always do
+            task = asyncio.ensure_future(self._review(digest, token))
+            task.add_done_callback(_retrieve)
+            self._inflight[digest] = task
+        return await asyncio.shield(task)  # a caller leaving does not cancel others' review
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+    def _take(self, now: float) -> None:
+        """One review from the bucket, or :class:`ReviewUnavailable` with the wait."""
+        if self._allowance < 0:
+            self._allowance, self._refilled_at = float(self.burst), now
+        refill = (now - self._refilled_at) * self.reviews_per_s
+        self._allowance = min(float(self.burst), self._allowance + refill)
+        self._refilled_at = now
+        if self._allowance < 1:
+            wait_s = (1 - self._allowance) / self.reviews_per_s
+            raise ReviewUnavailable("too many new tokens to review; retry", wait_s)
+        self._allowance -= 1
+
+    async def _review(self, digest: str, token: str) -> str | None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.threads, "tokenfair-review")
+        loop = asyncio.get_running_loop()
+        try:
+            username = await loop.run_in_executor(self._executor, self.review, token)
+        except Exception as exc:
+            raise ReviewUnavailable(f"token review failed ({type(exc).__name__}); retry") from exc
+        finally:
+            self._inflight.pop(digest, None)
         namespace = None
         if username is not None and username.startswith(SERVICE_ACCOUNT_PREFIX):
             namespace = username.removeprefix(SERVICE_ACCOUNT_PREFIX).split(":", 1)[0] or None
-        if len(self._cache) >= REVIEW_CACHE_SIZE:
-            del self._cache[next(iter(self._cache))]
-        ttl = REVIEW_TTL_S if namespace is not None else REJECTED_TTL_S
-        self._cache[digest] = (namespace, now + ttl)
+        now = self.clock()
+        if namespace is not None:
+            entry = (namespace, now + REVIEW_TTL_S)
+            _remember(self._accepted, digest, entry, self.accepted_cache_size)
+            self._rejected.pop(digest, None)
+        else:
+            _remember(self._rejected, digest, now + REJECTED_TTL_S, self.rejected_cache_size)
         return namespace
+
+
+def _remember(cache: OrderedDict[str, V], digest: str, value: V, size: int) -> None:
+    cache.pop(digest, None)
+    while len(cache) >= size:
+        cache.popitem(last=False)
+    cache[digest] = value
+
+
+def _retrieve(task: asyncio.Task[str | None]) -> None:
+    """Mark a review's failure as seen even when every caller has left."""
+    if not task.cancelled():
+        task.exception()
 
 
 AUTH: Final = web.AppKey("auth", TokenAuthenticator)
 LeaderAddress = Callable[[], str | None]
 LEADER: Final[web.AppKey[LeaderAddress]] = web.AppKey("leader")
 RELAY: Final = web.AppKey("relay", aiohttp.ClientSession)
+RELAY_CONNECTIONS: Final = web.AppKey("relay_connections", int)
 RELAY_GRACE_S: Final = 10
+"""Beyond a long-poll's wait, how long a relayed request may take."""
 SHUTDOWN_S: Final = 1.0
 """Seconds open requests get to finish when the server stops."""
-"""Beyond a long-poll's wait, how long a relayed request may take."""
 
 
 def create_app(
@@ -102,14 +216,17 @@ def create_app(
     metrics: OperatorMetrics,
     auth: TokenAuthenticator,
     leader: LeaderAddress = lambda: None,
+    relay_connections: int = DEFAULT_RELAY_CONNECTIONS,
 ) -> web.Application:
     """``leader`` says where to relay the config route: None while this replica leads (its
-    own store is current), else the leader's ``host:port`` ("" while unknown: 503)."""
+    own store is current), else the leader's ``host:port`` ("" while unknown: 503);
+    ``relay_connections`` bounds the relayed requests open at once."""
     app = web.Application()
     app[STORE] = store
     app[METRICS] = metrics
     app[AUTH] = auth
     app[LEADER] = leader
+    app[RELAY_CONNECTIONS] = relay_connections
     app.cleanup_ctx.append(_relay_session)
     app.router.add_get("/v1/config/{namespace}/{policy}", config_document)
     app.router.add_get("/metrics", metrics_text)
@@ -146,7 +263,14 @@ async def config_document(request: web.Request) -> web.StreamResponse:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise _refuse(web.HTTPUnauthorized, "Authorization: a Bearer ServiceAccount token needed")
-    caller = await request.app[AUTH].namespace_of(token.strip())
+    try:
+        caller = await request.app[AUTH].namespace_of(token.strip())
+    except ReviewUnavailable as exc:
+        if exc.retry_after_s is None:
+            raise _refuse(web.HTTPServiceUnavailable, str(exc)) from None
+        refusal = _refuse(web.HTTPTooManyRequests, str(exc))
+        refusal.headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        raise refusal from None
     if caller is None:
         raise _refuse(web.HTTPUnauthorized, "Authorization: not a valid ServiceAccount token")
     if caller != namespace:
@@ -161,11 +285,17 @@ async def config_document(request: web.Request) -> web.StreamResponse:
     store = request.app[STORE]
     key = (namespace, policy)
     document = await store.newer(key, have, wait_s)
+    leader = request.app[LEADER]()
+    if leader is not None:  # stepped down while the request waited: the new leader answers
+        return await _relay(request, leader)
     if document is not None:
+        headers = {VERSION_HEADER: document.version}
+        if document.generation:
+            headers[GENERATION_HEADER] = str(document.generation)
         return web.Response(
             body=document.payload(source),
             content_type="application/octet-stream",
-            headers={VERSION_HEADER: document.version},
+            headers=headers,
         )
     if store.get(key) is None:
         raise _refuse(
@@ -177,9 +307,13 @@ async def config_document(request: web.Request) -> web.StreamResponse:
 
 async def _relay_session(app: web.Application) -> AsyncIterator[None]:
     timeout = aiohttp.ClientTimeout(total=MAX_WAIT_S + RELAY_GRACE_S, connect=5)
-    async with aiohttp.ClientSession(timeout=timeout, trust_env=False) as session:
+    connector = aiohttp.TCPConnector(limit=app[RELAY_CONNECTIONS], limit_per_host=0)
+    async with aiohttp.ClientSession(
+        timeout=timeout, trust_env=False, connector=connector
+    ) as session:
         app[RELAY] = session
         yield
+    app[AUTH].close()
 
 
 async def _relay(request: web.Request, leader: str) -> web.Response:
@@ -195,8 +329,11 @@ async def _relay(request: web.Request, leader: str) -> web.Response:
             body = await answer.read()
             # Header names are case-insensitive (a proxy or HTTP/2 hop lowercases them):
             # looked up in aiohttp's CIMultiDict, sent on in the canonical spelling.
-            version = answer.headers.get(VERSION_HEADER)
-            relayed = {VERSION_HEADER: version} if version is not None else {}
+            relayed = {
+                name: value
+                for name in (VERSION_HEADER, GENERATION_HEADER)
+                if (value := answer.headers.get(name)) is not None
+            }
             return web.Response(
                 status=answer.status,
                 body=body,

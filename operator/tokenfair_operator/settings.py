@@ -14,18 +14,37 @@ import os
 import socket
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import kopf
 
-from .inject import DEFAULT_IMAGE
+from .inject import (
+    DEFAULT_IMAGE,
+    InjectionError,
+    InjectionSettings,
+    checked_drain_grace_s,
+    checked_log_level,
+    checked_max_in_flight,
+)
 from .model import GROUP
 
 FINALIZER: Final = f"{GROUP}/finalizer"
 DIFFBASE_KEY: Final = "last-handled-configuration"
 RESYNC_ENV: Final = "TOKENFAIR_RESYNC_SECONDS"
 IMAGE_ENV: Final = "TOKENFAIR_SIDECAR_IMAGE"
+SIDECAR_ENV: Final = {
+    "cpu_request": "TOKENFAIR_SIDECAR_CPU_REQUEST",
+    "memory_request": "TOKENFAIR_SIDECAR_MEMORY_REQUEST",
+    "cpu_limit": "TOKENFAIR_SIDECAR_CPU_LIMIT",
+    "memory_limit": "TOKENFAIR_SIDECAR_MEMORY_LIMIT",
+    "max_in_flight": "TOKENFAIR_SIDECAR_MAX_IN_FLIGHT",
+    "log_level": "TOKENFAIR_SIDECAR_LOG_LEVEL",
+    "drain_grace_s": "TOKENFAIR_SIDECAR_DRAIN_GRACE_SECONDS",
+    "scrape_annotations": "TOKENFAIR_SIDECAR_SCRAPE_ANNOTATIONS",
+}
+"""The injected sidecars' defaults (:class:`.inject.InjectionSettings`), by field: the chart's
+``sidecar.resources`` and ``sidecar.*`` values. Unset or empty: the dataclass default."""
 WEBHOOK_ENV_PREFIX: Final = "TOKENFAIR_WEBHOOK_"
 DEFAULT_RESYNC_S: Final = 30.0
 USAGE_ENV: Final = "TOKENFAIR_USAGE_SECONDS"
@@ -94,8 +113,11 @@ class OperatorConfig:
     interval, and only when a number changed."""
     scrape_timeout_s: float = 2.0
     """Per-round bound on fetching every sidecar's metrics; a slow sidecar is skipped."""
-    sidecar_image: str = DEFAULT_IMAGE
-    """Image of injected sidecars (``$TOKENFAIR_SIDECAR_IMAGE``)."""
+    injection: InjectionSettings = field(default_factory=InjectionSettings)
+    """What injected sidecars get unless their Pod's annotations say otherwise: image
+    (``$TOKENFAIR_SIDECAR_IMAGE``), resources and runtime flags (:data:`SIDECAR_ENV`), and the
+    long-poll base (``$TOKENFAIR_CONFIG_URL_BASE``); checked at startup, so a bad chart value
+    stops the operator with the variable's name instead of refusing every Pod later."""
     injection_failure_policy: str = "Fail"
     """``failurePolicy`` of the injection webhook Kopf manages (``$TOKENFAIR_INJECTION_FAILURE_
     POLICY``): ``Fail`` refuses a labelled Pod while we cannot answer, so none ever serves
@@ -107,10 +129,6 @@ class OperatorConfig:
     (:mod:`.serve`); None serves neither (sidecars then read their mounted file only)."""
     http_addr: str = DEFAULT_WEBHOOK_ADDR
     """Address that server listens on (``$TOKENFAIR_HTTP_ADDR``)."""
-    config_url_base: str | None = None
-    """``http://<Service>:<port>`` at which injected sidecars reach that server
-    (``$TOKENFAIR_CONFIG_URL_BASE``, the chart sets it); None: injected sidecars read their
-    mounted file only."""
     http_advertise: str = ""
     """``host:port`` at which other replicas reach this one's HTTP server
     (``$TOKENFAIR_HTTP_ADVERTISE``, default: this host's IP and ``$TOKENFAIR_HTTP_PORT``):
@@ -130,12 +148,17 @@ class OperatorConfig:
     """Seconds Kopf waits for more events of one object before handling it (Kopf's default is
     0.1). Our handlers reconcile a whole policy, so coalescing buys little; the window adds
     straight to apply-to-ConfigMap latency."""
+    relay_connections: int = 1_000
+    """Long-polls a standby relays to the leader at once (``$TOKENFAIR_RELAY_CONNECTIONS``):
+    one per sidecar, so at least the expected sidecar count (``serve.DEFAULT_RELAY_CONNECTIONS``;
+    aiohttp's own default, 100, would hold the 101st sidecar back)."""
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
         """Defaults, overridden by ``$TOKENFAIR_RESYNC_SECONDS``, ``$TOKENFAIR_USAGE_SECONDS``,
         ``$TOKENFAIR_SIDECAR_IMAGE``, ``$TOKENFAIR_INJECTION_FAILURE_POLICY``,
-        ``$TOKENFAIR_HTTP_PORT``, ``_ADDR``, ``$TOKENFAIR_CONFIG_URL_BASE`` and
+        ``$TOKENFAIR_HTTP_PORT``, ``_ADDR``, ``$TOKENFAIR_CONFIG_URL_BASE``, the sidecar
+        defaults (:data:`SIDECAR_ENV`) and
         ``$TOKENFAIR_WEBHOOK_PORT``,
         ``_ADDR``, ``_HOST``, ``_CERT``, ``_KEY``, ``_MANAGED``, ``_CERT_SECRET``,
         ``_DNS_NAMES``, ``_CONFIGURATIONS``, ``_CERT_DIR``."""
@@ -155,17 +178,57 @@ class OperatorConfig:
             webhook_configurations=_listed(hook.get("CONFIGURATIONS")),
             webhook_cert_dir=hook.get("CERT_DIR", "/tmp/tokenfair-webhook"),
             webhook_managed=hook.get("MANAGED"),
-            sidecar_image=env.get(IMAGE_ENV) or DEFAULT_IMAGE,
+            injection=injection_from_env(env),
             injection_failure_policy=_failure_policy(env.get(INJECTION_POLICY_ENV) or "Fail"),
             http_port=int(env[HTTP_PORT_ENV]) if env.get(HTTP_PORT_ENV) else None,
             http_addr=env.get(HTTP_ADDR_ENV) or DEFAULT_WEBHOOK_ADDR,
-            config_url_base=env.get(CONFIG_URL_BASE_ENV) or None,
             http_advertise=env.get("TOKENFAIR_HTTP_ADVERTISE") or _own_address(env),
             leader_election=_flag(LEADER_ELECTION_ENV, env.get(LEADER_ELECTION_ENV, "false")),
             lease_namespace=env.get("TOKENFAIR_LEASE_NAMESPACE") or "default",
             lease_name=env.get("TOKENFAIR_LEASE_NAME") or "tokenfair-operator",
             identity=f"{env.get(POD_NAME_ENV) or socket.gethostname()}_{uuid.uuid4().hex[:8]}",
+            relay_connections=int(env.get("TOKENFAIR_RELAY_CONNECTIONS") or 1_000),
         )
+
+
+def injection_from_env(env: Mapping[str, str]) -> InjectionSettings:
+    """The injected sidecars' defaults from ``env`` (:data:`SIDECAR_ENV`), each checked by the
+    injector's own rules; ValueError naming the variable otherwise."""
+    given = {name: env.get(var, "").strip() for name, var in SIDECAR_ENV.items()}
+    where = {name: f"${var}" for name, var in SIDECAR_ENV.items()}
+    defaults = InjectionSettings()
+    try:
+        settings = InjectionSettings(
+            image=env.get(IMAGE_ENV) or DEFAULT_IMAGE,
+            cpu_request=given["cpu_request"] or defaults.cpu_request,
+            memory_request=given["memory_request"] or defaults.memory_request,
+            cpu_limit=given["cpu_limit"] or defaults.cpu_limit,
+            memory_limit=given["memory_limit"] or defaults.memory_limit,
+            max_in_flight=(
+                checked_max_in_flight(given["max_in_flight"], where["max_in_flight"])
+                if given["max_in_flight"]
+                else defaults.max_in_flight
+            ),
+            log_level=(
+                checked_log_level(given["log_level"], where["log_level"]).lower()
+                if given["log_level"]
+                else defaults.log_level
+            ),
+            drain_grace_s=(
+                checked_drain_grace_s(given["drain_grace_s"], where["drain_grace_s"])
+                if given["drain_grace_s"]
+                else defaults.drain_grace_s
+            ),
+            scrape_annotations=_flag(
+                SIDECAR_ENV["scrape_annotations"], given["scrape_annotations"] or "true"
+            ),
+            config_url_base=env.get(CONFIG_URL_BASE_ENV) or None,
+            env_names=SIDECAR_ENV,
+        )
+        settings.check()
+    except InjectionError as exc:
+        raise ValueError(str(exc)) from None
+    return settings
 
 
 def _own_address(env: Mapping[str, str]) -> str:

@@ -75,10 +75,15 @@ app.kubernetes.io/component: operator
 
 {{/*
 The image of the operator, the demo's model server and injected sidecars (one image, two
-entrypoints); the tag defaults to the chart's appVersion.
+entrypoints): `repository@digest` when image.digest is set, else `repository:tag`, the tag
+defaulting to the chart's appVersion.
 */}}
 {{- define "tokenfair.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -119,6 +124,36 @@ Certificate that fills it.
 Refuse value combinations the chart cannot honour, with the reason.
 */}}
 {{- define "tokenfair.validate" -}}
+{{- $chartEnv := list "TOKENFAIR_RESYNC_SECONDS" "TOKENFAIR_USAGE_SECONDS" "PYTHONUNBUFFERED" "TOKENFAIR_HTTP_PORT" "TOKENFAIR_LEADER_ELECTION" "TOKENFAIR_LEASE_NAMESPACE" "TOKENFAIR_LEASE_NAME" "TOKENFAIR_CONFIG_URL_BASE" }}
+{{- range .Values.operator.extraEnv }}
+{{- if or (has .name $chartEnv) (hasPrefix "TOKENFAIR_SIDECAR_" .name) (hasPrefix "TOKENFAIR_WEBHOOK_" .name) }}
+{{- fail (printf "operator.extraEnv: %s is set by the chart itself; change it through its value (docs/deploy.md)" .name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Namespaces in which the operator may get/create/update Secrets (a JSON list): operator.
+secretNamespaces, else operator.watchNamespaces, else the release namespace; plus the demo's.
+*/}}
+{{- define "tokenfair.secretNamespaces" -}}
+{{- $namespaces := .Values.operator.secretNamespaces | default .Values.operator.watchNamespaces | default (list .Release.Namespace) }}
+{{- if .Values.demo.enabled }}
+{{- $namespaces = append $namespaces .Release.Namespace }}
+{{- end }}
+{{- $namespaces | uniq | toJson }}
+{{- end }}
+
+{{/*
+Kopf's logging flags for operator.logLevel (Kopf logs at INFO without a flag, DEBUG with
+--debug, WARNING with --quiet) and operator.logFormat.
+*/}}
+{{- define "tokenfair.operator.logArgs" -}}
+{{- $args := list }}
+{{- if eq .Values.operator.logLevel "debug" }}{{ $args = append $args "--debug" }}{{ end }}
+{{- if eq .Values.operator.logLevel "warning" }}{{ $args = append $args "--quiet" }}{{ end }}
+{{- $args = append $args (printf "--log-format=%s" .Values.operator.logFormat) }}
+{{- toYaml $args }}
 {{- end }}
 
 {{/*

@@ -14,7 +14,10 @@ Configured by the environment, which the injector sets:
   Pod's own, :data:`DEFAULT_TOKEN_FILE`), read again for each request (projected tokens rotate).
 
 The loop: ``GET <url>&version=<the version we run>&waitSeconds=`` :data:`WAIT_S`. ``200``: a
-new document, handed over with its version; ``304``: nothing new, ask again at once. Anything
+new document, handed over with its version and its generation (header
+:data:`GENERATION_HEADER`, a counter that only grows per policy; None from an operator that
+sends none; :mod:`.reload` refuses to go back to a lower one); ``304``: nothing new, ask again
+at once. Anything
 else (a ``200`` without the version header, a refusal, a 404 from an operator that has not
 rendered the policy yet, a connection error, a timeout) waits ``min(`` :data:`MAX_BACKOFF_S`
 ``, 2^failures)`` seconds and asks again, and marks the feed unhealthy at once. The feed is
@@ -44,6 +47,10 @@ URL_ENV: Final = "TOKENFAIR_CONFIG_URL"
 TOKEN_FILE_ENV: Final = "TOKENFAIR_CONFIG_TOKEN_FILE"
 DEFAULT_TOKEN_FILE: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 VERSION_HEADER: Final = "X-Tokenfair-Config-Version"
+GENERATION_HEADER: Final = "X-Tokenfair-Config-Generation"
+GENERATION_FILE: Final = "generation"
+"""The generation's file beside the mounted ``config.yaml`` (a data key of the ConfigMap and
+Secret the operator publishes; the kubelet swaps both files at once)."""
 WAIT_S: Final = 30
 """Seconds the operator may hold one request (its default; under common idle timeouts)."""
 CONNECT_TIMEOUT_S: Final = 5.0
@@ -52,8 +59,9 @@ HEALTH_GRACE_S: Final = 15.0
 MAX_BACKOFF_S: Final = 10.0
 """Longest pause between failed requests: an operator back from a restart is heard within it."""
 
-Deliver = Callable[[bytes, str], None]
-"""Called with a document's bytes and its version; never raises (:mod:`.reload` reports)."""
+Deliver = Callable[[bytes, str, int | None], None]
+"""Called with a document's bytes, its version and its generation (None: not sent); never
+raises (:mod:`.reload` reports)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,10 +129,11 @@ class RemoteFeed:
                 # Not a document we can track: delivering it as version "" would be answered
                 # at once again, and again (a hot loop); a failed poll, with the backoff.
                 raise RuntimeError(f"HTTP 200 without a {VERSION_HEADER} header")
+            generation = parse_generation(response.headers.get(GENERATION_HEADER))
             body = await _bounded_body(response)
         self._good()
-        self.version = version
-        self.deliver(body, version)
+        self.version = version  # also when refused: asked again only for another version
+        self.deliver(body, version, generation)
 
     def _token(self) -> str:
         try:
@@ -148,6 +157,16 @@ class RemoteFeed:
                 why,
             )
         self._failures += 1
+
+
+def parse_generation(value: str | None) -> int | None:
+    """A generation header or file: None when absent; a non-negative integer, else refused."""
+    if value is None:
+        return None
+    text = value.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > 18:
+        raise RuntimeError(f"generation must be a non-negative integer (got {text[:40]!r})")
+    return int(text)
 
 
 async def _bounded_body(response: aiohttp.ClientResponse) -> bytes:
