@@ -35,7 +35,13 @@ sizes are actual service tokens where known, else the estimate):
   the cache was held (by requests that finished executing but whose KV is still resident), so
   the request could not have started then (printed, no target);
 * **interactive p99 TTFT**: ``report.summarize`` (nearest rank) over dispatched interactive
-  requests.
+  requests;
+* diagnostics of scenario 3's batch Jain (computed here, no target): Jain over ``min(1, x)``;
+  the share of the lane's service *started alone* — dispatched while no other admitted request
+  of either lane waited, work the server had for nobody else at that moment, which any
+  work-conserving policy serves; and Jain with the part of a tenant's service above its
+  max-min share that started alone not counted (``x = max(fair, served - alone) / fair`` for a
+  tenant above its share).
 
 Scenarios (rates in units of C; Poisson = exponential gaps, constant = evenly spaced):
 
@@ -447,6 +453,60 @@ def jain_capped(run: Run, lane: str) -> float | None:
     return sum(ratios) ** 2 / (len(ratios) * sum(x * x for x in ratios))
 
 
+def started_alone_tokens(run: Run, window_ms: float, lane: str) -> dict[str, int]:
+    """Per tenant of ``lane``: service tokens of its requests (arrived in the window) dispatched
+    while no other admitted request of either lane was waiting — work the server had for nobody
+    else at that moment, so any work-conserving policy serves it. A request waits from its
+    arrival until its dispatch, or until its refusal from the queue."""
+    starts: list[float] = []
+    ends: list[float] = []
+    for d in run.decisions:
+        if d.gate == "admission":
+            continue
+        starts.append(d.arrival_ms)
+        ends.append(d.dispatch_ms if d.dispatch_ms is not None else d.arrival_ms + d.queue_wait_ms)
+    starts.sort()
+    ends.sort()
+    alone: dict[str, int] = {}
+    for d in run.decisions:
+        if d.priority_class != lane or not d.admitted or d.dispatch_ms is None:
+            continue
+        if d.arrival_ms > window_ms:
+            continue
+        # Waiting at t: arrived at or before t, not yet gone ([arrival, leave) covers t).
+        t = d.dispatch_ms
+        if bisect_right(starts, t) - bisect_right(ends, t) <= 0:
+            alone[d.tenant_id] = alone.get(d.tenant_id, 0) + d.service_tokens
+    return alone
+
+
+def started_alone_rows(run: Run, window_ms: float, lane: str) -> list[Row]:
+    """Diagnostics of the lane's Jain: the share of its service started alone
+    (:func:`started_alone_tokens`), and Jain with the part of each tenant's service above its
+    max-min share that was started alone not counted — ``max(fair, served - alone) / fair``
+    for a tenant served above its share, ``served / fair`` otherwise."""
+    alone = started_alone_tokens(run, window_ms, lane)
+    tenants = [t for t in run.report.tenants.values() if t.priority_class == lane]
+    served = sum(t.served_service_tokens for t in tenants)
+    ratios = []
+    for t in tenants:
+        if t.served_over_fair is None:
+            continue
+        fair = t.fair_share_service_tokens
+        kept = float(t.served_service_tokens)
+        if kept > fair:
+            kept = max(fair, kept - alone.get(t.tenant_id, 0))
+        ratios.append(kept / fair)
+    jain = None
+    if ratios and any(ratios):
+        jain = sum(ratios) ** 2 / (len(ratios) * sum(x * x for x in ratios))
+    share = sum(alone.values()) / served if served else None
+    return [
+        Row(f"{lane} service started alone (share)", share),
+        Row(f"Jain {lane}, w/o excess started alone", jain),
+    ]
+
+
 def many_tenants(seed: int, window_ms: float) -> Block:
     count, total_load = 100, 1.5
     shares = zipf_shares(count, 1.0)
@@ -528,6 +588,14 @@ def many_tenants(seed: int, window_ms: float) -> Block:
             jain_capped(new, "batch"),
             None,
             jain_capped(old, "batch"),
+        ),
+        *(
+            dataclasses.replace(mine, reference=theirs.value)
+            for mine, theirs in zip(
+                started_alone_rows(new, window_ms, "batch"),
+                started_alone_rows(old, window_ms, "batch"),
+                strict=True,
+            )
         ),
         Row(
             "interactive p99 TTFT ms",

@@ -11,7 +11,9 @@ Behaviours under test:
   when, and it runs then; work the budget cannot cover in time is refused with a ``Retry-After``;
 * a queued request past its class's wait limit is refused ``shed_queue_timeout``;
 * cancelling queued work and refunding unused work leaves the books and the budget whole;
-* ``reconfigure`` mid-run drops no queued or running request.
+* ``reconfigure`` mid-run drops no queued or running request;
+* a batch request's predicted wait counts its own cost while interactive work waits (the minimum
+  share's credit must cover it before it starts).
 """
 
 from __future__ import annotations
@@ -624,3 +626,27 @@ def test_interactive_waits_count_the_batch_head_the_ring_sends() -> None:
     assert scheduler._batch_intrusion(0.0) == 500.0 + 9000.0
     scheduler._batch_credit = 300.0  # covers no head: batch is not due
     assert scheduler._batch_intrusion(0.0) == 0.0
+
+
+def test_a_batch_request_waits_for_its_own_credit_while_interactive_work_waits() -> None:
+    """With interactive work queued, batch runs only when the minimum share's credit covers its
+    head, and the credit accrues at the batch lane's rate ``R - min(λ_int, R(1 - s))``: the
+    prediction of a request alone in the batch lane is its own cost at that rate, not 0."""
+    tenants = [
+        TenantConfig("rag", 1.0, UNBOUNDED, 1e9, "batch"),
+        TenantConfig("chat", 1.0, UNBOUNDED, 1e9, "interactive"),
+    ]
+    scheduler = TokenfairScheduler(build_config(PolicyConfig(), tenants))
+    cost = scheduler.cost.service_tokens(2000, 300)
+    # Nothing queued: nothing ahead, nothing running, no credit to wait for.
+    assert scheduler.predicted_wait_ms("rag", Lane.BATCH, cost, 0.0) == 0.0
+    assert scheduler.submit(chat("c0", "chat"), 0.0) is None  # queued, not dispatched
+    # λ_int: 400 tokens admitted at 0 over maxBatchWaitMs (3500 ms) = 400 / 3500 tokens per ms.
+    batch_rate = 45.0 - 400 / 3500
+    assert scheduler.predicted_wait_ms("rag", Lane.BATCH, cost, 0.0) == pytest.approx(
+        cost / batch_rate
+    )
+    # Once the interactive queue is empty the batch lane runs at once again.
+    assert scheduler.next_dispatch(0.0) is not None
+    scheduler.complete("c0", 10.0)
+    assert scheduler.predicted_wait_ms("rag", Lane.BATCH, cost, 10.0) == 0.0

@@ -11,7 +11,9 @@ Admission (at arrival; the first gate that fails decides, with a ``Retry-After``
 3. ``shed_queue_wait_slo`` — the wait *this tenant* can expect, counted from the request's
    arrival, is above the class limit: its turns under the DRR that will serve it (its own queue,
    one quantum of the others per quantum it still needs, the work in flight, at the rate its lane
-   gets; :mod:`tokenfair_sidecar.core.shares`), or the wait for KV room if that is longer
+   gets, and — for batch work while interactive work waits — its own cost, which the minimum
+   share's credit must cover before it starts; :mod:`tokenfair_sidecar.core.shares`), or the
+   wait for KV room if that is longer
    (:meth:`TokenfairScheduler.kv_wait_ms`). A flooder's backlog lengthens the flooder's own
    predicted wait, not its neighbours'.
 4. ``shed_tenant_token_quota`` — the tenant's budget cannot cover its queued work plus this
@@ -164,7 +166,8 @@ class TokenfairScheduler(Scheduler):
         (:mod:`.shares`): the work in flight, then what DRR sends ahead of it — from the tenants
         backlogged now, and from the competing tenants that are idle now as far as the lane's
         recent demand says they will send — plus, for interactive work, the batch requests its
-        minimum share lets in meanwhile, at the rate the lane gets."""
+        minimum share lets in meanwhile, and for batch work while interactive work waits, its
+        own expected cost (the credit that must cover it), at the rate the lane gets."""
         drr = self._lanes[lane]
         queue = drr.queues[tenant_id]
         competition = self._competition[lane]
@@ -175,9 +178,10 @@ class TokenfairScheduler(Scheduler):
         first_turn = None
         if join_rank is not None:  # it would join ahead with that rank (`_join_rank`)
             first_turn = drr.tokens_before_joining_ahead(join_rank)
+        expected_tokens = cost_tokens * self.tenants[tenant_id].usage_ratio
         ahead, later_turns = tokens_ahead(
             queue.queued_tokens,
-            cost_tokens * self.tenants[tenant_id].usage_ratio,
+            expected_tokens,
             queue,
             competing,
             backlogged,
@@ -194,6 +198,13 @@ class TokenfairScheduler(Scheduler):
             demand = self._interactive_demand.rate(now_ms, policy.max_batch_wait_ms)
             interactive_cap = rate * (1.0 - policy.batch_min_share)
             rate = max(rate - min(demand, interactive_cap), rate * MIN_LANE_RATE_FRACTION)
+            if self.queued_count[Lane.INTERACTIVE]:
+                # Credit-gated start (docs/fairness.md §5.1): while interactive work waits, a
+                # batch request starts only once the minimum share's credit covers it, and the
+                # credit accrues at the lane's rate, so the lane must have served its own cost
+                # too. Without it a request admitted to an empty lane was predicted to start at
+                # once and waited ~0.8 s on average (bench_fairness, scenario 3).
+                ahead += expected_tokens
         wait_ms = self._residual.wait_ms(now_ms) + ahead / rate
         # The competing tenants idle now take part in the later turns only if they send
         # meanwhile: at most one quantum each per turn (the DRR bound), and at most what the
