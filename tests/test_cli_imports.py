@@ -2,9 +2,12 @@
 
 Behaviours under test:
 
-* a real ``tokenfair simulate --trace`` run (a subprocess, ``cli.main`` on a tiny trace) loads
-  the simulate command and the simulator, and none of aiohttp, asyncio, ssl, matplotlib,
-  prometheus_client, the server, loadgen, or another subcommand's module;
+* a real ``tokenfair simulate --trace`` run (a subprocess, ``cli.main`` on a tiny trace, stderr
+  a pipe) loads the simulate command and the simulator, and none of aiohttp, asyncio, ssl,
+  matplotlib, prometheus_client, tqdm (no bar off a terminal), the server, loadgen, or another
+  subcommand's module — also when ``--tenants`` is the sidecar's own config file (its
+  ``sidecar:`` section is skipped without the server's settings module);
+* ``tokenfair --version`` imports no subcommand;
 * ``tokenfair --help`` lists every subcommand with its summary without importing any of them;
 * each summary in ``commands.COMMANDS`` is the ``help`` its module registers (no drift between
   the lazy table and the modules).
@@ -68,6 +71,7 @@ FORBIDDEN_ROOTS = {
     "yarl",
     "kopf",
     "kubernetes",
+    "tqdm",
 }
 FORBIDDEN_OURS = {
     "tokenfair_sidecar.server",
@@ -110,6 +114,24 @@ def test_simulate_loads_no_server_loadgen_or_plotting(tmp_path: Path) -> None:
         m for m in modules if any(m == f or m.startswith(f + ".") for f in FORBIDDEN_OURS)
     )
     assert ours == []
+
+
+def test_simulate_with_the_sidecars_config_loads_no_server(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parent.parent / "examples" / "sidecar-standalone.yaml"
+    modules, report = loaded_modules(
+        *("simulate", "--scenario", "noisy-neighbor", "--tenants", str(example)),
+        *("--policy", "tokenfair", "--format", "json"),
+        cwd=tmp_path,
+    )
+    assert json.loads(report)["comparison"]["tokenfair"]["total_requests"] == 60
+    assert sorted(m for m in modules if m.split(".")[0] in FORBIDDEN_ROOTS) == []
+    assert sorted(m for m in modules if m.startswith("tokenfair_sidecar.server")) == []
+
+
+def test_version_imports_no_subcommand(tmp_path: Path) -> None:
+    modules, text = loaded_modules("--version", cwd=tmp_path)
+    assert text.startswith("tokenfair ")
+    assert sorted(m for m in modules if m.startswith("tokenfair_sidecar.commands.")) == []
 
 
 def test_top_level_help_imports_no_subcommand(tmp_path: Path) -> None:

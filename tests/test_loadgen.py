@@ -11,20 +11,31 @@ Behaviours under test:
 - per-request and whole-run timeouts and refused connections become counted outcomes;
 - ``--records`` lines replay through ``records.read_trace``;
 - bad flags exit 2 with a message naming the flag;
+- KV occupancy is not visible to a client: without ``--admin`` the report says it was not
+  measured (``null``, "not measured live"); with ``--admin`` the sidecar's ``/metrics`` gauge is
+  sampled during the run and the peak is the largest sample; an admin port that answers
+  nothing useful leaves the figure unmeasured with the reason on stderr;
 - end to end: `tokenfair sidecar` (costmodel backend, subprocess) under the noisy-neighbor
   workload never refuses an interactive request and serves every batch one (as the `tokenfair`
-  policy does in `tokenfair simulate`).
+  policy does in `tokenfair simulate`), and its admin port's KV gauge, sampled live, peaks
+  above 0 and at most 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
+import os
+import pty
 import socket
+import struct
 import sys
+import termios
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,9 +54,11 @@ from tokenfair_sidecar.loadgen import (
     CHARS_PER_TOKEN,
     CLIENT_TIMEOUT,
     CONNECTION_ERROR,
+    KV_GAUGE,
     NOT_SENT,
     QUEUE_WAIT_HEADER,
     LoadgenSettings,
+    gauge_value,
     prompt_for,
     replay,
     to_decision,
@@ -86,6 +99,21 @@ class Stub:
     queue_wait_ms: float | None = None
     seen: list[Seen] = field(default_factory=list)
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    kv_values: list[float] = field(default_factory=list)
+    """Values of the KV gauge its ``/metrics`` serves, one per scrape, the last repeated."""
+    scrapes: int = 0
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if not self.kv_values:
+            return web.Response(text="# nothing here\n")
+        value = self.kv_values[min(self.scrapes, len(self.kv_values) - 1)]
+        self.scrapes += 1
+        text = (
+            "# HELP tokenfair_kv_resident_blocks KV blocks reserved.\n"
+            "tokenfair_kv_resident_blocks 12.0\n"
+            f"# TYPE {KV_GAUGE} gauge\n{KV_GAUGE} {value}\n"
+        )
+        return web.Response(text=text)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         authorization = request.headers.get("Authorization", "")
@@ -146,6 +174,7 @@ async def stub_server(
         stubs.append(stub)
         app = web.Application()
         app.router.add_post("/v1/completions", stub.completions)
+        app.router.add_get("/metrics", stub.metrics)
         server = await aiohttp_server(app)
         return stub, f"http://127.0.0.1:{server.port}"
 
@@ -357,6 +386,9 @@ async def test_cli_json_report_and_records_replay(stub_server: StubFactory, tmp_
     assert live["admitted_requests"] == 42  # 24 chat + 18 ide; the 18 batch refused
     assert live["shed_reasons"] == {"shed_tenant_token_quota": 18}
     assert live["tenants"]["tenant_ide_assist"]["admitted"] == 18  # the --key override worked
+    # No --admin: the client cannot see KV, so the figure is not measured (not a made-up 0.0).
+    assert live["peak_kv_occupancy_ratio"] is None
+    assert report["run"]["kv_occupancy"] == {"measured": False}
 
     replayed = read_trace(records)
     assert len(replayed) == 60
@@ -387,6 +419,7 @@ async def test_cli_table_has_simulates_layout(stub_server: StubFactory) -> None:
     lines = stdout.decode().splitlines()
     assert "TTFT in model ms (wall ms / time scale)" in lines[0]
     assert lines[1] == "live: admitted 60/60, shed 0"
+    assert lines[2].endswith("; peak admitted KV not measured live")
     assert lines[3].split() == [
         "tenant",
         "submitted",
@@ -400,6 +433,125 @@ async def test_cli_table_has_simulates_layout(stub_server: StubFactory) -> None:
         "TTFT",
     ]
     assert lines[4].split()[:4] == ["tenant_batch_rag", "18", "18", "0"]
+
+
+def test_gauge_value_reads_one_unlabelled_sample() -> None:
+    text = (
+        "# HELP tokenfair_kv_occupancy_ratio Reserved KV blocks over total KV blocks.\n"
+        "# TYPE tokenfair_kv_occupancy_ratio gauge\n"
+        "tokenfair_kv_occupancy_ratio_other 0.9\n"
+        "tokenfair_kv_occupancy_ratio 0.4163\n"
+    )
+    assert gauge_value(text, KV_GAUGE) == 0.4163
+    assert gauge_value('tokenfair_kv_occupancy_ratio{pod="a"} 0.5 1700000000\n', KV_GAUGE) == 0.5
+    assert gauge_value("tokenfair_running_requests 3\n", KV_GAUGE) is None
+
+
+async def test_kv_gauge_is_sampled_during_the_run(stub_server: StubFactory) -> None:
+    # The first scrape reads 0.1, the second 0.62, every later one 0.3. The sampler reads once
+    # when the run starts and once after it ends, so at least the first two are read.
+    stub, url = await stub_server(
+        tenants_by_key=by_tenant(KEYS), answer_delay_s=0.1, kv_values=[0.1, 0.62, 0.3]
+    )
+    settings = LoadgenSettings(target_url=url, admin_url=url, kv_sample_s=0.01)
+    result = await replay([Request("r", "tenant_a", 0, 8, 2, "interactive")], KEYS, settings)
+    assert result.kv is not None
+    assert result.kv.error == ""
+    assert result.kv.samples == stub.scrapes >= 2
+    assert result.kv.peak == 0.62
+    # Without admin_url nothing is sampled.
+    plain = await replay(
+        [Request("s", "tenant_a", 0, 8, 2, "interactive")], KEYS, LoadgenSettings(url)
+    )
+    assert plain.kv is None
+
+
+async def _loadgen_cli(*args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tokenfair_sidecar.cli",
+        "loadgen",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode is not None
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+async def test_cli_reports_the_sampled_kv_peak(stub_server: StubFactory) -> None:
+    _, url = await stub_server(tenants_by_key=by_tenant(LESSON_KEYS), kv_values=[0.25, 0.5])
+    args = ["--target", url, "--admin", url, "--kv-sample-ms", "10"]
+    args += ["--scenario", "noisy-neighbor", "--time-scale", "0.001"]
+    args += [f"--key={tenant}={key}" for tenant, key in LESSON_KEYS.items()]
+    code, stdout, stderr = await _loadgen_cli(*args, "--format", "json")
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert report["comparison"]["live"]["peak_kv_occupancy_ratio"] == 0.5
+    kv = report["run"]["kv_occupancy"]
+    assert kv["measured"] is True
+    assert kv["peak"] == 0.5
+    assert kv["samples"] >= 2
+    assert kv["source"] == f"{url}/metrics {KV_GAUGE}"
+    assert kv["sample_interval_ms"] == 10
+    code, stdout, stderr = await _loadgen_cli(*args)
+    assert code == 0, stderr
+    lines = stdout.splitlines()
+    assert lines[1].startswith("KV occupancy: ")
+    assert lines[3].endswith("; peak admitted KV 0.5000")
+
+
+async def test_cli_admin_without_the_gauge_leaves_kv_unmeasured(stub_server: StubFactory) -> None:
+    _, url = await stub_server(tenants_by_key=by_tenant(LESSON_KEYS))  # /metrics has no gauge
+    args = ["--target", url, "--admin", url, "--scenario", "noisy-neighbor"]
+    args += ["--time-scale", "0.001", "--format", "json"]
+    args += [f"--key={tenant}={key}" for tenant, key in LESSON_KEYS.items()]
+    code, stdout, stderr = await _loadgen_cli(*args)
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert report["comparison"]["live"]["peak_kv_occupancy_ratio"] is None
+    assert report["run"]["kv_occupancy"]["measured"] is False
+    assert "KV occupancy sampling stopped" in stderr
+    assert f"no {KV_GAUGE} sample" in stderr
+
+
+async def test_cli_progress_bar_on_a_terminal_only(stub_server: StubFactory) -> None:
+    _, url = await stub_server(tenants_by_key=by_tenant(LESSON_KEYS))
+    args = ["-m", "tokenfair_sidecar.cli", "loadgen", "--target", url]
+    args += ["--scenario", "noisy-neighbor", "--time-scale", "0.001", "--format", "json"]
+    args += [f"--key={tenant}={key}" for tenant, key in LESSON_KEYS.items()]
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            *args,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=slave,
+            env={k: v for k, v in os.environ.items() if k not in ("CI", "TQDM_DISABLE")},
+        )
+        os.close(slave)
+        slave = -1
+        stdout, _ = await asyncio.wait_for(process.communicate(), timeout=60)
+        os.set_blocking(master, False)
+        terminal = b""
+        with contextlib.suppress(OSError):  # EIO / EAGAIN: all read
+            while chunk := os.read(master, 65536):
+                terminal += chunk
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+    assert process.returncode == 0, terminal
+    assert json.loads(stdout)["comparison"]["live"]["total_requests"] == 60
+    assert b"loadgen" in terminal
+    assert b"/60" in terminal
+    # On a pipe, nothing on stderr.
+    code, _, stderr = await _loadgen_cli(*args[3:])
+    assert code == 0
+    assert stderr == ""
 
 
 def _trace(tmp_path: Path) -> Path:
@@ -430,6 +582,8 @@ def _trace(tmp_path: Path) -> Path:
         (["--keys", "/nonexistent/keys.yaml"], "--keys"),
         (["--target", "ftp://127.0.0.1:1"], "--target"),
         (["--decode-weight", "-4"], "--decode-weight"),
+        (["--admin", "127.0.0.1:9090"], "--admin"),
+        (["--kv-sample-ms", "0"], "--kv-sample-ms"),
     ],
 )
 def test_bad_flags_exit_2_naming_the_flag(
@@ -535,6 +689,7 @@ async def test_noisy_neighbor_through_a_live_sidecar(tmp_path: Path) -> None:
         args = ["--target", f"http://{listen}", "--scenario", "noisy-neighbor", "--stream"]
         for tenant, key in LESSON_KEYS.items():
             args += ["--key", f"{tenant}={key}"]
+        args += ["--admin", f"http://127.0.0.1:{admin_port}"]
         loadgen = await _tokenfair(
             "loadgen", *args, "--time-scale", str(E2E_TIME_SCALE), "--format", "json"
         )
@@ -549,7 +704,11 @@ async def test_noisy_neighbor_through_a_live_sidecar(tmp_path: Path) -> None:
             sidecar.kill()
             await sidecar.wait()
             raise
-    live = json.loads(stdout)["comparison"]["live"]
+    report = json.loads(stdout)
+    live = report["comparison"]["live"]
+    # The sidecar's own KV gauge, sampled during the run: batch work held KV at some sample.
+    assert report["run"]["kv_occupancy"]["measured"] is True, report["run"]
+    assert 0 < live["peak_kv_occupancy_ratio"] <= 1
     tenants_report = live["tenants"]
     # The scenario's counts: 24 chat + 18 ide interactive requests, 18 batch ones.
     for tenant_id, submitted in (("tenant_chat_pro", 24), ("tenant_ide_assist", 18)):

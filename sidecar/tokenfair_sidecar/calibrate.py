@@ -57,7 +57,7 @@ import json
 import math
 import statistics
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Final
@@ -179,13 +179,17 @@ class Outcome:
     send_lag_ms: float | None = None
 
 
-def read_outcomes(path: str | Path) -> dict[str, Outcome]:
+def read_outcomes(
+    path: str | Path, tap: Callable[[Iterable[str]], Iterable[str]] | None = None
+) -> dict[str, Outcome]:
     """``queue_wait_ms``, ``status_code`` and ``observed.send_lag_ms`` by request id, for the
     records that carry any, from a trace already validated by ``read_trace`` (which drops
-    outcome fields)."""
+    outcome fields). ``tap`` wraps the file's lines as they are read (the CLI's progress bar
+    counts them there)."""
     outcomes: dict[str, Outcome] = {}
     with Path(path).open(encoding="utf-8") as handle:
-        for line in handle:
+        lines: Iterable[str] = handle if tap is None else tap(handle)
+        for line in lines:
             if not line.strip():
                 continue
             data = json.loads(line)

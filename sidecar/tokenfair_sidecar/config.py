@@ -517,6 +517,40 @@ def loads_config(text: str, source: str = "<config>") -> Config:
     return parse_documents(load_documents(text, source), source)
 
 
+SIDECAR_SECTION: Final = "sidecar"
+"""The ``TokenfairConfig`` section of the sidecar's runtime settings (listeners, backend, ...),
+read by ``tokenfair_sidecar.server.settings``, not part of the policy contract."""
+
+
+def load_tenants_file(path: str | Path) -> Config:
+    """The policy and tenants of a config file as the CLI's ``--tenants`` reads it: the file a
+    sidecar runs with, as it is (UTF-8 or gzip, YAML or JSON, like the sidecar's loader). The
+    ``sidecar:`` section of a ``TokenfairConfig`` document is accepted (it must be a mapping) and
+    ignored: a replay has no listeners or backend. Everything else follows
+    :func:`parse_documents`' rules, unknown fields included."""
+    source = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read ({exc.strerror})") from None
+    documents = load_documents(document_text(data, source), source)
+    return parse_documents([_without_sidecar_section(d, source) for d in documents], source)
+
+
+def _without_sidecar_section(document: object, source: str) -> object:
+    if not isinstance(document, dict) or document.get("kind") != CONFIG_KIND:
+        return document
+    if SIDECAR_SECTION not in document:
+        return document
+    stripped = dict(document)
+    section = stripped.pop(SIDECAR_SECTION)
+    if section is not None and not isinstance(section, dict):
+        raise ConfigError(
+            f"{source}: {SIDECAR_SECTION}: must be a mapping (got {type(section).__name__})"
+        )
+    return stripped
+
+
 GZIP_MAGIC: Final = b"\x1f\x8b"
 MAX_DOCUMENT_BYTES: Final = 16 * 1024 * 1024
 """Largest config document after decompression (16 MiB, about 75,000 tenants; the operator

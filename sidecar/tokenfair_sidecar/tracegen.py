@@ -58,7 +58,7 @@ import heapq
 import itertools
 import math
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -268,12 +268,18 @@ def tenant_requests(tenant: TenantWorkload, spec: WorkloadSpec) -> Iterator[Requ
         )
 
 
-def generate(spec: WorkloadSpec) -> list[Request]:
-    """All tenants' requests merged in ``(arrival_ms, request_id)`` order, bounded by the spec."""
+def generate(
+    spec: WorkloadSpec,
+    tap: Callable[[Iterable[Request]], Iterable[Request]] | None = None,
+) -> list[Request]:
+    """All tenants' requests merged in ``(arrival_ms, request_id)`` order, bounded by the spec.
+    ``tap`` wraps the stream as it is drawn (the CLI's progress bar counts it there)."""
     streams = [tenant_requests(t, spec) for t in spec.tenants]
     merged: Iterable[Request] = heapq.merge(*streams, key=lambda r: (r.arrival_ms, r.request_id))
     if spec.max_requests is not None:
         merged = itertools.islice(merged, spec.max_requests)
+    if tap is not None:
+        merged = tap(merged)
     requests = list(merged)
     if not requests:
         raise WorkloadError(

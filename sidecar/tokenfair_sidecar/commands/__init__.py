@@ -9,9 +9,12 @@ the modules a real ``tokenfair simulate`` run loads.
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import sys
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 
 class Command(NamedTuple):
@@ -46,3 +49,42 @@ COMMANDS: Final[dict[str, Command]] = {
 def load(name: str) -> ModuleType:
     """Import the module of subcommand ``name`` (a key of :data:`COMMANDS`)."""
     return importlib.import_module(f"{__name__}.{COMMANDS[name].module}")
+
+
+FORMATS: Final = ("table", "json")
+"""Every subcommand's ``--format`` vocabulary."""
+DEPRECATED_FORMATS: Final = {"text": "table"}
+"""Old spellings still accepted (with a warning on stderr), so scripts keep working."""
+
+
+class _FormatAction(argparse.Action):
+    """Stores the format, turning a deprecated spelling into its name with a warning."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        value = str(values)
+        if value in DEPRECATED_FORMATS:
+            value = DEPRECATED_FORMATS[value]
+            print(
+                f"{parser.prog}: warning: --format {values} is deprecated; use --format {value}",
+                file=sys.stderr,
+            )
+        setattr(namespace, self.dest, value)
+
+
+def add_format_flag(parser: argparse.ArgumentParser, table: str = "fixed-width tables") -> None:
+    """``--format table|json`` (default table); ``text`` is a deprecated alias of ``table``."""
+    parser.add_argument(
+        "--format",
+        action=_FormatAction,
+        choices=(*FORMATS, *DEPRECATED_FORMATS),
+        default="table",
+        metavar="{" + ",".join(FORMATS) + "}",
+        help=f"table: {table} (default); json: one JSON document. "
+        f"{', '.join(DEPRECATED_FORMATS)}: deprecated alias of table",
+    )

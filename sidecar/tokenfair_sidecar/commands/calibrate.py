@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tokenfair_sidecar import progress
 from tokenfair_sidecar.calibrate import (
     DEFAULT_MAX_RELATIVE_STDERR,
     DEFAULT_MIN_RECORDS,
@@ -22,7 +23,8 @@ from tokenfair_sidecar.calibrate import (
     calibrate,
     read_outcomes,
 )
-from tokenfair_sidecar.records import read_trace
+from tokenfair_sidecar.commands import add_format_flag
+from tokenfair_sidecar.records import TraceError, TraceRecord, iter_trace_lines
 
 
 def register(subparsers: Any) -> None:
@@ -64,8 +66,28 @@ def register(subparsers: Any) -> None:
         help="shortest prefill of the model (prefillFloorMs); TTFTs it may explain are left out "
         f"of the prefill-speed fit (default {DEFAULT_PREFILL_FLOOR_MS:g})",
     )
-    parser.add_argument("--format", choices=("text", "json"), default="text")
+    add_format_flag(parser, table="the fit, its quality and the --set flags")
+    progress.add_flag(parser)
     parser.set_defaults(func=run)
+
+
+def _line_count(path: Path) -> int | None:
+    """Lines of ``path`` (the bar's total; blank lines included), or None if unreadable (the
+    reader then says why)."""
+    try:
+        with path.open("rb") as handle:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 20), b""))
+    except OSError:
+        return None
+
+
+def read_records(path: Path, bar: progress.Bar) -> list[TraceRecord]:
+    """``records.read_trace``, counting the records on ``bar``."""
+    lines = bar.iterate(iter_trace_lines(path))
+    records = [TraceRecord.from_line(line) for line in lines]
+    if not records:
+        raise TraceError(f"{path}: no records")
+    return records
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,15 +97,23 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-relative-stderr: must be > 0 (got {args.max_relative_stderr})")
     if not 0 <= args.prefill_floor_ms < float("inf"):
         raise ValueError(f"--prefill-floor-ms: must be >= 0 (got {args.prefill_floor_ms})")
-    records = read_trace(args.records)
+    # The bar counts the file's lines over its two passes (the records, then their outcomes),
+    # then says "fitting" while the fit runs; it is cleared before anything is printed.
     try:
-        result = calibrate(
-            records,
-            read_outcomes(args.records),
-            min_records=args.min_records,
-            max_relative_stderr=args.max_relative_stderr,
-            prefill_floor_ms=args.prefill_floor_ms,
-        )
+        with progress.bar(args, "calibrate", unit="line") as bar:
+            if bar.shown:
+                lines = _line_count(args.records)
+                bar.set_total(None if lines is None else 2 * lines)
+            records = read_records(args.records, bar)
+            outcomes = read_outcomes(args.records, bar.iterate)
+            bar.note("fitting", refresh=True)
+            result = calibrate(
+                records,
+                outcomes,
+                min_records=args.min_records,
+                max_relative_stderr=args.max_relative_stderr,
+                prefill_floor_ms=args.prefill_floor_ms,
+            )
     except CalibrationError as exc:
         print(f"tokenfair calibrate: cannot calibrate: {exc}", file=sys.stderr)
         return 1
@@ -91,11 +121,11 @@ def run(args: argparse.Namespace) -> int:
         json.dump(result.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(format_text(result))
+        sys.stdout.write(format_table(result))
     return 0
 
 
-def format_text(result: Calibration) -> str:
+def format_table(result: Calibration) -> str:
     service = result.service
     skipped = ", ".join(f"{count} {reason}" for reason, count in result.skipped.items())
     lines = [

@@ -7,6 +7,11 @@ Defaults: ``--time-scale 1``, ``--concurrency-limit 256``, ``--request-timeout 3
 ``--timeout`` = the scaled span of the workload + ``--request-timeout`` + 5 s (by then every
 request has either finished or timed out), ``--decode-weight`` the scenario's (4 for traces).
 
+KV occupancy: with ``--admin URL`` (the sidecar's admin listener) the sidecar's
+``tokenfair_kv_occupancy_ratio`` gauge is sampled every ``--kv-sample-ms`` and the report's
+``peak_kv_occupancy_ratio`` is the largest sample (a lower bound of the peak); without it the
+figure is not measured and the report says so (``null`` in JSON).
+
 Exit codes: 0 when every request got an outcome within ``--timeout``; 1 when the run's timeout
 cut it short or a connection failed (the report is still printed, the first connection error goes
 to stderr); 2 for a bad flag or input (the message names it).
@@ -25,10 +30,13 @@ from typing import Any, Final
 
 import yaml
 
+from tokenfair_sidecar import progress
+from tokenfair_sidecar.commands import add_format_flag
 from tokenfair_sidecar.commands.simulate import EXPERIMENT, format_table
 from tokenfair_sidecar.config import PolicyConfig
 from tokenfair_sidecar.core import Request
 from tokenfair_sidecar.loadgen import (
+    KV_GAUGE,
     LoadgenSettings,
     ReplayResult,
     record_json,
@@ -76,7 +84,7 @@ def register(subparsers: Any) -> None:
         help="wall time per unit of trace time (default 1; 0.1 = ten times faster)",
     )
     parser.add_argument("--stream", action="store_true", help="stream (TTFT = first SSE chunk)")
-    parser.add_argument("--format", choices=("table", "json"), default="table")
+    add_format_flag(parser)
     parser.add_argument("--records", type=Path, help="write one record per request (JSONL)")
     parser.add_argument(
         "--concurrency-limit", type=int, default=256, help="most requests in flight (default 256)"
@@ -96,6 +104,21 @@ def register(subparsers: Any) -> None:
         help="service tokens per decoded token, for the report (default: the scenario's, or 4)",
     )
     parser.add_argument("--model", default="tokenfair", help="`model` of every request body")
+    parser.add_argument(
+        "--admin",
+        metavar="URL",
+        help="the sidecar's admin listener, e.g. http://127.0.0.1:9090: its /metrics KV gauge "
+        "is sampled during the run for the report's peak KV occupancy (without it, KV is not "
+        "measured live)",
+    )
+    parser.add_argument(
+        "--kv-sample-ms",
+        type=float,
+        default=50.0,
+        metavar="MS",
+        help="wall ms between two samples of the KV gauge (default 50; with --admin)",
+    )
+    progress.add_flag(parser)
     parser.set_defaults(func=run)
 
 
@@ -161,6 +184,12 @@ def settings_from(
             )
     if args.decode_weight is not None:
         decode_weight = _positive("--decode-weight", args.decode_weight)
+    admin = args.admin
+    if admin is not None and (
+        not admin.startswith(("http://", "https://")) or len(admin.split("://", 1)[1]) == 0
+    ):
+        raise ValueError(f"--admin: must be an http:// or https:// URL (got {admin!r})")
+    kv_sample_s = _positive("--kv-sample-ms", args.kv_sample_ms) / 1000.0
     return LoadgenSettings(
         target_url=target,
         time_scale=time_scale,
@@ -170,6 +199,8 @@ def settings_from(
         request_timeout_s=request_timeout_s,
         model=args.model,
         decode_weight=decode_weight,
+        admin_url=admin,
+        kv_sample_s=kv_sample_s,
     )
 
 
@@ -177,18 +208,38 @@ def build_report(result: ReplayResult) -> dict[str, Any]:
     """``simulate``'s report (``experiment``, ``decode_weight``, ``comparison``) plus ``run``."""
     settings = result.settings
     decisions = [to_decision(o, settings) for o in result.observations]
+    summary = summarize(decisions)
+    # The client sees no KV: the figure is the sidecar's sampled gauge, or not measured (null).
+    kv = result.kv
+    summary["peak_kv_occupancy_ratio"] = (
+        None if kv is None or kv.peak is None else round(kv.peak, 4)
+    )
+    run_info: dict[str, Any] = {
+        "target": settings.target_url,
+        "time_scale": settings.time_scale,
+        "stream": settings.stream,
+        "ttft_clock": "model ms (wall ms / time_scale)",
+        "wall_seconds": round(result.wall_s, 3),
+        "completed": result.completed,
+    }
+    metrics_url = settings.metrics_url
+    run_info["kv_occupancy"] = (
+        {"measured": False}
+        if kv is None or metrics_url is None
+        else {
+            "measured": kv.peak is not None,
+            "source": f"{metrics_url} {KV_GAUGE}",
+            "sample_interval_ms": round(settings.kv_sample_s * 1000.0, 3),
+            "samples": kv.samples,
+            "peak": None if kv.peak is None else round(kv.peak, 4),
+            **({"error": kv.error} if kv.error else {}),
+        }
+    )
     return {
         "experiment": EXPERIMENT,
         "decode_weight": settings.decode_weight,
-        "comparison": {RUN_LABEL: summarize(decisions)},
-        "run": {
-            "target": settings.target_url,
-            "time_scale": settings.time_scale,
-            "stream": settings.stream,
-            "ttft_clock": "model ms (wall ms / time_scale)",
-            "wall_seconds": round(result.wall_s, 3),
-            "completed": result.completed,
-        },
+        "comparison": {RUN_LABEL: summary},
+        "run": run_info,
     }
 
 
@@ -214,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
             "(give --key TENANT=KEY or a --keys file)"
         )
     settings = settings_from(args, requests, decode_weight)
-    result = asyncio.run(replay(requests, keys, settings))
+    with progress.bar(args, "loadgen", total=len(requests)) as bar:
+        result = asyncio.run(replay(requests, keys, settings, bar.update if bar.shown else None))
     report = build_report(result)
     if args.records:
         write_records(args.records, result)
@@ -229,7 +281,19 @@ def run(args: argparse.Namespace) -> int:
             f"{'streaming' if settings.stream else 'not streaming'}; "
             "TTFT in model ms (wall ms / time scale)\n"
         )
+        kv_info = run_info["kv_occupancy"]
+        if kv_info.get("samples"):
+            sys.stdout.write(
+                f"KV occupancy: {kv_info['samples']} samples of {kv_info['source']} every "
+                f"{kv_info['sample_interval_ms']:g} ms; the peak is the largest sample (a lower "
+                "bound)\n"
+            )
         sys.stdout.write(format_table(report["comparison"]))
+    if result.kv is not None and result.kv.error:
+        print(
+            f"tokenfair loadgen: KV occupancy sampling stopped: {result.kv.error}",
+            file=sys.stderr,
+        )
     failed = [o for o in result.observations if o.error]
     if failed:
         print(

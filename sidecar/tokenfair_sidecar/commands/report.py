@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tokenfair_sidecar.config import Config, PolicyConfig
+from tokenfair_sidecar.commands import add_format_flag
+from tokenfair_sidecar.config import Config, PolicyConfig, load_tenants_file
 from tokenfair_sidecar.fairness import fairness_report, fairness_to_json, format_fairness
 from tokenfair_sidecar.records import read_decisions
 
@@ -48,12 +49,13 @@ def register(subparsers: Any) -> None:
         "weight 1 and the lane of its records, and utilisation is measured against the "
         f"default serviceTokensPerMs ({DEFAULT_RATE:g})",
     )
-    parser.add_argument("--format", choices=("table", "json"), default="table")
+    add_format_flag(parser)
     parser.add_argument(
         "--plot",
         type=Path,
         metavar="FILE.png",
-        help="write a PNG of TTFT, admitted service and served vs fair share per tenant",
+        help="write a PNG of TTFT, admitted and refused service and served vs fair share per "
+        "tenant, one column per policy",
     )
     parser.add_argument(
         "--window",
@@ -83,10 +85,7 @@ def parse_window(text: str) -> tuple[float, float]:
 def load_tenants(path: Path) -> Config:
     """The policy and tenants of a config file, including the sidecar's own (its ``sidecar:``
     section is accepted and ignored): the file a live sidecar that wrote the records ran with."""
-    # Imported here: the server package pulls in aiohttp, which nothing else here needs.
-    from tokenfair_sidecar.server.settings import load_sidecar_file
-
-    return load_sidecar_file(path).config
+    return load_tenants_file(path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,7 +99,13 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from tokenfair_sidecar.plot import plot_report  # matplotlib is an optional extra
 
-        plot_report(results, args.plot, fairness)
+        count = sum(len(decisions) for decisions in results.values())
+        plot_report(
+            results,
+            args.plot,
+            fairness,
+            title=f"tokenfair report {args.records.name}: {count} records",
+        )
     if args.format == "json":
         document = {
             "records": str(args.records),

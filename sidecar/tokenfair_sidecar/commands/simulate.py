@@ -9,7 +9,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from tokenfair_sidecar.config import Config, apply_overrides, load_config
+from tokenfair_sidecar import progress
+from tokenfair_sidecar.commands import add_format_flag
+from tokenfair_sidecar.config import Config, apply_overrides, load_tenants_file
 from tokenfair_sidecar.core import DEFAULT_POLICY, LESSON_POLICIES, POLICIES, Decision
 from tokenfair_sidecar.costmodel import CostModel
 from tokenfair_sidecar.fairness import (
@@ -53,7 +55,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--tenants",
         type=Path,
-        help="YAML with TenantQuota manifests and/or a SchedulingPolicy or a TokenfairConfig",
+        help="YAML with TenantQuota manifests and/or a SchedulingPolicy or a TokenfairConfig: "
+        "the sidecar's own config file as it is (its sidecar: section is ignored)",
     )
     parser.add_argument(
         "--policy",
@@ -72,12 +75,14 @@ def register(subparsers: Any) -> None:
         "(tenants.tenant_batch_rag.weight=2); repeatable",
     )
     parser.add_argument("--records", type=Path, help="write every decision record here (JSONL)")
-    parser.add_argument("--format", choices=("table", "json"), default="table")
+    add_format_flag(parser)
     parser.add_argument(
         "--plot",
         type=Path,
-        help="write a PNG of TTFT, admitted service and served vs fair share per tenant",
+        help="write a PNG of TTFT, admitted and refused service and served vs fair share per "
+        "tenant, one column per policy",
     )
+    progress.add_flag(parser)
     parser.set_defaults(func=run)
 
 
@@ -100,17 +105,20 @@ def _arrival(cost: CostModel, record: TraceRecord) -> Arrival:
     return (record.request, cost.service_tokens(*used), cost.kv_blocks(*used))
 
 
-def _in_memory(arrivals: list[Arrival]) -> tuple[Callable[[], Iterable[Arrival]], Window]:
+def _in_memory(
+    arrivals: list[Arrival],
+) -> tuple[Callable[[], Iterable[Arrival]], Window, int]:
     arrivals.sort(key=lambda a: (a[0].arrival_ms, a[0].request_id))
     times = [a[0].arrival_ms for a in arrivals]
-    return (lambda: arrivals), _window(min(times), max(times))
+    return (lambda: arrivals), _window(min(times), max(times)), len(arrivals)
 
 
 def _trace_source(
     path: Path, config: Config, overrides: list[str]
-) -> tuple[Config, Callable[[], Iterable[Arrival]], Window]:
+) -> tuple[Config, Callable[[], Iterable[Arrival]], Window, int]:
     """Validate the trace in one pass, then stream it once per policy (or, when its lines are
-    not in ``(arrival_ms, request_id)`` order, hold it sorted in memory)."""
+    not in ``(arrival_ms, request_id)`` order, hold it sorted in memory). Also returns the
+    number of requests."""
     scan = scan_trace(path, known_tenants=config.tenant_index)
     # Recorded usage is priced by the (possibly overridden) policy's cost model.
     config = apply_overrides(config, overrides)
@@ -123,8 +131,13 @@ def _trace_source(
         return (config, *_in_memory([_arrival(cost, r) for r in records()]))
     window = _window(scan.first_arrival_ms, scan.last_arrival_ms)
     if scan.observed_usage:
-        return config, lambda: (_arrival(cost, r) for r in records()), window
-    return config, lambda: ((r, None, None) for r in stream_requests(path)), window
+        return config, lambda: (_arrival(cost, r) for r in records()), window, scan.records
+    return (
+        config,
+        lambda: ((r, None, None) for r in stream_requests(path)),
+        window,
+        scan.records,
+    )
 
 
 def _replay_policy(
@@ -134,13 +147,18 @@ def _replay_policy(
     window: Window,
     records: BinaryIO | None,
     kept: list[Decision] | None,
+    bar: progress.Bar | None = None,
 ) -> tuple[dict[str, Any], FairnessReport]:
     """One policy's replay, folded as it goes: its summary, its fairness; each decision written
-    to ``records`` and appended to ``kept`` when given, else dropped once counted."""
+    to ``records`` and appended to ``kept`` when given, else dropped once counted. A shown
+    ``bar`` counts the decisions (every ``progress.UPDATE_EVERY``); a hidden one costs nothing."""
     summary = SummaryTally()
     fairness = FairnessTally(config, window)
     add_summary, add_fairness = summary.add, fairness.add
-    for decision, actual in replay(config, arrivals, policy):
+    decisions: Iterable[tuple[Decision, int | None]] = replay(config, arrivals, policy)
+    if bar is not None:
+        decisions = bar.iterate(decisions)
+    for decision, actual in decisions:
         add_summary(decision)
         add_fairness(decision, decision_size(decision, actual))
         if records is not None:
@@ -153,18 +171,20 @@ def _replay_policy(
 def run(args: argparse.Namespace) -> int:
     if args.scenario:
         if args.tenants:
-            config = load_config(args.tenants)
+            config = load_tenants_file(args.tenants)
             _, requests = SCENARIOS[args.scenario]()
         else:
             config, requests = SCENARIOS[args.scenario]()
         config = apply_overrides(config, args.overrides)
-        arrivals, window = _in_memory(_unique([(r, None, None) for r in requests]))
+        arrivals, window, count = _in_memory(_unique([(r, None, None) for r in requests]))
+        source = f"--scenario {args.scenario}"
     else:
         if not args.tenants:
             raise ValueError("--trace needs --tenants FILE.yaml (the quotas to replay against)")
-        config, arrivals, window = _trace_source(
-            args.trace, load_config(args.tenants), args.overrides
+        config, arrivals, window, count = _trace_source(
+            args.trace, load_tenants_file(args.tenants), args.overrides
         )
+        source = f"--trace {args.trace.name}"
     policies = args.policy or [*LESSON_POLICIES, DEFAULT_POLICY]
     comparison: dict[str, dict[str, Any]] = {}
     fairness: dict[str, FairnessReport] = {}
@@ -175,11 +195,13 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:  # opened before the replays, so a bad path costs nothing
         raise ValueError(f"--records {args.records}: cannot write ({exc.strerror})") from None
     try:
-        for name in policies:
+        for number, name in enumerate(policies, start=1):
             kept = None if results is None else results.setdefault(name, [])
-            comparison[name], fairness[name] = _replay_policy(
-                config, arrivals(), name, window, records, kept
-            )
+            label = f"simulate {name} ({number}/{len(policies)})"
+            with progress.bar(args, label, total=count) as bar:
+                comparison[name], fairness[name] = _replay_policy(
+                    config, arrivals(), name, window, records, kept, bar
+                )
     finally:
         if records is not None:
             records.close()
@@ -192,7 +214,9 @@ def run(args: argparse.Namespace) -> int:
     if results is not None:
         from tokenfair_sidecar.plot import plot_report  # matplotlib is an optional extra
 
-        plot_report(results, args.plot, fairness)
+        plot_report(
+            results, args.plot, fairness, title=f"tokenfair simulate {source}: {count} requests"
+        )
     if args.format == "json":
         json.dump(report, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -218,11 +242,16 @@ def format_table(
             f"{name}: admitted {summary['admitted_requests']}/{summary['total_requests']}, "
             f"shed {summary['shed_429_requests']} {summary['shed_reasons'] or ''}".rstrip()
         )
+        peak_kv = summary["peak_kv_occupancy_ratio"]  # None: not measured (a live run)
         lines.append(
             f"  interactive TTFT p50 {summary['interactive_p50_ttft_ms']:.2f} ms, "
             f"p99 {summary['interactive_p99_ttft_ms']:.2f} ms; batch TTFT p99 "
-            f"{summary['batch_p99_ttft_ms']:.2f} ms; peak admitted KV "
-            f"{summary['peak_kv_occupancy_ratio']:.4f}"
+            f"{summary['batch_p99_ttft_ms']:.2f} ms; "
+            + (
+                "peak admitted KV not measured live"
+                if peak_kv is None
+                else f"peak admitted KV {peak_kv:.4f}"
+            )
         )
         lines.append(
             f"  {'tenant':<22}{'submitted':>10}{'admitted':>10}{'shed':>6}"

@@ -9,7 +9,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tokenfair_sidecar.config import Config, apply_overrides, load_config
+from tokenfair_sidecar import progress
+from tokenfair_sidecar.config import Config, apply_overrides, load_tenants_file
 from tokenfair_sidecar.costmodel import CostModel
 from tokenfair_sidecar.records import TraceRecord, dump_trace
 from tokenfair_sidecar.scenarios import lesson_config
@@ -91,7 +92,8 @@ def register(subparsers: Any) -> None:
         type=Path,
         metavar="FILE.yaml",
         help="TenantQuota manifests / TokenfairConfig giving the tenants and their priority "
-        "classes (default: the lesson's tenant_chat_pro, tenant_ide_assist, tenant_batch_rag)",
+        "classes, the sidecar's config file as it is (default: the lesson's tenant_chat_pro, "
+        "tenant_ide_assist, tenant_batch_rag)",
     )
     parser.add_argument(
         "--duration-ms",
@@ -196,6 +198,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--out", type=Path, metavar="FILE", help="write the records here (default: stdout)"
     )
+    progress.add_flag(parser)
     parser.set_defaults(func=run)
 
 
@@ -203,22 +206,25 @@ def run(args: argparse.Namespace) -> int:
     if not args.observe and (args.overrides or args.noise is not None):
         flag = "--set" if args.overrides else "--noise"
         raise WorkloadError(f"{flag}: only applies with --observe")
-    config = load_config(args.tenants) if args.tenants else lesson_config()
+    config = load_tenants_file(args.tenants) if args.tenants else lesson_config()
     cost = CostModel.from_policy(apply_overrides(config, args.overrides).policy)
-    requests = generate(build_spec(config, args))
+    spec = build_spec(config, args)
+    with progress.bar(args, "trace generate", total=spec.max_requests) as bar:
+        requests = generate(spec, bar.iterate)
     if args.observe:
         noise = DEFAULT_NOISE_FRACTION if args.noise is None else args.noise
         records = observe(requests, cost, noise, args.seed)
     else:
         records = [TraceRecord(r) for r in requests]
-    if args.out is None:
-        dump_trace(sys.stdout, records)
-        return 0
-    try:
-        with args.out.open("w", encoding="utf-8") as handle:
-            dump_trace(handle, records)
-    except OSError as exc:
-        raise WorkloadError(f"--out {args.out}: cannot write ({exc.strerror})") from None
+    with progress.bar(args, "trace write", total=len(records)) as bar:
+        if args.out is None:
+            dump_trace(sys.stdout, bar.iterate(records))
+            return 0
+        try:
+            with args.out.open("w", encoding="utf-8") as handle:
+                dump_trace(handle, bar.iterate(records))
+        except OSError as exc:
+            raise WorkloadError(f"--out {args.out}: cannot write ({exc.strerror})") from None
     return 0
 
 
