@@ -3,8 +3,10 @@
 Behaviours: API-key authentication (401 without/with an unknown key, trusted tenant header only
 when enabled), lowering the class by header (never raising it), OpenAI-compatible answers with
 usage and SSE streaming, bad input (malformed JSON, oversized body, invalid max_tokens, unknown
-route) never leaking a reservation, refusals as 429 with the gate's reason, a Retry-After derived
-from the gate and rate-limit headers in service tokens, queue expiry, a client leaving the queue,
+route) never leaking a reservation, refusals as 429 in OpenAI's shape (``code:
+rate_limit_exceeded``) with the gate's reason in ``tokenfair_reason``, a Retry-After and a
+retry-after-ms derived from the gate, rate-limit headers in usage tokens (converted with the
+request's own mix) beside the exact service-token view, queue expiry, a client leaving the queue,
 the admin endpoints and per-app metrics (queue wait per tenant and lane); the
 ``x-tokenfair-queue-wait-ms`` header (the recorded queue wait in wall ms, on served answers and
 on expiry 429s) and request ids that end in a valid client ``x-request-id`` yet stay unique when
@@ -47,6 +49,15 @@ CHAT_BODY = {
 def error_code(payload: dict[str, Any]) -> str:
     code: str = payload["error"]["code"]
     return code
+
+
+def refusal_reason(payload: dict[str, Any]) -> str:
+    """A 429's gate reason: OpenAI's ``code`` is ``rate_limit_exceeded``, ours is beside it."""
+    error = payload["error"]
+    assert (error["code"], error["param"]) == ("rate_limit_exceeded", None)
+    reason: str = error["tokenfair_reason"]
+    assert error["type"] == ("tokens" if reason == "shed_tenant_token_quota" else "requests")
+    return reason
 
 
 async def test_unauthenticated_requests_get_401_and_valid_keys_are_served(
@@ -208,13 +219,24 @@ async def test_budget_refusal_derives_retry_after_and_ratelimit_headers(
     assert first.status == 200
     second = await proxy.post("/v1/completions", json=body, headers={"Authorization": CHAT})
     assert second.status == 429
-    assert error_code(await second.json()) == "shed_tenant_token_quota"
+    assert refusal_reason(await second.json()) == "shed_tenant_token_quota"
     # After the first dispatch the bucket held 5000 - 4000 = 1000 and refills 1 token/ms; e ms
     # later the second needs (4000 - 1000 - e) ms of refill, minus the 420 ms it may wait:
-    # retry = 2580 - e ms, so Retry-After = 3 s for any e below 580 ms (the first ran ~98 ms).
+    # retry = 2580 - e ms, so Retry-After = 3 s for any e below 580 ms (the first ran ~98 ms),
+    # and retry-after-ms is the same wait to the millisecond (ceil).
     assert second.headers["Retry-After"] == "3"
-    assert second.headers["x-ratelimit-limit-tokens"] == "5000"
-    assert 1000 <= int(second.headers["x-ratelimit-remaining-tokens"]) < 1580
+    assert 2000 < int(second.headers["retry-after-ms"]) <= 2580
+    # The exact bucket in service tokens: burst 5000, level 1000 + e.
+    assert second.headers["x-tokenfair-ratelimit-limit-service-tokens"] == "5000"
+    remaining = int(second.headers["x-tokenfair-ratelimit-remaining-service-tokens"])
+    assert 1000 <= remaining < 1580
+    # OpenAI's names in usage tokens, with this request's mix: (1000 + 750) / 4000 = 0.4375.
+    assert second.headers["x-ratelimit-limit-tokens"] == "2187"  # floor(5000 * 0.4375)
+    usage_remaining = int(second.headers["x-ratelimit-remaining-tokens"])
+    assert remaining * 1750 // 4000 <= usage_remaining <= (remaining + 1) * 1750 // 4000
+    reset = second.headers["x-tokenfair-ratelimit-reset-service-tokens"]
+    assert second.headers["x-ratelimit-reset-tokens"] == reset
+    assert "RateLimit" not in second.headers  # the IETF fields are off by default
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
 
 
@@ -261,7 +283,7 @@ async def test_queue_full_expiry_and_cancellation(aiohttp_client: ClientFactory)
         "/v1/completions", json=completion_body(10, 10), headers={"Authorization": CHAT}
     )
     assert full.status == 429
-    assert error_code(await full.json()) == "queue_full"
+    assert refusal_reason(await full.json()) == "queue_full"
     # The queued client goes away: it leaves the queue and its reservation with it.
     queued.cancel()
     assert await wait_for(lambda: sidecar.scheduler.books().queued_requests == 0)
@@ -299,7 +321,7 @@ async def test_queued_request_past_its_wait_limit_gets_429(aiohttp_client: Clien
     sidecar.apply_config(LoadedFile(build_config(policy, shrunk, "test-2"), {}, "2"))
     answer = await late
     assert answer.status == 429
-    assert error_code(await answer.json()) == "shed_queue_timeout"
+    assert refusal_reason(await answer.json()) == "shed_queue_timeout"
     assert float(answer.headers["x-tokenfair-queue-wait-ms"]) >= 1000.0
     assert (await long).status == 200
     assert await books_when_settled(sidecar) == ZERO_BOOKS

@@ -14,7 +14,8 @@ import asyncio
 from test_sidecar_support import ZERO_BOOKS, keyed_config
 
 from tokenfair_sidecar.core import Decision, Request, make_scheduler
-from tokenfair_sidecar.server.dispatcher import Dispatcher, ModelClock, Ticket
+from tokenfair_sidecar.server.dispatcher import Dispatcher, ModelClock
+from tokenfair_sidecar.server.lifecycle import Lifecycle, Phase
 
 
 class FakeClock(ModelClock):
@@ -39,24 +40,30 @@ def chat(request_id: str, at_ms: float = 0.0) -> Request:
     return Request(request_id, "tenant_chat_pro", at_ms, 280, 90, "interactive")
 
 
-def queued(outcome: Decision | Ticket) -> Ticket:
-    assert isinstance(outcome, Ticket), outcome
-    return outcome
+def waiter(lifecycle: Lifecycle) -> asyncio.Future[Decision]:
+    assert lifecycle.future is not None
+    return lifecycle.future
+
+
+def queued(lifecycle: Lifecycle) -> Lifecycle:
+    assert lifecycle.phase is not Phase.REFUSED, lifecycle.decision
+    assert lifecycle.future is not None
+    return lifecycle
 
 
 async def test_in_flight_limit_and_dispatch_on_completion() -> None:
     dispatcher, clock = make_dispatcher()
     first, second = queued(dispatcher.submit(chat("a"))), queued(dispatcher.submit(chat("b")))
-    assert first.future.done()
-    assert first.future.result().admitted
-    assert not second.future.done()
+    assert waiter(first).done()
+    assert waiter(first).result().admitted
+    assert not waiter(second).done()
     assert dispatcher.scheduler.books().queued_requests == 1
     clock.model_ms = 14.0
-    dispatcher.finish(first, 640, kv_hold_ms=0.0)
-    assert second.future.done()
-    assert second.future.result().admitted
-    assert second.future.result().queue_wait_ms == 14.0
-    dispatcher.finish(second, 600, kv_hold_ms=0.0)
+    dispatcher.settle(first, 640, kv_hold_ms=0.0)
+    assert waiter(second).done()
+    assert waiter(second).result().admitted
+    assert waiter(second).result().queue_wait_ms == 14.0
+    dispatcher.settle(second, 600, kv_hold_ms=0.0)
     assert dispatcher.scheduler.books() == ZERO_BOOKS
     # Settled to actual usage: 640 + 600.
     assert dispatcher.scheduler.tenants["tenant_chat_pro"].served_tokens == 1240
@@ -70,10 +77,11 @@ async def test_cancel_while_queued_refunds() -> None:
     await asyncio.sleep(0)
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    assert waiting.outcome is not None
-    assert waiting.outcome.reason == "cancelled"
+    assert waiting.phase is Phase.LEFT_QUEUE
+    assert waiting.decision is not None
+    assert waiting.decision.reason == "cancelled"
     assert dispatcher.scheduler.books().queued_requests == 0
-    dispatcher.finish(running, None, kv_hold_ms=0.0)
+    dispatcher.settle(running, None, kv_hold_ms=0.0)
     assert dispatcher.scheduler.books() == ZERO_BOOKS
 
 
@@ -84,10 +92,10 @@ async def test_cancelled_in_the_instant_of_dispatch_settles_at_zero() -> None:
     task = asyncio.create_task(dispatcher.wait(waiting))
     await asyncio.sleep(0)
     task.cancel()  # its future is cancelled now; its handler has not run yet
-    dispatcher.finish(running, 640, kv_hold_ms=0.0)  # ... and the pump dispatches it
+    dispatcher.settle(running, 640, kv_hold_ms=0.0)  # ... and the pump dispatches it
     await asyncio.gather(task, return_exceptions=True)
-    assert waiting.outcome is not None
-    assert (waiting.outcome.status_code, waiting.outcome.reason) == (499, "cancelled")
+    assert waiting.phase is Phase.SETTLED  # dispatched, then settled at zero
+    assert waiting.booked_service_tokens == 0
     assert dispatcher.scheduler.books() == ZERO_BOOKS
     # Only the first request's 640 tokens were served; the second settled at zero.
     assert dispatcher.scheduler.tenants["tenant_chat_pro"].served_tokens == 640
@@ -95,9 +103,9 @@ async def test_cancelled_in_the_instant_of_dispatch_settles_at_zero() -> None:
 
 async def test_kv_is_held_after_completion_then_released() -> None:
     dispatcher, _ = make_dispatcher()
-    ticket = queued(dispatcher.submit(chat("a")))
+    lifecycle = queued(dispatcher.submit(chat("a")))
     # Held 100 model ms after dispatch = 0.1 real ms at time_scale 0.001.
-    dispatcher.finish(ticket, None, kv_hold_ms=100.0)
+    dispatcher.settle(lifecycle, None, kv_hold_ms=100.0)
     assert dispatcher.scheduler.books().resident_kv_blocks == 24
     assert dispatcher.scheduler.books().running_requests == 0
     assert await dispatcher.wait_idle(1.0)
@@ -113,9 +121,9 @@ async def test_drain_answers_queued_waiters_and_close_releases_kv() -> None:
     running = queued(dispatcher.submit(chat("a")))
     waiters = [queued(dispatcher.submit(chat(f"q{i}"))) for i in range(3)]
     assert dispatcher.drain() == 3
-    assert all(w.drained and w.future.done() for w in waiters)
+    assert all(w.drained and w.future is not None and waiter(w).done() for w in waiters)
     assert dispatcher.scheduler.books().queued_requests == 0
-    dispatcher.finish(running, None, kv_hold_ms=1e9)  # would hold KV for ages
+    dispatcher.settle(running, None, kv_hold_ms=1e9)  # would hold KV for ages
     dispatcher.close()
     assert dispatcher.scheduler.books() == ZERO_BOOKS
 
@@ -131,9 +139,9 @@ async def test_served_requests_leave_no_bookkeeping_behind() -> None:
     dispatcher = Dispatcher(scheduler, clock, max_in_flight=4)
     for n in range(500):
         clock.model_ms = float(n)
-        ticket = queued(dispatcher.submit(chat(f"r{n}", at_ms=clock.model_ms)))
-        assert ticket.future.result().admitted
-        dispatcher.finish(ticket, 600, kv_hold_ms=0.0)
+        lifecycle = queued(dispatcher.submit(chat(f"r{n}", at_ms=clock.model_ms)))
+        assert waiter(lifecycle).result().admitted
+        dispatcher.settle(lifecycle, 600, kv_hold_ms=0.0)
     assert scheduler.books() == ZERO_BOOKS
     assert not scheduler.jobs
     # The deadline heap is the core's private index; it must stay O(requests in flight).

@@ -4,7 +4,9 @@ Behaviours: ``n`` and ``best_of`` multiply the decode estimate (the prompt is ch
 their bounds are 400s naming the param; the text of ``tools``, ``functions``,
 ``response_format``, ``tool_choice`` and of messages' ``name``, ``tool_calls`` and
 ``function_call`` counts as prompt characters (compact JSON); malformed ones are 400s naming
-them; a body nested over ``max_json_depth`` or holding over ``max_json_values`` values is a 400
+them; token-ID prompts count one token per ID, bounded (IDs in ``0..2**31-1``, batches of at
+most 2048); an embeddings ``input`` costs its prompt tokens only (decode 0), every input
+counted; a body nested over ``max_json_depth`` or holding over ``max_json_values`` values is a 400
 ``body_too_complex`` naming the rule, with the books untouched, over real HTTP on loopback.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from typing import Any
 
@@ -19,7 +22,9 @@ import pytest
 from test_sidecar_support import CHAT, ZERO_BOOKS, ClientFactory, keyed_config, start
 
 from tokenfair_sidecar.server.estimate import (
+    MAX_BATCH_INPUTS,
     MAX_CHOICES,
+    MAX_TOKEN_ID,
     BodyShapeError,
     EstimateError,
     NotUtf8Error,
@@ -27,6 +32,7 @@ from tokenfair_sidecar.server.estimate import (
     check_json_shape,
     check_raw_values,
     estimate,
+    estimate_embeddings,
     utf8_text,
 )
 from tokenfair_sidecar.server.settings import SidecarSettings
@@ -353,3 +359,43 @@ async def test_n_is_charged_through_the_sidecar(aiohttp_client: ClientFactory) -
     )
     assert bad.status == 400
     assert (await bad.json())["error"]["param"] == "n"
+
+
+def test_token_ids_count_exactly_and_are_bounded() -> None:
+    def cost(prompt: object, max_tokens: int = 4) -> tuple[int, int]:
+        body = {"prompt": prompt, "max_tokens": max_tokens}
+        result = estimate(body, chars4, 16, 8192)
+        return result.prefill_tokens, result.decode_tokens
+
+    assert cost([1, 2, 3]) == (3, 4)
+    assert cost([[1, 2], [3], []]) == (3, 12)  # three prompts, each generating 4
+    assert cost([MAX_TOKEN_ID, 0]) == (2, 4)
+    assert cost([[7]] * MAX_BATCH_INPUTS) == (MAX_BATCH_INPUTS, 4 * MAX_BATCH_INPUTS)
+    for prompt, says in [
+        ([MAX_TOKEN_ID + 1], "prompt[0]: a token ID must be an integer in 0..2147483647"),
+        ([1, True], "prompt[1]: a token ID"),
+        ([[1], [2, None]], "prompt[1][1]: a token ID"),
+        ([[1]] * (MAX_BATCH_INPUTS + 1), f"prompt: at most {MAX_BATCH_INPUTS} prompts"),
+        (["a"] * (MAX_BATCH_INPUTS + 1), f"prompt: at most {MAX_BATCH_INPUTS} prompts"),
+    ]:
+        with pytest.raises(EstimateError, match=re.escape(says)) as caught:
+            cost(prompt)
+        assert caught.value.param == "prompt"
+
+
+def test_embeddings_cost_prefill_only() -> None:
+    def cost(value: object) -> tuple[int, int]:
+        result = estimate_embeddings({"input": value}, chars4)
+        return result.prefill_tokens, result.decode_tokens
+
+    assert cost("x" * 9) == (3, 0)
+    assert cost(["x" * 8, "y" * 8]) == (4, 0)
+    assert cost([5, 6, 7]) == (3, 0)
+    assert cost([[5], [6, 7]]) == (3, 0)
+    assert cost("") == (0, 0)
+    with pytest.raises(EstimateError, match="input: required") as caught:
+        estimate_embeddings({}, chars4)
+    assert caught.value.param == "input"
+    with pytest.raises(EstimateError) as caught:
+        estimate_embeddings({"input": "a", "dimensions": True}, chars4)
+    assert caught.value.param == "dimensions"

@@ -161,7 +161,7 @@ async def test_never_admissible_is_400_with_the_queue_full(aiohttp_client: Clien
         "/v1/completions", json=completion_body(10, 10), headers={"Authorization": CHAT}
     )
     assert full.status == 429
-    assert (await full.json())["error"]["code"] == "queue_full"
+    assert (await full.json())["error"]["tokenfair_reason"] == "queue_full"
     over_burst = await proxy.post(
         "/v1/completions", json=completion_body(1000, 1001), headers={"Authorization": CHAT}
     )
@@ -194,7 +194,7 @@ async def test_over_burst_with_a_budget_store_stays_a_429(aiohttp_client: Client
         "/v1/completions", json=completion_body(1000, 1001), headers={"Authorization": CHAT}
     )
     assert response.status == 429
-    assert (await response.json())["error"]["code"] == "shed_tenant_token_quota"
+    assert (await response.json())["error"]["tokenfair_reason"] == "shed_tenant_token_quota"
     assert "Retry-After" in response.headers
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
 

@@ -150,7 +150,12 @@ async def _run(records: Path) -> LiveRun:
                 headers={"Authorization": f"Bearer {KEYS[request.tenant_id]}"},
             )
             payload = await response.json()
-            code = payload["error"]["code"] if response.status != 200 else "admitted"
+            error = payload.get("error", {})
+            code = (
+                error.get("tokenfair_reason", error.get("code"))
+                if response.status != 200
+                else "admitted"
+            )
             return request.tenant_id, response.status, code, response.headers["x-request-id"]
 
         watchdog = asyncio.create_task(watch())

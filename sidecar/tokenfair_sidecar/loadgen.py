@@ -26,6 +26,13 @@ simulated runs alike. Outcomes without an HTTP response have ``status_code`` 0 a
 Bounds: every request has ``request_timeout_s`` (total, wall); the whole run has ``timeout_s``,
 after which in-flight requests are cancelled (:data:`CLIENT_TIMEOUT`) and unsent ones are
 recorded as :data:`NOT_SENT`.
+
+KV occupancy cannot be seen from the client. With ``admin_url`` (the sidecar's admin listener)
+the run samples the sidecar's ``/metrics`` gauge :data:`KV_GAUGE` (reserved KV blocks over the
+total, what a decision's ``kv_occupancy_ratio`` is right after its dispatch) every
+``kv_sample_s`` on a connection of its own, and :class:`ReplayResult` carries the largest value
+seen: a sampled peak, so a lower bound of the true one (a spike between two samples is missed).
+Without it there is no live KV figure (``None``).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -67,6 +74,9 @@ CONNECTION_ERROR: Final = "connection_error"
 NOT_SENT: Final = "not_sent"
 """The run's timeout passed before the request's send time."""
 STATUS_NO_RESPONSE: Final = 0
+KV_GAUGE: Final = "tokenfair_kv_occupancy_ratio"
+"""The sidecar's gauge of reserved KV blocks over total KV blocks (admin ``/metrics``)."""
+METRICS_PATH: Final = "/metrics"
 
 
 def prompt_for(prefill_tokens: int) -> str:
@@ -95,6 +105,20 @@ class LoadgenSettings:
     """``model`` field of every request body."""
     decode_weight: float = 4.0
     """Converts tokens to service tokens for the report (the sidecar's ``decodeWeight``)."""
+    admin_url: str | None = None
+    """Base URL of the sidecar's admin listener (``http://127.0.0.1:9090``): its ``/metrics``
+    is sampled for the KV occupancy during the run. None: KV is not measured."""
+    kv_sample_s: float = 0.05
+    """Wall seconds between two samples of the KV gauge."""
+
+    @property
+    def metrics_url(self) -> URL | None:
+        if self.admin_url is None:
+            return None
+        base = URL(self.admin_url)
+        if base.path.rstrip("/").endswith(METRICS_PATH):
+            return base
+        return base.with_path(base.path.rstrip("/") + METRICS_PATH)
 
     @property
     def completions_url(self) -> URL:
@@ -123,12 +147,79 @@ class Observation:
 
 
 @dataclass(slots=True)
+class KvSamples:
+    """The sidecar's KV gauge as sampled during a run."""
+
+    peak: float | None = None
+    """The largest value read; None before a first successful sample."""
+    samples: int = 0
+    error: str = ""
+    """Why sampling stopped early (the first failed scrape), else empty."""
+
+    def add(self, value: float) -> None:
+        self.samples += 1
+        if self.peak is None or value > self.peak:
+            self.peak = value
+
+
+@dataclass(slots=True)
 class ReplayResult:
     observations: list[Observation]
     wall_s: float
     completed: bool
     """False when the run's ``timeout_s`` cut it short."""
     settings: LoadgenSettings = field(repr=False)
+    kv: KvSamples | None = None
+    """The sampled KV occupancy (``settings.admin_url`` given), else None."""
+
+
+def gauge_value(text: str, name: str) -> float | None:
+    """The value of the unlabelled sample ``name`` in Prometheus text, or None if absent."""
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        rest = line[len(name) :]
+        if rest.startswith("{"):
+            rest = rest.partition("}")[2]
+        elif not rest.startswith(" "):
+            continue  # a longer name with this prefix
+        fields = rest.split()
+        if fields:
+            try:
+                return float(fields[0])
+            except ValueError:
+                return None
+    return None
+
+
+async def sample_kv(settings: LoadgenSettings, kv: KvSamples, stop: asyncio.Event) -> None:
+    """Read the KV gauge every ``settings.kv_sample_s`` until ``stop`` is set (one last read
+    then) or a scrape fails (``kv.error`` says why)."""
+    url = settings.metrics_url
+    assert url is not None
+    timeout = aiohttp.ClientTimeout(total=max(1.0, settings.kv_sample_s * 20))
+    connector = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        while True:
+            last = stop.is_set()
+            try:
+                async with session.get(url) as response:
+                    text = await response.text()
+                    if response.status != STATUS_OK:
+                        kv.error = f"{url}: HTTP {response.status}"
+                        return
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                kv.error = f"{url}: {type(exc).__name__}: {exc}"
+                return
+            value = gauge_value(text, KV_GAUGE)
+            if value is None:
+                kv.error = f"{url}: no {KV_GAUGE} sample (not a tokenfair sidecar's admin port?)"
+                return
+            kv.add(value)
+            if last:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), settings.kv_sample_s)
 
 
 def _body(request: Request, settings: LoadgenSettings) -> dict[str, Any]:
@@ -171,13 +262,16 @@ def _read_usage(observation: Observation, payload: object) -> None:
 
 
 def _error_code(payload: object, status: int) -> str:
-    """The OpenAI-style ``error.code`` (the sidecar names its gate there), or ``http_<status>``."""
+    """The sidecar's reason: ``error.tokenfair_reason`` (a 429 carries OpenAI's
+    ``rate_limit_exceeded`` in ``code`` and the gate's reason there), else the OpenAI-style
+    ``error.code``, else ``http_<status>``."""
     if isinstance(payload, dict):
         error = payload.get("error")
         if isinstance(error, dict):
-            code = error.get("code")
-            if isinstance(code, str) and code:
-                return code
+            for field in ("tokenfair_reason", "code"):
+                code = error.get(field)
+                if isinstance(code, str) and code:
+                    return code
     return f"http_{status}"
 
 
@@ -189,10 +283,12 @@ class _Run:
         session: aiohttp.ClientSession,
         settings: LoadgenSettings,
         keys: Mapping[str, str],
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         self.session = session
         self.settings = settings
         self.keys = keys
+        self.on_done = on_done
         self.url = settings.completions_url
         self.slots = asyncio.Semaphore(settings.concurrency_limit)
         self.start = time.monotonic()
@@ -216,6 +312,8 @@ class _Run:
                 observation.status_code = STATUS_NO_RESPONSE
                 observation.reason = CONNECTION_ERROR
                 observation.error = f"{type(exc).__name__}: {exc}"
+        if self.on_done is not None:
+            self.on_done()
 
     async def _exchange(self, observation: Observation) -> None:
         request = observation.request
@@ -275,19 +373,42 @@ def order(requests: Iterable[Request]) -> list[Request]:
 
 
 async def replay(
-    requests: Sequence[Request], keys: Mapping[str, str], settings: LoadgenSettings
+    requests: Sequence[Request],
+    keys: Mapping[str, str],
+    settings: LoadgenSettings,
+    on_done: Callable[[], None] | None = None,
 ) -> ReplayResult:
     """Send every request on its timeline; returns one observation per request, in send order.
 
     ``keys`` maps every tenant of ``requests`` to its API key (a missing one is a ``KeyError``
-    before anything is sent).
+    before anything is sent). ``on_done`` is called each time a request has its outcome (the
+    CLI's progress bar). With ``settings.admin_url`` the KV gauge is sampled meanwhile.
     """
     missing = sorted({r.tenant_id for r in requests} - set(keys))
     if missing:
         raise KeyError(f"no API key for tenant(s) {', '.join(missing)}")
+    kv = None if settings.admin_url is None else KvSamples()
+    stop = asyncio.Event()
+    sampler = None if kv is None else asyncio.create_task(sample_kv(settings, kv, stop))
+    try:
+        result = await _replay(requests, keys, settings, on_done)
+    finally:
+        stop.set()
+        if sampler is not None:
+            await sampler
+    result.kv = kv
+    return result
+
+
+async def _replay(
+    requests: Sequence[Request],
+    keys: Mapping[str, str],
+    settings: LoadgenSettings,
+    on_done: Callable[[], None] | None,
+) -> ReplayResult:
     connector = aiohttp.TCPConnector(limit=settings.concurrency_limit)
     async with aiohttp.ClientSession(connector=connector) as session:
-        run = _Run(session, settings, keys)
+        run = _Run(session, settings, keys, on_done)
         observations = [
             Observation(r, scheduled_offset_ms=r.arrival_ms * settings.time_scale)
             for r in order(requests)

@@ -17,7 +17,8 @@ from aiohttp import web
 
 from tokenfair_sidecar.config import Config
 from tokenfair_sidecar.server.admin import create_admin_app
-from tokenfair_sidecar.server.backends import ROUTES, Backend
+from tokenfair_sidecar.server.backends import MODELS_ROUTE, ROUTES, Backend
+from tokenfair_sidecar.server.models import list_models
 from tokenfair_sidecar.server.proxy import (
     SIDECAR,
     completions,
@@ -58,6 +59,7 @@ def create_app(
     app[SIDECAR] = sidecar
     for route in ROUTES:
         app.router.add_post(route, completions, expect_handler=expect_continue)
+    app.router.add_get(MODELS_ROUTE, list_models, allow_head=False)
     app.router.add_route("*", "/{tail:.*}", not_found, expect_handler=expect_not_found)
     app.cleanup_ctx.append(_backend_ctx)
     app.cleanup_ctx.append(_records_ctx)

@@ -2,20 +2,25 @@
 
 The core (:mod:`tokenfair_sidecar.core`) is synchronous and pure; this module moves requests:
 
-* :meth:`Dispatcher.submit` runs admission at once: a refusal comes back as a ``Decision``;
-  otherwise the request waits in the core's lanes and the caller gets a :class:`Ticket` whose
-  future resolves with the request's dispatch decision (admitted, or shed at expiry).
+* :meth:`Dispatcher.submit` runs admission at once and returns the request's
+  :class:`~tokenfair_sidecar.server.lifecycle.Lifecycle`: REFUSED, or QUEUED in the core's lanes
+  with a future that resolves with the decision that ends its wait (dispatched, or shed at
+  expiry).
 * :meth:`Dispatcher.pump` — ``expire(now)`` then ``next_dispatch(now)`` until the core says no or
   ``max_in_flight`` requests run — is called synchronously whenever something changed (an arrival,
   a completion, a KV release, a cancellation) and from one timer armed at ``next_wakeup_ms`` (a
   deadline passing, a budget refilling). Pumping inline costs no task switch per request.
-* :meth:`Dispatcher.finish` settles a dispatched request exactly once (``complete`` with the actual
-  usage, or with the estimate if the core refuses that usage) and never raises: if the core fails
-  (raises anything else, even for the estimate), the request's slot and KV are taken off the books
-  by :meth:`Dispatcher.release_unsettled`, which touches no settlement code of the core. Its KV is
+* :meth:`Dispatcher.settle` books a dispatched request (``complete`` with the actual usage, or
+  with the estimate if the core refuses that usage) and never raises: if the core fails (raises
+  anything else, even for the estimate), the request's slot and KV are taken off the books by
+  :meth:`Dispatcher.release_unsettled`, which touches no settlement code of the core. Its KV is
   released ``kv_hold_ms`` after dispatch (0 for a real server: at once).
 * A waiter whose task is cancelled (the client went away) leaves the queue with ``cancel`` and its
   reservation is refunded; if it was dispatched in that instant it is settled with zero usage.
+
+Each request's phase lives in its :class:`~tokenfair_sidecar.server.lifecycle.Lifecycle`; the
+dispatcher makes the moves that belong to the queue and the books, and
+:meth:`Lifecycle.end <tokenfair_sidecar.server.lifecycle.Lifecycle.end>` the one outcome.
 
 Time: the scheduler's clock is model milliseconds, ``real_seconds * 1000 / time_scale`` since start.
 """
@@ -23,16 +28,14 @@ Time: the scheduler's clock is model milliseconds, ``real_seconds * 1000 / time_
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import enum
 import logging
 import math
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from tokenfair_sidecar.core import Decision, Request, Scheduler
-from tokenfair_sidecar.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED, JobState
+from tokenfair_sidecar.core.jobs import JobState
+from tokenfair_sidecar.server.lifecycle import Lifecycle, LifecycleError, Phase, Settlement
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -53,37 +56,6 @@ class ModelClock:
         return model_ms * self.time_scale / 1000.0
 
 
-class Settlement(enum.Enum):
-    """How :meth:`Dispatcher.finish` settled a request."""
-
-    AS_REPORTED = "as_reported"
-    """The usage given was booked (or the request was already settled)."""
-    AT_ESTIMATE = "at_estimate"
-    """The core refused the usage given (``ValueError``, ``TypeError``, ``ArithmeticError``:
-    a value it cannot book): the estimate was booked instead."""
-    CORE_FAILED = "core_failed"
-    """The core raised something else (a bug, logged): the estimate was booked instead or, if
-    even that raised, the slot and KV were released unsettled."""
-
-
-@dataclass(slots=True, eq=False)
-class Ticket:
-    """One queued request's handle. ``outcome`` is its final decision once known."""
-
-    request: Request
-    future: asyncio.Future[Decision]
-    decision: Decision | None = None
-    """The dispatch decision, once admitted."""
-    outcome: Decision | None = None
-    drained: bool = False
-    """Removed from the queue by a drain (the client gets 503)."""
-    dispatched_at_s: float = 0.0
-    """Event-loop time of the dispatch (a backend's engine may start then, before the handler
-    gets round to it)."""
-    finished: bool = field(default=False)
-    """Settled: its running slot is released (set only once that is done)."""
-
-
 class Dispatcher:
     """Drives one :class:`Scheduler` in real time. All methods run on the event loop thread."""
 
@@ -97,7 +69,8 @@ class Dispatcher:
         (their requests are recorded ``503 drain_aborted``, not as clients that left)."""
         self.handlers: set[asyncio.Task[Any]] = set()
         """Tasks of the handlers between admission and their record (:meth:`abort_handlers`)."""
-        self._tickets: dict[str, Ticket] = {}
+        self._queued: dict[str, Lifecycle] = {}
+        """Lifecycles of the requests in the core's queue, by request id."""
         self._kv_timers: dict[str, asyncio.TimerHandle] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._pumping = False
@@ -107,46 +80,50 @@ class Dispatcher:
 
     # -- arrival and waiting ---------------------------------------------------------------
 
-    def submit(self, request: Request) -> Decision | Ticket:
-        """Admission; a refusal ``Decision`` or a queued :class:`Ticket`. A request that no
-        state of the running configuration could admit is answered first, whatever the load,
-        with the scheduler's ``400`` (:meth:`~tokenfair_sidecar.core.scheduler.Scheduler.
-        never_admissible`, a static check of the request: a client must not retry it) and never
-        reaches the scheduler's gates (whose ``queue_full`` or ``shed_queue_wait_slo`` 429 would
-        tell it to retry)."""
+    def submit(self, request: Request) -> Lifecycle:
+        """Admission: the request's lifecycle, REFUSED (its ``decision`` says why) or QUEUED.
+        A request that no state of the running configuration could admit is refused first,
+        whatever the load, with the scheduler's ``400`` (:meth:`~tokenfair_sidecar.core.
+        scheduler.Scheduler.never_admissible`, a static check of the request: a client must not
+        retry it) and never reaches the scheduler's gates (whose ``queue_full`` or
+        ``shed_queue_wait_slo`` 429 would tell it to retry)."""
         scheduler = self.scheduler
-        never = scheduler.never_admissible(request)
-        if never is not None:
-            return never
-        refusal = scheduler.submit(request, self.clock.now_ms())
+        refusal = scheduler.never_admissible(request)
+        if refusal is None:
+            refusal = scheduler.submit(request, self.clock.now_ms())
         if refusal is not None:
-            return refusal
-        ticket = Ticket(request, asyncio.get_running_loop().create_future())
-        self._tickets[request.request_id] = ticket
+            return Lifecycle(request, Phase.REFUSED, decision=refusal)
+        lifecycle = Lifecycle(
+            request, Phase.QUEUED, future=asyncio.get_running_loop().create_future()
+        )
+        self._queued[request.request_id] = lifecycle
         self.pump()
-        return ticket
+        return lifecycle
 
-    async def wait(self, ticket: Ticket) -> Decision:
-        """The ticket's dispatch decision; cancellation (client gone) leaves the queue."""
+    async def wait(self, lifecycle: Lifecycle) -> Decision:
+        """The decision that ends the request's wait; cancellation (the client went away) takes
+        it out of the queue, or settles it at zero if it was dispatched in that instant."""
+        future = lifecycle.future
+        if future is None:  # refused at the door: its wait is already over
+            raise LifecycleError(f"request {lifecycle.request.request_id} never queued")
         try:
-            return await ticket.future
+            return await future
         except asyncio.CancelledError:
-            self._abandon(ticket)
+            self._abandon(lifecycle)
             raise
 
-    def _abandon(self, ticket: Ticket) -> None:
-        future = ticket.future
-        if future.done() and not future.cancelled():
-            decision = future.result()
-            if decision.admitted and not ticket.finished:
-                self.finish(ticket, 0, 0.0)
-                ticket.outcome = _cancelled(decision)
-            return
-        if ticket.outcome is not None:  # the pump already saw the cancelled future
-            return
-        self._tickets.pop(ticket.request.request_id, None)
-        ticket.outcome = self.scheduler.cancel(ticket.request.request_id, self.clock.now_ms())
-        self.pump()
+    def _abandon(self, lifecycle: Lifecycle) -> None:
+        if lifecycle.phase is Phase.QUEUED:
+            request_id = lifecycle.request.request_id
+            del self._queued[request_id]
+            decision = self.scheduler.cancel(request_id, self.clock.now_ms())
+            if decision is None:
+                log.error("request %s: cancelled while queued, but the core did not hold it",
+                          request_id)  # fmt: skip
+            lifecycle.left_queue(decision)
+            self.pump()
+        elif lifecycle.phase is Phase.RUNNING:  # dispatched in the instant its client left
+            self.settle(lifecycle, 0, 0.0)
 
     # -- dispatch --------------------------------------------------------------------------
 
@@ -175,22 +152,21 @@ class Dispatcher:
             self._pumping = False
 
     def _resolve(self, decision: Decision) -> None:
-        ticket = self._tickets.pop(decision.request_id)
+        lifecycle = self._queued.pop(decision.request_id)
         if decision.admitted:
-            ticket.decision = decision
-            ticket.dispatched_at_s = asyncio.get_running_loop().time()
+            lifecycle.dispatched(decision, asyncio.get_running_loop().time())
             self._idle.clear()
-        if ticket.future.cancelled():
-            # The client left after its task was cancelled but before its handler ran.
+        else:
+            lifecycle.left_queue(decision)
+        future = lifecycle.future
+        assert future is not None  # QUEUED lifecycles have one
+        if future.cancelled():
+            # The client left after its task was cancelled but before its handler ran (its
+            # `wait` finds the lifecycle moved on): nothing ran, so it is settled at zero.
             if decision.admitted:
-                self.finish(ticket, 0, 0.0)
-                ticket.outcome = _cancelled(decision)
-            else:
-                ticket.outcome = decision
+                self.settle(lifecycle, 0, 0.0)
             return
-        if not decision.admitted:
-            ticket.outcome = decision
-        ticket.future.set_result(decision)
+        future.set_result(decision)
 
     def _arm_timer(self, now_ms: float) -> None:
         if self._timer is not None:
@@ -203,16 +179,18 @@ class Dispatcher:
 
     # -- settlement ------------------------------------------------------------------------
 
-    def finish(
-        self, ticket: Ticket, actual_service_tokens: int | None, kv_hold_ms: float
+    def settle(
+        self, lifecycle: Lifecycle, actual_service_tokens: int | None, kv_hold_ms: float
     ) -> Settlement:
-        """Settle a dispatched request (once; later calls do nothing) and schedule its KV release
-        ``kv_hold_ms`` model milliseconds after its dispatch. Never raises for the core's sake:
-        the running slot and the KV are released whatever ``complete`` raises (see
-        :class:`Settlement`); ``ticket.finished`` is set once the slot is released."""
-        if ticket.finished or ticket.decision is None:
-            return Settlement.AS_REPORTED
-        request_id = ticket.request.request_id
+        """Book a RUNNING request (``actual_service_tokens``; ``None``: the estimate), release
+        its running slot, schedule its KV release ``kv_hold_ms`` model milliseconds after its
+        dispatch, and move it to SETTLED. Never raises for the core's sake: the slot and the KV
+        are released whatever ``complete`` raises (see
+        :class:`~tokenfair_sidecar.server.lifecycle.Settlement`). A request not RUNNING is left
+        as it is (settled once: its settlement is returned)."""
+        if lifecycle.phase is not Phase.RUNNING or lifecycle.decision is None:
+            return lifecycle.settlement or Settlement.AS_REPORTED
+        request_id = lifecycle.request.request_id
         now_ms = self.clock.now_ms()
         settlement = Settlement.AS_REPORTED
         scheduler = self.scheduler
@@ -241,7 +219,7 @@ class Dispatcher:
             settlement = Settlement.CORE_FAILED
             self.release_unsettled(request_id)
         else:
-            dispatch_ms = ticket.decision.dispatch_ms or now_ms
+            dispatch_ms = lifecycle.decision.dispatch_ms or now_ms
             release_ms = dispatch_ms + kv_hold_ms
             if release_ms <= now_ms:
                 self._release(request_id, timer=False)
@@ -249,7 +227,10 @@ class Dispatcher:
                 delay_s = self.clock.real_seconds(release_ms - now_ms)
                 loop = asyncio.get_running_loop()
                 self._kv_timers[request_id] = loop.call_later(delay_s, self._release, request_id)
-        ticket.finished = True
+        lifecycle.settled(
+            settlement,
+            actual_service_tokens if settlement is Settlement.AS_REPORTED else None,
+        )
         if scheduler.running == 0:
             self._idle.set()
         try:
@@ -271,9 +252,12 @@ class Dispatcher:
     def release_unsettled(self, request_id: str) -> None:
         """The last resort when the core raised while settling or releasing a request:
         :meth:`Scheduler.release_unsettled` takes its slot and KV off the books. Logged."""
-        if self.scheduler.release_unsettled(request_id):
+        scheduler = self.scheduler
+        if scheduler.release_unsettled(request_id):
             log.error("request %s: released without settlement; the core's books for its "
                       "tenant may be off by this request", request_id)  # fmt: skip
+        if scheduler.running == 0:
+            self._idle.set()
 
     def _release(self, request_id: str, timer: bool = True) -> None:
         """Free the request's KV (from its timer, or at once); if the core raises, the blocks
@@ -301,15 +285,18 @@ class Dispatcher:
         Returns how many were queued."""
         self.draining = True
         now_ms = self.clock.now_ms()
-        tickets = list(self._tickets.values())
-        self._tickets.clear()
-        for ticket in tickets:
-            decision = self.scheduler.cancel(ticket.request.request_id, now_ms)
-            ticket.drained = True
-            ticket.outcome = decision
-            if decision is not None and not ticket.future.done():
-                ticket.future.set_result(decision)
-        return len(tickets)
+        lifecycles = list(self._queued.values())
+        self._queued.clear()
+        for lifecycle in lifecycles:
+            decision = self.scheduler.cancel(lifecycle.request.request_id, now_ms)
+            lifecycle.left_queue(decision, drained=True)
+            future = lifecycle.future
+            if future is not None and not future.done():
+                if decision is None:  # cannot happen; its waiter still ends (503 draining)
+                    future.cancel()
+                else:
+                    future.set_result(decision)
+        return len(lifecycles)
 
     async def abort_handlers(self, timeout_s: float) -> int:
         """Cancel every handler still running after the drain grace and wait at most
@@ -345,8 +332,4 @@ class Dispatcher:
 
     @property
     def queued(self) -> int:
-        return len(self._tickets)
-
-
-def _cancelled(decision: Decision) -> Decision:
-    return dataclasses.replace(decision, status_code=STATUS_CLIENT_CLOSED, reason=CANCELLED)
+        return len(self._queued)

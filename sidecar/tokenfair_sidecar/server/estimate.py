@@ -5,7 +5,11 @@
   and charges ``ceil(chars / 4)`` (OpenAI's rule of thumb: ~4 characters of English per token):
 
   - ``prompt`` (legacy completions) as a string or a list of strings — or as token IDs, a
-    list of integers or a list of lists of integers, counted one token per ID;
+    list of integers or a list of lists of integers, counted one token per ID (exact: an ID is
+    one token whatever the tokenizer). A token ID is an integer in ``0..MAX_TOKEN_ID``
+    (``2**31 - 1``: vLLM's IDs are 32-bit); a batch (a list of strings or of lists) holds at
+    most :data:`MAX_BATCH_INPUTS` (2048) prompts; the number of IDs is bounded by the body's
+    ``max_json_values``. A bad element is named in the message (``prompt[1][2]: ...``);
   - each ``messages[i]``: its ``content`` (a string, or a list of parts whose ``text`` is
     counted), its ``name``, and its ``tool_calls`` / ``function_call`` (function names and
     arguments: counted as their compact JSON, the text a server renders into the prompt), plus
@@ -29,6 +33,13 @@
   ``decode = per_choice * max(n, best_of) * prompts`` (and the KV of those decoded tokens,
   which the scheduler reserves from ``prefill + decode``); the prefill is every prompt's.
 
+**Embeddings** (``/v1/embeddings``, :func:`estimate_embeddings`) cost prefill only: decode is
+0. ``input`` takes the same four shapes as ``prompt`` (a string, a list of strings, a list of
+token IDs, a list of lists of token IDs) and every input counts — text by the estimator, IDs
+one token each — so ``prefill`` is the sum over the inputs; ``dimensions`` (an integer in
+``1..MAX_EMBEDDING_DIMENSIONS``) and ``encoding_format`` (``float`` or ``base64``) are checked
+here too, so a bad one is refused before admission.
+
 A bad field raises :class:`EstimateError` naming it (the proxy answers ``400`` with ``param``).
 The estimate walks only what its caller bounded: the proxy checks a body's nesting depth and
 number of JSON values (:func:`check_json_shape`) before estimating it.
@@ -47,6 +58,15 @@ CHARS_PER_TOKEN: Final = 4
 MESSAGE_OVERHEAD_TOKENS: Final = 4
 MAX_CHOICES: Final = 128
 """Largest ``n`` and ``best_of`` accepted (OpenAI's documented maximum for ``n``)."""
+MAX_TOKEN_ID: Final = 2**31 - 1
+"""Largest token ID accepted in a ``prompt`` or ``input`` (vLLM's token IDs are 32-bit)."""
+MAX_BATCH_INPUTS: Final = 2048
+"""Most prompts (``prompt``) or inputs (``input``) in one request's batch: OpenAI's limit for an
+embeddings ``input`` array."""
+MAX_EMBEDDING_DIMENSIONS: Final = 16384
+"""Largest ``dimensions`` accepted for an embedding (OpenAI's largest model has 3,072)."""
+EMBEDDING_ENCODINGS: Final = ("float", "base64")
+"""``encoding_format`` values of an embeddings request (OpenAI's; the SDK asks for base64)."""
 STRUCTURED_PROMPT_FIELDS: Final = ("tools", "functions", "response_format", "tool_choice")
 """Top-level fields whose text a server renders into the prompt (counted as compact JSON)."""
 MAX_JSON_DEPTH: Final = 64
@@ -268,7 +288,7 @@ def chars4(body: Mapping[str, object]) -> int:
             tokens += math.ceil(_message_chars(i, message) / CHARS_PER_TOKEN)
             tokens += MESSAGE_OVERHEAD_TOKENS
         return tokens
-    chars, token_ids, _ = _prompts(body.get("prompt"))
+    chars, token_ids, _ = _inputs(body.get("prompt"))
     return math.ceil((chars + structured) / CHARS_PER_TOKEN) + token_ids
 
 
@@ -276,40 +296,71 @@ ESTIMATORS: Final[dict[str, PromptEstimator]] = {"chars4": chars4}
 """Prompt estimators by name; add one here to make it selectable."""
 
 
-_PROMPT_SHAPES: Final = (
-    "prompt: must be a string, a list of strings, a list of token IDs (integers >= 0) or a "
-    "list of lists of token IDs"
-)
+def _shapes(param: str) -> str:
+    return (
+        f"{param}: must be a string, a list of strings, a list of token IDs (integers in "
+        f"0..{MAX_TOKEN_ID}) or a list of lists of token IDs"
+    )
 
 
-def _token_ids(value: list[object]) -> bool:
-    """Whether ``value`` is a list of token IDs (integers >= 0, not booleans)."""
-    return all(type(item) is int and item >= 0 for item in value)
+def _token_ids(param: str, where: str, ids: list[object]) -> int:
+    """The number of token IDs in ``ids`` (``where`` names the list in messages), each an
+    integer in ``0..MAX_TOKEN_ID`` (not a boolean)."""
+    for index, item in enumerate(ids):
+        if type(item) is not int or not 0 <= item <= MAX_TOKEN_ID:
+            raise EstimateError(
+                param,
+                f"{where}[{index}]: a token ID must be an integer in 0..{MAX_TOKEN_ID} "
+                f"(got {_shown(item)})",
+            )
+    return len(ids)
 
 
-def _prompts(prompt: object) -> tuple[int, int, int]:
-    """``(characters, token IDs, prompts)`` of a legacy completions ``prompt``: a string (one
-    prompt), a list of strings (one prompt each), a list of token IDs (one prompt of that many
-    tokens) or a list of lists of token IDs (one prompt each). None (or ``[]``) is one empty
-    prompt."""
-    if prompt is None:
+def _batch(param: str, items: list[object]) -> None:
+    if len(items) > MAX_BATCH_INPUTS:
+        raise EstimateError(
+            param, f"{param}: at most {MAX_BATCH_INPUTS} prompts in a batch (got {len(items)})"
+        )
+
+
+def _inputs(value: object, param: str = "prompt") -> tuple[int, int, int]:
+    """``(characters, token IDs, prompts)`` of a legacy completions ``prompt`` (or an embeddings
+    ``input``: ``param``): a string (one prompt), a list of strings (one prompt each), a list of
+    token IDs (one prompt of that many tokens) or a list of lists of token IDs (one prompt
+    each). None (or ``[]``) is one empty prompt. The shape is read from the first element; an
+    element of another shape is named in the message."""
+    if value is None:
         return 0, 0, 1
-    if isinstance(prompt, str):
-        return len(prompt), 0, 1
-    if not isinstance(prompt, list):
-        raise EstimateError("prompt", f"{_PROMPT_SHAPES} (got {type(prompt).__name__})")
-    if not prompt:
+    if isinstance(value, str):
+        return len(value), 0, 1
+    if not isinstance(value, list):
+        raise EstimateError(param, f"{_shapes(param)} (got {type(value).__name__})")
+    if not value:
         return 0, 0, 1
-    if all(isinstance(item, str) for item in prompt):
-        return sum(len(item) for item in prompt if isinstance(item, str)), 0, len(prompt)
-    if _token_ids(prompt):
-        return 0, len(prompt), 1
-    tokens = 0
-    for item in prompt:
-        if not isinstance(item, list) or not _token_ids(item):
-            raise EstimateError("prompt", _PROMPT_SHAPES)
-        tokens += len(item)
-    return 0, tokens, len(prompt)
+    first = value[0]
+    if isinstance(first, str):
+        _batch(param, value)
+        chars = 0
+        for index, item in enumerate(value):
+            if not isinstance(item, str):
+                raise EstimateError(
+                    param, f"{param}[{index}]: must be a string, as {param}[0] is "
+                    f"(got {type(item).__name__}); {_shapes(param)}",
+                )  # fmt: skip
+            chars += len(item)
+        return chars, 0, len(value)
+    if isinstance(first, list):
+        _batch(param, value)
+        tokens = 0
+        for index, item in enumerate(value):
+            if not isinstance(item, list):
+                raise EstimateError(
+                    param, f"{param}[{index}]: must be a list of token IDs, as {param}[0] is "
+                    f"(got {type(item).__name__}); {_shapes(param)}",
+                )  # fmt: skip
+            tokens += _token_ids(param, f"{param}[{index}]", item)
+        return 0, tokens, len(value)
+    return 0, _token_ids(param, param, value), 1
 
 
 def prompts(body: Mapping[str, object]) -> int:
@@ -318,7 +369,7 @@ def prompts(body: Mapping[str, object]) -> int:
     generates its own ``max(n, best_of)`` sequences."""
     if body.get("messages") is not None:
         return 1
-    return _prompts(body.get("prompt"))[2]
+    return _inputs(body.get("prompt"))[2]
 
 
 def _choices_param(body: Mapping[str, object], param: str) -> int | None:
@@ -369,3 +420,31 @@ def estimate(
     ``decode = decode_tokens(body) * sequences(body) * prompts(body)``."""
     per_sequence = decode_tokens(body, default_decode, max_decode)
     return Estimate(estimator(body), per_sequence * sequences(body) * prompts(body))
+
+
+def estimate_embeddings(body: Mapping[str, object], estimator: PromptEstimator) -> Estimate:
+    """The cost of an embeddings request: ``prefill`` = every input's tokens (text by
+    ``estimator``, token IDs one each), ``decode`` = 0 (see the module docstring)."""
+    value = body.get("input")
+    if value is None:
+        raise EstimateError("input", f"input: required; {_shapes('input')}")
+    chars, token_ids, _ = _inputs(value, "input")
+    dimensions = body.get("dimensions")
+    if dimensions is not None and (
+        type(dimensions) is not int or not 1 <= dimensions <= MAX_EMBEDDING_DIMENSIONS
+    ):
+        raise EstimateError(
+            "dimensions",
+            f"dimensions: must be an integer in 1..{MAX_EMBEDDING_DIMENSIONS} "
+            f"(got {_shown(dimensions)})",
+        )
+    encoding = body.get("encoding_format")
+    if encoding is not None and encoding not in EMBEDDING_ENCODINGS:
+        raise EstimateError(
+            "encoding_format",
+            f"encoding_format: must be one of {', '.join(EMBEDDING_ENCODINGS)} "
+            f"(got {_shown(encoding)})",
+        )
+    # Text goes through the configured estimator as a prompt would; IDs are exact.
+    text_tokens = estimator({"prompt": value}) if chars else 0
+    return Estimate(text_tokens if chars else token_ids, 0)

@@ -12,8 +12,9 @@ Status codes the client can get from the sidecar itself (OpenAI-style error bodi
        ``invalid_value`` (``param`` names the field: ``max_tokens``,
        ``max_completion_tokens``, ``n``, ``best_of``, ``stream``, ``messages`` (and
        ``messages[i].…``), ``prompt``, ``tools``, ``functions``, ``response_format``,
-       ``tool_choice``, or the ``x-tokenfair-priority`` header asking for a class above the
-       tenant's);
+       ``tool_choice``; for ``/v1/embeddings`` ``input``, ``dimensions``,
+       ``encoding_format``; or the ``x-tokenfair-priority`` header asking for a class above
+       the tenant's);
        ``request_over_kv_capacity`` / ``request_over_tenant_burst``: a request no state of the
        running configuration could admit — its own KV blocks above its class's watermark of
        the whole cache, or its cost above the tenant's burst with ``lendIdleCapacity`` off
@@ -21,7 +22,8 @@ Status codes the client can get from the sidecar itself (OpenAI-style error bodi
        that reason, counted as refused. With lending on, an over-burst request stays a
        ``429`` (idle capacity may admit it later)
 401    ``invalid_api_key`` (no ``Authorization: Bearer`` key, or an unknown one)
-404    ``not_found`` (any route but the two below; with ``Expect``, answered at once instead of
+404    ``not_found`` (any route but ``POST /v1/completions``, ``/v1/chat/completions``,
+       ``/v1/embeddings`` and ``GET /v1/models``; with ``Expect``, answered at once instead of
        ``100 Continue``, and the connection closed)
 417    ``expectation_failed`` (an ``Expect`` other than ``100-continue``; see
        :func:`expect_continue`: ``100 Continue`` is sent only after the key and the announced
@@ -29,9 +31,12 @@ Status codes the client can get from the sidecar itself (OpenAI-style error bodi
 408    ``request_timeout`` (the body took over ``client_body_timeout_s``; connection closed)
 413    ``request_too_large`` (body over ``max_body_bytes``, as sent or decoded)
 415    ``unsupported_content_encoding`` (see :data:`DECODED_REQUEST_CODINGS`)
-429    the gate's reason: ``shed_kv_watermark``, ``shed_queue_wait_slo``,
-       ``shed_tenant_token_quota``, ``queue_full`` (admission) or ``shed_queue_timeout`` (waited
-       past the class limit); with ``Retry-After`` and ``x-ratelimit-*-tokens``
+429    ``rate_limit_exceeded`` (OpenAI's shape: :func:`~tokenfair_sidecar.server.errors.
+       rate_limit_response`), the gate's reason in ``tokenfair_reason``: ``shed_kv_watermark``,
+       ``shed_queue_wait_slo``, ``shed_tenant_token_quota``, ``queue_full`` (admission) or
+       ``shed_queue_timeout`` (waited past the class limit); with ``Retry-After``,
+       ``retry-after-ms`` and the rate-limit headers (:meth:`~tokenfair_sidecar.server.state.
+       Sidecar.ratelimit_headers`)
 500    ``internal_error`` (the sidecar failed on the request: a bug, logged with its traceback)
 502    ``upstream_error`` (refused, reset, broken response) — ``openai`` backend; the message
        is generic, the upstream's address and errno go to the log
@@ -70,16 +75,11 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from tokenfair_sidecar.config import PRIORITY_CLASSES, PriorityClass, TenantConfig
 from tokenfair_sidecar.core import Decision, Request, UnknownTenantError
-from tokenfair_sidecar.core.jobs import ADMITTED, CANCELLED, STATUS_CLIENT_CLOSED
+from tokenfair_sidecar.core.jobs import ADMITTED, STATUS_CLIENT_CLOSED
 from tokenfair_sidecar.core.scheduler import OVER_KV_CAPACITY, STATUS_NEVER_ADMISSIBLE
-from tokenfair_sidecar.server.backends import (
-    BAD_USAGE,
-    BackendCall,
-    StreamAbortedError,
-    UpstreamError,
-)
-from tokenfair_sidecar.server.dispatcher import Settlement, Ticket
-from tokenfair_sidecar.server.errors import INTERNAL_ERROR, error_response
+from tokenfair_sidecar.server.backends import BackendCall, StreamAbortedError, UpstreamError
+from tokenfair_sidecar.server.backends.base import EMBEDDINGS_ROUTE
+from tokenfair_sidecar.server.errors import INTERNAL_ERROR, error_response, rate_limit_response
 from tokenfair_sidecar.server.estimate import (
     BodyShapeError,
     Estimate,
@@ -88,9 +88,17 @@ from tokenfair_sidecar.server.estimate import (
     check_json_shape,
     check_raw_values,
     estimate,
+    estimate_embeddings,
     utf8_text,
 )
-from tokenfair_sidecar.server.recorder import NO_USAGE, Usage
+from tokenfair_sidecar.server.lifecycle import (
+    CLIENT_LEFT,
+    DRAINING,
+    Lifecycle,
+    Outcome,
+    Phase,
+    begin,
+)
 from tokenfair_sidecar.server.state import Sidecar
 
 SIDECAR: Final = web.AppKey("sidecar", Sidecar)
@@ -100,7 +108,6 @@ QUEUE_WAIT_HEADER: Final = "x-tokenfair-queue-wait-ms"
 REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}")
 """A client's request id is honoured when it matches this: 1-128 letters, digits and ``_.:-``
 (the trace ids of ``tokenfair trace``, e.g. ``tenant_chat_pro-000001``, and UUIDs)."""
-DRAINING: Final = "draining"
 DRAIN_ABORTED: Final = "drain_aborted"
 """Record reason (status 503) of a request still running when the drain grace ran out: the
 sidecar cut it (a stream ends incomplete; a request with nothing sent yet is answered ``503
@@ -152,16 +159,19 @@ def _drain_aborted(sidecar: Sidecar, request_id: str) -> web.Response:
     )
 
 
-def _refusal(sidecar: Sidecar, decision: Decision) -> web.Response:
+def _refusal(sidecar: Sidecar, decision: Decision, mix: tuple[int, int]) -> web.Response:
+    """The ``429`` of a gate (OpenAI's shape: :func:`rate_limit_response`); ``mix`` is the
+    request's ``(usage tokens, service tokens)`` for the rate-limit headers."""
     observed = ", ".join(f"{k}={v:g}" for k, v in decision.observed.items())
     message = f"refused by the {decision.gate} gate: {decision.reason}"
     if observed:
         message += f" ({observed})"
-    headers = sidecar.ratelimit_headers(decision.tenant_id)
+    headers = sidecar.ratelimit_headers(decision.tenant_id, mix)
     headers["Retry-After"] = str(sidecar.retry_after_s(decision))
+    headers[RETRY_AFTER_MS_HEADER] = str(sidecar.retry_after_ms(decision))
     headers[REQUEST_ID_HEADER] = decision.request_id
     headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
-    return error_response(429, message, decision.reason, headers=headers)
+    return rate_limit_response(message, decision.reason, headers=headers)
 
 
 def _never_admissible(sidecar: Sidecar, decision: Decision) -> web.Response:
@@ -399,9 +409,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if not isinstance(stream, bool):
         return _invalid(sidecar, 400, "stream: must be a boolean", "invalid_value", "stream")
     try:
-        cost = estimate(
-            body, sidecar.estimator, settings.default_decode_tokens, settings.max_decode_tokens
-        )
+        cost, stream = _estimate_route(sidecar, request.path, body, stream)
     except EstimateError as exc:
         return _invalid(sidecar, 400, str(exc), "invalid_value", exc.param)
     job = Request(
@@ -413,52 +421,51 @@ async def completions(request: web.Request) -> web.StreamResponse:
         priority,
     )
     try:
-        admission = sidecar.dispatcher.submit(job)
+        lifecycle = begin(sidecar, job)
     except UnknownTenantError:  # removed by a reload while its body was being read
         return _invalid(sidecar, 401, "the tenant of this key no longer exists", "invalid_api_key")
-    if isinstance(admission, Decision):
-        sidecar.account(job, admission, status_code=admission.status_code, reason=admission.reason)
-        if admission.status_code == STATUS_NEVER_ADMISSIBLE:
-            return _never_admissible(sidecar, admission)
-        return _refusal(sidecar, admission)
-    return await _serve(sidecar, request, admission, body, raw, stream, cost)
+    if lifecycle.phase is Phase.REFUSED:  # ended (recorded) by `begin`
+        refusal = lifecycle.decision
+        assert refusal is not None  # a refusal at the door always has its decision
+        if refusal.status_code == STATUS_NEVER_ADMISSIBLE:
+            return _never_admissible(sidecar, refusal)
+        return _refusal(sidecar, refusal, _usage_mix(sidecar, cost))
+    return await _serve(sidecar, request, lifecycle, body, raw, stream, cost)
 
 
 async def _serve(
     sidecar: Sidecar,
     request: web.Request,
-    ticket: Ticket,
+    lifecycle: Lifecycle,
     body: dict[str, Any],
     raw: bytes,
     stream: bool,
     cost: Estimate,
 ) -> web.StreamResponse:
-    """Wait for dispatch, run the backend, and account the one outcome whatever happens.
+    """Wait for dispatch, run the backend, answer the client; the lifecycle ends in ``finally``.
 
-    ``status_code, reason`` is the outcome as the client met it; it starts as "the client went
-    away" (the only way out of the ``await`` without an answer) and is set on every other path.
-    Whatever the backend or settlement raises, the ``finally`` releases the request's slot and
-    KV and writes exactly one record (:func:`_settle`, which never raises)."""
-    job = ticket.request
+    ``met`` is the answer as the client met it; it starts as "the client went away" (the only
+    way out of the ``await`` without an answer) and is set on every other path. Whatever the
+    backend raises, :meth:`Lifecycle.end
+    <tokenfair_sidecar.server.lifecycle.Lifecycle.end>` releases the request's slot and KV and
+    writes its one record (it never raises)."""
+    job = lifecycle.request
     clock = sidecar.clock
-    status_code = STATUS_CLIENT_CLOSED
-    reason = CANCELLED
+    met = CLIENT_LEFT
     call: BackendCall | None = None
-    ttft_ms: list[float] = []
+    first_byte_ms: list[float] = []
     handler = asyncio.current_task()
     handlers = sidecar.dispatcher.handlers
     if handler is not None:
         handlers.add(handler)
     try:
-        decision = await sidecar.dispatcher.wait(ticket)
-        if ticket.drained:
-            status_code, reason = 503, DRAINING
+        decision = await sidecar.dispatcher.wait(lifecycle)
+        if lifecycle.drained:
             return _draining(sidecar)
         if not decision.admitted:
-            status_code, reason = decision.status_code, decision.reason
-            return _refusal(sidecar, decision)
+            return _refusal(sidecar, decision, _usage_mix(sidecar, cost))
         sidecar.dispatched(decision)
-        headers = sidecar.ratelimit_headers(job.tenant_id)
+        headers = sidecar.ratelimit_headers(job.tenant_id, _usage_mix(sidecar, cost))
         headers[REQUEST_ID_HEADER] = job.request_id
         headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
         call = BackendCall(
@@ -470,14 +477,14 @@ async def _serve(
             estimate=cost,
             decision=decision,
             response_headers=headers,
-            on_first_byte=lambda: ttft_ms.append(clock.now_ms() - job.arrival_ms),
-            dispatched_at_s=ticket.dispatched_at_s,
+            on_first_byte=lambda: first_byte_ms.append(clock.now_ms() - job.arrival_ms),
+            dispatched_at_s=lifecycle.dispatched_at_s,
             client_write_timeout_s=sidecar.settings.client_write_timeout_s,
         )
         try:
             response = await sidecar.backend.respond(call)
         except UpstreamError as exc:
-            status_code, reason = exc.status, exc.code
+            met = Outcome(exc.status, exc.code)
             log.warning("request %s: %s", job.request_id, exc.detail)
             if exc.status == 502 and call.prompt_tokens is None:
                 # Refused or reset before any answer: no work to charge. (A timeout may have
@@ -487,16 +494,16 @@ async def _serve(
         except StreamAbortedError as exc:
             # The client has the status line and part of the body: cut its connection so the
             # transfer ends incomplete (a clean end would pass a truncated answer as whole).
-            status_code, reason = 502, exc.code
+            met = Outcome(502, exc.code)
             _abort_client(request)
             return exc.response
-        status_code, reason = response.status, call.usage_error or ADMITTED
+        met = Outcome(response.status, call.usage_error or ADMITTED)
         return response
     except asyncio.CancelledError:
         if call is not None and call.client_write_timed_out:
-            status_code, reason = STATUS_CLIENT_CLOSED, CLIENT_WRITE_TIMEOUT
+            met = Outcome(STATUS_CLIENT_CLOSED, CLIENT_WRITE_TIMEOUT)
         elif sidecar.dispatcher.aborting:  # cut by the drain, not by its client
-            status_code, reason = 503, DRAIN_ABORTED
+            met = Outcome(503, DRAIN_ABORTED)
             writer = request.writer
             # A stream under way (bytes out, or a chunked answer prepared): end it incomplete.
             if writer.output_size > 0 or getattr(writer, "chunked", True):
@@ -510,10 +517,10 @@ async def _serve(
             # A write to a client that left (or was cut for not reading) failed before the
             # handler's cancellation arrived: the client's outcome, not the sidecar's failure.
             if call is not None and call.client_write_timed_out:
-                status_code, reason = STATUS_CLIENT_CLOSED, CLIENT_WRITE_TIMEOUT
+                met = Outcome(STATUS_CLIENT_CLOSED, CLIENT_WRITE_TIMEOUT)
             return web.Response(status=STATUS_CLIENT_CLOSED)  # never sent: no connection
         log.exception("request %s failed in the sidecar", job.request_id)
-        status_code, reason = 500, INTERNAL_ERROR
+        met = Outcome(500, INTERNAL_ERROR)
         if request.writer.output_size > 0:  # a response already started: cut it
             _abort_client(request)
             return web.Response(status=500)  # never sent: the connection is gone
@@ -525,7 +532,7 @@ async def _serve(
     finally:
         if call is not None:
             call.close()
-        _settle(sidecar, ticket, call, status_code, reason, ttft_ms)
+        lifecycle.end(sidecar, met, call, first_byte_ms[0] if first_byte_ms else None)
         if handler is not None:
             handlers.discard(handler)
 
@@ -541,108 +548,6 @@ def _abort_client(request: web.Request) -> None:
         transport.abort()
 
 
-def _actual_service_tokens(
-    sidecar: Sidecar, job: Request, prompt: int | None, completion: int | None
-) -> int | None:
-    """The service tokens of the reported usage (a missing count stands in as estimated);
-    None when nothing was reported."""
-    if prompt is None and completion is None:
-        return None
-    return sidecar.scheduler.cost.service_tokens(
-        job.prefill_tokens if prompt is None else prompt,
-        job.decode_tokens if completion is None else completion,
-    )
-
-
-def _settle(
-    sidecar: Sidecar,
-    ticket: Ticket,
-    call: BackendCall | None,
-    status_code: int,
-    reason: str,
-    ttft_ms: list[float],
-) -> None:
-    """Settle the request in the core, then account for it; never raises. Each step is guarded
-    on its own, so that whatever raises, the slot and KV are released
-    (:meth:`~tokenfair_sidecar.server.dispatcher.Dispatcher.finish` never raises for the core's
-    sake) and exactly one record is written (by ``account``, or, if that raised, by
-    ``record`` alone, which counts a record it cannot write as dropped)."""
-    job = ticket.request
-    actual: int | None = None
-    usage = NO_USAGE
-    try:
-        if call is not None:
-            actual, usage, reason = _settle_call(sidecar, ticket, call, reason, ttft_ms)
-        elif ticket.decision is not None:
-            # Dispatched but no backend call made (its client left, or the handler failed before
-            # the call): settled at zero. `finish` does nothing if the dispatcher settled it.
-            actual = 0
-            sidecar.dispatcher.finish(ticket, 0, 0.0)
-    except Exception:  # a bug: logged; the request is released at its estimate below
-        log.exception("request %s: settlement failed", job.request_id)
-        actual, usage = None, NO_USAGE
-        reason = INTERNAL_ERROR if reason == ADMITTED else reason
-    if ticket.decision is not None and not ticket.finished:
-        try:
-            sidecar.dispatcher.finish(ticket, None, 0.0)
-        except Exception:
-            log.exception("request %s: releasing it failed", job.request_id)
-    decision = ticket.decision or ticket.outcome
-    if decision is None:  # cannot happen: a ticket ends dispatched, refused or cancelled
-        log.error("request %s ended with no decision: no record", job.request_id)
-        return
-    if ticket.outcome is not None and ticket.decision is None:
-        status_code, reason = (
-            (503, DRAINING) if ticket.drained else (ticket.outcome.status_code,
-                                                    ticket.outcome.reason)
-        )  # fmt: skip
-    try:
-        sidecar.account(
-            job,
-            decision,
-            status_code=status_code,
-            reason=reason,
-            actual_service_tokens=actual,
-            usage=usage,
-        )
-    except Exception:  # a bug: the record is still written, alone
-        log.exception("request %s: accounting failed; writing its record alone", job.request_id)
-        sidecar.record(job, decision, status_code=status_code, reason=reason, usage=usage)
-
-
-def _settle_call(
-    sidecar: Sidecar, ticket: Ticket, call: BackendCall, reason: str, ttft_ms: list[float]
-) -> tuple[int | None, Usage, str]:
-    """Settle a request the backend ran: the service tokens booked (None: the estimate), its
-    usage for the record, and its reason (changed when the usage was not booked)."""
-    job = ticket.request
-    prompt, completion = call.prompt_tokens, call.completion_tokens
-    actual: int | None
-    try:
-        actual = _actual_service_tokens(sidecar, job, prompt, completion)
-    except Exception:  # the backend's numbers: whatever they are, the estimate stands
-        log.exception("request %s: usage not computable; settling at the estimate",
-                      job.request_id)  # fmt: skip
-        actual = prompt = completion = None
-        reason = BAD_USAGE if reason == ADMITTED else reason
-    try:
-        kv_hold_ms = sidecar.backend.kv_hold_ms(call)
-    except Exception:
-        log.exception("request %s: KV hold time failed; releasing at once", job.request_id)
-        kv_hold_ms = 0.0
-    settlement = sidecar.dispatcher.finish(ticket, actual, kv_hold_ms)
-    if settlement is not Settlement.AS_REPORTED:
-        # Not booked as reported: settled at the estimate (or released unsettled), recorded so.
-        actual = prompt = completion = None
-        if reason == ADMITTED:
-            reason = BAD_USAGE if settlement is Settlement.AT_ESTIMATE else INTERNAL_ERROR
-    usage = Usage(
-        prompt, completion, ttft_ms[0] if ttft_ms else None,
-        sidecar.clock.now_ms() - job.arrival_ms,
-    )  # fmt: skip
-    return actual, usage, reason
-
-
 async def expect_not_found(request: web.Request) -> web.Response:
     """The ``Expect`` handler of every other route: no ``100 Continue`` for a request that has
     nowhere to go — its ``404`` is the answer and the connection closes (the body the client
@@ -655,3 +560,33 @@ async def not_found(request: web.Request) -> web.Response:
         404, f"no route {request.method} {request.path} (try POST /v1/chat/completions)",
         "not_found",
     )  # fmt: skip
+
+
+RETRY_AFTER_MS_HEADER: Final = "retry-after-ms"
+"""A refusal's wait in real milliseconds next to ``Retry-After`` (whole seconds): the openai
+SDK reads it first (``_parse_retry_after_header``)."""
+
+
+def _estimate_route(
+    sidecar: Sidecar, path: str, body: dict[str, Any], stream: bool
+) -> tuple[Estimate, bool]:
+    """The request's estimate by route, and whether it streams: an embedding costs prefill only
+    and is one JSON answer whatever ``stream`` says (:func:`~tokenfair_sidecar.server.estimate.
+    estimate_embeddings`); completions and chat as :func:`~tokenfair_sidecar.server.estimate.
+    estimate` says. Raises :class:`EstimateError` naming a bad field."""
+    if path == EMBEDDINGS_ROUTE:
+        return estimate_embeddings(body, sidecar.estimator), False
+    settings = sidecar.settings
+    cost = estimate(
+        body, sidecar.estimator, settings.default_decode_tokens, settings.max_decode_tokens
+    )
+    return cost, stream
+
+
+def _usage_mix(sidecar: Sidecar, cost: Estimate) -> tuple[int, int]:
+    """The request's ``(usage tokens, service tokens)``: its estimate's ``prompt + max_tokens``
+    and their service tokens, the ratio that converts the tenant's service-token bucket into
+    the tokens clients count (:meth:`~tokenfair_sidecar.server.state.Sidecar.
+    ratelimit_headers`)."""
+    prefill, decode = cost.prefill_tokens, cost.decode_tokens
+    return prefill + decode, sidecar.scheduler.cost.service_tokens(prefill, decode)

@@ -28,10 +28,16 @@ from tokenfair_sidecar.config import (
     parse_documents,
     shown,
 )
-from tokenfair_sidecar.server.estimate import MAX_JSON_DEPTH, MAX_JSON_VALUES
+from tokenfair_sidecar.server.estimate import (
+    MAX_EMBEDDING_DIMENSIONS,
+    MAX_JSON_DEPTH,
+    MAX_JSON_VALUES,
+)
 from tokenfair_sidecar.server.upstream import parse_origin
 
 BACKENDS: Final = ("costmodel", "openai")
+DEFAULT_SERVED_MODEL_NAMES: Final = ("tokenfair-costmodel",)
+DEFAULT_EMBEDDING_DIMENSIONS: Final = 384
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +108,22 @@ class SidecarSettings:
     """Open connections on the proxy listener; one more is answered ``503`` and closed at once.
     Every queued request holds one, so keep it above ``maxInFlight`` plus the queue you expect
     (and the process's file limit above it)."""
+    upstream_api_key_file: str | None = None
+    """A file holding the API key the ``openai`` upstream expects (vLLM's ``--api-key``), e.g. a
+    mounted Secret; sent as ``Authorization: Bearer <key>`` on every upstream request (the
+    client's own ``Authorization`` carries the tenant's key and is never forwarded). Read once
+    at start (surrounding whitespace stripped): an unreadable or empty file stops the start.
+    None: ``$TOKENFAIR_UPSTREAM_API_KEY_FILE`` if set, else no key. Never logged or shown."""
+    served_model_names: tuple[str, ...] = DEFAULT_SERVED_MODEL_NAMES
+    """What ``GET /v1/models`` lists with the ``costmodel`` engine (the ``openai`` backend
+    relays the upstream's list). The default is the name the engine answers with when a
+    request names no model."""
+    embedding_dimensions: int = DEFAULT_EMBEDDING_DIMENSIONS
+    """Length of the ``costmodel`` engine's fake embeddings when a request does not set
+    ``dimensions`` (384: the common small sentence-embedding models')."""
+    ietf_ratelimit_headers: bool = False
+    """Also send the IETF ``RateLimit-Policy`` and ``RateLimit`` fields
+    (draft-ietf-httpapi-ratelimit-headers) in service tokens; off by default (a draft)."""
 
 
 MAX_SETTING_INT: Final = 2**53
@@ -152,6 +174,36 @@ def _header(name: str, value: object) -> str:
     return _string(name, value).lower()
 
 
+def _boolean(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: must be true or false (got {_shown(value)})")
+    return value
+
+
+MAX_MODEL_NAMES: Final = 64
+MAX_MODEL_NAME_CHARS: Final = 256
+
+
+def _model_names(name: str, value: object) -> tuple[str, ...]:
+    if (
+        not isinstance(value, list)
+        or not 1 <= len(value) <= MAX_MODEL_NAMES
+        or not all(isinstance(v, str) and 0 < len(v) <= MAX_MODEL_NAME_CHARS for v in value)
+    ):
+        raise ConfigError(
+            f"{name}: must be a list of 1..{MAX_MODEL_NAMES} non-empty strings of at most "
+            f"{MAX_MODEL_NAME_CHARS} characters (got {_shown(value)})"
+        )
+    return tuple(value)
+
+
+def _embedding_dimensions(name: str, value: object) -> int:
+    dimensions = _positive_int(name, value)
+    if dimensions > MAX_EMBEDDING_DIMENSIONS:
+        raise ConfigError(f"{name}: must be <= {MAX_EMBEDDING_DIMENSIONS} (got {dimensions})")
+    return dimensions
+
+
 SECTION_FIELDS: Final[dict[str, tuple[str, Any]]] = {
     "listen": ("listen", _address),
     "adminListen": ("admin_listen", _address),
@@ -175,6 +227,10 @@ SECTION_FIELDS: Final[dict[str, tuple[str, Any]]] = {
     "clientBodyTimeoutSeconds": ("client_body_timeout_s", _positive_float),
     "clientWriteTimeoutSeconds": ("client_write_timeout_s", _positive_float),
     "maxClientConnections": ("max_client_connections", _positive_int),
+    "upstreamApiKeyFile": ("upstream_api_key_file", _string),
+    "servedModelNames": ("served_model_names", _model_names),
+    "embeddingDimensions": ("embedding_dimensions", _embedding_dimensions),
+    "ietfRateLimitHeaders": ("ietf_ratelimit_headers", _boolean),
 }
 """``sidecar:`` key -> (attribute, parser)."""
 
@@ -254,6 +310,45 @@ def loads_sidecar_file(data: bytes, source: str) -> LoadedFile:
         stripped.append(document)
     config = parse_documents(stripped, source)
     return LoadedFile(config, section, hashlib.sha256(data).hexdigest())
+
+
+UPSTREAM_API_KEY_FILE_ENV: Final = "TOKENFAIR_UPSTREAM_API_KEY_FILE"
+"""The environment variable naming the upstream key's file when ``upstreamApiKeyFile`` is
+unset (what an injector sets next to a mounted Secret)."""
+MAX_API_KEY_BYTES: Final = 4096
+
+
+def upstream_api_key_path(
+    settings: SidecarSettings, environ: Mapping[str, str]
+) -> tuple[str, str] | None:
+    """The file of the upstream's key and where it was named (for messages): the setting,
+    else :data:`UPSTREAM_API_KEY_FILE_ENV`; None for no key."""
+    if settings.upstream_api_key_file:
+        return settings.upstream_api_key_file, "upstreamApiKeyFile"
+    path = environ.get(UPSTREAM_API_KEY_FILE_ENV)
+    return (path, f"${UPSTREAM_API_KEY_FILE_ENV}") if path else None
+
+
+def read_upstream_api_key(path: str, named_by: str = "upstreamApiKeyFile") -> str:
+    """The key in ``path``, stripped of surrounding whitespace. :class:`ConfigError` naming the
+    file and ``named_by`` (never its content) if it cannot be read, is empty, is over 4 KiB or
+    holds anything but visible ASCII (the key goes into a header line)."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_API_KEY_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{named_by}: cannot read {path} ({exc.strerror or exc})") from None
+    if len(data) > MAX_API_KEY_BYTES:
+        raise ConfigError(f"{named_by}: {path} is over {MAX_API_KEY_BYTES} bytes")
+    key = data.strip()
+    if not key:
+        raise ConfigError(f"{named_by}: {path} is empty")
+    if not all(0x21 <= byte <= 0x7E for byte in key):
+        raise ConfigError(
+            f"{named_by}: {path} holds characters other than visible ASCII "
+            "(spaces, control characters or non-ASCII bytes inside the key)"
+        )
+    return key.decode("ascii")
 
 
 def load_sidecar_file(path: str | Path) -> LoadedFile:

@@ -1,9 +1,10 @@
 """The state of one running sidecar, shared by the proxy and admin apps (``web.AppKey`` entries).
 
 Owns the scheduler, its dispatcher, the authenticator and the accounting of outcomes (metrics,
-per-tenant counters for ``/status``, request records). Every request that reaches admission is
-accounted exactly once, by :meth:`Sidecar.account`, and has exactly one record whatever fails
-(:meth:`Sidecar.record` never raises: a record it cannot write is counted as dropped).
+per-tenant counters for ``/status``, request records). A request's one outcome is decided by
+its :class:`~tokenfair_sidecar.server.lifecycle.Lifecycle`, whose ``end`` calls
+:meth:`Sidecar.account` for it once; :meth:`Sidecar.record` never raises (a record it cannot
+write is counted as dropped).
 """
 
 from __future__ import annotations
@@ -51,6 +52,29 @@ FALLBACK_RETRY_AFTER_S: Final = 1
 REFUSAL_STATUSES: Final = frozenset({400, 429, 503})
 """Statuses of a request never dispatched that count as refused (``400`` never admissible,
 ``429`` a gate, ``503`` draining); the same statuses after dispatch are the upstream's."""
+
+
+IETF_POLICY: Final = "service-tokens"
+"""The policy name (and quota unit) of the IETF ``RateLimit-Policy`` / ``RateLimit`` fields."""
+
+
+def ietf_ratelimit_fields(
+    burst: int, remaining: int, window_s: float, reset_s: float
+) -> dict[str, str]:
+    """The IETF fields (draft-ietf-httpapi-ratelimit-headers-10, Structured Fields): the policy
+    ``"service-tokens";q=<burst>;qu="service-tokens";w=<seconds to refill from empty>`` and the
+    state ``"service-tokens";r=<remaining>;t=<seconds until full>``. Service tokens, not the
+    converted usage tokens: the policy should stay the same from response to response, and the
+    conversion changes with each request's mix. ``qu`` is outside the draft's registry
+    (``requests``, ``content-bytes``, ``concurrent-requests``): without it the quota would read
+    as requests. ``w`` is at least 1 (the draft's window is a positive integer); ``t`` is
+    rounded up."""
+    return {
+        "RateLimit-Policy": (
+            f'"{IETF_POLICY}";q={burst};qu="{IETF_POLICY}";w={max(1, math.ceil(window_s))}'
+        ),
+        "RateLimit": f'"{IETF_POLICY}";r={remaining};t={math.ceil(reset_s)}',
+    }
 
 
 class Sidecar:
@@ -205,20 +229,54 @@ class Sidecar:
             return FALLBACK_RETRY_AFTER_S
         return max(1, math.ceil(self.clock.real_seconds(decision.retry_after_ms)))
 
-    def ratelimit_headers(self, tenant_id: str) -> dict[str, str]:
-        """OpenAI-style ``x-ratelimit-*-tokens`` headers from the tenant's bucket (service
-        tokens); reset = real seconds until the bucket is full again."""
+    def retry_after_ms(self, decision: Decision | None) -> int:
+        """``retry-after-ms``: the gate's ``retry_after_ms`` in real milliseconds (ceil, at least
+        1; never above :meth:`retry_after_s` times 1000). The openai SDK prefers it to
+        ``Retry-After``, whose whole seconds would turn a 420 ms wait into 1 s."""
+        if decision is None or decision.retry_after_ms is None:
+            return FALLBACK_RETRY_AFTER_S * 1000
+        return max(1, math.ceil(self.clock.real_seconds(decision.retry_after_ms) * 1000.0))
+
+    def ratelimit_headers(
+        self, tenant_id: str, mix: tuple[int, int] | None = None
+    ) -> dict[str, str]:
+        """Rate-limit headers from the tenant's bucket (service tokens, see the docs):
+
+        * ``x-tokenfair-ratelimit-{limit,remaining,reset}-service-tokens``: the bucket exactly
+          (burst, level, real seconds until full);
+        * ``x-ratelimit-{limit,remaining,reset}-tokens`` (OpenAI's names) in the tokens clients
+          count (``usage.prompt_tokens + usage.completion_tokens``): the bucket converted with
+          this request's own mix, ``usage / service`` where ``mix = (usage, service)`` is its
+          estimate's ``prompt + max_tokens`` and service tokens (floored); without ``mix``, or
+          for a request of 0 service tokens, 1:1;
+        * with ``ietf_ratelimit_headers``, ``RateLimit-Policy`` and ``RateLimit``
+          (:func:`ietf_ratelimit_fields`)."""
         state = self.scheduler.tenants.get(tenant_id)
         if state is None:
             return {}
         bucket = state.bucket
         level = bucket.refill(self.clock.now_ms())
         reset_ms = max(0.0, bucket.burst - level) * 1000.0 / bucket.sustained_per_second
-        return {
-            "x-ratelimit-limit-tokens": str(bucket.burst),
-            "x-ratelimit-remaining-tokens": str(max(0, int(level))),
-            "x-ratelimit-reset-tokens": f"{self.clock.real_seconds(reset_ms):.3f}s",
+        level = max(0.0, level)  # a bucket in debt shows 0 remaining (the reset counts the debt)
+        reset_s = self.clock.real_seconds(reset_ms)
+        usage, service = mix if mix is not None else (1, 1)
+        ratio = usage / service if service > 0 else 1.0
+        headers = {
+            "x-ratelimit-limit-tokens": str(math.floor(bucket.burst * ratio)),
+            "x-ratelimit-remaining-tokens": str(math.floor(level * ratio)),
+            "x-ratelimit-reset-tokens": f"{reset_s:.3f}s",
+            "x-tokenfair-ratelimit-limit-service-tokens": str(math.floor(bucket.burst)),
+            "x-tokenfair-ratelimit-remaining-service-tokens": str(math.floor(level)),
+            "x-tokenfair-ratelimit-reset-service-tokens": f"{reset_s:.3f}s",
         }
+        if self.settings.ietf_ratelimit_headers:
+            window_s = self.clock.real_seconds(bucket.burst * 1000.0 / bucket.sustained_per_second)
+            headers.update(
+                ietf_ratelimit_fields(
+                    math.floor(bucket.burst), math.floor(level), window_s, reset_s
+                )
+            )
+        return headers
 
     def _series(self, tenant_id: str, priority_class: PriorityClass) -> LaneSeries:
         key = (tenant_id, priority_class)
@@ -244,7 +302,8 @@ class Sidecar:
         actual_service_tokens: int | None = None,
         usage: Usage | None = None,
     ) -> None:
-        """Count, measure and record one request's outcome (exactly once per request). A failure
+        """Count, measure and record one request's outcome (called once per request, by
+        :meth:`Lifecycle.end <tokenfair_sidecar.server.lifecycle.Lifecycle.end>`). A failure
         while counting (a bug, logged) does not stop the record."""
         if usage is None:
             usage = NO_USAGE
@@ -325,6 +384,23 @@ class Sidecar:
                 line = minimal_record(request, self.policy_name, status_code=status_code,
                                       reason=reason)  # fmt: skip
             recorder.write(line)
+        except Exception:
+            log.exception("request %s: its record could not be written; counted as dropped",
+                          request.request_id)  # fmt: skip
+            try:
+                self.metrics.records_dropped.inc()
+            except Exception:
+                log.exception("counting a dropped record failed")
+
+    def record_minimal(self, request: Request, *, status_code: int, reason: str) -> None:
+        """Write a minimal record (:func:`minimal_record`) for a request that has no decision
+        (which cannot happen: the lifecycle logs it). Never raises."""
+        recorder = self.recorder
+        if recorder is None:
+            return
+        try:
+            recorder.write(minimal_record(request, self.policy_name, status_code=status_code,
+                                          reason=reason))  # fmt: skip
         except Exception:
             log.exception("request %s: its record could not be written; counted as dropped",
                           request.request_id)  # fmt: skip

@@ -32,7 +32,12 @@ from tokenfair_sidecar.server.estimate import Estimate
 
 log = logging.getLogger("tokenfair.sidecar")
 
-ROUTES = ("/v1/completions", "/v1/chat/completions")
+EMBEDDINGS_ROUTE: Final = "/v1/embeddings"
+MODELS_ROUTE: Final = "/v1/models"
+"""``GET``: listed without admission (it does no model work) by :meth:`Backend.models`."""
+ROUTES: Final = ("/v1/completions", "/v1/chat/completions", EMBEDDINGS_ROUTE)
+"""The ``POST`` routes that are admitted, scheduled and settled (``/v1/embeddings`` at a
+prefill-only cost: :func:`~tokenfair_sidecar.server.estimate.estimate_embeddings`)."""
 
 MAX_USAGE_TOKENS: Final = MAX_REQUEST_TOKENS
 """Largest ``usage.prompt_tokens`` / ``usage.completion_tokens`` believed (a signed 32-bit int:
@@ -268,6 +273,11 @@ class Backend(ABC):
     @abstractmethod
     async def respond(self, call: BackendCall) -> web.StreamResponse:
         """Run ``call`` and answer the client (see the module docstring)."""
+
+    @abstractmethod
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """Answer ``GET /v1/models`` for an authenticated client (no admission: listing models
+        does no model work). May raise :class:`UpstreamError` (the proxy answers 502/504)."""
 
     def kv_hold_ms(self, call: BackendCall) -> float:
         """Model ms after dispatch until the request's KV blocks are free (0: at completion)."""

@@ -15,20 +15,39 @@ KV stays resident ``kv_hold_ms`` after dispatch. Text is
 Streaming (``"stream": true``) sends the text in up to 16 SSE chunks, the first at the prefill
 time and the rest spread evenly until the execution time, then a usage chunk when
 ``stream_options.include_usage`` is set, then ``data: [DONE]``.
+
+Embeddings (``/v1/embeddings``) take the engine for ``execution_ms(p)`` (prefill only) and answer
+one deterministic fake vector per input (:func:`fake_embedding`: unit length, seeded by the
+input's CRC-32), of ``dimensions`` (or ``embedding_dimensions``) values, as floats or, with
+``encoding_format: base64``, as little-endian float32 bytes in base64 (what the openai SDK asks
+for by default); ``usage`` reports ``p`` prompt tokens. A batch over
+:data:`MAX_FAKE_EMBEDDING_VALUES` values in all is answered ``400`` (nothing ran).
+
+``GET /v1/models`` lists ``served_model_names``; a request naming no model is answered as the
+first of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import math
+import sys
 import time
 import zlib
+from array import array
 from typing import Any, ClassVar, Final
 
 from aiohttp import web
 
 from tokenfair_sidecar.costmodel import CostModel
-from tokenfair_sidecar.server.backends.base import Backend, BackendCall
+from tokenfair_sidecar.server.backends.base import EMBEDDINGS_ROUTE, Backend, BackendCall
+from tokenfair_sidecar.server.errors import error_response
+from tokenfair_sidecar.server.settings import (
+    DEFAULT_EMBEDDING_DIMENSIONS,
+    DEFAULT_SERVED_MODEL_NAMES,
+)
 
 _WORDS: Final = (
     "fair", "token", "queue", "lane", "batch", "chat", "budget", "tenant",
@@ -51,6 +70,29 @@ def _seed_text(body: dict[str, Any]) -> str:
         return ""
 
 
+MAX_FAKE_EMBEDDING_VALUES: Final = 1 << 18
+"""Most values (inputs times dimensions) of one fake embeddings answer: 262,144 floats are ~5 MiB
+of JSON, built on the event loop."""
+
+
+def embedding_inputs(value: object) -> list[object]:
+    """The inputs of an embeddings ``input`` (checked by the estimate): a string or a list of
+    token IDs is one input, a list of strings or of lists one input each."""
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
+        return value
+    return [value]
+
+
+def fake_embedding(item: object, dimensions: int) -> array[float]:
+    """A deterministic unit vector of ``dimensions`` float32 values seeded by ``item``'s CRC-32
+    (the same input always embeds the same; different ones almost never)."""
+    seed = zlib.crc32(json.dumps(item, separators=(",", ":")).encode("utf-8"))
+    values = array("f", (((seed * 2654435761 + i * 40503) % 65536) / 32768.0 - 1.0
+                         for i in range(dimensions)))  # fmt: skip
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return array("f", (v / norm for v in values))
+
+
 def sse(data: object) -> bytes:
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
@@ -59,9 +101,19 @@ class CostModelBackend(Backend):
     name: ClassVar[str] = "costmodel"
     default_max_in_flight: ClassVar[int] = 2
 
-    def __init__(self, cost: CostModel, time_scale: float) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        time_scale: float,
+        *,
+        served_model_names: tuple[str, ...] = DEFAULT_SERVED_MODEL_NAMES,
+        embedding_dimensions: int = DEFAULT_EMBEDDING_DIMENSIONS,
+    ) -> None:
         self.cost = cost
         self.time_scale = time_scale
+        self.served_model_names = served_model_names
+        self.embedding_dimensions = embedding_dimensions
+        self._created = int(time.time())
         self._engine = asyncio.Lock()
         self._free_at = 0.0  # loop time when the engine's last request ends (or ended)
 
@@ -81,7 +133,73 @@ class CostModelBackend(Backend):
         if delay > 0:
             await asyncio.sleep(delay)
 
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        created = self._created
+        data = [
+            {"id": name, "object": "model", "created": created, "owned_by": "tokenfair"}
+            for name in self.served_model_names
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    def _model(self, body: dict[str, Any]) -> str:
+        model = body.get("model")
+        return model if isinstance(model, str) and model else self.served_model_names[0]
+
+    async def _run(self, call: BackendCall, execution_ms: float) -> None:
+        """Hold the serial engine for ``execution_ms`` model ms from the request's start."""
+        loop = asyncio.get_running_loop()
+        async with self._engine:
+            start = max(call.dispatched_at_s, self._free_at)
+            end = start + self._real_s(execution_ms)
+            self._free_at = end
+            try:
+                await self._sleep_until(loop, end)
+            except BaseException:
+                self._free_at = loop.time()  # cut short (client gone): the engine is free now
+                raise
+
+    async def _embed(self, call: BackendCall) -> web.StreamResponse:
+        body = call.body
+        inputs = embedding_inputs(body.get("input"))
+        asked = body.get("dimensions")
+        dimensions = asked if isinstance(asked, int) else self.embedding_dimensions
+        if len(inputs) * dimensions > MAX_FAKE_EMBEDDING_VALUES:
+            call.prompt_tokens = call.completion_tokens = 0  # nothing ran
+            return error_response(
+                400,
+                f"dimensions: {len(inputs)} inputs of {dimensions} dimensions are over the "
+                f"cost-model engine's {MAX_FAKE_EMBEDDING_VALUES} values per answer",
+                "invalid_value",
+                param="dimensions",
+                headers=call.response_headers,
+            )
+        prompt = call.estimate.prefill_tokens
+        cost = self.cost
+        execution_ms = cost.execution_ms(cost.service_tokens(prompt, 0))
+        await self._run(call, max(cost.prefill_ms(prompt), execution_ms))
+        call.prompt_tokens, call.completion_tokens = prompt, 0
+        as_base64 = body.get("encoding_format") == "base64"
+        data: list[dict[str, Any]] = []
+        for index, item in enumerate(inputs):
+            vector = fake_embedding(item, dimensions)
+            embedding: object = vector.tolist()
+            if as_base64:
+                if sys.byteorder == "big":  # OpenAI's base64 embeddings are little-endian
+                    vector.byteswap()
+                embedding = base64.b64encode(vector.tobytes()).decode("ascii")
+            data.append({"object": "embedding", "index": index, "embedding": embedding})
+        payload = {
+            "object": "list",
+            "data": data,
+            "model": self._model(body),
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
+        }
+        call.first_byte()
+        return web.json_response(payload, headers=call.response_headers)
+
     async def respond(self, call: BackendCall) -> web.StreamResponse:
+        if call.path == EMBEDDINGS_ROUTE:
+            return await self._embed(call)
         prompt = call.estimate.prefill_tokens
         decode = call.estimate.decode_tokens
         cost = self.cost
@@ -90,9 +208,7 @@ class CostModelBackend(Backend):
         words = generate_words(_seed_text(call.body), decode)
         call.prompt_tokens = prompt
         chat = call.path.endswith("/chat/completions")
-        model = call.body.get("model")
-        if not isinstance(model, str) or not model:
-            model = "tokenfair-costmodel"
+        model = self._model(call.body)
         usage = {
             "prompt_tokens": prompt,
             "completion_tokens": decode,

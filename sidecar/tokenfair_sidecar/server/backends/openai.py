@@ -24,7 +24,11 @@
   their label.
 * Hop-by-hop headers, and every header the ``Connection`` header names, are dropped both ways, as
   are the tenant's ``Authorization`` (the upstream never sees tenants' keys) and ``x-tokenfair-*``
-  headers.
+  headers. With an upstream API key (``upstream_api_key_file``), ``Authorization: Bearer <key>``
+  is sent instead; the key is never logged.
+* ``GET /v1/models`` is relayed as the upstream answers it (no admission: it does no model
+  work), bounded: :data:`MODELS_TIMEOUT_S` for the whole exchange, the client's 8 MiB for the
+  body.
 * Connection refused/reset or a broken response before the first byte: ``502``; connect or read
   timeout: ``504`` (generic messages; the details go to the log). A failure after the stream
   started raises :class:`StreamAbortedError`: the client's connection is cut without a clean end,
@@ -33,6 +37,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -94,6 +99,9 @@ compressed bytes may expand to gigabytes, so nothing is decoded whole."""
 _DECODED_CODINGS: Final = {"gzip": 31, "x-gzip": 31, "deflate": 15}
 """Content codings decoded here, with their zlib ``wbits`` (31: gzip framing, 15: zlib)."""
 _DECODER: Final = json.JSONDecoder()
+MODELS_TIMEOUT_S: Final = 10.0
+"""Longest a ``GET /v1/models`` relay may take in all (at most ``upstream_read_timeout_s``): a
+model list is small and at hand, and SDK-based UIs list models while they start."""
 
 
 def connection_tokens(headers: Iterable[tuple[str, str]]) -> frozenset[str]:
@@ -105,9 +113,10 @@ def connection_tokens(headers: Iterable[tuple[str, str]]) -> frozenset[str]:
     return frozenset(named)
 
 
-def request_headers(headers: Any) -> list[tuple[str, str]]:
+def request_headers(headers: Any, api_key: str | None = None) -> list[tuple[str, str]]:
     """The client's headers as the upstream gets them (see the module docstring), with
-    ``Accept-Encoding: identity`` (usage is read from the body, so it must not be compressed)."""
+    ``Accept-Encoding: identity`` (usage is read from the body, so it must not be compressed)
+    and, with ``api_key``, the upstream's own ``Authorization``."""
     drop = _DROP_REQUEST
     if "Connection" in headers:
         drop = drop | connection_tokens(headers.items())
@@ -117,6 +126,8 @@ def request_headers(headers: Any) -> list[tuple[str, str]]:
         if (lower := name.lower()) not in drop and not lower.startswith("x-tokenfair-")
     ]
     out.append(("Accept-Encoding", "identity"))
+    if api_key is not None:
+        out.append(("Authorization", f"Bearer {api_key}"))
     return out
 
 
@@ -408,10 +419,19 @@ class OpenAIBackend(Backend):
     name: ClassVar[str] = "openai"
     default_max_in_flight: ClassVar[int] = 64
 
-    def __init__(self, upstream_url: str, connect_timeout_s: float, read_timeout_s: float) -> None:
+    def __init__(
+        self,
+        upstream_url: str,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        *,
+        api_key: str | None = None,
+    ) -> None:
         self.upstream_url = upstream_url
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
+        self._api_key = api_key
+        """The upstream's own key (``Authorization: Bearer``); never logged or shown."""
         self._client: UpstreamClient | None = None
 
     async def open(self) -> None:
@@ -455,7 +475,7 @@ class OpenAIBackend(Backend):
             upstream = await client.request(
                 "POST",
                 request.rel_url.raw_path_qs,  # encoded path + query (of absolute-form too)
-                request_headers(request.headers),
+                request_headers(request.headers, self._api_key),
                 payload,
             )
         except (TimeoutError, UpstreamClosedError) as exc:
@@ -487,6 +507,38 @@ class OpenAIBackend(Backend):
             return web.Response(body=data, status=upstream.status, headers=headers)
         finally:
             upstream.release()  # closes the connection unless the response was read to the end
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """Relay ``GET /v1/models`` (see the module docstring); only ``Accept`` and the
+        upstream's own key go upstream, none of the client's headers."""
+        client = self._client
+        if client is None:
+            raise UpstreamError(502, "upstream_unavailable", "the upstream client is closed")
+        headers = [("Accept", "application/json"), ("Accept-Encoding", "identity")]
+        if self._api_key is not None:
+            headers.append(("Authorization", f"Bearer {self._api_key}"))
+        try:
+            async with asyncio.timeout(min(MODELS_TIMEOUT_S, self.read_timeout_s)):
+                upstream = await client.request("GET", request.rel_url.raw_path_qs, headers, b"")
+                try:
+                    data = await upstream.read()
+                finally:
+                    upstream.release()
+        except (TimeoutError, UpstreamClosedError) as exc:
+            raise _upstream_failure(exc, "models request") from None
+        coding = content_coding(upstream.headers)
+        decoder = BodyDecoder(coding) if coding in _DECODED_CODINGS else None
+        if decoder is not None:
+            try:
+                data = decoder.decode_all(data, MAX_BUFFERED_BODY_BYTES)
+            except UpstreamTooLargeError as exc:
+                raise _upstream_failure(exc, "models response") from None
+            except (zlib.error, ValueError) as exc:
+                raise UpstreamError(
+                    502, "upstream_error", f"upstream {coding} models body undecodable: {exc}"
+                ) from None
+        out = response_headers(upstream.headers, {}, drop_encoding=decoder is not None)
+        return web.Response(body=data, status=upstream.status, headers=out)
 
     @staticmethod
     def _settle_json(call: BackendCall, data: bytes | None, status: int) -> None:
