@@ -35,6 +35,7 @@ Ratios are lab / command (above 1: the command is faster). Each run is the best 
 
     .venv/bin/python bench/bench_simulate.py                  # default 200k + relaxed 32k
     .venv/bin/python bench/bench_simulate.py --million        # + relaxed 1M (several minutes)
+    .venv/bin/python bench/bench_simulate.py --million --relaxed-only   # relaxed 32k + 1M only
     .venv/bin/python bench/bench_simulate.py --quick          # smoke run, ~10 s
 
 Figures and how to read them: bench/README.md.
@@ -271,6 +272,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--relaxed-sizes", default="32000", help="comma-separated (32000)")
     parser.add_argument("--lab-max", type=int, default=32_000, help="largest relaxed lab size")
     parser.add_argument("--million", action="store_true", help="add the relaxed 1M command run")
+    parser.add_argument(
+        "--relaxed-only", action="store_true", help="skip the default regime (e.g. with --million)"
+    )
     parser.add_argument("--repeat", type=int, default=1, help="best of N runs (1)")
     parser.add_argument("--profile", action="store_true", help="cProfile top-15 of tokenfair")
     parser.add_argument("--profile-size", type=int, default=50_000)
@@ -298,9 +302,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         work = args.keep or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
-        bench_regime(
-            "default", default_config(), [args.default_size], args.default_size, args.repeat, work
-        )
+        if not args.relaxed_only:
+            bench_regime(
+                "default",
+                default_config(),
+                [args.default_size],
+                args.default_size,
+                args.repeat,
+                work,
+            )
         bench_regime("relaxed", relaxed_config(), relaxed_sizes, args.lab_max, args.repeat, work)
         if args.profile:
             profile(default_config(), args.profile_size, work)

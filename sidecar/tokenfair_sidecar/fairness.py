@@ -302,6 +302,7 @@ class FairnessTally:
         elif not math.isfinite(start_ms):
             raise ValueError(f"window: START_MS must be finite (got {start_ms:g})")
         self._config = config
+        self._tenant_index = config.tenant_index
         self._rate = config.policy.service_tokens_per_ms
         self._start_ms = float(start_ms)
         self._end_ms = math.inf if end_ms is None else end_ms
@@ -314,10 +315,11 @@ class FairnessTally:
 
     def add(self, decision: Decision, size: int) -> None:
         """Count one decision of size ``size`` service tokens."""
-        tally = self._tallies.get(decision.tenant_id)
+        tenant_id = decision.tenant_id
+        tally = self._tallies.get(tenant_id)
         if tally is None:
-            tally = self._tallies[decision.tenant_id] = _Tally(decision.priority_class)
-        elif decision.tenant_id not in self._config.tenant_index:
+            tally = self._tallies[tenant_id] = _Tally(decision.priority_class)
+        elif tenant_id not in self._tenant_index:
             tally.priority_class = decision.priority_class  # its last decision's lane
         start_ms, end_ms = self._start_ms, self._end_ms
         dispatch_ms = decision.dispatch_ms
@@ -330,12 +332,13 @@ class FairnessTally:
             return
         tally.offered_requests += 1
         tally.offered_tokens += size
-        if is_admitted(decision):
+        gate = decision.gate
+        if gate != "admission":  # `is_admitted`, inline (every decision comes here)
             tally.admitted_requests += 1
-        if is_served(decision):
-            tally.served_requests += 1
-            tally.served_tokens += size
-            return
+            if gate == "dispatch" and decision.status_code == STATUS_OK:  # `is_served`
+                tally.served_requests += 1
+                tally.served_tokens += size
+                return
         if is_expired(decision):
             tally.expired += 1
         if tally.refused is None:

@@ -161,8 +161,12 @@ def _replay(
             yield decision, used
             continue
         execution_ms = (decision.service_tokens if used is None else used) / rate
-        prefill_ms = max(prefill_floor_ms, request.prefill_tokens / prefill_rate)
-        decision.ttft_ms = round(max(0.0, clock_ms - request.arrival_ms) + prefill_ms, 2)
+        # max(prefill floor, prefill time) and max(0, wait) as conditionals: the same values
+        prefill_ms = request.prefill_tokens / prefill_rate
+        if prefill_floor_ms > prefill_ms:
+            prefill_ms = prefill_floor_ms
+        wait_ms = clock_ms - request.arrival_ms
+        decision.ttft_ms = round((wait_ms if wait_ms > 0.0 else 0.0) + prefill_ms, 2)
         sequence += 1
         heappush(releases, (clock_ms + execution_ms * residency, sequence, request_id))
         clock_ms += execution_ms

@@ -17,7 +17,6 @@ from tokenfair_sidecar.costmodel import CostModel
 from tokenfair_sidecar.fairness import (
     FairnessReport,
     FairnessTally,
-    decision_size,
     fairness_to_json,
     format_fairness,
 )
@@ -160,7 +159,11 @@ def _replay_policy(
         decisions = bar.iterate(decisions)
     for decision, actual in decisions:
         add_summary(decision)
-        add_fairness(decision, decision_size(decision, actual))
+        # `decision_size`, inline: what the request used if known, else its estimate
+        size = decision.actual_service_tokens
+        if size is None:
+            size = decision.service_tokens if actual is None else actual
+        add_fairness(decision, size)
         if records is not None:
             records.write(encode_decision(decision, policy))
         if kept is not None:

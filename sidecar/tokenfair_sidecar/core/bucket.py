@@ -32,7 +32,10 @@ class TokenBucket:
         """Bring the level up to ``now_ms`` (a time before the last refill is a no-op)."""
         elapsed_s = (now_ms - self.refilled_at_ms) / 1000.0
         if elapsed_s > 0.0:
-            self.level = min(float(self.burst), self.level + elapsed_s * self.sustained_per_second)
+            # min(burst, level + refill), as a conditional: the same comparison, no call
+            cap = float(self.burst)
+            level = self.level + elapsed_s * self.sustained_per_second
+            self.level = level if level < cap else cap
             self.refilled_at_ms = now_ms
         return self.level
 

@@ -43,7 +43,8 @@ Three departures from the textbook, all bounded:
 
 Costs of selection: O(active tenants) per pick; enqueue and cancel amortised O(1) (joining
 ahead: O(tenants waiting for their first turn ahead); a cancel that empties a tenant's queue
-takes it out of the ring, O(active tenants) in C); ``min_head_cost`` O(log n) amortised.
+takes it out of the ring, O(active tenants) in C); ``min_head_cost`` O(log n) amortised (its
+first call O(n): the heads are indexed from then on, so a lane never asked pays nothing).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class DeficitRoundRobin:
 
     __slots__ = (
         "_head_costs",
+        "_heads_indexed",
         "_joiner_credit",
         "_joiner_ranks",
         "_sequence",
@@ -131,7 +133,10 @@ class DeficitRoundRobin:
         """Expected service tokens of every live queued job of the lane."""
         # (cost, sequence, job) of every live queue's head, plus stale entries (a head that was
         # sent or cancelled) dropped when they surface: `min_head_cost` in O(log n) amortised.
+        # Kept from the first `min_head_cost` on: a lane nobody asks (`tokenfair` asks only the
+        # batch lane) pays nothing for it.
         self._head_costs: list[tuple[float, int, Job]] = []
+        self._heads_indexed = False
         self._sequence = count()
 
     @property
@@ -290,6 +295,8 @@ class DeficitRoundRobin:
 
     def _head_changed(self, head: Job) -> None:
         """``head`` is now the first live job of its queue: index its cost."""
+        if not self._heads_indexed:
+            return
         heads = self._head_costs
         heappush(heads, (head.expected_tokens, next(self._sequence), head))
         if len(heads) > 64 + 4 * len(self.active):
@@ -302,9 +309,17 @@ class DeficitRoundRobin:
 
     def min_head_cost(self) -> float | None:
         """Cheapest head among backlogged tenants: O(log n) amortised (a heap of the heads'
-        costs; entries of heads that were sent or cancelled are dropped as they surface)."""
+        costs; entries of heads that were sent or cancelled are dropped as they surface). The
+        first call indexes the heads there are (O(n)); every head change is indexed from then on."""
         heads = self._head_costs
         queues = self.queues
+        if not self._heads_indexed:
+            self._heads_indexed = True
+            for queue in queues.values():
+                if queue.live:
+                    head = queue.head()
+                    if head is not None:
+                        heappush(heads, (head.expected_tokens, next(self._sequence), head))
         while heads:
             cost, _, job = heads[0]
             if job.state is _QUEUED:
@@ -316,13 +331,19 @@ class DeficitRoundRobin:
 
     def pick(self, eligible: Callable[[Job], bool]) -> Job | None:
         """Remove and return the next job to run, or None if no head is eligible now."""
+        # `_front_changed`, `TenantQueue.head`, `_credit_moved` and `_head_changed` are inline
+        # where the usual case is decided: this runs at every dispatch.
         active = self.active
         while active:
             candidates: list[TenantQueue] | None = None  # built only when a deficit falls short
             for _ in range(len(active)):
-                self._front_changed()
                 queue = active[0]
-                head = queue.head()
+                if queue.joined_ahead:
+                    self._front_changed()
+                jobs = queue.jobs
+                head = jobs[0] if jobs else None
+                if head is not None and head.state is not _QUEUED:
+                    head = queue.head()
                 if head is None:
                     # Emptied by cancellations: leave the round robin, bank nothing.
                     self._leave(queue)
@@ -333,22 +354,27 @@ class DeficitRoundRobin:
                     active.rotate(-1)
                     self._front_changed()
                     continue
+                deficit = queue.deficit
                 if not queue.turn_open:
-                    before = queue.deficit
-                    queue.deficit += queue.quantum
+                    before = deficit
+                    queue.deficit = deficit = deficit + queue.quantum
                     queue.turn_open = True
-                    self._credit_moved(before, queue.deficit)
+                    self.credit_tokens += (deficit if deficit > 0.0 else 0.0) - (
+                        before if before > 0.0 else 0.0
+                    )
                 cost = head.expected_tokens
-                if queue.deficit >= cost:
-                    queue.jobs.popleft()
+                if deficit >= cost:
+                    jobs.popleft()
                     queue.live -= 1
                     queue.queued_tokens -= cost
                     self.queued_tokens -= cost
-                    queue.deficit -= cost  # stays >= 0: all of it was credit
+                    queue.deficit = deficit - cost  # stays >= 0: all of it was credit
                     self.credit_tokens -= cost
                     if queue.live:
-                        next_head = queue.head()
-                        if next_head is not None:
+                        next_head = jobs[0] if jobs else None
+                        if next_head is not None and next_head.state is not _QUEUED:
+                            next_head = queue.head()
+                        if next_head is not None and self._heads_indexed:
                             self._head_changed(next_head)
                     else:
                         self._leave(queue)

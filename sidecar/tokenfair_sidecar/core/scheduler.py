@@ -44,8 +44,11 @@ from tokenfair_sidecar.core.jobs import (
 )
 from tokenfair_sidecar.costmodel import CostModel
 
+_QUEUED: Final = JobState.QUEUED
 _DISPATCHED: Final = JobState.DISPATCHED
 _DONE: Final = JobState.DONE
+_ROUNDED_OCCUPANCY_BOUND: Final = 4096
+"""Most occupancy values :class:`Scheduler` keeps rounded (one per resident block count)."""
 STATUS_NEVER_ADMISSIBLE: Final = 400
 """Status of a request no state of the running configuration could admit (not retryable)."""
 OVER_KV_CAPACITY: Final = "request_over_kv_capacity"
@@ -167,6 +170,13 @@ class Scheduler(ABC):
         weight = self.cost.decode_weight
         self._integral_decode_weight = int(weight) if float(weight).is_integer() else None
         self._kv_block_tokens = self.cost.kv_block_tokens
+        self._total_kv_blocks = self.policy.total_kv_blocks
+        # `wait_limit_ms` by lane (interactive, batch): read at every admission.
+        self._wait_limits = (self.policy.max_interactive_wait_ms, self.policy.max_batch_wait_ms)
+        # `round(blocks / total_kv_blocks, 4)` by resident blocks: every dispatch records its
+        # occupancy, and `round` to 4 places costs more than a lookup. Bounded (a cache of
+        # 10^9 blocks would not be): a value past the bound is computed each time.
+        self._rounded_occupancy: dict[int, float] = {}
 
     def tenant_quantum(self, tenant: TenantState) -> float:
         return self.policy.base_quantum_tokens * tenant.config.weight
@@ -201,7 +211,7 @@ class Scheduler(ABC):
         tenant.queued += 1
         tenant.queued_tokens += job.service_tokens
         if self.expires_queued:
-            job.deadline_ms = request.arrival_ms + self.wait_limit_ms(lane)
+            job.deadline_ms = request.arrival_ms + self._wait_limits[lane]
             self._seq += 1
             deadlines = self._deadlines
             heapq.heappush(deadlines, (job.deadline_ms, self._seq, job))
@@ -293,7 +303,15 @@ class Scheduler(ABC):
             return None
         request = job.request
         tenant = self.tenants[request.tenant_id]
-        self._unqueue(job, tenant)
+        # `_unqueue`, inline
+        lane = job.lane
+        service_tokens = job.service_tokens
+        kv_blocks = job.kv_blocks
+        self.queued_count[lane] -= 1
+        self.queued_tokens[lane] -= service_tokens
+        self.queued_blocks[lane] -= kv_blocks
+        tenant.queued -= 1
+        tenant.queued_tokens -= service_tokens
         if self.gates_at_dispatch:
             refusal = self._dispatch_gate(job, tenant, now_ms)
             if refusal is not None:
@@ -301,12 +319,20 @@ class Scheduler(ABC):
                 del self.jobs[request.request_id]
                 refusal.queue_wait_ms = round(max(0.0, now_ms - request.arrival_ms), 2)
                 return refusal
-        occupancy = (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks
-        self.resident_blocks += job.kv_blocks
+        blocks = self.resident_blocks + kv_blocks
+        rounded = self._rounded_occupancy
+        occupancy = rounded.get(blocks)
+        if occupancy is None:
+            occupancy = round(blocks / self._total_kv_blocks, 4)
+            if len(rounded) < _ROUNDED_OCCUPANCY_BOUND:
+                rounded[blocks] = occupancy
+        self.resident_blocks = blocks
         self.running += 1
-        tenant.served_tokens += job.service_tokens
+        tenant.served_tokens += service_tokens
         if self.charges_at_dispatch:
             self._charge(job, tenant, now_ms)
+        arrival_ms = request.arrival_ms
+        wait_ms = now_ms - arrival_ms
         decision = Decision(
             request.request_id,
             request.tenant_id,
@@ -314,10 +340,10 @@ class Scheduler(ABC):
             STATUS_OK,
             ADMITTED,
             "dispatch",
-            job.service_tokens,
-            request.arrival_ms,
-            round(occupancy, 4),
-            round(max(0.0, now_ms - request.arrival_ms), 2),
+            service_tokens,
+            arrival_ms,
+            occupancy,
+            round(wait_ms if wait_ms > 0.0 else 0.0, 2),  # max(0.0, wait), rounded
             0.0,
             now_ms,
         )
@@ -408,7 +434,7 @@ class Scheduler(ABC):
         it holds O(queued requests) whatever the wait limits."""
         expired: list[Decision] = []
         deadlines = self._deadlines
-        queued = JobState.QUEUED
+        queued = _QUEUED
         while deadlines:
             deadline_ms, _, job = deadlines[0]
             if job.state is queued:
@@ -421,6 +447,8 @@ class Scheduler(ABC):
                 expired.append(decision)
             else:
                 heapq.heappop(deadlines)
+        if expired:
+            self._expired(expired, now_ms)
         return expired
 
     def next_wakeup_ms(self, now_ms: float) -> float | None:
@@ -523,6 +551,10 @@ class Scheduler(ABC):
 
     def _kv_released(self, job: Job) -> None:
         """Hook: a request's KV blocks were freed."""
+
+    def _expired(self, decisions: list[Decision], now_ms: float) -> None:
+        """Hook: :meth:`expire` refused these queued requests (in deadline order) just now;
+        the policy may complete their decisions (``tokenfair``: the ``Retry-After``)."""
 
     def _settle(self, job: Job, tenant: TenantState, refund: int, now_ms: float) -> None:
         """Apply ``estimate - actual`` to the tenant's budget (and fairness state); called when

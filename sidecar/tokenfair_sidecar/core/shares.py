@@ -98,6 +98,12 @@ class LaneCompetition:
         queue in the lane is empty. Amortised O(1): each admission is retired once."""
         cutoff_ms = now_ms - horizon_ms
         recent = self._recent
+        for tenant_id in recent:  # the oldest admission first
+            if recent[tenant_id] >= cutoff_ms:
+                return
+            break
+        else:
+            return  # nobody
         while recent:
             tenant_id, last_ms = next(iter(recent.items()))
             if last_ms >= cutoff_ms:

@@ -53,6 +53,7 @@ the tenant's own predicted wait (for its turn or its budget) beyond the limit.
 from __future__ import annotations
 
 import math
+from typing import Final
 
 from tokenfair_sidecar.config import Config
 from tokenfair_sidecar.core.drr import DeficitRoundRobin
@@ -73,6 +74,9 @@ from tokenfair_sidecar.core.shares import (
     water_level,
 )
 
+_INTERACTIVE: Final = Lane.INTERACTIVE
+_BATCH: Final = Lane.BATCH
+
 SERVICE_MEMORY_LIMITS = 10.0
 """How far back a tenant's recent service reaches, in wait limits of its lane (time constant
 of the averages that admission compares)."""
@@ -87,6 +91,8 @@ USAGE_RATIO_RANGE = (0.1, 100.0)
 cancels right after dispatch settles at 0) from making the tenant's next requests nearly free to
 the round robin until they settle; the ceiling keeps one absurd report from pricing a tenant
 out for long. Settlement corrects whatever the ratio gets wrong."""
+
+_RATIO_LOW, _RATIO_HIGH = USAGE_RATIO_RANGE
 
 FORGOTTEN_RATE = 1e-9
 """An offered rate (service tokens per ms) below which a tenant's offer is forgotten."""
@@ -110,6 +116,7 @@ class TokenfairScheduler(Scheduler):
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
         self._lanes = (DeficitRoundRobin(), DeficitRoundRobin())
         self._competition = (LaneCompetition(), LaneCompetition())
+        self._backlogged = (self._lanes[0].backlogged, self._lanes[1].backlogged)
         self._interactive_demand = DemandRate()  # time constant: maxBatchWaitMs
         # Per lane, over the lane's wait limit: admitted service, and the part of it that
         # joined ahead of the ring's tail.
@@ -132,15 +139,24 @@ class TokenfairScheduler(Scheduler):
         self._now_ms = now_ms  # the clock of the selection in progress (read by `_eligible`)
         self._lending = False  # the selection in progress ignores budgets (read by `_eligible`)
         self._push_ahead: float | None = None  # join rank of the job `_admit` just admitted
+        self._eligible_now = self._eligible  # bound once: `pick` takes it at every selection
         super().__init__(config, now_ms)
 
     def _adopt_cost_model(self) -> None:
         super()._adopt_cost_model()
-        # Per lane, read on every request: the wait limit, the service memory, the watermark.
+        # Per lane, read on every request: the service memory, the watermark (the wait limit
+        # is the base's `_wait_limits`); policy constants of the hot path.
         policy = self.policy
-        self._wait_limits = (policy.max_interactive_wait_ms, policy.max_batch_wait_ms)
         self._memories_ms = tuple(limit * SERVICE_MEMORY_LIMITS for limit in self._wait_limits)
         self._watermarks = (policy.interactive_kv_watermark, policy.batch_kv_watermark)
+        self._rate = policy.service_tokens_per_ms
+        self._interactive_cap = self._rate * (1.0 - policy.batch_min_share)
+        self._batch_share = policy.batch_min_share
+        self._batch_rest = 1.0 - policy.batch_min_share
+        self._kv_residency = policy.kv_residency_factor
+        self._lend = policy.lend_idle_capacity
+        # `watermark * total_kv_blocks` per lane: `kv_wait_ms`'s bound, the same product.
+        self._kv_limits = tuple(mark * policy.total_kv_blocks for mark in self._watermarks)
         # The water level is per quantum token and over the tenants of the old configuration:
         # computed again at the next admission that asks.
         self._level: list[tuple[float, float]] = [(-math.inf, math.inf), (-math.inf, math.inf)]
@@ -179,6 +195,7 @@ class TokenfairScheduler(Scheduler):
         if join_rank is not None:  # it would join ahead with that rank (`_join_rank`)
             first_turn = drr.tokens_before_joining_ahead(join_rank)
         expected_tokens = cost_tokens * self.tenants[tenant_id].usage_ratio
+        active = drr.active
         ahead, later_turns = tokens_ahead(
             queue.queued_tokens,
             expected_tokens,
@@ -187,18 +204,21 @@ class TokenfairScheduler(Scheduler):
             backlogged,
             drr.queued_tokens,
             drr.credit_tokens,
-            drr.active[0] if drr.active else None,
+            active[0] if active else None,
             first_turn,
         )
-        policy = self.policy
-        rate = policy.service_tokens_per_ms
-        if lane is Lane.INTERACTIVE:
-            ahead += self._batch_intrusion(ahead)
+        rate = self._rate
+        if lane is _INTERACTIVE:
+            if self.queued_count[1]:  # else no batch intrusion (`ahead + 0.0`)
+                ahead += self._batch_intrusion(ahead)
         else:
-            demand = self._interactive_demand.rate(now_ms, policy.max_batch_wait_ms)
-            interactive_cap = rate * (1.0 - policy.batch_min_share)
-            rate = max(rate - min(demand, interactive_cap), rate * MIN_LANE_RATE_FRACTION)
-            if self.queued_count[Lane.INTERACTIVE]:
+            # rate - min(demand, interactive cap), floored at MIN_LANE_RATE_FRACTION of it
+            demand = self._interactive_demand.rate(now_ms, self._wait_limits[1])
+            interactive_cap = self._interactive_cap
+            lane_rate = rate - (interactive_cap if interactive_cap < demand else demand)
+            floor = rate * MIN_LANE_RATE_FRACTION
+            rate = floor if floor > lane_rate else lane_rate
+            if self.queued_count[0]:
                 # Credit-gated start (docs/fairness.md §5.1): while interactive work waits, a
                 # batch request starts only once the minimum share's credit covers it, and the
                 # credit accrues at the lane's rate, so the lane must have served its own cost
@@ -216,7 +236,8 @@ class TokenfairScheduler(Scheduler):
             by_turns_ms = wait_ms + later_turns * idle_quanta / rate
             demand = self._lane_demand[lane].rate(now_ms, horizon_ms)
             if demand < rate:
-                wait_ms = min(by_turns_ms, wait_ms / (1.0 - demand / rate))
+                by_demand_ms = wait_ms / (1.0 - demand / rate)
+                wait_ms = by_demand_ms if by_demand_ms < by_turns_ms else by_turns_ms
             else:
                 wait_ms = by_turns_ms
         if first_turn is None:
@@ -280,19 +301,24 @@ class TokenfairScheduler(Scheduler):
         return credit + head
 
     def _admit(self, job: Job, tenant: TenantState, now_ms: float) -> Decision | None:
-        policy = self.policy
+        # The gates in their order; the hot path (a request that passes) reads cached policy
+        # constants and calls out only where the work is: the refusals (and the occupancy they
+        # record, which nothing here changes) are built when a gate fails.
         lane = job.lane
-        tenant_id = job.request.tenant_id
-        occupancy = (self.resident_blocks + job.kv_blocks) / policy.total_kv_blocks
+        request = job.request
+        tenant_id = request.tenant_id
         wait_limit_ms = self._wait_limits[lane]
         drr = self._lanes[lane]
         competition = self._competition[lane]
-        competition.retire(now_ms, wait_limit_ms, drr.backlogged)
-        offered = self._offered[lane].get(tenant_id)
+        competition.retire(now_ms, wait_limit_ms, self._backlogged[lane])
+        offered_rates = self._offered[lane]
+        offered = offered_rates.get(tenant_id)
         if offered is None:
-            offered = self._offered[lane][tenant_id] = DemandRate()
-        offered.add(job.service_tokens * tenant.usage_ratio, now_ms, self._memories_ms[lane])
+            offered = offered_rates[tenant_id] = DemandRate()
+        service_tokens = job.service_tokens
+        offered.add(service_tokens * tenant.usage_ratio, now_ms, self._memories_ms[lane])
         queued_all = self.queued_count[0] + self.queued_count[1]
+        policy = self.policy
         if (
             queued_all >= policy.max_queued_requests
             or tenant.queued >= policy.max_queued_requests_per_tenant
@@ -301,20 +327,23 @@ class TokenfairScheduler(Scheduler):
                 job,
                 QUEUE_FULL,
                 "admission",
-                occupancy,
-                self.predicted_wait_ms(tenant_id, lane, job.service_tokens, now_ms),
+                self._occupancy(job),
+                self.predicted_wait_ms(tenant_id, lane, service_tokens, now_ms),
                 queued_requests=queued_all,
                 tenant_queued_requests=tenant.queued,
             )
-        if job.kv_blocks / policy.total_kv_blocks > self._watermarks[lane]:
-            return shed_kv(self, job, "admission", job.kv_blocks / policy.total_kv_blocks)
+        if job.kv_blocks / self._total_kv_blocks > self._watermarks[lane]:
+            return shed_kv(self, job, "admission", job.kv_blocks / self._total_kv_blocks)
         # From its arrival: a replay submits the arrivals of a busy stretch when it ends.
-        join_rank = self._join_rank(job, now_ms)
-        elapsed_ms = now_ms - job.request.arrival_ms
-        turn_wait_ms = self.predicted_wait_ms(
-            tenant_id, lane, job.service_tokens, now_ms, join_rank
-        )
-        kv_wait_ms = self.kv_wait_ms(job, now_ms)
+        queue = drr.queues[tenant_id]
+        # `_join_rank`'s first test, inline: a backlogged or indebted tenant joins at the tail.
+        join_rank = None if queue.in_active or queue.deficit < 0.0 else self._join_rank(job, now_ms)
+        elapsed_ms = now_ms - request.arrival_ms
+        turn_wait_ms = self.predicted_wait_ms(tenant_id, lane, service_tokens, now_ms, join_rank)
+        if self.resident_blocks + job.kv_blocks - self._kv_limits[lane] > 0:
+            kv_wait_ms = self.kv_wait_ms(job, now_ms)
+        else:
+            kv_wait_ms = 0.0  # it fits now (`kv_wait_ms`'s first test, inline)
         predicted_wait_ms = (elapsed_ms if elapsed_ms > 0.0 else 0.0) + (
             turn_wait_ms if turn_wait_ms > kv_wait_ms else kv_wait_ms
         )
@@ -323,22 +352,37 @@ class TokenfairScheduler(Scheduler):
                 job,
                 SHED_QUEUE_WAIT_SLO,
                 "admission",
-                occupancy,
+                self._occupancy(job),
                 predicted_wait_ms - wait_limit_ms,
                 predicted_wait_ms=predicted_wait_ms,
                 max_wait_ms=wait_limit_ms,
             )
-        refusal = self._budget_gate(job, tenant, wait_limit_ms, occupancy, now_ms)
-        if refusal is not None:
-            return refusal
-        job.expected_tokens = job.service_tokens * tenant.usage_ratio
+        # Gate 4 (`_budget_gate`): its first step inline, the rest only if the budget is short.
+        bucket = tenant.bucket
+        if service_tokens > bucket.burst:
+            refusal = self._budget_gate(job, tenant, wait_limit_ms, now_ms, None)
+            if refusal is not None:
+                return refusal
+        else:
+            ratio = tenant.usage_ratio
+            needed = tenant.queued_tokens * (ratio if ratio > 1.0 else 1.0) + service_tokens
+            budget_wait_ms = bucket.ms_until(needed, now_ms)
+            if budget_wait_ms > 0.0 or budget_wait_ms > wait_limit_ms:
+                refusal = self._budget_gate(job, tenant, wait_limit_ms, now_ms, budget_wait_ms)
+                if refusal is not None:
+                    return refusal
+        job.expected_tokens = expected_tokens = service_tokens * tenant.usage_ratio
         self._push_ahead = join_rank
-        competition.admitted(tenant_id, drr.queues[tenant_id].quantum, now_ms)
-        self._lane_demand[lane].add(job.expected_tokens, now_ms, wait_limit_ms)
-        job.lifted = self._push_ahead is not None
-        if lane is Lane.INTERACTIVE:
-            self._interactive_demand.add(job.service_tokens, now_ms, policy.max_batch_wait_ms)
+        competition.admitted(tenant_id, queue.quantum, now_ms)
+        self._lane_demand[lane].add(expected_tokens, now_ms, wait_limit_ms)
+        job.lifted = join_rank is not None
+        if lane is _INTERACTIVE:
+            self._interactive_demand.add(service_tokens, now_ms, self._wait_limits[1])
         return None
+
+    def _occupancy(self, job: Job) -> float:
+        """The KV occupancy ``job`` attempts: resident blocks and its own, of the whole cache."""
+        return (self.resident_blocks + job.kv_blocks) / self._total_kv_blocks
 
     def kv_wait_ms(self, job: Job, now_ms: float) -> float:
         """How long until the KV cache has room for ``job`` under its class watermark, if the
@@ -369,7 +413,12 @@ class TokenfairScheduler(Scheduler):
         self._kv_release_ms.pop(job.request.request_id, None)
 
     def _budget_gate(
-        self, job: Job, tenant: TenantState, wait_limit_ms: float, occupancy: float, now_ms: float
+        self,
+        job: Job,
+        tenant: TenantState,
+        wait_limit_ms: float,
+        now_ms: float,
+        budget_wait_ms: float | None,
     ) -> Decision | None:
         """Gate 4: can the tenant's budget cover its queued work and this request in time?
 
@@ -378,15 +427,18 @@ class TokenfairScheduler(Scheduler):
         ahead the server may still be running the previous request when the budget allows this
         one. With ``lend_idle_capacity`` a request the budget cannot cover may still borrow: it
         passes if its queue can be served in time at the capacity that work within budget has
-        left lately (``R`` minus the recent within-budget dispatch rate)."""
+        left lately (``R`` minus the recent within-budget dispatch rate).
+
+        ``budget_wait_ms`` is ``bucket.ms_until(queued_tokens * max(1, usage_ratio) + cost)``
+        as :meth:`_admit` read it (the bucket is read once per admission), or None when the
+        cost is above the burst (never coverable)."""
         policy = self.policy
         bucket = tenant.bucket
         elapsed_ms = max(0.0, now_ms - job.request.arrival_ms)
-        never = job.service_tokens > bucket.burst
-        budget_wait_ms = 0.0
-        if not never:
-            needed = tenant.queued_tokens * max(1.0, tenant.usage_ratio) + job.service_tokens
-            budget_wait_ms = bucket.ms_until(needed, now_ms)
+        never = budget_wait_ms is None
+        if budget_wait_ms is None:
+            budget_wait_ms = 0.0
+        else:
             if budget_wait_ms > 0.0:
                 budget_wait_ms += elapsed_ms
                 if tenant.queued:
@@ -408,7 +460,7 @@ class TokenfairScheduler(Scheduler):
             job,
             SHED_TENANT_TOKEN_QUOTA,
             "admission",
-            occupancy,
+            self._occupancy(job),
             None if never and not policy.lend_idle_capacity else budget_wait_ms - wait_limit_ms,
             bucket_tokens=bucket.level,
             tenant_queued_tokens=tenant.queued_tokens,
@@ -421,11 +473,10 @@ class TokenfairScheduler(Scheduler):
         stops within a wait limit of the neighbours coming back."""
         return min(self.policy.max_interactive_wait_ms, self.policy.max_batch_wait_ms)
 
-    def expire(self, now_ms: float) -> list[Decision]:
-        """The base's expiry, with ``Retry-After`` from the tenant's own position: how much
-        longer than the limit a new request of the tenant would wait now, for its turn or (with
-        budgets as caps) for its budget."""
-        expired = super().expire(now_ms)
+    def _expired(self, expired: list[Decision], now_ms: float) -> None:
+        """The ``Retry-After`` of the requests :meth:`expire` refused, from the tenant's own
+        position: how much longer than the limit a new request of the tenant would wait now, for
+        its turn or (with budgets as caps) for its budget."""
         for decision in expired:
             lane = Lane.of(decision.priority_class)
             tenant_id = decision.tenant_id
@@ -435,7 +486,6 @@ class TokenfairScheduler(Scheduler):
                 needed = tenant.queued_tokens + decision.service_tokens
                 wait_ms = max(wait_ms, tenant.bucket.ms_until(needed, now_ms))
             decision.retry_after_ms = max(0.0, wait_ms - self._wait_limits[lane])
-        return expired
 
     # -- selection --------------------------------------------------------------------------
 
@@ -456,7 +506,7 @@ class TokenfairScheduler(Scheduler):
 
     def _eligible(self, job: Job) -> bool:
         # `kv_fits`, inline: this runs for every head a selection looks at.
-        if (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks > (
+        if (self.resident_blocks + job.kv_blocks) / self._total_kv_blocks > (
             self._watermarks[job.lane]
         ):
             return False
@@ -468,7 +518,7 @@ class TokenfairScheduler(Scheduler):
     def _select(self, now_ms: float) -> Job | None:
         self._now_ms = now_ms
         job = self._select_by_lane()
-        if job is None and self.policy.lend_idle_capacity:
+        if job is None and self._lend:
             # Nobody within budget can start: lend the idle capacity to work over budget.
             self._lending = True
             try:
@@ -479,14 +529,16 @@ class TokenfairScheduler(Scheduler):
                 job.borrowed = True
         if job is not None:
             tenant_id = job.request.tenant_id
-            if not self._lanes[job.lane].backlogged(tenant_id):
+            if not self._lanes[job.lane].queues[tenant_id].live:  # no longer backlogged
                 self._competition[job.lane].drained(tenant_id)
         return job
 
     def _select_by_lane(self) -> Job | None:
         interactive, batch = self._lanes
-        batch_waiting = self.queued_count[Lane.BATCH] > 0
-        interactive_waiting = self.queued_count[Lane.INTERACTIVE] > 0
+        eligible = self._eligible_now
+        queued_count = self.queued_count
+        batch_waiting = queued_count[1] > 0
+        interactive_waiting = queued_count[0] > 0
         if not batch_waiting:
             self._batch_credit = 0.0
             self._cheapest_batch_head = None
@@ -495,41 +547,49 @@ class TokenfairScheduler(Scheduler):
             cheapest = self._cheapest_batch_head = batch.min_head_cost()
             batch_due = cheapest is not None and self._batch_credit >= cheapest
         if interactive_waiting and not batch_due:
-            job = interactive.pick(self._eligible)
+            job = interactive.pick(eligible)
             if job is not None:
                 if batch_waiting:
-                    share = self.policy.batch_min_share
-                    self._batch_credit += job.expected_tokens * share / (1.0 - share)
+                    self._batch_credit += job.expected_tokens * self._batch_share / self._batch_rest
                 return job
         if batch_waiting:
-            job = batch.pick(self._eligible)
+            job = batch.pick(eligible)
             if job is not None:
                 if interactive_waiting:
                     self._batch_credit -= job.expected_tokens
                 return job
         if batch_due:
-            return interactive.pick(self._eligible)
+            return interactive.pick(eligible)
         return None
 
     # -- budgets and settlement -------------------------------------------------------------
 
     def _charge(self, job: Job, tenant: TenantState, now_ms: float) -> None:
-        rate = self.policy.service_tokens_per_ms
-        self._kv_release_ms[job.request.request_id] = (
-            now_ms + self.policy.kv_residency_factor * job.expected_tokens / rate
+        rate = self._rate
+        expected_tokens = job.expected_tokens
+        request = job.request
+        self._kv_release_ms[request.request_id] = (
+            now_ms + self._kv_residency * expected_tokens / rate
         )
-        self._residual.dispatched(job.expected_tokens, rate, now_ms)
-        self._record_service(job, job.expected_tokens, now_ms)
+        self._residual.dispatched(expected_tokens, rate, now_ms)
+        # `_record_service`, inline
+        lane = job.lane
+        memory_ms = self._memories_ms[lane]
+        served_rates = self._served[lane]
+        served = served_rates.get(request.tenant_id)
+        if served is None:
+            served = served_rates[request.tenant_id] = DemandRate()
+        served.add(expected_tokens, now_ms, memory_ms)
+        self._lane_served[lane].add(expected_tokens, now_ms, memory_ms)
         if job.lifted:
-            self._lane_lifted[job.lane].add(
-                job.expected_tokens, now_ms, self._wait_limits[job.lane]
-            )
+            self._lane_lifted[lane].add(expected_tokens, now_ms, self._wait_limits[lane])
         if job.borrowed:
             return
-        if self.policy.lend_idle_capacity:  # only lending reads it
-            self._budgeted.add(job.expected_tokens, now_ms, self._lending_memory_ms())
-        tenant.bucket.refill(now_ms)
-        tenant.bucket.level -= job.service_tokens
+        if self._lend:  # only lending reads it
+            self._budgeted.add(expected_tokens, now_ms, self._lending_memory_ms())
+        bucket = tenant.bucket
+        bucket.refill(now_ms)
+        bucket.level -= job.service_tokens
 
     def _record_service(self, job: Job, tokens: float, now_ms: float) -> None:
         lane = job.lane
@@ -595,12 +655,19 @@ class TokenfairScheduler(Scheduler):
         return served.rate(now_ms, memory_ms) / (level * quantum)
 
     def _settle(self, job: Job, tenant: TenantState, refund: int, now_ms: float) -> None:
+        if not refund and tenant.usage_ratio == 1.0 and job.expected_tokens == job.service_tokens:
+            # Used its estimate, expected at it, ratio at 1: the ratio stays 1.0 exactly
+            # (1.0 + (c / c - 1.0) * w), the overrun is 0.0 and there is no refund: nothing
+            # below would change anything.
+            return
         if job.service_tokens:
             ratio = tenant.usage_ratio
             ratio += ((job.service_tokens - refund) / job.service_tokens - ratio) * (
                 USAGE_RATIO_WEIGHT
             )
-            tenant.usage_ratio = min(USAGE_RATIO_RANGE[1], max(USAGE_RATIO_RANGE[0], ratio))
+            # min(high, max(low, ratio)) in conditionals, the same comparisons
+            ratio = ratio if ratio > _RATIO_LOW else _RATIO_LOW
+            tenant.usage_ratio = ratio if ratio < _RATIO_HIGH else _RATIO_HIGH
         # The round robin and the work in flight were charged the expected usage; the budget
         # was charged the estimate. Each is settled against what it was charged.
         overrun = job.service_tokens - refund - job.expected_tokens
