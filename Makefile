@@ -33,7 +33,7 @@ venv: $(STAMP) ## create .venv and install tokenfair with its dev tools (from th
 
 lock: $(STAMP) ## re-resolve requirements/*.txt after a pyproject.toml edit (uv; LOCK_FLAGS=--upgrade)
 	UV_CUSTOM_COMPILE_COMMAND='make lock' $(UV_COMPILE) $(LOCK_FLAGS) \
-		--extra dev --extra operator --extra plot -o $(LOCK) pyproject.toml requirements/build.in
+		--extra dev --extra operator --extra plot --extra tracing -o $(LOCK) pyproject.toml requirements/build.in
 	UV_CUSTOM_COMPILE_COMMAND='make lock' $(UV_COMPILE) --constraint $(LOCK) \
 		--extra operator -o $(IMAGE_LOCK) pyproject.toml requirements/build.in
 

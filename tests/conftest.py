@@ -4,11 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
+import shutil
 from collections.abc import AsyncIterator
 
 import pytest
 
 pytest_plugins = ["kubecluster", "kubenode"]
+
+REQUIRE_PROMTOOL_ENV = "TOKENFAIR_REQUIRE_PROMTOOL"
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    """Path of ``promtool`` (Debian's package ``prometheus``; ``.ci/run`` installs it). Without
+    it the test is skipped with that hint, unless ``TOKENFAIR_REQUIRE_PROMTOOL=1`` (CI), where
+    it fails."""
+    path = shutil.which("promtool")
+    if path is None:
+        message = "promtool not found: apt-get install prometheus (Debian's package has it)"
+        if os.environ.get(REQUIRE_PROMTOOL_ENV) == "1":
+            pytest.fail(f"{message}; {REQUIRE_PROMTOOL_ENV}=1 forbids skipping")
+        pytest.skip(message)
+    return path
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ IMAGE_LOCK = "requirements/image.txt"
 BUILD_IN = "requirements/build.in"
 # What each lock installs: pyproject's runtime dependencies plus these extras, and the build
 # backend (requirements/build.in).
-LOCK_EXTRAS = {DEV_LOCK: ("dev", "operator", "plot"), IMAGE_LOCK: ("operator",)}
+LOCK_EXTRAS = {DEV_LOCK: ("dev", "operator", "plot", "tracing"), IMAGE_LOCK: ("operator",)}
 # The `# via` names uv gives a top-level requirement of each source.
 TOP_LEVEL_VIA = {"tokenfair (pyproject.toml)", f"-r {BUILD_IN}"}
 # Debian 12's Python (the image) and the interpreter running the tests (development, CI).

@@ -388,11 +388,17 @@ def test_embeddings_cost_prefill_only() -> None:
         result = estimate_embeddings({"input": value}, chars4)
         return result.prefill_tokens, result.decode_tokens
 
-    assert cost("x" * 9) == (3, 0)
-    assert cost(["x" * 8, "y" * 8]) == (4, 0)
-    assert cost([5, 6, 7]) == (3, 0)
-    assert cost([[5], [6, 7]]) == (3, 0)
-    assert cost("") == (0, 0)
+    # Tokens plus one per input (its start token): no input is free.
+    assert cost("x" * 9) == (3 + 1, 0)
+    assert cost(["x" * 8, "y" * 8]) == (4 + 2, 0)
+    assert cost([5, 6, 7]) == (3 + 1, 0)
+    assert cost([[5], [6, 7]]) == (3 + 2, 0)
+    assert cost(["a"] * 2048) >= (2048, 0)
+    for empty, named in (("", "input"), ([], "input"), (["a", ""], "input[1]"),
+                         ([[1], []], "input[1]")):  # fmt: skip
+        with pytest.raises(EstimateError, match=rf"^{re.escape(named)}: must not be empty") as bad:
+            estimate_embeddings({"input": empty}, chars4)
+        assert bad.value.param == "input"
     with pytest.raises(EstimateError, match="input: required") as caught:
         estimate_embeddings({}, chars4)
     assert caught.value.param == "input"

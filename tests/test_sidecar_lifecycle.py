@@ -23,6 +23,7 @@ from test_sidecar_support import (
     ZERO_BOOKS,
     ClientFactory,
     books_when_settled,
+    completion_body,
     keyed_config,
     start,
 )
@@ -109,11 +110,12 @@ async def test_end_is_exactly_once(aiohttp_client: ClientFactory, tmp_path: Path
     assert phase_of(lifecycle) is Phase.SETTLED
     second = lifecycle.end(sidecar, Outcome(500, "internal_error"))
     assert first == second == Outcome(200, "admitted")
-    # A request no configuration admits is refused and ended by `begin` itself.
+    # A request no configuration admits is refused; whoever answers it ends it, once.
     refused = begin(sidecar, chat_request("r-2", decode_tokens=10**6))
     assert refused.phase is Phase.REFUSED
-    assert refused.outcome is not None
-    assert refused.end(sidecar) == refused.outcome
+    assert refused.outcome is None
+    assert refused.end(sidecar) == Outcome(400, "request_over_kv_capacity")
+    assert refused.end(sidecar, Outcome(500, "internal_error")) == refused.outcome
     assert await books_when_settled(sidecar) == ZERO_BOOKS
     rows = read_records(sidecar)
     assert [(row["request_id"], row["status_code"]) for row in rows] == [("r-1", 200), ("r-2", 400)]
@@ -130,6 +132,10 @@ FAULTS = {
     "kv-hold-time": ("backend", "kv_hold_ms", Outcome(200, "admitted")),
     "dispatcher-settle": ("dispatcher", "settle", Outcome(200, "internal_error")),
     "accounting": ("", "account", Outcome(200, "admitted")),
+    # The core failing while dispatching (a bug): the pump logs it and tries again shortly.
+    "core-dispatch": ("scheduler", "next_dispatch", Outcome(200, "admitted")),
+    "core-expiry": ("scheduler", "expire", Outcome(200, "admitted")),
+    "core-wakeup": ("scheduler", "next_wakeup_ms", Outcome(200, "admitted")),
 }
 
 
@@ -195,3 +201,86 @@ def read_records(sidecar: Sidecar) -> list[dict[str, Any]]:
 def phase_of(lifecycle: Lifecycle) -> Phase:
     """The phase now (a call: mypy does not carry an earlier ``assert`` on it past a move)."""
     return lifecycle.phase
+
+
+async def test_a_shed_with_no_wait_left_is_not_retried_within_a_millisecond(
+    aiohttp_client: ClientFactory,
+) -> None:
+    """``shed_queue_timeout`` carries ``retry_after_ms`` 0 (the request waited its whole limit):
+    ``retry-after-ms`` is then the 1 s fallback, not 1 ms (the openai SDK takes any positive
+    value as is and would send the retry straight back into the queue)."""
+    clients = await start(aiohttp_client, keyed_config())
+    sidecar = clients.sidecar
+    shed = decision(429, "shed_queue_timeout")
+    shed.retry_after_ms = 0.0
+    assert (sidecar.retry_after_ms(shed), sidecar.retry_after_s(shed)) == (1000, 1)
+    waited = decision(429, "shed_queue_wait_slo")
+    waited.retry_after_ms = 12.0  # model ms at time_scale 0.01: 0.12 real ms, rounded up
+    assert sidecar.retry_after_ms(waited) == 1
+
+
+# -- refusals: the record says what the client got -------------------------------------------------
+
+
+async def test_a_refusal_that_cannot_be_answered_is_recorded_as_the_500_sent(
+    aiohttp_client: ClientFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A door refusal whose answer fails to build is a JSON 500 recorded as such (not the 429
+    the gate decided): the answer is built before the request ends."""
+    settings = SidecarSettings(time_scale=0.01, records_path=str(tmp_path / "records.jsonl"))
+    # A bucket that refills 1 service token a second: the second 900-token request cannot be
+    # covered within the wait limit and is refused at the door.
+    config = keyed_config(burst_service_tokens=1000, sustained_service_tokens_per_second=1.0)
+    clients = await start(aiohttp_client, config, settings)
+    sidecar = clients.sidecar
+    body = completion_body(500, 100)  # 500 + 4 * 100 = 900 service tokens
+    auth = {"Authorization": CHAT}
+    first = await clients.proxy.post("/v1/completions", json=body, headers=auth)
+    assert first.status == 200
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected fault while answering a refusal")
+
+    monkeypatch.setattr(sidecar, "retry_after_ms", broken)
+    second = await clients.proxy.post("/v1/completions", json=body, headers=auth)
+    assert second.status == 500
+    assert (await second.json())["error"]["code"] == "internal_error"
+    monkeypatch.undo()
+    third = await clients.proxy.post("/v1/completions", json=body, headers=auth)
+    assert third.status == 429
+    assert (await third.json())["error"]["tokenfair_reason"] == "shed_tenant_token_quota"
+    assert await books_when_settled(sidecar) == ZERO_BOOKS
+    rows = read_records(sidecar)
+    assert [row["request_id"] for row in rows] == [
+        r.headers["x-request-id"] for r in (first, second, third)
+    ]
+    assert [Outcome(row["status_code"], row["reason"]) for row in rows] == [
+        Outcome(200, "admitted"),
+        Outcome(500, "internal_error"),
+        Outcome(429, "shed_tenant_token_quota"),
+    ]
+
+
+async def test_a_request_reaching_admission_during_a_drain_is_a_recorded_503(
+    aiohttp_client: ClientFactory, tmp_path: Path
+) -> None:
+    """A body still arriving when the drain began reaches admission after it: refused
+    ``503 draining`` (never queued behind the drain), and recorded so."""
+    settings = SidecarSettings(time_scale=0.01, records_path=str(tmp_path / "records.jsonl"))
+    clients = await start(aiohttp_client, keyed_config(), settings)
+    sidecar = clients.sidecar
+    sidecar.dispatcher.draining = True  # as `drain()` leaves it, after the handler's first check
+    lifecycle = begin(sidecar, chat_request())
+    assert lifecycle.phase is Phase.REFUSED
+    assert lifecycle.decision is not None
+    assert (lifecycle.decision.status_code, lifecycle.decision.reason) == (503, "draining")
+    assert lifecycle.end(sidecar) == Outcome(503, "draining")
+    # A request cut by the drain's abort is recorded as cut, whatever phase it was in.
+    waiting = Lifecycle(chat_request("r-2"), Phase.QUEUED)
+    waiting.left_queue(decision(499, "cancelled"))
+    assert waiting.outcome_of(Outcome(503, "drain_aborted")) == Outcome(503, "drain_aborted")
+    assert await books_when_settled(sidecar) == ZERO_BOOKS
+    rows = read_records(sidecar)
+    assert [(row["request_id"], row["status_code"], row["reason"]) for row in rows] == [
+        ("r-1", 503, "draining")
+    ]

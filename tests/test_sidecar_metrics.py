@@ -20,7 +20,7 @@ from test_sidecar_support import keyed_config
 
 from tokenfair_sidecar.config import PriorityClass
 from tokenfair_sidecar.core import DEFAULT_POLICY, Decision, Request, make_scheduler
-from tokenfair_sidecar.server.metrics import LATENCY_BUCKETS_S, Metrics
+from tokenfair_sidecar.server.metrics import E2E_BUCKETS_S, LATENCY_BUCKETS_S, Metrics
 from tokenfair_sidecar.server.recorder import Usage, encode_record, request_record
 
 # Bounds themselves (a value equal to ``le`` counts in that bucket), between them, 0, past the
@@ -49,15 +49,34 @@ def test_series_render_like_prometheus_client() -> None:
         "tokenfair_admitted_requests", "Requests dispatched.", ["tenant", "lane"],
         registry=reference,
     )  # fmt: skip
+    tenant_ttft = Histogram(
+        "tokenfair_time_to_first_token_seconds", "Time from arrival to the first response byte.",
+        ["tenant", "lane"], buckets=LATENCY_BUCKETS_S, registry=reference,
+    )  # fmt: skip
+    e2e = Histogram(
+        "tokenfair_e2e_request_latency_seconds",
+        "Time from arrival to the end of the answer, for requests that ran.",
+        ["tenant", "lane"], buckets=E2E_BUCKETS_S, registry=reference,
+    )  # fmt: skip
+    prompt = Counter(
+        "tokenfair_prompt_tokens",
+        "Prompt tokens the backend reported (usage.prompt_tokens) for requests that ran.",
+        ["tenant", "lane"], registry=reference,
+    )  # fmt: skip
     for tenant, lane in (("a", "interactive"), ("b", "batch"), ("a", "batch")):
         series = ours.lane_series(tenant, lane)
         for value in VALUES_S:
             series.queue_wait.observe(value)
-            series.ttft.observe(value * 2)
+            series.observe_ttft(value * 2)
+            series.e2e.observe(value * 30)
             series.admitted += 1
+            series.prompt_tokens += 7
             wait.labels(tenant, lane).observe(value)
             ttft.labels(lane).observe(value * 2)
+            tenant_ttft.labels(tenant, lane).observe(value * 2)
+            e2e.labels(tenant, lane).observe(value * 30)
             admitted.labels(tenant, lane).inc()
+            prompt.labels(tenant, lane).inc(7)
     assert ours.lane_series("a", "batch") is ours.lane_series("a", "batch")
     ours_text = generate_latest(ours.registry).decode()
     reference_text = generate_latest(reference).decode()
@@ -69,6 +88,11 @@ def test_series_render_like_prometheus_client() -> None:
         "tokenfair_ttft_seconds_count",
         "tokenfair_ttft_seconds_sum",
         "tokenfair_admitted_requests_total",
+        *(f"tokenfair_time_to_first_token_seconds_{s}" for s in ("bucket", "count", "sum")),
+        *(f"tokenfair_e2e_request_latency_seconds_{s}" for s in ("bucket", "count", "sum")),
+        "tokenfair_prompt_tokens_total",
+        "# HELP tokenfair_e2e_request_latency_seconds ",
+        "# HELP tokenfair_prompt_tokens_total ",
         "# HELP tokenfair_queue_wait_seconds ",
         "# TYPE tokenfair_queue_wait_seconds ",
         "# HELP tokenfair_admitted_requests_total ",

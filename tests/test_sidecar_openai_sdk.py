@@ -67,13 +67,13 @@ async def test_models_embeddings_and_token_id_completions(aiohttp_client: Client
         # The SDK asks for base64 by default and decodes the float32 bytes itself.
         embedded = await client.embeddings.create(model="tf-small", input=["hello", "world"])
         assert [len(d.embedding) for d in embedded.data] == [8, 8]
-        assert embedded.usage.prompt_tokens == 3  # ceil(10 characters / 4)
+        assert embedded.usage.prompt_tokens == 3 + 2  # ceil(10 characters / 4) + 2 inputs
         as_floats = await client.embeddings.create(
             model="tf-small", input=["hello", "world"], encoding_format="float"
         )
         assert [d.embedding for d in as_floats.data] == [d.embedding for d in embedded.data]
         by_ids = await client.embeddings.create(model="tf-small", input=[[1, 2, 3], [4]])
-        assert by_ids.usage.prompt_tokens == 4
+        assert by_ids.usage.prompt_tokens == 4 + 2  # one per ID, one per input
 
         one = await client.completions.create(model="tf-small", prompt=[1, 2, 3], max_tokens=4)
         assert one.usage is not None

@@ -76,6 +76,7 @@ class FakeUpstream:
     def __init__(self) -> None:
         self.seen: list[tuple[str, str, dict[str, str], bytes]] = []
         self.models_delay_s = 0.0
+        self.models_status = 200
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -93,6 +94,8 @@ class FakeUpstream:
         await self._seen(request)
         if self.models_delay_s:
             await asyncio.sleep(self.models_delay_s)
+        if self.models_status != 200:
+            return web.json_response({"error": "unauthorized"}, status=self.models_status)
         return web.json_response(MODELS, headers={"x-upstream": "vllm"})
 
     async def embeddings(self, request: web.Request) -> web.Response:
@@ -180,6 +183,44 @@ async def test_models_relayed_from_the_upstream_with_its_own_key(
     assert UPSTREAM_KEY not in status
 
 
+async def test_many_clients_listing_models_cost_the_upstream_one_request(
+    aiohttp_client: ClientFactory,
+    aiohttp_server: ServerFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Concurrent ``GET /v1/models`` share one relay, and a fresh answer is reused: a tenant
+    cannot turn the listing into upstream load. (Freshness set to an hour: the count does not
+    depend on how fast this machine runs the twenty requests.)"""
+    monkeypatch.setattr("tokenfair_sidecar.server.backends.openai.MODELS_FRESH_S", 3600.0)
+    upstream = FakeUpstream()
+    upstream.models_delay_s = 0.05  # the relay is still in flight when the others ask
+    clients = await start_openai(aiohttp_client, aiohttp_server, tmp_path, upstream)
+    responses = await asyncio.gather(
+        *(clients.proxy.get("/v1/models", headers={"Authorization": CHAT}) for _ in range(20))
+    )
+    assert [r.status for r in responses] == [200] * 20
+    assert [await r.json() for r in responses] == [MODELS] * 20
+    assert len(upstream.seen) == 1
+
+
+async def test_the_upstream_refusing_the_sidecars_key_is_a_502(
+    aiohttp_client: ClientFactory, aiohttp_server: ServerFactory, tmp_path: Path
+) -> None:
+    """A ``401`` from the upstream refuses the sidecar's own key, not the client's: relayed as
+    is, the client would take its own (valid) key for a bad one."""
+    upstream = FakeUpstream()
+    upstream.models_status = 401
+    clients = await start_openai(aiohttp_client, aiohttp_server, tmp_path, upstream)
+    response = await clients.proxy.get("/v1/models", headers={"Authorization": CHAT})
+    assert response.status == 502
+    assert (await response.json())["error"]["code"] == "upstream_error"
+    upstream.models_status = 200  # a failure is not kept: the next client asks again
+    response = await clients.proxy.get("/v1/models", headers={"Authorization": CHAT})
+    assert response.status == 200
+    assert len(upstream.seen) == 2
+
+
 async def test_a_slow_upstream_models_list_is_a_bounded_504(
     aiohttp_client: ClientFactory, aiohttp_server: ServerFactory, tmp_path: Path
 ) -> None:
@@ -207,12 +248,13 @@ async def test_costmodel_embeddings_cost_prefill_only_and_are_deterministic(
     proxy = clients.proxy
     auth = {"Authorization": CHAT}
     # Each input counts: "x" * 8 is 2 tokens (chars4), so the batch is 2 + 2 + 1 = 5 (the
-    # estimator counts the batch's characters together: ceil(20 / 4)); token IDs count one each.
+    # estimator counts the batch's characters together: ceil(20 / 4)); token IDs count one each;
+    # plus one token per input (its start token).
     cases = [
-        ("x" * 8, 2, 1),
-        (["x" * 8, "y" * 8, "zzzz"], 5, 3),
-        ([1, 2, 3], 3, 1),
-        ([[1, 2], [3], [4, 5, 6, 7]], 7, 3),
+        ("x" * 8, 2 + 1, 1),
+        (["x" * 8, "y" * 8, "zzzz"], 5 + 3, 3),
+        ([1, 2, 3], 3 + 1, 1),
+        ([[1, 2], [3], [4, 5, 6, 7]], 7 + 3, 3),
     ]
     for value, tokens, inputs in cases:
         response = await proxy.post(
@@ -228,7 +270,7 @@ async def test_costmodel_embeddings_cost_prefill_only_and_are_deterministic(
             assert math.isclose(math.fsum(v * v for v in vector), 1.0, rel_tol=1e-5)
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
     rows = records_of(clients)
-    assert [r["prefill_tokens"] for r in rows] == [2, 5, 3, 7]
+    assert [r["prefill_tokens"] for r in rows] == [3, 8, 4, 10]
     assert all(r["decode_tokens"] == 0 and r["actual_decode_tokens"] == 0 for r in rows)
     assert all(r["status_code"] == 200 for r in rows)
 
@@ -296,8 +338,8 @@ async def test_openai_embeddings_pass_through_and_settle_from_usage(
     assert json.loads(sent) == body
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
     [row] = records_of(clients)
-    # Estimated ceil(80 / 4) = 20 prompt tokens, decode 0; settled at the reported 11.
-    assert (row["prefill_tokens"], row["decode_tokens"]) == (20, 0)
+    # Estimated ceil(80 / 4) = 20 prompt tokens + 2 inputs, decode 0; settled at the reported 11.
+    assert (row["prefill_tokens"], row["decode_tokens"]) == (22, 0)
     assert row["actual_prefill_tokens"] == 11
     assert row["actual_service_tokens"] == 11
 

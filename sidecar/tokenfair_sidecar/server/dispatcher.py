@@ -28,16 +28,26 @@ Time: the scheduler's clock is model milliseconds, ``real_seconds * 1000 / time_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
-from typing import Any
+from typing import Any, Final
 
 from tokenfair_sidecar.core import Decision, Request, Scheduler
-from tokenfair_sidecar.core.jobs import JobState
-from tokenfair_sidecar.server.lifecycle import Lifecycle, LifecycleError, Phase, Settlement
+from tokenfair_sidecar.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED, JobState
+from tokenfair_sidecar.server.lifecycle import (
+    DRAINING,
+    Lifecycle,
+    LifecycleError,
+    Phase,
+    Settlement,
+)
 
 log = logging.getLogger("tokenfair.sidecar")
+
+PUMP_RETRY_S: Final = 0.01
+"""Real seconds until a pump that failed in the core is tried again."""
 
 
 class ModelClock:
@@ -75,6 +85,8 @@ class Dispatcher:
         self._timer: asyncio.TimerHandle | None = None
         self._pumping = False
         self._again = False
+        self._pump_failures = 0
+        """Pumps that failed in a row (the first is logged with its traceback)."""
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -88,6 +100,8 @@ class Dispatcher:
         retry it) and never reaches the scheduler's gates (whose ``queue_full`` or
         ``shed_queue_wait_slo`` 429 would tell it to retry)."""
         scheduler = self.scheduler
+        if self.draining:  # its body was still arriving when the drain began
+            return Lifecycle(request, Phase.REFUSED, decision=self._draining_refusal(request))
         refusal = scheduler.never_admissible(request)
         if refusal is None:
             refusal = scheduler.submit(request, self.clock.now_ms())
@@ -99,6 +113,19 @@ class Dispatcher:
         self._queued[request.request_id] = lifecycle
         self.pump()
         return lifecycle
+
+    def _draining_refusal(self, request: Request) -> Decision:
+        """The ``503 draining`` decision of a request that reached admission during a drain."""
+        return Decision(
+            request.request_id,
+            request.tenant_id,
+            request.priority_class,
+            503,
+            DRAINING,
+            "drain",
+            self.scheduler.cost.service_tokens(request.prefill_tokens, request.decode_tokens),
+            request.arrival_ms,
+        )
 
     async def wait(self, lifecycle: Lifecycle) -> Decision:
         """The decision that ends the request's wait; cancellation (the client went away) takes
@@ -128,12 +155,19 @@ class Dispatcher:
     # -- dispatch --------------------------------------------------------------------------
 
     def pump(self) -> None:
-        """Expire, then dispatch while the core allows and the in-flight limit holds."""
+        """Expire, then dispatch while the core allows and the in-flight limit holds.
+
+        Never raises (it runs inside admission, settlement and timers): if the core raises
+        (a bug), the failure is logged — the first of a streak with its traceback — and the pump
+        runs again after :data:`PUMP_RETRY_S`, so nothing stays queued on a lost wake-up; what
+        was resolved before the failure stands."""
         if self._pumping:  # re-entered from a settlement inside the loop below
             self._again = True
             return
         self._pumping = True
         scheduler = self.scheduler
+        now_ms = self.clock.now_ms()
+        failed = False
         try:
             again = True
             while again:
@@ -147,19 +181,33 @@ class Dispatcher:
                         break
                     self._resolve(next_decision)
                 again = self._again
-            self._arm_timer(now_ms)
+        except Exception:
+            failed = True
+            self._pump_failures += 1
+            if self._pump_failures == 1:
+                log.exception("dispatching failed in the core; retrying in %g s", PUMP_RETRY_S)
+            else:
+                log.error("dispatching failed again in the core (%d in a row)",
+                          self._pump_failures)  # fmt: skip
         finally:
             self._pumping = False
+        if not failed:
+            self._pump_failures = 0
+        self._arm_timer(now_ms, retry=failed)
 
     def _resolve(self, decision: Decision) -> None:
         lifecycle = self._queued.pop(decision.request_id)
+        future = lifecycle.future
+        assert future is not None  # QUEUED lifecycles have one
         if decision.admitted:
             lifecycle.dispatched(decision, asyncio.get_running_loop().time())
             self._idle.clear()
+        elif future.cancelled():  # its client left first: that is its outcome, not the expiry
+            lifecycle.left_queue(
+                dataclasses.replace(decision, status_code=STATUS_CLIENT_CLOSED, reason=CANCELLED)
+            )
         else:
             lifecycle.left_queue(decision)
-        future = lifecycle.future
-        assert future is not None  # QUEUED lifecycles have one
         if future.cancelled():
             # The client left after its task was cancelled but before its handler ran (its
             # `wait` finds the lifecycle moved on): nothing ran, so it is settled at zero.
@@ -168,28 +216,39 @@ class Dispatcher:
             return
         future.set_result(decision)
 
-    def _arm_timer(self, now_ms: float) -> None:
+    def _arm_timer(self, now_ms: float, retry: bool = False) -> None:
+        """Arm the one timer at the core's next wake-up (sooner, :data:`PUMP_RETRY_S`, after a
+        failed pump). Never raises: a core that cannot say when to wake is retried too."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        wakeup_ms = self.scheduler.next_wakeup_ms(now_ms)
+        loop = asyncio.get_running_loop()
+        try:
+            wakeup_ms = self.scheduler.next_wakeup_ms(now_ms)
+        except Exception:
+            log.exception("the core failed to give its next wake-up; retrying")
+            wakeup_ms, retry = None, True
+        delay_s = None
         if wakeup_ms is not None:
             delay_s = self.clock.real_seconds(max(0.0, wakeup_ms - now_ms))
-            self._timer = asyncio.get_running_loop().call_later(delay_s, self.pump)
+        if retry:
+            delay_s = PUMP_RETRY_S if delay_s is None else min(delay_s, PUMP_RETRY_S)
+        if delay_s is not None:
+            self._timer = loop.call_later(delay_s, self.pump)
 
     # -- settlement ------------------------------------------------------------------------
 
     def settle(
         self, lifecycle: Lifecycle, actual_service_tokens: int | None, kv_hold_ms: float
-    ) -> Settlement:
+    ) -> Settlement | None:
         """Book a RUNNING request (``actual_service_tokens``; ``None``: the estimate), release
         its running slot, schedule its KV release ``kv_hold_ms`` model milliseconds after its
         dispatch, and move it to SETTLED. Never raises for the core's sake: the slot and the KV
         are released whatever ``complete`` raises (see
         :class:`~tokenfair_sidecar.server.lifecycle.Settlement`). A request not RUNNING is left
-        as it is (settled once: its settlement is returned)."""
+        as it is: its settlement is returned (``None`` if it never ran)."""
         if lifecycle.phase is not Phase.RUNNING or lifecycle.decision is None:
-            return lifecycle.settlement or Settlement.AS_REPORTED
+            return lifecycle.settlement
         request_id = lifecycle.request.request_id
         now_ms = self.clock.now_ms()
         settlement = Settlement.AS_REPORTED
@@ -219,7 +278,9 @@ class Dispatcher:
             settlement = Settlement.CORE_FAILED
             self.release_unsettled(request_id)
         else:
-            dispatch_ms = lifecycle.decision.dispatch_ms or now_ms
+            dispatch_ms = lifecycle.decision.dispatch_ms
+            if dispatch_ms is None:
+                dispatch_ms = now_ms
             release_ms = dispatch_ms + kv_hold_ms
             if release_ms <= now_ms:
                 self._release(request_id, timer=False)

@@ -319,7 +319,9 @@ def _token_ids(param: str, where: str, ids: list[object]) -> int:
 def _batch(param: str, items: list[object]) -> None:
     if len(items) > MAX_BATCH_INPUTS:
         raise EstimateError(
-            param, f"{param}: at most {MAX_BATCH_INPUTS} prompts in a batch (got {len(items)})"
+            param,
+            f"{param}: at most {MAX_BATCH_INPUTS} {'inputs' if param == 'input' else 'prompts'} "
+            f"in a batch (got {len(items)})",
         )
 
 
@@ -424,11 +426,14 @@ def estimate(
 
 def estimate_embeddings(body: Mapping[str, object], estimator: PromptEstimator) -> Estimate:
     """The cost of an embeddings request: ``prefill`` = every input's tokens (text by
-    ``estimator``, token IDs one each), ``decode`` = 0 (see the module docstring)."""
+    ``estimator``, token IDs one each) plus one per input (the sequence's start token: no
+    input is free, however short), ``decode`` = 0 (see the module docstring). An empty input
+    (``""``, ``[]``, or an empty element) is a 400 naming it, as OpenAI's API refuses it."""
     value = body.get("input")
     if value is None:
         raise EstimateError("input", f"input: required; {_shapes('input')}")
-    chars, token_ids, _ = _inputs(value, "input")
+    _refuse_empty_input(value)
+    chars, token_ids, inputs = _inputs(value, "input")
     dimensions = body.get("dimensions")
     if dimensions is not None and (
         type(dimensions) is not int or not 1 <= dimensions <= MAX_EMBEDDING_DIMENSIONS
@@ -447,4 +452,15 @@ def estimate_embeddings(body: Mapping[str, object], estimator: PromptEstimator) 
         )
     # Text goes through the configured estimator as a prompt would; IDs are exact.
     text_tokens = estimator({"prompt": value}) if chars else 0
-    return Estimate(text_tokens if chars else token_ids, 0)
+    return Estimate((text_tokens if chars else token_ids) + inputs, 0)
+
+
+def _refuse_empty_input(value: object) -> None:
+    """An embeddings ``input`` that is empty, or holds an empty string or list: a 400 naming
+    the element (an empty input would otherwise cost nothing)."""
+    if value == "" or value == []:
+        raise EstimateError("input", "input: must not be empty")
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            if item == "" or item == []:
+                raise EstimateError("input", f"input[{index}]: must not be empty")

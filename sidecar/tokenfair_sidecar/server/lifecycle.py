@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Final
 
 from tokenfair_sidecar.core import Decision, Request
 from tokenfair_sidecar.core.jobs import ADMITTED, CANCELLED, STATUS_CLIENT_CLOSED
+from tokenfair_sidecar.server.accesslog import RequestFacts
 from tokenfair_sidecar.server.backends import BAD_USAGE, BackendCall
 from tokenfair_sidecar.server.errors import INTERNAL_ERROR
 from tokenfair_sidecar.server.recorder import NO_USAGE, Usage
@@ -48,6 +49,10 @@ log = logging.getLogger("tokenfair.sidecar")
 
 DRAINING: Final = "draining"
 """Reason (status 503) of a request refused at the door, or taken out of the queue, by a drain."""
+DRAIN_ABORTED: Final = "drain_aborted"
+"""Reason (status 503) of a request still running (or still waiting) when the drain grace ran
+out: the sidecar cut it (a stream ends incomplete; a request with nothing sent yet is answered
+``503 drain_aborted`` with ``Retry-After``)."""
 
 
 class Phase(enum.Enum):
@@ -118,6 +123,8 @@ class Lifecycle:
     """The usage booked as reported, in service tokens (``None``: the estimate)."""
     outcome: Outcome | None = None
     """Its one outcome, once :meth:`end` decided it."""
+    admission_ms: float | None = None
+    """Model time admission decided (set by :func:`begin`; the span's admission event)."""
 
     # -- moves (each from one phase only: anything else is a bug, LifecycleError) -----------
 
@@ -155,8 +162,10 @@ class Lifecycle:
     # -- the end ----------------------------------------------------------------------------
 
     def outcome_of(self, met: Outcome) -> Outcome:
-        """The outcome given ``met``, the answer its client met (used only if it ran)."""
-        if self.ran:
+        """The outcome given ``met``, the answer its client met: that answer if the request ran,
+        or if the sidecar itself failed to answer it (``internal_error``) or cut it
+        (``drain_aborted``); otherwise the decision that ended its wait."""
+        if self.ran or met.reason in (INTERNAL_ERROR, DRAIN_ABORTED):
             return met
         if self.drained:
             return Outcome(503, DRAINING)
@@ -196,7 +205,7 @@ class Lifecycle:
                 self._release_unsettled(sidecar)
                 reason = INTERNAL_ERROR if reason == ADMITTED else reason
         outcome = self.outcome = self.outcome_of(Outcome(met.status_code, reason))
-        self._account(sidecar, outcome, usage)
+        self._account(sidecar, outcome, usage, call)
         return outcome
 
     def _release_unsettled(self, sidecar: Sidecar) -> None:
@@ -258,7 +267,20 @@ class Lifecycle:
         )
         return usage, reason
 
-    def _account(self, sidecar: Sidecar, outcome: Outcome, usage: Usage) -> None:
+    def facts(self, call: BackendCall | None) -> RequestFacts:
+        """What the access log and the span need besides the decision and the usage."""
+        model = call.body.get("model") if call is not None else None
+        return RequestFacts(
+            route=call.path if call is not None else None,
+            model=model if isinstance(model, str) else None,
+            admission_ms=self.admission_ms,
+            queued=self.phase is not Phase.REFUSED,
+            settlement=self.settlement.value if self.settlement is not None else None,
+        )
+
+    def _account(
+        self, sidecar: Sidecar, outcome: Outcome, usage: Usage, call: BackendCall | None = None
+    ) -> None:
         """Count and record the outcome; never raises."""
         request = self.request
         decision = self.decision
@@ -274,6 +296,7 @@ class Lifecycle:
                 reason=outcome.reason,
                 actual_service_tokens=actual,
                 usage=usage,
+                facts=self.facts(call),
             )
         except Exception:  # a bug: the record is still written, alone
             log.exception("request %s: accounting failed; writing its record alone",
@@ -285,10 +308,11 @@ class Lifecycle:
 
 
 def begin(sidecar: Sidecar, request: Request) -> Lifecycle:
-    """Admission: a QUEUED lifecycle, or a REFUSED one already ended (counted and recorded).
-    Raises :class:`~tokenfair_sidecar.core.UnknownTenantError` if the tenant is gone (a reload
-    removed it while the body was read): nothing is booked then."""
+    """Admission: a QUEUED lifecycle, or a REFUSED one (whoever answers its client ends it, once
+    the answer is built, so that its record says what the client got). Raises
+    :class:`~tokenfair_sidecar.core.UnknownTenantError` if the tenant is gone (a reload removed
+    it while the body was read): nothing is booked then."""
+    admission_ms = sidecar.clock.now_ms()  # before submit: it may dispatch at once
     lifecycle = sidecar.dispatcher.submit(request)
-    if lifecycle.phase is Phase.REFUSED:
-        lifecycle.end(sidecar)
+    lifecycle.admission_ms = admission_ms
     return lifecycle

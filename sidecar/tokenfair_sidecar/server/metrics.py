@@ -14,6 +14,9 @@ Counters (labels ``tenant``, ``lane`` and, for refusals, ``reason``):
   ``drain_aborted`` for requests the drain cut);
 * ``tokenfair_estimated_service_tokens_total`` (charged at dispatch) and
   ``tokenfair_actual_service_tokens_total`` (settled at completion);
+* ``tokenfair_prompt_tokens_total`` and ``tokenfair_completion_tokens_total`` — the usage the
+  backend reported for requests that ran (``usage.prompt_tokens`` / ``completion_tokens``: the
+  tokens clients count); a count that was not reported, or not believed, adds nothing;
 * ``tokenfair_invalid_requests_total`` (``status``: 400, 401, 408, 413, 415, 417) — before any
   tenant is charged;
 * ``tokenfair_config_reloads_total`` (``result``: ``applied``, ``invalid``, ``error``);
@@ -22,10 +25,25 @@ Counters (labels ``tenant``, ``lane`` and, for refusals, ``reason``):
 * ``tokenfair_refused_connections_total`` — proxy connections closed at once at
   ``max_client_connections``.
 
-Histograms, in model seconds (equal to real seconds at ``time_scale`` 1):
-``tokenfair_queue_wait_seconds`` (labels ``tenant``, ``lane``: the operator reports each
-tenant's p99 from it; tenants are bounded by the config, so the series are too) and
-``tokenfair_ttft_seconds`` (label ``lane``).
+Histograms, in model seconds (equal to real seconds at ``time_scale`` 1), labels ``tenant`` and
+``lane`` (tenants are bounded by the config, so the series are too):
+
+* ``tokenfair_queue_wait_seconds`` — arrival to dispatch (the operator reports each tenant's
+  p99 from it);
+* ``tokenfair_time_to_first_token_seconds`` — arrival to the first response byte;
+* ``tokenfair_e2e_request_latency_seconds`` — arrival to the end of the answer, for requests
+  that ran (buckets up to 10 minutes: :data:`E2E_BUCKETS_S`);
+
+and ``tokenfair_ttft_seconds`` (label ``lane`` only: the same observations as
+``tokenfair_time_to_first_token_seconds`` summed over the lane's tenants, kept for the queries
+written against it).
+
+``tokenfair_in_flight_requests`` — proxy requests being handled (head read to answer sent:
+reading the body, queued, running) — is counted by the proxy app's middleware.
+
+The ``process_*`` metrics (CPU seconds, resident and virtual memory, open and maximum file
+descriptors, start time) are ``prometheus_client``'s :class:`~prometheus_client.ProcessCollector`
+on this registry: read from ``/proc`` at scrape time, so Linux only (elsewhere they are absent).
 
 The per-request series (admitted, cancelled, estimated and actual tokens, both histograms) are
 plain numbers on :class:`LaneSeries` / :class:`LatencyHistogram`, rendered at scrape time by a
@@ -47,7 +65,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -60,8 +78,21 @@ from tokenfair_sidecar.core import Lane, Scheduler
 
 LANE_NAMES: Final = {Lane.INTERACTIVE: "interactive", Lane.BATCH: "batch"}
 LATENCY_BUCKETS_S: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-_LE: Final = (*(repr(float(bound)) for bound in LATENCY_BUCKETS_S), "+Inf")
-"""The buckets' ``le`` labels as prometheus_client writes them (``0.005``, ``1.0``, ``+Inf``)."""
+E2E_BUCKETS_S: Final = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0
+)  # fmt: skip
+"""End-to-end latency buckets: a long batch generation runs for minutes, past
+:data:`LATENCY_BUCKETS_S`' 30 s."""
+
+
+def _le_labels(bounds: tuple[float, ...]) -> tuple[str, ...]:
+    """The buckets' ``le`` labels as prometheus_client writes them (``0.005``, ``1.0``,
+    ``+Inf``)."""
+    return (*(repr(float(bound)) for bound in bounds), "+Inf")
+
+
+_LE: Final = _le_labels(LATENCY_BUCKETS_S)
+_E2E_LE: Final = _le_labels(E2E_BUCKETS_S)
 
 
 class _SchedulerCollector(Collector):
@@ -96,25 +127,27 @@ class _SchedulerCollector(Collector):
 
 
 class LatencyHistogram:
-    """A histogram over :data:`LATENCY_BUCKETS_S` (Prometheus semantics: a value lands in every
-    bucket whose upper bound ``le`` is >= it)."""
+    """A histogram over :data:`LATENCY_BUCKETS_S`, or over :data:`E2E_BUCKETS_S` with ``e2e``
+    (Prometheus semantics: a value lands in every bucket whose upper bound ``le`` is >= it)."""
 
-    __slots__ = ("counts", "sum")
+    __slots__ = ("bounds", "counts", "le", "sum")
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(LATENCY_BUCKETS_S) + 1)
+    def __init__(self, *, e2e: bool = False) -> None:
+        self.bounds = E2E_BUCKETS_S if e2e else LATENCY_BUCKETS_S
+        self.le = _E2E_LE if e2e else _LE
+        self.counts = [0] * (len(self.bounds) + 1)
         """Per bucket (not cumulative); the last is ``+Inf``."""
         self.sum = 0.0
 
     def observe(self, value_s: float) -> None:
-        self.counts[bisect_left(LATENCY_BUCKETS_S, value_s)] += 1
+        self.counts[bisect_left(self.bounds, value_s)] += 1
         self.sum += value_s
 
     def buckets(self) -> list[tuple[str, float]]:
         """Cumulative ``(le, count)`` pairs, as the exposition format wants them."""
         out: list[tuple[str, float]] = []
         total = 0
-        for le, count in zip(_LE, self.counts, strict=True):
+        for le, count in zip(self.le, self.counts, strict=True):
             total += count
             out.append((le, total))
         return out
@@ -127,11 +160,15 @@ class LaneSeries:
         "actual_tokens",
         "admitted",
         "cancelled",
+        "completion_tokens",
         "created_s",
+        "e2e",
         "estimated_tokens",
         "lane",
+        "prompt_tokens",
         "queue_wait",
         "tenant",
+        "tenant_ttft",
         "ttft",
     )
 
@@ -142,10 +179,19 @@ class LaneSeries:
         self.cancelled = 0
         self.estimated_tokens = 0
         self.actual_tokens = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
         self.queue_wait = LatencyHistogram()
+        self.tenant_ttft = LatencyHistogram()
+        """This tenant's (``tokenfair_time_to_first_token_seconds``)."""
         self.ttft = ttft
         """Shared by every tenant of the lane (``tokenfair_ttft_seconds`` is per lane)."""
+        self.e2e = LatencyHistogram(e2e=True)
         self.created_s = time.time()
+
+    def observe_ttft(self, value_s: float) -> None:
+        self.tenant_ttft.observe(value_s)
+        self.ttft.observe(value_s)
 
 
 class _RequestCollector(Collector):
@@ -164,12 +210,12 @@ class _RequestCollector(Collector):
                     [one.tenant, one.lane], getattr(one, attribute), created=one.created_s
                 )
             yield family
-        waits = HistogramMetricFamily(
-            "tokenfair_queue_wait_seconds", "Time from arrival to dispatch.", labels=tenant_lane
-        )
-        for one in series:
-            waits.add_metric([one.tenant, one.lane], one.queue_wait.buckets(), one.queue_wait.sum)
-        yield waits
+        for name, documentation, attribute in _HISTOGRAMS:
+            histograms = HistogramMetricFamily(name, documentation, labels=tenant_lane)
+            for one in series:
+                histogram: LatencyHistogram = getattr(one, attribute)
+                histograms.add_metric([one.tenant, one.lane], histogram.buckets(), histogram.sum)
+            yield histograms
         ttft = HistogramMetricFamily(
             "tokenfair_ttft_seconds", "Time from arrival to the first response byte.",
             labels=["lane"],
@@ -177,6 +223,11 @@ class _RequestCollector(Collector):
         for lane, histogram in self._metrics.ttft.items():
             ttft.add_metric([lane], histogram.buckets(), histogram.sum)
         yield ttft
+        yield GaugeMetricFamily(
+            "tokenfair_in_flight_requests",
+            "Proxy requests being handled: reading the body, queued, running or answering.",
+            self._metrics.in_flight,
+        )
 
 
 _COUNTERS: Final = (
@@ -192,8 +243,33 @@ _COUNTERS: Final = (
         "Service tokens settled at completion (actual usage).",
         "actual_tokens",
     ),
+    (
+        "tokenfair_prompt_tokens",
+        "Prompt tokens the backend reported (usage.prompt_tokens) for requests that ran.",
+        "prompt_tokens",
+    ),
+    (
+        "tokenfair_completion_tokens",
+        "Completion tokens the backend reported (usage.completion_tokens) for requests that ran.",
+        "completion_tokens",
+    ),
 )
 """(name, help, LaneSeries attribute) of the per-request counters."""
+
+_HISTOGRAMS: Final = (
+    ("tokenfair_queue_wait_seconds", "Time from arrival to dispatch.", "queue_wait"),
+    (
+        "tokenfair_time_to_first_token_seconds",
+        "Time from arrival to the first response byte.",
+        "tenant_ttft",
+    ),
+    (
+        "tokenfair_e2e_request_latency_seconds",
+        "Time from arrival to the end of the answer, for requests that ran.",
+        "e2e",
+    ),
+)
+"""(name, help, LaneSeries attribute) of the per-tenant histograms."""
 
 
 class Metrics:
@@ -237,8 +313,11 @@ class Metrics:
         self.series: dict[tuple[str, str], LaneSeries] = {}
         """Per (tenant, lane), created at the tenant's first request in the lane."""
         self.ttft: dict[str, LatencyHistogram] = {}
+        self.in_flight = 0
+        """Proxy requests being handled (the proxy app's middleware counts them)."""
         registry.register(_RequestCollector(self))
         registry.register(_SchedulerCollector(state))
+        ProcessCollector(registry=registry)  # process_*: from /proc (Linux), at scrape time
 
     def lane_series(self, tenant: str, lane: str) -> LaneSeries:
         series = self.series.get((tenant, lane))

@@ -93,8 +93,10 @@ from tokenfair_sidecar.server.estimate import (
 )
 from tokenfair_sidecar.server.lifecycle import (
     CLIENT_LEFT,
+    DRAIN_ABORTED,
     DRAINING,
     Lifecycle,
+    LifecycleError,
     Outcome,
     Phase,
     begin,
@@ -108,10 +110,6 @@ QUEUE_WAIT_HEADER: Final = "x-tokenfair-queue-wait-ms"
 REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}")
 """A client's request id is honoured when it matches this: 1-128 letters, digits and ``_.:-``
 (the trace ids of ``tokenfair trace``, e.g. ``tenant_chat_pro-000001``, and UUIDs)."""
-DRAIN_ABORTED: Final = "drain_aborted"
-"""Record reason (status 503) of a request still running when the drain grace ran out: the
-sidecar cut it (a stream ends incomplete; a request with nothing sent yet is answered ``503
-drain_aborted`` with ``Retry-After``)."""
 BODY_TOO_COMPLEX: Final = "body_too_complex"
 CLIENT_WRITE_TIMEOUT: Final = "client_write_timeout"
 HAS_BROTLI: Final[bool] = getattr(compression_utils, "HAS_BROTLI", False)
@@ -424,13 +422,43 @@ async def completions(request: web.Request) -> web.StreamResponse:
         lifecycle = begin(sidecar, job)
     except UnknownTenantError:  # removed by a reload while its body was being read
         return _invalid(sidecar, 401, "the tenant of this key no longer exists", "invalid_api_key")
-    if lifecycle.phase is Phase.REFUSED:  # ended (recorded) by `begin`
-        refusal = lifecycle.decision
-        assert refusal is not None  # a refusal at the door always has its decision
+    except Exception:  # a bug in admission: nothing was queued; one record says so
+        log.exception("request %s: admission failed in the sidecar", job.request_id)
+        sidecar.record_minimal(job, status_code=500, reason=INTERNAL_ERROR)
+        return _internal_error(job.request_id)
+    if lifecycle.phase is Phase.REFUSED:
+        return _answer_refusal(sidecar, lifecycle, cost)
+    return await _serve(sidecar, request, lifecycle, body, raw, stream, cost)
+
+
+def _answer_refusal(sidecar: Sidecar, lifecycle: Lifecycle, cost: Estimate) -> web.Response:
+    """Answer a request refused at the door, then end it: the answer is built first, so its
+    record says what the client got (``500 internal_error`` if building it failed)."""
+    met = CLIENT_LEFT  # the decision's outcome stands unless the answer fails
+    refusal = lifecycle.decision
+    try:
+        if refusal is None:  # cannot happen: a refusal at the door has its decision
+            raise LifecycleError(f"request {lifecycle.request.request_id} refused without one")
+        if refusal.reason == DRAINING:
+            return _draining(sidecar)
         if refusal.status_code == STATUS_NEVER_ADMISSIBLE:
             return _never_admissible(sidecar, refusal)
         return _refusal(sidecar, refusal, _usage_mix(sidecar, cost))
-    return await _serve(sidecar, request, lifecycle, body, raw, stream, cost)
+    except Exception:
+        log.exception("request %s: its refusal could not be answered", lifecycle.request.request_id)
+        met = Outcome(500, INTERNAL_ERROR)
+        return _internal_error(lifecycle.request.request_id)
+    finally:
+        lifecycle.end(sidecar, met)
+
+
+def _internal_error(request_id: str) -> web.Response:
+    """``500 internal_error``: the sidecar failed on the request (logged with its traceback)."""
+    return error_response(
+        500, "the sidecar failed on this request; its log has the details under this "
+        "request's x-request-id", INTERNAL_ERROR,
+        headers={REQUEST_ID_HEADER: request_id},
+    )  # fmt: skip
 
 
 async def _serve(
@@ -524,11 +552,7 @@ async def _serve(
         if request.writer.output_size > 0:  # a response already started: cut it
             _abort_client(request)
             return web.Response(status=500)  # never sent: the connection is gone
-        return error_response(
-            500, "the sidecar failed on this request; its log has the details under this "
-            "request's x-request-id", INTERNAL_ERROR,
-            headers={REQUEST_ID_HEADER: job.request_id},
-        )  # fmt: skip
+        return _internal_error(job.request_id)
     finally:
         if call is not None:
             call.close()

@@ -8,10 +8,22 @@ refusals, the mounted file as the fallback).
 
 Configured by the environment, which the injector sets:
 
-* ``TOKENFAIR_CONFIG_URL`` — ``http://<operator>/v1/config/<namespace>/<policy>?source=...``;
+* ``TOKENFAIR_CONFIG_URL`` — ``https://<operator>/v1/config/<namespace>/<policy>?source=...``;
   unset: no long-poll, the file alone (a standalone sidecar);
+* ``TOKENFAIR_CONFIG_CA_FILE`` — the PEM CA bundle the server's certificate must chain to (the
+  operator's own CA, projected from a ConfigMap; the server's name is the URL's host); read
+  again for each request (the kubelet refreshes it after a rotation); unset: the system's
+  trust store;
 * ``TOKENFAIR_CONFIG_TOKEN_FILE`` — the ServiceAccount token sent as ``Bearer`` (default: the
-  Pod's own, :data:`DEFAULT_TOKEN_FILE`), read again for each request (projected tokens rotate).
+  Pod's own, :data:`DEFAULT_TOKEN_FILE`; the injector projects one for the document server's
+  audience only, valid 10 minutes), read again for each request (the kubelet rotates it);
+* ``TOKENFAIR_CONFIG_INSECURE_HTTP`` — ``true`` allows an ``http://`` URL: unsafe (the token
+  and the document travel in clear, anyone on the path can change the document), for a local
+  operator in tests only; otherwise an ``http://`` URL is refused (logged; no long-poll, the
+  file alone).
+
+A server whose certificate does not verify is a failed poll like any other: the last good
+config stays and the mounted file is the fallback.
 
 The loop: ``GET <url>&version=<the version we run>&waitSeconds=`` :data:`WAIT_S`. ``200``: a
 new document, handed over with its version and its generation (header
@@ -31,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -45,6 +58,8 @@ log = logging.getLogger("tokenfair.sidecar")
 
 URL_ENV: Final = "TOKENFAIR_CONFIG_URL"
 TOKEN_FILE_ENV: Final = "TOKENFAIR_CONFIG_TOKEN_FILE"
+CA_FILE_ENV: Final = "TOKENFAIR_CONFIG_CA_FILE"
+INSECURE_HTTP_ENV: Final = "TOKENFAIR_CONFIG_INSECURE_HTTP"
 DEFAULT_TOKEN_FILE: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token"
 VERSION_HEADER: Final = "X-Tokenfair-Config-Version"
 GENERATION_HEADER: Final = "X-Tokenfair-Config-Generation"
@@ -66,19 +81,27 @@ raises (:mod:`.reload` reports)."""
 
 @dataclass(frozen=True, slots=True)
 class RemoteSource:
-    """Where the document is served and the token to show."""
+    """Where the document is served, the token to show and the CA bundle that verifies the
+    server (None: the system's trust store)."""
 
     url: str
     token_file: Path
+    ca_file: Path | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> RemoteSource | None:
         url = env.get(URL_ENV, "").strip()
         if not url:
             return None
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"${URL_ENV}: must be an http:// or https:// URL (got {url[:80]!r})")
-        return cls(url, Path(env.get(TOKEN_FILE_ENV) or DEFAULT_TOKEN_FILE))
+        insecure = env.get(INSECURE_HTTP_ENV, "").strip().lower() == "true"
+        if not url.startswith("https://") and not (url.startswith("http://") and insecure):
+            raise ValueError(
+                f"${URL_ENV}: must be an https:// URL (got {url[:80]!r}); http:// only with "
+                f"${INSECURE_HTTP_ENV}=true (unsafe: the token and the document in clear)"
+            )
+        ca_file = env.get(CA_FILE_ENV, "").strip()
+        token_file = Path(env.get(TOKEN_FILE_ENV) or DEFAULT_TOKEN_FILE)
+        return cls(url, token_file, Path(ca_file) if ca_file else None)
 
 
 class RemoteFeed:
@@ -94,6 +117,9 @@ class RemoteFeed:
         """The version last delivered ("" before the first: the operator answers at once)."""
         self._good_at: float | None = None
         self._failures = 0
+        self._answered = False
+        self._trust: tuple[bytes, ssl.SSLContext] | None = None
+        """The CA bundle last read and its context (one per bundle: connections are reused)."""
 
     def healthy(self) -> bool:
         """A good answer (200 or 304) came within ``WAIT_S + HEALTH_GRACE_S`` seconds."""
@@ -117,7 +143,8 @@ class RemoteFeed:
         url = f"{self.source.url}{separator}waitSeconds={WAIT_S}"
         params = {"version": self.version}
         headers = {"Authorization": f"Bearer {self._token()}"}
-        async with session.get(url, params=params, headers=headers) as response:
+        context = self._ssl()
+        async with session.get(url, params=params, headers=headers, ssl=context) as response:
             if response.status == 304:
                 self._good()
                 return
@@ -141,8 +168,34 @@ class RemoteFeed:
         except OSError as exc:
             raise RuntimeError(f"{self.source.token_file}: cannot read ({exc.strerror})") from None
 
+    def _ssl(self) -> ssl.SSLContext | bool:
+        """The context verifying the server: from the CA file as it is now (re-read each poll,
+        rebuilt only when it changed), else the system's (``True``)."""
+        path = self.source.ca_file
+        if path is None:
+            return True
+        try:
+            bundle = path.read_bytes()
+        except OSError as exc:
+            raise RuntimeError(f"{path}: cannot read the CA bundle ({exc.strerror})") from None
+        if self._trust is None or self._trust[0] != bundle:
+            try:
+                context = ssl.create_default_context(cadata=bundle.decode(errors="replace"))
+            except (ssl.SSLError, ValueError) as exc:
+                raise RuntimeError(f"{path}: not a PEM CA bundle ({exc})") from None
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            self._trust = (bundle, context)
+        return self._trust[1]
+
     def _good(self) -> None:
-        if self._failures:
+        if not self._answered:  # once: says which transport the sidecar runs on
+            self._answered = True
+            ca = self.source.ca_file
+            how = f"server verified with {ca}" if ca is not None else "system trust store"
+            if self.source.url.startswith("http://"):
+                how = "plain HTTP: unsafe"
+            log.info("config long-poll of %s answers (%s)", self.source.url, how)
+        elif self._failures:
             log.info("config long-poll of %s answers again", self.source.url)
         self._good_at = self.clock()
         self._failures = 0

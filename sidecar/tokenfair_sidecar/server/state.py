@@ -4,7 +4,9 @@ Owns the scheduler, its dispatcher, the authenticator and the accounting of outc
 per-tenant counters for ``/status``, request records). A request's one outcome is decided by
 its :class:`~tokenfair_sidecar.server.lifecycle.Lifecycle`, whose ``end`` calls
 :meth:`Sidecar.account` for it once; :meth:`Sidecar.record` never raises (a record it cannot
-write is counted as dropped).
+write is counted as dropped). ``account`` also writes the request's access-log line and, with
+tracing on, its span (:meth:`Sidecar.observe`: never raises either); a request answered before
+admission gets both from :meth:`Sidecar.observe_unadmitted`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import secrets
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from tokenfair_sidecar.config import Config, PriorityClass
 from tokenfair_sidecar.core import (
@@ -29,6 +31,13 @@ from tokenfair_sidecar.core import (
 )
 from tokenfair_sidecar.costmodel import CostModel
 from tokenfair_sidecar.poolconfig import split_budgets
+from tokenfair_sidecar.server.accesslog import (
+    CURRENT_SCOPE,
+    AccessLog,
+    RequestFacts,
+    RequestScope,
+    utc_timestamp,
+)
 from tokenfair_sidecar.server.auth import Authenticator
 from tokenfair_sidecar.server.backends import Backend, CostModelBackend
 from tokenfair_sidecar.server.dispatcher import Dispatcher, ModelClock
@@ -44,6 +53,7 @@ from tokenfair_sidecar.server.recorder import (
     minimal_record,
 )
 from tokenfair_sidecar.server.settings import LoadedFile, SidecarSettings
+from tokenfair_sidecar.server.tracing import RequestTracer, wall_ns_of
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -128,6 +138,11 @@ class Sidecar:
         self._series_cache: dict[tuple[str, PriorityClass], LaneSeries] = {}
         self._id_prefix = secrets.token_hex(4)
         self._next_id = 0
+        self.access_log: AccessLog | None = (
+            None if settings.access_log == "off" else AccessLog(settings.access_log)
+        )
+        self.tracer: RequestTracer | None = None
+        """Set by the app's tracing context when tracing is on."""
 
     def _scrape_state(self) -> tuple[Scheduler, bool, str, str]:
         return self.scheduler, self.dispatcher.draining, self.config.version, self.config_sha256
@@ -232,8 +247,11 @@ class Sidecar:
     def retry_after_ms(self, decision: Decision | None) -> int:
         """``retry-after-ms``: the gate's ``retry_after_ms`` in real milliseconds (ceil, at least
         1; never above :meth:`retry_after_s` times 1000). The openai SDK prefers it to
-        ``Retry-After``, whose whole seconds would turn a 420 ms wait into 1 s."""
-        if decision is None or decision.retry_after_ms is None:
+        ``Retry-After``, whose whole seconds would turn a 420 ms wait into 1 s. A gate with no
+        wait to give (``None``) or none left (``0``: a request shed after waiting its whole
+        limit) gets the fallback, 1000: the SDK takes any positive value as is, and 1 ms would
+        send the retry straight back into the queue that just shed it."""
+        if decision is None or decision.retry_after_ms is None or decision.retry_after_ms <= 0:
             return FALLBACK_RETRY_AFTER_S * 1000
         return max(1, math.ceil(self.clock.real_seconds(decision.retry_after_ms) * 1000.0))
 
@@ -301,10 +319,12 @@ class Sidecar:
         reason: str,
         actual_service_tokens: int | None = None,
         usage: Usage | None = None,
+        facts: RequestFacts | None = None,
     ) -> None:
-        """Count, measure and record one request's outcome (called once per request, by
-        :meth:`Lifecycle.end <tokenfair_sidecar.server.lifecycle.Lifecycle.end>`). A failure
-        while counting (a bug, logged) does not stop the record."""
+        """Count, measure and record one request's outcome, then log and trace it (called once
+        per request, by :meth:`Lifecycle.end
+        <tokenfair_sidecar.server.lifecycle.Lifecycle.end>`). A failure while counting (a bug,
+        logged) does not stop the record, nor a failure of either the log line or the span."""
         if usage is None:
             usage = NO_USAGE
         try:
@@ -313,6 +333,9 @@ class Sidecar:
             log.exception("request %s: counting its outcome failed; its record is still written",
                           request.request_id)  # fmt: skip
         self.record(request, decision, status_code=status_code, reason=reason, usage=usage)
+        self.observe(request, decision, status_code=status_code, reason=reason,
+                     actual_service_tokens=actual_service_tokens, usage=usage,
+                     facts=facts)  # fmt: skip
 
     def _count(
         self,
@@ -355,9 +378,127 @@ class Sidecar:
                 else (actual_service_tokens)
             )
             series.actual_tokens += settled
+            if usage.prompt_tokens is not None:
+                series.prompt_tokens += usage.prompt_tokens
+            if usage.completion_tokens is not None:
+                series.completion_tokens += usage.completion_tokens
+            e2e_ms = usage.e2e_ms
+            if e2e_ms is None:
+                e2e_ms = self.clock.now_ms() - request.arrival_ms
+            series.e2e.observe(e2e_ms / 1000.0)
         if usage.ttft_ms is not None:
-            series.ttft.observe(usage.ttft_ms / 1000.0)
+            series.observe_ttft(usage.ttft_ms / 1000.0)
             decision.ttft_ms = round(usage.ttft_ms, 2)
+
+    # -- access log and tracing --------------------------------------------------------------
+
+    def observe(
+        self,
+        request: Request,
+        decision: Decision,
+        *,
+        status_code: int,
+        reason: str,
+        actual_service_tokens: int | None = None,
+        usage: Usage = NO_USAGE,
+        facts: RequestFacts | None = None,
+    ) -> None:
+        """Write the request's access-log line and, with tracing on, its span
+        (:mod:`~tokenfair_sidecar.server.accesslog`, :mod:`~tokenfair_sidecar.server.tracing`),
+        and mark its scope accounted. Never raises."""
+        scope = CURRENT_SCOPE.get()
+        if scope is not None:
+            scope.accounted = True
+        access, tracer = self.access_log, self.tracer
+        if (access is None or not access.enabled()) and tracer is None:
+            return
+        try:
+            facts = facts or RequestFacts()
+            now_ms = self.clock.now_ms()
+            scale = self.clock.time_scale
+            ran = decision.dispatch_ms is not None
+            settled = 0
+            if ran:
+                settled = (
+                    decision.service_tokens
+                    if actual_service_tokens is None
+                    else actual_service_tokens
+                )
+            e2e_model_ms = usage.e2e_ms if usage.e2e_ms is not None else now_ms - request.arrival_ms
+            ttft_ms = usage.ttft_ms
+            now_s = time.time()
+            fields: dict[str, Any] = {
+                "time": utc_timestamp(now_s),
+                "request_id": request.request_id,
+                "tenant": request.tenant_id,
+                "priority_class": request.priority_class,
+                "method": scope.method if scope is not None else "POST",
+                "route": facts.route or (scope.route if scope is not None else None),
+                "model": facts.model,
+                "status": status_code,
+                "reason": reason,
+                "gate": decision.gate,
+                "prompt_tokens_estimated": request.prefill_tokens,
+                "completion_tokens_estimated": request.decode_tokens,
+                "service_tokens_estimated": decision.service_tokens,
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "service_tokens_settled": settled,
+                "queue_wait_ms": round(decision.queue_wait_ms * scale, 3),
+                "ttft_ms": None if ttft_ms is None else round(ttft_ms * scale, 3),
+                "e2e_ms": round(e2e_model_ms * scale, 3),
+            }
+        except Exception:
+            log.exception("request %s: building its access log line failed", request.request_id)
+            return
+        if access is not None:
+            access.emit(fields)
+        if tracer is not None:
+            try:
+                now_ns = int(now_s * 1e9)
+                tracer.request_span(
+                    fields, request, decision, facts,
+                    start_ms=request.arrival_ms if scope is None else scope.arrival_ms,
+                    now_ms=now_ms, now_ns=now_ns, time_scale=scale, scope=scope,
+                )  # fmt: skip
+            except Exception:
+                log.exception("request %s: its span failed", request.request_id)
+
+    def observe_unadmitted(self, scope: RequestScope, status_code: int, reason: str | None
+                           ) -> None:  # fmt: skip
+        """The access-log line and span of a request answered before admission (by the
+        proxy app's middleware: nothing accounted it). Never raises."""
+        access, tracer = self.access_log, self.tracer
+        if (access is None or not access.enabled()) and tracer is None:
+            return
+        try:
+            now_ms = self.clock.now_ms()
+            now_s = time.time()
+            fields: dict[str, Any] = {
+                "time": utc_timestamp(now_s),
+                "request_id": None,
+                "tenant": None,
+                "priority_class": None,
+                "method": scope.method,
+                "route": scope.route,
+                "model": None,
+                "status": status_code,
+                "reason": reason,
+                "e2e_ms": round((now_ms - scope.arrival_ms) * self.clock.time_scale, 3),
+            }
+        except Exception:
+            log.exception("an unadmitted request's access log line failed")
+            return
+        if access is not None:
+            access.emit(fields)
+        if tracer is not None:
+            try:
+                now_ns = int(now_s * 1e9)
+                start = wall_ns_of(scope.arrival_ms, now_ms, now_ns, self.clock.time_scale)
+                tracer.span(fields, start_ns=start, end_ns=now_ns, events=[],
+                            traceparent=scope.traceparent, tracestate=scope.tracestate)  # fmt: skip
+            except Exception:
+                log.exception("an unadmitted request's span failed")
 
     def record(
         self,

@@ -28,7 +28,9 @@
   is sent instead; the key is never logged.
 * ``GET /v1/models`` is relayed as the upstream answers it (no admission: it does no model
   work), bounded: :data:`MODELS_TIMEOUT_S` for the whole exchange, the client's 8 MiB for the
-  body.
+  body, one relay at a time shared by every client asking, a good answer reused for
+  :data:`MODELS_FRESH_S`; the upstream refusing the sidecar's own key (``401``/``403``) is a
+  ``502`` (the client's key is not the one refused).
 * Connection refused/reset or a broken response before the first byte: ``502``; connect or read
   timeout: ``504`` (generic messages; the details go to the log). A failure after the stream
   started raises :class:`StreamAbortedError`: the client's connection is cut without a clean end,
@@ -100,6 +102,8 @@ _DECODED_CODINGS: Final = {"gzip": 31, "x-gzip": 31, "deflate": 15}
 """Content codings decoded here, with their zlib ``wbits`` (31: gzip framing, 15: zlib)."""
 _DECODER: Final = json.JSONDecoder()
 MODELS_TIMEOUT_S: Final = 10.0
+MODELS_FRESH_S: Final = 5.0
+"""Seconds a good ``/v1/models`` answer of the upstream is reused for every client."""
 """Longest a ``GET /v1/models`` relay may take in all (at most ``upstream_read_timeout_s``): a
 model list is small and at hand, and SDK-based UIs list models while they start."""
 
@@ -433,6 +437,9 @@ class OpenAIBackend(Backend):
         self._api_key = api_key
         """The upstream's own key (``Authorization: Bearer``); never logged or shown."""
         self._client: UpstreamClient | None = None
+        self._models: asyncio.Task[web.Response] | None = None
+        """The one ``/v1/models`` relay in flight, or the last good one while it is fresh."""
+        self._models_at_s = 0.0
 
     async def open(self) -> None:
         self._client = UpstreamClient(
@@ -510,7 +517,23 @@ class OpenAIBackend(Backend):
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         """Relay ``GET /v1/models`` (see the module docstring); only ``Accept`` and the
-        upstream's own key go upstream, none of the client's headers."""
+        upstream's own key go upstream, none of the client's headers. One relay at a time,
+        whatever the number of clients asking (they share it), and a good answer is reused
+        for :data:`MODELS_FRESH_S`: the list is the same for every tenant, so a tenant cannot
+        turn it into upstream load."""
+        loop = asyncio.get_running_loop()
+        task = self._models
+        stale = task is not None and task.done() and (
+            task.cancelled() or task.exception() is not None
+            or loop.time() - self._models_at_s > MODELS_FRESH_S
+        )  # fmt: skip
+        if task is None or stale:
+            task = self._models = asyncio.ensure_future(self._relay_models(request))
+            self._models_at_s = loop.time()
+        answer = await asyncio.shield(task)  # a client leaving does not cancel the others'
+        return web.Response(body=answer.body, status=answer.status, headers=answer.headers)
+
+    async def _relay_models(self, request: web.Request) -> web.Response:
         client = self._client
         if client is None:
             raise UpstreamError(502, "upstream_unavailable", "the upstream client is closed")
@@ -519,7 +542,7 @@ class OpenAIBackend(Backend):
             headers.append(("Authorization", f"Bearer {self._api_key}"))
         try:
             async with asyncio.timeout(min(MODELS_TIMEOUT_S, self.read_timeout_s)):
-                upstream = await client.request("GET", request.rel_url.raw_path_qs, headers, b"")
+                upstream = await client.request("GET", "/v1/models", headers, b"")
                 try:
                     data = await upstream.read()
                 finally:
@@ -537,7 +560,16 @@ class OpenAIBackend(Backend):
                 raise UpstreamError(
                     502, "upstream_error", f"upstream {coding} models body undecodable: {exc}"
                 ) from None
+        if upstream.status in (401, 403):
+            # The sidecar's own key (or its absence) was refused: not the client's key.
+            raise UpstreamError(
+                502, "upstream_error",
+                f"upstream refused the sidecar's models request (HTTP {upstream.status}): "
+                "check the upstream API key setting",
+            )  # fmt: skip
         out = response_headers(upstream.headers, {}, drop_encoding=decoder is not None)
+        if upstream.status != 200:  # not kept: the next client asks again
+            self._models_at_s = -MODELS_FRESH_S
         return web.Response(body=data, status=upstream.status, headers=out)
 
     @staticmethod
