@@ -1,10 +1,14 @@
 """Apply-to-enforced latency of a quota change, on the real control plane (issue 13, part 1).
 
 A real etcd + kube-apiserver (``tests/kubecluster.py``, needs ``make controlplane``), the
-operator (``kopf run -m tokenfair_operator.handlers``) with its document server, and ``N``
-``tokenfair sidecar`` processes long-polling it (``tokenfair_sidecar.server.remote``) as the
-Pods of one policy do. The file each sidecar started from is never rewritten: the kubelet's
-volume refresh (~60 s by default, plus the sidecar's 1 s poll) is what this replaces.
+operator (``kopf run -m tokenfair_operator.handlers``) with the shipped RBAC, the shipped resync
+and usage periods and its document server on its TLS port, and ``N`` ``tokenfair sidecar``
+processes long-polling it (``tokenfair_sidecar.server.remote``) as the injected Pods of one
+policy do: over TLS, verifying the server with the CA bundle the operator publishes into the
+namespace (ConfigMap ``tokenfair.io-ca.crt``), showing a TokenRequest token of their
+ServiceAccount for the audience ``tokenfair-config``. The wiring is ``tests/test_propagation.py``'s
+(its helpers are imported). The file each sidecar started from is never rewritten: the
+kubelet's volume refresh (~60 s by default, plus the sidecar's 1 s poll) is what this replaces.
 
 Each round patches one TenantQuota's burst through the API; ``t0`` is when the API server
 answered the PATCH. Every sidecar's ``/status`` is polled every :data:`POLL_S` seconds until
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -30,16 +35,19 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 ROOT: Final = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # kubecluster: the control plane the tests build
+sys.path.insert(0, str(ROOT / "tests"))  # kubecluster and test_propagation's wiring
 
 POLL_S: Final = 0.01
 TIMEOUT_S: Final = 60.0
-LESSON: Final = ROOT / "tests" / "data" / "operator" / "lesson-tenants.yaml"
+LOCAL: Final = "127.0.0.1,localhost"
+TLS_LOG: Final = "answers (server verified with"
+"""What a sidecar logs once its long-poll got an answer over TLS, verified with the CA file."""
+T = TypeVar("T")
 
 
 def status(admin: str) -> dict[str, Any] | None:
@@ -55,6 +63,11 @@ def status(admin: str) -> dict[str, Any] | None:
 def version_of(admin: str) -> str | None:
     body = status(admin)
     return None if body is None else str(body["config"]["version"])
+
+
+def over_tls(log: Path) -> bool:
+    """Whether a sidecar's log shows its long-poll answered over TLS, verified with its CA."""
+    return TLS_LOG in log.read_text(errors="replace")
 
 
 def wait_change(admin: str, old: str, t0: float) -> float:
@@ -82,7 +95,46 @@ def process(cmd: list[str], log: Path, env: dict[str, str]) -> Iterator[None]:
         stop_process(proc)
 
 
-def wait_until(what: str, probe: Any, timeout_s: float = TIMEOUT_S) -> Any:
+@contextlib.contextmanager
+def operator(kubeconfig: Path, ns: str, log: Path, env: dict[str, str]) -> Iterator[None]:
+    """The operator as the tests start it, with the shipped resync and usage periods (the tests'
+    are 1 s); on exit, stopped, and a refused API call in its log fails the run."""
+    from kubecluster import stop_process
+    from test_operator_kube import start_operator
+
+    from tokenfair_operator.settings import (
+        DEFAULT_RESYNC_S,
+        DEFAULT_USAGE_S,
+        RESYNC_ENV,
+        USAGE_ENV,
+    )
+
+    shipped = {RESYNC_ENV: str(DEFAULT_RESYNC_S), USAGE_ENV: str(DEFAULT_USAGE_S)}
+    proc = start_operator(kubeconfig, ns, log, {**env, **shipped})
+    try:
+        yield
+    finally:
+        stop_process(proc)
+    text = log.read_text(errors="replace")
+    if "Forbidden" in text or " 403" in text:
+        raise SystemExit(f"the operator hit a refused API call:\n{text[-4000:]}")
+
+
+def operator_kubeconfig(cluster: Any, folder: Path) -> Path:
+    """The shipped ServiceAccount, ClusterRole and ClusterRoleBinding applied as they are, and a
+    kubeconfig holding a token of that ServiceAccount (the tests' fixture of that name)."""
+    from test_operator_kube import OPERATOR_NAMESPACE, RBAC
+
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(namespace))
+    for name in ("serviceaccount.yaml", "clusterrole.yaml", "clusterrolebinding.yaml"):
+        cluster.kubectl("apply", "-f", str(RBAC / name))
+    token = cluster.service_account_token(OPERATOR_NAMESPACE, "tokenfair-operator")
+    path: Path = cluster.write_kubeconfig(folder / "kubeconfig", token, user="tokenfair-operator")
+    return path
+
+
+def wait_until(what: str, probe: Callable[[], T | None], timeout_s: float = TIMEOUT_S) -> T:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = probe()
@@ -94,6 +146,18 @@ def wait_until(what: str, probe: Any, timeout_s: float = TIMEOUT_S) -> Any:
 
 def run(sidecar_count: int, rounds: int) -> None:
     import kubecluster
+    from test_operator_kube import get
+    from test_propagation import (
+        TRUST_CONFIGMAP,
+        apply_lesson_and_wait,
+        long_poll_env,
+        published_ca,
+        stored_configmap,
+        tls_env,
+        token_file,
+    )
+
+    from tokenfair_operator.settings import DEFAULT_RESYNC_S
 
     binaries = kubecluster.find_binaries()
     if isinstance(binaries, str):
@@ -105,51 +169,45 @@ def run(sidecar_count: int, rounds: int) -> None:
         contextlib.ExitStack() as stack,
     ):
         folder = Path(tmp)
+        kubeconfig = operator_kubeconfig(cluster, folder)
         ns = cluster.create_namespace("bench")
-        cluster.create_service_account(ns, "model")
-        token = folder / "token"
-        token.write_text(cluster.service_account_token(ns, "model"))
-        (http_port,) = kubecluster.free_ports(1)
-        env = {
-            "KUBECONFIG": str(cluster.kubeconfig),
-            "TOKENFAIR_HTTP_PORT": str(http_port),
-            "TOKENFAIR_HTTP_ADDR": "127.0.0.1",
-            "NO_PROXY": "127.0.0.1,localhost",
-        }
-        kopf = [str(bin_dir / "python"), "-m", "kopf", "run", "-m", "tokenfair_operator.handlers"]
-        stack.enter_context(
-            process([*kopf, "--namespace", ns, "--standalone"], folder / "operator.log", env)
-        )
-        cluster.kubectl("apply", "-n", ns, "-f", str(LESSON))
-        policy_path = f"/apis/tokenfair.io/v1alpha1/namespaces/{ns}/schedulingpolicies/pool"
+        token = token_file(cluster, ns, "model", folder)  # TokenRequest, "tokenfair-config"
+        (https_port,) = kubecluster.free_ports(1)
+        env = tls_env(ns, https_port, folder / "operator.certs")
+        stack.enter_context(operator(kubeconfig, ns, folder / "operator.log", env))
+        apply_lesson_and_wait(cluster, ns)
 
-        def published() -> bool:
-            body = cluster.request("GET", policy_path).body
-            return bool(body.get("status", {}).get("tenants") == 3)
+        # The leader writes the CA bundle on its resync round (30 s): at most one round away.
+        def trust() -> bool:
+            return get(cluster, f"/api/v1/namespaces/{ns}/configmaps/{TRUST_CONFIGMAP}") is not None
 
-        wait_until("the policy published", published)
-        configmap = cluster.request("GET", f"/api/v1/namespaces/{ns}/configmaps/tokenfair-pool")
+        wait_until("the CA bundle published", trust, 2 * DEFAULT_RESYNC_S + TIMEOUT_S)
+        ca = published_ca(cluster, ns, folder)
         config_file = folder / "config.yaml"
-        config_file.write_text(configmap.body["data"]["config.yaml"])
-        sidecar_env = {
-            "TOKENFAIR_CONFIG_URL": f"http://127.0.0.1:{http_port}/v1/config/{ns}/pool"
-            "?source=configmap",
-            "TOKENFAIR_CONFIG_TOKEN_FILE": str(token),
-        }
+        config_file.write_bytes(stored_configmap(cluster, ns))  # the kubelet, once
+        base = f"https://localhost:{https_port}"
+        sidecar_env = {**long_poll_env(base, ns, token, ca), "NO_PROXY": LOCAL, "no_proxy": LOCAL}
         admins: list[str] = []
+        logs: list[Path] = []
         for i in range(sidecar_count):
             proxy_port, admin_port = kubecluster.free_ports(2)
             cmd = [str(bin_dir / "tokenfair"), "sidecar", "--config", str(config_file)]
             cmd += ["--backend", "costmodel", "--listen", f"127.0.0.1:{proxy_port}"]
             cmd += ["--admin-listen", f"127.0.0.1:{admin_port}"]
-            stack.enter_context(process(cmd, folder / f"sidecar-{i}.log", sidecar_env))
+            logs.append(folder / f"sidecar-{i}.log")
+            stack.enter_context(process(cmd, logs[-1], sidecar_env))
             admins.append(f"http://127.0.0.1:{admin_port}")
         for admin in admins:
-            wait_until(f"{admin} up", lambda admin=admin: version_of(admin))
+            wait_until(f"{admin} up", functools.partial(version_of, admin))
+        for log in logs:  # every long-poll answered over TLS before the first round
+            wait_until(f"{log.name}: the long-poll over TLS", functools.partial(over_tls, log))
 
         quota = f"/apis/tokenfair.io/v1alpha1/namespaces/{ns}/tenantquotas/chat-pro"
         samples: list[float] = []
-        print(f"{sidecar_count} sidecars, {rounds} rounds: apply -> every sidecar on the version")
+        print(
+            f"{sidecar_count} sidecars, {rounds} rounds, long-poll over TLS (the operator's CA, "
+            "audience tokens): apply -> every sidecar on the version"
+        )
         with concurrent.futures.ThreadPoolExecutor(sidecar_count) as pool:
             for n in range(rounds):
                 olds = [version_of(admin) or "" for admin in admins]

@@ -403,7 +403,10 @@ def bound_namespaces(docs: list[Doc], role: Doc) -> list[str]:
 @pytest.mark.parametrize(
     ("sets", "namespaces"),
     [
-        ((), ["tokenfair-system"]),
+        # Every namespace watched and none listed: a policy may live anywhere, so the grant is
+        # cluster-wide (an upgrade must not stop publishing a policy outside the release's).
+        ((), ["*"]),
+        (("demo.enabled=true",), ["*"]),
         (("operator.watchNamespaces={team-a,team-b}",), ["team-a", "team-b"]),
         (
             ("operator.watchNamespaces={team-a}", "operator.secretNamespaces={team-c,team-d}"),
@@ -419,14 +422,14 @@ def bound_namespaces(docs: list[Doc], role: Doc) -> list[str]:
         ),
     ],
 )
-def test_secrets_are_granted_per_namespace_only(
+def test_secrets_are_granted_per_namespace_unless_every_namespace_is_watched(
     sets: tuple[str, ...], namespaces: list[str]
 ) -> None:
     docs = parse(render(4, sets))
     roles = cluster_roles(docs)
-    assert bound_namespaces(docs, roles["secrets"]) == namespaces  # never "*"
+    assert bound_namespaces(docs, roles["secrets"]) == namespaces
     service_account = of_kind(docs, "ServiceAccount")[0]["metadata"]
-    for binding in of_kind(docs, "RoleBinding"):
+    for binding in of_kind(docs, "RoleBinding") + of_kind(docs, "ClusterRoleBinding"):
         (subject,) = binding["subjects"]
         assert subject == {
             "kind": "ServiceAccount",
@@ -743,6 +746,61 @@ def test_prometheus_rule_is_the_alerts_file_and_names_real_metrics() -> None:
         for name in names:
             family = next((name.removesuffix(s) for s in SERIES_SUFFIXES if name.endswith(s)), name)
             assert name in exported or family in exported, f"{alert['alert']}: {name}"
+
+
+def test_pod_monitor_scrapes_the_injected_sidecars_admin_port() -> None:
+    assert not of_kind(parse(render(4)), "PodMonitor")
+    inject = (REPO / "operator" / "tokenfair_operator" / "inject.py").read_text()
+    for major in (3, 4):
+        sets = ("podMonitor.enabled=true", "podMonitor.labels.release=prom")
+        (monitor,) = of_kind(parse(render(major, sets)), "PodMonitor")
+        spec = monitor["spec"]
+        assert monitor["metadata"]["labels"]["release"] == "prom"
+        assert spec["selector"] == {
+            "matchExpressions": [{"key": "tokenfair.io/policy", "operator": "Exists"}]
+        }
+        assert spec["namespaceSelector"] == {"any": True}
+        (endpoint,) = spec["podMetricsEndpoints"]
+        assert (endpoint["port"], endpoint["path"]) == ("tokenfair-admin", "/metrics")
+        # The injector names the admin port so.
+        assert '{"name": "tokenfair-admin", "containerPort": ADMIN_PORT' in inject
+    sets = ("podMonitor.enabled=true", "operator.watchNamespaces={team-a,team-b}")
+    (monitor,) = of_kind(parse(render(4, sets)), "PodMonitor")
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
+
+
+DASHBOARD = CHART / "files" / "dashboard.json"
+
+
+def test_grafana_dashboard_configmap_ships_the_dashboard_file() -> None:
+    assert not [
+        d
+        for d in of_kind(parse(render(4)), "ConfigMap")
+        if d["metadata"]["name"].endswith("-dashboard")
+    ]
+    for major in (3, 4):
+        folder = "grafanaDashboard.annotations.grafana_folder=tokenfair"
+        docs = parse(render(major, ("grafanaDashboard.enabled=true", folder)))
+        (configmap,) = [
+            d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"] == "tokenfair-dashboard"
+        ]
+        metadata = configmap["metadata"]
+        assert metadata["namespace"] == "tokenfair-system"
+        assert metadata["labels"]["grafana_dashboard"] == "1"  # what Grafana's sidecar selects
+        assert metadata["labels"]["app.kubernetes.io/name"] == "tokenfair"
+        assert metadata["annotations"] == {"grafana_folder": "tokenfair"}
+        assert json.loads(configmap["data"]["tokenfair.json"]) == json.loads(DASHBOARD.read_text())
+    sets = (
+        "grafanaDashboard.enabled=true",
+        "grafanaDashboard.namespace=monitoring",
+        "grafanaDashboard.labels.grafana_dashboard=tokenfair",
+    )
+    docs = parse(render(4, sets))
+    (configmap,) = [
+        d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"] == "tokenfair-dashboard"
+    ]
+    assert configmap["metadata"]["namespace"] == "monitoring"
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "tokenfair"
 
 
 # --- on the real control plane -----------------------------------------------------------------

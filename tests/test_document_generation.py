@@ -29,6 +29,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,12 @@ def test_next_generation() -> None:
     assert next_generation("v2", [("v2", 4), ("v1", 3)]) == 4  # the ConfigMap has it already
     assert next_generation("v1", [("v2", 4), ("v2", 4)]) == 5  # back to old content: newer
     assert next_generation("v3", [("v2", 4), (None, 0)]) == 5  # a Secret deleted by hand
+    # The clock's floor: objects made again (nothing to continue from) start above any
+    # generation published before them; with something to continue from it changes nothing.
+    now_ms = 1_767_225_600_000
+    assert next_generation("v9", [(None, 0), (None, 0)], floor=now_ms) == now_ms
+    assert next_generation("v9", [("v8", now_ms), ("v8", now_ms)], floor=now_ms) == now_ms + 1
+    assert next_generation("v8", [("v8", 7), (None, 0)], floor=now_ms) == 7  # the same document
 
 
 async def test_the_store_never_goes_back_and_clear_ends_waits_at_once() -> None:
@@ -237,22 +244,31 @@ async def test_generations_are_kept_in_the_api_and_a_new_leader_continues(
         policy = PolicyView.from_body(_create_policy(kube_cluster, kube_namespace, "pool"))
         first = KubeApi(api)
         publish = first.publish_document
-        assert await asyncio.to_thread(publish, policy, "v1", b"one", b"one") == (
-            1,
-            ["ConfigMap", "Secret"],
-        )
-        assert await asyncio.to_thread(publish, policy, "v1", b"one", b"one") == (1, [])
-        assert (await asyncio.to_thread(publish, policy, "v2", b"two", b"two"))[0] == 2
+        before_ms = time.time_ns() // 1_000_000
+        g1, written = await asyncio.to_thread(publish, policy, "v1", b"one", b"one")
+        assert written == ["ConfigMap", "Secret"]
+        assert g1 >= before_ms  # the clock's floor: nothing to continue from yet
+        assert await asyncio.to_thread(publish, policy, "v1", b"one", b"one") == (g1, [])
+        g2 = (await asyncio.to_thread(publish, policy, "v2", b"two", b"two"))[0]
+        assert g2 > g1
         # A new leader: a fresh KubeApi, nothing remembered, continues from the API's number.
         second = KubeApi(api)
-        answer = await asyncio.to_thread(second.publish_document, policy, "v1", b"one", b"one")
-        assert answer == (3, ["ConfigMap", "Secret"])
+        g3, written = await asyncio.to_thread(second.publish_document, policy, "v1", b"one", b"one")
+        assert written == ["ConfigMap", "Secret"]
+        assert g3 > g2
         base = f"/api/v1/namespaces/{kube_namespace}"
         cm = kube_cluster.request("GET", f"{base}/configmaps/tokenfair-pool").body
         secret = kube_cluster.request("GET", f"{base}/secrets/tokenfair-pool-keys").body
-        assert cm["metadata"]["annotations"]["tokenfair.io/config-generation"] == "3"
-        assert cm["data"]["generation"] == "3"
-        assert base64.b64decode(secret["data"]["generation"]) == b"3"
-        assert secret["metadata"]["annotations"]["tokenfair.io/config-generation"] == "3"
+        assert cm["metadata"]["annotations"]["tokenfair.io/config-generation"] == str(g3)
+        assert cm["data"]["generation"] == str(g3)
+        assert base64.b64decode(secret["data"]["generation"]) == str(g3).encode()
+        assert secret["metadata"]["annotations"]["tokenfair.io/config-generation"] == str(g3)
+        # Both objects deleted (as when the policy is deleted and created again): the next
+        # document still goes above every generation its sidecars may run, not back to 1.
+        kube_cluster.request("DELETE", f"{base}/configmaps/tokenfair-pool")
+        kube_cluster.request("DELETE", f"{base}/secrets/tokenfair-pool-keys")
+        g4, written = await asyncio.to_thread(publish, policy, "v4", b"four", b"four")
+        assert written == ["ConfigMap", "Secret"]
+        assert g4 > g3
     finally:
         api.close()

@@ -3,10 +3,13 @@ built, Services carry traffic, the webhook is called through its Service.
 
 One Helm release (the demo on, the webhooks on) is shared by the tests of this module, which run
 in order, as a user's first session would: install, ``helm test``, sidecar injection into a model
-server, the lesson's workload through the demo Service, a quota change applied with kubectl, the
-operator's usage loop, uninstall. Nothing here depends on the machine's speed: the assertions
-are about what is served, refused, injected or left behind; the only waits are bounded polls of
-states the cluster converges to (upstream's kubelet Secret sync included: up to ~90 s).
+server (whose sidecar long-polls the operator's document server over TLS, verified with the CA
+the operator published into the namespace, with a projected token for the audience
+``tokenfair-config``), the lesson's workload through the demo Service, a quota change applied
+with kubectl, the operator's usage loop, uninstall. Nothing here depends on the machine's
+speed: the assertions are about what is served, refused, injected or left behind; the only
+waits are bounded polls of states the cluster converges to (upstream's kubelet Secret sync
+included: up to ~90 s).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ COMPLETION = {"prompt": "hello", "max_tokens": 8}
 # The injected sidecar authenticates the key and never forwards it; the model server behind it
 # (reachable only on the Pod's loopback) trusts this header to name the tenant.
 MODEL_TENANT_HEADER = "x-model-tenant"
+TRUST_CONFIGMAP = "tokenfair.io-ca.crt"
 
 
 def poll(what: str, check: Callable[[], Any], timeout_s: float, interval_s: float = 1.0) -> Any:
@@ -239,9 +243,47 @@ def test_webhook_injects_the_sidecar_through_its_service(release: KubeCluster) -
     tenant = {MODEL_TENANT_HEADER: "tenant_chat_pro"}
     assert post_completion(f"http://{ip}:8080", KEYS["tenant_chat_pro"], tenant) == 200
     assert post_completion(f"http://{ip}:8080", "sk-not-a-tenant", tenant) == 401
+    # Its long-poll: TLS to the operator's Service, the server verified with the CA bundle the
+    # operator published here, a token for the document server's audience only.
+    (volume,) = [v for v in created["spec"]["volumes"] if v["name"] == "tokenfair-token"]
+    token, trust = volume["projected"]["sources"]
+    assert token["serviceAccountToken"]["audience"] == "tokenfair-config"
+    assert trust["configMap"]["name"] == TRUST_CONFIGMAP
+    bundle_path = f"/api/v1/namespaces/{NAMESPACE}/configmaps/{TRUST_CONFIGMAP}"
+    answered = (
+        f"config long-poll of https://{OPERATOR_SERVICE}.{NAMESPACE}.svc:8443/v1/config/"
+        f"{NAMESPACE}/{POLICY}?source=secret answers (server verified with "
+    )
+    try:
+        bundle = poll("the CA bundle published", lambda: get_or_none(release, bundle_path), 60, 2)
+        assert bundle["data"]["ca.crt"].startswith("-----BEGIN CERTIFICATE-----")
+        poll(
+            "the sidecar's long-poll answered over TLS",
+            lambda: answered in container_log("model-e2e", "tokenfair-sidecar"),
+            120,
+            2,
+        )
+    except AssertionError:
+        for pod in get_json(release, f"/api/v1/namespaces/{NAMESPACE}/pods")["items"]:
+            name = pod["metadata"]["name"]
+            for container in pod["spec"]["containers"]:
+                tail = container_log(name, container["name"])[-4000:]
+                print(f"--- {name}/{container['name']} ---\n{tail}")
+        raise
     release.expect((200, 202), "DELETE", pod_path + "?gracePeriodSeconds=1")
     # Gone before the next test: the uninstall test counts what is left in the namespace.
     poll("injected Pod deleted", lambda: release.request("GET", pod_path).status == 404, 90, 2)
+
+
+def get_or_none(cluster: KubeCluster, path: str) -> dict[str, Any] | None:
+    resp = cluster.request("GET", path)
+    return resp.body if resp.status == 200 else None
+
+
+def container_log(pod: str, container: str) -> str:
+    """A container's log as the kubelet writes it on this (the node's) host."""
+    found = Path("/var/log/containers").glob(f"{pod}_{NAMESPACE}_{container}-*.log")
+    return "".join(path.read_text(errors="replace") for path in found)
 
 
 def test_loadgen_serves_every_request_through_the_service(

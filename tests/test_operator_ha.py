@@ -5,8 +5,10 @@ processes, each with its own document server):
 
 - one replica leads (it holds the Lease and writes the documents and statuses); the other only
   watches: its log shows no write, and the documents carry one version;
-- the standby relays a sidecar's long-poll to the leader (the address in the Lease): the same
-  version, generation and bytes as the leader serves;
+- the standby relays a sidecar's long-poll to the leader (the address in the Lease, its TLS
+  port) over TLS, verifying the leader's certificate with the operator's own CA (the leader
+  issued it, the standby serves the same one from the Secret): the same version, generation
+  and bytes as the leader serves;
 - the leader crashes (SIGKILL, no release): the standby takes the Lease over once it expired,
   says so in its log, runs a full pass, and a quota changed right after the crash reaches the
   ConfigMap at the next generation (the counter lives in the ConfigMap, not in the dead
@@ -37,7 +39,7 @@ from test_operator_kube import (
     start_operator,
     wait_for,
 )
-from test_propagation import apply_lesson_and_wait, http_get, token_file
+from test_propagation import apply_lesson_and_wait, http_get, published_ca, tls_env, token_file
 
 __all__ = ["operator_kubeconfig"]  # a fixture, imported to be found by pytest
 
@@ -46,15 +48,16 @@ LEASE = "tokenfair-operator"
 FAILOVER_WAIT_S = 60.0
 
 
-def replica_env(ns: str, name: str, port: int) -> dict[str, str]:
+def replica_env(ns: str, name: str, port: int, tls_port: int, certs: Path) -> dict[str, str]:
+    """Plain ``port`` (health), TLS ``tls_port`` (documents; advertised for the relay)."""
     return {
+        **tls_env(ns, tls_port, certs),
         "TOKENFAIR_LEADER_ELECTION": "true",
         "TOKENFAIR_LEASE_NAMESPACE": ns,
         "TOKENFAIR_LEASE_NAME": LEASE,
         "TOKENFAIR_POD_NAME": name,
         "TOKENFAIR_HTTP_PORT": str(port),
-        "TOKENFAIR_HTTP_ADDR": "127.0.0.1",
-        "TOKENFAIR_HTTP_ADVERTISE": f"127.0.0.1:{port}",
+        "TOKENFAIR_HTTP_ADVERTISE": f"127.0.0.1:{tls_port}",
     }
 
 
@@ -94,13 +97,12 @@ def _answers(url: str) -> bool:
 def leader_process(
     operator_kubeconfig: Path, kube_namespace: str, tmp_path: Path
 ) -> Iterator[tuple[subprocess.Popen[bytes], Path, int]]:
-    (port,) = free_ports(1)
+    port, tls_port = free_ports(2)
     log = tmp_path / "leader.log"
-    proc = start_replica(
-        operator_kubeconfig, kube_namespace, log, replica_env(kube_namespace, "op-a", port)
-    )
+    env = replica_env(kube_namespace, "op-a", port, tls_port, tmp_path / "certs-a")
+    proc = start_replica(operator_kubeconfig, kube_namespace, log, env)
     try:
-        yield proc, log, port
+        yield proc, log, tls_port
     finally:
         stop_process(proc)
         print(f"--- leader log (tail) ---\n{log.read_text(errors='replace')[-4000:]}")
@@ -116,12 +118,12 @@ def test_one_leader_writes_the_standby_relays_and_takes_over(
     ns = kube_namespace
     leader, leader_log, leader_port = leader_process
     wait_for("op-a to hold the Lease", lambda: held_by(kube_cluster, ns, "op-a"))
-    (standby_port,) = free_ports(1)
-    standby_env = replica_env(ns, "op-b", standby_port)
+    standby_plain_port, standby_port = free_ports(2)
+    standby_env = replica_env(ns, "op-b", standby_plain_port, standby_port, tmp_path / "certs-b")
     with running_operator(
         operator_kubeconfig, ns, tmp_path / "standby.log", **standby_env
     ) as standby_log:
-        health = f"http://127.0.0.1:{standby_port}/healthz"
+        health = f"http://127.0.0.1:{standby_plain_port}/healthz"
         wait_for("the standby's server", lambda: _answers(health))
         version = apply_lesson_and_wait(kube_cluster, ns)
         assert held_by(kube_cluster, ns, "op-a") is not None
@@ -131,9 +133,10 @@ def test_one_leader_writes_the_standby_relays_and_takes_over(
 
         # A sidecar sent to the standby gets the leader's document, relayed.
         token = token_file(kube_cluster, ns, "model", tmp_path).read_text()
+        ca = published_ca(kube_cluster, ns, tmp_path)
         path = f"/v1/config/{ns}/pool?source=configmap&waitSeconds=0"
-        direct = http_get(f"http://127.0.0.1:{leader_port}{path}", token)
-        relayed = http_get(f"http://127.0.0.1:{standby_port}{path}", token)
+        direct = http_get(f"https://localhost:{leader_port}{path}", token, ca)
+        relayed = http_get(f"https://localhost:{standby_port}{path}", token, ca)
         assert direct[0] == relayed[0] == 200
         assert direct[1]["X-Tokenfair-Config-Version"] == version
         assert relayed[1]["X-Tokenfair-Config-Version"] == version

@@ -17,6 +17,11 @@ Behaviours under test:
   bad default stops the operator naming its variable;
 - an injected Pod gets the Prometheus scrape annotations for the admin port, unless it sets any
   of them itself or they are turned off;
+- with a document server (``https://`` base): one projected volume holds a ServiceAccount token
+  for the audience ``tokenfair-config`` only, valid 600 s, and the CA bundle from the optional
+  ConfigMap ``tokenfair.io-ca.crt``; the sidecar gets the CA file's path and the token file's;
+  an ``http://`` base is refused unless the unsafe setting allows it (then the sidecar is told
+  so); the real API server accepts the injected Pod (dry run) with that volume;
 - the webhook handler with a cold policy index (right after a restart) reads the policy from the
   API server, so the sidecar still gets the budget store's password; a warm index costs no read;
   a failed read refuses the Pod (503) instead of injecting a sidecar without its password, a
@@ -197,7 +202,16 @@ def test_defaults_are_the_settings() -> None:
         "limits": {"memory": "512Mi"},  # no CPU limit: throttling adds latency
     }
     assert "--log-level=INFO" in sidecar["args"]
-    assert not [a for a in sidecar["args"] if a.startswith(("--max-in-flight", "--drain-grace"))]
+    assert not [a for a in sidecar["args"] if a.startswith("--max-in-flight")]
+    # The sidecar's own 30 s drain would not fit the Pod's default 30 s grace with the 3 s it
+    # needs to end its handlers and write its records: shortened to fit.
+    assert sidecar["args"][-1] == "--drain-grace=27"
+    short = pod()
+    short["spec"]["terminationGracePeriodSeconds"] = 2
+    assert sidecar_of(short)["args"][-1] == "--drain-grace=1"  # at least 1 s
+    long = pod()
+    long["spec"]["terminationGracePeriodSeconds"] = 120
+    assert sidecar_of(long)["args"][-1] == "--drain-grace=30"  # the sidecar's own default
     tuned = InjectionSettings(
         cpu_request="250m",
         memory_request="256Mi",
@@ -257,9 +271,17 @@ def test_annotations_override_resources_and_flags() -> None:
         ),
         ({"tokenfair.io/sidecar-max-in-flight": "0"}, "tokenfair.io/sidecar-max-in-flight", "1.."),
         ({"tokenfair.io/sidecar-max-in-flight": "many"}, "max-in-flight", "integer"),
+        # Unicode digits that str.isdigit() accepts and int() refuses: still the clear error.
+        ({"tokenfair.io/sidecar-max-in-flight": "\u00b2"}, "max-in-flight", "integer"),
+        ({"tokenfair.io/sidecar-memory": "1e999999"}, "tokenfair.io/sidecar-memory", "2\\^63-1"),
         ({"tokenfair.io/sidecar-log-level": "verbose"}, "tokenfair.io/sidecar-log-level", "debug"),
         ({"tokenfair.io/sidecar-drain-grace-seconds": "0"}, "drain-grace-seconds", "> 0"),
         ({"tokenfair.io/sidecar-drain-grace-seconds": "nan"}, "drain-grace-seconds", "> 0"),
+        (
+            {"tokenfair.io/sidecar-drain-grace-seconds": "28"},  # 28 + 3 s of exit > 30
+            "tokenfair.io/sidecar-drain-grace-seconds",
+            r"plus 3 s to end its handlers",
+        ),
         (
             {"tokenfair.io/sidecar-drain-grace-seconds": "45"},  # the Pod's default grace is 30
             "tokenfair.io/sidecar-drain-grace-seconds",
@@ -287,7 +309,8 @@ def test_operator_defaults_come_from_its_environment() -> None:
         "TOKENFAIR_SIDECAR_LOG_LEVEL": "warning",
         "TOKENFAIR_SIDECAR_DRAIN_GRACE_SECONDS": "25",
         "TOKENFAIR_SIDECAR_SCRAPE_ANNOTATIONS": "false",
-        "TOKENFAIR_CONFIG_URL_BASE": "http://op.tf.svc:8081",
+        "TOKENFAIR_CONFIG_URL_BASE": "https://op.tf.svc:8443",
+        "TOKENFAIR_CONFIG_AUDIENCE": "tokenfair-test",
     }
     settings = injection_from_env(env)
     assert (settings.cpu_request, settings.memory_request) == ("200m", "192Mi")
@@ -298,9 +321,88 @@ def test_operator_defaults_come_from_its_environment() -> None:
         25,
     )
     assert settings.scrape_annotations is False
-    assert settings.config_url_base == "http://op.tf.svc:8081"
+    assert settings.config_url_base == "https://op.tf.svc:8443"
+    assert settings.config_audience == "tokenfair-test"
     assert sidecar_of(pod(), settings)["image"] == env["TOKENFAIR_SIDECAR_IMAGE"]
     assert injection_from_env({}) == InjectionSettings(env_names=SIDECAR_ENV)
+
+
+def long_poll_volume(change: dict[str, Any]) -> dict[str, Any]:
+    (volume,) = [v for v in change["volumes"] if v["name"] == "tokenfair-token"]
+    return dict(volume)
+
+
+def test_the_long_poll_gets_an_audience_bound_token_and_the_ca() -> None:
+    settings = InjectionSettings(config_url_base="https://op.tf.svc:8443")
+    change = injected(pod(), settings)
+    assert change is not None
+    sidecar = change["containers"][0]
+    env = {e["name"]: e.get("value") for e in sidecar["env"]}
+    assert env["TOKENFAIR_CONFIG_URL"].startswith("https://op.tf.svc:8443/v1/config/")
+    assert "TOKENFAIR_CONFIG_INSECURE_HTTP" not in env
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "tokenfair-token")
+    assert mount["readOnly"] is True
+    assert env["TOKENFAIR_CONFIG_TOKEN_FILE"] == f"{mount['mountPath']}/token"
+    assert env["TOKENFAIR_CONFIG_CA_FILE"] == f"{mount['mountPath']}/ca.crt"
+    token, trust = long_poll_volume(change)["projected"]["sources"]
+    assert token == {
+        "serviceAccountToken": {
+            "path": "token",
+            "audience": "tokenfair-config",
+            "expirationSeconds": 600,
+        }
+    }
+    assert trust == {
+        "configMap": {
+            "name": "tokenfair.io-ca.crt",
+            "optional": True,
+            "items": [{"key": "ca.crt", "path": "ca.crt"}],
+        }
+    }
+    # The volume name is reserved, as the config volume's.
+    taken = pod()
+    taken["spec"]["volumes"].append({"name": "tokenfair-token", "emptyDir": {}})
+    with pytest.raises(InjectionError, match="'tokenfair-token' is reserved"):
+        injected(taken, settings)
+
+
+def test_plain_http_needs_the_unsafe_setting() -> None:
+    with pytest.raises(ValueError, match=r"must be https://.*CONFIG_INSECURE_HTTP=true") as caught:
+        injection_from_env({"TOKENFAIR_CONFIG_URL_BASE": "http://op.tf.svc:8081"})
+    assert "$TOKENFAIR_CONFIG_URL_BASE" in str(caught.value)
+    with pytest.raises(InjectionError, match="must be https://"):
+        InjectionSettings(config_url_base="ftp://op").check()
+    unsafe = injection_from_env(
+        {
+            "TOKENFAIR_CONFIG_URL_BASE": "http://op.tf.svc:8081",
+            "TOKENFAIR_CONFIG_INSECURE_HTTP": "true",
+        }
+    )
+    change = injected(pod(), unsafe)
+    assert change is not None
+    env = {e["name"]: e.get("value") for e in change["containers"][0]["env"]}
+    assert env["TOKENFAIR_CONFIG_INSECURE_HTTP"] == "true"
+    assert "TOKENFAIR_CONFIG_CA_FILE" not in env
+
+
+def test_the_api_server_accepts_the_projected_volume(
+    kube_cluster: KubeCluster, kube_namespace: str
+) -> None:
+    """The injected Pod as the real API server validates it (dry run): an audience-bound
+    token of 600 s (its minimum) and an optional ConfigMap in one projected volume."""
+    settings = InjectionSettings(config_url_base="https://op.tf.svc:8443")
+    change = injected(pod(), settings)
+    assert change is not None
+    path = f"/api/v1/namespaces/{kube_namespace}/pods?dryRun=All"
+    body = apply(pod(), change)
+    # Set by the ServiceAccount admission plugin on a real cluster (off in this one).
+    body["spec"]["serviceAccountName"] = "default"
+    created = kube_cluster.expect(201, "POST", path, body).body
+    stored = next(v for v in created["spec"]["volumes"] if v["name"] == "tokenfair-token")
+    token, trust = stored["projected"]["sources"]
+    assert token["serviceAccountToken"]["audience"] == "tokenfair-config"
+    assert token["serviceAccountToken"]["expirationSeconds"] == 600
+    assert trust["configMap"]["name"] == "tokenfair.io-ca.crt"
 
 
 @pytest.mark.parametrize(

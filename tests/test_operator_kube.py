@@ -28,7 +28,9 @@ Behaviours under test:
 - live usage: the operator scrapes a real sidecar's metrics (found through its Pod) and writes
   each tenant's admitted service tokens into ``status.usage`` (the ``Admitted`` column) and its
   own p99 queue wait (a tenant of the same lane without requests reports 0, not the lane's);
-- the operator never hits a 403 (its log is checked after each test): missing RBAC fails.
+- the operator never hits a 403 (its log is checked after each test): missing RBAC fails;
+- (no cluster) the webhook certificate keeper asks for leadership before each of its writes:
+  a leader that stepped down between the Secret and a caBundle patch sends no patch.
 """
 
 from __future__ import annotations
@@ -46,13 +48,17 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from types import SimpleNamespace
+from typing import Any, TypeVar, cast
 
 import pytest
 import yaml
 from kubecluster import KubeCluster, free_ports, stop_process
+from kubernetes.client import ApiException
 
 from tokenfair_operator.certs import ServingCerts, due, issue
+from tokenfair_operator.kube import NotLeader
+from tokenfair_operator.webhook_certs import CertKeeper
 from tokenfair_sidecar.config import (
     POLICY_FIELDS,
     Config,
@@ -926,3 +932,37 @@ def test_own_certificate_is_issued_rotated_and_trusted_by_the_api_server(
             assert served == fresh.key_pem + fresh.cert_pem
     finally:
         kube_cluster.request("DELETE", config_path)
+
+
+def test_the_certificate_keeper_asks_for_leadership_before_each_write(tmp_path: Path) -> None:
+    """No cluster: the keeper's API objects are fakes. It leads for the Secret's write, not any
+    more for the caBundle patch: that patch is not sent, ``NotLeader`` is raised instead."""
+    sent: list[str] = []
+
+    def not_found(*_: Any, **__: Any) -> Any:
+        raise ApiException(status=404, reason="Not Found")
+
+    hook = SimpleNamespace(name="admit.tokenfair.io", client_config=SimpleNamespace(ca_bundle=None))
+    core = SimpleNamespace(
+        read_namespaced_secret=not_found,
+        create_namespaced_secret=lambda *_, **__: sent.append("create Secret"),
+    )
+    admission = SimpleNamespace(
+        read_validating_webhook_configuration=lambda *_: SimpleNamespace(webhooks=[hook]),
+        patch_validating_webhook_configuration=lambda *_: sent.append("patch caBundle"),
+        read_mutating_webhook_configuration=not_found,
+    )
+    answers = iter([True, False])  # leads when asked first, no longer when asked next
+    keeper = CertKeeper(
+        None,
+        ("ns", "webhook-tls"),
+        ["svc.ns.svc"],
+        ["tokenfair.io"],
+        tmp_path,
+        may_write=lambda: next(answers),
+    )
+    keeper._core, keeper._admission = cast(Any, core), cast(Any, admission)
+
+    with pytest.raises(NotLeader, match="caBundle of validating webhook configuration"):
+        keeper.ensure()
+    assert sent == ["create Secret"]

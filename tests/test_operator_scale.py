@@ -12,7 +12,13 @@ Behaviours under test:
 - a document that does not fit even compressed (random digests barely compress) is not
   published: ``DocumentTooLarge`` on the policy and its quotas, naming the size and the limit;
 - a small document stays plain text (``kubectl get cm -o yaml`` shows it);
-- the sidecar refuses a gzip bomb by its decompressed size, and corrupt gzip, naming the rule.
+- the sidecar refuses a gzip bomb by its decompressed size, and corrupt gzip, naming the rule;
+- on the real control plane, with the shipped RBAC: the reconciler's first pass over brand-new
+  quotas with key Secrets publishes the document (stored, holding every tenant's key digest,
+  and served) and returns while every quota status write is still held back; the held writes
+  then all land, each naming that version. The order is asserted, not a duration. A new
+  reconciler (a restarted operator or a new leader) then serves the same document without
+  reading a key Secret: its cold cache is seeded from the stored document.
 
 The 10,000-quota figures (render, reconcile pass, sidecar reload) come from
 ``bench/bench_operator_scale.py``; nothing here asserts a duration.
@@ -24,6 +30,8 @@ import base64
 import gzip
 import hashlib
 import json
+import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,7 +49,10 @@ from test_operator_kube import (
 )
 
 from tokenfair_operator import PolicyView, QuotaView, render_config
+from tokenfair_operator.kube import KubeApi, api_client
+from tokenfair_operator.model import QUOTA_PLURAL, VERSION_ANNOTATION
 from tokenfair_operator.payload import COMPRESS_ABOVE_BYTES, MAX_OBJECT_DATA_BYTES
+from tokenfair_operator.reconcile import Reconciler
 from tokenfair_operator.status import policy_status, quota_status
 from tokenfair_sidecar.config import MAX_DOCUMENT_BYTES, ConfigError
 from tokenfair_sidecar.server.settings import loads_sidecar_file
@@ -147,6 +158,98 @@ def test_a_document_over_one_mebibyte_is_published_compressed(
     for item in listing:
         assert len(item["status"].get("configVersion", "")) == 16, item["metadata"]["name"]
         assert condition(item, "ConfigPublished")["status"] == "True"
+
+
+KEYED_QUOTAS = 200
+
+
+class HeldStatusWrites(KubeApi):
+    """The real API, but every TenantQuota status write waits for ``release``; key Secret
+    reads are counted."""
+
+    def __init__(self, api: Any, release: threading.Event) -> None:
+        super().__init__(api)
+        self.release = release
+        self.key_reads = 0
+
+    def key_hashes(self, namespace: str, name: str) -> Any:
+        self.key_reads += 1
+        return super().key_hashes(namespace, name)
+
+    def patch_status(
+        self, plural: str, namespace: str, name: str, status: Any, resource_version: str = ""
+    ) -> None:
+        if plural == QUOTA_PLURAL:
+            assert self.release.wait(SCALE_WAIT_S), "quota status writes never released"
+        super().patch_status(plural, namespace, name, status, resource_version)
+
+
+async def test_the_first_pass_publishes_before_the_quota_statuses_are_written(
+    kube_cluster: KubeCluster, kube_namespace: str, operator_kubeconfig: Path
+) -> None:
+    ns = kube_namespace
+    kind = {"apiVersion": "tokenfair.io/v1alpha1"}
+    policy = {**kind, "kind": "SchedulingPolicy", "metadata": {"name": "pool"}, "spec": {}}
+    kube_cluster.expect(201, "POST", f"{API}/namespaces/{ns}/schedulingpolicies", policy)
+    for i in range(KEYED_QUOTAS):
+        secret = {"metadata": {"name": f"key-{i:04d}"}, "stringData": {"k": f"sk-{i}"}}
+        kube_cluster.expect(201, "POST", f"/api/v1/namespaces/{ns}/secrets", secret)
+        spec = {"policyName": "pool", "weight": 1.0, "burstServiceTokens": 20_000,
+                "sustainedServiceTokensPerSecond": 500.0,
+                "apiKeySecretRef": {"name": f"key-{i:04d}"}}  # fmt: skip
+        quota = {**kind, "kind": "TenantQuota", "metadata": {"name": f"tenant-{i:04d}"}}
+        kube_cluster.expect(
+            201, "POST", f"{API}/namespaces/{ns}/tenantquotas", quota | {"spec": spec}
+        )
+    release = threading.Event()
+    api = HeldStatusWrites(api_client(str(operator_kubeconfig)), release)
+    reconciler = Reconciler(api)
+    key = (ns, "pool")
+    try:
+        stored_policy = api.get_policy(ns, "pool")
+        assert stored_policy is not None
+        await reconciler.reconcile(key, [stored_policy], api.list_quotas(ns), logging.getLogger())
+
+        # The pass has returned: the document is stored and served, every quota write waits.
+        document = reconciler.documents.get(key)
+        assert document is not None
+        configmap = get(kube_cluster, f"/api/v1/namespaces/{ns}/configmaps/tokenfair-pool")
+        assert configmap is not None
+        assert configmap["metadata"]["annotations"][VERSION_ANNOTATION] == document.version
+        payload = stored_payload(kube_cluster, ns, "secrets", "tokenfair-pool-keys")
+        assert payload is not None
+        tenants = loads_sidecar_file(payload, "secret").config.tenants
+        assert {t.tenant_id: t.api_key_sha256 for t in tenants} == {
+            f"tenant-{i:04d}": (hashlib.sha256(f"sk-{i}".encode()).hexdigest(),)
+            for i in range(KEYED_QUOTAS)
+        }
+        pool = get(kube_cluster, policy_path(ns))
+        assert pool is not None
+        assert pool["status"]["configVersion"] == document.version
+        assert not any(q.status for q in api.list_quotas(ns)), "a quota status was written"
+        assert len(reconciler.statuses) == KEYED_QUOTAS
+
+        release.set()
+        await reconciler.drain()
+        written = api.list_quotas(ns)
+        assert {q.status.get("configVersion") for q in written} == {document.version}
+        assert all(condition({"status": q.status})["status"] == "True" for q in written)
+    finally:
+        release.set()
+        await reconciler.close()
+    # A new leader (a cold cache) serves that document from the stored one, reading no key.
+    api.key_reads = 0
+    restarted = Reconciler(api)
+    now_policy = api.get_policy(ns, "pool")  # with the status the first pass wrote
+    assert now_policy is not None
+    try:
+        await restarted.reconcile(key, [now_policy], written, logging.getLogger())
+        served = restarted.documents.get(key)
+        assert served is not None
+        assert served.version == document.version
+        assert api.key_reads == 0
+    finally:
+        await restarted.close()
 
 
 def quotas_with_status(cluster: KubeCluster, ns: str) -> list[dict[str, Any]] | None:

@@ -8,14 +8,29 @@ Behaviours under test (pure functions, called directly):
 - ``quota_status``/``policy_status``: observedGeneration, configVersion, tenant id, counts and
   the documented reasons (Published, NotAccepted, PolicyNotFound, NoAcceptedTenants,
   InvalidSpec); an unchanged world yields an identical status (so nothing is written);
-- ``split_budgets``: per-replica burst ``max(1, burst // n)`` and sustained ``sustained / n``.
+- ``split_budgets``: per-replica burst ``max(1, burst // n)`` and sustained ``sustained / n``;
+- a cold key cache (a new leader) takes the digests of the quotas published at their
+  generation from the stored document and reads only the others' key Secrets, rendering the
+  same document;
+- the reconciler's background status writes (a fake API): a pass publishes the document and
+  returns with its quotas' statuses still queued; queued writes are coalesced per object (the
+  newest pass's, over its resourceVersion) and a quota deleted meanwhile is never written; a
+  snapshot older than our own write (a lagging watch) makes no second write; ``NotLeader``
+  drops every queued write; a 409 drops the write and brings one more pass, which writes over
+  the newer resourceVersion.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import hashlib
+import logging
+import threading
 from typing import Any
 
 import pytest
+from kubernetes.client import ApiException
 
 from tokenfair_operator import (
     Check,
@@ -24,11 +39,14 @@ from tokenfair_operator import (
     conditions_for,
     policy_status,
     quota_status,
+    reconcile,
     render_config,
     split_budgets,
 )
+from tokenfair_operator.kube import NotLeader
+from tokenfair_operator.reconcile import Reconciler
 from tokenfair_operator.status import differs, orphan_verdict
-from tokenfair_sidecar.config import TenantConfig
+from tokenfair_sidecar.config import TenantConfig, document_text, loads_config
 
 T1, T2 = "2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z"
 OK_A = Check("Accepted", True, "Valid", "accepted")
@@ -161,3 +179,220 @@ def test_split_budgets(replicas: int, burst: int, sustained: float) -> None:
     assert share.burst_service_tokens == burst
     assert share.sustained_service_tokens_per_second == pytest.approx(sustained)
     assert (share.weight, share.api_key_sha256) == (LESSON_CHAT.weight, LESSON_CHAT.api_key_sha256)
+
+
+# --- The background status writer (reconcile.Reconciler + StatusWriter), with a fake API. ---
+
+
+class FakeApi:
+    """The calls a pass makes; quota status writes wait for ``gate`` (a test holds them)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.leading = True
+        self.conflicts: set[str] = set()
+        """Names whose next quota status write is a 409."""
+        self.published: list[str] = []
+        self.key_reads: list[str] = []
+        self.stored_keys: dict[str, tuple[str, ...]] = {}
+        """What ``published_keys`` answers: the document stored in the policy's Secret."""
+        self.writes: list[tuple[str, str, str, dict[str, Any]]] = []
+        """(plural, name, resourceVersion, status) of each status written."""
+
+    def may_write(self) -> bool:
+        return self.leading
+
+    def key_hashes(self, namespace: str, name: str) -> tuple[str, ...]:
+        self.key_reads.append(name)
+        return (hashlib.sha256(name.encode()).hexdigest(),)
+
+    def published_keys(self, policy: PolicyView) -> dict[str, tuple[str, ...]]:
+        return self.stored_keys
+
+    def get_policy(self, namespace: str, name: str) -> None:
+        return None
+
+    def publish_document(
+        self, policy: PolicyView, version: str, configmap: bytes, secret: bytes
+    ) -> tuple[int, list[str]]:
+        self.published.append(version)
+        return len(self.published), ["ConfigMap", "Secret"]
+
+    def patch_status(
+        self, plural: str, namespace: str, name: str, status: Any, resource_version: str = ""
+    ) -> None:
+        if plural == "tenantquotas":
+            assert self.gate.wait(10), "the test never opened the gate"
+        if not self.leading:
+            raise NotLeader(f"not the leader: status of {name} not written")
+        if plural == "tenantquotas" and name in self.conflicts:
+            self.conflicts.discard(name)
+            raise ApiException(status=409, reason="Conflict")
+        self.writes.append((plural, name, resource_version, status))
+
+    def quota_writes(self) -> list[tuple[str, str]]:
+        return [(name, rv) for plural, name, rv, _ in self.writes if plural == "tenantquotas"]
+
+
+LOG = logging.getLogger("test")
+POOL = ("ns", "pool")
+
+
+def keyed_quota(i: int, generation: int = 1, rv: str = "1") -> QuotaView:
+    spec = {**SPEC, "weight": float(generation), "apiKeySecretRef": {"name": f"key-{i}"}}
+    created = f"2026-01-01T00:00:{i:02d}Z"
+    return QuotaView(f"q{i}", "ns", f"uid-{i}", generation, created, spec, resource_version=rv)
+
+
+def stored(reconciler: Reconciler, quota: QuotaView, api: FakeApi) -> QuotaView:
+    """``quota`` as the watch brings it back after our write (resourceVersion + 1)."""
+    status = next(s for p, n, _, s in reversed(api.writes) if n == quota.name)
+    rv = str(int(quota.resource_version) + 1)
+    return dataclasses.replace(quota, status=status, resource_version=rv)
+
+
+async def test_a_pass_publishes_before_its_quota_statuses_are_written() -> None:
+    api = FakeApi()
+    api.gate.clear()  # every quota status write waits
+    reconciler = Reconciler(api)  # type: ignore[arg-type]
+    quotas = [keyed_quota(i) for i in range(20)]
+    try:
+        await reconciler.reconcile(POOL, [policy()], quotas, LOG)
+
+        document = reconciler.documents.get(POOL)
+        assert document is not None
+        assert api.published == [document.version]
+        assert [p for p, *_ in api.writes] == ["schedulingpolicies"]  # no quota's yet
+        assert len(reconciler.statuses) == 20
+        api.gate.set()
+        await reconciler.drain()
+        assert sorted(api.quota_writes()) == sorted((q.name, "1") for q in quotas)
+        assert len(reconciler.statuses) == 0
+    finally:
+        await reconciler.close()
+
+
+async def test_queued_writes_are_coalesced_and_a_deleted_quota_is_skipped() -> None:
+    api = FakeApi()
+    api.gate.clear()
+    reconciler = Reconciler(api, status_concurrency=1)  # type: ignore[arg-type]
+    quotas = [keyed_quota(i) for i in range(6)]
+    try:
+        await reconciler.reconcile(POOL, [policy()], quotas, LOG)
+        await asyncio.sleep(0)  # the one worker takes q0 and waits at the gate
+        # q5 deleted, q3's spec changed (generation 2, a new resourceVersion): a new pass.
+        changed = keyed_quota(3, generation=2, rv="7")
+        await reconciler.reconcile(POOL, [policy()], [*quotas[:3], changed, quotas[4]], LOG)
+        api.gate.set()
+        await reconciler.drain()
+
+        assert api.quota_writes() == [("q0", "1"), ("q1", "1"), ("q2", "1"), ("q3", "7"),
+                                      ("q4", "1")]  # fmt: skip
+        q3 = next(s for _, n, _, s in api.writes if n == "q3")
+        assert q3["observedGeneration"] == 2
+    finally:
+        await reconciler.close()
+
+
+async def test_a_lagging_watch_makes_no_second_write() -> None:
+    api = FakeApi()
+    reconciler = Reconciler(api)  # type: ignore[arg-type]
+    first = [keyed_quota(i) for i in range(3)]
+    try:
+        await reconciler.reconcile(POOL, [policy()], first, LOG)
+        await reconciler.drain()
+        written = len(api.quota_writes())
+        # A fourth quota: a new document. The watch has not brought our writes back (the same
+        # snapshots): their statuses keep their first configVersion, nothing is rewritten (each
+        # rewrite over the old resourceVersion would be a 409).
+        await reconciler.reconcile(POOL, [policy()], [*first, keyed_quota(3)], LOG)
+        await reconciler.drain()
+
+        assert api.published[0] != api.published[1]
+        assert api.quota_writes()[written:] == [("q3", "1")]
+        # Once the watch brought them back, still nothing to write.
+        caught_up = [stored(reconciler, q, api) for q in [*first, keyed_quota(3)]]
+        before = len(api.quota_writes())
+        await reconciler.reconcile(POOL, [policy()], caught_up, LOG)
+        await reconciler.drain()
+        assert api.quota_writes()[before:] == []
+    finally:
+        await reconciler.close()
+
+
+async def test_not_leader_drops_every_queued_write() -> None:
+    api = FakeApi()
+    api.gate.clear()
+    reconciler = Reconciler(api, status_concurrency=1)  # type: ignore[arg-type]
+    try:
+        await reconciler.reconcile(POOL, [policy()], [keyed_quota(i) for i in range(5)], LOG)
+        api.leading = False  # stepped down while the writes were queued
+        api.gate.set()
+        await reconciler.drain()
+
+        assert api.quota_writes() == []
+        assert len(reconciler.statuses) == 0
+    finally:
+        await reconciler.close()
+
+
+async def test_a_conflict_drops_the_write_and_asks_for_one_more_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(reconcile, "CONFLICT_DELAY_S", 0.0)
+    api = FakeApi()
+    api.conflicts = {"q1"}  # someone else wrote q1 since our snapshot
+    reconciler = Reconciler(api)  # type: ignore[arg-type]
+    world = [keyed_quota(i) for i in range(3)]
+    passes = 0
+
+    def snapshot() -> tuple[list[PolicyView], list[QuotaView], list[Any]]:
+        nonlocal passes
+        passes += 1
+        if passes == 1:
+            return [policy()], world, []
+        # The retry pass: the watch has brought q1 as the other writer left it.
+        return [policy()], [world[0], keyed_quota(1, rv="5"), world[2]], []
+
+    try:
+        await reconciler.request(POOL, snapshot, LOG)
+        await reconciler.drain()
+        while reconciler._retries:  # the pass after the conflict, and its writes
+            await asyncio.gather(*reconciler._retries.values())
+            await reconciler.drain()
+
+        assert passes == 2
+        assert sorted(api.quota_writes()) == [("q0", "1"), ("q1", "5"), ("q2", "1")]
+    finally:
+        await reconciler.close()
+
+
+async def test_a_cold_cache_starts_from_the_stored_document() -> None:
+    api = FakeApi()
+    quotas = [keyed_quota(i) for i in range(4)]
+    first = Reconciler(api)  # type: ignore[arg-type]
+    try:
+        await first.reconcile(POOL, [policy()], quotas, LOG)
+        await first.drain()
+    finally:
+        await first.close()
+    document = first.documents.get(POOL)
+    assert document is not None
+    stored_doc = loads_config(document_text(document.secret_payload))
+    api.stored_keys = {t.tenant_id: t.api_key_sha256 for t in stored_doc.tenants}
+    api.key_reads.clear()
+    # A new leader: q0-q2 as the watch shows them (published at their generation), q3 without
+    # its status yet (it could be new or changed): only q3's key Secret is read.
+    world = [stored(first, q, api) for q in quotas[:3]] + [quotas[3]]
+    second = Reconciler(api)  # type: ignore[arg-type]
+    try:
+        await second.reconcile(POOL, [policy()], world, LOG)
+        await second.drain()
+    finally:
+        await second.close()
+
+    assert api.key_reads == ["key-3"]
+    again = second.documents.get(POOL)
+    assert again is not None
+    assert again.version == document.version  # the same digests: the same document

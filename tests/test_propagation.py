@@ -11,12 +11,19 @@ Behaviours under test, on the real control plane with the operator's shipped RBA
   it is applied), and once the operator is back its document wins again; away once more, a
   file of a lower generation than the operator's document (the kubelet's late copy) is
   refused, counted as an invalid reload, and the operator's version stays;
-- the document server checks who asks: no token or an invalid one -> 401, a ServiceAccount of
+- all of it over TLS, as deployed: the operator issues its own CA and serving certificate
+  (kept in a Secret), publishes the CA into the policy's namespace (ConfigMap
+  ``tokenfair.io-ca.crt``), and the sidecars verify the server with that bundle and show a
+  TokenRequest token for the audience ``tokenfair-config``;
+- a sidecar given another CA than the operator's refuses the server (certificate verify
+  failed, in its log) and keeps serving the config of its mounted file;
+- the document server checks who asks: no token or an invalid one -> 401, a token of the
+  right namespace without the audience (a Pod's ordinary one) -> 401, a ServiceAccount of
   another namespace -> 403 (its own namespace's only), the policy's namespace -> 200 with the
   version header, the same version with ``waitSeconds=0`` -> 304, bad parameters -> 400 naming
   the parameter and the rule; an unknown policy -> 404;
 - the injector wires it: with ``config_url_base`` the sidecar gets the long-poll URL (the Pod's
-  namespace from the downward API) and a projected token; without it, nothing changes;
+  namespace from the downward API), a projected token and the CA; without it, nothing changes;
 - the policy's status counts the Ready sidecars on its published version: of three (two on
   the long-poll, one reading a file nobody refreshes), after the budgets are re-split three
   ways ``status.sidecars`` is ``2/3 @ <version>``, and ``kubectl get tsp`` shows it.
@@ -29,8 +36,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
 import json
 import os
+import ssl
 import subprocess
 import sys
 import urllib.error
@@ -51,33 +60,83 @@ from test_operator_kube import (
     wait_for,
 )
 
+from tokenfair_operator.certs import issue
 from tokenfair_operator.inject import InjectionSettings, injected
 
 __all__ = ["operator_kubeconfig"]  # a fixture, imported to be found by pytest
 
 SIDECARS = 3
 VERSION_HEADER = "X-Tokenfair-Config-Version"
+AUDIENCE = "tokenfair-config"
+TRUST_CONFIGMAP = "tokenfair.io-ca.crt"
+CERT_SECRET = "tokenfair-serving"
+
+
+def tls_env(ns: str, port: int, certs: Path) -> dict[str, str]:
+    """The document server over TLS on ``127.0.0.1:port`` with the operator's own CA and a
+    certificate for ``localhost`` (kept in Secret ``ns/tokenfair-serving``, as the chart's)."""
+    return {
+        "TOKENFAIR_HTTPS_PORT": str(port),
+        "TOKENFAIR_HTTP_ADDR": "127.0.0.1",
+        "TOKENFAIR_WEBHOOK_CERT_SECRET": f"{ns}/{CERT_SECRET}",
+        "TOKENFAIR_WEBHOOK_DNS_NAMES": "localhost",
+        "TOKENFAIR_WEBHOOK_CERT_DIR": str(certs),
+    }
 
 
 @contextlib.contextmanager
 def serving_operator(kubeconfig: Path, ns: str, log: Path, port: int) -> Iterator[str]:
-    """The operator with its document server on ``127.0.0.1:port``; yields the URL base."""
-    env = {"TOKENFAIR_HTTP_PORT": str(port), "TOKENFAIR_HTTP_ADDR": "127.0.0.1"}
+    """The operator with its document server on ``https://localhost:port``; yields the base."""
+    env = tls_env(ns, port, log.with_suffix(".certs"))
     with running_operator(kubeconfig, ns, log, **env):
-        yield f"http://127.0.0.1:{port}"
+        yield f"https://localhost:{port}"
 
 
-def token_file(cluster: KubeCluster, ns: str, name: str, folder: Path) -> Path:
-    """A TokenRequest token of a new ServiceAccount ``ns/name``, in a file (as projected)."""
-    cluster.create_service_account(ns, name)
-    path = folder / f"{ns}-{name}.token"
-    path.write_text(cluster.service_account_token(ns, name))
+def published_ca(cluster: KubeCluster, ns: str, folder: Path) -> Path:
+    """The CA bundle the operator published into ``ns`` (what the kubelet would project), in
+    a file."""
+
+    def bundle() -> str | None:
+        configmap = get(cluster, f"/api/v1/namespaces/{ns}/configmaps/{TRUST_CONFIGMAP}")
+        found = (configmap or {}).get("data", {}).get("ca.crt")
+        return str(found) if found else None
+
+    path = folder / f"{ns}-ca.crt"
+    path.write_text(wait_for("the CA bundle published", bundle))
     return path
 
 
-def http_get(url: str, token: str | None = None) -> tuple[int, dict[str, str], bytes]:
+def audience_token(
+    cluster: KubeCluster, ns: str, name: str, audiences: list[str] | None = None
+) -> str:
+    """A TokenRequest token of ServiceAccount ``ns/name`` for ``audiences`` (default: the
+    document server's, as the injector projects it; ``[]``: the API server's own)."""
+    spec: dict[str, Any] = {"expirationSeconds": 600}
+    spec["audiences"] = [AUDIENCE] if audiences is None else audiences
+    path = f"/api/v1/namespaces/{ns}/serviceaccounts/{name}/token"
+    token = cluster.expect(201, "POST", path, {"spec": spec}).body["status"]["token"]
+    assert isinstance(token, str)
+    return token
+
+
+def token_file(cluster: KubeCluster, ns: str, name: str, folder: Path) -> Path:
+    """A token of a new ServiceAccount ``ns/name`` for the document server's audience, in a
+    file (as projected)."""
+    cluster.create_service_account(ns, name)
+    path = folder / f"{ns}-{name}.token"
+    path.write_text(audience_token(cluster, ns, name))
+    return path
+
+
+def http_get(
+    url: str, token: str | None = None, ca: Path | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """GET ``url`` (over TLS verified with ``ca`` when given)."""
     headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    handlers: list[urllib.request.BaseHandler] = [urllib.request.ProxyHandler({})]
+    if ca is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=ssl.create_default_context(cafile=ca)))
+    opener = urllib.request.build_opener(*handlers)
     request = urllib.request.Request(url, headers=headers)
     try:
         with opener.open(request, timeout=70) as response:
@@ -151,10 +210,11 @@ def all_run(admins: list[str], version: str) -> list[dict[str, Any]] | None:
     return [s for s in statuses if s is not None] if all(statuses) else None
 
 
-def long_poll_env(base: str, ns: str, token: Path) -> dict[str, str]:
+def long_poll_env(base: str, ns: str, token: Path, ca: Path) -> dict[str, str]:
     return {
         "TOKENFAIR_CONFIG_URL": f"{base}/v1/config/{ns}/pool?source=configmap",
         "TOKENFAIR_CONFIG_TOKEN_FILE": str(token),
+        "TOKENFAIR_CONFIG_CA_FILE": str(ca),
     }
 
 
@@ -180,10 +240,12 @@ def test_a_change_reaches_every_sidecar_through_the_long_poll(
     (port,) = free_ports(1)
     with serving_operator(operator_kubeconfig, ns, tmp_path / "operator.log", port) as base:
         first = apply_lesson_and_wait(kube_cluster, ns)
+        ca = published_ca(kube_cluster, ns, tmp_path)
         config_file = tmp_path / "config.yaml"
         config_file.write_bytes(stored_configmap(kube_cluster, ns))  # the kubelet, once
         started_from = config_file.read_bytes()
-        with sidecars(SIDECARS, config_file, tmp_path, long_poll_env(base, ns, token)) as admins:
+        env = long_poll_env(base, ns, token, ca)
+        with sidecars(SIDECARS, config_file, tmp_path, env) as admins:
             wait_for("every sidecar on the first version", lambda: all_run(admins, first))
 
             patch_burst(kube_cluster, ns, 24_000)
@@ -195,7 +257,7 @@ def test_a_change_reaches_every_sidecar_through_the_long_poll(
             assert status["tenants"]["tenant_chat_pro"]["burst_service_tokens"] == 24_000
         assert config_file.read_bytes() == started_from  # the file played no part
         status_code, headers, body = http_get(
-            f"{base}/v1/config/{ns}/pool?source=configmap&waitSeconds=0", token.read_text()
+            f"{base}/v1/config/{ns}/pool?source=configmap&waitSeconds=0", token.read_text(), ca
         )
         assert (status_code, headers[VERSION_HEADER]) == (200, second)
         assert body == stored_configmap(kube_cluster, ns)
@@ -208,10 +270,10 @@ def test_last_good_config_through_an_outage_and_the_file_as_fallback(
     token = token_file(kube_cluster, ns, "model", tmp_path)
     (port,) = free_ports(1)
     config_file = tmp_path / "config.yaml"
-    env = long_poll_env(f"http://127.0.0.1:{port}", ns, token)
-    with serving_operator(operator_kubeconfig, ns, tmp_path / "operator.log", port):
+    with serving_operator(operator_kubeconfig, ns, tmp_path / "operator.log", port) as base:
         first = apply_lesson_and_wait(kube_cluster, ns)
         document = json.loads(stored_configmap(kube_cluster, ns))
+        env = long_poll_env(base, ns, token, published_ca(kube_cluster, ns, tmp_path))
     # The operator is gone: a sidecar starts from the file and keeps it.
     config_file.write_text(json.dumps(document))
     with sidecars(1, config_file, tmp_path, env) as (admin,):
@@ -245,6 +307,28 @@ def test_last_good_config_through_an_outage_and_the_file_as_fallback(
         assert runs(admin, first)
 
 
+def test_a_sidecar_with_another_ca_refuses_the_server_and_keeps_its_file(
+    kube_cluster: KubeCluster, kube_namespace: str, operator_kubeconfig: Path, tmp_path: Path
+) -> None:
+    ns = kube_namespace
+    token = token_file(kube_cluster, ns, "model", tmp_path)
+    (port,) = free_ports(1)
+    with serving_operator(operator_kubeconfig, ns, tmp_path / "operator.log", port) as base:
+        apply_lesson_and_wait(kube_cluster, ns)
+        published_ca(kube_cluster, ns, tmp_path)  # the operator's; the sidecar gets another
+        wrong = tmp_path / "wrong-ca.crt"
+        wrong.write_bytes(issue(["localhost"], datetime.datetime.now(datetime.UTC)).ca_pem)
+        document = json.loads(stored_configmap(kube_cluster, ns))
+        config_file = tmp_path / "config.yaml"
+        config_file.write_text(json.dumps({**document, "version": "from-file"}))
+        env = long_poll_env(base, ns, token, wrong)
+        with sidecars(1, config_file, tmp_path, env) as (admin,):
+            log = tmp_path / "sidecar-0.log"
+            wait_for("the server refused", lambda: "certificate verify failed" in log.read_text())
+            assert runs(admin, "from-file") is not None
+            assert http_get(f"{admin}/readyz")[0] == 200
+
+
 def reloads(admin: str, result: str) -> float:
     """``tokenfair_config_reloads_total{result=...}`` of a sidecar (0 before the first)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -262,36 +346,40 @@ def test_the_document_server_checks_who_asks(
 ) -> None:
     ns = kube_namespace
     own = token_file(kube_cluster, ns, "model", tmp_path).read_text()
+    api_audience = audience_token(kube_cluster, ns, "model", [])  # a Pod's ordinary token
     other_ns = kube_cluster.create_namespace("other")
     try:
         other = token_file(kube_cluster, other_ns, "model", tmp_path).read_text()
         (port,) = free_ports(1)
         with serving_operator(operator_kubeconfig, ns, tmp_path / "operator.log", port) as base:
             version = apply_lesson_and_wait(kube_cluster, ns)
+            ca = published_ca(kube_cluster, ns, tmp_path)
             url = f"{base}/v1/config/{ns}/pool"
 
-            assert http_get(f"{url}?waitSeconds=0")[0] == 401
-            status, _, body = http_get(f"{url}?waitSeconds=0", "not-a-token")
+            assert http_get(f"{url}?waitSeconds=0", ca=ca)[0] == 401
+            status, _, body = http_get(f"{url}?waitSeconds=0", "not-a-token", ca)
             assert (status, b"not a valid ServiceAccount token" in body) == (401, True)
-            status, _, body = http_get(f"{url}?waitSeconds=0", other)
+            status, _, body = http_get(f"{url}?waitSeconds=0", api_audience, ca)
+            assert (status, b"not a valid ServiceAccount token" in body) == (401, True)
+            status, _, body = http_get(f"{url}?waitSeconds=0", other, ca)
             assert status == 403
             assert f"namespace {other_ns!r} may not read policy {ns}/pool".encode() in body
 
-            status, headers, secret = http_get(f"{url}?source=secret&waitSeconds=0", own)
+            status, headers, secret = http_get(f"{url}?source=secret&waitSeconds=0", own, ca)
             assert (status, headers[VERSION_HEADER]) == (200, version)
             tenants = {t["tenantId"] for t in json.loads(secret)["tenants"]}
             assert tenants == {"tenant_chat_pro", "tenant_ide_assist", "tenant_batch_rag"}
-            same = http_get(f"{url}?version={version}&waitSeconds=0", own)
+            same = http_get(f"{url}?version={version}&waitSeconds=0", own, ca)
             assert same[0] == 304
 
-            status, _, body = http_get(f"{url}?source=vault", own)
+            status, _, body = http_get(f"{url}?source=vault", own, ca)
             assert (status, body.startswith(b"source: must be one of secret, configmap")) == (
                 400,
                 True,
             )
-            status, _, body = http_get(f"{url}?waitSeconds=600", own)
+            status, _, body = http_get(f"{url}?waitSeconds=600", own, ca)
             assert (status, b"waitSeconds: must be an integer 0..60" in body) == (400, True)
-            missing = http_get(f"{base}/v1/config/{ns}/nowhere?waitSeconds=0", own)
+            missing = http_get(f"{base}/v1/config/{ns}/nowhere?waitSeconds=0", own, ca)
             assert missing[0] == 404
     finally:
         kube_cluster.delete_namespace(other_ns)
@@ -306,7 +394,7 @@ def pod(annotations: dict[str, str] | None = None) -> dict[str, Any]:
 
 @pytest.mark.parametrize("source", ["secret", "configmap"])
 def test_the_injector_wires_the_long_poll(source: str) -> None:
-    settings = InjectionSettings(config_url_base="http://tokenfair-operator.tf.svc:8081/")
+    settings = InjectionSettings(config_url_base="https://tokenfair-operator.tf.svc:8443/")
     change = injected(pod({"tokenfair.io/config-source": source}), settings)
 
     assert change is not None
@@ -316,15 +404,18 @@ def test_the_injector_wires_the_long_poll(source: str) -> None:
         "metadata.namespace"
     )
     assert env["TOKENFAIR_CONFIG_URL"]["value"] == (
-        "http://tokenfair-operator.tf.svc:8081/v1/config/$(TOKENFAIR_POD_NAMESPACE)/pool"
+        "https://tokenfair-operator.tf.svc:8443/v1/config/$(TOKENFAIR_POD_NAMESPACE)/pool"
         f"?source={source}"
     )
     token = env["TOKENFAIR_CONFIG_TOKEN_FILE"]["value"]
     mounts = {m["name"]: m["mountPath"] for m in sidecar["volumeMounts"]}
     assert token == f"{mounts['tokenfair-token']}/token"
+    assert env["TOKENFAIR_CONFIG_CA_FILE"]["value"] == f"{mounts['tokenfair-token']}/ca.crt"
     volume = next(v for v in change["volumes"] if v["name"] == "tokenfair-token")
-    (projected,) = volume["projected"]["sources"]
+    projected, trust = volume["projected"]["sources"]
     assert projected["serviceAccountToken"]["path"] == "token"
+    assert projected["serviceAccountToken"]["audience"] == AUDIENCE
+    assert trust["configMap"]["name"] == TRUST_CONFIGMAP
     # Without a document server: the file alone, as before.
     plain = injected(pod(), InjectionSettings())
     assert plain is not None
@@ -363,10 +454,11 @@ def test_status_shows_how_many_sidecars_run_the_current_version(
     (port,) = free_ports(1)
     with serving_operator(operator_kubeconfig, ns, tmp_path / "operator.log", port) as base:
         apply_lesson_and_wait(kube_cluster, ns)
+        env = long_poll_env(base, ns, token, published_ca(kube_cluster, ns, tmp_path))
         config_file = tmp_path / "config.yaml"
         config_file.write_bytes(stored_configmap(kube_cluster, ns))
         with (
-            sidecars(2, config_file, tmp_path / "a", long_poll_env(base, ns, token)) as polling,
+            sidecars(2, config_file, tmp_path / "a", env) as polling,
             sidecars(1, config_file, tmp_path / "b", {}) as (file_only,),
         ):
             for i, admin in enumerate([*polling, file_only]):

@@ -5,8 +5,8 @@ lastTransitionTime``, ``observedGeneration`` on each), no ``phase``:
 
 * ``Accepted`` — the object passed every rule. TenantQuota reasons: ``Valid``; refusals
   ``InvalidSpec``, ``PolicyNotFound``, ``PolicyInvalid``, ``DuplicateTenantId``,
-  ``KeySecretNotFound``, ``KeySecretEmpty``, ``ConflictingApiKey``. SchedulingPolicy: ``Valid`` or
-  ``InvalidSpec``.
+  ``KeySecretNotFound``, ``KeySecretEmpty``, ``KeySecretInvalid``, ``KeySecretForbidden``,
+  ``ConflictingApiKey``. SchedulingPolicy: ``Valid`` or ``InvalidSpec``.
 * ``ConfigPublished`` — the policy's config document holding this object is in the ConfigMap
   (and Secret): ``Published``; otherwise ``NotAccepted`` (the object itself was refused) or, for a
   policy, ``NoAcceptedTenants`` (a document needs at least one tenant; the last published one, if

@@ -11,9 +11,12 @@ one more than the highest generation stored in the policy's ConfigMap and Secret
 (annotation :data:`GENERATION_ANNOTATION`, and data key ``generation``, so that a mounted
 volume shows it next to ``config.yaml``), unless one of them already holds this very version
 (a pass that wrote the ConfigMap and failed before the Secret: the same document keeps its
-number). The counter lives in the API server, not in a replica's memory, so a new leader
-continues from what the last one published (:func:`next_generation`). Sidecars refuse a
-document of a lower generation than the one they run, from the long-poll or from the file.
+number) — and never less than the wall clock in milliseconds. The counter lives in the API
+server, not in a replica's memory, so a new leader continues from what the last one published;
+the clock's floor keeps it growing when there is nothing to continue from (the policy deleted
+and created again, or both objects deleted by hand), where a counter starting again at 1 would
+have every running sidecar refuse the new documents (:func:`next_generation`). Sidecars refuse
+a document of a lower generation than the one they run, from the long-poll or from the file.
 
 Contract: :meth:`DocumentStore.publish` is called by the reconciler after every pass that
 rendered a document (an unchanged version wakes nobody; a lower generation than the stored
@@ -26,6 +29,7 @@ each (the object limit).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -139,15 +143,26 @@ class DocumentStore:
             event.set()
 
 
-def next_generation(version: str, published: Iterable[tuple[str | None, int]]) -> int:
+def next_generation(
+    version: str, published: Iterable[tuple[str | None, int]], floor: int = 0
+) -> int:
     """The generation of document ``version`` given what the policy's objects hold now,
     ``(version, generation)`` each (``(None, 0)`` for a missing object or annotation): the
-    generation of an object already holding ``version``, else one more than the highest."""
+    generation of an object already holding ``version``, else ``max(highest + 1, floor)``.
+    ``floor`` is the wall clock in milliseconds (:func:`clock_floor`): a policy's objects
+    deleted and made again start from it, above any generation published before them (so long
+    as replicas' clocks agree within the time between the last publication and the new one,
+    and no policy publishes over a thousand documents a second)."""
     held = list(published)
     same = [generation for stored, generation in held if stored == version and generation > 0]
     if same:
         return max(same)
-    return max((generation for _, generation in held), default=0) + 1
+    return max(max((generation for _, generation in held), default=0) + 1, floor)
+
+
+def clock_floor() -> int:
+    """The least generation of a new document: the wall clock in whole milliseconds."""
+    return time.time_ns() // 1_000_000
 
 
 def parse_generation(value: object) -> int:

@@ -14,8 +14,9 @@ so several replicas can watch the same objects, and the reconciler is level-base
   across them, :mod:`.budgets`; only the Pods the policy's ``spec.selector`` matches count,
   :mod:`.selector`);
 * every ``resync_interval_s``, one operator-level loop (:mod:`.periodic`) -> every policy that
-  exists or is named by a quota, after re-reading its key Secrets: picks up what no watch
-  reports (a key Secret's content) and repairs anything a failed pass left behind;
+  exists or is named by a quota, then re-reading its key Secrets and passing again if one
+  changed: picks up what no watch reports (a key Secret's content) and repairs anything a
+  failed pass left behind;
 * every ``usage_interval_s``, a second loop: each policy's Ready sidecars' metrics -> its
   TenantQuotas' ``status.usage`` (:mod:`.usage`) and its own ``status.sidecars``, how many
   run the published version (:mod:`.rollout`).
@@ -32,8 +33,11 @@ No handler makes Kopf add a finalizer: deleting an object never waits for the op
 
 With ``$TOKENFAIR_WEBHOOK_CERT_SECRET`` the startup hook also issues (or reuses) the operator's
 own webhook certificate and a third loop renews it (:mod:`.webhook_certs`). With
-``$TOKENFAIR_HTTP_PORT`` it starts the plain-HTTP server (:mod:`.serve`): the sidecars'
-long-poll of their policy's document, and ``/metrics``.
+``$TOKENFAIR_HTTP_PORT`` it starts the HTTP server (:mod:`.serve`), ``/metrics``; with
+``$TOKENFAIR_HTTPS_PORT`` the same over TLS, where the sidecars long-poll their policy's
+document, with the operator's own serving certificate (the webhook's) and a loop that reloads
+it when it changes and, on the leader, publishes its CA to the policies' namespaces
+(:mod:`.serving_tls`).
 
 Admission (when a webhook server is configured, see :mod:`.settings`): creating a TenantQuota or
 changing its spec is checked by :func:`.admission.quota_refusal`; a SchedulingPolicy's spec by
@@ -77,7 +81,8 @@ from .periodic import Job, Periodic
 from .reconcile import PolicyKey, Reconciler, Snapshot
 from .scrape import scrape_metrics
 from .selector import parse_selector, ready_sidecars, selected_sidecars
-from .serve import TokenAuthenticator, create_app, start_server
+from .serve import TokenAuthenticator, audience_reviewer, create_app, start_server
+from .serving_tls import ServingTLS, TrustPublisher
 from .settings import OperatorConfig, configure_kopf
 from .webhook_certs import CertKeeper
 
@@ -86,6 +91,7 @@ PERIODIC = "periodic"
 SERVER = "server"
 ELECTOR = "elector"
 GENERATIONS = "generations"
+KEEPER = "cert_keeper"
 CERT_WAIT_S = 2.0
 """A standby starting before the leader issued the certificate looks again this often."""
 CONFLICT_RETRIES = 3
@@ -111,21 +117,16 @@ async def configure(
     periodic = Periodic()
     config = CONFIG
     # Every write asks, right before it is sent, whether this replica leads now (.leader).
-    reconciler = memo[RECONCILER] = Reconciler(KubeApi(api, may_write=lambda: _leads(memo)))
+    memo[RECONCILER] = Reconciler(KubeApi(api, may_write=lambda: _leads(memo)))
     indexes = {name: kwargs[name] for name in INDEX_NAMES}
     if CONFIG.leader_election:
         await _elect(api, memo, logger, indexes)
-    if CONFIG.webhook_port is not None and CONFIG.webhook_cert_secret is not None:
+    serves_tls = CONFIG.webhook_port is not None or CONFIG.https_port is not None
+    if serves_tls and CONFIG.webhook_cert_secret is not None:
         config = await _own_certificates(api, memo, periodic, logger)
     configure_kopf(settings, config)
-    if CONFIG.http_port is not None:
-        auth = TokenAuthenticator(reconciler.api.review_token)
-        elector = memo.get(ELECTOR)
-        leader = elector.leader_address if isinstance(elector, LeaderElector) else _no_leader
-        app = create_app(
-            reconciler.documents, reconciler.metrics, auth, leader, CONFIG.relay_connections
-        )
-        memo[SERVER] = await start_server(app, CONFIG.http_addr, CONFIG.http_port)
+    if CONFIG.http_port is not None or CONFIG.https_port is not None:
+        await _serve(api, memo, config, periodic, logger, indexes)
     periodic.start(
         "tokenfair-resync", CONFIG.resync_interval_s, _resync_job(memo, logger, indexes), logger
     )
@@ -135,13 +136,108 @@ async def configure(
     memo[PERIODIC] = periodic
 
 
+async def _serve(
+    api: Any,
+    memo: kopf.Memo,
+    config: OperatorConfig,
+    periodic: Periodic,
+    logger: kopf.Logger,
+    indexes: Mapping[str, Any],
+) -> None:
+    """The HTTP server (:mod:`.serve`): plain on ``http_port``, TLS on ``https_port`` with the
+    operator's serving certificate (``$TOKENFAIR_HTTPS_CERT``/``_KEY``/``_CA``, else the
+    webhook's); TokenReviews for the sidecars' audience only."""
+    reconciler = _reconciler(memo)
+    auth = TokenAuthenticator(audience_reviewer(api, CONFIG.config_audience))
+    elector = memo.get(ELECTOR)
+    leader = elector.leader_address if isinstance(elector, LeaderElector) else _no_leader
+    tls = _serving_tls(config)
+    app = create_app(
+        reconciler.documents,
+        reconciler.metrics,
+        auth,
+        leader,
+        CONFIG.relay_connections,
+        plain_config=CONFIG.config_insecure_http,
+        tls=tls,
+    )
+    context = tls.server if tls is not None else None
+    memo[SERVER] = await start_server(
+        app, CONFIG.http_addr, CONFIG.http_port, CONFIG.https_port, context
+    )
+    if tls is not None:
+        job = _tls_job(memo, logger, indexes, tls, TrustPublisher(api))
+        try:
+            await job()  # the CA out to the policies' namespaces before the first resync ends
+        except Exception:
+            logger.exception("publishing the CA bundle failed; retried next round")
+        periodic.start("tokenfair-serving-tls", CONFIG.resync_interval_s, job, logger)
+
+
+def _serving_tls(config: OperatorConfig) -> ServingTLS | None:
+    """The TLS port's certificate files: given, else the webhook's; None without a TLS port.
+    A TLS port without a certificate stops the operator at startup, naming the variables."""
+    if CONFIG.https_port is None:
+        return None
+    cert = CONFIG.https_cert or config.webhook_cert
+    key = CONFIG.https_key or config.webhook_key or cert
+    ca = CONFIG.https_ca or config.webhook_ca
+    if not (cert and key and ca):
+        raise kopf.PermanentError(
+            "$TOKENFAIR_HTTPS_PORT needs a certificate: $TOKENFAIR_WEBHOOK_CERT_SECRET (the "
+            "operator's own), or $TOKENFAIR_HTTPS_CERT, _KEY and _CA (PEM files)"
+        )
+    return ServingTLS(Path(cert), Path(key), Path(ca))
+
+
+def _tls_job(
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    indexes: Mapping[str, Any],
+    tls: ServingTLS,
+    publisher: TrustPublisher,
+) -> Job:
+    """Every ``resync_interval_s``: a standby takes the leader's certificate from the Secret
+    (:meth:`.CertKeeper.follow`: its webhook and its TLS port serve the current one within a
+    round, not an hour); every replica reloads the TLS port's files if they changed; the
+    leader writes the CA bundle into each policy namespace's ConfigMap (:mod:`.serving_tls`),
+    checking every namespace again once it newly leads."""
+    led = False
+
+    async def tls_round() -> None:
+        nonlocal led
+        leads = _leads(memo)
+        keeper = memo.get(KEEPER)
+        if isinstance(keeper, CertKeeper) and not leads:
+            await asyncio.to_thread(keeper.follow)
+        if await asyncio.to_thread(tls.reload):
+            logger.info("document server: serving a new certificate")
+        if leads and not led:
+            publisher.forget()
+        led = leads
+        if not leads:
+            return
+        policies: PolicyIndex = indexes["policies_by_name"]
+        by_namespace: dict[str, list[PolicyView]] = {}
+        for (namespace, _), views in list(policies.items()):
+            by_namespace.setdefault(namespace, []).extend(v for v in views if not v.deleting)
+        written = await asyncio.to_thread(
+            publisher.publish, tls.ca_pem, by_namespace, lambda: _leads(memo)
+        )
+        if written:
+            logger.info(f"CA bundle published to namespaces {', '.join(written)}")
+
+    return tls_round
+
+
 async def _elect(
     api: Any, memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]
 ) -> None:
     """Leader election (:mod:`.leader`). On becoming the leader: a full pass of every policy
     at once (a standby only watched), so a failover costs the lease expiry plus one pass. On
-    stepping down: the documents held are forgotten, so a replica elected again serves none
-    from its previous term (only what its first pass publishes, :mod:`.documents`)."""
+    stepping down: the documents held, the queued status writes and the key cache are forgotten
+    (:meth:`.Reconciler.step_down`), so a replica elected again serves none from its previous
+    term (only what its first pass publishes, :mod:`.documents`)."""
     resync = _resync_job(memo, logger, indexes)
 
     async def on_lead() -> None:
@@ -156,7 +252,7 @@ async def _elect(
         CONFIG.lease_name,
         CONFIG.identity,
         on_lead=on_lead,
-        on_lose=_reconciler(memo).documents.clear,
+        on_lose=_reconciler(memo).step_down,
         advertise=CONFIG.http_advertise,
     )
     memo[ELECTOR] = elector
@@ -179,13 +275,20 @@ async def _own_certificates(
         CONFIG.webhook_dns_names,
         CONFIG.webhook_configurations,
         Path(CONFIG.webhook_cert_dir),
+        may_write=lambda: _leads(memo),  # asked before each of its writes
     )
+    memo[KEEPER] = keeper
 
     async def renew() -> None:
         if not _leads(memo):
             await asyncio.to_thread(keeper.follow)
             return
-        reason = await asyncio.to_thread(keeper.ensure)
+        try:
+            reason = await asyncio.to_thread(keeper.ensure)
+        except NotLeader as exc:  # stepped down during the round: the new leader keeps them
+            logger.info(f"webhook certificate round stopped: {exc}")
+            await asyncio.to_thread(keeper.follow)
+            return
         if reason is not None:
             logger.info(f"issued a new webhook certificate: {reason}")
 
@@ -211,6 +314,9 @@ async def stop_loops(*, memo: kopf.Memo, **_: Any) -> None:
     server = memo.get(SERVER)
     if isinstance(server, web.AppRunner):
         await server.cleanup()
+    reconciler = memo.get(RECONCILER)
+    if isinstance(reconciler, Reconciler):
+        await reconciler.close()  # queued status writes: the next leader's pass writes them
 
 
 @kopf.index(GROUP, VERSION, QUOTA_PLURAL)
@@ -395,8 +501,12 @@ def _resync_job(memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]
         quotas: QuotaIndex = indexes["quotas_by_policy"]
         for key in sorted({*policies, *quotas}):
             try:
-                await _reconciler(memo).refresh_keys(quotas.get(key, ()))
+                # The pass first, from the key cache (a new leader's seeded from the stored
+                # document: it serves at once); then every key Secret is read again, and a
+                # change is published by a second pass in the same round.
                 await _reconcile(key, memo, logger, indexes)
+                if await _reconciler(memo).refresh_keys(quotas.get(key, ())):
+                    await _reconcile(key, memo, logger, indexes)
             except Exception as exc:
                 if is_conflict(exc):
                     logger.info(f"resync of {key[0]}/{key[1]}: conflict, retried next round")

@@ -11,9 +11,15 @@ A Pod labelled ``tokenfair.io/policy: <name>`` gets, once:
 * volume ``tokenfair-config``: the policy's Secret ``tokenfair-<policy>-keys`` (the document with
   API-key digests), or its ConfigMap ``tokenfair-<policy>`` with annotation
   ``tokenfair.io/config-source: configmap`` (tenants named by a trusted header, no keys);
-* with ``config_url_base`` (the operator's document server): the long-poll URL of the same
-  document in ``$TOKENFAIR_CONFIG_URL`` and a projected ServiceAccount token (volume
-  ``tokenfair-token``) to show the operator; the mounted file stays the fallback;
+* with ``config_url_base`` (the operator's document server, ``https://``): the long-poll URL
+  of the same document in ``$TOKENFAIR_CONFIG_URL``, and one projected volume
+  ``tokenfair-token`` at :data:`TOKEN_MOUNT_PATH` holding a ServiceAccount token for audience
+  ``config_audience`` only (``tokenfair-config``; valid :data:`TOKEN_EXPIRATION_S`, the
+  kubelet renews it) and the operator's CA bundle from ConfigMap :data:`TRUST_CONFIGMAP` of
+  the Pod's namespace (``ca.crt``, optional: the operator writes it, :mod:`.serving_tls`), which
+  the sidecar verifies the server with; the mounted file stays the fallback. A plain
+  ``http://`` base only with ``config_insecure_http`` (unsafe: the token and the document
+  travel in clear; the sidecar is told so with ``$TOKENFAIR_CONFIG_INSECURE_HTTP``);
 * with the policy's ``spec.budgetStore.redis.secretRef``: ``$TOKENFAIR_BUDGET_STORE_PASSWORD``
   from that Secret key (the rendered config names that variable as the store's ``passwordEnv``).
   Optional: a missing Secret leaves the variable unset, the store refuses the sidecar, and the
@@ -91,8 +97,18 @@ DEFAULT_UPSTREAM_PORT: Final = 8000
 DEFAULT_IMAGE: Final = "tokenfair/tokenfair:0.1.0"
 TOKEN_VOLUME: Final = "tokenfair-token"
 TOKEN_MOUNT_PATH: Final = "/var/run/secrets/tokenfair"
-TOKEN_EXPIRATION_S: Final = 3600
-"""Lifetime of the projected token; the kubelet renews it at 80 %, the sidecar rereads it."""
+TOKEN_EXPIRATION_S: Final = 600
+"""Lifetime of the projected token, the API server's minimum: a token that leaks is good for
+10 minutes and only to the document server (its audience). The kubelet renews it at 80 % and
+the sidecar rereads it for each request."""
+CONFIG_AUDIENCE: Final = "tokenfair-config"
+"""The projected token's audience; the document server's TokenReview asks for exactly it, so
+the token is refused by the API server and by anything else that checks audiences."""
+TRUST_CONFIGMAP: Final = "tokenfair.io-ca.crt"
+"""ConfigMap (key ``ca.crt``) with the operator's CA bundle in each namespace with a policy. Its
+name has a dot where the policies' ConfigMaps (``tokenfair-<policy>``) have a dash: no policy
+name can produce it."""
+CA_FILE: Final = "ca.crt"
 
 # A Kubernetes resource quantity (k8s.io/apimachinery resource.Quantity): a decimal number
 # with a binary (Ki..Ei) or decimal (m, k, M..E) suffix, or an exponent.
@@ -122,6 +138,10 @@ class InjectionError(ValueError):
     """The Pod cannot take the sidecar (the message says why)."""
 
 
+MAX_QUANTITY: Final = Decimal(2**63 - 1)
+"""The largest quantity taken (the API server stores quantities in an int64 of their unit)."""
+
+
 def quantity(value: object, where: str) -> Decimal:
     """The value of a positive Kubernetes quantity (``250m``, ``1``, ``256Mi``, ``1e9``);
     InjectionError naming ``where`` otherwise."""
@@ -134,11 +154,11 @@ def quantity(value: object, where: str) -> Decimal:
             scaled = number * _SCALE[suffix] if suffix in _SCALE else Decimal(text)
         except InvalidOperation:
             scaled = Decimal(0)
-        if scaled > 0:
+        if 0 < scaled <= MAX_QUANTITY:
             return scaled
     raise InjectionError(
-        f"{where}: must be a positive Kubernetes quantity such as 250m or 1 (CPU), 256Mi or 1Gi "
-        f"(memory) (got {value!r})"
+        f"{where}: must be a positive Kubernetes quantity of at most 2^63-1 such as 250m or 1 "
+        f"(CPU), 256Mi or 1Gi (memory) (got {value!r})"
     )
 
 
@@ -173,7 +193,13 @@ class InjectionSettings:
     """``http://<operator Service>:<port>`` of the operator's document server
     (``$TOKENFAIR_CONFIG_URL_BASE``): the sidecar long-polls its policy's document there
     (< 2 s from apply to enforced) and keeps the mounted file as the fallback. None: the file
-    alone (the kubelet refreshes it in ~60 s)."""
+    alone (the kubelet refreshes it in ~60 s). ``https://`` unless ``config_insecure_http``."""
+    config_audience: str = CONFIG_AUDIENCE
+    """Audience of the projected token (``$TOKENFAIR_CONFIG_AUDIENCE``): the document server's
+    TokenReview asks for the same one."""
+    config_insecure_http: bool = False
+    """Allow an ``http://`` ``config_url_base`` (``$TOKENFAIR_CONFIG_INSECURE_HTTP=true``):
+    unsafe, for a local operator in tests only; the token and the document go in clear."""
     env_names: Mapping[str, str] = field(default_factory=dict)
     """Where each field came from (field name -> environment variable), for error messages:
     a bad default is reported under its variable, not under an annotation the Pod lacks."""
@@ -181,6 +207,16 @@ class InjectionSettings:
     def check(self) -> None:
         """Raise InjectionError (naming the variable) if a default breaks its rule."""
         sidecar_runtime(self, {}, None)
+        base = self.config_url_base
+        plain_allowed = (
+            base is not None and base.startswith("http://") and self.config_insecure_http
+        )
+        if base is not None and not base.startswith("https://") and not plain_allowed:
+            raise InjectionError(
+                "$TOKENFAIR_CONFIG_URL_BASE: the document server's URL must be https:// "
+                f"(got {base[:80]!r}); "
+                "http:// only with $TOKENFAIR_CONFIG_INSECURE_HTTP=true (unsafe)"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +277,8 @@ def sidecar_runtime(
     grace, where = pick("drain_grace_s", DRAIN_GRACE_ANNOTATION)
     if grace is not None:
         args.append(f"--drain-grace={checked_drain_grace_s(grace, where, pod_spec):g}")
+    elif pod_spec is not None:  # the sidecar's own 30 s may not fit in the Pod's grace
+        args.append(f"--drain-grace={fitting_drain_grace_s(pod_spec):g}")
     return SidecarRuntime(resources, tuple(args))
 
 
@@ -264,12 +302,19 @@ def checked_log_level(value: object, where: str) -> str:
 def checked_max_in_flight(value: object, where: str) -> int:
     """``value`` as ``--max-in-flight``; InjectionError naming ``where``."""
     text = str(value).strip()
-    if not text.isdigit() or not 1 <= int(text) <= MAX_IN_FLIGHT_LIMIT:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_IN_FLIGHT_LIMIT:
         raise InjectionError(
             f"{where}: must be an integer 1..{MAX_IN_FLIGHT_LIMIT}, the requests the backend "
             f"runs at once (got {value!r})"
         )
     return int(text)
+
+
+DRAIN_EXIT_MARGIN_S: Final = 3.0
+"""Seconds a draining sidecar needs after its grace: 1 s for the handlers it cancels to end
+(the sidecar's ``SHUTDOWN_AFTER_GRACE_S``), then its records flushed and its exit."""
+SIDECAR_DRAIN_GRACE_S: Final = 30.0
+"""The sidecar's own default drain grace (``--drain-grace``)."""
 
 
 def checked_drain_grace_s(
@@ -284,15 +329,29 @@ def checked_drain_grace_s(
     if not seconds > 0 or seconds == float("inf"):
         raise InjectionError(f"{where}: must be a number of seconds > 0 (got {value!r})")
     if pod_spec is not None:
-        grace = pod_spec.get("terminationGracePeriodSeconds")
-        period = DEFAULT_TERMINATION_GRACE_S if grace is None else int(grace)
-        if seconds > period:
+        period = _termination_grace_s(pod_spec)
+        if seconds + DRAIN_EXIT_MARGIN_S > period:
             raise InjectionError(
-                f"{where}: {seconds:g} s is longer than the Pod's "
+                f"{where}: {seconds:g} s plus {DRAIN_EXIT_MARGIN_S:g} s to end its handlers and "
+                f"write its records is longer than the Pod's "
                 f"spec.terminationGracePeriodSeconds ({period}): the kubelet would kill the "
                 "sidecar before its drain ends"
             )
     return seconds
+
+
+def fitting_drain_grace_s(pod_spec: Mapping[str, Any]) -> float:
+    """The drain grace given when nothing sets one: the sidecar's own default
+    (:data:`SIDECAR_DRAIN_GRACE_S`), shortened to fit the Pod's grace period with
+    :data:`DRAIN_EXIT_MARGIN_S` to spare (at least 1 s)."""
+    return max(
+        1.0, min(SIDECAR_DRAIN_GRACE_S, _termination_grace_s(pod_spec) - DRAIN_EXIT_MARGIN_S)
+    )
+
+
+def _termination_grace_s(pod_spec: Mapping[str, Any]) -> int:
+    grace = pod_spec.get("terminationGracePeriodSeconds")
+    return DEFAULT_TERMINATION_GRACE_S if grace is None else int(grace)
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,7 +426,7 @@ def injected(
         sidecar["volumeMounts"].append(
             {"name": TOKEN_VOLUME, "mountPath": TOKEN_MOUNT_PATH, "readOnly": True}
         )
-        added.append(_token_volume())
+        added.append(_token_volume(settings.config_audience))
     if env:
         sidecar["env"] = env
     return {"containers": [sidecar, *containers], "volumes": [*volumes, *added]}
@@ -376,7 +435,13 @@ def injected(
 def _long_poll_env(base: str, policy: str, source: str) -> list[dict[str, Any]]:
     """The sidecar's long-poll URL (``tokenfair_sidecar.server.remote``): the Pod's namespace
     comes from the downward API and is expanded by the kubelet (``$(VAR)``), since a Pod being
-    created may not carry ``metadata.namespace`` in the admission request."""
+    created may not carry ``metadata.namespace`` in the admission request. Over TLS, the CA
+    bundle to verify the server with; over plain HTTP (unsafe), the sidecar's consent."""
+    transport = (
+        {"name": "TOKENFAIR_CONFIG_CA_FILE", "value": f"{TOKEN_MOUNT_PATH}/{CA_FILE}"}
+        if base.startswith("https://")
+        else {"name": "TOKENFAIR_CONFIG_INSECURE_HTTP", "value": "true"}
+    )
     return [
         {
             "name": "TOKENFAIR_POD_NAMESPACE",
@@ -388,14 +453,21 @@ def _long_poll_env(base: str, policy: str, source: str) -> list[dict[str, Any]]:
             f"?source={source}",
         },
         {"name": "TOKENFAIR_CONFIG_TOKEN_FILE", "value": f"{TOKEN_MOUNT_PATH}/token"},
+        transport,
     ]
 
 
-def _token_volume() -> dict[str, Any]:
-    """The Pod's ServiceAccount token for the operator's TokenReview, projected (rotated by the
-    kubelet) so it works whatever ``automountServiceAccountToken`` says."""
-    token = {"path": "token", "expirationSeconds": TOKEN_EXPIRATION_S}
-    return {"name": TOKEN_VOLUME, "projected": {"sources": [{"serviceAccountToken": token}]}}
+def _token_volume(audience: str) -> dict[str, Any]:
+    """The Pod's ServiceAccount token for the operator's TokenReview, for ``audience`` only,
+    projected (rotated by the kubelet) so it works whatever ``automountServiceAccountToken``
+    says; beside it the operator's CA bundle (as ``kube-api-access-*`` carries the API
+    server's), optional so a Pod created before the operator wrote it still starts (the file
+    alone serves it until the kubelet's next refresh)."""
+    token = {"path": "token", "audience": audience, "expirationSeconds": TOKEN_EXPIRATION_S}
+    items = [{"key": CA_FILE, "path": CA_FILE}]
+    trust = {"name": TRUST_CONFIGMAP, "optional": True, "items": items}
+    sources = [{"serviceAccountToken": token}, {"configMap": trust}]
+    return {"name": TOKEN_VOLUME, "projected": {"sources": sources}}
 
 
 def _port(value: object) -> int:

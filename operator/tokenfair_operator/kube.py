@@ -14,13 +14,23 @@ holds a thread for good.
 from __future__ import annotations
 
 import base64
+import json
+import time
 from collections.abc import Callable
 from typing import Any, Final, cast
 
 from kubernetes import client, config
 from kubernetes.client import ApiException
 
-from .documents import GENERATION_ANNOTATION, GENERATION_KEY, next_generation, parse_generation
+from tokenfair_sidecar.config import ConfigError, document_text, loads_config
+
+from .documents import (
+    GENERATION_ANNOTATION,
+    GENERATION_KEY,
+    clock_floor,
+    next_generation,
+    parse_generation,
+)
 from .model import (
     CONFIG_KEY,
     GROUP,
@@ -40,10 +50,17 @@ from .payload import is_text
 from .render import KeyLookup, KeyProblem, sha256_hex
 
 NOT_FOUND: Final = 404
+FORBIDDEN: Final = 403
+MERGE_PATCH: Final = "application/merge-patch+json"
 CONFLICT: Final = 409
 API_TIMEOUT_S: Final = 30.0
 """Bound on one call of the reconciler (a 2 MiB Secret written on a loaded API server takes
 well under a second; a call that takes this long is failed and the pass retried)."""
+AUTH_REUSE_S: Final = 10.0
+"""Seconds the ``Authorization`` header of one call is reused by the next (:meth:`KubeApi._raw`).
+The client's token hook (which re-reads a projected ServiceAccount token when due) also sets
+the host again on every call, reading every proxy variable of the environment: ~0.1 ms, a
+third of a key Secret read's CPU here. Ten seconds is far inside a token's refresh margin."""
 REVIEW_TIMEOUT_S: Final = 5.0
 """Bound on one TokenReview: a sidecar asks again after its backoff."""
 
@@ -52,10 +69,10 @@ class NotLeader(RuntimeError):
     """A write refused here because this replica does not lead (any more)."""
 
 
-CONNECTIONS: Final = 32
+CONNECTIONS: Final = 48
 """HTTP connections the client keeps to the API server: above the reconciler's
-``IO_CONCURRENCY`` (16) plus the loops' calls, so concurrent calls never open and discard extra
-connections (urllib3's default is 5 per CPU)."""
+``IO_CONCURRENCY`` (16) and ``STATUS_CONCURRENCY`` (16) plus the loops' calls, so concurrent
+calls never open and discard extra connections (urllib3's default is 5 per CPU)."""
 
 
 def api_client(kubeconfig: str | None = None) -> Any:
@@ -77,9 +94,11 @@ class KubeApi:
     """The handful of API calls the reconciler makes."""
 
     def __init__(self, api: Any, may_write: Callable[[], bool] = lambda: True) -> None:
+        self._api = api
+        self._auth_cache: tuple[float, dict[str, str]] = (0.0, {})
+        """Until when (monotonic seconds) the headers of :meth:`_auth_headers` hold."""
         self._core = client.CoreV1Api(api)
         self._custom = client.CustomObjectsApi(api)
-        self._auth = client.AuthenticationV1Api(api)
         self.may_write = may_write
         """Asked right before every write; the handlers set it to the elector's verdict."""
 
@@ -88,20 +107,100 @@ class KubeApi:
             raise NotLeader(f"not the leader: {what} not written")
 
     def key_hashes(self, namespace: str, name: str) -> KeyLookup:
-        """SHA-256 digests of every data value of Secret ``name`` (sorted), or the problem."""
+        """SHA-256 digests of every data value of Secret ``name`` (sorted), or the problem.
+
+        Read from the API server's watch cache (``resourceVersion=0``: no etcd round trip, a
+        moment behind at most; a 404 there is asked again of etcd, as the Secret may be newer
+        than the cache) and without the client's model classes: 10,000 key Secrets are read in
+        the first pass of a policy, where each read's cost is the operator's CPU as much as the
+        API server's (about half of the client's)."""
+        path = f"/api/v1/namespaces/{namespace}/secrets/{name}"
         try:
-            secret = self._core.read_namespaced_secret(
-                name, namespace, _request_timeout=API_TIMEOUT_S
-            )
+            secret = self._get_json(path, any_version=True)
+            if secret is None:
+                secret = self._get_json(path, any_version=False)
         except ApiException as exc:
-            if exc.status == NOT_FOUND:
-                return KeyProblem("KeySecretNotFound", f"Secret {name!r} not found")
-            raise
-        values = [base64.b64decode(v).decode() for v in (secret.data or {}).values()]
+            if exc.status != FORBIDDEN:
+                raise
+            # The operator's RBAC does not reach this namespace: said in the policy's status.
+            return KeyProblem(
+                "KeySecretForbidden",
+                f"the operator may not read Secrets in namespace {namespace!r}: list it in the "
+                "chart's operator.secretNamespaces (a RoleBinding to tokenfair-operator-secrets)",
+            )
+        if secret is None:
+            return KeyProblem("KeySecretNotFound", f"Secret {name!r} not found")
+        data = secret.get("data") or {}
+        try:
+            values = [base64.b64decode(v).decode() for v in data.values()]
+        except (ValueError, TypeError):  # binascii.Error and UnicodeDecodeError are ValueErrors
+            return KeyProblem("KeySecretInvalid", f"Secret {name!r} holds a value that is not "
+                              "UTF-8 text")  # fmt: skip
         keys = [v for v in values if v.strip()]
         if not keys:
             return KeyProblem("KeySecretEmpty", f"Secret {name!r} holds no API key")
         return tuple(sorted({sha256_hex(key) for key in keys}))
+
+    def published_keys(self, policy: PolicyView) -> dict[str, tuple[str, ...]]:
+        """Tenant id -> API-key digests of the document stored in ``policy``'s Secret now (what
+        its sidecars enforce); empty when there is none, it belongs to another object of the
+        same name (a policy deleted and created again) or it is not a document."""
+        name = secret_name(policy.name)
+        secret = self._get_json(f"/api/v1/namespaces/{policy.namespace}/secrets/{name}")
+        meta = (secret or {}).get("metadata") or {}
+        owners = [ref.get("uid") for ref in meta.get("ownerReferences") or []]
+        encoded = ((secret or {}).get("data") or {}).get(CONFIG_KEY)
+        if owners != [policy.uid] or not encoded:
+            return {}
+        source = f"Secret {policy.namespace}/{name}"
+        try:
+            stored = loads_config(document_text(base64.b64decode(encoded), source), source)
+        except ConfigError:
+            return {}
+        return {t.tenant_id: t.api_key_sha256 for t in stored.tenants}
+
+    def _auth_headers(self) -> dict[str, str]:
+        """The client's auth headers (a bearer token; none with a client certificate), asked
+        of it at most every :data:`AUTH_REUSE_S` (threads racing here both ask: harmless)."""
+        until, headers = self._auth_cache
+        now = time.monotonic()
+        if now >= until:
+            settings = self._api.configuration.auth_settings().values()
+            headers = {s["key"]: s["value"] for s in settings if s["in"] == "header" and s["value"]}
+            self._auth_cache = (now + AUTH_REUSE_S, headers)
+        return headers
+
+    def _get_json(self, path: str, *, any_version: bool = False) -> dict[str, Any] | None:
+        """GET ``path`` as a plain dict (None: 404); any other failure raises ApiException."""
+        query = [("resourceVersion", "0")] if any_version else []
+        status, body = self._raw("GET", path, query=query)
+        return None if status == NOT_FOUND else body
+
+    def _raw(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: list[tuple[str, str]] | None = None,
+        body: Any = None,
+        content_type: str | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """One call without the generated client's validation and models (their CPU is most
+        of a call's cost here): the status and the JSON body; a 404 is returned, any other
+        failure raises the client's ``ApiException``."""
+        headers = {"Accept": "application/json", **self._auth_headers()}
+        if content_type is not None:
+            headers["Content-Type"] = content_type
+        request = self._api.param_serialize(
+            method, path, query_params=query or [], header_params=headers, body=body
+        )
+        response = self._api.call_api(*request, _request_timeout=API_TIMEOUT_S)
+        raw = response.read()
+        if response.status == NOT_FOUND:
+            return NOT_FOUND, {}
+        if not 200 <= response.status < 300:
+            raise ApiException(http_resp=response)
+        return response.status, cast(dict[str, Any], json.loads(raw) if raw else {})
 
     def publish_document(
         self, policy: PolicyView, version: str, configmap_payload: bytes, secret_payload: bytes
@@ -109,14 +208,17 @@ class KubeApi:
         """Create or update the policy's ConfigMap and Secret holding the payloads under
         ``config.yaml`` (a ConfigMap keeps text in ``data``, gzip in ``binaryData``,
         :mod:`.payload`), ``version`` and the document's generation (:mod:`.documents`: one
-        more than the highest either holds, unless one holds ``version`` already). Returns
+        more than the highest either holds and at least the clock's milliseconds, unless one
+        holds ``version`` already). Returns
         the generation and the kinds written (only what changed)."""
         targets = (
             ("ConfigMap", configmap_name(policy.name), configmap_payload),
             ("Secret", secret_name(policy.name), secret_payload),
         )
         current = [self._read(kind, name, policy.namespace) for kind, name, _ in targets]
-        generation = next_generation(version, [_published(obj) for obj in current])
+        generation = next_generation(
+            version, [_published(obj) for obj in current], floor=clock_floor()
+        )
         written = [
             kind
             for (kind, name, payload), stored in zip(targets, current, strict=True)
@@ -209,15 +311,6 @@ class KubeApi:
         items = cast(dict[str, Any], listing).get("items", [])
         return [QuotaView.from_body(item) for item in items]
 
-    def review_token(self, token: str) -> str | None:
-        """The username the API server authenticates bearer ``token`` as (a TokenReview), or
-        None when it does not (for :mod:`.serve`)."""
-        review = client.V1TokenReview(spec=client.V1TokenReviewSpec(token=token))
-        result = self._auth.create_token_review(review, _request_timeout=REVIEW_TIMEOUT_S).status
-        if result is None or not result.authenticated or result.user is None:
-            return None
-        return str(result.user.username)
-
     def patch_status(
         self, plural: str, namespace: str, name: str, status: Any, resource_version: str = ""
     ) -> None:
@@ -228,13 +321,8 @@ class KubeApi:
         if resource_version:
             body["metadata"] = {"resourceVersion": resource_version}
         self._guard(f"status of {plural} {namespace}/{name}")
-        try:
-            self._custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, plural, name, body, _request_timeout=API_TIMEOUT_S
-            )
-        except ApiException as exc:
-            if exc.status != NOT_FOUND:
-                raise
+        path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{plural}/{name}/status"
+        self._raw("PATCH", path, body=body, content_type=MERGE_PATCH)  # a 404 is returned
 
     def _verbs(self, kind: str) -> tuple[Any, Any, Any]:
         core = self._core

@@ -187,6 +187,9 @@ class LeaderElector:
         if leading:
             log.info("became the leader (Lease %s/%s)", self.namespace, self.name)
             if self.on_lead is not None:
+                previous = self._lead_task
+                if previous is not None and not previous.done():
+                    previous.cancel()  # a first pass from an earlier term: one at a time
                 self._lead_task = asyncio.create_task(self.on_lead(), name="tokenfair-on-lead")
             return
         log.warning(
@@ -195,6 +198,9 @@ class LeaderElector:
             self.name,
             RENEW_DEADLINE_S,
         )
+        lead_task = self._lead_task
+        if lead_task is not None and not lead_task.done():
+            lead_task.cancel()  # its writes would be refused (NotLeader) anyway
         if self.on_lose is not None:
             self.on_lose()
 

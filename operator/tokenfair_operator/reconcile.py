@@ -11,19 +11,37 @@ the old behaviour quadratic). A pass:
    the API only when the index has none, as its watch may lag);
 2. read the key Secrets the quotas reference that were never read or had a problem (at most
    :data:`IO_CONCURRENCY` at a time); the others come from the cache, which the resync
-   refreshes (:meth:`Reconciler.refresh_keys`) outside the lock;
+   refreshes (:meth:`Reconciler.refresh_keys`) outside the lock. A cold cache (the replica's
+   first pass of the policy since it started or was elected) first takes the digests of the
+   quotas published at their current generation from the document stored in the policy's
+   Secret, which is what the sidecars enforce (:meth:`Reconciler._seed_keys`): a restarted or
+   new leader serves 10,000 tenants without reading 10,000 key Secrets first;
 3. render (pure, :func:`~.render.render_config`); publish the ConfigMap and Secret when the
    content changed, then hand the document to the long-poll server (:mod:`.documents`);
-4. write each object's status when it changed (at most :data:`IO_CONCURRENCY` at a time), and
-   a Warning Event when a refusal is new.
+4. write the policy's status, and hand the quotas' statuses that changed to the
+   :class:`StatusWriter`, which writes them after the pass, in the background (at most
+   :data:`STATUS_CONCURRENCY` at a time and :data:`STATUS_WRITES_PER_SECOND`), with a Warning
+   Event when a refusal is new. The pass does not wait for them: what the sidecars enforce is
+   the published document, and the first pass over 10,000 new quotas would otherwise wait for
+   10,000 writes (~60 s here) after publishing.
 
-Blocking client calls run in the reconciler's own :data:`IO_CONCURRENCY` threads; index reads
-and Event posting stay on the loop.
+Status writes stay correct when deferred: each carries the resourceVersion of the snapshot it
+was computed from; a later pass replaces whatever of its policy is still queued (so a quota
+deleted meanwhile is never written, and one changed twice is written once); a status computed
+from a snapshot that predates our own queued or finished write is computed over that write
+(the watch lags our writes: without it every pass of a burst would rewrite the quotas whose
+write it has not seen, each a 409); a 409 drops the write and asks for one more pass of the
+policy a second later (at most :data:`CONFLICT_RETRIES` in a row: then the resync repairs);
+``NotLeader`` drops every queued write (the new leader writes its own).
+
+Blocking client calls run in the reconciler's own threads; index reads and Event posting stay
+on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +52,7 @@ import kopf
 
 from .conditions import SIDECARS_INJECTED, ready_reason
 from .documents import Document, DocumentStore
-from .kube import KubeApi
+from .kube import KubeApi, NotLeader, is_conflict
 from .metrics import OperatorMetrics
 from .model import (
     POLICY_PLURAL,
@@ -50,7 +68,7 @@ from .model import (
 from .render import KeyLookup, Rendering, render_config
 from .rollout import rollout_changed, rollout_status
 from .selector import ready_sidecars
-from .status import differs, orphan_verdict, policy_status, quota_status
+from .status import differs, orphan_verdict, policy_status, published_at, quota_status
 from .usage import aggregate_usage, usage_changed
 
 PolicyKey = tuple[str, str]
@@ -60,9 +78,22 @@ Snapshot = tuple[Iterable[PolicyView], Iterable[QuotaView], Iterable[SidecarView
 T = TypeVar("T")
 
 IO_CONCURRENCY: Final = 16
-"""API calls one pass has in flight at once (key Secret reads, status writes): a first pass over
-10,000 new quotas makes 10,000 status writes, ~3 ms each on a local API server, which one at a
-time take 30 s; 16 keeps the API server's default max-requests-inflight (400) far away."""
+"""Key Secret reads one pass (or the resync's re-read) has in flight at once: a first pass over
+10,000 new quotas reads 10,000 key Secrets, ~1 ms of CPU each on a local API server; 16 keeps
+the API server's default max-requests-inflight (400) far away."""
+STATUS_CONCURRENCY: Final = 16
+"""Status writes the background writer has in flight at once (its own threads, next to a pass's
+:data:`IO_CONCURRENCY`): a status patch of a custom object took up to ~90 ms on the loaded
+2-core test machine at 10,000 objects, so 16 in flight are needed to reach the pace below."""
+STATUS_WRITES_PER_SECOND: Final = 200.0
+"""Pace of the background status writes: 10,000 new quotas' statuses take 50 s, leaving the
+API server (~400 such writes per second on 2 cores) to everyone else, the next pass included."""
+CONFLICT_DELAY_S: Final = 1.0
+"""After a status write's 409, the policy's pass runs again this much later (the watch has
+then brought the newer object)."""
+CONFLICT_RETRIES: Final = 3
+"""Conflict-driven passes of one policy in a row, until a trigger (an event, the resync) asks
+for a pass of it: a conflict that persists costs three passes per resync round at most."""
 
 
 def utc_now() -> str:
@@ -86,28 +117,58 @@ class Reconciler:
     """Per object uid: the resourceVersion we last wrote a status over, and that status."""
     _keys: dict[tuple[str, str], KeyLookup] = field(default_factory=dict)
     """(namespace, Secret name) -> the digests (or problem) read from that key Secret last."""
+    _seeded: set[PolicyKey] = field(default_factory=set)
+    """Policies whose cache was seeded from their stored document (:meth:`_seed_keys`)."""
+    _term: int = 0
+    """Counts :meth:`step_down` calls: key reads begun in an earlier term are not cached."""
     _unprotected: dict[PolicyKey, tuple[str, ...]] = field(default_factory=dict)
     """Per policy: its labelled Pods without the sidecar at the last pass."""
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     documents: DocumentStore = field(default_factory=DocumentStore)
     """The documents last published, served to sidecars by :mod:`.serve`."""
     _executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(IO_CONCURRENCY, "tokenfair-api")
+        default_factory=lambda: ThreadPoolExecutor(
+            IO_CONCURRENCY + STATUS_CONCURRENCY, "tokenfair-api"
+        )
     )
     """Threads for the blocking client calls: asyncio's default pool has only CPUs + 4."""
+    status_concurrency: int = STATUS_CONCURRENCY
+    status_writes_per_second: float = STATUS_WRITES_PER_SECOND
+    statuses: StatusWriter = field(init=False)
+    """The quotas' status writes, after the passes (:class:`StatusWriter`)."""
+    _snapshots: dict[PolicyKey, Callable[[], Snapshot]] = field(default_factory=dict)
+    """Per policy: where :meth:`request` reads the world, for a pass after a conflict."""
+    _conflicts: dict[PolicyKey, int] = field(default_factory=dict)
+    """Per policy: conflict-driven passes since the last pass a trigger asked for."""
+    _retries: dict[PolicyKey, asyncio.Task[None]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.statuses = StatusWriter(
+            self._flush,
+            concurrency=self.status_concurrency,
+            per_second=self.status_writes_per_second,
+        )
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in one of our API threads."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def request(
-        self, key: PolicyKey, snapshot: Callable[[], Snapshot], logger: kopf.Logger
+        self,
+        key: PolicyKey,
+        snapshot: Callable[[], Snapshot],
+        logger: kopf.Logger,
+        *,
+        after_conflict: bool = False,
     ) -> None:
         """A pass of ``key`` that starts after this call, reading the world from ``snapshot``
         when it starts; returns when one has run. If another trigger's pass started after this
         call, that pass serves this one too (it read the indexes later than our trigger) and
         nothing more runs. A pass that fails raises in its own caller only; the others were
         served by a pass that saw their change, and its caller's retry covers them again."""
+        self._snapshots[key] = snapshot
+        if not after_conflict:
+            self._conflicts.pop(key, None)
         ticket = self._requested[key] = self._requested.get(key, 0) + 1
         async with self._lock(key):
             if self._served.get(key, 0) >= ticket:
@@ -116,24 +177,66 @@ class Reconciler:
             policies, quotas, sidecars = snapshot()
             await self._pass(key, policies, quotas, logger, sidecars)
 
-    async def refresh_keys(self, quotas: Iterable[QuotaView]) -> None:
+    async def refresh_keys(self, quotas: Iterable[QuotaView]) -> bool:
         """Read again every key Secret ``quotas`` reference (no watch reports a Secret's
-        content; the resync calls this). Outside the policy's lock: passes go on meanwhile."""
-        await self._read_keys(
+        content; the resync calls this); True if one read differs from the cache. Outside the
+        policy's lock: passes go on meanwhile."""
+        return await self._read_keys(
             {(q.namespace, q.key_secret) for q in quotas if q.key_secret is not None},
             only_unknown=False,
         )
 
-    async def _read_keys(self, secrets: set[tuple[str, str]], *, only_unknown: bool) -> None:
-        """Read key Secrets into the cache, at most :data:`IO_CONCURRENCY` at a time. With
-        ``only_unknown``, those never read or whose last read found a problem (a Secret created
-        later is picked up by the next pass): a pass over 10,000 keyed quotas makes no reads
-        when nothing is new."""
+    def step_down(self) -> None:
+        """This replica no longer leads: forget the documents it serves, its queued status
+        writes and its key cache (not refreshed while it stands by: a later term starts from
+        the document stored then, :meth:`_seed_keys`)."""
+        self._term += 1
+        self.documents.clear()
+        self.statuses.clear()
+        self._keys.clear()
+        self._seeded.clear()
+
+    async def _read_keys(self, secrets: set[tuple[str, str]], *, only_unknown: bool) -> bool:
+        """Read key Secrets into the cache, at most :data:`IO_CONCURRENCY` at a time; True if
+        one read differs from the cache. With ``only_unknown``, those never read or whose last
+        read found a problem (a Secret created later is picked up by the next pass): a pass
+        over 10,000 keyed quotas makes no reads when nothing is new."""
         if only_unknown:
             secrets = {s for s in secrets if not isinstance(self._keys.get(s), tuple)}
         wanted = sorted(secrets)
+        term = self._term
         found = await _bounded(self._call(self.api.key_hashes, *s) for s in wanted)
+        if term != self._term:  # stepped down meanwhile: a later term reads afresh
+            return False
+        changed = any(self._keys.get(s) != f for s, f in zip(wanted, found, strict=True))
         self._keys.update(zip(wanted, found, strict=True))
+        return changed
+
+    async def _seed_keys(self, key: PolicyKey, policy: PolicyView, keyed: list[QuotaView]) -> None:
+        """The first pass of ``key`` with a cold cache takes the digests of each quota whose
+        status says it is published at its current generation (so its tenant id and Secret
+        reference are those published) from the document stored in the policy's Secret now:
+        the digests its sidecars enforce, as fresh as the last pass of whoever led (a key
+        Secret's change is picked up by the resync's re-read, as always). A quota not in that
+        document, new, or changed since is read as usual."""
+        if key in self._seeded:
+            return
+        self._seeded.add(key)
+        cold = [
+            q
+            for q in keyed
+            if (q.namespace, str(q.key_secret)) not in self._keys and published_at(q)
+        ]
+        if not cold:
+            return
+        term = self._term
+        published = await self._call(self.api.published_keys, policy)
+        if term != self._term:
+            return
+        for quota in cold:
+            digests = published.get(quota.tenant_id)
+            if digests:
+                self._keys.setdefault((quota.namespace, str(quota.key_secret)), digests)
 
     def _lock(self, key: PolicyKey) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
@@ -195,11 +298,15 @@ class Reconciler:
         self._replicas[key] = ready_sidecars(live, labelled)
         if not live:
             self.documents.withdraw(key)
-            await _bounded(self._write_quota(q, quota_status_orphan(q, now)) for q in members)
+            self._queue_quotas(key, members, lambda q: quota_status_orphan(q, now), logger)
             return
         policy = live[0]
         keyed = [q for q in members if q.key_secret is not None]
+        term = self._term
+        await self._seed_keys(key, policy, keyed)
         await self._read_keys({(q.namespace, str(q.key_secret)) for q in keyed}, only_unknown=True)
+        if term != self._term:  # the cache was emptied under us
+            raise NotLeader(f"stepped down during the pass of {key[0]}/{key[1]}")
         lookups = {q.name: self._keys[(q.namespace, str(q.key_secret))] for q in keyed}
         rendering = render_config(policy, members, lookups, self._replicas[key])
         if rendering.version:
@@ -215,10 +322,110 @@ class Reconciler:
         status = policy_status(policy, rendering, now=now, unprotected=unprotected)
         await self._write(POLICY_PLURAL, policy, status)
         _warn_if_new(policy, status, SIDECARS_INJECTED)
-        await _bounded(
-            self._write_quota(q, quota_status(q, rendering.verdicts[q.name], rendering, now=now))
-            for q in members
+        self._queue_quotas(
+            key,
+            members,
+            lambda q: quota_status(q, rendering.verdicts[q.name], rendering, now=now),
+            logger,
         )
+
+    def _queue_quotas(
+        self,
+        key: PolicyKey,
+        quotas: Iterable[QuotaView],
+        status_of: Callable[[QuotaView], dict[str, Any]],
+        logger: kopf.Logger,
+    ) -> None:
+        """Hand the statuses of ``quotas`` that differ from the stored ones to the writer (in
+        place of whatever of policy ``key`` it still holds). Each is computed over our own
+        write when the snapshot predates it (:meth:`_effective`), so that a lagging watch
+        makes no new status (a new first ``configVersion``, a new ``lastTransitionTime``)."""
+        writes = []
+        for quota in quotas:
+            effective = self._effective(quota)
+            status = status_of(effective)
+            if differs(dict(quota.status), status) and self._written.get(quota.uid) != (
+                quota.resource_version,
+                status,
+            ):
+                writes.append(
+                    StatusWrite(key, QUOTA_PLURAL, quota, status, effective.status, logger)
+                )
+        self.statuses.submit(key, writes)
+
+    def _effective(self, quota: QuotaView) -> QuotaView:
+        """``quota`` with the status we queued, are writing or wrote over its very
+        resourceVersion (the watch has not brought it back yet)."""
+        queued = self.statuses.queued(quota.uid)
+        if queued is not None and queued.view.resource_version == quota.resource_version:
+            ours: Mapping[str, Any] | None = queued.status
+        else:
+            written = self._written.get(quota.uid)
+            ours = written[1] if written and written[0] == quota.resource_version else None
+        if ours is None:
+            return quota
+        return dataclasses.replace(quota, status={**quota.status, **ours})
+
+    async def _flush(self, write: StatusWrite) -> None:
+        """One queued status write (the :class:`StatusWriter` calls it): a 409 asks for another
+        pass of the policy; ``NotLeader`` drops every queued write; any other failure drops the
+        policy's (logged once; the resync repairs)."""
+        view = write.view
+        try:
+            await self._write(write.plural, view, write.status, previous=write.previous)
+        except NotLeader as exc:
+            self.statuses.clear()
+            write.logger.info(f"queued status writes dropped: {exc}")
+        except Exception as exc:
+            if is_conflict(exc):
+                self._pass_after_conflict(write.policy, write.logger)
+                return
+            self.statuses.forget(write.policy)
+            write.logger.warning(
+                f"status of {write.plural} {view.namespace}/{view.name} not written "
+                f"({exc.__class__.__name__}: {exc}); the policy's queued status writes are "
+                "dropped, the resync writes them again"
+            )
+
+    def _pass_after_conflict(self, key: PolicyKey, logger: kopf.Logger) -> None:
+        """One more pass of ``key`` :data:`CONFLICT_DELAY_S` from now (one at a time, at most
+        :data:`CONFLICT_RETRIES` until a trigger asks for a pass), reading the world where its
+        last :meth:`request` did; none for a pass never requested (:meth:`reconcile`)."""
+        snapshot = self._snapshots.get(key)
+        if snapshot is None or key in self._retries:
+            return
+        tries = self._conflicts[key] = self._conflicts.get(key, 0) + 1
+        if tries > CONFLICT_RETRIES:
+            if tries == CONFLICT_RETRIES + 1:
+                logger.info(f"status writes of {key[0]}/{key[1]}: conflicts; the resync repairs")
+            return
+
+        async def again() -> None:
+            try:
+                await asyncio.sleep(CONFLICT_DELAY_S)
+                if self.api.may_write():
+                    await self.request(key, snapshot, logger, after_conflict=True)
+            except NotLeader:
+                pass
+            except Exception:
+                logger.exception(f"pass of {key[0]}/{key[1]} after a conflict failed")
+            finally:
+                self._retries.pop(key, None)
+
+        self._retries[key] = asyncio.create_task(again(), name=f"tokenfair-retry-{key[1]}")
+
+    async def drain(self) -> None:
+        """Return once every queued status write is done (tests and the bench)."""
+        await self.statuses.drain()
+
+    async def close(self) -> None:
+        """Stop the status writer and any pending pass after a conflict (queued writes are
+        dropped: the next leader's, or our next, pass writes them)."""
+        retries = list(self._retries.values())
+        for task in retries:
+            task.cancel()
+        await asyncio.gather(*retries, return_exceptions=True)
+        await self.statuses.close()
 
     async def write_usage(self, quotas: Iterable[QuotaView], scrapes: Iterable[str]) -> None:
         """Write each quota's ``status.usage`` from the sidecars' metrics, only where it changed
@@ -267,14 +474,19 @@ class Reconciler:
             )
         return generation
 
-    async def _write_quota(self, quota: QuotaView, status: dict[str, Any]) -> None:
-        await self._write(QUOTA_PLURAL, quota, status)
-
-    async def _write(self, plural: str, view: ObjectView, status: dict[str, Any]) -> None:
+    async def _write(
+        self,
+        plural: str,
+        view: ObjectView,
+        status: dict[str, Any],
+        *,
+        previous: Mapping[str, Any] | None = None,
+    ) -> None:
         """Write ``status`` if it differs from the snapshot's, conditional on the snapshot's
         resourceVersion (a stale snapshot is a 409, never a lost update). A status we wrote
         over this very snapshot already is not written again: the watch has not brought our
-        own write back yet, and writing it again would only earn a 409."""
+        own write back yet, and writing it again would only earn a 409. A Warning Event goes
+        with a refusal that ``previous`` (default: the snapshot's status) did not have."""
         if not differs(dict(view.status), status):
             return
         if self._written.get(view.uid) == (view.resource_version, status):
@@ -289,7 +501,8 @@ class Reconciler:
         )
         self._written[view.uid] = (view.resource_version, status)
         refusal = ready_reason(status["conditions"])
-        if refusal is not None and refusal != ready_reason(view.status.get("conditions", [])):
+        before = view.status if previous is None else previous
+        if refusal is not None and refusal != ready_reason(before.get("conditions", [])):
             reason, message = refusal
             body = kopf.Body(cast(Any, object_reference(view)))
             kopf.warn(body, reason=reason, message=message)
@@ -327,6 +540,109 @@ async def _bounded(calls: Iterable[Awaitable[T]]) -> list[T]:
         if isinstance(result, BaseException):
             raise result
     return cast(list[T], results)
+
+
+@dataclass(frozen=True, slots=True)
+class StatusWrite:
+    """A status a pass wants written over ``view`` (the snapshot it was computed from: its
+    resourceVersion makes the write conditional); ``previous`` is the status it was computed
+    over (ours when the snapshot predates our write), for the Warning Event check."""
+
+    policy: PolicyKey
+    plural: str
+    view: ObjectView
+    status: dict[str, Any]
+    previous: Mapping[str, Any]
+    logger: kopf.Logger
+
+
+class StatusWriter:
+    """Writes statuses after the passes, in the background: at most ``concurrency`` at a time,
+    at most ``per_second``, oldest first. Coalesced: one queued write per object (the newest
+    pass's), and each pass replaces every queued write of its policy (:meth:`submit`), so an
+    object gone or back in line since is not written. Worker tasks start with the first write
+    and run until :meth:`close`."""
+
+    def __init__(
+        self,
+        write: Callable[[StatusWrite], Awaitable[None]],
+        *,
+        concurrency: int = STATUS_CONCURRENCY,
+        per_second: float = STATUS_WRITES_PER_SECOND,
+    ) -> None:
+        self._write = write
+        self._concurrency = concurrency
+        self._interval_s = 1.0 / per_second
+        self._pending: dict[str, StatusWrite] = {}
+        """Object uid -> its queued write."""
+        self._in_flight: dict[str, StatusWrite] = {}
+        self._order: asyncio.Queue[str] = asyncio.Queue()
+        self._in_order: set[str] = set()
+        self._workers: list[asyncio.Task[None]] = []
+        self._next_slot = 0.0
+
+    def __len__(self) -> int:
+        """Writes queued or being written."""
+        return len(self._pending) + len(self._in_flight)
+
+    def queued(self, uid: str) -> StatusWrite | None:
+        """The write of object ``uid`` queued or being written, if any."""
+        return self._pending.get(uid) or self._in_flight.get(uid)
+
+    def submit(self, policy: PolicyKey, writes: Iterable[StatusWrite]) -> None:
+        """Queue ``writes`` in place of every write of ``policy`` still queued."""
+        wanted = {w.view.uid: w for w in writes}
+        self.forget(policy, keep=wanted)
+        self._pending.update(wanted)
+        for uid in wanted:
+            if uid not in self._in_order:
+                self._in_order.add(uid)
+                self._order.put_nowait(uid)
+        while wanted and len(self._workers) < self._concurrency:
+            self._workers.append(asyncio.create_task(self._work(), name="tokenfair-status"))
+
+    def forget(self, policy: PolicyKey, keep: Mapping[str, StatusWrite] | None = None) -> None:
+        """Drop the queued writes of ``policy`` (but those of uids in ``keep``)."""
+        for uid in [u for u, w in self._pending.items() if w.policy == policy]:
+            if keep is None or uid not in keep:
+                del self._pending[uid]
+
+    def clear(self) -> None:
+        """Drop every queued write (a write in flight finishes)."""
+        self._pending.clear()
+
+    async def drain(self) -> None:
+        """Return once nothing is queued or being written."""
+        await self._order.join()
+
+    async def close(self) -> None:
+        self.clear()
+        for task in self._workers:
+            task.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+        self._workers.clear()
+
+    async def _work(self) -> None:
+        while True:
+            uid = await self._order.get()
+            try:
+                self._in_order.discard(uid)
+                write = self._pending.pop(uid, None)
+                if write is not None:
+                    self._in_flight[uid] = write
+                    await self._pace()
+                    await self._write(write)
+            finally:
+                self._in_flight.pop(uid, None)
+                self._order.task_done()
+
+    async def _pace(self) -> None:
+        """Wait for the next of the evenly spaced write slots."""
+        now = asyncio.get_running_loop().time()
+        slot = max(now, self._next_slot)
+        self._next_slot = slot + self._interval_s
+        if slot > now:
+            await asyncio.sleep(slot - now)
 
 
 def quota_status_orphan(quota: QuotaView, now: str) -> dict[str, Any]:

@@ -1,4 +1,9 @@
-"""The operator's plain-HTTP server: config documents for sidecars (long-poll) and metrics.
+"""The operator's HTTP server: config documents for sidecars (long-poll) and metrics.
+
+Two listeners, one app: the plain port (``/metrics``, ``/healthz``) and the TLS port
+(everything; :mod:`.serving_tls`). The config route answers only over TLS: on the plain port
+it is ``403`` before any token is looked at, unless the server was made with
+``plain_config`` (``$TOKENFAIR_CONFIG_INSECURE_HTTP=true``: unsafe, for local tests).
 
 Routes:
 
@@ -21,21 +26,30 @@ stepped down while a request waited relays it instead. The relay holds up to
 ``relay_connections`` requests to the leader at once (:data:`DEFAULT_RELAY_CONNECTIONS`, one
 per sidecar: each keeps one long-poll open; aiohttp's default would be 100).
 
+A standby that serves TLS relays over TLS to the leader's advertised address (then its TLS
+port, ``$TOKENFAIR_HTTP_ADVERTISE``), verifying the leader's certificate against the
+operator's CA for the certificate's own first DNS name (every replica serves the same one; the
+relay calls a Pod IP): the token never crosses the network in clear.
+
 Authentication: the config route requires ``Authorization: Bearer <token>``, a ServiceAccount
-token the API server accepts (a TokenReview, cached :data:`REVIEW_TTL_S` seconds), of the
-policy's own namespace: exactly who could mount that namespace's Secret in a Pod. No per-Pod
-RBAC: the operator alone needs ``create tokenreviews``. ``401`` without a valid token, ``403``
-for another namespace's; each refusal says why. TokenReviews are bounded so that a flood of
-junk tokens costs the API server and this process a fixed rate and never delays the Lease's
-renewal (which has its own thread, :mod:`.leader`): they run on their own
-:data:`REVIEW_THREADS` threads, at most :data:`REVIEWS_PER_S` new tokens a second (a bucket of
-:data:`REVIEW_BURST`: a restarted operator's sidecars all come back at once), one review per
-token however many requests show it at once; a refused token is remembered
-:data:`REJECTED_TTL_S` seconds (at most :data:`REJECTED_CACHE_SIZE`, apart from the accepted
-ones, so junk never evicts a sidecar's entry). Over the rate: ``429`` with ``Retry-After``; a
-review that fails: ``503``. Tokens already accepted are served from the cache, flood or not,
-and re-reviewed when their entry expires without drawing on the rate (1,000 sidecars re-check
-~17 tokens a second).
+token the API server accepts *for the audience* ``tokenfair-config`` (:func:`audience_reviewer`:
+a TokenReview with ``spec.audiences``, the answer's ``status.audiences`` checked; the injected
+sidecars' projected token, valid 10 minutes; a Pod's ordinary token, whose audience is the API
+server, is refused), cached :data:`REVIEW_TTL_S` seconds, of the policy's own namespace: any
+ServiceAccount of that namespace, as anyone who could create a Pod there could mount its
+Secret. No per-Pod RBAC: the operator alone needs ``create tokenreviews``. ``401`` without a
+valid token (or one of another audience), ``403`` for another namespace's; each refusal says
+why. TokenReviews are bounded so that a flood of junk tokens costs the API server and this process a
+fixed rate and never delays the Lease's renewal (which has its own thread, :mod:`.leader`): they run
+on their own :data:`REVIEW_THREADS` threads, at most :data:`REVIEWS_PER_S` new tokens a second (a
+bucket of :data:`REVIEW_BURST`: a restarted operator's sidecars all come back at once), one review
+per token however many requests show it at once, at most :data:`MAX_PENDING_REVIEWS` new tokens
+under review at once (a slow API server costs refusals, not a growing queue); a refused token is
+remembered :data:`REJECTED_TTL_S` seconds (at most :data:`REJECTED_CACHE_SIZE`, apart from the
+accepted ones, so junk never evicts a sidecar's entry). Over the rate or the pending bound: ``429``
+with ``Retry-After``; a review that fails: ``503``. Tokens already accepted are served from the
+cache, flood or not, and re-reviewed when their entry expires without drawing on the rate (1,000
+sidecars re-check ~17 tokens a second).
 """
 
 from __future__ import annotations
@@ -43,20 +57,24 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import math
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Final, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
+from kubernetes import client
 
 from tokenfair_sidecar.server.remote import GENERATION_HEADER
 
 from .documents import SOURCES, DocumentStore, Source
+from .kube import REVIEW_TIMEOUT_S
 from .metrics import OperatorMetrics
+from .serving_tls import ServingTLS
 
 VERSION_HEADER: Final = "X-Tokenfair-Config-Version"
 DEFAULT_WAIT_S: Final = 30
@@ -73,6 +91,8 @@ REVIEW_CACHE_SIZE: Final = 20_000
 REJECTED_CACHE_SIZE: Final = 10_000
 """Refused tokens remembered at most (their own cache); the oldest entry goes first."""
 REVIEW_THREADS: Final = 4
+MAX_PENDING_REVIEWS: Final = 4 * REVIEW_THREADS
+"""New tokens whose review may wait or run at once (:attr:`TokenAuthenticator.max_pending`)."""
 """TokenReviews in flight at once, on threads of their own."""
 REVIEWS_PER_S: Final = 20.0
 """New tokens reviewed per second, sustained: 1,000 sidecars' projected tokens (rotated about
@@ -96,6 +116,27 @@ class Reviewer(Protocol):
     def __call__(self, token: str) -> str | None: ...
 
 
+def audience_reviewer(api: Any, audience: str) -> Reviewer:
+    """A :class:`Reviewer` for tokens of ``audience`` only: the TokenReview names it in
+    ``spec.audiences`` (the API server then authenticates a token only if one of its audiences
+    is it) and the answer must name it in ``status.audiences`` (an authenticator that ignores
+    audiences answers without; refused)."""
+    authentication = client.AuthenticationV1Api(api)
+
+    def review(token: str) -> str | None:
+        spec = client.V1TokenReviewSpec(token=token, audiences=[audience])
+        result = authentication.create_token_review(
+            client.V1TokenReview(spec=spec), _request_timeout=REVIEW_TIMEOUT_S
+        ).status
+        if result is None or not result.authenticated or result.user is None:
+            return None
+        if audience not in (result.audiences or []):
+            return None
+        return str(result.user.username)
+
+    return review
+
+
 class ReviewUnavailable(Exception):
     """No answer for this token now: over the review rate (``retry_after_s``) or the review
     failed; the caller asks again later."""
@@ -115,6 +156,11 @@ class TokenAuthenticator:
     reviews_per_s: float = REVIEWS_PER_S
     burst: int = REVIEW_BURST
     threads: int = REVIEW_THREADS
+    max_pending: int = MAX_PENDING_REVIEWS
+    """Reviews of new tokens waiting or running at most (beyond: ``429``); a slow API server
+    then costs refusals, not a queue of tokens and open requests that grows without bound.
+    Re-checks of tokens accepted before are not counted against it (their number is bounded
+    by the accepted cache)."""
     accepted_cache_size: int = REVIEW_CACHE_SIZE
     rejected_cache_size: int = REJECTED_CACHE_SIZE
     _accepted: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict)
@@ -141,6 +187,8 @@ class TokenAuthenticator:
         task = self._inflight.get(digest)
         if task is None:
             if accepted is None:  # a token accepted before is re-checked outside the bucket:
+                if len(self._inflight) >= self.max_pending:  # a slow API server: no backlog
+                    raise ReviewUnavailable("too many token reviews pending; retry", 1.0)
                 self._take(now)  # junk never gets there, and a fleet's refreshes always do
             task = asyncio.ensure_future(self._review(digest, token))
             task.add_done_callback(_retrieve)
@@ -205,6 +253,8 @@ LeaderAddress = Callable[[], str | None]
 LEADER: Final[web.AppKey[LeaderAddress]] = web.AppKey("leader")
 RELAY: Final = web.AppKey("relay", aiohttp.ClientSession)
 RELAY_CONNECTIONS: Final = web.AppKey("relay_connections", int)
+PLAIN_CONFIG: Final = web.AppKey("plain_config", bool)
+TLS: Final[web.AppKey[ServingTLS | None]] = web.AppKey("tls")
 RELAY_GRACE_S: Final = 10
 """Beyond a long-poll's wait, how long a relayed request may take."""
 SHUTDOWN_S: Final = 1.0
@@ -217,11 +267,18 @@ def create_app(
     auth: TokenAuthenticator,
     leader: LeaderAddress = lambda: None,
     relay_connections: int = DEFAULT_RELAY_CONNECTIONS,
+    *,
+    plain_config: bool = True,
+    tls: ServingTLS | None = None,
 ) -> web.Application:
     """``leader`` says where to relay the config route: None while this replica leads (its
     own store is current), else the leader's ``host:port`` ("" while unknown: 503);
-    ``relay_connections`` bounds the relayed requests open at once."""
+    ``relay_connections`` bounds the relayed requests open at once. ``plain_config``: the
+    config route answers without TLS too (the operator passes False unless told otherwise;
+    True here for a bare app in tests). ``tls``: relay over TLS, verified with its CA."""
     app = web.Application()
+    app[PLAIN_CONFIG] = plain_config
+    app[TLS] = tls
     app[STORE] = store
     app[METRICS] = metrics
     app[AUTH] = auth
@@ -259,6 +316,12 @@ def _query(request: web.Request) -> tuple[Source, str, float]:
 
 async def config_document(request: web.Request) -> web.StreamResponse:
     namespace, policy = request.match_info["namespace"], request.match_info["policy"]
+    if not request.secure and not request.app[PLAIN_CONFIG]:
+        raise _refuse(
+            web.HTTPForbidden,
+            "config documents are served over TLS only (the HTTPS port); plain HTTP would "
+            "carry the token and the document in clear",
+        )
     source, have, wait_s = _query(request)
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
@@ -322,9 +385,14 @@ async def _relay(request: web.Request, leader: str) -> web.Response:
     if not leader:
         raise _refuse(web.HTTPServiceUnavailable, "no leader known yet; retry")
     headers = {"Authorization": request.headers["Authorization"]}
+    tls = request.app[TLS]
+    url, context, server_name = f"http://{leader}{request.path_qs}", None, None
+    if tls is not None:
+        url = f"https://{leader}{request.path_qs}"
+        context, server_name = tls.client, tls.server_name or None
     try:
         async with request.app[RELAY].get(
-            f"http://{leader}{request.path_qs}", headers=headers
+            url, headers=headers, ssl=context or True, server_hostname=server_name
         ) as answer:
             body = await answer.read()
             # Header names are case-insensitive (a proxy or HTTP/2 hop lowercases them):
@@ -354,11 +422,21 @@ async def healthz(_: web.Request) -> web.Response:
     return web.Response(text="ok\n")
 
 
-async def start_server(app: web.Application, addr: str, port: int) -> web.AppRunner:
-    """Listen on ``addr:port``; the caller calls ``runner.cleanup()`` to stop."""
+async def start_server(
+    app: web.Application,
+    addr: str,
+    port: int | None,
+    tls_port: int | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> web.AppRunner:
+    """Listen on ``addr:port`` (plain, when given) and ``addr:tls_port`` (with ``tls``, when
+    given); the caller calls ``runner.cleanup()`` to stop."""
     # Held long-polls are cut at shutdown, not awaited (60 s by default): their sidecars ask
     # again, and find the new leader.
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
-    await web.TCPSite(runner, addr, port).start()
+    if port is not None:
+        await web.TCPSite(runner, addr, port).start()
+    if tls_port is not None and tls is not None:
+        await web.TCPSite(runner, addr, tls_port, ssl_context=tls).start()
     return runner

@@ -20,6 +20,7 @@ from typing import Final
 import kopf
 
 from .inject import (
+    CONFIG_AUDIENCE,
     DEFAULT_IMAGE,
     InjectionError,
     InjectionSettings,
@@ -55,6 +56,14 @@ FAILURE_POLICIES: Final = ("Fail", "Ignore")
 HTTP_PORT_ENV: Final = "TOKENFAIR_HTTP_PORT"
 HTTP_ADDR_ENV: Final = "TOKENFAIR_HTTP_ADDR"
 CONFIG_URL_BASE_ENV: Final = "TOKENFAIR_CONFIG_URL_BASE"
+HTTPS_PORT_ENV: Final = "TOKENFAIR_HTTPS_PORT"
+HTTPS_FILES_ENV: Final = {
+    "https_cert": "TOKENFAIR_HTTPS_CERT",
+    "https_key": "TOKENFAIR_HTTPS_KEY",
+    "https_ca": "TOKENFAIR_HTTPS_CA",
+}
+CONFIG_AUDIENCE_ENV: Final = "TOKENFAIR_CONFIG_AUDIENCE"
+INSECURE_HTTP_ENV: Final = "TOKENFAIR_CONFIG_INSECURE_HTTP"
 LEADER_ELECTION_ENV: Final = "TOKENFAIR_LEADER_ELECTION"
 POD_NAME_ENV: Final = "TOKENFAIR_POD_NAME"
 
@@ -129,10 +138,30 @@ class OperatorConfig:
     (:mod:`.serve`); None serves neither (sidecars then read their mounted file only)."""
     http_addr: str = DEFAULT_WEBHOOK_ADDR
     """Address that server listens on (``$TOKENFAIR_HTTP_ADDR``)."""
+    https_port: int | None = None
+    """TCP port of the same server over TLS (``$TOKENFAIR_HTTPS_PORT``, the chart's 8443), on
+    ``http_addr``: the only one that serves config documents unless ``config_insecure_http``
+    (:mod:`.serving_tls`). Needs a certificate: the operator's own (``webhook_cert_secret``) or
+    the files below."""
+    https_cert: str | None = None
+    """PEM serving certificate of the TLS port (``$TOKENFAIR_HTTPS_CERT``); None: the webhook's
+    (the same Service's DNS names), the operator's own or cert-manager's."""
+    https_key: str | None = None
+    """Its PEM private key (``$TOKENFAIR_HTTPS_KEY``); None: the webhook's."""
+    https_ca: str | None = None
+    """PEM CA bundle that verifies it (``$TOKENFAIR_HTTPS_CA``), published to sidecars and
+    trusted by the relay; None: the webhook's CA file."""
+    config_audience: str = CONFIG_AUDIENCE
+    """Audience the document server's TokenReview asks for (``$TOKENFAIR_CONFIG_AUDIENCE``),
+    the injected sidecars' projected token's: a token without it is refused (401)."""
+    config_insecure_http: bool = False
+    """Serve config documents on the plain port too (``$TOKENFAIR_CONFIG_INSECURE_HTTP=true``):
+    unsafe, the token and the document travel in clear; for a local operator in tests."""
     http_advertise: str = ""
     """``host:port`` at which other replicas reach this one's HTTP server
-    (``$TOKENFAIR_HTTP_ADVERTISE``, default: this host's IP and ``$TOKENFAIR_HTTP_PORT``):
-    written into the Lease by the leader, so a standby relays sidecars' long-polls to it."""
+    (``$TOKENFAIR_HTTP_ADVERTISE``, default: this host's IP and ``$TOKENFAIR_HTTPS_PORT``, else
+    ``$TOKENFAIR_HTTP_PORT``): written into the Lease by the leader, so a standby relays
+    sidecars' long-polls to it (over TLS when the standby serves TLS)."""
     leader_election: bool = False
     """Run with leader election on a Lease (``$TOKENFAIR_LEADER_ELECTION=true``; the chart sets
     it): for two or more replicas, :mod:`.leader`. Off: this replica always leads."""
@@ -157,7 +186,8 @@ class OperatorConfig:
     def from_env(cls) -> OperatorConfig:
         """Defaults, overridden by ``$TOKENFAIR_RESYNC_SECONDS``, ``$TOKENFAIR_USAGE_SECONDS``,
         ``$TOKENFAIR_SIDECAR_IMAGE``, ``$TOKENFAIR_INJECTION_FAILURE_POLICY``,
-        ``$TOKENFAIR_HTTP_PORT``, ``_ADDR``, ``$TOKENFAIR_CONFIG_URL_BASE``, the sidecar
+        ``$TOKENFAIR_HTTP_PORT``, ``_ADDR``, ``$TOKENFAIR_HTTPS_PORT``, ``_CERT``, ``_KEY``,
+        ``_CA``, ``$TOKENFAIR_CONFIG_URL_BASE``, ``_AUDIENCE``, ``_INSECURE_HTTP``, the sidecar
         defaults (:data:`SIDECAR_ENV`) and
         ``$TOKENFAIR_WEBHOOK_PORT``,
         ``_ADDR``, ``_HOST``, ``_CERT``, ``_KEY``, ``_MANAGED``, ``_CERT_SECRET``,
@@ -182,6 +212,12 @@ class OperatorConfig:
             injection_failure_policy=_failure_policy(env.get(INJECTION_POLICY_ENV) or "Fail"),
             http_port=int(env[HTTP_PORT_ENV]) if env.get(HTTP_PORT_ENV) else None,
             http_addr=env.get(HTTP_ADDR_ENV) or DEFAULT_WEBHOOK_ADDR,
+            https_port=int(env[HTTPS_PORT_ENV]) if env.get(HTTPS_PORT_ENV) else None,
+            https_cert=env.get(HTTPS_FILES_ENV["https_cert"]) or None,
+            https_key=env.get(HTTPS_FILES_ENV["https_key"]) or None,
+            https_ca=env.get(HTTPS_FILES_ENV["https_ca"]) or None,
+            config_audience=env.get(CONFIG_AUDIENCE_ENV) or CONFIG_AUDIENCE,
+            config_insecure_http=_flag(INSECURE_HTTP_ENV, env.get(INSECURE_HTTP_ENV) or "false"),
             http_advertise=env.get("TOKENFAIR_HTTP_ADVERTISE") or _own_address(env),
             leader_election=_flag(LEADER_ELECTION_ENV, env.get(LEADER_ELECTION_ENV, "false")),
             lease_namespace=env.get("TOKENFAIR_LEASE_NAMESPACE") or "default",
@@ -223,6 +259,8 @@ def injection_from_env(env: Mapping[str, str]) -> InjectionSettings:
                 SIDECAR_ENV["scrape_annotations"], given["scrape_annotations"] or "true"
             ),
             config_url_base=env.get(CONFIG_URL_BASE_ENV) or None,
+            config_audience=env.get(CONFIG_AUDIENCE_ENV) or CONFIG_AUDIENCE,
+            config_insecure_http=_flag(INSECURE_HTTP_ENV, env.get(INSECURE_HTTP_ENV) or "false"),
             env_names=SIDECAR_ENV,
         )
         settings.check()
@@ -232,9 +270,10 @@ def injection_from_env(env: Mapping[str, str]) -> InjectionSettings:
 
 
 def _own_address(env: Mapping[str, str]) -> str:
-    """``<this host's IP>:<$TOKENFAIR_HTTP_PORT>`` (in a Pod, the host name resolves to the
-    Pod's IP); "" without a port."""
-    port = env.get(HTTP_PORT_ENV)
+    """``<this host's IP>:<$TOKENFAIR_HTTPS_PORT>``, else ``<$TOKENFAIR_HTTP_PORT>`` (in a Pod,
+    the host name resolves to the Pod's IP); "" without a port. Standbys relay over TLS to
+    the TLS port."""
+    port = env.get(HTTPS_PORT_ENV) or env.get(HTTP_PORT_ENV)
     if not port:
         return ""
     try:

@@ -41,7 +41,7 @@ def quota_status(
     not 10,000. The policy's ``status.configVersion`` is the current document."""
     accepted = Check(ACCEPTED, verdict.accepted, verdict.reason, verdict.message)
     version = rendering.version if rendering is not None and verdict.accepted else ""
-    if version and _published_at(quota):
+    if version and published_at(quota):
         version = str(quota.status["configVersion"])
     if not verdict.accepted:
         published = Check(CONFIG_PUBLISHED, False, "NotAccepted", verdict.message)
@@ -71,7 +71,7 @@ def quota_status(
     }
 
 
-def _published_at(quota: QuotaView) -> bool:
+def published_at(quota: QuotaView) -> bool:
     """The stored status already has this generation published, with a version."""
     return bool(quota.status.get("configVersion")) and any(
         c.get("type") == CONFIG_PUBLISHED

@@ -14,6 +14,10 @@ Used when no cert-manager issues the certificate (``$TOKENFAIR_WEBHOOK_CERT_SECR
    the directory Kopf's server reads, only where they differ (Kopf notices changed files within
    60 s and restarts its listener).
 
+Every write (the Secret, each caBundle patch) first asks ``may_write`` (with leader election:
+whether this replica leads *now*) and raises :class:`.kube.NotLeader` instead: a leader that
+stepped down in the middle of a pass writes nothing more.
+
 The Secret is the source of truth, so a restarted operator serves the same certificate and the
 caBundle does not move. Run at startup and then every hour: a certificate is replaced 30 days
 before it expires (:mod:`.certs`).
@@ -33,7 +37,7 @@ from kubernetes import client
 from kubernetes.client import ApiException
 
 from .certs import CA_KEY, ServingCerts, ca_bundle, due, issue
-from .kube import NOT_FOUND
+from .kube import NOT_FOUND, NotLeader
 
 WEBHOOK_KINDS: Final = ("validating", "mutating")
 
@@ -57,7 +61,8 @@ def utc_now() -> datetime.datetime:
 
 class CertKeeper:
     """One Secret ``namespace/name``, the webhook configurations ``configurations`` (each name
-    looked up as both kinds), the files in ``directory``."""
+    looked up as both kinds), the files in ``directory``; ``may_write`` is asked right before
+    each API write."""
 
     def __init__(
         self,
@@ -67,6 +72,7 @@ class CertKeeper:
         configurations: Sequence[str],
         directory: Path,
         clock: Callable[[], datetime.datetime] = utc_now,
+        may_write: Callable[[], bool] = lambda: True,
     ) -> None:
         self._core = client.CoreV1Api(api)
         self._admission = client.AdmissionregistrationV1Api(api)
@@ -76,6 +82,11 @@ class CertKeeper:
         serving = directory / SERVING_FILE
         self.files = CertFiles(serving, serving, directory / CA_KEY)
         self._clock = clock
+        self._may_write = may_write
+
+    def _guard(self, what: str) -> None:
+        if not self._may_write():
+            raise NotLeader(f"not the leader: {what} not written")
 
     def ensure(self) -> str | None:
         """Bring Secret, caBundles and files in line; the reason when it issued new ones."""
@@ -121,11 +132,13 @@ class CertKeeper:
         if secret is None:
             meta = client.V1ObjectMeta(name=self._name, namespace=self._namespace)
             body = client.V1Secret(metadata=meta, data=data)
+            self._guard(f"Secret {self._namespace}/{self._name}")
             self._core.create_namespaced_secret(self._namespace, body)
             return
         # Replace the object as read (the chart's labels kept): conditional on its
         # resourceVersion, so a lost race is a 409 and the next pass starts over.
         secret.data = data
+        self._guard(f"Secret {self._namespace}/{self._name}")
         self._core.replace_namespaced_secret(self._name, self._namespace, secret)
 
     def _patch_ca_bundle(self, kind: str, name: str, bundle: bytes) -> None:
@@ -146,6 +159,7 @@ class CertKeeper:
                 path = f"/webhooks/{i}/clientConfig/caBundle"
                 ops.append({"op": "add", "path": path, "value": encoded})
         if ops:
+            self._guard(f"caBundle of {kind} webhook configuration {name}")
             patch(name, ops)
 
     def _write_files(self, certs: ServingCerts, bundle: bytes) -> None:

@@ -124,7 +124,7 @@ Certificate that fills it.
 Refuse value combinations the chart cannot honour, with the reason.
 */}}
 {{- define "tokenfair.validate" -}}
-{{- $chartEnv := list "TOKENFAIR_RESYNC_SECONDS" "TOKENFAIR_USAGE_SECONDS" "PYTHONUNBUFFERED" "TOKENFAIR_HTTP_PORT" "TOKENFAIR_LEADER_ELECTION" "TOKENFAIR_LEASE_NAMESPACE" "TOKENFAIR_LEASE_NAME" "TOKENFAIR_CONFIG_URL_BASE" }}
+{{- $chartEnv := list "TOKENFAIR_RESYNC_SECONDS" "TOKENFAIR_USAGE_SECONDS" "PYTHONUNBUFFERED" "TOKENFAIR_HTTP_PORT" "TOKENFAIR_HTTPS_PORT" "TOKENFAIR_HTTPS_CA" "TOKENFAIR_LEADER_ELECTION" "TOKENFAIR_LEASE_NAMESPACE" "TOKENFAIR_LEASE_NAME" "TOKENFAIR_CONFIG_URL_BASE" }}
 {{- range .Values.operator.extraEnv }}
 {{- if or (has .name $chartEnv) (hasPrefix "TOKENFAIR_SIDECAR_" .name) (hasPrefix "TOKENFAIR_WEBHOOK_" .name) }}
 {{- fail (printf "operator.extraEnv: %s is set by the chart itself; change it through its value (docs/deploy.md)" .name) }}
@@ -133,8 +133,16 @@ Refuse value combinations the chart cannot honour, with the reason.
 {{- end }}
 
 {{/*
-Namespaces in which the operator may get/create/update Secrets (a JSON list): operator.
-secretNamespaces, else operator.watchNamespaces, else the release namespace; plus the demo's.
+Whether the operator's Secrets rights are bound cluster-wide: it watches every namespace and no
+operator.secretNamespaces narrows them (a policy may live in any namespace).
+*/}}
+{{- define "tokenfair.secretsClusterWide" -}}
+{{- if and (empty .Values.operator.secretNamespaces) (empty .Values.operator.watchNamespaces) }}true{{ end }}
+{{- end }}
+
+{{/*
+Namespaces in which the operator may get/create/update Secrets (a JSON list), when they are not
+bound cluster-wide: operator.secretNamespaces, else operator.watchNamespaces; plus the demo's.
 */}}
 {{- define "tokenfair.secretNamespaces" -}}
 {{- $namespaces := .Values.operator.secretNamespaces | default .Values.operator.watchNamespaces | default (list .Release.Namespace) }}
