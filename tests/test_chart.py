@@ -403,10 +403,7 @@ def bound_namespaces(docs: list[Doc], role: Doc) -> list[str]:
 @pytest.mark.parametrize(
     ("sets", "namespaces"),
     [
-        # Every namespace watched and none listed: a policy may live anywhere, so the grant is
-        # cluster-wide (an upgrade must not stop publishing a policy outside the release's).
-        ((), ["*"]),
-        (("demo.enabled=true",), ["*"]),
+        ((), ["tokenfair-system"]),  # never "*", even when every namespace is watched
         (("operator.watchNamespaces={team-a,team-b}",), ["team-a", "team-b"]),
         (
             ("operator.watchNamespaces={team-a}", "operator.secretNamespaces={team-c,team-d}"),
@@ -422,7 +419,7 @@ def bound_namespaces(docs: list[Doc], role: Doc) -> list[str]:
         ),
     ],
 )
-def test_secrets_are_granted_per_namespace_unless_every_namespace_is_watched(
+def test_secrets_are_granted_per_namespace_only(
     sets: tuple[str, ...], namespaces: list[str]
 ) -> None:
     docs = parse(render(4, sets))

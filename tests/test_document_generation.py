@@ -39,7 +39,12 @@ from kubecluster import KubeCluster
 from test_operator_leader import _create_policy, api_client_for
 from test_sidecar_support import keyed_config
 
-from tokenfair_operator.documents import Document, DocumentStore, next_generation
+from tokenfair_operator.documents import (
+    Document,
+    DocumentStore,
+    next_generation,
+    parse_generation,
+)
 from tokenfair_operator.kube import KubeApi
 from tokenfair_operator.metrics import OperatorMetrics
 from tokenfair_operator.model import PolicyView
@@ -68,6 +73,12 @@ def test_next_generation() -> None:
     assert next_generation("v9", [(None, 0), (None, 0)], floor=now_ms) == now_ms
     assert next_generation("v9", [("v8", now_ms), ("v8", now_ms)], floor=now_ms) == now_ms + 1
     assert next_generation("v8", [("v8", 7), (None, 0)], floor=now_ms) == 7  # the same document
+    # A number edited far ahead of the clock is not continued from; nor one the sidecar refuses.
+    forged = now_ms + 2 * 86_400_000
+    assert next_generation("v9", [("v8", forged), (None, 0)], floor=now_ms) == now_ms
+    assert parse_generation("1" * 19) == 0
+    assert parse_generation("\u00b2") == 0
+    assert parse_generation(" 42 ") == 42
 
 
 async def test_the_store_never_goes_back_and_clear_ends_waits_at_once() -> None:

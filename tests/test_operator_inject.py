@@ -208,7 +208,11 @@ def test_defaults_are_the_settings() -> None:
     assert sidecar["args"][-1] == "--drain-grace=27"
     short = pod()
     short["spec"]["terminationGracePeriodSeconds"] = 2
-    assert sidecar_of(short)["args"][-1] == "--drain-grace=1"  # at least 1 s
+    assert sidecar_of(short)["args"][-1] == "--drain-grace=0.5"  # a quarter of a short grace
+    # Set within the Pod's grace but without the 3 s to spare: shortened, not refused (a Pod
+    # valid before the margin existed must not stop its rollout).
+    tight = pod(annotations={"tokenfair.io/sidecar-drain-grace-seconds": "30"})
+    assert sidecar_of(tight)["args"][-1] == "--drain-grace=27"
     long = pod()
     long["spec"]["terminationGracePeriodSeconds"] = 120
     assert sidecar_of(long)["args"][-1] == "--drain-grace=30"  # the sidecar's own default
@@ -277,11 +281,6 @@ def test_annotations_override_resources_and_flags() -> None:
         ({"tokenfair.io/sidecar-log-level": "verbose"}, "tokenfair.io/sidecar-log-level", "debug"),
         ({"tokenfair.io/sidecar-drain-grace-seconds": "0"}, "drain-grace-seconds", "> 0"),
         ({"tokenfair.io/sidecar-drain-grace-seconds": "nan"}, "drain-grace-seconds", "> 0"),
-        (
-            {"tokenfair.io/sidecar-drain-grace-seconds": "28"},  # 28 + 3 s of exit > 30
-            "tokenfair.io/sidecar-drain-grace-seconds",
-            r"plus 3 s to end its handlers",
-        ),
         (
             {"tokenfair.io/sidecar-drain-grace-seconds": "45"},  # the Pod's default grace is 30
             "tokenfair.io/sidecar-drain-grace-seconds",

@@ -172,9 +172,9 @@ class HeldStatusWrites(KubeApi):
         self.release = release
         self.key_reads = 0
 
-    def key_hashes(self, namespace: str, name: str) -> Any:
+    def key_hashes(self, namespace: str, name: str, fresh: bool = False) -> Any:
         self.key_reads += 1
-        return super().key_hashes(namespace, name)
+        return super().key_hashes(namespace, name, fresh)
 
     def patch_status(
         self, plural: str, namespace: str, name: str, status: Any, resource_version: str = ""

@@ -203,7 +203,7 @@ class FakeApi:
     def may_write(self) -> bool:
         return self.leading
 
-    def key_hashes(self, namespace: str, name: str) -> tuple[str, ...]:
+    def key_hashes(self, namespace: str, name: str, fresh: bool = False) -> tuple[str, ...]:
         self.key_reads.append(name)
         return (hashlib.sha256(name.encode()).hexdigest(),)
 

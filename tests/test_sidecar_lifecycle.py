@@ -284,3 +284,39 @@ async def test_a_request_reaching_admission_during_a_drain_is_a_recorded_503(
     assert [(row["request_id"], row["status_code"], row["reason"]) for row in rows] == [
         ("r-1", 503, "draining")
     ]
+
+
+async def test_a_core_that_cannot_dispatch_ends_its_queue_with_500s(
+    aiohttp_client: ClientFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A core whose dispatch keeps failing: the pump backs off (doubling), logs a bounded
+    number of lines, and after ``PUMP_FAILURES_TO_GIVE_UP`` failures in a row ends the queued
+    requests ``500 internal_error`` — refunded, recorded, nothing held. (Retry delays shrunk
+    to milliseconds: the outcome, not the time, is asserted.)"""
+    monkeypatch.setattr("tokenfair_sidecar.server.dispatcher.PUMP_RETRY_S", 0.0005)
+    monkeypatch.setattr("tokenfair_sidecar.server.dispatcher.PUMP_RETRY_MAX_S", 0.002)
+    settings = SidecarSettings(time_scale=0.01, records_path=str(tmp_path / "records.jsonl"))
+    clients = await start(aiohttp_client, keyed_config(), settings)
+    sidecar = clients.sidecar
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected: the core cannot dispatch")
+
+    monkeypatch.setattr(sidecar.scheduler, "next_dispatch", broken)
+    with caplog.at_level("ERROR", logger="tokenfair.sidecar"):
+        async with asyncio.timeout(30):
+            response = await clients.proxy.post(
+                "/v1/completions", json=completion_body(10, 10), headers={"Authorization": CHAT}
+            )
+    assert response.status == 500
+    assert (await response.json())["error"]["code"] == "internal_error"
+    assert await books_when_settled(sidecar) == ZERO_BOOKS
+    rows = read_records(sidecar)
+    assert [(row["request_id"], row["status_code"], row["reason"]) for row in rows] == [
+        (response.headers["x-request-id"], 500, "internal_error")
+    ]
+    lines = [r for r in caplog.records if "dispatching" in r.getMessage()]
+    assert 2 <= len(lines) <= 6  # the first, the 2nd/4th/8th, the giving up: not one per retry

@@ -291,3 +291,29 @@ def test_flags_of_the_file_only_settings_and_observability() -> None:
         settings_for(parse_flags("--tracing-endpoint", "collector:4318"), {})
     with pytest.raises(SystemExit):
         parse_flags("--access-log", "xml")
+
+
+async def test_client_chosen_text_is_bounded_in_the_access_log(
+    aiohttp_client: ClientFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client's ``model`` and path are cut to ``MAX_FIELD_CHARS``: no access-log line grows
+    with them (a 200 KB ``model`` would otherwise be a 200 KB line)."""
+    from tokenfair_sidecar.server.accesslog import MAX_FIELD_CHARS
+
+    caplog.set_level(logging.INFO, logger=ACCESS_LOGGER)
+    clients = await start(aiohttp_client, keyed_config(), SidecarSettings(time_scale=0.01))
+    long_model = "m" * 200_000
+    response = await clients.proxy.post(
+        "/v1/chat/completions",
+        json={"model": long_model, "messages": [{"role": "user", "content": "hi"}],
+              "max_tokens": 3},
+        headers={"Authorization": CHAT},
+    )  # fmt: skip
+    assert response.status == 200
+    await response.read()
+    lost = await clients.proxy.get("/" + "p" * 4000, headers={"Authorization": CHAT})
+    assert lost.status == 404
+    served, unrouted = (json.loads(r.getMessage()) for r in access_lines(caplog))
+    assert served["model"] == "m" * (MAX_FIELD_CHARS - 1) + "…"
+    assert len(unrouted["route"]) == MAX_FIELD_CHARS
+    assert all(len(r.getMessage()) < 2048 for r in access_lines(caplog))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -35,6 +36,7 @@ from test_sidecar_support import (
     completion_body,
     keyed_config,
     start,
+    wait_for,
 )
 
 from tokenfair_sidecar.config import ConfigError, PolicyConfig
@@ -161,19 +163,28 @@ async def test_a_request_that_leaves_the_queue_has_a_left_queue_event(
         tracer_provider=provider,
     )
     proxy, sidecar = clients.proxy, clients.sidecar
+    # The first request holds the one slot until the test lets it go: the second is queued
+    # behind it however fast or slow this machine is.
+    gate = asyncio.Event()
+    respond = sidecar.backend.respond
+
+    async def held(call: Any) -> Any:
+        await gate.wait()
+        return await respond(call)
+
+    sidecar.backend.respond = held  # type: ignore[method-assign]
     running = asyncio.create_task(proxy.post(
         "/v1/completions", json=completion_body(1000, 750), headers={"Authorization": CHAT}
     ))  # fmt: skip
-    while sidecar.scheduler.running == 0:
-        await asyncio.sleep(0.002)
+    assert await wait_for(lambda: sidecar.scheduler.running == 1)
     leaving = asyncio.create_task(proxy.post(
         "/v1/completions", json=completion_body(10, 10), headers={"Authorization": CHAT}
     ))  # fmt: skip
-    while sidecar.scheduler.books().queued_requests == 0:
-        await asyncio.sleep(0.002)
+    assert await wait_for(lambda: sidecar.scheduler.books().queued_requests == 1)
     leaving.cancel()  # the client goes away while queued
     with pytest.raises(asyncio.CancelledError):
         await leaving
+    gate.set()
     assert (await running).status == 200
     assert await books_when_settled(sidecar) == ZERO_BOOKS
     spans = memory.get_finished_spans()

@@ -154,10 +154,17 @@ def next_generation(
     as replicas' clocks agree within the time between the last publication and the new one,
     and no policy publishes over a thousand documents a second)."""
     held = list(published)
+    if floor > 0:  # a stored number far ahead of the clock was edited by hand: not followed
+        held = [(stored, g) for stored, g in held if g <= floor + MAX_GENERATION_AHEAD_MS]
     same = [generation for stored, generation in held if stored == version and generation > 0]
     if same:
         return max(same)
     return max(max((generation for _, generation in held), default=0) + 1, floor)
+
+
+MAX_GENERATION_AHEAD_MS: Final = 86_400_000
+"""A stored generation more than a day ahead of the clock is not continued from (an annotation
+set by hand to 10^18 would otherwise have every later document refused by every sidecar)."""
 
 
 def clock_floor() -> int:
@@ -166,9 +173,9 @@ def clock_floor() -> int:
 
 
 def parse_generation(value: object) -> int:
-    """An annotation's generation; 0 when absent or not a non-negative integer."""
-    try:
-        generation = int(str(value))
-    except ValueError:
+    """An annotation's generation; 0 when absent or not 1 to 18 ASCII digits (the rule the
+    sidecar reads it by: a number it would refuse must not be continued from)."""
+    text = str(value).strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > 18:
         return 0
-    return max(generation, 0)
+    return int(text)

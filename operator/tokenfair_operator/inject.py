@@ -320,8 +320,10 @@ SIDECAR_DRAIN_GRACE_S: Final = 30.0
 def checked_drain_grace_s(
     value: object, where: str, pod_spec: Mapping[str, Any] | None = None
 ) -> float:
-    """``value`` as ``--drain-grace`` seconds, at most the Pod's grace period (when given);
-    InjectionError naming ``where``."""
+    """``value`` as ``--drain-grace`` seconds (InjectionError naming ``where``): longer than the
+    Pod's grace period (when given) is refused; within it but without
+    :data:`DRAIN_EXIT_MARGIN_S` to spare, it is shortened to leave them (a Pod valid before the
+    margin existed is still admitted: refusing it would stop its rollout)."""
     try:
         seconds = float(str(value).strip())
     except ValueError:
@@ -330,23 +332,29 @@ def checked_drain_grace_s(
         raise InjectionError(f"{where}: must be a number of seconds > 0 (got {value!r})")
     if pod_spec is not None:
         period = _termination_grace_s(pod_spec)
-        if seconds + DRAIN_EXIT_MARGIN_S > period:
+        if seconds > period:
             raise InjectionError(
-                f"{where}: {seconds:g} s plus {DRAIN_EXIT_MARGIN_S:g} s to end its handlers and "
-                f"write its records is longer than the Pod's "
+                f"{where}: {seconds:g} s is longer than the Pod's "
                 f"spec.terminationGracePeriodSeconds ({period}): the kubelet would kill the "
                 "sidecar before its drain ends"
             )
+        seconds = min(seconds, _leaving_margin(period))
     return seconds
 
 
 def fitting_drain_grace_s(pod_spec: Mapping[str, Any]) -> float:
     """The drain grace given when nothing sets one: the sidecar's own default
     (:data:`SIDECAR_DRAIN_GRACE_S`), shortened to fit the Pod's grace period with
-    :data:`DRAIN_EXIT_MARGIN_S` to spare (at least 1 s)."""
-    return max(
-        1.0, min(SIDECAR_DRAIN_GRACE_S, _termination_grace_s(pod_spec) - DRAIN_EXIT_MARGIN_S)
-    )
+    :data:`DRAIN_EXIT_MARGIN_S` to spare."""
+    return min(SIDECAR_DRAIN_GRACE_S, _leaving_margin(_termination_grace_s(pod_spec)))
+
+
+def _leaving_margin(period: int) -> float:
+    """The longest drain that leaves :data:`DRAIN_EXIT_MARGIN_S` of a ``period`` s grace for the
+    sidecar's exit; a grace too short for that gets a quarter of it (at least 0.1 s)."""
+    if period - DRAIN_EXIT_MARGIN_S >= 1.0:
+        return period - DRAIN_EXIT_MARGIN_S
+    return max(0.1, period / 4)
 
 
 def _termination_grace_s(pod_spec: Mapping[str, Any]) -> int:

@@ -106,17 +106,19 @@ class KubeApi:
         if not self.may_write():
             raise NotLeader(f"not the leader: {what} not written")
 
-    def key_hashes(self, namespace: str, name: str) -> KeyLookup:
+    def key_hashes(self, namespace: str, name: str, fresh: bool = False) -> KeyLookup:
         """SHA-256 digests of every data value of Secret ``name`` (sorted), or the problem.
 
         Read from the API server's watch cache (``resourceVersion=0``: no etcd round trip, a
         moment behind at most; a 404 there is asked again of etcd, as the Secret may be newer
         than the cache) and without the client's model classes: 10,000 key Secrets are read in
         the first pass of a policy, where each read's cost is the operator's CPU as much as the
-        API server's (about half of the client's)."""
+        API server's (about half of the client's). ``fresh`` reads etcd (a quorum read): the
+        resync's re-read, which bounds how late a revoked key is dropped, must not trust a
+        lagging cache."""
         path = f"/api/v1/namespaces/{namespace}/secrets/{name}"
         try:
-            secret = self._get_json(path, any_version=True)
+            secret = None if fresh else self._get_json(path, any_version=True)
             if secret is None:
                 secret = self._get_json(path, any_version=False)
         except ApiException as exc:

@@ -205,7 +205,10 @@ class Reconciler:
             secrets = {s for s in secrets if not isinstance(self._keys.get(s), tuple)}
         wanted = sorted(secrets)
         term = self._term
-        found = await _bounded(self._call(self.api.key_hashes, *s) for s in wanted)
+        # The resync's re-read (the bound on how late a revoked key is dropped) reads etcd, not
+        # the API server's watch cache, which may lag; a pass's reads of new Secrets may.
+        fresh = not only_unknown
+        found = await _bounded(self._call(self.api.key_hashes, *s, fresh) for s in wanted)
         if term != self._term:  # stepped down meanwhile: a later term reads afresh
             return False
         changed = any(self._keys.get(s) != f for s, f in zip(wanted, found, strict=True))

@@ -91,9 +91,9 @@ REVIEW_CACHE_SIZE: Final = 20_000
 REJECTED_CACHE_SIZE: Final = 10_000
 """Refused tokens remembered at most (their own cache); the oldest entry goes first."""
 REVIEW_THREADS: Final = 4
+"""TokenReviews in flight at once, on threads of their own."""
 MAX_PENDING_REVIEWS: Final = 4 * REVIEW_THREADS
 """New tokens whose review may wait or run at once (:attr:`TokenAuthenticator.max_pending`)."""
-"""TokenReviews in flight at once, on threads of their own."""
 REVIEWS_PER_S: Final = 20.0
 """New tokens reviewed per second, sustained: 1,000 sidecars' projected tokens (rotated about
 hourly by the kubelet) bring well under one a second; a restarted operator's fleet comes back

@@ -22,6 +22,7 @@ bundle differs, and what was written is remembered, so a steady round costs noth
 from __future__ import annotations
 
 import ssl
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,11 +91,18 @@ class ServingTLS:
         client_context = ssl.create_default_context(cadata=current[2].decode())
         client_context.minimum_version = ssl.TLSVersion.TLSv1_2
         name = first_dns_name(current[0])
-        # A scratch context first: a certificate and key that do not match (files caught
-        # mid-update) raise there, not half-loaded into the one being served.
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.cert, self.key)
-        # The same context object: the listening socket keeps it, new handshakes see the load.
-        self.server.load_cert_chain(self.cert, self.key)
+        # Load from one snapshot of the bytes (private copies), never from the files twice: a
+        # kubelet swap between two reads could load a certificate with another key into the
+        # context being served, which then fails every handshake until the next round. A
+        # scratch context first: a pair that does not match raises there, not half-loaded.
+        with tempfile.TemporaryDirectory(prefix="tokenfair-tls-") as folder:
+            cert_copy, key_copy = Path(folder, "tls.crt"), Path(folder, "tls.key")
+            cert_copy.write_bytes(current[0])
+            key_copy.touch(mode=0o600)
+            key_copy.write_bytes(current[1])
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_copy, key_copy)
+            # The same context object: the listening socket keeps it, new handshakes see it.
+            self.server.load_cert_chain(cert_copy, key_copy)
         self.client, self.server_name, self.ca_pem = client_context, name, current[2]
         self._loaded = current
         return True

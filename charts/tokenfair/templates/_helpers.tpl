@@ -133,16 +133,8 @@ Refuse value combinations the chart cannot honour, with the reason.
 {{- end }}
 
 {{/*
-Whether the operator's Secrets rights are bound cluster-wide: it watches every namespace and no
-operator.secretNamespaces narrows them (a policy may live in any namespace).
-*/}}
-{{- define "tokenfair.secretsClusterWide" -}}
-{{- if and (empty .Values.operator.secretNamespaces) (empty .Values.operator.watchNamespaces) }}true{{ end }}
-{{- end }}
-
-{{/*
-Namespaces in which the operator may get/create/update Secrets (a JSON list), when they are not
-bound cluster-wide: operator.secretNamespaces, else operator.watchNamespaces; plus the demo's.
+Namespaces in which the operator may get/create/update Secrets (a JSON list): operator.
+secretNamespaces, else operator.watchNamespaces, else the release namespace; plus the demo's.
 */}}
 {{- define "tokenfair.secretNamespaces" -}}
 {{- $namespaces := .Values.operator.secretNamespaces | default .Values.operator.watchNamespaces | default (list .Release.Namespace) }}

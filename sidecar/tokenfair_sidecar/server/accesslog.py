@@ -57,7 +57,20 @@ from typing import Any, Final
 ACCESS_LOGGER: Final = "tokenfair.access"
 ACCESS_LOG_FORMATS: Final = ("json", "text", "off")
 MAX_PENDING_LINES: Final = 10_000
-"""Lines waiting for the writer thread (~500 bytes each: ~5 MiB) before new ones are dropped."""
+"""Lines waiting for the writer thread before new ones are dropped (~500 bytes each, at most
+~2 KiB since every text a client chooses is cut to :data:`MAX_FIELD_CHARS`: ~5 to ~20 MiB)."""
+MAX_FIELD_CHARS: Final = 128
+"""Longest text a client chooses (the route of an unknown path, the ``model``) written to a
+line or a span; longer is cut, ending in ``…``."""
+
+
+def bounded(text: str | None) -> str | None:
+    """``text`` cut to :data:`MAX_FIELD_CHARS` characters (None stays None)."""
+    if text is None or len(text) <= MAX_FIELD_CHARS:
+        return text
+    return text[: MAX_FIELD_CHARS - 1] + "…"
+
+
 FLUSH_AT_EXIT_S: Final = 1.0
 """How long ``tokenfair sidecar`` waits at exit for the lines still waiting to be written."""
 
@@ -201,8 +214,8 @@ class LineWriter(logging.Handler):
             try:
                 while data:
                     data = data[os.write(self.fd, data) :]
-            except OSError:  # the output is gone (EPIPE, EBADF): nothing left to do with them
-                pass
+            except OSError:  # the output is gone (EPIPE, EBADF) or would block: counted, dropped
+                self.dropped += len(batch)
             for _ in batch:
                 lines.task_done()
 

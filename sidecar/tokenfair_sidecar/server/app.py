@@ -27,7 +27,7 @@ from aiohttp.typedefs import Handler
 
 from tokenfair_sidecar.config import Config
 from tokenfair_sidecar.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED
-from tokenfair_sidecar.server.accesslog import CURRENT_SCOPE, RequestScope
+from tokenfair_sidecar.server.accesslog import CURRENT_SCOPE, RequestScope, bounded
 from tokenfair_sidecar.server.admin import create_admin_app
 from tokenfair_sidecar.server.backends import MODELS_ROUTE, ROUTES, Backend
 from tokenfair_sidecar.server.errors import INTERNAL_ERROR
@@ -112,8 +112,8 @@ async def observe_requests(request: web.Request, handler: Handler) -> web.Stream
     metrics = sidecar.metrics
     headers = request.headers
     scope = RequestScope(
-        request.method,
-        request.path,
+        bounded(request.method) or "",
+        bounded(request.path) or "",
         sidecar.clock.now_ms(),
         headers.get("traceparent"),
         headers.get("tracestate"),

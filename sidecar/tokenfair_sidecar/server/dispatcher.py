@@ -36,6 +36,7 @@ from typing import Any, Final
 
 from tokenfair_sidecar.core import Decision, Request, Scheduler
 from tokenfair_sidecar.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED, JobState
+from tokenfair_sidecar.server.errors import INTERNAL_ERROR
 from tokenfair_sidecar.server.lifecycle import (
     DRAINING,
     Lifecycle,
@@ -47,7 +48,13 @@ from tokenfair_sidecar.server.lifecycle import (
 log = logging.getLogger("tokenfair.sidecar")
 
 PUMP_RETRY_S: Final = 0.01
-"""Real seconds until a pump that failed in the core is tried again."""
+"""Real seconds until a pump that failed in the core is tried again; doubled at each failure
+in a row, up to :data:`PUMP_RETRY_MAX_S`."""
+PUMP_RETRY_MAX_S: Final = 1.0
+PUMP_FAILURES_TO_GIVE_UP: Final = 10
+"""Pumps failing in a row (~4 s of retries) after which every queued request is ended
+``500 internal_error`` (its reservation refunded): a core that cannot dispatch would otherwise
+hold its waiters until their clients give up."""
 
 
 class ModelClock:
@@ -101,7 +108,7 @@ class Dispatcher:
         ``shed_queue_wait_slo`` 429 would tell it to retry)."""
         scheduler = self.scheduler
         if self.draining:  # its body was still arriving when the drain began
-            return Lifecycle(request, Phase.REFUSED, decision=self._draining_refusal(request))
+            return Lifecycle(request, Phase.REFUSED, decision=self._refusal(request, 503, DRAINING))
         refusal = scheduler.never_admissible(request)
         if refusal is None:
             refusal = scheduler.submit(request, self.clock.now_ms())
@@ -114,15 +121,17 @@ class Dispatcher:
         self.pump()
         return lifecycle
 
-    def _draining_refusal(self, request: Request) -> Decision:
-        """The ``503 draining`` decision of a request that reached admission during a drain."""
+    def _refusal(self, request: Request, status_code: int, reason: str) -> Decision:
+        """A decision of the dispatcher's own (not the core's gates): ``503 draining`` for a
+        request that reached admission during a drain, ``500 internal_error`` for one the core
+        could not dispatch."""
         return Decision(
             request.request_id,
             request.tenant_id,
             request.priority_class,
-            503,
-            DRAINING,
-            "drain",
+            status_code,
+            reason,
+            "drain" if reason == DRAINING else "dispatch",
             self.scheduler.cost.service_tokens(request.prefill_tokens, request.decode_tokens),
             request.arrival_ms,
         )
@@ -158,9 +167,11 @@ class Dispatcher:
         """Expire, then dispatch while the core allows and the in-flight limit holds.
 
         Never raises (it runs inside admission, settlement and timers): if the core raises
-        (a bug), the failure is logged — the first of a streak with its traceback — and the pump
-        runs again after :data:`PUMP_RETRY_S`, so nothing stays queued on a lost wake-up; what
-        was resolved before the failure stands."""
+        (a bug), the failure is logged — the first of a streak with its traceback, then at the
+        2nd, 4th, 8th, … — and the pump runs again after :data:`PUMP_RETRY_S`, doubled at each
+        failure up to :data:`PUMP_RETRY_MAX_S`, so nothing stays queued on a lost wake-up; what
+        was resolved before the failure stands. After :data:`PUMP_FAILURES_TO_GIVE_UP` in a
+        row, the queued requests are ended ``500 internal_error`` (:meth:`_fail_queued`)."""
         if self._pumping:  # re-entered from a settlement inside the loop below
             self._again = True
             return
@@ -184,16 +195,44 @@ class Dispatcher:
         except Exception:
             failed = True
             self._pump_failures += 1
-            if self._pump_failures == 1:
+            failures = self._pump_failures
+            if failures == 1:
                 log.exception("dispatching failed in the core; retrying in %g s", PUMP_RETRY_S)
-            else:
-                log.error("dispatching failed again in the core (%d in a row)",
-                          self._pump_failures)  # fmt: skip
+            elif failures & (failures - 1) == 0:  # a power of two: a bounded number of lines
+                log.error("dispatching failed again in the core (%d in a row)", failures)
         finally:
             self._pumping = False
         if not failed:
             self._pump_failures = 0
+        elif self._pump_failures >= PUMP_FAILURES_TO_GIVE_UP and self._queued:
+            self._fail_queued()
         self._arm_timer(now_ms, retry=failed)
+
+    def _fail_queued(self) -> None:
+        """End every queued request ``500 internal_error``: taken out of the core (refunded) if
+        the core can still do that, out of the dispatcher's books whatever it raises."""
+        log.error("dispatching has failed %d times in a row: ending the %d queued requests "
+                  "with 500", self._pump_failures, len(self._queued))  # fmt: skip
+        now_ms = self.clock.now_ms()
+        lifecycles = list(self._queued.values())
+        self._queued.clear()
+        for lifecycle in lifecycles:
+            request = lifecycle.request
+            try:
+                left = self.scheduler.cancel(request.request_id, now_ms)
+            except Exception:
+                log.exception("request %s: the core failed to take it out of its queue",
+                              request.request_id)  # fmt: skip
+                left = None
+            failed = (
+                dataclasses.replace(left, status_code=500, reason=INTERNAL_ERROR)
+                if left is not None
+                else self._refusal(request, 500, INTERNAL_ERROR)
+            )
+            lifecycle.left_queue(failed)
+            future = lifecycle.future
+            if future is not None and not future.done():
+                future.set_result(failed)
 
     def _resolve(self, decision: Decision) -> None:
         lifecycle = self._queued.pop(decision.request_id)
@@ -217,8 +256,9 @@ class Dispatcher:
         future.set_result(decision)
 
     def _arm_timer(self, now_ms: float, retry: bool = False) -> None:
-        """Arm the one timer at the core's next wake-up (sooner, :data:`PUMP_RETRY_S`, after a
-        failed pump). Never raises: a core that cannot say when to wake is retried too."""
+        """Arm the one timer at the core's next wake-up (sooner after a failed pump: the retry
+        delay, see :meth:`pump`). Never raises: a core that cannot say when to wake is retried
+        too."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -232,7 +272,9 @@ class Dispatcher:
         if wakeup_ms is not None:
             delay_s = self.clock.real_seconds(max(0.0, wakeup_ms - now_ms))
         if retry:
-            delay_s = PUMP_RETRY_S if delay_s is None else min(delay_s, PUMP_RETRY_S)
+            exponent = max(0, min(self._pump_failures - 1, 30))
+            backoff_s = min(PUMP_RETRY_MAX_S, PUMP_RETRY_S * 2**exponent)
+            delay_s = backoff_s if delay_s is None else min(delay_s, backoff_s)
         if delay_s is not None:
             self._timer = loop.call_later(delay_s, self.pump)
 

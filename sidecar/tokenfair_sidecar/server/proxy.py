@@ -490,6 +490,8 @@ async def _serve(
         decision = await sidecar.dispatcher.wait(lifecycle)
         if lifecycle.drained:
             return _draining(sidecar)
+        if decision.status_code == 500:  # the core could not dispatch it (a bug, logged)
+            return _internal_error(job.request_id)
         if not decision.admitted:
             return _refusal(sidecar, decision, _usage_mix(sidecar, cost))
         sidecar.dispatched(decision)

@@ -36,6 +36,7 @@ from tokenfair_sidecar.server.accesslog import (
     AccessLog,
     RequestFacts,
     RequestScope,
+    bounded,
     utc_timestamp,
 )
 from tokenfair_sidecar.server.auth import Authenticator
@@ -433,8 +434,8 @@ class Sidecar:
                 "tenant": request.tenant_id,
                 "priority_class": request.priority_class,
                 "method": scope.method if scope is not None else "POST",
-                "route": facts.route or (scope.route if scope is not None else None),
-                "model": facts.model,
+                "route": bounded(facts.route) or (scope.route if scope is not None else None),
+                "model": bounded(facts.model),
                 "status": status_code,
                 "reason": reason,
                 "gate": decision.gate,

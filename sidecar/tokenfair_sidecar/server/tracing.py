@@ -79,6 +79,8 @@ OPERATIONS: Final[Mapping[str, str]] = {
     "/v1/embeddings": "embeddings",
 }
 """``gen_ai.operation.name`` by route (the semantic conventions' well-known values)."""
+KNOWN_ROUTES: Final = frozenset(OPERATIONS) | {"/v1/models"}
+"""Routes written as ``http.route``: the proxy's own (a low-cardinality attribute)."""
 PROVIDERS: Final[Mapping[str, str]] = {"openai": "openai", "costmodel": "tokenfair.costmodel"}
 """``gen_ai.provider.name`` by backend."""
 
@@ -138,15 +140,18 @@ class RequestTracer:
         """Write one finished span: ``fields`` are the access-log fields of the request,
         ``events`` ``(name, wall ns, attributes)`` in time order."""
         route = fields.get("route") or ""
-        operation = OPERATIONS.get(route, route or "request")
+        # A known route names the operation; any other path (chosen by the client, perhaps
+        # unauthenticated) must not become a span name or attribute: "request", no http.route.
+        operation = OPERATIONS.get(route, "request")
         model = fields.get("model")
         attributes: dict[str, Any] = {
             "gen_ai.operation.name": operation,
             "gen_ai.provider.name": self.provider_name,
             "http.request.method": fields.get("method") or "POST",
-            "http.route": route,
             "http.response.status_code": fields["status"],
         }
+        if route in KNOWN_ROUTES:
+            attributes["http.route"] = route
         optional = (
             ("gen_ai.request.model", model),
             ("gen_ai.request.max_tokens", fields.get("completion_tokens_estimated")),
