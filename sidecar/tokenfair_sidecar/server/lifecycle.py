@@ -285,7 +285,7 @@ class Lifecycle:
         request = self.request
         decision = self.decision
         if decision is None:  # cannot happen (logged where it left the queue): record it anyway
-            sidecar.record_minimal(request, status_code=outcome.status_code, reason=outcome.reason)
+            sidecar.record(request, None, status_code=outcome.status_code, reason=outcome.reason)
             return
         actual = self.booked_service_tokens if self.settlement is Settlement.AS_REPORTED else None
         try:

@@ -424,7 +424,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return _invalid(sidecar, 401, "the tenant of this key no longer exists", "invalid_api_key")
     except Exception:  # a bug in admission: nothing was queued; one record says so
         log.exception("request %s: admission failed in the sidecar", job.request_id)
-        sidecar.record_minimal(job, status_code=500, reason=INTERNAL_ERROR)
+        sidecar.record(job, None, status_code=500, reason=INTERNAL_ERROR)
         return _internal_error(job.request_id)
     if lifecycle.phase is Phase.REFUSED:
         return _answer_refusal(sidecar, lifecycle, cost)

@@ -504,45 +504,33 @@ class Sidecar:
     def record(
         self,
         request: Request,
-        decision: Decision,
+        decision: Decision | None,
         *,
         status_code: int,
         reason: str,
         usage: Usage = NO_USAGE,
     ) -> None:
         """Write the request's record, if records are on. Never raises: a record that cannot
-        be encoded is written minimal (:func:`minimal_record`), and one that cannot be queued
-        at all is counted in ``tokenfair_records_dropped_total`` (both logged)."""
+        be encoded, or has no decision (which cannot happen: the lifecycle logs it), is written
+        minimal (:func:`minimal_record`), and one that cannot be queued at all is counted in
+        ``tokenfair_records_dropped_total`` (both logged)."""
         recorder = self.recorder
         if recorder is None:
             return
         try:
-            try:
-                line = encode_record(request, decision, self.policy_name, status_code=status_code,
-                                     reason=reason, usage=usage)  # fmt: skip
-            except Exception:
-                log.exception("request %s: its record could not be encoded; writing a minimal "
-                              "one", request.request_id)  # fmt: skip
+            line: str | None = None
+            if decision is not None:
+                try:
+                    line = encode_record(request, decision, self.policy_name,
+                                         status_code=status_code, reason=reason,
+                                         usage=usage)  # fmt: skip
+                except Exception:
+                    log.exception("request %s: its record could not be encoded; writing a "
+                                  "minimal one", request.request_id)  # fmt: skip
+            if line is None:
                 line = minimal_record(request, self.policy_name, status_code=status_code,
                                       reason=reason)  # fmt: skip
             recorder.write(line)
-        except Exception:
-            log.exception("request %s: its record could not be written; counted as dropped",
-                          request.request_id)  # fmt: skip
-            try:
-                self.metrics.records_dropped.inc()
-            except Exception:
-                log.exception("counting a dropped record failed")
-
-    def record_minimal(self, request: Request, *, status_code: int, reason: str) -> None:
-        """Write a minimal record (:func:`minimal_record`) for a request that has no decision
-        (which cannot happen: the lifecycle logs it). Never raises."""
-        recorder = self.recorder
-        if recorder is None:
-            return
-        try:
-            recorder.write(minimal_record(request, self.policy_name, status_code=status_code,
-                                          reason=reason))  # fmt: skip
         except Exception:
             log.exception("request %s: its record could not be written; counted as dropped",
                           request.request_id)  # fmt: skip

@@ -419,6 +419,19 @@ def _upstream_failure(exc: Exception, where: str) -> UpstreamError:
     return UpstreamError(502, "upstream_error", f"upstream {where} failed: {exc}")
 
 
+def _decoded(decoder: BodyDecoder, data: bytes, coding: str | None, what: str) -> bytes:
+    """A whole buffered body decoded (at most :data:`MAX_BUFFERED_BODY_BYTES`); a body too
+    large or not decodable is an :class:`UpstreamError` (``502``) naming ``what``."""
+    try:
+        return decoder.decode_all(data, MAX_BUFFERED_BODY_BYTES)
+    except UpstreamTooLargeError as exc:
+        raise _upstream_failure(exc, what) from None
+    except (zlib.error, ValueError) as exc:
+        raise UpstreamError(
+            502, "upstream_error", f"upstream {coding} {what} body undecodable: {exc}"
+        ) from None
+
+
 class OpenAIBackend(Backend):
     name: ClassVar[str] = "openai"
     default_max_in_flight: ClassVar[int] = 64
@@ -501,14 +514,7 @@ class OpenAIBackend(Backend):
             except (TimeoutError, UpstreamClosedError) as exc:
                 raise _upstream_failure(exc, "response") from None
             if decoder is not None:
-                try:
-                    data = decoder.decode_all(data, MAX_BUFFERED_BODY_BYTES)
-                except UpstreamTooLargeError as exc:
-                    raise _upstream_failure(exc, "response") from None
-                except (zlib.error, ValueError) as exc:
-                    raise UpstreamError(
-                        502, "upstream_error", f"upstream {coding} body undecodable: {exc}"
-                    ) from None
+                data = _decoded(decoder, data, coding, "response")
             self._settle_json(call, None if opaque else data, upstream.status)
             call.first_byte()
             return web.Response(body=data, status=upstream.status, headers=headers)
@@ -552,14 +558,7 @@ class OpenAIBackend(Backend):
         coding = content_coding(upstream.headers)
         decoder = BodyDecoder(coding) if coding in _DECODED_CODINGS else None
         if decoder is not None:
-            try:
-                data = decoder.decode_all(data, MAX_BUFFERED_BODY_BYTES)
-            except UpstreamTooLargeError as exc:
-                raise _upstream_failure(exc, "models response") from None
-            except (zlib.error, ValueError) as exc:
-                raise UpstreamError(
-                    502, "upstream_error", f"upstream {coding} models body undecodable: {exc}"
-                ) from None
+            data = _decoded(decoder, data, coding, "models response")
         if upstream.status in (401, 403):
             # The sidecar's own key (or its absence) was refused: not the client's key.
             raise UpstreamError(
