@@ -52,6 +52,7 @@ from test_sidecar_support import (
     Clients,
     books_when_settled,
     keyed_config,
+    records_of,
     start,
     wait_for,
 )
@@ -218,15 +219,6 @@ async def sidecar_for(
     return await start(aiohttp_client, keyed_config(), SidecarSettings(**options))
 
 
-def records(clients: Clients) -> list[dict[str, Any]]:
-    recorder = clients.sidecar.recorder
-    assert recorder is not None
-    recorder.flush()
-    path = clients.sidecar.settings.records_path
-    assert path is not None
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
-
-
 async def metrics_text(clients: Clients) -> str:
     return await (await clients.admin.get("/metrics")).text()
 
@@ -284,7 +276,7 @@ async def test_unbelievable_usage_settles_at_the_estimate_and_frees_the_slot(
     assert await response.read() == body
     await assert_next_request_served(clients)
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    first, second = records(clients)
+    first, second = records_of(clients.sidecar)
     assert (first["status_code"], first["reason"]) == (200, "upstream_bad_usage")
     assert first["actual_service_tokens"] == first["service_tokens"] == ESTIMATE_SERVICE_TOKENS
     assert "actual_prefill_tokens" not in first
@@ -325,7 +317,7 @@ async def test_a_stream_broken_after_its_200_is_an_incomplete_transfer(
         await response.read()
     await assert_next_request_served(clients)
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    first, second = records(clients)
+    first, second = records_of(clients.sidecar)
     assert (first["status_code"], first["reason"]) == (502, "upstream_aborted")
     assert first["actual_service_tokens"] == ESTIMATE_SERVICE_TOKENS  # no usage: the estimate
     assert second["reason"] == "admitted"
@@ -366,7 +358,7 @@ async def test_the_usage_chunk_the_sidecar_added_is_cut_from_the_clients_stream(
     assert raw.received[-1].json["stream_options"] == {"include_usage": True}
 
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    rows = records(clients)
+    rows = records_of(clients.sidecar)
     assert [row["reason"] for row in rows] == ["admitted"] * 3
     assert all(row["actual_service_tokens"] == 9 + 4 * 3 for row in rows)  # from the usage chunk
 
@@ -491,7 +483,7 @@ async def test_a_stream_with_cr_line_ends_is_relayed_as_it_comes(
     gate.open.set()
     assert await response.read() == done  # the usage event cut, [DONE] relayed
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    (row,) = records(clients)
+    (row,) = records_of(clients.sidecar)
     assert (row["status_code"], row["reason"]) == (200, "admitted")
     assert row["actual_service_tokens"] == 9 + 4 * 3  # read from the CR-ended usage event
 
@@ -523,7 +515,7 @@ async def test_a_line_of_a_megabyte_is_relayed_intact_as_it_comes(
     gate.open.set()
     assert await response.read() == b"\n\n" + DONE
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    (row,) = records(clients)
+    (row,) = records_of(clients.sidecar)
     assert row["actual_service_tokens"] == 9 + 4 * 3
 
 
@@ -579,7 +571,7 @@ async def test_compressed_answers_the_sidecar_did_not_ask_for(
     assert (await response.json())["error"]["code"] == "upstream_error"
 
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    rows = records(clients)
+    rows = records_of(clients.sidecar)
     assert [(r["status_code"], r["reason"]) for r in rows] == [(200, "admitted")] * 5 + [
         (502, "upstream_error")
     ]
@@ -645,7 +637,7 @@ async def test_request_content_encoding(
 
     assert len(raw.received) == 2  # the refused ones never reached the upstream
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    assert [r["reason"] for r in records(clients)] == ["admitted"] * 2
+    assert [r["reason"] for r in records_of(clients.sidecar)] == ["admitted"] * 2
 
 
 # -- headers and messages --------------------------------------------------------------------------
@@ -780,7 +772,7 @@ async def test_an_upstream_head_or_body_too_large_is_502_recorded_and_dropped(
         async with asyncio.timeout(5):
             await raw.client_gone.wait()  # dropped, not read to the end
     await assert_next_request_served(clients)
-    outcomes = [(r["status_code"], r["reason"]) for r in records(clients)]
+    outcomes = [(r["status_code"], r["reason"]) for r in records_of(clients.sidecar)]
     assert outcomes == [(502, "upstream_too_large")] * 2 + [(200, "admitted")]
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
 
@@ -801,7 +793,7 @@ async def test_a_gzip_answer_decoding_past_the_buffer_cap_is_upstream_too_large(
     error = (await response.json())["error"]
     assert error["code"] == "upstream_too_large"
     await assert_next_request_served(clients)
-    outcomes = [(r["status_code"], r["reason"]) for r in records(clients)]
+    outcomes = [(r["status_code"], r["reason"]) for r in records_of(clients.sidecar)]
     assert outcomes == [(502, "upstream_too_large"), (200, "admitted")]
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
 
@@ -871,14 +863,14 @@ async def test_a_streaming_client_that_stops_reading_is_cut_and_its_slot_freed(
     try:
         writer.write(request_bytes(json.dumps(chat("endless", stream=True)).encode()))
         # ... and never read. The record appears once the sidecar gave up on this client.
-        assert await wait_for(lambda: bool(records(clients)), budget_s=30.0)
+        assert await wait_for(lambda: bool(records_of(clients.sidecar)), budget_s=30.0)
     finally:
         writer.close()
     async with asyncio.timeout(10):
         await raw.client_gone.wait()  # the upstream call was aborted too
     await assert_next_request_served(clients)
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    first = records(clients)[0]
+    first = records_of(clients.sidecar)[0]
     assert (first["status_code"], first["reason"]) == (499, "client_write_timeout")
 
 
@@ -977,10 +969,10 @@ async def test_a_client_that_stops_reading_near_the_end_is_cut_at_write_eof(
     _reader, writer = await client_socket(port)
     try:
         writer.write(request_bytes(json.dumps(body).encode()))  # ... and never read
-        assert await wait_for(lambda: bool(records(clients)), budget_s=30.0)
+        assert await wait_for(lambda: bool(records_of(clients.sidecar)), budget_s=30.0)
     finally:
         writer.close()
-    (first,) = records(clients)
+    (first,) = records_of(clients.sidecar)
     assert (first["status_code"], first["reason"]) == (499, "client_write_timeout")
     if backend == "openai":
         await assert_next_request_served(clients)
@@ -1016,7 +1008,7 @@ async def test_a_slow_reader_that_keeps_reading_is_not_cut(
     event = b"data: " + b"x" * 1992 + b"\n\n"
     assert dechunk(body) == event * 50 + DONE  # the whole stream, cleanly ended
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    (row,) = records(clients)
+    (row,) = records_of(clients.sidecar)
     assert (row["status_code"], row["reason"]) == (200, "admitted")
 
 
@@ -1231,7 +1223,7 @@ async def post_twice(clients: Clients) -> list[aiohttp.ClientResponse]:
 
 def one_record_each(clients: Clients, responses: list[aiohttp.ClientResponse]) -> list[Any]:
     """The records, asserted to be exactly one per response (joined by x-request-id)."""
-    rows = records(clients)
+    rows = records_of(clients.sidecar)
     assert [row["request_id"] for row in rows] == [r.headers["x-request-id"] for r in responses]
     return rows
 

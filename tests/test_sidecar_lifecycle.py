@@ -12,7 +12,6 @@ is served (one slot: a leak would block it) and the books return to zero.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from test_sidecar_support import (
     books_when_settled,
     completion_body,
     keyed_config,
+    records_of,
     start,
 )
 
@@ -39,7 +39,6 @@ from tokenfair_sidecar.server.lifecycle import (
     begin,
 )
 from tokenfair_sidecar.server.settings import SidecarSettings
-from tokenfair_sidecar.server.state import Sidecar
 
 
 def chat_request(request_id: str = "r-1", decode_tokens: int = 90) -> Request:
@@ -117,7 +116,7 @@ async def test_end_is_exactly_once(aiohttp_client: ClientFactory, tmp_path: Path
     assert refused.end(sidecar) == Outcome(400, "request_over_kv_capacity")
     assert refused.end(sidecar, Outcome(500, "internal_error")) == refused.outcome
     assert await books_when_settled(sidecar) == ZERO_BOOKS
-    rows = read_records(sidecar)
+    rows = records_of(sidecar)
     assert [(row["request_id"], row["status_code"]) for row in rows] == [("r-1", 200), ("r-2", 400)]
 
 
@@ -184,18 +183,10 @@ async def test_a_fault_anywhere_is_one_record_and_no_leak(
     assert faults == 1
     assert [r.status for r in responses] == [expected.status_code, 200]
     assert await books_when_settled(sidecar) == ZERO_BOOKS
-    rows = read_records(sidecar)
+    rows = records_of(sidecar)
     assert [row["request_id"] for row in rows] == [r.headers["x-request-id"] for r in responses]
     outcomes = [Outcome(row["status_code"], row["reason"]) for row in rows]
     assert outcomes == [expected, Outcome(200, "admitted")]
-
-
-def read_records(sidecar: Sidecar) -> list[dict[str, Any]]:
-    assert sidecar.recorder is not None
-    sidecar.recorder.flush()
-    path = sidecar.settings.records_path
-    assert path is not None
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
 def phase_of(lifecycle: Lifecycle) -> Phase:
@@ -250,7 +241,7 @@ async def test_a_refusal_that_cannot_be_answered_is_recorded_as_the_500_sent(
     assert third.status == 429
     assert (await third.json())["error"]["tokenfair_reason"] == "shed_tenant_token_quota"
     assert await books_when_settled(sidecar) == ZERO_BOOKS
-    rows = read_records(sidecar)
+    rows = records_of(sidecar)
     assert [row["request_id"] for row in rows] == [
         r.headers["x-request-id"] for r in (first, second, third)
     ]
@@ -280,7 +271,7 @@ async def test_a_request_reaching_admission_during_a_drain_is_a_recorded_503(
     waiting.left_queue(decision(499, "cancelled"))
     assert waiting.outcome_of(Outcome(503, "drain_aborted")) == Outcome(503, "drain_aborted")
     assert await books_when_settled(sidecar) == ZERO_BOOKS
-    rows = read_records(sidecar)
+    rows = records_of(sidecar)
     assert [(row["request_id"], row["status_code"], row["reason"]) for row in rows] == [
         ("r-1", 503, "draining")
     ]
@@ -314,7 +305,7 @@ async def test_a_core_that_cannot_dispatch_ends_its_queue_with_500s(
     assert response.status == 500
     assert (await response.json())["error"]["code"] == "internal_error"
     assert await books_when_settled(sidecar) == ZERO_BOOKS
-    rows = read_records(sidecar)
+    rows = records_of(sidecar)
     assert [(row["request_id"], row["status_code"], row["reason"]) for row in rows] == [
         (response.headers["x-request-id"], 500, "internal_error")
     ]

@@ -37,6 +37,7 @@ from test_sidecar_support import (
     Clients,
     books_when_settled,
     keyed_config,
+    records_of,
     start,
 )
 
@@ -59,15 +60,6 @@ MODELS = {
     "object": "list",
     "data": [{"id": "meta-llama/Llama-3-8B", "object": "model", "created": 1, "owned_by": "vllm"}],
 }
-
-
-def records_of(clients: Clients) -> list[dict[str, Any]]:
-    recorder = clients.sidecar.recorder
-    assert recorder is not None
-    recorder.flush()
-    path = clients.sidecar.settings.records_path
-    assert path is not None
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
 class FakeUpstream:
@@ -177,7 +169,7 @@ async def test_models_relayed_from_the_upstream_with_its_own_key(
     assert headers["Authorization"] == f"Bearer {UPSTREAM_KEY}"
     assert KEYS["tenant_batch_rag"] not in json.dumps(headers)
     assert clients.sidecar.tenant_counts == {}
-    assert not Path(tmp_path / "records.jsonl").exists() or not records_of(clients)
+    assert not Path(tmp_path / "records.jsonl").exists() or not records_of(clients.sidecar)
     # The key is nowhere in /status.
     status = await (await clients.admin.get("/status")).text()
     assert UPSTREAM_KEY not in status
@@ -269,7 +261,7 @@ async def test_costmodel_embeddings_cost_prefill_only_and_are_deterministic(
             assert len(vector) == 8
             assert math.isclose(math.fsum(v * v for v in vector), 1.0, rel_tol=1e-5)
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    rows = records_of(clients)
+    rows = records_of(clients.sidecar)
     assert [r["prefill_tokens"] for r in rows] == [3, 8, 4, 10]
     assert all(r["decode_tokens"] == 0 and r["actual_decode_tokens"] == 0 for r in rows)
     assert all(r["status_code"] == 200 for r in rows)
@@ -337,7 +329,7 @@ async def test_openai_embeddings_pass_through_and_settle_from_usage(
     # Not a stream (no include_usage spliced in): the body goes as the client sent it.
     assert json.loads(sent) == body
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    [row] = records_of(clients)
+    [row] = records_of(clients.sidecar)
     # Estimated ceil(80 / 4) = 20 prompt tokens + 2 inputs, decode 0; settled at the reported 11.
     assert (row["prefill_tokens"], row["decode_tokens"]) == (22, 0)
     assert row["actual_prefill_tokens"] == 11
@@ -369,7 +361,7 @@ async def test_token_id_prompts_count_one_token_per_id(
     # Two prompts of 2 and 1 IDs: 3 prompt tokens, each prompt generating its own 4 tokens.
     assert (await batch.json())["usage"]["prompt_tokens"] == 3
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    rows = records_of(clients)
+    rows = records_of(clients.sidecar)
     assert [(r["prefill_tokens"], r["decode_tokens"]) for r in rows] == [(3, 4), (3, 8)]
 
 

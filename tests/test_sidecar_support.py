@@ -4,8 +4,10 @@ free ports, and the books-are-zero check every fault test ends with."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from aiohttp.test_utils import TestClient
@@ -119,3 +121,13 @@ async def one_running_one_queued(
     )
     assert await wait_for(lambda: sidecar.scheduler.books().queued_requests == 1)
     return running, queued
+
+
+def records_of(sidecar: Sidecar) -> list[dict[str, Any]]:
+    """The sidecar's request records so far (flushed first), one dict per JSON line."""
+    recorder = sidecar.recorder
+    assert recorder is not None
+    recorder.flush()
+    path = sidecar.settings.records_path
+    assert path is not None
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
