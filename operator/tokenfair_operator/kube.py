@@ -1,19 +1,20 @@
 """Blocking Kubernetes I/O of the operator, with the official client (run in worker threads).
 
-Small on purpose: read a key Secret, publish a policy's ConfigMap and Secret (with the
-document's generation, :mod:`.documents`), patch a status subresource, review a sidecar's
-token (:mod:`.serve`), and (for admission, which must not trust a lagging watch) read a policy
-and list quotas as stored now. Writes are conditional on ``resourceVersion``; a lost race
-raises the client's ``ApiException`` with status 409, which the handlers turn into a quick
-retry. Every write first asks ``may_write`` (with leader election: whether this replica leads
-*now*, :class:`.leader.LeaderElector`) and raises :class:`NotLeader` instead of writing when
-it does not. Every call carries a request timeout: a hung API server fails a call, never
-holds a thread for good.
+Small on purpose: read a key Secret, publish a policy's ConfigMap and Secret (with the document's
+generation, :mod:`.documents`), patch a status subresource, and (for admission, which must not trust
+a lagging watch) read a policy and list quotas as stored now. GETs go over plain keep-alive HTTP
+where the configuration allows (:mod:`.leanhttp`: half the CPU per read). Writes are conditional on
+``resourceVersion``; a lost race raises the client's ``ApiException`` with status 409, which the
+handlers turn into a quick retry. Every write first asks ``may_write`` (with leader election:
+whether this replica leads *now*, :class:`.leader.LeaderElector`) and raises :class:`NotLeader`
+instead of writing when it does not. Every call carries a request timeout: a hung API server fails a
+call, never holds a thread for good.
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from .documents import (
     next_generation,
     parse_generation,
 )
+from .leanhttp import LeanGetter
 from .model import (
     CONFIG_KEY,
     GROUP,
@@ -99,6 +101,10 @@ class KubeApi:
         """Until when (monotonic seconds) the headers of :meth:`_auth_headers` hold."""
         self._core = client.CoreV1Api(api)
         self._custom = client.CustomObjectsApi(api)
+        self._lean = LeanGetter.from_configuration(
+            getattr(api, "configuration", None), API_TIMEOUT_S
+        )
+        """Plain keep-alive GETs for reads in bulk (:mod:`.leanhttp`); None: the client's."""
         self.may_write = may_write
         """Asked right before every write; the handlers set it to the elector's verdict."""
 
@@ -173,10 +179,26 @@ class KubeApi:
         return headers
 
     def _get_json(self, path: str, *, any_version: bool = False) -> dict[str, Any] | None:
-        """GET ``path`` as a plain dict (None: 404); any other failure raises ApiException."""
+        """GET ``path`` as a plain dict (None: 404); any other failure raises ApiException
+        (a transport failure too, as the client's own ``ApiException``). Through
+        :mod:`.leanhttp` when the configuration allows (half the operator's CPU per read)."""
         query = [("resourceVersion", "0")] if any_version else []
-        status, body = self._raw("GET", path, query=query)
-        return None if status == NOT_FOUND else body
+        lean = self._lean
+        if lean is None:
+            status, body = self._raw("GET", path, query=query)
+            return None if status == NOT_FOUND else body
+        headers = {"Accept": "application/json", **self._auth_headers()}
+        try:
+            code, reason, raw = lean.get(path, query, headers)
+        except (OSError, http.client.HTTPException) as exc:
+            raise ApiException(status=0, reason=f"GET {path} failed: {exc}") from exc
+        if code == NOT_FOUND:
+            return None
+        if not 200 <= code < 300:
+            error = ApiException(status=code, reason=reason)
+            error.body = raw.decode("utf-8", "replace")
+            raise error
+        return cast(dict[str, Any], json.loads(raw) if raw else {})
 
     def _raw(
         self,
