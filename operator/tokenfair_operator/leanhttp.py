@@ -18,6 +18,7 @@ from __future__ import annotations
 import http.client
 import ssl
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,14 @@ class LeanGetter:
     context: ssl.SSLContext | None
     timeout_s: float
     _local: threading.local = field(default_factory=threading.local)
+    _open: list[http.client.HTTPConnection] = field(default_factory=list)
+    """Every connection open now, whatever thread made it: closed by :meth:`close`, or when the
+    getter is collected (a thread's local slot dies with the thread; its socket must not be
+    left to the garbage collector, which warns about an unclosed socket)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        weakref.finalize(self, _close_all, self._open, self._lock)
 
     @classmethod
     def from_configuration(cls, configuration: Any, timeout_s: float) -> LeanGetter | None:
@@ -75,18 +84,22 @@ class LeanGetter:
                 response = connection.getresponse()
                 return response.status, response.reason, response.read()
             except (OSError, http.client.HTTPException):
-                connection.close()
-                self._local.connection = None
+                self._drop(connection)
                 if attempt == 2:
                     raise
         raise AssertionError("unreachable")
 
     def close(self) -> None:
-        """Close this thread's connection (others close with their threads' ends)."""
-        connection = getattr(self._local, "connection", None)
-        if connection is not None:
-            connection.close()
-            self._local.connection = None
+        """Close every connection (a later GET opens a new one)."""
+        _close_all(self._open, self._lock)
+        self._local = threading.local()
+
+    def _drop(self, connection: http.client.HTTPConnection) -> None:
+        connection.close()
+        self._local.connection = None
+        with self._lock:
+            if connection in self._open:
+                self._open.remove(connection)
 
     def _connection(self) -> http.client.HTTPConnection:
         connection: http.client.HTTPConnection | None = getattr(self._local, "connection", None)
@@ -100,4 +113,14 @@ class LeanGetter:
                     self.host, self.port, timeout=self.timeout_s
                 )
             self._local.connection = connection
+            with self._lock:
+                self._open.append(connection)
         return connection
+
+
+def _close_all(connections: list[http.client.HTTPConnection], lock: threading.Lock) -> None:
+    with lock:
+        closing = list(connections)
+        connections.clear()
+    for connection in closing:
+        connection.close()
