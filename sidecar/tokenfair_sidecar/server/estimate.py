@@ -325,6 +325,18 @@ def _batch(param: str, items: list[object]) -> None:
         )
 
 
+def _same_shape(param: str, items: list[object], kind: type, what: str) -> None:
+    """A batch of at most :data:`MAX_BATCH_INPUTS`, every element of ``kind`` as ``items[0]``
+    is; else an :class:`EstimateError` naming the first element that is not."""
+    _batch(param, items)
+    for index, item in enumerate(items):
+        if not isinstance(item, kind):
+            raise EstimateError(
+                param, f"{param}[{index}]: must be {what}, as {param}[0] is "
+                f"(got {type(item).__name__}); {_shapes(param)}",
+            )  # fmt: skip
+
+
 def _inputs(value: object, param: str = "prompt") -> tuple[int, int, int]:
     """``(characters, token IDs, prompts)`` of a legacy completions ``prompt`` (or an embeddings
     ``input``: ``param``): a string (one prompt), a list of strings (one prompt each), a list of
@@ -341,26 +353,13 @@ def _inputs(value: object, param: str = "prompt") -> tuple[int, int, int]:
         return 0, 0, 1
     first = value[0]
     if isinstance(first, str):
-        _batch(param, value)
-        chars = 0
-        for index, item in enumerate(value):
-            if not isinstance(item, str):
-                raise EstimateError(
-                    param, f"{param}[{index}]: must be a string, as {param}[0] is "
-                    f"(got {type(item).__name__}); {_shapes(param)}",
-                )  # fmt: skip
-            chars += len(item)
-        return chars, 0, len(value)
+        _same_shape(param, value, str, "a string")
+        return sum(map(len, value)), 0, len(value)
     if isinstance(first, list):
-        _batch(param, value)
-        tokens = 0
-        for index, item in enumerate(value):
-            if not isinstance(item, list):
-                raise EstimateError(
-                    param, f"{param}[{index}]: must be a list of token IDs, as {param}[0] is "
-                    f"(got {type(item).__name__}); {_shapes(param)}",
-                )  # fmt: skip
-            tokens += _token_ids(param, f"{param}[{index}]", item)
+        _same_shape(param, value, list, "a list of token IDs")
+        tokens = sum(
+            _token_ids(param, f"{param}[{index}]", item) for index, item in enumerate(value)
+        )
         return 0, tokens, len(value)
     return 0, _token_ids(param, param, value), 1
 
