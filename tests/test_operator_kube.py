@@ -311,8 +311,11 @@ def test_lesson_tenants_are_published(
     secret_config = published(kube_cluster, ns, "secrets")
     assert secret_config is not None
     assert secret_config.version == config.version
-    policy = get(kube_cluster, policy_path(ns))
-    assert policy is not None
+    # Statuses are written in the background after the publish, so wait for them to catch up.
+    policy = wait_for(
+        "the policy's status to name the published version",
+        lambda: _status_names(get(kube_cluster, policy_path(ns)), config.version),
+    )
     assert policy["status"]["observedGeneration"] == policy["metadata"]["generation"]
     assert (policy["status"]["tenants"], policy["status"]["configVersion"]) == (3, config.version)
     # No finalizer on anything: deletion never waits for the operator (helm uninstall removes
@@ -326,8 +329,11 @@ def test_lesson_tenants_are_published(
         policy["metadata"]["uid"],
         True,
     )
-    quotas = get(kube_cluster, quota_path(ns))
-    assert quotas is not None
+    quotas = wait_for(
+        "every quota's status to name the published version",
+        lambda: _statuses_name(get(kube_cluster, quota_path(ns)), config.version),
+    )
+    assert len(quotas["items"]) == 3
     for item in quotas["items"]:
         status = item["status"]
         assert status["configVersion"] == config.version
@@ -372,6 +378,22 @@ def test_update_and_delete_reach_the_configmap(
     kube_cluster.kubectl("delete", "tq", "batch-rag", "-n", ns)
     remaining = wait_for("2 tenants", lambda: _with_tenants(published(kube_cluster, ns), 2))
     assert {t.tenant_id for t in remaining.tenants} == {"tenant_chat_pro", "tenant_ide_assist"}
+
+
+def _status_names(obj: dict[str, Any] | None, version: str) -> dict[str, Any] | None:
+    """``obj`` once its status carries config ``version``, else None."""
+    if obj is None or obj.get("status", {}).get("configVersion") != version:
+        return None
+    return obj
+
+
+def _statuses_name(listing: dict[str, Any] | None, version: str) -> dict[str, Any] | None:
+    """``listing`` once every item's status carries config ``version``, else None."""
+    if listing is None or not listing["items"]:
+        return None
+    if any(_status_names(item, version) is None for item in listing["items"]):
+        return None
+    return listing
 
 
 def _weight(config: Config | None, tenant: str, weight: float) -> Config | None:
