@@ -11,6 +11,14 @@ Behaviours under test:
   the new certificate, which a client trusting only the old CA refuses; the sidecar re-reads
   its CA file and follows the new bundle without a restart; a certificate whose key does not
   match (files caught mid-update) is refused and the served one stays whole;
+- the two-phase rotation end to end (``CertKeeper`` over an in-memory Secret, its clock
+  injected): a sidecar whose CA file holds only the bundle published in the first phase (its
+  kubelet never refreshed it) polls without a single failure before, across and after the
+  switch of the served leaf, also on a new handshake with the new leaf; the switch is made by
+  a new keeper (a restarted operator) from what the first one stored in the Secret;
+- the sidecar reads its CA file through the kubelet's atomic ``..data`` symlink swap: a new
+  bundle (of several certificates) builds a new context, an unchanged one does not, one that
+  is no PEM is a failed poll;
 - on the plain port the config route is ``403`` (TLS only) before any token is looked at,
   unless the unsafe setting allows it; ``/metrics`` stays plain;
 - the sidecar refuses an ``http://`` URL unless ``$TOKENFAIR_CONFIG_INSECURE_HTTP=true``;
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import os
 import ssl
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -37,10 +46,11 @@ import pytest
 from aiohttp import web
 from kubecluster import KubeCluster, free_ports
 from kubernetes import config as kube_config
+from test_cert_rotation import Clock, FakeCluster
 from test_operator_kube import get, operator_kubeconfig
 from test_propagation import AUDIENCE, audience_token
 
-from tokenfair_operator.certs import ServingCerts, issue
+from tokenfair_operator.certs import RENEW_BEFORE, TRUST_SETTLE, VALIDITY, ServingCerts, issue
 from tokenfair_operator.documents import Document, DocumentStore
 from tokenfair_operator.metrics import OperatorMetrics
 from tokenfair_operator.model import PolicyView
@@ -206,6 +216,109 @@ async def test_a_rotation_is_served_at_once_and_followed_by_the_sidecar(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         store.publish(KEY, Document("v2", b"two", b"two"))  # ends the poll the server holds
+
+
+async def status_with(url: str, ca: bytes) -> int:
+    """A fresh client (a new handshake) trusting only ``ca``: the status it gets."""
+    context = ssl.create_default_context(cadata=ca.decode())
+    async with aiohttp.ClientSession() as session, session.get(url, ssl=context) as answer:
+        return answer.status
+
+
+async def test_a_sidecar_with_the_first_phases_bundle_polls_across_the_switch(
+    store: DocumentStore, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The stored pair has 29 days left: renewal is due. The keeper's clock starts at the
+    # machine's time (the TLS below checks dates by it) and then moves only when told.
+    clock = Clock(datetime.datetime.now(datetime.UTC))
+    old = issue(["localhost"], clock.now - VALIDITY + RENEW_BEFORE - datetime.timedelta(days=1))
+    cluster = FakeCluster(["localhost"])
+    cluster.store(old.as_secret_data())
+    folder = tmp_path / "certs"
+    assert (cluster.keeper(folder, clock).ensure() or "").startswith("published the next CA")
+    files = cluster.keeper(folder, clock).files
+    tls = ServingTLS(files.cert, files.key, files.ca)
+    # What the leader copies into the policies' ConfigMaps (`TrustPublisher.publish(tls.ca_pem)`)
+    # and the sidecar's kubelet projects once; never refreshed below.
+    published = tls.ca_pem
+    handshakes: list[str | None] = []
+    tls.server.sni_callback = lambda _sock, name, _ctx: handshakes.append(name)
+    async with Server(store, tls, False) as server:
+        healthz = server.url("/healthz")
+        assert await status_with(healthz, old.ca_pem) == 200  # phase 1: the old leaf served
+        delivered: list[str] = []
+        feed = feed_for(server.url(), tmp_path, published, delivered)
+        task = asyncio.create_task(feed.run())
+        try:
+            await until("v1 delivered", lambda: delivered == ["v1"] and feed.healthy())
+            # A restarted operator: a new keeper, only the Secret shared. A second early:
+            # nothing; at `settle`: the next leaf, loaded by the document server.
+            keeper = cluster.keeper(folder, clock)
+            clock.now += TRUST_SETTLE - datetime.timedelta(seconds=1)
+            assert keeper.ensure() is None
+            assert tls.reload() is False
+            clock.now += datetime.timedelta(seconds=1)
+            assert (keeper.ensure() or "").startswith("switched to the next certificate")
+            assert tls.reload() is True
+            # New handshakes get the new leaf: refused with only the old CA (a sidecar whose
+            # kubelet had projected only that would fail now: the window closed here).
+            with pytest.raises(aiohttp.ClientConnectorCertificateError):
+                await status_with(healthz, old.ca_pem)
+            assert await status_with(healthz, published) == 200
+            # The sidecar's connection closed by the server once its held poll is answered:
+            # its next poll is a new handshake, with the new leaf.
+            seen = len(handshakes)
+            runner = server.runner
+            assert runner is not None
+            assert runner.server is not None
+            for connection in runner.server.connections:
+                connection.close()
+            store.publish(KEY, Document("v2", b"two", b"two"))
+            await until("v2 delivered", lambda: delivered == ["v1", "v2"])
+            await until("a new handshake", lambda: len(handshakes) > seen)
+            store.publish(KEY, Document("v3", b"three", b"three"))
+            await until("v3 delivered", lambda: delivered == ["v1", "v2", "v3"] and feed.healthy())
+            assert (tmp_path / "sidecar-ca.crt").read_bytes() == published  # never refreshed
+            failed = [r for r in caplog.records if "long-poll" in r.getMessage()]
+            assert [r.getMessage() for r in failed if "failed" in r.getMessage()] == []
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            store.publish(KEY, Document("v4", b"four", b"four"))  # ends the poll held
+
+
+def project(volume: Path, version: int, bundle: bytes) -> None:
+    """What the kubelet does to a projected volume: the files into a new folder, then one
+    atomic rename of the ``..data`` symlink (``ca.crt`` points through it)."""
+    folder = volume / f"..{version}"
+    folder.mkdir(parents=True)
+    (folder / "ca.crt").write_bytes(bundle)
+    aside = volume / "..data_tmp"
+    aside.symlink_to(folder.name)
+    os.replace(aside, volume / "..data")
+    if not (volume / "ca.crt").is_symlink():
+        (volume / "ca.crt").symlink_to("..data/ca.crt")
+
+
+def test_the_sidecar_follows_the_kubelets_symlink_swap(tmp_path: Path) -> None:
+    volume = tmp_path / "volume"
+    first, second = issued(), issued()
+    project(volume, 1, first.ca_pem)
+    source = RemoteSource(
+        "https://localhost:1/v1/config/ns/pool", tmp_path / "t", volume / "ca.crt"
+    )
+    feed = RemoteFeed(source, lambda body, version, generation: None)
+    before = feed._ssl()
+    assert isinstance(before, ssl.SSLContext)
+    assert feed._ssl() is before  # unchanged: the same context (its connections reused)
+    project(volume, 2, first.ca_pem + second.ca_pem)  # a bundle of two CAs
+    after = feed._ssl()
+    assert isinstance(after, ssl.SSLContext)
+    assert after is not before
+    assert len(after.get_ca_certs()) == 2
+    project(volume, 3, b"not a bundle")
+    with pytest.raises(RuntimeError, match="not a PEM CA bundle"):
+        feed._ssl()
 
 
 async def test_files_that_do_not_match_leave_the_served_certificate(

@@ -8,8 +8,8 @@ memory) rather than by reading its fields back:
 - :func:`due` accepts a fresh pair and asks for a new one when none is stored, it is
   unreadable, its DNS names differ, or less than ``RENEW_BEFORE`` is left (the boundary to the
   second);
-- :func:`ca_bundle` after a rotation trusts servers with the old and the new certificate, and
-  drops a previous CA it cannot read;
+- ``Rotation.bundle`` after a rotation trusts servers with the old and the new certificate, and
+  leaves out a previous CA it cannot read;
 - ``ServingCerts`` round-trips through a Secret's data and reads an incomplete one as None.
 """
 
@@ -25,13 +25,16 @@ import pytest
 from tokenfair_operator.certs import (
     RENEW_BEFORE,
     VALIDITY,
+    Rotation,
     ServingCerts,
-    ca_bundle,
     due,
     issue,
 )
 
 NOW = datetime.datetime(2026, 11, 29, 12, 0, tzinfo=datetime.UTC)
+# A handshake checks validity against the real clock, so certificates that meet one are
+# issued from the clock, not from the fixed NOW (which would expire under the tests one day).
+CLOCK_NOW = datetime.datetime.now(datetime.UTC)
 NAMES = ("tokenfair-operator", "tokenfair-operator.tf.svc")
 
 
@@ -71,12 +74,12 @@ def handshake(server: ServingCerts, ca_pem: bytes, hostname: str) -> None:
 
 
 def test_issued_certificate_is_trusted_for_each_name_under_its_ca_only() -> None:
-    certs = issue(NAMES, NOW)
+    certs = issue(NAMES, CLOCK_NOW)
     for name in NAMES:
         handshake(certs, certs.ca_pem, name)
     with pytest.raises(ssl.SSLCertVerificationError, match="Hostname mismatch"):
         handshake(certs, certs.ca_pem, "somewhere-else.svc")
-    other = issue(NAMES, NOW)
+    other = issue(NAMES, CLOCK_NOW)
     with pytest.raises(ssl.SSLCertVerificationError, match="unable to get local issuer"):
         handshake(certs, other.ca_pem, NAMES[0])
 
@@ -108,14 +111,13 @@ def test_due_says_when_to_replace() -> None:
 
 
 def test_bundle_after_rotation_trusts_old_and_new_servers() -> None:
-    old, new = issue(NAMES, NOW), issue(NAMES, NOW)
-    bundle = ca_bundle(new, old)
+    old, new = issue(NAMES, CLOCK_NOW), issue(NAMES, CLOCK_NOW)
+    bundle = Rotation(new, previous_ca=old.ca_pem, previous_since=NOW).bundle()
     handshake(old, bundle, NAMES[0])
     handshake(new, bundle, NAMES[0])
-    assert ca_bundle(new, None) == new.ca_pem
-    assert ca_bundle(new, new) == new.ca_pem
-    unreadable = ServingCerts(b"junk", old.cert_pem, old.key_pem)
-    assert ca_bundle(new, unreadable) == new.ca_pem
+    assert Rotation(new).bundle() == new.ca_pem
+    assert Rotation(new, previous_ca=new.ca_pem, previous_since=NOW).bundle() == new.ca_pem
+    assert Rotation(new, previous_ca=b"junk", previous_since=NOW).bundle() == new.ca_pem
 
 
 def test_secret_data_round_trip() -> None:

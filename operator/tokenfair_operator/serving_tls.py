@@ -12,15 +12,21 @@ Sidecars trust the CA bundle, not the system store: :class:`TrustPublisher` writ
 ConfigMap :data:`TRUST_CONFIGMAP` (key ``ca.crt``, only public certificates) in each namespace
 that holds a SchedulingPolicy, as Istio's ``istio-ca-root-cert`` and Kubernetes'
 ``kube-root-ca.crt``; the injector projects it next to the ServiceAccount token
-(:mod:`.inject`), and the kubelet refreshes it there. The ConfigMap is owned by that namespace's
-policies (no ``controller``: nothing blocks), so the garbage collector removes it with the
-last one. Only the leader writes, asking right before each write; a write only where the
-bundle differs, and what was written is remembered, so a steady round costs nothing; every
-:data:`RECHECK_ROUNDS` rounds each namespace is read again (a deleted ConfigMap comes back).
+(:mod:`.inject`), and the kubelet refreshes it there, a minute or two later. So that this lag
+never fails a poll, the operator's own certificate rotates in two phases (:mod:`.certs`): the
+bundle holds the current and the next CA before the served leaf switches, and the previous CA
+for a while after. The ConfigMap is owned by that namespace's policies (no ``controller``:
+nothing blocks), so the garbage collector removes it with the last one. Only the leader
+writes, asking right before each write; a write only where the bundle differs, and what was
+written is remembered, so a steady round costs nothing; every :data:`RECHECK_ROUNDS` rounds
+each namespace is read again (a deleted ConfigMap comes back). :meth:`TrustPublisher.holding_since`
+tells the rotation since when every namespace's ConfigMap holds a CA (written, or read and
+found in line), so the leaf switches only once they all do.
 """
 
 from __future__ import annotations
 
+import datetime
 import ssl
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +46,13 @@ from .model import GROUP, VERSION, PolicyView
 MANAGED_BY: Final = {"app.kubernetes.io/managed-by": "tokenfair-operator"}
 RECHECK_ROUNDS: Final = 10
 """Rounds between reads of every namespace's ConfigMap (5 minutes at the 30 s resync)."""
+NO_NAMESPACE_SINCE: Final = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+"""What :meth:`TrustPublisher.holding_since` says when no namespace has a policy: no sidecar
+waits for a CA."""
+
+
+def utc_now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
 
 
 def _read(path: Path) -> bytes:
@@ -112,17 +125,45 @@ class TrustPublisher:
     """Writes the CA bundle into :data:`TRUST_CONFIGMAP` of each namespace given (blocking;
     called in a worker thread)."""
 
-    def __init__(self, api: Any, recheck_rounds: int = RECHECK_ROUNDS) -> None:
+    def __init__(
+        self,
+        api: Any,
+        recheck_rounds: int = RECHECK_ROUNDS,
+        clock: Callable[[], datetime.datetime] = utc_now,
+    ) -> None:
         self._core = client.CoreV1Api(api)
         self._written: dict[str, tuple[bytes, tuple[str, ...]]] = {}
         """namespace -> (bundle, owner uids) last written or found there."""
         self._recheck_rounds = recheck_rounds
         self._rounds = 0
+        self._clock = clock
+        self._held: dict[str, tuple[bytes, datetime.datetime]] = {}
+        """namespace -> (the bundle its ConfigMap holds, since when we know it does)."""
+        self._covered: frozenset[str] | None = None
+        """The namespaces of the last round, when it brought every one in line (else None)."""
+
+    def holding_since(self, ca_pem: bytes) -> datetime.datetime | None:
+        """Since when every policy namespace's ConfigMap holds the CA ``ca_pem``, as far as
+        this replica knows (from when it wrote it there, or first read it there); None when
+        one does not, or the last round did not reach every namespace (a failed write, not
+        the leader, none run yet)."""
+        covered, pem = self._covered, ca_pem.strip()
+        if covered is None or not pem:
+            return None
+        since = NO_NAMESPACE_SINCE
+        for namespace in covered:
+            held = self._held.get(namespace)
+            if held is None or pem not in held[0]:
+                return None
+            since = max(since, held[1])
+        return since
 
     def forget(self) -> None:
-        """Check every namespace again at the next :meth:`publish` (another leader may have
-        written meanwhile)."""
+        """Check every namespace again at the next :meth:`publish`, and confirm nothing held
+        until then (another leader may have written meanwhile)."""
         self._written.clear()
+        self._held.clear()
+        self._covered = None
 
     def publish(
         self,
@@ -136,24 +177,36 @@ class TrustPublisher:
         written: list[str] = []
         failure: Exception | None = None
         if not may_write():
+            self._covered = None
             return written
         self._rounds += 1
         if self._rounds % self._recheck_rounds == 0:
-            self.forget()
+            self._written.clear()  # read again; what is found in line keeps its time
+        covered: set[str] = set()
+        complete = True
         for namespace in sorted(policies):
             owners = tuple(sorted(p.uid for p in policies[namespace] if p.uid))
-            if not owners or self._written.get(namespace) == (bundle, owners):
+            if not owners:
+                continue
+            covered.add(namespace)
+            if self._written.get(namespace) == (bundle, owners):
                 continue
             try:
-                if self._ensure(namespace, bundle, policies[namespace], may_write):
+                wrote = self._ensure(namespace, bundle, policies[namespace], may_write)
+                if wrote:
                     written.append(namespace)
                 self._written[namespace] = (bundle, owners)
+                if wrote or self._held.get(namespace, (b"",))[0] != bundle:
+                    self._held[namespace] = (bundle, self._clock())
             except NotLeader:
                 self._written.pop(namespace, None)
+                complete = False
                 break  # stepped down: the new leader writes
             except Exception as exc:
                 self._written.pop(namespace, None)
+                complete = False
                 failure = failure or exc
+        self._covered = frozenset(covered) if complete else None
         if failure is not None:
             raise failure
         return written
