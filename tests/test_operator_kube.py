@@ -12,7 +12,8 @@ Behaviours under test:
   configVersion in every status; no finalizer, our annotations only, none of Kopf's defaults;
 - an update reaches the ConfigMap with a new version; a deleted quota leaves the document;
 - refusals: a duplicate tenant id, a missing policy, a missing key Secret -> the documented
-  reasons and a Warning Event; creating the Secret later admits the tenant with its key digest;
+  reasons and a Warning Event; creating the Secret later admits the tenant with its key digest,
+  and rotating its key has the resync publish the new digest alone;
 - deleting the policy marks its quotas PolicyNotFound and garbage-collects the documents;
 - replica-aware budgets: with two Ready sidecar Pods of the policy the document holds half of
   each budget; one turning unready restores the whole;
@@ -56,7 +57,7 @@ import yaml
 from kubecluster import KubeCluster, free_ports, stop_process
 from kubernetes.client import ApiException
 
-from tokenfair_operator.certs import ServingCerts, due, issue
+from tokenfair_operator.certs import Rotation, ServingCerts, due, issue
 from tokenfair_operator.kube import NotLeader
 from tokenfair_operator.webhook_certs import CertKeeper
 from tokenfair_sidecar.config import (
@@ -462,6 +463,23 @@ def test_refusals_have_reasons_and_events(
     without_keys = published(kube_cluster, ns)
     assert without_keys is not None
     assert without_keys.tenant("keyed").api_key_sha256 == ()
+
+    # The key is rotated (the old one revoked): the resync's re-read, from the API server's
+    # watch cache at a fresh resourceVersion, publishes the new digest alone.
+    rotated = {"stringData": {"primary": "sk-keyed-2"}}
+    kube_cluster.request(
+        "PATCH",
+        f"/api/v1/namespaces/{ns}/secrets/keyed-keys",
+        rotated,
+        content_type="application/merge-patch+json",
+    )
+    new_digest = (hashlib.sha256(b"sk-keyed-2").hexdigest(),)
+
+    def rotated_key() -> bool:
+        document = published(kube_cluster, ns, "secrets")
+        return document is not None and document.tenant("keyed").api_key_sha256 == new_digest
+
+    wait_for("the rotated key published", rotated_key)
 
 
 def test_deleting_the_policy_orphans_its_quotas(
@@ -902,11 +920,15 @@ def test_own_certificate_is_issued_rotated_and_trusted_by_the_api_server(
 ) -> None:
     ns = kube_namespace
     (port,) = free_ports(1)
-    # An expiring pair already stored (10 days left of 90, under the 30-day margin): the
-    # operator must replace it, and keep trusting its CA in the bundle for the switch-over.
+    # An expiring pair already stored (10 days left of 90, under the 30-day margin), with the
+    # next pair whose CA was published an hour ago (the first phase of the two-phase rotation,
+    # `certs.advance`): the operator must switch to the next pair at once, and keep trusting
+    # the expiring pair's CA in the bundle for the switch-over.
     now = datetime.datetime.now(datetime.UTC)
     expiring = issue(("localhost",), now - datetime.timedelta(days=80))
-    data = {k: base64.b64encode(v).decode() for k, v in expiring.as_secret_data().items()}
+    upcoming = issue(("localhost",), now)
+    stored = Rotation(expiring, upcoming, now - datetime.timedelta(hours=1))
+    data = {k: base64.b64encode(v).decode() for k, v in stored.as_secret_data().items()}
     secret = {"metadata": {"name": OWN_CERT_SECRET}, "data": data}
     kube_cluster.expect(201, "POST", f"/api/v1/namespaces/{ns}/secrets", secret)
     config_path = f"{ADMISSION}/validatingwebhookconfigurations/tokenfair.io"
@@ -936,6 +958,7 @@ def test_own_certificate_is_issued_rotated_and_trusted_by_the_api_server(
                 return certs if certs is not None and certs != expiring else None
 
             fresh = wait_for("a new certificate in the Secret", rotated)
+            assert fresh == upcoming
             assert due(fresh, ("localhost",), now) is None
             # The bundle: the new CA first, then the replaced one.
             bundle = base64.b64encode(fresh.ca_pem + expiring.ca_pem).decode()

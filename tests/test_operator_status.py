@@ -17,7 +17,13 @@ Behaviours under test (pure functions, called directly):
   newest pass's, over its resourceVersion) and a quota deleted meanwhile is never written; a
   snapshot older than our own write (a lagging watch) makes no second write; ``NotLeader``
   drops every queued write; a 409 drops the write and brings one more pass, which writes over
-  the newer resourceVersion.
+  the newer resourceVersion;
+- what the reconciler keeps per object and per policy is pruned on churn: policies and quotas
+  coming and going for 12 rounds leave exactly what exists in every table (nothing once all is
+  gone), a resync read racing a deletion and a status write landing after its quota left are
+  not kept; the handlers' recorded generations go with objects no index holds;
+- a pass reads new key Secrets from the watch cache as it is, the resync's re-read at the
+  resourceVersion of etcd now (quorum reads when that cannot be had).
 """
 
 from __future__ import annotations
@@ -27,8 +33,9 @@ import dataclasses
 import hashlib
 import logging
 import threading
-from typing import Any
+from typing import Any, cast
 
+import kopf
 import pytest
 from kubernetes.client import ApiException
 
@@ -37,6 +44,7 @@ from tokenfair_operator import (
     PolicyView,
     QuotaView,
     conditions_for,
+    handlers,
     policy_status,
     quota_status,
     reconcile,
@@ -44,6 +52,7 @@ from tokenfair_operator import (
     split_budgets,
 )
 from tokenfair_operator.kube import NotLeader
+from tokenfair_operator.model import SidecarView
 from tokenfair_operator.reconcile import Reconciler
 from tokenfair_operator.status import differs, orphan_verdict
 from tokenfair_sidecar.config import TenantConfig, document_text, loads_config
@@ -195,6 +204,10 @@ class FakeApi:
         """Names whose next quota status write is a 409."""
         self.published: list[str] = []
         self.key_reads: list[str] = []
+        self.read_versions: list[str] = []
+        """The resourceVersion of each bulk key read: "0" the watch cache, "" quorum."""
+        self.version: str | None = "100"
+        """What ``fresh_version`` answers (None: it fails)."""
         self.stored_keys: dict[str, tuple[str, ...]] = {}
         """What ``published_keys`` answers: the document stored in the policy's Secret."""
         self.writes: list[tuple[str, str, str, dict[str, Any]]] = []
@@ -206,6 +219,17 @@ class FakeApi:
     def key_hashes(self, namespace: str, name: str, fresh: bool = False) -> tuple[str, ...]:
         self.key_reads.append(name)
         return (hashlib.sha256(name.encode()).hexdigest(),)
+
+    def key_hashes_many(
+        self, secrets: list[tuple[str, str]], resource_version: str = "0"
+    ) -> list[tuple[str, ...]]:
+        self.read_versions.append(resource_version)
+        return [self.key_hashes(ns, name) for ns, name in secrets]
+
+    def fresh_version(self, namespace: str, probe: str) -> str:
+        if self.version is None:
+            raise ApiException(status=403, reason="Forbidden")
+        return self.version
 
     def published_keys(self, policy: PolicyView) -> dict[str, tuple[str, ...]]:
         return self.stored_keys
@@ -368,6 +392,59 @@ async def test_a_conflict_drops_the_write_and_asks_for_one_more_pass(
         await reconciler.close()
 
 
+async def test_drain_waits_for_writes_queued_as_the_last_one_finishes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The interleaving that once made the test above miss q1's second write: the pass after
+    q1's conflict runs while q2 is being written and resumes from its last call in the same
+    loop step as q2's write finishes. It queues q1's write and ends (leaving ``_retries``)
+    after the queue's count of unfinished writes reached zero (which woke ``drain()``) but
+    before ``drain()`` resumed: ``drain()`` must still wait for that write. Forced on the
+    loop (the API calls run inline, two events order them), with no timing involved."""
+    monkeypatch.setattr(reconcile, "CONFLICT_DELAY_S", 0.0)
+    api = FakeApi()
+    api.conflicts = {"q1"}
+    # One writer, unpaced: q0, then q1 (the 409), then q2, in order.
+    reconciler = Reconciler(  # type: ignore[arg-type]
+        api, clock=lambda: T1, status_concurrency=1, status_writes_per_second=float("inf")
+    )
+    world = [keyed_quota(i) for i in range(3)]
+    passes = 0
+    retry_publishing = asyncio.Event()
+    publish_may_finish = asyncio.Event()
+
+    async def call(fn: Any, *args: Any) -> Any:
+        """The API call inline (on the loop); the retry pass's publish waits until q2's write
+        lets it finish, and q2's write waits until the retry pass is publishing."""
+        if fn == api.publish_document and passes == 2:
+            retry_publishing.set()
+            await publish_may_finish.wait()
+        if fn == api.patch_status and args[2] == "q2":
+            await retry_publishing.wait()
+            publish_may_finish.set()  # both resume in the step of q2's last task_done()
+        return fn(*args)
+
+    monkeypatch.setattr(reconciler, "_call", call)
+
+    def snapshot() -> tuple[list[PolicyView], list[QuotaView], list[Any]]:
+        nonlocal passes
+        passes += 1
+        if passes == 1:
+            return [policy()], world, []
+        return [policy()], [world[0], keyed_quota(1, rv="5"), world[2]], []
+
+    try:
+        await reconciler.request(POOL, snapshot, LOG)
+        await reconciler.drain()
+
+        assert passes == 2
+        assert not reconciler._retries  # the pass after the conflict is over...
+        assert len(reconciler.statuses) == 0  # ...and drain() waited for its write
+        assert api.quota_writes() == [("q0", "1"), ("q2", "1"), ("q1", "5")]
+    finally:
+        await reconciler.close()
+
+
 async def test_a_cold_cache_starts_from_the_stored_document() -> None:
     api = FakeApi()
     quotas = [keyed_quota(i) for i in range(4)]
@@ -396,3 +473,137 @@ async def test_a_cold_cache_starts_from_the_stored_document() -> None:
     again = second.documents.get(POOL)
     assert again is not None
     assert again.version == document.version  # the same digests: the same document
+
+
+# --- What the reconciler keeps per object and per policy: pruned on churn. ---
+
+
+def policy_named(name: str) -> PolicyView:
+    return PolicyView(name, "ns", f"pu-{name}", 1, T1, {})
+
+
+def member(i: int, policy_name: str, secret: str | None = None) -> QuotaView:
+    """Quota ``q<i>`` of ``policy_name`` (a uid of its own) with key Secret ``secret``."""
+    spec = {**SPEC, "policyName": policy_name, "apiKeySecretRef": {"name": secret or f"key-{i}"}}
+    return QuotaView(f"q{i}", "ns", f"uid-{i}", 1, T1, spec, resource_version="1")
+
+
+def kept(reconciler: Reconciler) -> dict[str, int]:
+    """How many entries each of the reconciler's per-object and per-policy tables holds."""
+    tables = ("_locks", "_replicas", "_requested", "_served", "_written", "_keys", "_seeded",
+              "_unprotected", "_snapshots", "_conflicts", "_retries", "_members", "_key_refs",
+              "_key_users", "_waiting", "_gone")  # fmt: skip
+    return {name: len(getattr(reconciler, name)) for name in tables}
+
+
+async def test_churned_objects_leave_nothing_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Policies and quotas come and go (with key Secrets, statuses, an unprotected Pod, rollout
+    gauges): the reconciler's tables hold what exists now, and nothing once it is all gone."""
+    monkeypatch.setattr(kopf, "warn", lambda *_, **__: None)  # the unprotected Pod's Event
+    api = FakeApi()
+    reconciler = Reconciler(api)  # type: ignore[arg-type]
+    stay = ("ns", "stay")
+    uninjected = SidecarView(ready=True, address=None, name="pod-0", injected=False)
+    try:
+        for round_ in range(12):
+            # One policy that stays, its quotas replaced every round (new uids and Secrets)...
+            stay_quotas = [member(1000 * round_ + i, "stay") for i in range(5)]
+            await reconciler.reconcile(stay, [policy_named("stay")], stay_quotas, LOG)
+            # ...and one that lives for this round only, through request() (tickets, lock).
+            key = ("ns", f"short-{round_}")
+            short = policy_named(key[1])
+            quotas = [member(1000 * round_ + 100 + i, key[1]) for i in range(5)]
+            world: list[Any] = [[short], quotas, [uninjected]]
+
+            def snapshot(w: list[Any] = world) -> Any:
+                return tuple(w)
+
+            await reconciler.request(key, snapshot, LOG)
+            await reconciler.write_rollout(key, short, 1, [])
+            await reconciler.drain()
+            await reconciler.refresh_keys([*stay_quotas, *quotas])
+            assert len(reconciler._written) == 2 + 5 + 5  # two policies and their quotas
+
+            world[1] = quotas[:2]  # three quotas deleted
+            await reconciler.request(key, snapshot, LOG)
+            await reconciler.drain()
+            world[:] = [[], [], []]  # the policy, its quotas and the Pod gone
+            await reconciler.request(key, snapshot, LOG)
+            # The resync's re-read runs outside the lock: a Secret read for a quota deleted
+            # meanwhile is not kept.
+            await reconciler.refresh_keys(quotas)
+            await reconciler.drain()
+
+            assert kept(reconciler) == {
+                "_locks": 1, "_replicas": 1, "_requested": 0, "_served": 0, "_written": 6,
+                "_keys": 5, "_seeded": 1, "_unprotected": 1, "_snapshots": 0, "_conflicts": 0,
+                "_retries": 0, "_members": 1, "_key_refs": 1, "_key_users": 5, "_waiting": 0,
+                "_gone": 0,
+            }  # fmt: skip
+            assert set(reconciler._keys) == {("ns", str(q.key_secret)) for q in stay_quotas}
+            assert set(reconciler._written) == {"pu-stay", *(q.uid for q in stay_quotas)}
+            assert f'policy="{key[1]}"' not in reconciler.metrics.exposition().decode()
+
+        await reconciler.reconcile(stay, [], [], LOG)  # the last policy gone too
+        assert kept(reconciler) == dict.fromkeys(kept(reconciler), 0)
+    finally:
+        await reconciler.close()
+
+
+async def test_a_status_written_after_its_quota_left_is_not_kept() -> None:
+    api = FakeApi()
+    api.gate.clear()
+    reconciler = Reconciler(api, status_concurrency=1)  # type: ignore[arg-type]
+    quotas = [keyed_quota(i) for i in range(2)]
+    try:
+        await reconciler.reconcile(POOL, [policy()], quotas, LOG)
+        await asyncio.sleep(0)  # the one worker takes q0 and waits at the gate
+        await reconciler.reconcile(POOL, [policy()], quotas[1:], LOG)  # q0 deleted
+        api.gate.set()
+        await reconciler.drain()
+
+        assert ("q0", "1") in api.quota_writes()  # it was on its way
+        assert set(reconciler._written) == {"pu", "uid-1"}
+    finally:
+        await reconciler.close()
+
+
+async def test_the_resync_reads_key_secrets_as_of_now_the_pass_from_the_cache() -> None:
+    """A pass reads new key Secrets from the watch cache as it is ("0"); the resync's re-read
+    at the resourceVersion of etcd now (or by quorum reads, "", when that cannot be had)."""
+    api = FakeApi()
+    reconciler = Reconciler(api)  # type: ignore[arg-type]
+    quotas = [keyed_quota(i) for i in range(3)]
+    try:
+        await reconciler.reconcile(POOL, [policy()], quotas, LOG)
+        await reconciler.reconcile(POOL, [policy()], quotas, LOG)  # all cached: no read
+        assert api.read_versions == ["0"]
+        assert not await reconciler.refresh_keys(quotas)
+        api.version = None
+        assert not await reconciler.refresh_keys(quotas)
+        assert api.read_versions == ["0", "100", ""]
+        assert api.key_reads == [f"key-{i}" for i in range(3)] * 3
+    finally:
+        await reconciler.close()
+
+
+def test_generations_of_objects_no_index_holds_are_forgotten() -> None:
+    """The generations the event handlers record (to skip our own status writes' events) go
+    with the DELETED event, and, for a deletion whose event never came, at the next resync
+    round: only objects an index still holds keep theirs."""
+
+    def body(uid: str) -> kopf.Body:
+        raw: dict[str, Any] = {"metadata": {"uid": uid, "generation": 1}}
+        return kopf.Body(cast(Any, raw))
+
+    memo = kopf.Memo()
+    for uid in ("pu", "uid-1", "uid-2", "uid-3"):
+        assert handlers._news(memo, "ADDED", body(uid))
+    assert not handlers._news(memo, "MODIFIED", body("uid-1"))  # our own status write's event
+    assert handlers._news(memo, "DELETED", body("uid-3"))
+    policies = {("ns", "pool"): [policy()]}
+    quotas = {("ns", "pool"): [keyed_quota(1)]}  # uid-2 deleted, its DELETED event missed
+
+    handlers._prune_generations(memo, policies, quotas)  # type: ignore[arg-type]
+
+    assert set(memo[handlers.GENERATIONS]) == {"pu", "uid-1"}

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -64,6 +65,7 @@ from aiohttp import web
 from tokenfair_sidecar.config import ConfigError, parse_policy
 
 from .admission import quota_refusal
+from .certs import Reached, trust_settle
 from .inject import (
     ADMIN_PORT,
     ADMIN_PORT_ANNOTATION,
@@ -92,6 +94,7 @@ SERVER = "server"
 ELECTOR = "elector"
 GENERATIONS = "generations"
 KEEPER = "cert_keeper"
+TRUST = "trust_publisher"
 CERT_WAIT_S = 2.0
 """A standby starting before the leader issued the certificate looks again this often."""
 CONFLICT_RETRIES = 3
@@ -166,7 +169,8 @@ async def _serve(
         app, CONFIG.http_addr, CONFIG.http_port, CONFIG.https_port, context
     )
     if tls is not None:
-        job = _tls_job(memo, logger, indexes, tls, TrustPublisher(api))
+        memo[TRUST] = publisher = TrustPublisher(api)  # the rotation asks it (_reached)
+        job = _tls_job(memo, logger, indexes, tls, publisher)
         try:
             await job()  # the CA out to the policies' namespaces before the first resync ends
         except Exception:
@@ -211,7 +215,7 @@ def _tls_job(
         if isinstance(keeper, CertKeeper) and not leads:
             await asyncio.to_thread(keeper.follow)
         if await asyncio.to_thread(tls.reload):
-            logger.info("document server: serving a new certificate")
+            logger.info("document server: new certificate or CA bundle loaded")
         if leads and not led:
             publisher.forget()
         led = leads
@@ -276,6 +280,10 @@ async def _own_certificates(
         CONFIG.webhook_configurations,
         Path(CONFIG.webhook_cert_dir),
         may_write=lambda: _leads(memo),  # asked before each of its writes
+        # A next CA is published this long before its leaf is served (.certs: two phases),
+        # counted from when every policy namespace's ConfigMap holds it, when they hold ours.
+        settle=trust_settle(datetime.timedelta(seconds=CONFIG.resync_interval_s)),
+        reached=_reached(memo) if CONFIG.https_port is not None and not CONFIG.https_ca else None,
     )
     memo[KEEPER] = keeper
 
@@ -290,7 +298,7 @@ async def _own_certificates(
             await asyncio.to_thread(keeper.follow)
             return
         if reason is not None:
-            logger.info(f"issued a new webhook certificate: {reason}")
+            logger.info(f"webhook certificate: {reason}")
 
     await renew()
     while not keeper.files.cert.exists():  # a standby before the leader's first issue
@@ -301,6 +309,17 @@ async def _own_certificates(
     return dataclasses.replace(
         CONFIG, webhook_cert=str(files.cert), webhook_key=str(files.key), webhook_ca=str(files.ca)
     )
+
+
+def _reached(memo: kopf.Memo) -> Reached:
+    """Since when the policies' ConfigMaps hold a CA, as this replica's publisher saw them
+    (:meth:`.TrustPublisher.holding_since`); None before it ran as the leader."""
+
+    def reached(ca_pem: bytes) -> datetime.datetime | None:
+        publisher = memo.get(TRUST)
+        return publisher.holding_since(ca_pem) if isinstance(publisher, TrustPublisher) else None
+
+    return reached
 
 
 @kopf.on.cleanup()
@@ -495,10 +514,11 @@ def _resync_job(memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]
     left behind (a quota of a vanished policy included). One policy failing skips only itself."""
 
     async def resync() -> None:
-        if not _leads(memo):
-            return
         policies: PolicyIndex = indexes["policies_by_name"]
         quotas: QuotaIndex = indexes["quotas_by_policy"]
+        _prune_generations(memo, policies, quotas)
+        if not _leads(memo):
+            return
         for key in sorted({*policies, *quotas}):
             try:
                 # The pass first, from the key cache (a new leader's seeded from the stored
@@ -514,6 +534,20 @@ def _resync_job(memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]
                     logger.exception(f"resync of {key[0]}/{key[1]} failed, retried next round")
 
     return resync
+
+
+def _prune_generations(memo: kopf.Memo, policies: PolicyIndex, quotas: QuotaIndex) -> None:
+    """Forget the generations :func:`_news` recorded of objects no index holds any more (on
+    every replica): a deletion whose DELETED event never came (one missed while a watch was
+    re-established) leaves nothing behind. Kopf updates an index before it calls the event's
+    handlers, so a live object's entry is never dropped (if it were, its next event would
+    only cost one more pass)."""
+    seen: dict[str, tuple[int, bool]] | None = memo.get(GENERATIONS)
+    if not seen:
+        return
+    live = {view.uid for index in (policies, quotas) for key in index for view in index[key]}
+    for uid in [uid for uid in seen if uid not in live]:
+        del seen[uid]
 
 
 def _usage_job(memo: kopf.Memo, logger: kopf.Logger, indexes: Mapping[str, Any]) -> Job:

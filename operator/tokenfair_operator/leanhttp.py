@@ -11,18 +11,42 @@ verification when the configuration turns it off), a client certificate, and the
 the caller passes (the client's own, refreshed as the client refreshes them). A configuration
 this does not cover (a proxy, a TLS server name or hostname override) gets no getter:
 :meth:`LeanGetter.from_configuration` returns None and the caller keeps using the client.
+
+Reads in bulk (:meth:`LeanGetter.get_many`) are **pipelined**: up to :data:`PIPELINE_DEPTH` GETs
+are written on one connection before their answers are read (HTTP/1.1 allows it for safe
+methods; Go's server answers them in order), over a raw socket with a minimal response parser
+(``http.client`` parses every header block with the ``email`` package and allows one request
+at a time). On the test control plane, 10,000 key Secret reads from the watch cache: ~0.47 ms
+of the operator's CPU and ~0.45 ms of the API server's per read one at a time over 16 threads
+(with asyncio's hand-off per read), ~0.05 ms and ~0.23-0.30 ms pipelined over 4 connections
+(the reconciler's chunks of 250, :mod:`.reconcile`). A connection is taken by one call at a time
+and kept open for the next (as many stay open as calls ran at once).
 """
 
 from __future__ import annotations
 
 import http.client
+import socket
 import ssl
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 from urllib.parse import urlencode, urlsplit
+
+PIPELINE_DEPTH: Final = 16
+"""GETs :meth:`LeanGetter.get_many` keeps written ahead of their answers on one connection: the
+API server always has the next request buffered (no round trip between two reads), while the
+requests written ahead stay far below a socket buffer (no deadlock with a large answer)."""
+MAX_HEAD_BYTES: Final = 1 << 16
+"""An answer's status line and headers must fit in this (the API server's take ~300 bytes)."""
+MAX_BODY_BYTES: Final = 64 << 20
+"""An answer's body must fit in this (a Secret holds 1 MiB of data at most)."""
+
+
+class ProtocolError(http.client.HTTPException):
+    """An answer :class:`_Pipe` could not parse (the connection is dropped)."""
 
 
 @dataclass
@@ -40,9 +64,14 @@ class LeanGetter:
     getter is collected (a thread's local slot dies with the thread; its socket must not be
     left to the garbage collector, which warns about an unclosed socket)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _pipes: list[_Pipe] = field(default_factory=list)
+    """Every pipelined connection open now (:meth:`get_many`), closed as ``_open`` is."""
+    _idle: list[_Pipe] = field(default_factory=list)
+    """Pipelined connections no call uses now: as many stay open as calls ran at once."""
 
     def __post_init__(self) -> None:
         weakref.finalize(self, _close_all, self._open, self._lock)
+        weakref.finalize(self, _close_all, self._pipes, self._lock)
 
     @classmethod
     def from_configuration(cls, configuration: Any, timeout_s: float) -> LeanGetter | None:
@@ -89,10 +118,74 @@ class LeanGetter:
                     raise
         raise AssertionError("unreachable")
 
+    def get_many(
+        self, targets: Sequence[str], headers: Mapping[str, str], depth: int = PIPELINE_DEPTH
+    ) -> list[tuple[int, bytes]]:
+        """``(status, body)`` of ``GET target`` for each of ``targets`` (a path with its query,
+        already encoded), in order, pipelined over a raw keep-alive connection of its own (an
+        idle one, else a new one) with up to ``depth`` GETs written ahead. A connection the
+        server closes (by ``Connection: close``, or dropped) is replaced and the unanswered
+        GETs are sent again (a GET is safe to repeat); failing twice in a row on the same GET
+        raises (``OSError``, ``http.client.HTTPException``)."""
+        default_port = 443 if self.scheme == "https" else 80
+        host = self.host if self.port == default_port else f"{self.host}:{self.port}"
+        lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+        tail = f" HTTP/1.1\r\nHost: {host}\r\n{lines}\r\n"
+        answers: list[tuple[int, bytes]] = []
+        failed_at = -1
+        while len(answers) < len(targets):
+            pipe = self._take_pipe()
+            sent = len(answers)
+            closing = False
+            try:
+                while len(answers) < len(targets):
+                    if sent - len(answers) <= depth // 2 and sent < len(targets):
+                        upto = min(len(targets), len(answers) + depth)
+                        pipe.send("".join(f"GET {t}{tail}" for t in targets[sent:upto]).encode())
+                        sent = upto
+                    status, body, closing = pipe.answer()
+                    answers.append((status, body))
+                    if closing:  # what was written after it is sent again on a new one
+                        break
+            except (OSError, http.client.HTTPException):
+                self._drop_pipe(pipe)
+                if failed_at == len(answers):
+                    raise
+                failed_at = len(answers)
+                continue
+            if closing:
+                self._drop_pipe(pipe)
+            else:
+                self._give_back(pipe)
+        return answers
+
     def close(self) -> None:
         """Close every connection (a later GET opens a new one)."""
         _close_all(self._open, self._lock)
+        _close_all(self._pipes, self._lock)
+        with self._lock:
+            self._idle.clear()
         self._local = threading.local()
+
+    def _take_pipe(self) -> _Pipe:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        pipe = _Pipe.open(self.host, self.port, self.context, self.timeout_s)
+        with self._lock:
+            self._pipes.append(pipe)
+        return pipe
+
+    def _give_back(self, pipe: _Pipe) -> None:
+        with self._lock:
+            if pipe in self._pipes:  # not closed by close() meanwhile
+                self._idle.append(pipe)
+
+    def _drop_pipe(self, pipe: _Pipe) -> None:
+        pipe.close()
+        with self._lock:
+            if pipe in self._pipes:
+                self._pipes.remove(pipe)
 
     def _drop(self, connection: http.client.HTTPConnection) -> None:
         connection.close()
@@ -118,7 +211,115 @@ class LeanGetter:
         return connection
 
 
-def _close_all(connections: list[http.client.HTTPConnection], lock: threading.Lock) -> None:
+class _Pipe:
+    """One raw keep-alive connection (TLS when ``context``) that writes requests as given and
+    reads answers one by one: status line, headers, a body by ``Content-Length`` or chunked
+    (or up to the close, for an answer that says neither)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buffer = bytearray()
+
+    @classmethod
+    def open(cls, host: str, port: int, context: ssl.SSLContext | None, timeout_s: float) -> _Pipe:
+        sock = socket.create_connection((host, port), timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if context is not None:
+                sock = context.wrap_socket(sock, server_hostname=host)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
+
+    def send(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def answer(self) -> tuple[int, bytes, bool]:
+        """The next answer: ``(status, body, the server closes the connection after it)``."""
+        buffer = self._buffer
+        while (end := buffer.find(b"\r\n\r\n")) < 0:
+            if len(buffer) > MAX_HEAD_BYTES:
+                raise ProtocolError("an answer's headers are too long")
+            self._fill()
+        head = bytes(buffer[:end]).split(b"\r\n")
+        del buffer[: end + 4]
+        version, _, rest = head[0].partition(b" ")
+        try:
+            status = int(rest[:3])
+        except ValueError:
+            raise ProtocolError(f"not an HTTP status line: {head[0][:60]!r}") from None
+        length: int | None = None
+        chunked = False
+        closing = version == b"HTTP/1.0"
+        for line in head[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+            elif name == b"connection":
+                closing = b"close" in value.lower()
+        if status in (204, 304) or 100 <= status < 200:
+            return status, b"", closing
+        if chunked:
+            return status, self._chunked(), closing
+        if length is None:  # the body runs to the close
+            while self._fill(eof_ok=True):
+                if len(buffer) > MAX_BODY_BYTES:
+                    raise ProtocolError("an answer's body is too large")
+            body = bytes(buffer)
+            buffer.clear()
+            return status, body, True
+        if length > MAX_BODY_BYTES:
+            raise ProtocolError("an answer's body is too large")
+        while len(buffer) < length:
+            self._fill()
+        body = bytes(buffer[:length])
+        del buffer[:length]
+        return status, body, closing
+
+    def _chunked(self) -> bytes:
+        buffer = self._buffer
+        body = bytearray()
+        while True:
+            while (end := buffer.find(b"\r\n")) < 0:
+                self._fill()
+            try:
+                size = int(bytes(buffer[:end]).split(b";")[0], 16)
+            except ValueError:
+                raise ProtocolError("a malformed chunk size") from None
+            del buffer[: end + 2]
+            if size == 0:  # trailers (none from the API server) end with an empty line
+                while (end := buffer.find(b"\r\n")) != 0:
+                    if end < 0:
+                        self._fill()
+                    else:
+                        del buffer[: end + 2]
+                del buffer[:2]
+                return bytes(body)
+            if len(body) + size > MAX_BODY_BYTES:
+                raise ProtocolError("an answer's body is too large")
+            while len(buffer) < size + 2:
+                self._fill()
+            body += buffer[:size]
+            del buffer[: size + 2]
+
+    def _fill(self, *, eof_ok: bool = False) -> bool:
+        data = self._sock.recv(1 << 18)
+        if not data:
+            if eof_ok:
+                return False
+            raise http.client.RemoteDisconnected("the server closed the connection")
+        self._buffer += data
+        return True
+
+
+def _close_all(connections: list[Any], lock: threading.Lock) -> None:
     with lock:
         closing = list(connections)
         connections.clear()
