@@ -12,6 +12,11 @@ Behaviours under test:
   reports exactly what the in-memory functions (``simulate``, ``summarize``,
   ``fairness_report``) give, for a trace in order and one shuffled, with recorded usage and
   without, arrivals spread out or all at once;
+* ``fold`` (the per-decision loop of a replay, the two tallies' steps inline) gives what
+  ``SummaryTally.add`` and ``FairnessTally.add`` give, for decisions inside and outside the
+  window, of configured and unknown tenants, refused at every gate, an open window too, and
+  writes and keeps what it is given; and ``SummaryTally.summary`` (each TTFT sorted once, runs
+  merged) gives the figures ``percentile`` gives over each tenant's and each class's list;
 * bad inputs exit 2 with one line on stderr naming the field: a bad ``--set`` key, a trace with
   an unknown tenant, a trace line with a bad field, ``--trace`` without ``--tenants``, a
   ``--records`` path that cannot be written.
@@ -23,16 +28,24 @@ import json
 import random
 import subprocess
 import sys
+from io import BytesIO
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tokenfair_sidecar.config import load_config
+from tokenfair_sidecar.commands.simulate import fold
+from tokenfair_sidecar.config import PolicyConfig, TenantConfig, build_config, load_config
+from tokenfair_sidecar.core import Decision
 from tokenfair_sidecar.costmodel import CostModel
-from tokenfair_sidecar.fairness import fairness_report, fairness_to_json
-from tokenfair_sidecar.records import read_trace
-from tokenfair_sidecar.report import summarize
+from tokenfair_sidecar.fairness import (
+    FairnessTally,
+    decision_size,
+    fairness_report,
+    fairness_to_json,
+)
+from tokenfair_sidecar.records import encode_decision, read_trace
+from tokenfair_sidecar.report import SummaryTally, percentile, summarize
 from tokenfair_sidecar.simulator import simulate
 
 TOKENFAIR = Path(sys.executable).parent / "tokenfair"
@@ -362,3 +375,105 @@ def test_bad_tenants_file(tmp_path: Path) -> None:
     tenants.write_text(TENANTS_YAML.replace("weight: 1\n", "weight: 0\n", 1), encoding="utf-8")
     line = bad_run(tmp_path, "--trace", trace, "--tenants", tenants)
     assert "TenantQuota 'batch-rag': spec.weight: must be > 0" in line
+
+
+def fold_cases() -> list[tuple[list[tuple[Decision, int | None]], tuple[float, float | None]]]:
+    rng = random.Random(11)
+    decisions: list[tuple[Decision, int | None]] = []
+    for number in range(400):
+        tenant_id = rng.choice(["tenant_batch_etl", "tenant_batch_rag", "tenant_chat_pro", "ghost"])
+        status, reason, gate = rng.choice(
+            [
+                (200, "admitted", "dispatch"),
+                (200, "admitted", "dispatch"),
+                (429, "shed_kv_watermark", "admission"),
+                (429, "shed_queue_timeout", "queue"),
+                (429, "shed_kv_watermark", "dispatch"),
+                (499, "cancelled", "queue"),
+                (502, "admitted", "dispatch"),
+            ]
+        )
+        arrival_ms = rng.uniform(0.0, 1200.0)
+        dispatch_ms = arrival_ms + rng.uniform(0.0, 300.0) if gate == "dispatch" else None
+        decision = Decision(
+            f"d{number:04d}",
+            tenant_id,
+            rng.choice(["interactive", "batch"]),
+            status,
+            reason,
+            gate,
+            rng.randint(1, 5000),
+            arrival_ms,
+            rng.random(),
+            0.0,
+            rng.uniform(0.0, 900.0),
+            dispatch_ms,
+            actual_service_tokens=rng.choice([None, rng.randint(0, 9000)]),
+        )
+        decisions.append((decision, rng.choice([None, rng.randint(0, 9000)])))
+    return [(decisions, (100.0, 1000.0)), (decisions, (0.0, 1200.0)), (decisions, (500.0, None))]
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_fold_is_the_two_tallies(case: int) -> None:
+    config = build_config(
+        PolicyConfig(),
+        [
+            TenantConfig("tenant_chat_pro", 2.0, 48000, 180000.0, "interactive"),
+            TenantConfig("tenant_batch_rag", 1.0, 28000, 60000.0, "batch"),
+            TenantConfig("tenant_batch_etl", 1.0, 28000, 60000.0, "batch"),
+        ],
+    )
+    decisions, window = fold_cases()[case]
+    summary, fairness = SummaryTally(), FairnessTally(config, window)
+    for decision, actual in decisions:
+        summary.add(decision)
+        fairness.add(decision, decision_size(decision, actual))
+    folded_summary, folded_fairness = SummaryTally(), FairnessTally(config, window)
+    written = BytesIO()
+    kept: list[Decision] = []
+    fold(decisions, folded_summary, folded_fairness, written, "p", kept)
+    assert folded_summary.summary() == summary.summary()
+    assert folded_fairness.report() == fairness.report()
+    assert written.getvalue() == b"".join(encode_decision(d, "p") for d, _ in decisions)
+    assert kept == [d for d, _ in decisions]
+
+
+def test_summary_reads_each_percentile_off_every_ttft_sorted_once() -> None:
+    # `SummaryTally.summary` sorts each tenant's TTFTs of each class once and merges the
+    # runs (issue 17, third pass): the same figures as `percentile` over each whole list.
+    decisions = [d for d, _ in fold_cases()[0][0]]
+    tally = SummaryTally()
+    for decision in decisions:
+        tally.add(decision)
+    ok = [d for d in decisions if d.status_code == 200]
+    tenants = sorted({d.tenant_id for d in decisions})
+    expected_tenants = {}
+    for tenant_id in tenants:
+        ttfts = [d.ttft_ms for d in ok if d.tenant_id == tenant_id]
+        expected_tenants[tenant_id] = {
+            "submitted": sum(d.tenant_id == tenant_id for d in decisions),
+            "admitted": len(ttfts),
+            "shed_429": sum(d.tenant_id == tenant_id and d.status_code == 429 for d in decisions),
+            "admitted_service_tokens": sum(
+                d.service_tokens for d in ok if d.tenant_id == tenant_id
+            ),
+            "p50_ttft_ms": percentile(ttfts, 50),
+            "p99_ttft_ms": percentile(ttfts, 99),
+        }
+    interactive = [d.ttft_ms for d in ok if d.priority_class == "interactive"]
+    batch = [d.ttft_ms for d in ok if d.priority_class == "batch"]
+    summary = tally.summary()
+    assert summary["tenants"] == expected_tenants
+    assert (
+        summary["admitted_requests"],
+        summary["interactive_p50_ttft_ms"],
+        summary["interactive_p99_ttft_ms"],
+        summary["batch_p99_ttft_ms"],
+    ) == (
+        len(ok),
+        percentile(interactive, 50),
+        percentile(interactive, 99),
+        percentile(batch, 99),
+    )
+    assert SummaryTally().summary()["batch_p99_ttft_ms"] == 0.0

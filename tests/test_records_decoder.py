@@ -14,7 +14,10 @@ Behaviours under test:
   schema's fields, required ones as required;
 * ``scan_trace``: the count, whether the lines are in ``(arrival_ms, request_id)`` order, the
   first and last arrival whatever the order, whether any record carries usage;
-* ``stream_requests`` yields the requests ``read_trace`` reads, in file order;
+* ``scan_trace`` (its own loop since issue 17's third pass) refuses what ``read_trace``
+  refuses, in the same words, naming the same line;
+* ``stream_requests`` yields the requests ``read_trace`` reads, in file order, and
+  ``stream_arrivals`` the same as the replay's arrivals;
 * ``encode_decision`` writes what ``decision_to_json`` describes (same keys, order and values),
   also for non-finite numbers (written by ``json``, read back as they were);
 * ``simulator.replay`` streams: it refuses arrivals out of order, and the decisions and requests
@@ -42,6 +45,7 @@ from tokenfair_sidecar.records import (
     encode_decision,
     read_trace,
     scan_trace,
+    stream_arrivals,
     stream_requests,
 )
 from tokenfair_sidecar.simulator import Arrival, replay
@@ -270,3 +274,51 @@ def test_replay_holds_the_backlog_not_the_trace() -> None:
     assert seen == 20_000
     assert peaks[Decision] < 1_000, peaks
     assert peaks[Request] < 1_000, peaks
+
+
+@pytest.mark.parametrize(
+    ("lines", "known"),
+    [
+        ((json.dumps(GOOD), line(prefill_tokens=-3)), None),  # a field breaks its rule
+        ((json.dumps(GOOD), line(extra=1)), None),  # an unknown key
+        ((json.dumps({k: v for k, v in GOOD.items() if k != "tenant_id"}),), None),
+        (("", "[1, 2]"), None),  # not an object
+        ((json.dumps(GOOD), "{nope"), None),  # invalid JSON
+        ((json.dumps(GOOD), line(), json.dumps(GOOD)), None),  # a duplicate id
+        ((json.dumps(GOOD), line(tenant_id="u")), {"t": None}),  # an unknown tenant
+        (("", "  "), None),  # no records
+    ],
+)
+def test_scan_refuses_what_the_stream_refuses_in_its_words(
+    tmp_path: Path, lines: tuple[str, ...], known: dict[str, object] | None
+) -> None:
+    # `scan_trace` runs the checks of `iter_trace_lines` in its own loop (issue 17, third
+    # pass): the same error, naming the same line, for every kind of refusal.
+    path = trace_file(tmp_path, *lines)
+    with pytest.raises(TraceError) as scanned:
+        scan_trace(path, known)
+    assert str(scanned.value) == refusal(path, known)
+
+
+def test_scan_of_a_file_that_cannot_be_read(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(TraceError) as scanned:
+        scan_trace(missing)
+    assert str(scanned.value) == refusal(missing)
+    with pytest.raises(TraceError) as streamed:
+        list(stream_arrivals(missing))
+    assert str(streamed.value) == str(scanned.value)
+
+
+def test_stream_arrivals_are_the_requests_as_the_replay_takes_them(tmp_path: Path) -> None:
+    path = trace_file(
+        tmp_path,
+        json.dumps(GOOD),
+        "",
+        "   ",
+        line(request_id="r9", arrival_ms=2.25, priority_class="interactive", status_code=429),
+    )
+    assert list(stream_arrivals(path)) == [(r, None, None) for r in stream_requests(path)]
+    changed = trace_file(tmp_path, json.dumps(GOOD), line(prefill_tokens="x"))
+    with pytest.raises(TraceError, match=r":2: "):
+        list(stream_arrivals(changed))

@@ -28,7 +28,8 @@ from typing import TypeAlias
 
 from tokenfair_sidecar.config import Config
 from tokenfair_sidecar.core import Decision, Request, make_scheduler
-from tokenfair_sidecar.core.jobs import STATUS_OK
+from tokenfair_sidecar.core.jobs import STATUS_OK, JobState
+from tokenfair_sidecar.core.scheduler import Scheduler
 
 
 class SimulationStuckError(RuntimeError):
@@ -102,6 +103,9 @@ def _replay(
     prefill_rate = cost.prefill_tokens_per_ms
     residency = cost.kv_residency_factor
     expires = scheduler.expires_queued
+    own_expiry = type(scheduler).expire is Scheduler.expire
+    deadlines = scheduler._deadlines  # rebuilt in place (`Scheduler.submit`): bound once
+    queued_state = JobState.QUEUED
     submit, next_dispatch, complete = scheduler.submit, scheduler.next_dispatch, scheduler.complete
     release_kv = scheduler.release_kv
     releases: list[tuple[float, int, str]] = []  # (release_ms, tie-break, request_id)
@@ -133,8 +137,17 @@ def _replay(
                 yield refusal, upcoming[1]
             upcoming = next(arrivals, None)
         if expires:
-            for expired in scheduler.expire(clock_ms):
-                yield expired, pop_pending(expired.request_id)[1]
+            if own_expiry:
+                # `expire`'s first steps inline (the policy keeps the base's): drop the stale
+                # entries from the top of the deadline heap; call it only if the top is past.
+                while deadlines and deadlines[0][2].state is not queued_state:
+                    heappop(deadlines)
+                if deadlines and not deadlines[0][0] >= clock_ms:
+                    for expired in scheduler.expire(clock_ms):
+                        yield expired, pop_pending(expired.request_id)[1]
+            else:
+                for expired in scheduler.expire(clock_ms):
+                    yield expired, pop_pending(expired.request_id)[1]
         decision = next_dispatch(clock_ms)
         if decision is None:
             queued = scheduler.queued_total

@@ -13,6 +13,7 @@ from tokenfair_sidecar import progress
 from tokenfair_sidecar.commands import add_format_flag
 from tokenfair_sidecar.config import Config, apply_overrides, load_tenants_file
 from tokenfair_sidecar.core import DEFAULT_POLICY, LESSON_POLICIES, POLICIES, Decision
+from tokenfair_sidecar.core.jobs import STATUS_OK, STATUS_SHED
 from tokenfair_sidecar.costmodel import CostModel
 from tokenfair_sidecar.fairness import (
     FairnessReport,
@@ -25,9 +26,9 @@ from tokenfair_sidecar.records import (
     encode_decision,
     iter_trace_lines,
     scan_trace,
-    stream_requests,
+    stream_arrivals,
 )
-from tokenfair_sidecar.report import SummaryTally
+from tokenfair_sidecar.report import SummaryTally, TenantTally
 from tokenfair_sidecar.scenarios import SCENARIOS
 from tokenfair_sidecar.simulator import Arrival, replay
 
@@ -131,12 +132,7 @@ def _trace_source(
     window = _window(scan.first_arrival_ms, scan.last_arrival_ms)
     if scan.observed_usage:
         return config, lambda: (_arrival(cost, r) for r in records()), window, scan.records
-    return (
-        config,
-        lambda: ((r, None, None) for r in stream_requests(path)),
-        window,
-        scan.records,
-    )
+    return config, lambda: stream_arrivals(path), window, scan.records
 
 
 def _replay_policy(
@@ -153,22 +149,90 @@ def _replay_policy(
     ``bar`` counts the decisions (every ``progress.UPDATE_EVERY``); a hidden one costs nothing."""
     summary = SummaryTally()
     fairness = FairnessTally(config, window)
-    add_summary, add_fairness = summary.add, fairness.add
     decisions: Iterable[tuple[Decision, int | None]] = replay(config, arrivals, policy)
     if bar is not None:
         decisions = bar.iterate(decisions)
-    for decision, actual in decisions:
-        add_summary(decision)
-        # `decision_size`, inline: what the request used if known, else its estimate
-        size = decision.actual_service_tokens
-        if size is None:
-            size = decision.service_tokens if actual is None else actual
-        add_fairness(decision, size)
-        if records is not None:
-            records.write(encode_decision(decision, policy))
-        if kept is not None:
-            kept.append(decision)
+    fold(decisions, summary, fairness, records, policy, kept)
     return summary.summary(), fairness.report()
+
+
+def fold(
+    decisions: Iterable[tuple[Decision, int | None]],
+    summary: SummaryTally,
+    fairness: FairnessTally,
+    records: BinaryIO | None = None,
+    policy: str | None = None,
+    kept: list[Decision] | None = None,
+) -> None:
+    """``summary.add(decision)`` and ``fairness.add(decision, size)`` of each ``(decision,
+    recorded usage)`` of a replay, ``size`` being ``decision_size``; each decision written to
+    ``records`` (tagged ``policy``) and appended to ``kept`` when given.
+
+    One loop, the two tallies' steps inline (it runs once per request of every replay): the
+    summary's in full, the fairness tally's for a dispatched request of a configured tenant
+    inside a closed window (nearly every admitted request); any other decision goes through
+    ``fairness.add``. The sums are of integers, so their order changes nothing;
+    ``tests/test_cli_simulate.py`` checks the result against the two ``add`` methods."""
+    tenants = summary._tenants
+    shed_reasons = summary._shed_reasons
+    peak_kv = summary._peak_kv
+    fair_tallies = fairness._tallies
+    configured = fairness._tenant_index
+    start_ms, end_ms = fairness._start_ms, fairness._end_ms
+    closed = not fairness._open_end
+    add_fairness = fairness.add
+    write = None if records is None else records.write
+    keep = None if kept is None else kept.append
+    try:
+        for decision, actual in decisions:
+            tenant_id = decision.tenant_id
+            tally = tenants.get(tenant_id)
+            if tally is None:
+                tally = tenants[tenant_id] = TenantTally()
+            tally.submitted += 1
+            # `decision_size`: what the request used if known, else its estimate
+            size = decision.actual_service_tokens
+            if size is None:
+                size = decision.service_tokens if actual is None else actual
+            if decision.status_code == STATUS_OK:
+                tally.admitted_service_tokens += decision.service_tokens
+                if decision.priority_class == "interactive":
+                    tally.interactive_ttft_ms.append(decision.ttft_ms)
+                else:
+                    tally.batch_ttft_ms.append(decision.ttft_ms)
+                if decision.kv_occupancy_ratio > peak_kv:
+                    peak_kv = decision.kv_occupancy_ratio
+                dispatch_ms = decision.dispatch_ms
+                served = fair_tallies.get(tenant_id)
+                if (
+                    closed
+                    and served is not None
+                    and dispatch_ms is not None
+                    and decision.gate == "dispatch"
+                    and tenant_id in configured
+                    and start_ms <= dispatch_ms <= end_ms
+                    and start_ms <= decision.arrival_ms <= end_ms
+                ):
+                    # `FairnessTally.add` of a served request, inline
+                    fairness._dispatched_tokens += size
+                    served.offered_requests += 1
+                    served.offered_tokens += size
+                    served.admitted_requests += 1
+                    served.served_requests += 1
+                    served.served_tokens += size
+                else:
+                    add_fairness(decision, size)
+            else:
+                if decision.status_code == STATUS_SHED:
+                    tally.shed_429 += 1
+                shed_reasons[decision.reason] = shed_reasons.get(decision.reason, 0) + 1
+                add_fairness(decision, size)
+            if write is not None:
+                write(encode_decision(decision, policy))
+            if keep is not None:
+                keep(decision)
+    finally:
+        summary._peak_kv = peak_kv
 
 
 def run(args: argparse.Namespace) -> int:

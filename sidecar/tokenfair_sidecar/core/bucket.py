@@ -11,8 +11,8 @@ level above ``burst``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Final
+from collections.abc import Callable, Iterable
+from typing import Final, Protocol
 
 _TOLERANCE_TOKENS: Final = 1e-6
 
@@ -29,7 +29,8 @@ class TokenBucket:
         self.refilled_at_ms = now_ms
 
     def refill(self, now_ms: float) -> float:
-        """Bring the level up to ``now_ms`` (a time before the last refill is a no-op)."""
+        """Bring the level up to ``now_ms`` (a time before the last refill is a no-op).
+        :func:`refill_all` runs this step inline for every bucket at once: change both."""
         elapsed_s = (now_ms - self.refilled_at_ms) / 1000.0
         if elapsed_s > 0.0:
             # min(burst, level + refill), as a conditional: the same comparison, no call
@@ -55,6 +56,30 @@ class TokenBucket:
         self.burst = burst
         self.sustained_per_second = sustained_per_second
         self.level = min(self.level, float(burst))
+
+
+def refill_all(tenants: Iterable[_HasBucket], now_ms: float) -> None:
+    """``tenant.bucket.refill(now_ms)`` for each of ``tenants``: a plain :class:`TokenBucket`'s
+    refill inline (the same operations as :meth:`TokenBucket.refill`, no call per bucket), any
+    other bucket's by its own ``refill``. The lesson's policies refill every bucket at every
+    event: this is their loop, and the one copy of ``refill``'s step
+    (``tests/test_core_inline_paths.py`` checks it against ``refill``)."""
+    for tenant in tenants:
+        bucket = tenant.bucket
+        if type(bucket) is TokenBucket:
+            elapsed_s = (now_ms - bucket.refilled_at_ms) / 1000.0
+            if elapsed_s > 0.0:
+                cap = float(bucket.burst)
+                level = bucket.level + elapsed_s * bucket.sustained_per_second
+                bucket.level = level if level < cap else cap
+                bucket.refilled_at_ms = now_ms
+        else:
+            bucket.refill(now_ms)
+
+
+class _HasBucket(Protocol):
+    @property
+    def bucket(self) -> TokenBucket: ...
 
 
 class LeasedBucket(TokenBucket):

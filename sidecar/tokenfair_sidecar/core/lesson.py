@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from typing import Final
 
 from tokenfair_sidecar.config import Config
+from tokenfair_sidecar.core.bucket import refill_all
 from tokenfair_sidecar.core.jobs import (
     SHED_QUEUE_WAIT_SLO,
     SHED_TENANT_TOKEN_QUOTA,
@@ -40,6 +42,9 @@ from tokenfair_sidecar.core.jobs import (
     Lane,
 )
 from tokenfair_sidecar.core.scheduler import Scheduler, TenantState, shed_kv
+
+_INTERACTIVE: Final = Lane.INTERACTIVE
+_BATCH: Final = Lane.BATCH
 
 
 class RequestCountScheduler(Scheduler):
@@ -106,83 +111,107 @@ class LessonDrrScheduler(Scheduler):
 
     def _refill_all(self, now_ms: float) -> None:
         # Lab semantics: every bucket refills at every event, in one step per event.
-        for tenant in self.tenant_order:
-            tenant.bucket.refill(now_ms)
+        # (`_admit` and `_dispatch_gate` call `refill_all` directly.)
+        refill_all(self.tenant_order, now_ms)
 
     def _admit(self, job: Job, tenant: TenantState, now_ms: float) -> Decision | None:
-        self._refill_all(job.request.arrival_ms)
+        arrival_ms = job.request.arrival_ms
+        refill_all(self.tenant_order, arrival_ms)  # `self._refill_all`, one call fewer
         lane = job.lane
-        reserved = self.resident_blocks + self.queued_blocks[Lane.INTERACTIVE]
-        if lane is Lane.BATCH:
-            reserved += self.queued_blocks[Lane.BATCH]
-        occupancy = (reserved + job.kv_blocks) / self.policy.total_kv_blocks
-        if occupancy > self.watermark(lane):
+        queued_blocks = self.queued_blocks
+        reserved = self.resident_blocks + queued_blocks[0]
+        if lane:  # batch
+            reserved += queued_blocks[1]
+        occupancy = (reserved + job.kv_blocks) / self._total_kv_blocks
+        if occupancy > self._watermarks[lane]:
             return shed_kv(self, job, "admission", occupancy)
-        predicted_wait_ms = self.queued_tokens[lane] / self.policy.service_tokens_per_ms
-        if predicted_wait_ms > self.wait_limit_ms(lane):
+        predicted_wait_ms = self.queued_tokens[lane] / self._service_rate
+        wait_limit_ms = self._wait_limits[lane]
+        if predicted_wait_ms > wait_limit_ms:
             return self._refusal(
                 job,
                 SHED_QUEUE_WAIT_SLO,
                 "admission",
                 occupancy,
-                predicted_wait_ms - self.wait_limit_ms(lane),
+                predicted_wait_ms - wait_limit_ms,
                 predicted_wait_ms=predicted_wait_ms,
-                max_wait_ms=self.wait_limit_ms(lane),
+                max_wait_ms=wait_limit_ms,
             )
         bucket = tenant.bucket
+        service_tokens = job.service_tokens
         # Lab quirk: only batch requests are held to their budget; everyone is debited.
-        if lane is Lane.BATCH and bucket.level < job.service_tokens:
+        if lane and bucket.level < service_tokens:
             return self._refusal(
                 job,
                 SHED_TENANT_TOKEN_QUOTA,
                 "admission",
                 occupancy,
-                bucket.ms_until(job.service_tokens, job.request.arrival_ms),
+                bucket.ms_until(service_tokens, arrival_ms),
                 bucket_tokens=bucket.level,
             )
-        bucket.level = max(0.0, bucket.level - job.service_tokens)
+        # max(0.0, level - cost) as a conditional: the same comparison
+        level = bucket.level - service_tokens
+        bucket.level = level if level > 0.0 else 0.0
         return None
 
     def _push(self, job: Job) -> None:
         self._queues[job.request.tenant_id][job.lane].append(job)
 
     def _select(self, now_ms: float) -> Job | None:
+        # The round's state lives in locals while the loop runs (it runs at every dispatch)
+        # and is stored back when it returns: the same steps as one attribute at a time.
         order = self.tenant_order
+        tenants = len(order)
+        queued_count = self.queued_count
+        queues = self._queues
+        deficits = self._deficit
+        lane = self._round_lane
+        at = self._round_at
+        in_visit = self._in_visit
         while True:
-            lane = self._round_lane
             if lane is None:
-                lane = Lane.INTERACTIVE if self.queued_count[Lane.INTERACTIVE] else Lane.BATCH
-                if not self.queued_count[lane]:
+                lane = _INTERACTIVE if queued_count[0] else _BATCH
+                if not queued_count[lane]:
+                    self._round_lane = None
+                    self._round_at = at
+                    self._in_visit = in_visit
                     return None
-                self._round_lane = lane
-                self._round_at = 0
-                self._in_visit = False
+                at = 0
+                in_visit = False
                 self._round_dispatched = False
-            elif lane is Lane.BATCH and self.queued_count[Lane.INTERACTIVE]:
+            elif lane is _BATCH and queued_count[0]:
                 # Interactive work arrived after a batch dispatch: the batch round ends.
-                self._round_lane = None
+                lane = None
                 continue
-            if self._round_at == len(order):
+            if at == tenants:
                 if not self._round_dispatched:
                     self._grant_boost(lane)
-                self._round_lane = None
+                lane = None
                 continue
-            tenant_id = order[self._round_at].config.tenant_id
-            queue = self._queues[tenant_id][lane]
-            if not self._in_visit:
+            tenant = order[at]
+            tenant_id = tenant.config.tenant_id
+            queue = queues[tenant_id][lane]
+            if not in_visit:
                 if not queue:
-                    self._deficit[tenant_id] = 0.0
-                    self._round_at += 1
+                    deficits[tenant_id] = 0.0
+                    at += 1
                     continue
-                self._deficit[tenant_id] += self.tenant_quantum(order[self._round_at])
-                self._in_visit = True
-            if queue and self._deficit[tenant_id] >= queue[0].service_tokens:
-                job = queue.popleft()
-                self._deficit[tenant_id] -= job.service_tokens
-                self._round_dispatched = True
-                return job
-            self._in_visit = False
-            self._round_at += 1
+                # `tenant_quantum`, inline
+                deficits[tenant_id] += self.policy.base_quantum_tokens * tenant.config.weight
+                in_visit = True
+            if queue:
+                job = queue[0]
+                deficit = deficits[tenant_id]
+                if deficit >= job.service_tokens:
+                    queue.popleft()
+                    deficits[tenant_id] = deficit - job.service_tokens
+                    self._round_dispatched = True
+                    self._round_lane = lane
+                    self._round_at = at
+                    self._in_visit = in_visit
+                    return job
+            in_visit = False
+            at += 1
 
     def _grant_boost(self, lane: Lane) -> None:
         base = float(self.policy.base_quantum_tokens)
@@ -203,8 +232,8 @@ class LessonDrrScheduler(Scheduler):
             self._deficit[tenant.config.tenant_id] += boost * tenant.config.weight
 
     def _dispatch_gate(self, job: Job, tenant: TenantState, now_ms: float) -> Decision | None:
-        self._refill_all(now_ms)
-        occupancy = (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks
-        if occupancy > self.watermark(job.lane):
+        refill_all(self.tenant_order, now_ms)  # `self._refill_all`, one call fewer
+        occupancy = (self.resident_blocks + job.kv_blocks) / self._total_kv_blocks
+        if occupancy > self._watermarks[job.lane]:
             return shed_kv(self, job, "dispatch", occupancy)
         return None

@@ -107,7 +107,9 @@ class Scheduler(ABC):
     """``_charge`` debits the budget at dispatch (skipped on the hot path otherwise)."""
     settles_every_request: ClassVar[bool] = False
     """``_settle`` (and the usage ratio) run at every settlement, not only when the actual
-    usage differs from the estimate (skipped on the hot path otherwise)."""
+    usage differs from the estimate (skipped on the hot path otherwise) — except one at the
+    estimate of a job expected at its estimate (``expected_tokens == service_tokens``) whose
+    tenant's usage ratio is 1.0: such a ``_settle`` must change nothing, and is not called."""
     tracks_kv_releases: ClassVar[bool] = False
     """``_kv_released`` is called when a request's KV is freed."""
 
@@ -173,6 +175,9 @@ class Scheduler(ABC):
         self._total_kv_blocks = self.policy.total_kv_blocks
         # `wait_limit_ms` by lane (interactive, batch): read at every admission.
         self._wait_limits = (self.policy.max_interactive_wait_ms, self.policy.max_batch_wait_ms)
+        # `watermark` by lane, and the service rate: read at every admission of the policies.
+        self._watermarks = (self.policy.interactive_kv_watermark, self.policy.batch_kv_watermark)
+        self._service_rate = self.policy.service_tokens_per_ms
         # `round(blocks / total_kv_blocks, 4)` by resident blocks: every dispatch records its
         # occupancy, and `round` to 4 places costs more than a lookup. Bounded (a cache of
         # 10^9 blocks would not be): a value past the bound is computed each time.
@@ -379,10 +384,16 @@ class Scheduler(ABC):
         if actual_kv_blocks is not None:
             _check_settled("actual_kv_blocks", actual_kv_blocks)
         refund = job.service_tokens - actual
-        if refund or self.settles_every_request:
+        if refund:
             tenant = self.tenants[job.request.tenant_id]
             tenant.served_tokens -= refund
             self._settle(job, tenant, refund, now_ms)
+        elif self.settles_every_request:
+            tenant = self.tenants[job.request.tenant_id]
+            # At the estimate, expected at it, usage ratio 1: `_settle` would change nothing
+            # (its first test, inline; the policies that settle every request start with it).
+            if tenant.usage_ratio != 1.0 or job.expected_tokens != job.service_tokens:
+                self._settle(job, tenant, refund, now_ms)
         if actual_kv_blocks is not None:
             self.resident_blocks += actual_kv_blocks - job.kv_blocks
             job.kv_blocks = actual_kv_blocks

@@ -144,11 +144,10 @@ class TokenfairScheduler(Scheduler):
 
     def _adopt_cost_model(self) -> None:
         super()._adopt_cost_model()
-        # Per lane, read on every request: the service memory, the watermark (the wait limit
-        # is the base's `_wait_limits`); policy constants of the hot path.
+        # Per lane, read on every request: the service memory (the wait limit and the
+        # watermark are the base's `_wait_limits` and `_watermarks`); hot-path constants.
         policy = self.policy
         self._memories_ms = tuple(limit * SERVICE_MEMORY_LIMITS for limit in self._wait_limits)
-        self._watermarks = (policy.interactive_kv_watermark, policy.batch_kv_watermark)
         self._rate = policy.service_tokens_per_ms
         self._interactive_cap = self._rate * (1.0 - policy.batch_min_share)
         self._batch_share = policy.batch_min_share
@@ -188,9 +187,10 @@ class TokenfairScheduler(Scheduler):
         queue = drr.queues[tenant_id]
         competition = self._competition[lane]
         competing = competition.competing_quanta
+        quantum = queue.quantum
         if not competition.competes(tenant_id):
-            competing += queue.quantum
-        backlogged = drr.active_quanta + (0.0 if queue.in_active else queue.quantum)
+            competing += quantum
+        backlogged = drr.active_quanta + (0.0 if queue.in_active else quantum)
         first_turn = None
         if join_rank is not None:  # it would join ahead with that rank (`_join_rank`)
             first_turn = drr.tokens_before_joining_ahead(join_rank)
@@ -640,7 +640,9 @@ class TokenfairScheduler(Scheduler):
         fit the lane; None while the lane has served nothing lately."""
         memory_ms = self._memories_ms[lane]
         quantum = self._lanes[lane].queues[tenant_id].quantum
-        level = self.fair_level(lane, now_ms)
+        at_ms, level = self._level[lane]  # `fair_level`'s cached level while it is fresh
+        if not now_ms - at_ms < self._wait_limits[lane]:
+            level = self.fair_level(lane, now_ms)
         if math.isinf(level):
             lane_rate = self._lane_served[lane].rate(now_ms, memory_ms)
             competing = self._competition[lane].competing_quanta
