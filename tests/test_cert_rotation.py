@@ -22,8 +22,9 @@ Behaviours under test:
 - with the publisher asked (``reached``), the switch waits until every policy namespace's
   ConfigMap holds the next CA, ``settle`` counted from then (a week at most); the publisher
   says since when they all do: not while one write fails or before its first round or on a
-  standby, from the first write or read that found it, again from a rewrite, and for a
-  namespace added meanwhile;
+  standby, from the first write or read that found it, again from a rewrite of its bundle
+  (not from one of its owner references only: policy churn), and for a namespace added
+  meanwhile;
 - the Secret is the state: a rotation round-trips through its data at every phase, and a new
   keeper (a restarted operator, a new leader) goes on with the rotation another one began;
   the keeper writes the Secret only when something changed, repairs a Secret with corrupt
@@ -558,3 +559,28 @@ def test_the_publisher_says_since_when_every_namespace_holds_a_ca() -> None:
     leads = True
     assert publisher.publish(bundle, {}, lambda: leads) == []
     assert publisher.holding_since(nxt.ca_pem) == NO_NAMESPACE_SINCE
+
+
+def test_a_rewrite_of_the_owners_only_keeps_the_time_a_bundle_is_held() -> None:
+    """Policy churn rewrites a ConfigMap's owner references, not its bundle: the time it holds
+    the bundle since stays (else every change of policies would put off the switch)."""
+    api = FakeConfigMaps()
+    clock = Clock(T0)
+    publisher = TrustPublisher(None, clock=clock)
+    publisher._core = cast(Any, api)
+    old, nxt = issue(NAMES, T0), issue(NAMES, T0)
+    bundle = Rotation(old, nxt, T0).bundle()
+    assert publisher.publish(bundle, views("a"), lambda: True) == ["a"]
+    for n in range(1, 4):  # a policy added, another, then one deleted: owners rewritten
+        clock.now += datetime.timedelta(minutes=10)
+        policies = [PolicyView(f"pool{i}", "a", f"uid-{i}", 1, "") for i in range(n % 3 + 1)]
+        assert publisher.publish(bundle, {"a": policies}, lambda: True) == ["a"]
+        assert [ref.uid for ref in api.maps["a"].metadata.owner_references] == [
+            p.uid for p in policies
+        ]
+        assert publisher.holding_since(nxt.ca_pem) == T0
+    # A new bundle: counted from its write.
+    clock.now += datetime.timedelta(minutes=10)
+    later = issue(NAMES, T0)
+    assert publisher.publish(Rotation(nxt, later, T0).bundle(), views("a"), lambda: True) == ["a"]
+    assert publisher.holding_since(later.ca_pem) == T0 + datetime.timedelta(minutes=40)

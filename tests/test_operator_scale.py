@@ -266,7 +266,9 @@ def test_key_secrets_read_in_bulk_and_as_of_now(
     """With the shipped RBAC: key Secrets read pipelined (:meth:`KubeApi.key_hashes_many`) at
     each consistency give what one-by-one reads give, problems included; and a read at
     :meth:`KubeApi.fresh_version` (the resync's: served by the watch cache) sees a change
-    made just before, every time (a revoked key is never read back from a lagging cache)."""
+    made just before, every time. (A local watch cache is never behind, so this cannot tell
+    a read at that version from one at ``0``: that the version is sent, and a 504 falls back
+    to etcd, is checked on a recording server, ``test_operator_leanhttp.py``.)"""
     ns = kube_namespace
     values = {"good": {"a": "sk-1", "b": " sk-2 "}, "empty": {"k": " "}}
     for name, data in values.items():

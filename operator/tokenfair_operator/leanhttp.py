@@ -20,7 +20,10 @@ at a time). On the test control plane, 10,000 key Secret reads from the watch ca
 of the operator's CPU and ~0.45 ms of the API server's per read one at a time over 16 threads
 (with asyncio's hand-off per read), ~0.05 ms and ~0.23-0.30 ms pipelined over 4 connections
 (the reconciler's chunks of 250, :mod:`.reconcile`). A connection is taken by one call at a time
-and kept open for the next (as many stay open as calls ran at once).
+and kept open for the next (as many stay open as calls ran at once), for up to
+:data:`IDLE_CLOSE_S` unused. The server may have closed an idle connection meanwhile (its idle
+timeout, a restart: then all at once): a failure on a reused connection drops every idle one
+and the call goes on over new ones; only a new connection failing twice at the same GET raises.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import http.client
 import socket
 import ssl
 import threading
+import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlencode, urlsplit
@@ -43,6 +47,10 @@ MAX_HEAD_BYTES: Final = 1 << 16
 """An answer's status line and headers must fit in this (the API server's take ~300 bytes)."""
 MAX_BODY_BYTES: Final = 64 << 20
 """An answer's body must fit in this (a Secret holds 1 MiB of data at most)."""
+IDLE_CLOSE_S: Final = 60.0
+"""A pipelined connection unused this long is closed rather than reused: under the API
+server's ``IdleTimeout`` (90 s, kube-apiserver's HTTP server), after which it closes the
+connection itself and a reuse would fail."""
 
 
 class ProtocolError(http.client.HTTPException):
@@ -66,8 +74,11 @@ class LeanGetter:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _pipes: list[_Pipe] = field(default_factory=list)
     """Every pipelined connection open now (:meth:`get_many`), closed as ``_open`` is."""
-    _idle: list[_Pipe] = field(default_factory=list)
-    """Pipelined connections no call uses now: as many stay open as calls ran at once."""
+    _idle: list[tuple[_Pipe, float]] = field(default_factory=list)
+    """Pipelined connections no call uses now, each with when it was given back (``clock``):
+    as many stay open as calls ran at once, for up to :data:`IDLE_CLOSE_S`."""
+    clock: Callable[[], float] = field(default=time.monotonic)
+    """Seconds, monotonic (tests inject one)."""
 
     def __post_init__(self) -> None:
         weakref.finalize(self, _close_all, self._open, self._lock)
@@ -119,24 +130,33 @@ class LeanGetter:
         raise AssertionError("unreachable")
 
     def get_many(
-        self, targets: Sequence[str], headers: Mapping[str, str], depth: int = PIPELINE_DEPTH
+        self,
+        targets: Sequence[str],
+        headers: Mapping[str, str],
+        depth: int = PIPELINE_DEPTH,
+        stop: Callable[[int], bool] | None = None,
     ) -> list[tuple[int, bytes]]:
         """``(status, body)`` of ``GET target`` for each of ``targets`` (a path with its query,
         already encoded), in order, pipelined over a raw keep-alive connection of its own (an
         idle one, else a new one) with up to ``depth`` GETs written ahead. A connection the
         server closes (by ``Connection: close``, or dropped) is replaced and the unanswered
-        GETs are sent again (a GET is safe to repeat); failing twice in a row on the same GET
-        raises (``OSError``, ``http.client.HTTPException``)."""
+        GETs are sent again (a GET is safe to repeat). A reused idle connection that fails
+        (closed by the server meanwhile) drops every idle one, and the call goes on over new
+        connections only; a new connection failing twice in a row at the same GET raises
+        (``OSError``, ``http.client.HTTPException``: :class:`ProtocolError` for an answer
+        that cannot be parsed). With ``stop``, the answers end early at the first whose
+        status it accepts (that one included)."""
         default_port = 443 if self.scheme == "https" else 80
         host = self.host if self.port == default_port else f"{self.host}:{self.port}"
         lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
         tail = f" HTTP/1.1\r\nHost: {host}\r\n{lines}\r\n"
         answers: list[tuple[int, bytes]] = []
         failed_at = -1
+        fresh_only = False
         while len(answers) < len(targets):
-            pipe = self._take_pipe()
+            pipe, reused = self._take_pipe(fresh_only)
             sent = len(answers)
-            closing = False
+            closing = stopped = False
             try:
                 while len(answers) < len(targets):
                     if sent - len(answers) <= depth // 2 and sent < len(targets):
@@ -145,18 +165,30 @@ class LeanGetter:
                         sent = upto
                     status, body, closing = pipe.answer()
                     answers.append((status, body))
+                    if stop is not None and stop(status):
+                        stopped = True
+                        break
                     if closing:  # what was written after it is sent again on a new one
                         break
             except (OSError, http.client.HTTPException):
                 self._drop_pipe(pipe)
+                if reused:  # closed while idle: so are the others, likely (a restart)
+                    self._drop_idle()
+                    fresh_only = True
+                    continue
                 if failed_at == len(answers):
                     raise
                 failed_at = len(answers)
                 continue
-            if closing:
+            except BaseException:  # never left half read, nor leaked
                 self._drop_pipe(pipe)
+                raise
+            if closing or pipe.buffered() or sent > len(answers):
+                self._drop_pipe(pipe)  # GETs left unanswered, or more than was asked
             else:
                 self._give_back(pipe)
+            if stopped:
+                break
         return answers
 
     def close(self) -> None:
@@ -167,19 +199,41 @@ class LeanGetter:
             self._idle.clear()
         self._local = threading.local()
 
-    def _take_pipe(self) -> _Pipe:
+    def _take_pipe(self, fresh_only: bool = False) -> tuple[_Pipe, bool]:
+        """A connection for one call, and whether it is a reused idle one: the one given back
+        last, unless idle for over :data:`IDLE_CLOSE_S` (closed then, as are older ones)."""
+        expired: list[_Pipe] = []
+        reused: _Pipe | None = None
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
+            oldest = self.clock() - IDLE_CLOSE_S
+            while self._idle and not fresh_only:
+                pipe, since = self._idle.pop()
+                if since >= oldest:
+                    reused = pipe
+                    break
+                expired.append(pipe)
+            expired += [pipe for pipe, since in self._idle if since < oldest]
+            self._idle[:] = [(pipe, since) for pipe, since in self._idle if since >= oldest]
+        for pipe in expired:
+            self._drop_pipe(pipe)
+        if reused is not None:
+            return reused, True
         pipe = _Pipe.open(self.host, self.port, self.context, self.timeout_s)
         with self._lock:
             self._pipes.append(pipe)
-        return pipe
+        return pipe, False
 
     def _give_back(self, pipe: _Pipe) -> None:
         with self._lock:
             if pipe in self._pipes:  # not closed by close() meanwhile
-                self._idle.append(pipe)
+                self._idle.append((pipe, self.clock()))
+
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle = [pipe for pipe, _ in self._idle]
+            self._idle.clear()
+        for pipe in idle:
+            self._drop_pipe(pipe)
 
     def _drop_pipe(self, pipe: _Pipe) -> None:
         pipe.close()
@@ -238,33 +292,38 @@ class _Pipe:
     def close(self) -> None:
         self._sock.close()
 
+    def buffered(self) -> bool:
+        """Whether bytes were read past the last answer (none are expected)."""
+        return bool(self._buffer)
+
     def answer(self) -> tuple[int, bytes, bool]:
-        """The next answer: ``(status, body, the server closes the connection after it)``."""
-        buffer = self._buffer
-        while (end := buffer.find(b"\r\n\r\n")) < 0:
-            if len(buffer) > MAX_HEAD_BYTES:
-                raise ProtocolError("an answer's headers are too long")
-            self._fill()
-        head = bytes(buffer[:end]).split(b"\r\n")
-        del buffer[: end + 4]
-        version, _, rest = head[0].partition(b" ")
-        try:
-            status = int(rest[:3])
-        except ValueError:
-            raise ProtocolError(f"not an HTTP status line: {head[0][:60]!r}") from None
+        """The next final answer: ``(status, body, the server closes the connection after
+        it)``. Interim answers (``1xx``: ``100 Continue``, ``103 Early Hints``) are skipped;
+        ``101 Switching Protocols`` (never asked for) and an answer that cannot be parsed
+        raise :class:`ProtocolError`."""
+        while True:
+            status, head = self._head()
+            if status == 101:
+                raise ProtocolError("an unasked 101 Switching Protocols")
+            if not 100 <= status < 200:
+                break
         length: int | None = None
         chunked = False
-        closing = version == b"HTTP/1.0"
+        closing = head[0].partition(b" ")[0] == b"HTTP/1.0"
         for line in head[1:]:
             name, _, value = line.partition(b":")
             name = name.strip().lower()
             if name == b"content-length":
-                length = int(value)
+                digits = value.strip()
+                if not digits.isdigit() or (length is not None and length != int(digits)):
+                    raise ProtocolError(f"a malformed Content-Length: {value[:40]!r}")
+                length = int(digits)
             elif name == b"transfer-encoding":
                 chunked = b"chunked" in value.lower()
             elif name == b"connection":
                 closing = b"close" in value.lower()
-        if status in (204, 304) or 100 <= status < 200:
+        buffer = self._buffer
+        if status in (204, 304):
             return status, b"", closing
         if chunked:
             return status, self._chunked(), closing
@@ -282,6 +341,21 @@ class _Pipe:
         body = bytes(buffer[:length])
         del buffer[:length]
         return status, body, closing
+
+    def _head(self) -> tuple[int, list[bytes]]:
+        """The next answer's status and its head's lines (the status line first)."""
+        buffer = self._buffer
+        while (end := buffer.find(b"\r\n\r\n")) < 0:
+            if len(buffer) > MAX_HEAD_BYTES:
+                raise ProtocolError("an answer's headers are too long")
+            self._fill()
+        head = bytes(buffer[:end]).split(b"\r\n")
+        del buffer[: end + 4]
+        version, _, rest = head[0].partition(b" ")
+        code = rest[:3]
+        if not version.startswith(b"HTTP/1.") or len(code) != 3 or not code.isdigit():
+            raise ProtocolError(f"not an HTTP status line: {head[0][:60]!r}")
+        return int(code), head
 
     def _chunked(self) -> bytes:
         buffer = self._buffer

@@ -192,11 +192,15 @@ class TrustPublisher:
             if self._written.get(namespace) == (bundle, owners):
                 continue
             try:
-                wrote = self._ensure(namespace, bundle, policies[namespace], may_write)
+                wrote, bundle_changed = self._ensure(
+                    namespace, bundle, policies[namespace], may_write
+                )
                 if wrote:
                     written.append(namespace)
                 self._written[namespace] = (bundle, owners)
-                if wrote or self._held.get(namespace, (b"",))[0] != bundle:
+                # Since when it holds this bundle: a write of its owners only keeps the time
+                # (policy churn must not put off a certificate switch).
+                if bundle_changed or self._held.get(namespace, (b"",))[0] != bundle:
                     self._held[namespace] = (bundle, self._clock())
             except NotLeader:
                 self._written.pop(namespace, None)
@@ -217,7 +221,9 @@ class TrustPublisher:
         bundle: bytes,
         policies: Sequence[PolicyView],
         may_write: Callable[[], bool],
-    ) -> bool:
+    ) -> tuple[bool, bool]:
+        """Whether the ConfigMap was written, and whether its bundle changed by that (created,
+        or its data replaced; not when only its owners were)."""
         data = {CA_KEY: bundle.decode()}
         owners = [
             client.V1OwnerReference(
@@ -245,11 +251,12 @@ class TrustPublisher:
             )
             body = client.V1ConfigMap(metadata=meta, data=data)
             self._core.create_namespaced_config_map(namespace, body, _request_timeout=API_TIMEOUT_S)
-            return True
+            return True, True
         current_meta: Any = current.metadata
         uids = sorted(ref.uid for ref in current_meta.owner_references or [])
-        if current.data == data and uids == [o.uid for o in owners]:
-            return False
+        same_data = current.data == data
+        if same_data and uids == [o.uid for o in owners]:
+            return False, False
         if not may_write():
             raise NotLeader("not the leader any more")
         # Replaced as read: conditional on its resourceVersion (a lost race is a 409, retried
@@ -259,4 +266,4 @@ class TrustPublisher:
         self._core.replace_namespaced_config_map(
             TRUST_CONFIGMAP, namespace, current, _request_timeout=API_TIMEOUT_S
         )
-        return True
+        return True, not same_data
