@@ -17,7 +17,7 @@ Behaviours under test (pure functions, called directly):
   newest pass's, over its resourceVersion) and a quota deleted meanwhile is never written; a
   snapshot older than our own write (a lagging watch) makes no second write; ``NotLeader``
   drops every queued write; a 409 drops the write and brings one more pass, which writes over
-  the newer resourceVersion;
+  the newer resourceVersion; ``drain()`` also waits for a write queued as the last one finishes;
 - what the reconciler keeps per object and per policy is pruned on churn: policies and quotas
   coming and going for 12 rounds leave exactly what exists in every table (nothing once all is
   gone), a resync read racing a deletion and a status write landing after its quota left are
@@ -405,8 +405,11 @@ async def test_drain_waits_for_writes_queued_as_the_last_one_finishes(
     api = FakeApi()
     api.conflicts = {"q1"}
     # One writer, unpaced: q0, then q1 (the 409), then q2, in order.
-    reconciler = Reconciler(  # type: ignore[arg-type]
-        api, clock=lambda: T1, status_concurrency=1, status_writes_per_second=float("inf")
+    reconciler = Reconciler(
+        api,  # type: ignore[arg-type]
+        clock=lambda: T1,
+        status_concurrency=1,
+        status_writes_per_second=float("inf"),
     )
     world = [keyed_quota(i) for i in range(3)]
     passes = 0
