@@ -207,7 +207,8 @@ class FakeApi:
         self.read_versions: list[str] = []
         """The resourceVersion of each bulk key read: "0" the watch cache, "" quorum."""
         self.version: str | None = "100"
-        """What ``fresh_version`` answers (None: it fails)."""
+        """What ``fresh_version`` answers (None: it fails; "": the watch cache lags)."""
+        self.probes = 0
         self.stored_keys: dict[str, tuple[str, ...]] = {}
         """What ``published_keys`` answers: the document stored in the policy's Secret."""
         self.writes: list[tuple[str, str, str, dict[str, Any]]] = []
@@ -227,6 +228,7 @@ class FakeApi:
         return [self.key_hashes(ns, name) for ns, name in secrets]
 
     def fresh_version(self, namespace: str, probe: str) -> str:
+        self.probes += 1
         if self.version is None:
             raise ApiException(status=403, reason="Forbidden")
         return self.version
@@ -588,6 +590,47 @@ async def test_the_resync_reads_key_secrets_as_of_now_the_pass_from_the_cache() 
         assert api.key_reads == [f"key-{i}" for i in range(3)] * 3
     finally:
         await reconciler.close()
+
+
+async def test_a_lagging_watch_cache_is_read_by_quorum_without_probing_for_ten_minutes() -> None:
+    """A probe that meets a lagging Secret watch cache (its 504: ``""``) makes that namespace's
+    re-reads quorum reads for ``LAGGING_CACHE_S`` without asking again (one wait per
+    namespace, not one per policy and round); after that the cache is probed again."""
+    api = FakeApi()
+    now = [1000.0]
+    reconciler = Reconciler(api, monotonic=lambda: now[0])  # type: ignore[arg-type]
+    quotas = [keyed_quota(i) for i in range(2)]
+    try:
+        await reconciler.reconcile(POOL, [policy()], quotas, LOG)
+        api.version = ""
+        await reconciler.refresh_keys(quotas)
+        await reconciler.refresh_keys(quotas)
+        now[0] += reconcile.LAGGING_CACHE_S - 0.001
+        await reconciler.refresh_keys(quotas)
+        assert (api.probes, api.read_versions) == (1, ["0", "", "", ""])
+
+        api.version = "100"  # caught up meanwhile
+        now[0] += 0.001
+        await reconciler.refresh_keys(quotas)
+        await reconciler.refresh_keys(quotas)
+        assert (api.probes, api.read_versions[4:]) == (3, ["100", "100"])
+        assert reconciler._lagging == {}
+    finally:
+        await reconciler.close()
+
+
+def test_a_quota_moved_to_another_policy_keeps_what_that_policy_wrote() -> None:
+    """A quota that moved from policy A to B: A's next pass (without it) must not forget the
+    status B wrote over it (that would make B write it again over a 409)."""
+    reconciler = Reconciler(FakeApi())  # type: ignore[arg-type]
+    other = ("ns", "other")
+    reconciler._remember(POOL, frozenset({"u1", "u2"}))
+    reconciler._remember(other, frozenset({"u1"}))  # u1 moved to `other`, which wrote it
+    reconciler._written.update({"u1": ("7", {}), "u2": ("3", {})})
+    reconciler._remember(POOL, frozenset())
+    assert set(reconciler._written) == {"u1"}
+    reconciler._remember(other, frozenset())
+    assert reconciler._written == {}
 
 
 def test_generations_of_objects_no_index_holds_are_forgotten() -> None:

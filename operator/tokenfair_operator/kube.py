@@ -213,9 +213,10 @@ class KubeApi:
 
         The version is etcd's revision now: a quorum read, the one-item LIST of the namespace's
         TenantQuotas (which the operator may list and watch there). Secret ``probe`` is then
-        read at it once, so a watch cache that lags for good costs one wait (~3 s) per round,
-        not one per read; once the cache has reached a version it never goes back below it.
-        Assumes Secrets and TenantQuotas share one etcd (the default: no
+        read at it once, so a watch cache that lags costs one wait (~3 s), not one per read
+        (the reconciler then reads that namespace by quorum without probing for a while,
+        :data:`.reconcile.LAGGING_CACHE_S`); once the cache has reached a version it never
+        goes back below it. Assumes Secrets and TenantQuotas share one etcd (the default: no
         ``--etcd-servers-overrides`` for Secrets, whose revisions would not compare)."""
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{QUOTA_PLURAL}"
         listing = self._get_json(path, query=[("limit", "1")]) or {}

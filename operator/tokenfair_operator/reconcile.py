@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -98,6 +99,12 @@ default max-requests-inflight (400) far away."""
 READ_CHUNK: Final = 250
 """Key Secrets one call reads (one thread, one connection): small enough that the chunks spread
 evenly over the connections, large enough that asyncio's hand-off per call is noise."""
+LAGGING_CACHE_S: Final = 600.0
+"""Seconds a namespace whose Secret watch cache did not reach etcd's revision within the API
+server's wait (~3 s, a 504) is re-read by quorum without probing again: etcd's default
+progress-notify interval (10 min), about the longest such a cache lags when no Secret changes
+on an API server that does not ask etcd for progress (before Kubernetes 1.31, or etcd before
+3.4.31/3.5.13). Without it every resync round would pay the wait once per policy."""
 STATUS_CONCURRENCY: Final = 16
 """Status writes the background writer has in flight at once (its own threads, next to a pass's
 :data:`IO_CONCURRENCY`): a status patch of a custom object took up to ~90 ms on the loaded
@@ -170,6 +177,11 @@ class Reconciler:
     _gone: set[PolicyKey] = field(default_factory=set)
     """Policies whose last pass found nothing of them (no policy, quota or labelled Pod): their
     lock and tickets go with the last caller (:meth:`_leave`)."""
+    monotonic: Callable[[], float] = time.monotonic
+    """The clock of :attr:`_lagging` (injected by tests)."""
+    _lagging: dict[str, float] = field(default_factory=dict)
+    """Per namespace: until when (``monotonic``) its key Secrets are re-read by quorum without
+    probing the watch cache (:data:`LAGGING_CACHE_S`)."""
 
     def __post_init__(self) -> None:
         self.statuses = StatusWriter(
@@ -214,13 +226,14 @@ class Reconciler:
         self._waiting[key] = self._waiting.get(key, 0) + 1
 
     def _leave(self, key: PolicyKey) -> None:
-        """The last caller of a policy that is gone takes its lock and tickets with it (nobody
-        holds or awaits that lock then: a later caller makes a new one, alone)."""
+        """The last caller of a policy that is gone takes its lock, tickets and snapshot with it
+        (nobody holds or awaits that lock then: a later caller makes a new one, alone)."""
         left = self._waiting.pop(key) - 1
         if left:
             self._waiting[key] = left
         elif key in self._gone:
             self._gone.discard(key)
+            self._snapshots.pop(key, None)
             self._locks.pop(key, None)
             self._requested.pop(key, None)
             self._served.pop(key, None)
@@ -289,14 +302,25 @@ class Reconciler:
         """Per namespace of ``secrets`` (sorted): the resourceVersion its reads are made at,
         etcd's revision now (:meth:`.KubeApi.fresh_version`), or ``""`` (quorum reads) where
         that could not be had."""
+        now = self.monotonic()
+        for namespace in [ns for ns, until in self._lagging.items() if until <= now]:
+            del self._lagging[namespace]
+        fresh: dict[str, str] = {}  # ``""`` for a namespace whose cache lagged lately
         first: dict[str, str] = {}
         for namespace, name in secrets:
-            first.setdefault(namespace, name)
+            if namespace in self._lagging:
+                fresh[namespace] = ""
+            else:
+                first.setdefault(namespace, name)
         versions = await asyncio.gather(
             *(self._call(self.api.fresh_version, ns, name) for ns, name in first.items()),
             return_exceptions=True,
         )
-        return {ns: v if isinstance(v, str) else "" for ns, v in zip(first, versions, strict=True)}
+        for namespace, version in zip(first, versions, strict=True):
+            fresh[namespace] = version if isinstance(version, str) else ""
+            if version == "":  # the probe's 504: the cache lags (a failed call is not that)
+                self._lagging[namespace] = now + LAGGING_CACHE_S
+        return fresh
 
     async def _seed_keys(self, key: PolicyKey, policy: PolicyView, keyed: list[QuotaView]) -> None:
         """The first pass of ``key`` with a cold cache takes the digests of each quota whose
@@ -327,8 +351,11 @@ class Reconciler:
     def _remember(self, key: PolicyKey, members: frozenset[str]) -> None:
         """Policy ``key``'s objects are ``members`` (uids) now: what was written over one that
         left (deleted, or moved to another policy) is forgotten."""
-        for uid in self._members.get(key, frozenset()) - members:
-            self._written.pop(uid, None)
+        left = self._members.get(key, frozenset()) - members
+        if left:  # what moved to another policy keeps what that policy wrote over it
+            elsewhere = set().union(*(m for k, m in self._members.items() if k != key))
+            for uid in left - elsewhere:
+                self._written.pop(uid, None)
         self._members[key] = members
 
     def _refer(self, key: PolicyKey, secrets: Iterable[tuple[str, str]]) -> None:
@@ -353,12 +380,9 @@ class Reconciler:
         """Nothing of policy ``key`` exists (no policy, quota or labelled Pod): drop what is
         kept per policy (its lock and tickets when its last caller leaves, :meth:`_leave`)."""
         self._gone.add(key)
-        for per_policy in (
-            self._replicas,
-            self._unprotected,
-            self._snapshots,
-            self._conflicts,
-        ):
+        # Its snapshot goes with its last caller (:meth:`_leave`): a caller awaiting the lock
+        # has just set it, for its own pass and a pass after a conflict.
+        for per_policy in (self._replicas, self._unprotected, self._conflicts):
             per_policy.pop(key, None)
         self._remember(key, frozenset())
         self._members.pop(key, None)
