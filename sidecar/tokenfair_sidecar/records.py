@@ -332,58 +332,33 @@ class TraceScan:
 
 def scan_trace(path: str | Path, known_tenants: Mapping[str, object] | None = None) -> TraceScan:
     """Validate a whole trace (every rule of :func:`iter_trace_lines`, an empty file is an
-    error) and return its :class:`TraceScan`; keeps nothing of the records but their ids.
-
-    One loop over the file's lines (`iter_trace_lines` and `_decoded_lines`, inline: the same
-    checks in the same order, the same errors, two generator steps a line fewer)."""
+    error) and return its :class:`TraceScan`; keeps nothing of the records but their ids."""
     count = 0
     in_order = True
     observed_usage = False
     first_ms = last_ms = math.nan
     previous_ms, previous_id = -math.inf, ""
-    seen: set[str] = set()
-    add_seen = seen.add
-    decode = _DECODER.decode
-    try:
-        with Path(path).open("rb") as handle:
-            for number, raw in enumerate(handle, start=1):
-                try:
-                    line = decode(raw)
-                except msgspec.MsgspecError as exc:
-                    if not raw.strip():
-                        continue
-                    raise _trace_error(raw, f"{path}:{number}", exc) from None
-                request_id = line.request_id
-                if request_id in seen:
-                    raise TraceError(f"{path}:{number}: duplicate request_id {request_id!r}")
-                add_seen(request_id)
-                if known_tenants is not None and line.tenant_id not in known_tenants:
-                    raise TraceError(
-                        f"{path}:{number}: tenant_id {line.tenant_id!r} is not in the tenants "
-                        f"file (known: {', '.join(known_tenants)})"
-                    )
-                count += 1
-                arrival_ms = line.arrival_ms
-                if count == 1:
-                    first_ms = arrival_ms
-                # In order (the usual case) the first line has the smallest arrival and the
-                # last line the largest: one comparison a line instead of a min and a max.
-                if not in_order:
-                    first_ms = min(first_ms, arrival_ms)
-                    last_ms = max(last_ms, arrival_ms)
-                elif arrival_ms > previous_ms or (
-                    arrival_ms == previous_ms and request_id > previous_id
-                ):
-                    previous_ms, previous_id = arrival_ms, request_id
-                else:
-                    in_order = False
-                    first_ms, last_ms = min(first_ms, arrival_ms), previous_ms
-                if not observed_usage and (
-                    line.actual_prefill_tokens is not None or line.actual_decode_tokens is not None
-                ):
-                    observed_usage = True
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
+    for line in iter_trace_lines(path, known_tenants):
+        count += 1
+        arrival_ms = line.arrival_ms
+        if count == 1:
+            first_ms = arrival_ms
+        # In order (the usual case) the first line has the smallest arrival and the last line
+        # the largest: one comparison a line instead of a min and a max.
+        if not in_order:
+            first_ms = min(first_ms, arrival_ms)
+            last_ms = max(last_ms, arrival_ms)
+        elif arrival_ms > previous_ms or (
+            arrival_ms == previous_ms and line.request_id > previous_id
+        ):
+            previous_ms, previous_id = arrival_ms, line.request_id
+        else:
+            in_order = False
+            first_ms, last_ms = min(first_ms, arrival_ms), previous_ms
+        if not observed_usage and (
+            line.actual_prefill_tokens is not None or line.actual_decode_tokens is not None
+        ):
+            observed_usage = True
     if not count:
         raise TraceError(f"{path}: no records")
     if in_order:
