@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import platform
 import pstats
@@ -85,7 +86,21 @@ class Run(NamedTuple):
 
 
 def write_trace(path: Path, count: int) -> None:
-    """``bench_core.overloaded_trace(count)`` as JSONL (the trace format of docs/records.md)."""
+    """``bench_core.overloaded_trace(count)`` as JSONL (the trace format of docs/records.md),
+    written by a spawned child process: this process never holds the requests. On Linux a
+    child's ``ru_maxrss`` starts from its parent's high-water RSS (it is forked or vforked from
+    it before its exec), so a parent that had built 1M requests would report every run it
+    measures afterwards at no less than its own peak."""
+    child = multiprocessing.get_context("spawn").Process(
+        target=_write_trace, args=(path, count), name="write-trace"
+    )
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise SystemExit(f"writing {path}: the trace writer exited with {child.exitcode}")
+
+
+def _write_trace(path: Path, count: int) -> None:
     with path.open("w", encoding="utf-8") as handle:
         for r in overloaded_trace(count):
             handle.write(

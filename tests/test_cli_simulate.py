@@ -415,7 +415,7 @@ def fold_cases() -> list[tuple[list[tuple[Decision, int | None]], tuple[float, f
 
 
 @pytest.mark.parametrize("case", range(3))
-def test_fold_is_the_two_tallies(case: int) -> None:
+def test_fold_counts_writes_and_keeps_every_decision(case: int) -> None:
     config = build_config(
         PolicyConfig(),
         [

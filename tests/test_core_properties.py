@@ -437,3 +437,21 @@ def test_tokenfair_keeps_its_running_sums_through_any_sequence(
         scheduler.cancel(job.request.request_id, now_ms)
     _check_lane_books(scheduler)
     assert scheduler.books() == Books(0, 0, 0, 0, 0)
+
+
+def test_lesson_drr_goes_on_after_a_reload_removes_tenants_mid_round() -> None:
+    """A reload that leaves fewer tenants than the round robin's position (it had moved past
+    the first tenant) ends that round; the next one serves who is left. It raised IndexError."""
+    tenants = [TenantConfig(t, 1.0, 10**6, 1e6, "batch") for t in "ABC"]
+    policy = PolicyConfig(base_quantum_tokens=100)
+    scheduler = make_scheduler("service_token_drr_with_admission", build_config(policy, tenants))
+    scheduler.submit(Request("a1", "A", 0.0, 5000, 0, "batch"), 0.0)  # many quanta
+    scheduler.submit(Request("c1", "C", 0.0, 50, 0, "batch"), 0.0)  # fits one quantum
+    first = scheduler.next_dispatch(0.0)
+    assert first is not None
+    assert first.request_id == "c1"
+    scheduler.complete("c1", 1.0)
+    scheduler.reconfigure(build_config(policy, tenants[:1]), 2.0)
+
+    served = [scheduler.next_dispatch(2.0 + step) for step in range(100)]
+    assert [d.request_id for d in served if d is not None] == ["a1"]

@@ -14,8 +14,8 @@ Behaviours under test:
   schema's fields, required ones as required;
 * ``scan_trace``: the count, whether the lines are in ``(arrival_ms, request_id)`` order, the
   first and last arrival whatever the order, whether any record carries usage;
-* ``scan_trace`` (its own loop since issue 17's third pass) refuses what ``read_trace``
-  refuses, in the same words, naming the same line;
+* ``scan_trace`` refuses what ``read_trace`` refuses, in the same words, naming the same
+  line;
 * ``stream_requests`` yields the requests ``read_trace`` reads, in file order, and
   ``stream_arrivals`` the same as the replay's arrivals;
 * ``encode_decision`` writes what ``decision_to_json`` describes (same keys, order and values),
@@ -292,8 +292,8 @@ def test_replay_holds_the_backlog_not_the_trace() -> None:
 def test_scan_refuses_what_the_stream_refuses_in_its_words(
     tmp_path: Path, lines: tuple[str, ...], known: dict[str, object] | None
 ) -> None:
-    # `scan_trace` runs the checks of `iter_trace_lines` in its own loop (issue 17, third
-    # pass): the same error, naming the same line, for every kind of refusal.
+    # `scan_trace` validates through `iter_trace_lines`: the same error, naming the same
+    # line, for every kind of refusal.
     path = trace_file(tmp_path, *lines)
     with pytest.raises(TraceError) as scanned:
         scan_trace(path, known)

@@ -383,21 +383,9 @@ def stream_requests(path: str | Path) -> Iterator[Request]:
 
 def stream_arrivals(path: str | Path) -> Iterator[tuple[Request, None, None]]:
     """``(request, None, None)`` for each request of :func:`stream_requests`: the arrivals of
-    a scanned trace without recorded usage, as the replay takes them (``simulator.Arrival``),
-    in one generator step a line (`stream_requests` and `_decoded_lines`, inline)."""
-    decode = _REQUEST_DECODER.decode
-    try:
-        with Path(path).open("rb") as handle:
-            for number, line in enumerate(handle, start=1):
-                try:
-                    request = decode(line)
-                except msgspec.MsgspecError as exc:
-                    if not line.strip():
-                        continue
-                    raise _trace_error(line, f"{path}:{number}", exc) from None
-                yield (request, None, None)
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
+    a scanned trace without recorded usage, as the replay takes them (``simulator.Arrival``)."""
+    for _, request in _decoded_lines(path, _REQUEST_DECODER):
+        yield (request, None, None)
 
 
 def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:

@@ -13,11 +13,11 @@ from tokenfair_sidecar import progress
 from tokenfair_sidecar.commands import add_format_flag
 from tokenfair_sidecar.config import Config, apply_overrides, load_tenants_file
 from tokenfair_sidecar.core import DEFAULT_POLICY, LESSON_POLICIES, POLICIES, Decision
-from tokenfair_sidecar.core.jobs import STATUS_OK, STATUS_SHED
 from tokenfair_sidecar.costmodel import CostModel
 from tokenfair_sidecar.fairness import (
     FairnessReport,
     FairnessTally,
+    decision_size,
     fairness_to_json,
     format_fairness,
 )
@@ -28,7 +28,7 @@ from tokenfair_sidecar.records import (
     scan_trace,
     stream_arrivals,
 )
-from tokenfair_sidecar.report import SummaryTally, TenantTally
+from tokenfair_sidecar.report import SummaryTally
 from tokenfair_sidecar.scenarios import SCENARIOS
 from tokenfair_sidecar.simulator import Arrival, replay
 
@@ -164,75 +164,21 @@ def fold(
     policy: str | None = None,
     kept: list[Decision] | None = None,
 ) -> None:
-    """``summary.add(decision)`` and ``fairness.add(decision, size)`` of each ``(decision,
-    recorded usage)`` of a replay, ``size`` being ``decision_size``; each decision written to
-    ``records`` (tagged ``policy``) and appended to ``kept`` when given.
-
-    One loop, the two tallies' steps inline (it runs once per request of every replay): the
-    summary's in full, the fairness tally's for a dispatched request of a configured tenant
-    inside a closed window (nearly every admitted request); any other decision goes through
-    ``fairness.add``. The sums are of integers, so their order changes nothing;
-    ``tests/test_cli_simulate.py`` checks the result against the two ``add`` methods."""
-    tenants = summary._tenants
-    shed_reasons = summary._shed_reasons
-    peak_kv = summary._peak_kv
-    fair_tallies = fairness._tallies
-    configured = fairness._tenant_index
-    start_ms, end_ms = fairness._start_ms, fairness._end_ms
-    closed = not fairness._open_end
-    add_fairness = fairness.add
+    """``summary.add(decision)`` and ``fairness.add(decision, decision_size(...))`` of each
+    ``(decision, recorded usage)`` of a replay; each decision written to ``records`` (tagged
+    ``policy``) and appended to ``kept`` when given, else dropped once counted. The tallies'
+    rules stay theirs (a first version of issue 17's third pass wrote them again here, inline;
+    not kept: one home per rule)."""
+    add_summary, add_fairness = summary.add, fairness.add
     write = None if records is None else records.write
     keep = None if kept is None else kept.append
-    try:
-        for decision, actual in decisions:
-            tenant_id = decision.tenant_id
-            tally = tenants.get(tenant_id)
-            if tally is None:
-                tally = tenants[tenant_id] = TenantTally()
-            tally.submitted += 1
-            # `decision_size`: what the request used if known, else its estimate
-            size = decision.actual_service_tokens
-            if size is None:
-                size = decision.service_tokens if actual is None else actual
-            if decision.status_code == STATUS_OK:
-                tally.admitted_service_tokens += decision.service_tokens
-                if decision.priority_class == "interactive":
-                    tally.interactive_ttft_ms.append(decision.ttft_ms)
-                else:
-                    tally.batch_ttft_ms.append(decision.ttft_ms)
-                if decision.kv_occupancy_ratio > peak_kv:
-                    peak_kv = decision.kv_occupancy_ratio
-                dispatch_ms = decision.dispatch_ms
-                served = fair_tallies.get(tenant_id)
-                if (
-                    closed
-                    and served is not None
-                    and dispatch_ms is not None
-                    and decision.gate == "dispatch"
-                    and tenant_id in configured
-                    and start_ms <= dispatch_ms <= end_ms
-                    and start_ms <= decision.arrival_ms <= end_ms
-                ):
-                    # `FairnessTally.add` of a served request, inline
-                    fairness._dispatched_tokens += size
-                    served.offered_requests += 1
-                    served.offered_tokens += size
-                    served.admitted_requests += 1
-                    served.served_requests += 1
-                    served.served_tokens += size
-                else:
-                    add_fairness(decision, size)
-            else:
-                if decision.status_code == STATUS_SHED:
-                    tally.shed_429 += 1
-                shed_reasons[decision.reason] = shed_reasons.get(decision.reason, 0) + 1
-                add_fairness(decision, size)
-            if write is not None:
-                write(encode_decision(decision, policy))
-            if keep is not None:
-                keep(decision)
-    finally:
-        summary._peak_kv = peak_kv
+    for decision, actual in decisions:
+        add_summary(decision)
+        add_fairness(decision, decision_size(decision, actual))
+        if write is not None:
+            write(encode_decision(decision, policy))
+        if keep is not None:
+            keep(decision)
 
 
 def run(args: argparse.Namespace) -> int:

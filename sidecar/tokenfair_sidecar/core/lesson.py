@@ -183,7 +183,7 @@ class LessonDrrScheduler(Scheduler):
                 # Interactive work arrived after a batch dispatch: the batch round ends.
                 lane = None
                 continue
-            if at == tenants:
+            if at >= tenants:  # `>=`: a reload may have removed tenants mid-round
                 if not self._round_dispatched:
                     self._grant_boost(lane)
                 lane = None
