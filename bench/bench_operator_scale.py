@@ -65,9 +65,10 @@ from typing import Any, Final
 ROOT: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # kubecluster: the control plane the tests build
 
-from tokenfair_operator import PolicyView, QuotaView, render_config, sha256_hex  # noqa: E402
+from tokenfair_operator import PolicyView, QuotaView, render_config  # noqa: E402
 from tokenfair_operator.reconcile import Reconciler  # noqa: E402
 from tokenfair_operator.render import KeyLookup  # noqa: E402
+from tokenfair_sidecar.config import api_key_digest  # noqa: E402
 from tokenfair_sidecar.core import make_scheduler  # noqa: E402
 from tokenfair_sidecar.core.jobs import Request  # noqa: E402
 from tokenfair_sidecar.core.scheduler import Scheduler  # noqa: E402
@@ -95,7 +96,7 @@ def world(n: int) -> tuple[PolicyView, list[QuotaView], dict[str, KeyLookup]]:
         QuotaView(f"tenant-{i:05d}", NAMESPACE, f"uid-{i}", 1, _created(i), quota_spec(i))
         for i in range(n)
     ]
-    keys: dict[str, KeyLookup] = {q.name: (sha256_hex(f"sk-{q.name}"),) for q in quotas}
+    keys: dict[str, KeyLookup] = {q.name: (api_key_digest(f"sk-{q.name}"),) for q in quotas}
     return policy, quotas, keys
 
 

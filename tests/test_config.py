@@ -18,6 +18,7 @@ Behaviours under test:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -30,12 +31,14 @@ from tokenfair_sidecar.config import (
     ConfigError,
     PolicyConfig,
     TenantConfig,
+    api_key_digest,
     apply_overrides,
     config_to_document,
     load_config,
     parse_documents,
     shown,
 )
+from tokenfair_sidecar.server.auth import Authenticator
 
 GOOD_TENANT = {
     "tenantId": "tenant_chat_pro",
@@ -445,3 +448,18 @@ def test_shown_bounds_any_value() -> None:
     assert shown(10**5000) == "<an integer of 16610 bits>"
     assert shown("soon") == "'soon'"  # a short value as repr shows it
     assert shown([1, 2.5, None]) == "[1, 2.5, None]"
+
+
+def test_one_api_key_digest_for_the_operator_and_the_sidecar() -> None:
+    """A key as a Secret stores it (a trailing newline) and as a client presents it digest
+    alike: SHA-256 of the UTF-8 key without the white space around it, the digest docs give as
+    `printf %s "$KEY" | sha256sum`; the sidecar's check finds the tenant by it."""
+    expected = hashlib.sha256("sk-ü-1".encode()).hexdigest()
+    assert api_key_digest("sk-ü-1\n") == api_key_digest("  sk-ü-1") == expected
+    tenant = TenantConfig(
+        "tenant_chat_pro", 2.0, 48000, 180000.0, "interactive", api_key_sha256=(expected,)
+    )
+    config = Config(PolicyConfig(), (tenant,))
+    auth = Authenticator(config)
+    assert auth.authenticate("Bearer sk-ü-1", None) is tenant
+    assert auth.authenticate("Bearer sk-ü-2", None) is None

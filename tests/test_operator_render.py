@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tokenfair_operator import KeyProblem, PolicyView, QuotaView, render_config, sha256_hex
+from tokenfair_operator import KeyProblem, PolicyView, QuotaView, render_config
 from tokenfair_operator.render import KeyLookup
-from tokenfair_sidecar.config import PolicyConfig, TenantConfig, loads_config
+from tokenfair_sidecar.config import PolicyConfig, TenantConfig, api_key_digest, loads_config
 from tokenfair_sidecar.scenarios import LESSON_TENANTS
 
 LESSON = Path(__file__).parent / "data" / "operator" / "lesson-tenants.yaml"
@@ -71,7 +71,7 @@ def test_key_digests_only_in_the_secret() -> None:
     chat = quotas[0]
     spec = {**chat.spec, "apiKeySha256": [inline], "apiKeySecretRef": {"name": "chat-keys"}}
     quotas[0] = quota(chat.name, spec, 1)
-    from_secret = (sha256_hex("secret-key\n"),)
+    from_secret = (api_key_digest("secret-key\n"),)
 
     rendering = render_config(policy(), quotas, {chat.name: from_secret})
 

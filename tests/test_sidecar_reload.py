@@ -37,11 +37,16 @@ from test_sidecar_support import (
     wait_for,
 )
 
-from tokenfair_sidecar.config import Config, ConfigError, PolicyConfig, config_to_document
+from tokenfair_sidecar.config import (
+    Config,
+    ConfigError,
+    PolicyConfig,
+    api_key_digest,
+    config_to_document,
+)
 from tokenfair_sidecar.core import Decision
 from tokenfair_sidecar.records import decision_to_json, read_trace
 from tokenfair_sidecar.server import LoadedFile, load_sidecar_file
-from tokenfair_sidecar.server.auth import key_sha256
 from tokenfair_sidecar.server.backends.openai import with_include_usage
 from tokenfair_sidecar.server.estimate import EstimateError, chars4, decode_tokens
 from tokenfair_sidecar.server.recorder import RecordWriter
@@ -80,7 +85,7 @@ async def test_valid_reload_applies_without_dropping_requests_and_invalid_is_ref
 
     tenants: list[dict[str, Any]] = document["tenants"]  # type: ignore[assignment]
     tenants[0]["weight"] = 3.0
-    tenants[0]["apiKeySha256"] = [key_sha256("sk-rotated")]
+    tenants[0]["apiKeySha256"] = [api_key_digest("sk-rotated")]
     write_config(path, {**document, "version": "test-2"})
     assert await wait_for(lambda: sidecar.config.version == "test-2")
     assert sidecar.scheduler.tenants["tenant_chat_pro"].config.weight == 3.0
@@ -111,7 +116,7 @@ def test_sidecar_section_is_read_and_checked(tmp_path: Path) -> None:
         "tenant_batch_rag",
     ]
     assert loaded.config.tenant("tenant_chat_pro").api_key_sha256 == (
-        key_sha256("sk-local-chat-pro"),
+        api_key_digest("sk-local-chat-pro"),
     )
     settings = settings_from_section(loaded.section)
     assert settings.listen == "127.0.0.1:8080"
@@ -267,7 +272,7 @@ async def test_the_watcher_survives_anything_and_applies_a_later_revocation(
         reconfigure(new_config, now_ms)
 
     monkeypatch.setattr(sidecar.scheduler, "reconfigure", flaky)
-    revoked = [dict(tenants[0], apiKeySha256=[key_sha256("sk-rotated")]), *tenants[1:]]
+    revoked = [dict(tenants[0], apiKeySha256=[api_key_digest("sk-rotated")]), *tenants[1:]]
     path.write_text(
         yaml.safe_dump({**document, "version": "test-2", "tenants": revoked}), encoding="utf-8"
     )

@@ -12,12 +12,17 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
-from tokenfair_sidecar.config import Config, PolicyConfig, TenantConfig, build_config
+from tokenfair_sidecar.config import (
+    Config,
+    PolicyConfig,
+    TenantConfig,
+    api_key_digest,
+    build_config,
+)
 from tokenfair_sidecar.core import Books
 from tokenfair_sidecar.costmodel import CostModel
 from tokenfair_sidecar.scenarios import LESSON_TENANTS
 from tokenfair_sidecar.server import SIDECAR, Sidecar, create_admin_app, create_app, make_backend
-from tokenfair_sidecar.server.auth import key_sha256
 from tokenfair_sidecar.server.settings import SidecarSettings
 
 KEYS = {
@@ -32,7 +37,7 @@ ClientFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 
 
 def lesson_tenants_with_keys() -> list[TenantConfig]:
-    return [replace(t, api_key_sha256=(key_sha256(KEYS[t.tenant_id]),)) for t in LESSON_TENANTS]
+    return [replace(t, api_key_sha256=(api_key_digest(KEYS[t.tenant_id]),)) for t in LESSON_TENANTS]
 
 
 PATIENT_POLICY = PolicyConfig(max_interactive_wait_ms=60_000, max_batch_wait_ms=60_000)

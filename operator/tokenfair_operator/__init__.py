@@ -8,7 +8,7 @@ below are what tests and other tools call directly.
 from .budgets import split_budgets
 from .conditions import Check, conditions_for
 from .model import PolicyView, QuotaView, configmap_name, secret_name
-from .render import KeyProblem, Rendering, Verdict, render_config, sha256_hex
+from .render import KeyProblem, Rendering, Verdict, render_config
 from .status import policy_status, quota_status
 
 __all__ = [
@@ -24,6 +24,5 @@ __all__ = [
     "quota_status",
     "render_config",
     "secret_name",
-    "sha256_hex",
     "split_budgets",
 ]

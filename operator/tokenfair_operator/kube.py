@@ -27,7 +27,7 @@ from urllib.parse import quote
 from kubernetes import client, config
 from kubernetes.client import ApiException
 
-from tokenfair_sidecar.config import ConfigError, document_text, loads_config
+from tokenfair_sidecar.config import ConfigError, api_key_digest, document_text, loads_config
 
 from .documents import (
     GENERATION_ANNOTATION,
@@ -53,7 +53,7 @@ from .model import (
     secret_name,
 )
 from .payload import is_text
-from .render import KeyLookup, KeyProblem, sha256_hex
+from .render import KeyLookup, KeyProblem
 
 NOT_FOUND: Final = 404
 FORBIDDEN: Final = 403
@@ -494,7 +494,7 @@ def _lookup(name: str, secret: Mapping[str, Any] | None) -> KeyLookup:
     keys = [v for v in values if v.strip()]
     if not keys:
         return KeyProblem("KeySecretEmpty", f"Secret {name!r} holds no API key")
-    return tuple(sorted({sha256_hex(key) for key in keys}))
+    return tuple(sorted({api_key_digest(key) for key in keys}))
 
 
 def _owner(policy: PolicyView) -> dict[str, Any]:

@@ -99,12 +99,6 @@ class Rendering:
     """Why nothing can be published though tenants were accepted (``DocumentTooLarge``)."""
 
 
-def sha256_hex(api_key: str) -> str:
-    """The digest the sidecar compares a presented key against: SHA-256 of the UTF-8 key with
-    surrounding white space removed (``kubectl create secret --from-file`` keeps a newline)."""
-    return hashlib.sha256(api_key.strip().encode()).hexdigest()
-
-
 def render_config(
     policy: PolicyView,
     quotas: Sequence[QuotaView],

@@ -15,6 +15,7 @@ naming the field and the rule it broke.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import re
@@ -247,6 +248,17 @@ def _priority(name: str, value: object) -> PriorityClass:
         if value == option:
             return option
     raise ConfigError(f"{name}: must be one of {', '.join(PRIORITY_CLASSES)} (got {shown(value)})")
+
+
+def api_key_digest(api_key: str) -> str:
+    """The digest ``apiKeySha256`` holds for an API key, and the one a presented key is compared
+    by: lower-case hex SHA-256 of the key's UTF-8 bytes, white space around it removed (a key
+    read from a file or a Secret often ends in a newline: ``kubectl create secret --from-file``
+    keeps it; an ``Authorization`` header's value is trimmed the same way). For a key without
+    such white space it is ``printf %s "$KEY" | sha256sum``. One home for the operator's render
+    and the sidecar's check. Raises ``UnicodeEncodeError`` for text that is no key (lone
+    surrogates: header bytes that were not UTF-8)."""
+    return hashlib.sha256(api_key.strip().encode("utf-8")).hexdigest()
 
 
 def _key_hashes(name: str, value: object) -> tuple[str, ...]:

@@ -10,15 +10,9 @@ is honoured only when the operator turned that mode on (behind an authenticating
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 
-from tokenfair_sidecar.config import Config, TenantConfig
-
-
-def key_sha256(key: str) -> str:
-    """The digest to put in ``apiKeySha256`` for ``key``."""
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+from tokenfair_sidecar.config import Config, TenantConfig, api_key_digest
 
 
 class Authenticator:
@@ -37,7 +31,7 @@ class Authenticator:
 
     def by_key(self, key: str) -> TenantConfig | None:
         try:
-            presented = key_sha256(key).encode("ascii")
+            presented = api_key_digest(key).encode("ascii")
         except UnicodeEncodeError:
             # Header bytes that are not UTF-8 arrive as surrogate escapes: no key is such text.
             return None
