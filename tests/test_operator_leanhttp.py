@@ -86,10 +86,9 @@ class DroppingHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def dropping_server() -> Iterator[int]:
-    DroppingHandler.served = 0
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DroppingHandler)
+def http_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[int]:
+    """A threading HTTP server on a free loopback port for the fixtures: its port, then shut."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -97,6 +96,12 @@ def dropping_server() -> Iterator[int]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def dropping_server() -> Iterator[int]:
+    DroppingHandler.served = 0
+    yield from http_server(DroppingHandler)
 
 
 def test_a_dropped_keep_alive_connection_is_replaced(dropping_server: int) -> None:
@@ -177,14 +182,7 @@ def pipeline_server() -> Iterator[int]:
     PipelineHandler.pipelined = []
     PipelineHandler.connections = 0
     PipelineHandler.close_at = ""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PipelineHandler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1]
-    finally:
-        server.shutdown()
-        server.server_close()
+    yield from http_server(PipelineHandler)
 
 
 def test_get_many_pipelines_its_gets_on_one_connection(pipeline_server: int) -> None:
