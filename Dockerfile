@@ -30,7 +30,7 @@ WORKDIR /src
 COPY requirements/image.txt wheel[s] ./
 RUN /opt/tokenfair/bin/pip install --no-compile ${PIP_INSTALL_ARGS} --require-hashes -r image.txt
 COPY pyproject.toml README.md ./
-COPY sidecar/tokenfair_sidecar sidecar/tokenfair_sidecar
+COPY sidecar/tokenfair sidecar/tokenfair
 COPY operator/tokenfair_operator operator/tokenfair_operator
 # Built with the locked setuptools already in the virtualenv, not a fresh unpinned one.
 RUN /opt/tokenfair/bin/pip install --no-compile ${PIP_INSTALL_ARGS} --no-deps \

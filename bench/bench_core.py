@@ -54,17 +54,17 @@ from lesson_reference import (
     run_service_token_drr,
 )
 
-from tokenfair_sidecar import core as core_package
-from tokenfair_sidecar.config import (
+from tokenfair import core as core_package
+from tokenfair.config import (
     Config,
     PolicyConfig,
     PriorityClass,
     TenantConfig,
     build_config,
 )
-from tokenfair_sidecar.core import Decision, Lane, Request, make_scheduler
-from tokenfair_sidecar.scenarios import LESSON_TENANTS
-from tokenfair_sidecar.simulator import simulate
+from tokenfair.core import Decision, Lane, Request, make_scheduler
+from tokenfair.sim.scenarios import LESSON_TENANTS
+from tokenfair.sim.simulator import simulate
 
 TOKENFAIR = "tokenfair"
 RELAXED_WAIT_MS = 1e12

@@ -14,7 +14,7 @@ otherwise. Budgets are non-binding (burst and sustained rate 10^9) unless the sc
 budgets; the policy is the default one. ``actual`` maps request id to the service tokens a request
 really used where that differs from its estimate (the under-declarer).
 
-Figures (``tokenfair_sidecar/fairness.py`` computes all but one; the window is ``[0, window]``,
+Figures (``tokenfair/fairness.py`` computes all but one; the window is ``[0, window]``,
 sizes are actual service tokens where known, else the estimate):
 
 * **demand served** of a tenant = service tokens of its requests that arrived in the window and
@@ -73,7 +73,7 @@ Scenarios (rates in units of C; Poisson = exponential gaps, constant = evenly sp
 Seeded (``--seed``): every tenant draws from its own ``random.Random`` seeded with the seed, the
 scenario and the tenant, so the output is the same on every run.
 
-The core under test is whichever ``tokenfair_sidecar`` Python imports; ``--core-path DIR`` runs
+The core under test is whichever ``tokenfair`` Python imports; ``--core-path DIR`` runs
 the bench again with ``DIR`` first on ``PYTHONPATH`` (for instance a ``git worktree`` of the
 commit before a change). ``fairness.py`` is always loaded by path from this bench's checkout, so
 an older core is measured by the current definitions.
@@ -103,16 +103,16 @@ from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from tokenfair_sidecar.config import Config, PolicyConfig, PriorityClass, TenantConfig, build_config
-from tokenfair_sidecar.core import Decision, Request
-from tokenfair_sidecar.core.jobs import STATUS_SHED
-from tokenfair_sidecar.costmodel import CostModel
-from tokenfair_sidecar.report import summarize
-from tokenfair_sidecar.scenarios import SCENARIOS
-from tokenfair_sidecar.simulator import simulate
+from tokenfair.config import Config, PolicyConfig, PriorityClass, TenantConfig, build_config
+from tokenfair.core import Decision, Request
+from tokenfair.core.cost import CostModel
+from tokenfair.core.jobs import STATUS_SHED
+from tokenfair.sim.report import summarize
+from tokenfair.sim.scenarios import SCENARIOS
+from tokenfair.sim.simulator import simulate
 
 if TYPE_CHECKING:
-    from tokenfair_sidecar.fairness import FairnessReport
+    from tokenfair.sim.fairness import FairnessReport
 
 TOKENFAIR: Final = "tokenfair"
 LESSON_DRR: Final = "service_token_drr_with_admission"
@@ -122,7 +122,7 @@ UNLIMITED: Final = 10**9
 INTERACTIVE_SIZE: Final = (200, 50)
 LOGNORMAL_SIGMA: Final = 0.6
 CHECKOUT: Final = Path(__file__).resolve().parent.parent
-FAIRNESS_FILE: Final = CHECKOUT / "sidecar" / "tokenfair_sidecar" / "fairness.py"
+FAIRNESS_FILE: Final = CHECKOUT / "sidecar" / "tokenfair" / "fairness.py"
 CORE_ENV: Final = "TOKENFAIR_BENCH_CORE"
 """Set when the bench re-ran itself for ``--core-path`` (so it does so once)."""
 
@@ -293,7 +293,7 @@ class Run:
 
 
 def replay(workload: Workload, policy: str, window_ms: float) -> Run:
-    from tokenfair_sidecar.fairness import fairness_report
+    from tokenfair.sim.fairness import fairness_report
 
     decisions = simulate(workload.config, workload.requests, policy, workload.actual)
     report = fairness_report(
@@ -316,7 +316,7 @@ def refusals_while_idle(run: Run, workload: Workload) -> tuple[int, int]:
     server having room for the request: the KV blocks resident at ``t`` (each dispatched
     request holds its blocks for ``kvResidencyFactor`` times its execution time, as the
     simulator keeps them) plus the request's own are within its class watermark."""
-    from tokenfair_sidecar.fairness import request_size
+    from tokenfair.sim.fairness import request_size
 
     capacity = workload.capacity
     actual = workload.actual
@@ -868,11 +868,11 @@ def render(block: Block, seconds: float) -> str:
 
 
 def core_dir(path: str) -> Path | None:
-    """``DIR`` holding ``tokenfair_sidecar/``: a checkout's ``sidecar/`` or the checkout itself."""
+    """``DIR`` holding ``tokenfair/``: a checkout's ``sidecar/`` or the checkout itself."""
     candidate = Path(path).resolve()
-    if (candidate / "sidecar" / "tokenfair_sidecar").is_dir():
+    if (candidate / "sidecar" / "tokenfair").is_dir():
         candidate = candidate / "sidecar"
-    return candidate if (candidate / "tokenfair_sidecar").is_dir() else None
+    return candidate if (candidate / "tokenfair").is_dir() else None
 
 
 def rerun_with_core(core: Path, argv: Sequence[str]) -> None:
@@ -891,11 +891,11 @@ def load_fairness() -> Path:
 
     A core older than the module has none; loading it by path keeps one home for the rules.
     """
-    if "tokenfair_sidecar.fairness" in sys.modules:
-        return Path(str(sys.modules["tokenfair_sidecar.fairness"].__file__))
+    if "tokenfair.sim.fairness" in sys.modules:
+        return Path(str(sys.modules["tokenfair.sim.fairness"].__file__))
     if not FAIRNESS_FILE.is_file():
         raise SystemExit(f"bench_fairness: {FAIRNESS_FILE.relative_to(CHECKOUT)} is missing")
-    spec = importlib.util.spec_from_file_location("tokenfair_sidecar.fairness", FAIRNESS_FILE)
+    spec = importlib.util.spec_from_file_location("tokenfair.sim.fairness", FAIRNESS_FILE)
     if spec is None or spec.loader is None:
         raise SystemExit(f"bench_fairness: cannot import {FAIRNESS_FILE}")
     module = importlib.util.module_from_spec(spec)
@@ -948,18 +948,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--core-path",
         metavar="DIR",
-        help="take tokenfair_sidecar (core, simulator, config) from DIR (a checkout or its "
+        help="take tokenfair (core, simulator, config) from DIR (a checkout or its "
         "sidecar/ directory); fairness.py always comes from this bench's checkout",
     )
     args = parser.parse_args(argv)
     if args.core_path:
         core = core_dir(args.core_path)
         if core is None:
-            parser.error(f"--core-path: no tokenfair_sidecar/ in {args.core_path} or its sidecar/")
+            parser.error(f"--core-path: no tokenfair/ in {args.core_path} or its sidecar/")
         rerun_with_core(core, sys.argv[1:] if argv is None else argv)
     window_ms = (15.0 if args.quick else args.window) * 1000.0
     fairness_file = load_fairness()
-    import tokenfair_sidecar.core as core_package
+    import tokenfair.core as core_package
 
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(

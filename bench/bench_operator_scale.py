@@ -65,14 +65,14 @@ from typing import Any, Final
 ROOT: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # kubecluster: the control plane the tests build
 
+from tokenfair.config import api_key_digest  # noqa: E402
+from tokenfair.core import make_scheduler  # noqa: E402
+from tokenfair.core.jobs import Request  # noqa: E402
+from tokenfair.core.scheduler import Scheduler  # noqa: E402
+from tokenfair.server.settings import loads_sidecar_file  # noqa: E402
 from tokenfair_operator import PolicyView, QuotaView, render_config  # noqa: E402
 from tokenfair_operator.reconcile import Reconciler  # noqa: E402
 from tokenfair_operator.render import KeyLookup  # noqa: E402
-from tokenfair_sidecar.config import api_key_digest  # noqa: E402
-from tokenfair_sidecar.core import make_scheduler  # noqa: E402
-from tokenfair_sidecar.core.jobs import Request  # noqa: E402
-from tokenfair_sidecar.core.scheduler import Scheduler  # noqa: E402
-from tokenfair_sidecar.server.settings import loads_sidecar_file  # noqa: E402
 
 REPLICAS: Final = 3
 ADMIT_REQUESTS: Final = 2_000

@@ -40,7 +40,7 @@ ROOT: Final = Path(__file__).resolve().parent.parent
 CONFIG: Final = ROOT / "examples" / "sidecar-standalone.yaml"
 ATTACKER_KEY: Final = "Bearer sk-local-batch-rag"
 NEIGHBOUR_KEY: Final = "Bearer sk-local-chat-pro"
-RUN_CLI: Final = "import sys; from tokenfair_sidecar.cli import main; sys.exit(main())"
+RUN_CLI: Final = "import sys; from tokenfair.cli import main; sys.exit(main())"
 """The CLI of whichever tree is first on PYTHONPATH (an older checkout's, to compare)."""
 SMALL: Final = b'{"model":"m","prompt":"hello there","max_tokens":4}'
 

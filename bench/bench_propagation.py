@@ -3,12 +3,13 @@
 A real etcd + kube-apiserver (``tests/kubecluster.py``, needs ``make controlplane``), the
 operator (``kopf run -m tokenfair_operator.handlers``) with the shipped RBAC, the shipped resync
 and usage periods and its document server on its TLS port, and ``N`` ``tokenfair sidecar``
-processes long-polling it (``tokenfair_sidecar.server.remote``) as the injected Pods of one
+processes long-polling it (``tokenfair.server.remote``) as the injected Pods of one
 policy do: over TLS, verifying the server with the CA bundle the operator publishes into the
 namespace (ConfigMap ``tokenfair.io-ca.crt``), showing a TokenRequest token of their
-ServiceAccount for the audience ``tokenfair-config``. The wiring is ``tests/test_propagation.py``'s
-(its helpers are imported). The file each sidecar started from is never rewritten: the
-kubelet's volume refresh (~60 s by default, plus the sidecar's 1 s poll) is what this replaces.
+ServiceAccount for the audience ``tokenfair-config``. The wiring is
+``tests/operator/test_propagation.py``'s (its helpers are imported). The file each sidecar
+started from is never rewritten: the kubelet's volume refresh (~60 s by default, plus the
+sidecar's 1 s poll) is what this replaces.
 
 Each round patches one TenantQuota's burst through the API; ``t0`` is when the API server
 answered the PATCH. Every sidecar's ``/status`` is polled every :data:`POLL_S` seconds until

@@ -230,7 +230,7 @@ def run_passthrough(listen: str, upstream: str, client: str) -> None:
     Python) or ``tokenfair`` (the sidecar's own upstream client, to isolate the sidecar's logic)."""
     from aiohttp import ClientSession, TCPConnector, web
 
-    from tokenfair_sidecar.server.upstream import UpstreamClient
+    from tokenfair.server.upstream import UpstreamClient
 
     def _forwarded(request: web.Request) -> dict[str, str]:
         """Content-Type, and the bench's pace header when present: nothing else is parsed."""

@@ -68,7 +68,7 @@ from bench_core import default_config, overloaded_trace, relaxed_config
 from lesson_bridge import DRR, oracle_inputs
 from lesson_reference import OracleRequest, lab_summary, run_service_token_drr
 
-from tokenfair_sidecar.config import Config, config_to_document, load_config
+from tokenfair.config import Config, config_to_document, load_config
 
 TOKENFAIR = Path(sys.executable).parent / "tokenfair"
 OURS = "tokenfair"
@@ -267,7 +267,7 @@ def profile(config: Config, size: int, work: Path, top: int = 15) -> None:
     if not trace.exists():
         write_trace(trace, size)
     stats_path = work / "tokenfair.prof"
-    argv = [sys.executable, "-m", "cProfile", "-o", str(stats_path), "-m", "tokenfair_sidecar.cli"]
+    argv = [sys.executable, "-m", "cProfile", "-o", str(stats_path), "-m", "tokenfair.cli"]
     argv += ["simulate", "--trace", str(trace), "--tenants", str(tenants)]
     run_child([*argv, "--policy", OURS, "--format", "json"], work / "profile.json")
     print(

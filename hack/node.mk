@@ -1,5 +1,5 @@
 # The test node (docs/node.md): tokenfair's image built from the Dockerfile with no registry, and
-# everything the `node` tests (tests/kubenode.py, tests/test_node_e2e.py) need to run Pods on a
+# everything the `node` tests (tests/kubenode.py, tests/deploy/test_node_e2e.py) need to run Pods on a
 # kubelet joined to the test control plane. Included by the root Makefile after controlplane.mk
 # (uses its CONTROLPLANE_DIR, PYTHON and BIN).
 

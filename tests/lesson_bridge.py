@@ -15,8 +15,8 @@ from lesson_reference import (
     run_service_token_drr,
 )
 
-from tokenfair_sidecar.config import Config
-from tokenfair_sidecar.core import Request
+from tokenfair.config import Config
+from tokenfair.core import Request
 
 NAIVE: Final = "request_count_no_admission"
 DRR: Final = "service_token_drr_with_admission"

@@ -20,11 +20,11 @@ def test_sidecar_never_imports_operator_side_packages() -> None:
     # Import every sidecar module in a fresh interpreter, then list what got loaded.
     modules = sorted(
         ".".join(path.relative_to(REPO_ROOT / "sidecar").with_suffix("").parts)
-        for path in (REPO_ROOT / "sidecar" / "tokenfair_sidecar").rglob("*.py")
+        for path in (REPO_ROOT / "sidecar" / "tokenfair").rglob("*.py")
         if path.name != "__main__.py"
     )
     modules = [m.removesuffix(".__init__") for m in modules]
-    assert "tokenfair_sidecar.core.scheduler" in modules
+    assert "tokenfair.core.scheduler" in modules
     script = (
         "import importlib, json, sys\n"
         f"for name in {modules!r}:\n"

@@ -84,7 +84,7 @@ PAUSE_REPOSITORY = "tokenfair/pause"
 IMAGE_LOCK = "requirements/image.txt"
 # Inputs of the project image besides the two import packages (the Dockerfile's COPY lines).
 IMAGE_FILES = ("Dockerfile", "pyproject.toml", "README.md", IMAGE_LOCK)
-IMAGE_TREES = ("sidecar/tokenfair_sidecar", "operator/tokenfair_operator")
+IMAGE_TREES = ("sidecar/tokenfair", "operator/tokenfair_operator")
 DOCKERD_START_TIMEOUT_S = 60.0
 # Host folders dockerd (and the containerd it starts) makes whatever its flags say: removed
 # after the build when they did not exist before it, with the one file dockerd writes there.

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import kubecluster  # type: ignore[import-not-found, unused-ignore]  # noqa: E402
 
-from tokenfair_sidecar.config import parse_documents  # noqa: E402
+from tokenfair.config import parse_documents  # noqa: E402
 
 
 def weight_in_configmap(cluster: kubecluster.KubeCluster, ns: str) -> float | None:

@@ -8,14 +8,14 @@ one gets ``1/n`` of the TenantQuota and the pool as a whole never exceeds it:
 * sustained per replica ``= sustained / n`` service tokens per second.
 
 ``n < 1`` (no ready pod yet) is treated as 1: the first pod gets the whole quota. The rule itself
-lives in the sidecar (:func:`tokenfair_sidecar.poolconfig.split_budgets`), which applies it too
+lives in the sidecar (:func:`tokenfair.config.budget_store.split_budgets`), which applies it too
 when a policy with a ``budgetStore`` falls back from pool-wide budgets.
 """
 
 from __future__ import annotations
 
-from tokenfair_sidecar.config import TenantConfig
-from tokenfair_sidecar.poolconfig import split_budgets as _split
+from tokenfair.config import TenantConfig
+from tokenfair.config.budget_store import split_budgets as _split
 
 
 def split_budgets(tenant: TenantConfig, ready_replicas: int) -> TenantConfig:

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from tokenfair_sidecar.server.remote import GENERATION_FILE
+from tokenfair.server.remote import GENERATION_FILE
 
 GENERATION_ANNOTATION: Final = "tokenfair.io/config-generation"
 GENERATION_KEY: Final = GENERATION_FILE

@@ -62,7 +62,7 @@ from typing import Any, Protocol
 import kopf
 from aiohttp import web
 
-from tokenfair_sidecar.config import ConfigError, parse_policy
+from tokenfair.config import ConfigError, parse_policy
 
 from .admission import quota_refusal
 from .certs import Reached, trust_settle

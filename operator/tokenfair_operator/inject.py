@@ -441,7 +441,7 @@ def injected(
 
 
 def _long_poll_env(base: str, policy: str, source: str) -> list[dict[str, Any]]:
-    """The sidecar's long-poll URL (``tokenfair_sidecar.server.remote``): the Pod's namespace
+    """The sidecar's long-poll URL (``tokenfair.server.remote``): the Pod's namespace
     comes from the downward API and is expanded by the kubelet (``$(VAR)``), since a Pod being
     created may not carry ``metadata.namespace`` in the admission request. Over TLS, the CA
     bundle to verify the server with; over plain HTTP (unsafe), the sidecar's consent."""

@@ -27,7 +27,7 @@ from urllib.parse import quote
 from kubernetes import client, config
 from kubernetes.client import ApiException
 
-from tokenfair_sidecar.config import ConfigError, api_key_digest, document_text, loads_config
+from tokenfair.config import ConfigError, api_key_digest, document_text, loads_config
 
 from .documents import (
     GENERATION_ANNOTATION,

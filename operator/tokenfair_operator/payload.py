@@ -10,7 +10,7 @@ of 10,000 tenants is ~2.3 MB as JSON, so:
   same file name in the sidecar's volume). API-key digests are random hex and compress to about
   half; the rest compresses ~10x: 10,000 tenants with one key each take ~440 KB, so one object
   holds about 23,000 such tenants. The sidecar recognises gzip by its magic bytes
-  (``tokenfair_sidecar.config.document_text``);
+  (``tokenfair.config.document_text``);
 * a payload still over the limit is not written: the policy reports ``ConfigPublished=False``,
   reason ``DocumentTooLarge``, naming the size and the limit, and the sidecars keep the last
   document published.

@@ -1,6 +1,6 @@
 """Render one SchedulingPolicy and its TenantQuotas into the sidecar's config document.
 
-Pure: no Kubernetes I/O. Every rule is the sidecar's own (``tokenfair_sidecar.config``:
+Pure: no Kubernetes I/O. Every rule is the sidecar's own (``tokenfair.config``:
 ``parse_policy``, ``parse_tenant``, ``build_config``); the operator only adds the rules that span
 objects, which the sidecar cannot see: the policy must exist, tenant ids are unique within a
 policy (the older TenantQuota keeps the id: by ``creationTimestamp``, then the one already
@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from tokenfair_sidecar.config import (
+from tokenfair.config import (
     ConfigError,
     PolicyConfig,
     TenantConfig,
@@ -42,7 +42,7 @@ from tokenfair_sidecar.config import (
     parse_policy,
     parse_tenant,
 )
-from tokenfair_sidecar.poolconfig import BudgetStoreConfig, parse_budget_store
+from tokenfair.config.budget_store import BudgetStoreConfig, parse_budget_store
 
 from .budgets import split_budgets
 from .model import CONFIG_KEY, PolicyView, QuotaView

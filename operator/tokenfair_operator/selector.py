@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from tokenfair_sidecar.config import ConfigError
+from tokenfair.config import ConfigError
 
 from .model import PolicyView, SidecarView
 

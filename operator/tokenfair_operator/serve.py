@@ -69,7 +69,7 @@ import aiohttp
 from aiohttp import web
 from kubernetes import client
 
-from tokenfair_sidecar.server.remote import GENERATION_HEADER
+from tokenfair.server.remote import GENERATION_HEADER
 
 from .documents import SOURCES, DocumentStore, Source
 from .kube import REVIEW_TIMEOUT_S

@@ -1,0 +1,158 @@
+"""``tokenfair calibrate``: fit decodeWeight and serviceTokensPerMs to observed request times.
+
+Exit codes: 0 a fit was printed; 1 the records cannot support a fit (too few usable records,
+proportional prompt/output lengths, a non-positive coefficient, too uncertain), with the reason
+on stderr; 2 a bad flag or an unreadable or invalid records file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tokenfair.commands import add_format_flag, progress
+from tokenfair.sim.calibrate import (
+    DEFAULT_MAX_RELATIVE_STDERR,
+    DEFAULT_MIN_RECORDS,
+    DEFAULT_PREFILL_FLOOR_MS,
+    Calibration,
+    CalibrationError,
+    calibrate,
+    read_outcomes,
+)
+from tokenfair.sim.records import TraceError, TraceRecord, iter_trace_lines
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "calibrate",
+        help="fit decodeWeight and serviceTokensPerMs to observed request times",
+        description=(
+            "Fit the cost model execution_ms = (prefill + decodeWeight * decode) / "
+            "serviceTokensPerMs to request records carrying e2e_ms (and ttft_ms) with actual "
+            "token counts, by least squares on the relative error; execution_ms = e2e_ms - "
+            "queue_wait_ms - observed.send_lag_ms (0 when a record has none). Prints the fit "
+            "quality and the --set flags that apply it. Exit 1 when the records cannot support "
+            "a fit. See docs/calibration.md."
+        ),
+    )
+    parser.add_argument(
+        "--records", type=Path, required=True, metavar="FILE", help="request records (JSONL)"
+    )
+    parser.add_argument(
+        "--min-records",
+        type=int,
+        default=DEFAULT_MIN_RECORDS,
+        metavar="N",
+        help=f"refuse with fewer usable records (default {DEFAULT_MIN_RECORDS})",
+    )
+    parser.add_argument(
+        "--max-relative-stderr",
+        type=float,
+        default=DEFAULT_MAX_RELATIVE_STDERR,
+        metavar="FRACTION",
+        help="refuse when the standard error of decodeWeight or serviceTokensPerMs exceeds this "
+        f"fraction of it (default {DEFAULT_MAX_RELATIVE_STDERR:g})",
+    )
+    parser.add_argument(
+        "--prefill-floor-ms",
+        type=float,
+        default=DEFAULT_PREFILL_FLOOR_MS,
+        metavar="MS",
+        help="shortest prefill of the model (prefillFloorMs); TTFTs it may explain are left out "
+        f"of the prefill-speed fit (default {DEFAULT_PREFILL_FLOOR_MS:g})",
+    )
+    add_format_flag(parser, table="the fit, its quality and the --set flags")
+    progress.add_flag(parser)
+    parser.set_defaults(func=run)
+
+
+def _line_count(path: Path) -> int | None:
+    """Lines of ``path`` (the bar's total; blank lines included), or None if unreadable (the
+    reader then says why)."""
+    try:
+        with path.open("rb") as handle:
+            return sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 20), b""))
+    except OSError:
+        return None
+
+
+def read_records(path: Path, bar: progress.Bar) -> list[TraceRecord]:
+    """``records.read_trace``, counting the records on ``bar``."""
+    lines = bar.iterate(iter_trace_lines(path))
+    records = [TraceRecord.from_line(line) for line in lines]
+    if not records:
+        raise TraceError(f"{path}: no records")
+    return records
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.min_records < 3:
+        raise ValueError(f"--min-records: must be >= 3 (got {args.min_records})")
+    if not args.max_relative_stderr > 0:
+        raise ValueError(f"--max-relative-stderr: must be > 0 (got {args.max_relative_stderr})")
+    if not 0 <= args.prefill_floor_ms < float("inf"):
+        raise ValueError(f"--prefill-floor-ms: must be >= 0 (got {args.prefill_floor_ms})")
+    # The bar counts the file's lines over its two passes (the records, then their outcomes),
+    # then says "fitting" while the fit runs; it is cleared before anything is printed.
+    try:
+        with progress.bar(args, "calibrate", unit="line") as bar:
+            if bar.shown:
+                lines = _line_count(args.records)
+                bar.set_total(None if lines is None else 2 * lines)
+            records = read_records(args.records, bar)
+            outcomes = read_outcomes(args.records, bar.iterate)
+            bar.note("fitting", refresh=True)
+            result = calibrate(
+                records,
+                outcomes,
+                min_records=args.min_records,
+                max_relative_stderr=args.max_relative_stderr,
+                prefill_floor_ms=args.prefill_floor_ms,
+            )
+    except CalibrationError as exc:
+        print(f"tokenfair calibrate: cannot calibrate: {exc}", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        json.dump(result.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(format_table(result))
+    return 0
+
+
+def format_table(result: Calibration) -> str:
+    service = result.service
+    skipped = ", ".join(f"{count} {reason}" for reason, count in result.skipped.items())
+    lines = [
+        f"records: {result.records_read} read, {service.records_used} used"
+        + (f", skipped: {skipped}" if skipped else ""),
+        "model: execution_ms = (prefill + decodeWeight * decode) / serviceTokensPerMs, "
+        "execution_ms = e2e_ms - queue wait",
+        f"  decodeWeight        {service.decode_weight:10.4g}  "
+        f"± {service.decode_weight_stderr:.2g} (standard error)",
+        f"  serviceTokensPerMs  {service.service_tokens_per_ms:10.4g}  "
+        f"± {service.service_tokens_per_ms_stderr:.2g}",
+        f"  fit: R² {service.r_squared:.4f}, residual RMS {service.residual_rms_ms:.3g} ms "
+        f"({service.residual_rms_relative:.1%} of the fitted time)",
+    ]
+    if result.assumed_idle_records:
+        lines.append(
+            f"  note: {result.assumed_idle_records} used record(s) have no queue_wait_ms; their "
+            "e2e_ms was taken as execution time (right for an idle-server probe only)"
+        )
+    prefill = result.prefill
+    if prefill is not None:
+        lines.append(
+            f"  prefillTokensPerMs  {prefill.prefill_tokens_per_ms:10.4g}  "
+            f"± {prefill.prefill_tokens_per_ms_stderr:.2g} from {prefill.records_used} TTFTs "
+            f"above the {prefill.prefill_floor_ms:g} ms floor (R² {prefill.r_squared:.4f})"
+        )
+    else:
+        lines.append(f"  prefillTokensPerMs not fitted: {result.prefill_note}")
+    lines.append("apply with:")
+    lines.append("  " + " ".join(f"--set {item}" for item in result.overrides()))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,122 @@
+"""``tokenfair report``: per-tenant fairness of recorded decisions (a live sidecar's or a replay's).
+
+Reads decision records (``records.read_decisions``: the sidecar's records file, ``tokenfair
+loadgen --records`` or ``tokenfair simulate --records``), groups them by ``policy`` and prints,
+per group, each tenant's served service tokens against its weighted max-min fair share
+(``fairness.py``; definitions in docs/report.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from tokenfair.commands import add_format_flag
+from tokenfair.config import Config, PolicyConfig, load_tenants_file
+from tokenfair.sim.fairness import fairness_report, fairness_to_json, format_fairness
+from tokenfair.sim.records import read_decisions
+
+DEFAULT_RATE = PolicyConfig().service_tokens_per_ms
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "report",
+        help="per-tenant fairness of recorded decisions: served vs weighted max-min fair share",
+        description=(
+            "Read decision records (a sidecar's records file, loadgen --records or simulate "
+            "--records; grouped by their 'policy' field) and report, per tenant, the service "
+            "tokens offered and served, its weighted max-min fair share of what its lane served "
+            "and served/fair, Jain's index per lane, utilisation, refusals by reason and the "
+            "admitted requests that expired later. Sizes are actual service tokens where a "
+            "record has them (actual_service_tokens), else the estimate. See docs/report.md."
+        ),
+    )
+    parser.add_argument(
+        "--records", type=Path, required=True, metavar="FILE", help="decision records (JSONL)"
+    )
+    parser.add_argument(
+        "--tenants",
+        type=Path,
+        metavar="FILE.yaml",
+        help="TenantQuota manifests / SchedulingPolicy or a TokenfairConfig (a sidecar's "
+        "config file as it is): the tenants' "
+        "weights and lanes and the policy's serviceTokensPerMs. Without it every tenant has "
+        "weight 1 and the lane of its records, and utilisation is measured against the "
+        f"default serviceTokensPerMs ({DEFAULT_RATE:g})",
+    )
+    add_format_flag(parser)
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="write a PNG of TTFT, admitted and refused service and served vs fair share per "
+        "tenant, one column per policy",
+    )
+    parser.add_argument(
+        "--window",
+        metavar="START_MS:END_MS",
+        help="the window, in the records' model ms (default: first to last arrival; if every "
+        "request arrived at once, up to the end of the last dispatch)",
+    )
+    parser.set_defaults(func=run)
+
+
+def parse_window(text: str) -> tuple[float, float]:
+    """``START_MS:END_MS`` -> ``(start, end)``: finite numbers, ``end > start``."""
+    start, sep, end = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        window = (float(start), float(end))
+    except ValueError:
+        raise ValueError(
+            f"--window: expected START_MS:END_MS, e.g. 0:60000 (got {text!r})"
+        ) from None
+    if not all(math.isfinite(v) for v in window) or not window[1] > window[0]:
+        raise ValueError(f"--window: END_MS must be greater than START_MS (got {text!r})")
+    return window
+
+
+def load_tenants(path: Path) -> Config:
+    """The policy and tenants of a config file, including the sidecar's own (its ``sidecar:``
+    section is accepted and ignored): the file a live sidecar that wrote the records ran with."""
+    return load_tenants_file(path)
+
+
+def run(args: argparse.Namespace) -> int:
+    window = None if args.window is None else parse_window(args.window)
+    config = load_tenants(args.tenants) if args.tenants else Config(PolicyConfig(), ())
+    results = read_decisions(args.records)
+    fairness = {
+        policy: fairness_report(decisions, config, window_ms=window)
+        for policy, decisions in results.items()
+    }
+    if args.plot:
+        from tokenfair.sim.plot import plot_report  # matplotlib is an optional extra
+
+        count = sum(len(decisions) for decisions in results.values())
+        plot_report(
+            results,
+            args.plot,
+            fairness,
+            title=f"tokenfair report {args.records.name}: {count} records",
+        )
+    if args.format == "json":
+        document = {
+            "records": str(args.records),
+            "fairness": {policy: fairness_to_json(f) for policy, f in fairness.items()},
+        }
+        json.dump(document, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    blocks = [
+        f"policy {policy}: {len(results[policy])} records\n{format_fairness(report)}"
+        for policy, report in fairness.items()
+    ]
+    sys.stdout.write("\n".join(blocks))
+    return 0

@@ -1,0 +1,72 @@
+"""The config contract (``tokenfair.config``): what the operator renders and the sidecar reads.
+
+Modules:
+
+* :mod:`tokenfair.config.document` — the policy and tenants (typed, frozen), YAML and manifest
+  loading, overrides, the API-key digest; every bad value raises :class:`ConfigError` naming the
+  field and the rule it broke;
+* :mod:`tokenfair.config.budget_store` — the ``budgetStore:`` section (pool-wide budgets) and
+  the split of a tenant's budgets over ``n`` replicas.
+
+The names below are the contract's public surface; import them from here.
+"""
+
+from __future__ import annotations
+
+from tokenfair.config.document import (
+    CONFIG_KIND,
+    MAX_DOCUMENT_BYTES,
+    MAX_VERSION_CHARS,
+    POLICY_FIELDS,
+    PRIORITY_CLASSES,
+    SHOWN_CHARS,
+    TENANT_FIELDS,
+    Config,
+    ConfigError,
+    PolicyConfig,
+    PriorityClass,
+    TenantConfig,
+    api_key_digest,
+    apply_overrides,
+    build_config,
+    config_to_document,
+    document_text,
+    load_config,
+    load_documents,
+    load_tenants_file,
+    loads_config,
+    parse_documents,
+    parse_policy,
+    parse_tenant,
+    replace_policy,
+    shown,
+)
+
+__all__ = [
+    "CONFIG_KIND",
+    "MAX_DOCUMENT_BYTES",
+    "MAX_VERSION_CHARS",
+    "POLICY_FIELDS",
+    "PRIORITY_CLASSES",
+    "SHOWN_CHARS",
+    "TENANT_FIELDS",
+    "Config",
+    "ConfigError",
+    "PolicyConfig",
+    "PriorityClass",
+    "TenantConfig",
+    "api_key_digest",
+    "apply_overrides",
+    "build_config",
+    "config_to_document",
+    "document_text",
+    "load_config",
+    "load_documents",
+    "load_tenants_file",
+    "loads_config",
+    "parse_documents",
+    "parse_policy",
+    "parse_tenant",
+    "replace_policy",
+    "shown",
+]

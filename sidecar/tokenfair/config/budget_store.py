@@ -1,0 +1,189 @@
+"""The budget store section of the config contract: pool-wide budgets shared through Redis.
+
+Without a store every sidecar enforces its own bucket, so each of ``n`` ready replicas holds
+``1/n`` of a tenant's budgets (:func:`split_budgets`, the one home of that rule; the operator
+renders it). With a store (``budgetStore:`` in a ``TokenfairConfig`` document, or
+``spec.budgetStore`` of a ``SchedulingPolicy`` manifest) the tenants' budgets in the document
+are the **pool's**: the sidecars lease them in chunks from one shared bucket per tenant
+(:mod:`tokenfair.server.pool`), and fall back to the ``1/replicas`` split while the
+store is unreachable. YAML (camelCase, every field but ``redis.url`` optional)::
+
+    budgetStore:
+      redis:
+        url: redis://redis.tokenfair.svc:6379/0   # redis:// or rediss://
+        passwordEnv: TOKENFAIR_BUDGET_STORE_PASSWORD  # env var holding the password, if any
+      keyPrefix: tokenfair           # keys are <keyPrefix>:<tenantId>
+      replicas: 1                    # sidecars sharing the store: the fallback split is 1/replicas
+      leaseMs: 500                   # a lease chunk is leaseMs of the pool's sustained rate
+      timeoutMs: 250                 # a store call slower than this falls back
+      probeIntervalMs: 1000          # while fallen back, how often the store is tried again
+
+``secretRef`` (under ``redis``) is the operator's: it turns into ``passwordEnv`` in the pod.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final, cast
+
+from tokenfair.config.document import ConfigError, TenantConfig, shown
+
+DEFAULT_KEY_PREFIX: Final = "tokenfair"
+MAX_LEASE_MS: Final = 60_000
+MAX_TIMEOUT_MS: Final = 10_000
+MAX_PROBE_INTERVAL_MS: Final = 600_000
+MAX_REPLICAS: Final = 10_000
+_URL: Final = re.compile(r"^rediss?://[^\s]+$")
+_ENV_NAME: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_KEY_PREFIX: Final = re.compile(r"^[A-Za-z0-9_.:/{}-]{1,200}$")
+_OPERATOR_ONLY_REDIS_FIELDS: Final = frozenset({"secretRef"})
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetStoreConfig:
+    """Where the pool's shared buckets live and how sidecars lease from them."""
+
+    url: str
+    """``redis://[user@]host:port/db`` or ``rediss://`` (TLS); no password in it."""
+    password_env: str | None = None
+    """Name of the environment variable holding the password (never the password itself)."""
+    key_prefix: str = DEFAULT_KEY_PREFIX
+    """Each tenant's shared bucket is the hash ``<key_prefix>:<tenant_id>``; the operator writes
+    ``tokenfair:<namespace>:<policy>`` so policies never share a bucket."""
+    replicas: int = 1
+    """Sidecars sharing the store. While the store is unreachable each enforces
+    ``1/replicas`` of every budget (:func:`split_budgets`), as without a store."""
+    lease_ms: float = 500.0
+    """A lease chunk is ``ceil(sustained_per_second * lease_ms / 1000)`` service tokens, at most
+    half the burst (so the shared bucket is never full while a sidecar waits for a chunk: a full
+    bucket stops refilling). Larger: fewer store calls per request (about ``request cost /
+    chunk``); smaller: a smaller overshoot bound (about ``replicas`` chunks, see
+    :mod:`tokenfair.server.pool`). 500 ms keeps both under the targets for requests
+    of a few hundred service tokens or more."""
+    timeout_ms: float = 250.0
+    """A store call that has not answered in this long fails, and the sidecar falls back to the
+    local split at once: the fallback starts within ``timeout_ms`` of the store going quiet."""
+    probe_interval_ms: float = 1000.0
+    """While fallen back, the store is tried again this often (real milliseconds)."""
+
+    def lease_tokens(self, tenant: TenantConfig) -> int:
+        """Chunk of one lease: ``max(1, min(burst // 2, ceil(sustained * lease_ms / 1000)))``."""
+        chunk = -(-tenant.sustained_service_tokens_per_second * self.lease_ms // 1000)
+        return max(1, min(tenant.burst_service_tokens // 2, int(chunk)))
+
+
+def split_budgets(tenant: TenantConfig, replicas: int) -> TenantConfig:
+    """One replica's share of ``tenant``'s budgets when each of ``replicas`` sidecars enforces
+    its own bucket (weight and keys unchanged):
+
+    * burst per replica ``= max(1, floor(burst / n))`` service tokens (integers; rounding down
+      keeps ``n * per_replica <= burst`` except when ``burst < n``, where each still needs 1);
+    * sustained per replica ``= sustained / n`` service tokens per second.
+
+    ``replicas < 1`` counts as 1."""
+    n = max(1, replicas)
+    return dataclasses.replace(
+        tenant,
+        burst_service_tokens=max(1, tenant.burst_service_tokens // n),
+        sustained_service_tokens_per_second=tenant.sustained_service_tokens_per_second / n,
+    )
+
+
+def _bounded(where: str, value: object, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{where}: must be a number (got {shown(value)})")
+    if not low <= value <= high:
+        raise ConfigError(f"{where}: must be in [{low:g}, {high:g}] (got {shown(value)})")
+    return float(value)
+
+
+def _mapping(where: str, value: object) -> Mapping[str, object]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{where}: must be a mapping (got {shown(value)})")
+    return cast(Mapping[str, object], value)
+
+
+def _no_unknown(where: str, data: Mapping[str, object], known: set[str]) -> None:
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+        )
+
+
+def parse_budget_store(data: object, where: str = "budgetStore") -> BudgetStoreConfig:
+    """Build a :class:`BudgetStoreConfig` from its camelCase YAML; bad input raises
+    :class:`ConfigError` naming the field and the rule."""
+    doc = _mapping(where, data)
+    _no_unknown(
+        where, doc, {"redis", "keyPrefix", "replicas", "leaseMs", "timeoutMs", "probeIntervalMs"}
+    )
+    if "redis" not in doc:
+        raise ConfigError(f"{where}: missing required field redis (the only store kind)")
+    redis = _mapping(f"{where}.redis", doc["redis"])
+    _no_unknown(f"{where}.redis", redis, {"url", "passwordEnv", *_OPERATOR_ONLY_REDIS_FIELDS})
+    url = redis.get("url")
+    if not isinstance(url, str) or not _URL.match(url):
+        raise ConfigError(
+            f"{where}.redis.url: must be a redis:// or rediss:// URL (got {shown(url)})"
+        )
+    userinfo = url.split("://", 1)[1].split("/", 1)[0].rpartition("@")[0]
+    if ":" in userinfo:  # user:password@host: a secret would land in a ConfigMap
+        raise ConfigError(
+            f"{where}.redis.url: must not hold a password (use passwordEnv or secretRef)"
+        )
+    password_env = redis.get("passwordEnv")
+    if password_env is not None and (
+        not isinstance(password_env, str) or not _ENV_NAME.match(password_env)
+    ):
+        raise ConfigError(
+            f"{where}.redis.passwordEnv: must be an environment variable name "
+            f"(got {shown(password_env)})"
+        )
+    key_prefix = doc.get("keyPrefix", DEFAULT_KEY_PREFIX)
+    if not isinstance(key_prefix, str) or not _KEY_PREFIX.match(key_prefix):
+        raise ConfigError(
+            f"{where}.keyPrefix: must be 1-200 characters of letters, digits and _.:/{{}}- "
+            f"(got {shown(key_prefix)})"
+        )
+    replicas = doc.get("replicas", 1)
+    if isinstance(replicas, bool) or not isinstance(replicas, int):
+        raise ConfigError(f"{where}.replicas: must be an integer (got {shown(replicas)})")
+    _bounded(f"{where}.replicas", replicas, 1, MAX_REPLICAS)
+    defaults = BudgetStoreConfig(url)
+    return BudgetStoreConfig(
+        url=url,
+        password_env=password_env,
+        key_prefix=key_prefix,
+        replicas=replicas,
+        lease_ms=_bounded(
+            f"{where}.leaseMs", doc.get("leaseMs", defaults.lease_ms), 1, MAX_LEASE_MS
+        ),
+        timeout_ms=_bounded(
+            f"{where}.timeoutMs", doc.get("timeoutMs", defaults.timeout_ms), 1, MAX_TIMEOUT_MS
+        ),
+        probe_interval_ms=_bounded(
+            f"{where}.probeIntervalMs",
+            doc.get("probeIntervalMs", defaults.probe_interval_ms),
+            1,
+            MAX_PROBE_INTERVAL_MS,
+        ),
+    )
+
+
+def budget_store_to_dict(store: BudgetStoreConfig) -> dict[str, object]:
+    """camelCase mapping that :func:`parse_budget_store` reads back."""
+    redis: dict[str, object] = {"url": store.url}
+    if store.password_env is not None:
+        redis["passwordEnv"] = store.password_env
+    return {
+        "redis": redis,
+        "keyPrefix": store.key_prefix,
+        "replicas": store.replicas,
+        "leaseMs": store.lease_ms,
+        "timeoutMs": store.timeout_ms,
+        "probeIntervalMs": store.probe_interval_ms,
+    }

@@ -1,0 +1,597 @@
+"""The scheduling core: admission, lanes, fair selection, dispatch, settlement — no I/O, no asyncio.
+
+One contract for every policy (the simulator and the sidecar drive the same objects):
+
+* ``submit(request, now)`` — admission. Returns the refusal :class:`Decision`, or ``None`` when
+  the request was queued. Unknown tenants and duplicate ids raise before any state changes.
+* ``next_dispatch(now)`` — selection. Returns the :class:`Decision` of the request that starts now
+  (``admitted``; its KV is reserved and its estimate charged), a refusal decided at dispatch, or
+  ``None`` when nothing may start now. Call it until it returns ``None``.
+* ``complete(id, now, actual)`` — settlement in actual service tokens (budgets and fairness
+  state alike); must be called exactly once per dispatched request.
+  ``release_kv(id)`` frees its KV (at once by default; the simulator models residency).
+* ``cancel(id, now)`` — a queued request leaves (client gone); ``expire(now)`` refuses queued
+  requests past their class's wait limit. Both release every reservation.
+
+Every request ends with exactly one decision. Running totals (queued requests, tokens and KV blocks
+per lane; resident KV blocks) make every operation O(1) or O(tenants) — never O(queue length).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar, Final
+
+from tokenfair.config import Config, TenantConfig
+from tokenfair.core.bucket import TokenBucket
+from tokenfair.core.cost import CostModel
+from tokenfair.core.jobs import (
+    ADMITTED,
+    CANCELLED,
+    SHED_KV_WATERMARK,
+    SHED_QUEUE_TIMEOUT,
+    STATUS_CLIENT_CLOSED,
+    STATUS_OK,
+    STATUS_SHED,
+    Decision,
+    Job,
+    JobState,
+    Lane,
+    Request,
+)
+
+_QUEUED: Final = JobState.QUEUED
+_DISPATCHED: Final = JobState.DISPATCHED
+_DONE: Final = JobState.DONE
+_ROUNDED_OCCUPANCY_BOUND: Final = 4096
+"""Most occupancy values :class:`Scheduler` keeps rounded (one per resident block count)."""
+STATUS_NEVER_ADMISSIBLE: Final = 400
+"""Status of a request no state of the running configuration could admit (not retryable)."""
+OVER_KV_CAPACITY: Final = "request_over_kv_capacity"
+"""Reason: the request's own KV blocks pass its class watermark of the whole cache."""
+OVER_TENANT_BURST: Final = "request_over_tenant_burst"
+"""Reason: the request costs more service tokens than its tenant's bucket can ever hold (and
+no capacity is lent to tenants over their budget)."""
+
+
+class UnknownTenantError(KeyError):
+    """The request names a tenant the configuration does not have."""
+
+
+class DuplicateRequestError(ValueError):
+    """A request id is already queued or running."""
+
+
+class TenantState:
+    """Per-tenant runtime state: budget, queue totals and the fairness counter."""
+
+    __slots__ = ("bucket", "config", "queued", "queued_tokens", "served_tokens", "usage_ratio")
+
+    def __init__(self, config: TenantConfig, now_ms: float) -> None:
+        self.config = config
+        self.bucket = TokenBucket(
+            config.burst_service_tokens, config.sustained_service_tokens_per_second, now_ms
+        )
+        self.queued = 0
+        self.queued_tokens = 0
+        self.served_tokens = 0  # S_i: service tokens dispatched, settled to actual usage
+        self.usage_ratio = 1.0
+        """Recent actual ÷ estimated usage of the tenant's requests, kept by the policies that
+        price work by it (``tokenfair``: an EWMA over settlements); 1 otherwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class Books:
+    """What the scheduler holds right now; all zero when idle (the fault tests check this)."""
+
+    queued_requests: int
+    queued_service_tokens: int
+    queued_kv_blocks: int
+    running_requests: int
+    resident_kv_blocks: int
+
+
+class Scheduler(ABC):
+    """Shared state and bookkeeping; subclasses decide admission and selection."""
+
+    name: ClassVar[str]
+    expires_queued: ClassVar[bool] = False
+    """Queued requests past their class's wait limit are refused (``expire``)."""
+    gates_at_dispatch: ClassVar[bool] = False
+    """``_dispatch_gate`` may refuse a selected request (skipped on the hot path otherwise)."""
+    charges_at_dispatch: ClassVar[bool] = False
+    """``_charge`` debits the budget at dispatch (skipped on the hot path otherwise)."""
+    settles_every_request: ClassVar[bool] = False
+    """``_settle`` (and the usage ratio) run at every settlement, not only when the actual
+    usage differs from the estimate (skipped on the hot path otherwise) — except one at the
+    estimate of a job expected at its estimate (``expected_tokens == service_tokens``) whose
+    tenant's usage ratio is 1.0: such a ``_settle`` must change nothing, and is not called."""
+    tracks_kv_releases: ClassVar[bool] = False
+    """``_kv_released`` is called when a request's KV is freed."""
+
+    def __init__(self, config: Config, now_ms: float = 0.0) -> None:
+        self.config = config
+        self.policy = config.policy
+        self._adopt_cost_model()
+        self.tenants: dict[str, TenantState] = {}
+        self.tenant_order: list[TenantState] = []
+        self.jobs: dict[str, Job] = {}
+        self.queued_count = [0, 0]
+        self.queued_tokens = [0, 0]
+        self.queued_blocks = [0, 0]
+        self.resident_blocks = 0
+        self.running = 0
+        self._deadlines: list[tuple[float, int, Job]] = []
+        self._seq = 0
+        self._apply_tenants(config.tenants, now_ms)
+
+    # -- configuration --------------------------------------------------------------------
+
+    def _apply_tenants(self, tenants: Iterable[TenantConfig], now_ms: float) -> None:
+        for tenant_config in tenants:
+            state = self.tenants.get(tenant_config.tenant_id)
+            if state is None:
+                state = TenantState(tenant_config, now_ms)
+                self.tenants[tenant_config.tenant_id] = state
+            else:
+                state.config = tenant_config
+                state.bucket.retune(
+                    tenant_config.burst_service_tokens,
+                    tenant_config.sustained_service_tokens_per_second,
+                    now_ms,
+                )
+            self._tenant_added(state)
+        order = [self.tenants[t.tenant_id] for t in tenants]
+        # A removed tenant keeps its place at the end while it still has queued work, so every
+        # policy's rounds still reach that work (it just cannot submit more).
+        kept = {t.config.tenant_id for t in order}
+        order += [t for t in self.tenant_order if t.config.tenant_id not in kept and t.queued]
+        self.tenant_order = order
+
+    def _tenant_added(self, tenant: TenantState) -> None:
+        """Hook: a tenant was added or its quota changed."""
+
+    def reconfigure(self, config: Config, now_ms: float) -> None:
+        """Adopt a new configuration without dropping queued or running requests.
+
+        Queued requests keep the cost they were admitted with; a removed tenant's queued work
+        is still served (it just cannot submit more).
+        """
+        self.config = config
+        self.policy = config.policy
+        self._adopt_cost_model()
+        self._apply_tenants(config.tenants, now_ms)
+
+    def _adopt_cost_model(self) -> None:
+        self.cost = CostModel.from_policy(self.policy)
+        # Fast path of `submit`: integral decode weights (the usual case) cost in integers.
+        weight = self.cost.decode_weight
+        self._integral_decode_weight = int(weight) if float(weight).is_integer() else None
+        self._kv_block_tokens = self.cost.kv_block_tokens
+        self._total_kv_blocks = self.policy.total_kv_blocks
+        # `wait_limit_ms` by lane (interactive, batch): read at every admission.
+        self._wait_limits = (self.policy.max_interactive_wait_ms, self.policy.max_batch_wait_ms)
+        # `watermark` by lane, and the service rate: read at every admission of the policies.
+        self._watermarks = (self.policy.interactive_kv_watermark, self.policy.batch_kv_watermark)
+        self._service_rate = self.policy.service_tokens_per_ms
+        # `round(blocks / total_kv_blocks, 4)` by resident blocks: every dispatch records its
+        # occupancy, and `round` to 4 places costs more than a lookup. Bounded (a cache of
+        # 10^9 blocks would not be): a value past the bound is computed each time.
+        self._rounded_occupancy: dict[int, float] = {}
+
+    def tenant_quantum(self, tenant: TenantState) -> float:
+        return self.policy.base_quantum_tokens * tenant.config.weight
+
+    # -- the contract -----------------------------------------------------------------------
+
+    def submit(self, request: Request, now_ms: float) -> Decision | None:
+        tenant = self.tenants.get(request.tenant_id)
+        if tenant is None or request.tenant_id not in self.config.tenant_index:
+            raise UnknownTenantError(request.tenant_id)
+        jobs = self.jobs
+        if request.request_id in jobs:
+            raise DuplicateRequestError(request.request_id)
+        prefill, decode = request.prefill_tokens, request.decode_tokens
+        weight = self._integral_decode_weight
+        job = Job(
+            request,
+            prefill + weight * decode
+            if weight is not None
+            else self.cost.service_tokens(prefill, decode),
+            -(-(prefill + decode) // self._kv_block_tokens),  # ceil((p + d) / block), exact
+        )
+        refusal = self._admit(job, tenant, now_ms)
+        if refusal is not None:
+            job.state = JobState.REFUSED
+            return refusal
+        jobs[request.request_id] = job
+        lane = job.lane
+        self.queued_count[lane] += 1
+        self.queued_tokens[lane] += job.service_tokens
+        self.queued_blocks[lane] += job.kv_blocks
+        tenant.queued += 1
+        tenant.queued_tokens += job.service_tokens
+        if self.expires_queued:
+            job.deadline_ms = request.arrival_ms + self._wait_limits[lane]
+            self._seq += 1
+            deadlines = self._deadlines
+            heapq.heappush(deadlines, (job.deadline_ms, self._seq, job))
+            if len(deadlines) > 2 * (self.queued_count[0] + self.queued_count[1]) + 64:
+                # Mostly requests that left the queue: `expire` prunes only from the top, and a
+                # queued request with a distant deadline there would keep every one behind it
+                # (and its Request and Decision) alive. Rebuild: O(n), amortised O(1).
+                deadlines[:] = [entry for entry in deadlines if entry[2].state is JobState.QUEUED]
+                heapq.heapify(deadlines)
+        self._push(job)
+        return None
+
+    def never_admissible(self, request: Request) -> Decision | None:
+        """A ``400`` decision if no state of the running configuration could admit
+        ``request``, else None. A pure check of the request against the configuration: it reads
+        no load and changes nothing, so a caller that answers clients (the sidecar) makes it
+        **before** :meth:`submit`, and a request that can never pass gets its 400 whatever the
+        load — not a ``queue_full`` or ``shed_queue_wait_slo`` 429 that a client would retry.
+
+        * The policy gates KV at admission (``tokenfair``, ``service_token_drr_with_admission``)
+          and ``ceil((prefill + decode) / block) / total_kv_blocks`` is above the class
+          watermark: even an empty cache refuses it -> ``request_over_kv_capacity``.
+        * The policy holds the request's class to its budget at admission (``tokenfair``: both
+          classes; ``service_token_drr_with_admission``: batch), its cost is above the tenant's
+          ``burst_service_tokens`` (the bucket never holds more), ``lend_idle_capacity`` is off
+          and there is no pool-wide budget store (whose budget may hold more than this
+          sidecar's bucket) -> ``request_over_tenant_burst``. With lending on (idle capacity
+          could admit it later) or a store, it is None: the policy's 429 stands.
+
+        The policy's own decisions (and the simulator's, which never calls this) are unchanged:
+        :meth:`submit` of such a request is still refused with the gate's 429. An unknown
+        tenant is None (:meth:`submit` raises for it)."""
+        # Per policy: does admission gate KV, and which classes does it hold to their budget?
+        gates: dict[str, tuple[bool, tuple[str, ...]]] = {
+            "tokenfair": (True, ("interactive", "batch")),
+            "service_token_drr_with_admission": (True, ("batch",)),
+        }
+        kv_gated, budget_classes = gates.get(self.name, (False, ()))
+        tenant = self.tenants.get(request.tenant_id)
+        if tenant is None:
+            return None
+        policy = self.policy
+        prefill, decode = request.prefill_tokens, request.decode_tokens
+        blocks = -(-(prefill + decode) // self._kv_block_tokens)
+        share = blocks / policy.total_kv_blocks
+        if kv_gated and share > self.watermark(Lane.of(request.priority_class)):
+            reason = OVER_KV_CAPACITY
+            observed: dict[str, float] = {
+                "request_kv_blocks": blocks,
+                "max_kv_blocks": math.floor(
+                    self.watermark(Lane.of(request.priority_class)) * policy.total_kv_blocks
+                ),
+            }
+        else:
+            service_tokens = self.cost.service_tokens(prefill, decode)
+            if (
+                request.priority_class not in budget_classes
+                or policy.lend_idle_capacity
+                or self.config.budget_store is not None
+                or service_tokens <= tenant.bucket.burst
+            ):
+                return None
+            reason = OVER_TENANT_BURST
+            observed = {
+                "request_service_tokens": service_tokens,
+                "burst_service_tokens": tenant.bucket.burst,
+            }
+        return Decision(
+            request_id=request.request_id,
+            tenant_id=request.tenant_id,
+            priority_class=request.priority_class,
+            status_code=STATUS_NEVER_ADMISSIBLE,
+            reason=reason,
+            gate="admission",
+            service_tokens=self.cost.service_tokens(prefill, decode),
+            arrival_ms=request.arrival_ms,
+            kv_occupancy_ratio=round(share, 4),
+            observed=observed,
+        )
+
+    @property
+    def queued_total(self) -> int:
+        """Queued requests of both lanes (O(1))."""
+        return self.queued_count[0] + self.queued_count[1]
+
+    def next_dispatch(self, now_ms: float) -> Decision | None:
+        job = self._select(now_ms)
+        if job is None:
+            return None
+        request = job.request
+        tenant = self.tenants[request.tenant_id]
+        # `_unqueue`, inline
+        lane = job.lane
+        service_tokens = job.service_tokens
+        kv_blocks = job.kv_blocks
+        self.queued_count[lane] -= 1
+        self.queued_tokens[lane] -= service_tokens
+        self.queued_blocks[lane] -= kv_blocks
+        tenant.queued -= 1
+        tenant.queued_tokens -= service_tokens
+        if self.gates_at_dispatch:
+            refusal = self._dispatch_gate(job, tenant, now_ms)
+            if refusal is not None:
+                job.state = JobState.REFUSED
+                del self.jobs[request.request_id]
+                refusal.queue_wait_ms = round(max(0.0, now_ms - request.arrival_ms), 2)
+                return refusal
+        blocks = self.resident_blocks + kv_blocks
+        rounded = self._rounded_occupancy
+        occupancy = rounded.get(blocks)
+        if occupancy is None:
+            occupancy = round(blocks / self._total_kv_blocks, 4)
+            if len(rounded) < _ROUNDED_OCCUPANCY_BOUND:
+                rounded[blocks] = occupancy
+        self.resident_blocks = blocks
+        self.running += 1
+        tenant.served_tokens += service_tokens
+        if self.charges_at_dispatch:
+            self._charge(job, tenant, now_ms)
+        arrival_ms = request.arrival_ms
+        wait_ms = now_ms - arrival_ms
+        decision = Decision(
+            request.request_id,
+            request.tenant_id,
+            request.priority_class,
+            STATUS_OK,
+            ADMITTED,
+            "dispatch",
+            service_tokens,
+            arrival_ms,
+            occupancy,
+            round(wait_ms if wait_ms > 0.0 else 0.0, 2),  # max(0.0, wait), rounded
+            0.0,
+            now_ms,
+        )
+        if job.borrowed:
+            decision.observed["borrowed_service_tokens"] = job.service_tokens
+        job.state = _DISPATCHED
+        job.decision = decision
+        return decision
+
+    def complete(
+        self,
+        request_id: str,
+        now_ms: float,
+        actual_service_tokens: int | None = None,
+        *,
+        actual_kv_blocks: int | None = None,
+        release_kv: bool = True,
+    ) -> Decision:
+        """Settle a dispatched request against its actual usage (default: the estimate).
+
+        ``actual_kv_blocks`` replaces the KV reservation with what the request really held
+        (the simulator's replay of recorded usage), until ``release_kv``. Values that are not
+        integers in ``[0, MAX_SETTLED_TOKENS]`` raise ``ValueError`` before anything changes."""
+        job = self.jobs[request_id]
+        decision = job.decision
+        if job.state is not _DISPATCHED or decision is None:
+            raise ValueError(f"request {request_id!r} is not running")
+        if actual_service_tokens is None:
+            actual = job.service_tokens  # the estimate: nothing to check, nothing to correct
+        else:
+            _check_settled("actual_service_tokens", actual_service_tokens)
+            actual = actual_service_tokens
+        if actual_kv_blocks is not None:
+            _check_settled("actual_kv_blocks", actual_kv_blocks)
+        refund = job.service_tokens - actual
+        if refund:
+            tenant = self.tenants[job.request.tenant_id]
+            tenant.served_tokens -= refund
+            self._settle(job, tenant, refund, now_ms)
+        elif self.settles_every_request:
+            tenant = self.tenants[job.request.tenant_id]
+            # At the estimate, expected at it, usage ratio 1: `_settle` would change nothing
+            # (its first test, inline; the policies that settle every request start with it).
+            if tenant.usage_ratio != 1.0 or job.expected_tokens != job.service_tokens:
+                self._settle(job, tenant, refund, now_ms)
+        if actual_kv_blocks is not None:
+            self.resident_blocks += actual_kv_blocks - job.kv_blocks
+            job.kv_blocks = actual_kv_blocks
+        job.state = _DONE
+        self.running -= 1
+        decision.actual_service_tokens = actual
+        if release_kv:
+            self.release_kv(request_id)
+        return decision
+
+    def release_kv(self, request_id: str) -> None:
+        """Free the KV blocks of a completed request (exactly once)."""
+        job = self.jobs.get(request_id)
+        if job is None or job.state is not _DONE:
+            raise ValueError(f"request {request_id!r} has no KV to release (not completed)")
+        del self.jobs[request_id]
+        self.resident_blocks -= job.kv_blocks
+        if self.tracks_kv_releases:
+            self._kv_released(job)
+
+    def release_unsettled(self, request_id: str) -> bool:
+        """Take a dispatched request off the books without settling it: its running slot (if
+        still held) and its KV blocks. The last resort of a caller whose ``complete`` or
+        ``release_kv`` raised: the tenant keeps the estimate charged at dispatch (no refund, no
+        fairness correction), and nothing it held stays held. False if nothing was held."""
+        job = self.jobs.get(request_id)
+        if job is None or job.state not in (_DISPATCHED, _DONE):
+            return False
+        del self.jobs[request_id]
+        if job.state is _DISPATCHED:
+            job.state = _DONE
+            self.running -= 1
+        self.resident_blocks -= job.kv_blocks
+        self._kv_released(job)
+        return True
+
+    def cancel(self, request_id: str, now_ms: float) -> Decision | None:
+        """A queued request leaves; returns its decision, or None if it is not queued."""
+        job = self.jobs.get(request_id)
+        if job is None or job.state is not JobState.QUEUED:
+            return None
+        return self._drop(job, STATUS_CLIENT_CLOSED, CANCELLED, "queue", now_ms)
+
+    def expire(self, now_ms: float) -> list[Decision]:
+        """Refuse queued requests whose wait passed their class limit (``now > deadline``).
+
+        Also drops the stale entries (requests no longer queued) from the top of the deadline
+        heap; :meth:`submit` rebuilds the heap when stale entries are more than half of it, so
+        it holds O(queued requests) whatever the wait limits."""
+        expired: list[Decision] = []
+        deadlines = self._deadlines
+        queued = _QUEUED
+        while deadlines:
+            deadline_ms, _, job = deadlines[0]
+            if job.state is queued:
+                if deadline_ms >= now_ms:
+                    break
+                heapq.heappop(deadlines)
+                decision = self._drop(job, STATUS_SHED, SHED_QUEUE_TIMEOUT, "queue", now_ms)
+                decision.retry_after_ms = 0.0
+                decision.observed["max_wait_ms"] = self.wait_limit_ms(job.lane)
+                expired.append(decision)
+            else:
+                heapq.heappop(deadlines)
+        if expired:
+            self._expired(expired, now_ms)
+        return expired
+
+    def next_wakeup_ms(self, now_ms: float) -> float | None:
+        """Earliest time after ``now_ms`` when waiting could end by the passage of time alone
+        (a deadline passing, a budget refilling); None if there is none."""
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][2].state is not JobState.QUEUED:
+            heapq.heappop(deadlines)
+        if not deadlines:
+            return None
+        return math.nextafter(deadlines[0][0], math.inf)
+
+    def books(self) -> Books:
+        return Books(
+            queued_requests=sum(self.queued_count),
+            queued_service_tokens=sum(self.queued_tokens),
+            queued_kv_blocks=sum(self.queued_blocks),
+            running_requests=self.running,
+            resident_kv_blocks=self.resident_blocks,
+        )
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def watermark(self, lane: Lane) -> float:
+        policy = self.policy
+        return (
+            policy.interactive_kv_watermark
+            if lane is Lane.INTERACTIVE
+            else policy.batch_kv_watermark
+        )
+
+    def wait_limit_ms(self, lane: Lane) -> float:
+        policy = self.policy
+        return (
+            policy.max_interactive_wait_ms if lane is Lane.INTERACTIVE else policy.max_batch_wait_ms
+        )
+
+    def _unqueue(self, job: Job, tenant: TenantState) -> None:
+        lane = job.lane
+        self.queued_count[lane] -= 1
+        self.queued_tokens[lane] -= job.service_tokens
+        self.queued_blocks[lane] -= job.kv_blocks
+        tenant.queued -= 1
+        tenant.queued_tokens -= job.service_tokens
+
+    def _drop(self, job: Job, status: int, reason: str, gate: str, now_ms: float) -> Decision:
+        tenant = self.tenants[job.request.tenant_id]
+        # The policy first: one that cannot let a job leave raises before any total changes.
+        self._forget(job)
+        self._unqueue(job, tenant)
+        job.state = JobState.CANCELLED if status == STATUS_CLIENT_CLOSED else JobState.REFUSED
+        del self.jobs[job.request.request_id]
+        occupancy = (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks
+        decision = job.outcome(status, reason, gate, round(occupancy, 4))
+        decision.queue_wait_ms = round(max(0.0, now_ms - job.request.arrival_ms), 2)
+        return decision
+
+    def _refusal(
+        self,
+        job: Job,
+        reason: str,
+        gate: str,
+        occupancy: float,
+        retry_after_ms: float | None = None,
+        **observed: float,
+    ) -> Decision:
+        decision = job.outcome(STATUS_SHED, reason, gate, round(occupancy, 4), **observed)
+        decision.retry_after_ms = retry_after_ms
+        return decision
+
+    def kv_fits(self, job: Job) -> bool:
+        return (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks <= (
+            self.watermark(job.lane)
+        )
+
+    # -- policy hooks -----------------------------------------------------------------------
+
+    @abstractmethod
+    def _admit(self, job: Job, tenant: TenantState, now_ms: float) -> Decision | None:
+        """Admission gates; a refusal, or None to queue the job."""
+
+    @abstractmethod
+    def _push(self, job: Job) -> None:
+        """Put an admitted job in its queue."""
+
+    @abstractmethod
+    def _select(self, now_ms: float) -> Job | None:
+        """Remove and return the next job to start now, or None."""
+
+    def _forget(self, job: Job) -> None:
+        """A queued job left without being selected (cancel, expiry)."""
+        raise NotImplementedError(f"{self.name} does not support leaving the queue")
+
+    def _dispatch_gate(self, job: Job, tenant: TenantState, now_ms: float) -> Decision | None:
+        """Last check when the job is selected; a refusal sheds it at dispatch."""
+        return None
+
+    def _charge(self, job: Job, tenant: TenantState, now_ms: float) -> None:
+        """Charge the estimate to the tenant's budget at dispatch."""
+
+    def _kv_released(self, job: Job) -> None:
+        """Hook: a request's KV blocks were freed."""
+
+    def _expired(self, decisions: list[Decision], now_ms: float) -> None:
+        """Hook: :meth:`expire` refused these queued requests (in deadline order) just now;
+        the policy may complete their decisions (``tokenfair``: the ``Retry-After``)."""
+
+    def _settle(self, job: Job, tenant: TenantState, refund: int, now_ms: float) -> None:
+        """Apply ``estimate - actual`` to the tenant's budget (and fairness state); called when
+        they differ, or at every settlement with ``settles_every_request``."""
+
+
+MAX_SETTLED_TOKENS: Final = 2**40
+"""Largest usage settlement accepts (service tokens or KV blocks): a trillion tokens is far
+beyond any request, and far below where float budgets lose integer precision (2**53)."""
+
+
+def _check_settled(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer (got {type(value).__name__})")
+    if not 0 <= value <= MAX_SETTLED_TOKENS:
+        raise ValueError(f"{name} must be in [0, {MAX_SETTLED_TOKENS}] (got {value})")
+
+
+def shed_kv(scheduler: Scheduler, job: Job, gate: str, occupancy: float) -> Decision:
+    """A KV-watermark refusal recording the *attempted* occupancy, unclamped."""
+    return scheduler._refusal(
+        job,
+        SHED_KV_WATERMARK,
+        gate,
+        occupancy,
+        None,
+        attempted_kv_occupancy=occupancy,
+        kv_watermark=scheduler.watermark(job.lane),
+    )

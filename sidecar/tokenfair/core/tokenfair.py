@@ -1,0 +1,709 @@
+"""``tokenfair`` — the default policy: admit what *its tenant* can be served in time, then wait for
+headroom.
+
+Admission (at arrival; the first gate that fails decides, with a ``Retry-After``):
+
+1. ``queue_full`` — ``queued_all >= max_queued_requests`` or
+   ``queued_tenant >= max_queued_requests_per_tenant``.
+2. ``shed_kv_watermark`` — only a request that could *never* fit: ``kv_blocks / total_kv_blocks``
+   above its class watermark. Anything smaller waits in the queue for KV headroom instead of being
+   shed because the cache is busy right now (the lesson shed 14 of 18 batch requests that way).
+3. ``shed_queue_wait_slo`` — the wait *this tenant* can expect, counted from the request's
+   arrival, is above the class limit: its turns under the DRR that will serve it (its own queue,
+   one quantum of the others per quantum it still needs, the work in flight, at the rate its lane
+   gets, and — for batch work while interactive work waits — its own cost, which the minimum
+   share's credit must cover before it starts; :mod:`tokenfair.core.shares`), or the
+   wait for KV room if that is longer
+   (:meth:`TokenfairScheduler.kv_wait_ms`). A flooder's backlog lengthens the flooder's own
+   predicted wait, not its neighbours'.
+4. ``shed_tenant_token_quota`` — the tenant's budget cannot cover its queued work plus this
+   request before the class wait limit: ``(queued_tenant_tokens + cost - bucket_level) /
+   sustained_rate > max_wait``, or ``cost > burst`` (never coverable). With
+   ``lend_idle_capacity`` such a request may still be admitted if it can borrow in time (the
+   capacity within-budget work has left lately serves its queue within the limit).
+
+Budgets *shape* rather than police: the estimate is charged at dispatch, and a head whose tenant
+bucket is below its cost waits for the refill (``next_wakeup_ms`` says when) — or, with
+``lend_idle_capacity``, runs at once if no request within budget can start (it borrows; the
+borrowed dispatch is not charged to its bucket, and within-budget work goes first at every
+dispatch, so the capacity is reclaimed at the next one).
+
+Selection (at dispatch): a request may start only if its class watermark holds on resident KV
+(``(resident + blocks) / total <= watermark``) and its tenant's bucket covers its cost. Lanes are
+strict priority with a **minimum batch share** ``s``: while batch work is queued, every interactive
+dispatch earns the batch lane ``cost * s / (1 - s)`` credit; when the credit covers the cheapest
+batch head, batch runs next even though interactive work waits (credit resets when the batch lane
+empties, so an idle lane banks nothing). Under sustained interactive overload batch therefore gets
+``s`` of the service, and none of the interactive burst when its work is short. Inside a lane:
+weighted DRR over tenants (:mod:`tokenfair.core.drr`), FIFO inside a tenant.
+
+Settlement charges ``actual - estimate`` to the tenant's bucket and ``actual - expected`` (the
+estimate times its usage ratio, what the round robin charged) to its DRR deficit, so the round
+robin is fair in actual service tokens; a debt outlives the tenant's queue. A tenant that becomes
+backlogged while under its fair share of the lane's recent service joins the ring ahead
+(``DeficitRoundRobin.push``, VTC's lift in DRR terms): the weighted max-min share of the lane's
+recent service given every tenant's recent offered service (:meth:`TokenfairScheduler.
+fair_level`), or the equal weighted share while the offers fit the lane.
+
+Queued requests past ``arrival + max_wait`` of their class are refused ``shed_queue_timeout``, so
+every request that starts, starts within its class's wait limit; the refusal's ``Retry-After`` is
+the tenant's own predicted wait (for its turn or its budget) beyond the limit.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+from tokenfair.config import Config
+from tokenfair.core.drr import DeficitRoundRobin
+from tokenfair.core.jobs import (
+    QUEUE_FULL,
+    SHED_QUEUE_WAIT_SLO,
+    SHED_TENANT_TOKEN_QUOTA,
+    Decision,
+    Job,
+    Lane,
+)
+from tokenfair.core.scheduler import Scheduler, TenantState, shed_kv
+from tokenfair.core.shares import (
+    DemandRate,
+    LaneCompetition,
+    ResidualWork,
+    tokens_ahead,
+    water_level,
+)
+
+_INTERACTIVE: Final = Lane.INTERACTIVE
+_BATCH: Final = Lane.BATCH
+
+SERVICE_MEMORY_LIMITS = 10.0
+"""How far back a tenant's recent service reaches, in wait limits of its lane (time constant
+of the averages that admission compares)."""
+
+USAGE_RATIO_WEIGHT = 0.25
+"""Weight of the newest settlement in a tenant's usage ratio: four settlements take it most of
+the way to a new level, so a tenant that starts under-declaring is priced right within a few
+requests, and one odd request moves it by a quarter."""
+
+USAGE_RATIO_RANGE = (0.1, 100.0)
+"""Bounds of a tenant's usage ratio. The floor keeps requests that end at once (a client that
+cancels right after dispatch settles at 0) from making the tenant's next requests nearly free to
+the round robin until they settle; the ceiling keeps one absurd report from pricing a tenant
+out for long. Settlement corrects whatever the ratio gets wrong."""
+
+_RATIO_LOW, _RATIO_HIGH = USAGE_RATIO_RANGE
+
+FORGOTTEN_RATE = 1e-9
+"""An offered rate (service tokens per ms) below which a tenant's offer is forgotten."""
+
+MIN_LANE_RATE_FRACTION = 1e-3
+"""Floor of a lane's predicted rate, as a fraction of the service rate: with ``batchMinShare``
+0 and interactive demand at capacity the batch lane's rate is 0, and its predicted wait (which
+is then refused) must stay a finite number of ms."""
+
+
+class TokenfairScheduler(Scheduler):
+    """Per-tenant admission, shaped (optionally lending) budgets, DRR lanes with a batch minimum
+    share, settlement in actual tokens."""
+
+    name = "tokenfair"
+    expires_queued = True
+    charges_at_dispatch = True
+    settles_every_request = True  # the expected cost (estimate x usage ratio) may differ
+    tracks_kv_releases = True  # the KV forecast of `kv_wait_ms`
+
+    def __init__(self, config: Config, now_ms: float = 0.0) -> None:
+        self._lanes = (DeficitRoundRobin(), DeficitRoundRobin())
+        self._competition = (LaneCompetition(), LaneCompetition())
+        self._backlogged = (self._lanes[0].backlogged, self._lanes[1].backlogged)
+        self._interactive_demand = DemandRate()  # time constant: maxBatchWaitMs
+        # Per lane, over the lane's wait limit: admitted service, and the part of it that
+        # joined ahead of the ring's tail.
+        self._lane_demand = (DemandRate(), DemandRate())
+        self._lane_lifted = (DemandRate(), DemandRate())
+        self._budgeted = DemandRate()  # dispatched within budget (`_lending_memory_ms`)
+        # Resident requests -> when their KV is forecast to be freed (`kv_wait_ms`).
+        self._kv_release_ms: dict[str, float] = {}
+        self._residual = ResidualWork()
+        # Recent service per lane, per tenant and in all (time constant: SERVICE_MEMORY_LIMITS).
+        self._served: tuple[dict[str, DemandRate], dict[str, DemandRate]] = ({}, {})
+        self._lane_served = (DemandRate(), DemandRate())
+        # Per lane: each tenant's recent offered service (every arrival, admitted or not;
+        # time constant SERVICE_MEMORY_LIMITS). The lane's max-min water level over it, as
+        # (when computed, level), recomputed at most once per wait limit, is `_level`
+        # (`_adopt_cost_model` starts it).
+        self._offered: tuple[dict[str, DemandRate], dict[str, DemandRate]] = ({}, {})
+        self._batch_credit = 0.0
+        self._cheapest_batch_head: float | None = None  # as of the last selection that looked
+        self._now_ms = now_ms  # the clock of the selection in progress (read by `_eligible`)
+        self._lending = False  # the selection in progress ignores budgets (read by `_eligible`)
+        self._push_ahead: float | None = None  # join rank of the job `_admit` just admitted
+        self._eligible_now = self._eligible  # bound once: `pick` takes it at every selection
+        super().__init__(config, now_ms)
+
+    def _adopt_cost_model(self) -> None:
+        super()._adopt_cost_model()
+        # Per lane, read on every request: the service memory (the wait limit and the
+        # watermark are the base's `_wait_limits` and `_watermarks`); hot-path constants.
+        policy = self.policy
+        self._memories_ms = tuple(limit * SERVICE_MEMORY_LIMITS for limit in self._wait_limits)
+        self._rate = policy.service_tokens_per_ms
+        self._interactive_cap = self._rate * (1.0 - policy.batch_min_share)
+        self._batch_share = policy.batch_min_share
+        self._batch_rest = 1.0 - policy.batch_min_share
+        self._kv_residency = policy.kv_residency_factor
+        self._lend = policy.lend_idle_capacity
+        # `watermark * total_kv_blocks` per lane: `kv_wait_ms`'s bound, the same product.
+        self._kv_limits = tuple(mark * policy.total_kv_blocks for mark in self._watermarks)
+        # The water level is per quantum token and over the tenants of the old configuration:
+        # computed again at the next admission that asks.
+        self._level: list[tuple[float, float]] = [(-math.inf, math.inf), (-math.inf, math.inf)]
+
+    def _tenant_added(self, tenant: TenantState) -> None:
+        quantum = self.tenant_quantum(tenant)
+        tenant_id = tenant.config.tenant_id
+        for lane, competition in zip(self._lanes, self._competition, strict=True):
+            lane.add_tenant(tenant_id, quantum)
+            competition.quantum_changed(tenant_id, quantum)
+
+    # -- admission --------------------------------------------------------------------------
+
+    def predicted_wait_ms(
+        self,
+        tenant_id: str,
+        lane: Lane,
+        cost_tokens: int,
+        now_ms: float,
+        join_rank: float | None = None,
+    ) -> float:
+        """What a new request of the tenant costing ``cost_tokens`` would wait in ``lane``
+        (:mod:`.shares`): the work in flight, then what DRR sends ahead of it — from the tenants
+        backlogged now, and from the competing tenants that are idle now as far as the lane's
+        recent demand says they will send — plus, for interactive work, the batch requests its
+        minimum share lets in meanwhile, and for batch work while interactive work waits, its
+        own expected cost (the credit that must cover it), at the rate the lane gets."""
+        drr = self._lanes[lane]
+        queue = drr.queues[tenant_id]
+        competition = self._competition[lane]
+        competing = competition.competing_quanta
+        quantum = queue.quantum
+        if not competition.competes(tenant_id):
+            competing += quantum
+        backlogged = drr.active_quanta + (0.0 if queue.in_active else quantum)
+        first_turn = None
+        if join_rank is not None:  # it would join ahead with that rank (`_join_rank`)
+            first_turn = drr.tokens_before_joining_ahead(join_rank)
+        expected_tokens = cost_tokens * self.tenants[tenant_id].usage_ratio
+        active = drr.active
+        ahead, later_turns = tokens_ahead(
+            queue.queued_tokens,
+            expected_tokens,
+            queue,
+            competing,
+            backlogged,
+            drr.queued_tokens,
+            drr.credit_tokens,
+            active[0] if active else None,
+            first_turn,
+        )
+        rate = self._rate
+        if lane is _INTERACTIVE:
+            if self.queued_count[1]:  # else no batch intrusion (`ahead + 0.0`)
+                ahead += self._batch_intrusion(ahead)
+        else:
+            # rate - min(demand, interactive cap), floored at MIN_LANE_RATE_FRACTION of it
+            demand = self._interactive_demand.rate(now_ms, self._wait_limits[1])
+            interactive_cap = self._interactive_cap
+            lane_rate = rate - (interactive_cap if interactive_cap < demand else demand)
+            floor = rate * MIN_LANE_RATE_FRACTION
+            rate = floor if floor > lane_rate else lane_rate
+            if self.queued_count[0]:
+                # Credit-gated start (docs/fairness.md §5.1): while interactive work waits, a
+                # batch request starts only once the minimum share's credit covers it, and the
+                # credit accrues at the lane's rate, so the lane must have served its own cost
+                # too. Without it a request admitted to an empty lane was predicted to start at
+                # once and waited ~0.8 s on average (bench_fairness, scenario 3).
+                ahead += expected_tokens
+        wait_ms = self._residual.wait_ms(now_ms) + ahead / rate
+        # The competing tenants idle now take part in the later turns only if they send
+        # meanwhile: at most one quantum each per turn (the DRR bound), and at most what the
+        # lane's recent admitted demand λ brings in during the wait itself, i.e. the wait T with
+        # T = wait + λ T / rate. The smaller of the two.
+        idle_quanta = competing - backlogged
+        horizon_ms = self._wait_limits[lane]
+        if later_turns and idle_quanta > 0.0:
+            by_turns_ms = wait_ms + later_turns * idle_quanta / rate
+            demand = self._lane_demand[lane].rate(now_ms, horizon_ms)
+            if demand < rate:
+                by_demand_ms = wait_ms / (1.0 - demand / rate)
+                wait_ms = by_demand_ms if by_demand_ms < by_turns_ms else by_turns_ms
+            else:
+                wait_ms = by_turns_ms
+        if first_turn is None:
+            # Tenants joining ahead send their first request before it: T = wait + λ_lift T.
+            lifted = self._lane_lifted[lane].rate(now_ms, horizon_ms)
+            if lifted > 0.0:
+                share_left = 1.0 - lifted / rate
+                wait_ms /= (
+                    share_left if share_left > MIN_LANE_RATE_FRACTION else (MIN_LANE_RATE_FRACTION)
+                )
+        return wait_ms
+
+    def _join_rank(self, job: Job, now_ms: float) -> float | None:
+        """A tenant that is not backlogged, owes nothing and has had less than its fair share
+        lately (:meth:`share_ratio`) joins the ring ahead with ``job``, the least served first
+        (VTC's lift, in DRR terms: docs/fairness.md), if the job can start when its turn comes:
+        it fits the KV cache now, or the cache is forecast to have room for it before the work
+        ahead of it is done at the full rate (a lifted request that cannot start at its turn
+        goes to the tail). Its rank is its share ratio. None: it joins at the tail."""
+        tenant_id = job.request.tenant_id
+        lane = job.lane
+        drr = self._lanes[lane]
+        queue = drr.queues[tenant_id]
+        if queue.in_active or queue.deficit < 0.0:
+            return None
+        ratio = self.share_ratio(tenant_id, lane, now_ms)
+        if ratio is None or ratio >= 1.0:
+            return None
+        if not self.kv_fits(job):
+            turn_ms = self._residual.wait_ms(now_ms) + (
+                drr.tokens_before_joining_ahead(ratio) / self.policy.service_tokens_per_ms
+            )
+            if self.kv_wait_ms(job, now_ms) > turn_ms:
+                return None
+        return ratio
+
+    def _batch_intrusion(self, interactive_tokens: float) -> float:
+        """Batch service tokens the minimum share lets run while ``interactive_tokens`` are
+        served: none until the credit ``c + X * s / (1 - s)`` covers the cheapest batch head,
+        else that credit plus one head — the front's of the batch ring, the one its round robin
+        sends next, if dearer than the cheapest (a due head may cost more than the credit)."""
+        if not self.queued_count[Lane.BATCH]:
+            return 0.0
+        cheapest = self._cheapest_batch_head
+        if cheapest is None:
+            cheapest = self._cheapest_batch_head = self._lanes[Lane.BATCH].min_head_cost()
+            if cheapest is None:
+                return 0.0
+        share = self.policy.batch_min_share
+        credit = self._batch_credit + interactive_tokens * share / (1.0 - share)
+        if credit < cheapest:
+            return 0.0
+        # Due: the batch lane sends the head its round robin picks, which is the front's
+        # (usually), not the cheapest one.
+        head = cheapest
+        active = self._lanes[Lane.BATCH].active
+        if active:
+            front = active[0].head()
+            if front is not None and front.expected_tokens > head:
+                head = front.expected_tokens
+        return credit + head
+
+    def _admit(self, job: Job, tenant: TenantState, now_ms: float) -> Decision | None:
+        # The gates in their order; the hot path (a request that passes) reads cached policy
+        # constants and calls out only where the work is: the refusals (and the occupancy they
+        # record, which nothing here changes) are built when a gate fails.
+        lane = job.lane
+        request = job.request
+        tenant_id = request.tenant_id
+        wait_limit_ms = self._wait_limits[lane]
+        drr = self._lanes[lane]
+        competition = self._competition[lane]
+        competition.retire(now_ms, wait_limit_ms, self._backlogged[lane])
+        offered_rates = self._offered[lane]
+        offered = offered_rates.get(tenant_id)
+        if offered is None:
+            offered = offered_rates[tenant_id] = DemandRate()
+        service_tokens = job.service_tokens
+        offered.add(service_tokens * tenant.usage_ratio, now_ms, self._memories_ms[lane])
+        queued_all = self.queued_count[0] + self.queued_count[1]
+        policy = self.policy
+        if (
+            queued_all >= policy.max_queued_requests
+            or tenant.queued >= policy.max_queued_requests_per_tenant
+        ):
+            return self._refusal(
+                job,
+                QUEUE_FULL,
+                "admission",
+                self._occupancy(job),
+                self.predicted_wait_ms(tenant_id, lane, service_tokens, now_ms),
+                queued_requests=queued_all,
+                tenant_queued_requests=tenant.queued,
+            )
+        if job.kv_blocks / self._total_kv_blocks > self._watermarks[lane]:
+            return shed_kv(self, job, "admission", job.kv_blocks / self._total_kv_blocks)
+        # From its arrival: a replay submits the arrivals of a busy stretch when it ends.
+        queue = drr.queues[tenant_id]
+        # `_join_rank`'s first test, inline: a backlogged or indebted tenant joins at the tail.
+        join_rank = None if queue.in_active or queue.deficit < 0.0 else self._join_rank(job, now_ms)
+        elapsed_ms = now_ms - request.arrival_ms
+        turn_wait_ms = self.predicted_wait_ms(tenant_id, lane, service_tokens, now_ms, join_rank)
+        if self.resident_blocks + job.kv_blocks - self._kv_limits[lane] > 0:
+            kv_wait_ms = self.kv_wait_ms(job, now_ms)
+        else:
+            kv_wait_ms = 0.0  # it fits now (`kv_wait_ms`'s first test, inline)
+        predicted_wait_ms = (elapsed_ms if elapsed_ms > 0.0 else 0.0) + (
+            turn_wait_ms if turn_wait_ms > kv_wait_ms else kv_wait_ms
+        )
+        if predicted_wait_ms > wait_limit_ms:
+            return self._refusal(
+                job,
+                SHED_QUEUE_WAIT_SLO,
+                "admission",
+                self._occupancy(job),
+                predicted_wait_ms - wait_limit_ms,
+                predicted_wait_ms=predicted_wait_ms,
+                max_wait_ms=wait_limit_ms,
+            )
+        # Gate 4 (`_budget_gate`): its first step inline, the rest only if the budget is short.
+        bucket = tenant.bucket
+        if service_tokens > bucket.burst:
+            refusal = self._budget_gate(job, tenant, wait_limit_ms, now_ms, None)
+            if refusal is not None:
+                return refusal
+        else:
+            ratio = tenant.usage_ratio
+            needed = tenant.queued_tokens * (ratio if ratio > 1.0 else 1.0) + service_tokens
+            budget_wait_ms = bucket.ms_until(needed, now_ms)
+            if budget_wait_ms > 0.0 or budget_wait_ms > wait_limit_ms:
+                refusal = self._budget_gate(job, tenant, wait_limit_ms, now_ms, budget_wait_ms)
+                if refusal is not None:
+                    return refusal
+        job.expected_tokens = expected_tokens = service_tokens * tenant.usage_ratio
+        self._push_ahead = join_rank
+        competition.admitted(tenant_id, queue.quantum, now_ms)
+        self._lane_demand[lane].add(expected_tokens, now_ms, wait_limit_ms)
+        job.lifted = join_rank is not None
+        if lane is _INTERACTIVE:
+            self._interactive_demand.add(service_tokens, now_ms, self._wait_limits[1])
+        return None
+
+    def _occupancy(self, job: Job) -> float:
+        """The KV occupancy ``job`` attempts: resident blocks and its own, of the whole cache."""
+        return (self.resident_blocks + job.kv_blocks) / self._total_kv_blocks
+
+    def kv_wait_ms(self, job: Job, now_ms: float) -> float:
+        """How long until the KV cache has room for ``job`` under its class watermark, if the
+        resident requests free their blocks when the cost model says: a request dispatched at
+        ``t`` holds them until ``t + kv_residency_factor * expected / rate``, corrected to its
+        actual usage when it settles. 0 if it fits now. O(r log r) in the resident requests,
+        and only for a request that does not fit now."""
+        excess = (
+            self.resident_blocks
+            + job.kv_blocks
+            - (self.watermark(job.lane) * self.policy.total_kv_blocks)
+        )
+        if excess <= 0:
+            return 0.0
+        jobs = self.jobs
+        freed = 0
+        last_ms = now_ms
+        for release_ms, request_id in sorted(
+            (ms, rid) for rid, ms in self._kv_release_ms.items() if rid in jobs
+        ):
+            freed += jobs[request_id].kv_blocks
+            last_ms = release_ms
+            if freed >= excess:
+                break
+        return max(0.0, last_ms - now_ms)
+
+    def _kv_released(self, job: Job) -> None:
+        self._kv_release_ms.pop(job.request.request_id, None)
+
+    def _budget_gate(
+        self,
+        job: Job,
+        tenant: TenantState,
+        wait_limit_ms: float,
+        now_ms: float,
+        budget_wait_ms: float | None,
+    ) -> Decision | None:
+        """Gate 4: can the tenant's budget cover its queued work and this request in time?
+
+        Each queued request needs its estimate in the bucket when it is dispatched (a refund
+        comes back only after it ran), a debt is paid at the usage ratio, and with work queued
+        ahead the server may still be running the previous request when the budget allows this
+        one. With ``lend_idle_capacity`` a request the budget cannot cover may still borrow: it
+        passes if its queue can be served in time at the capacity that work within budget has
+        left lately (``R`` minus the recent within-budget dispatch rate).
+
+        ``budget_wait_ms`` is ``bucket.ms_until(queued_tokens * max(1, usage_ratio) + cost)``
+        as :meth:`_admit` read it (the bucket is read once per admission), or None when the
+        cost is above the burst (never coverable)."""
+        policy = self.policy
+        bucket = tenant.bucket
+        elapsed_ms = max(0.0, now_ms - job.request.arrival_ms)
+        never = budget_wait_ms is None
+        if budget_wait_ms is None:
+            budget_wait_ms = 0.0
+        else:
+            if budget_wait_ms > 0.0:
+                budget_wait_ms += elapsed_ms
+                if tenant.queued:
+                    budget_wait_ms += job.service_tokens / policy.service_tokens_per_ms
+            if budget_wait_ms <= wait_limit_ms:
+                return None
+        if policy.lend_idle_capacity:
+            rate = policy.service_tokens_per_ms
+            spare = rate - self._budgeted.rate(now_ms, self._lending_memory_ms())
+            spare = max(spare, rate * MIN_LANE_RATE_FRACTION)
+            queue = self._lanes[job.lane].queues[job.request.tenant_id]
+            borrow_wait_ms = (
+                elapsed_ms + self._residual.wait_ms(now_ms) + queue.queued_tokens / spare
+            )
+            if borrow_wait_ms <= wait_limit_ms:
+                return None
+            budget_wait_ms = max(budget_wait_ms, borrow_wait_ms)
+        return self._refusal(
+            job,
+            SHED_TENANT_TOKEN_QUOTA,
+            "admission",
+            self._occupancy(job),
+            None if never and not policy.lend_idle_capacity else budget_wait_ms - wait_limit_ms,
+            bucket_tokens=bucket.level,
+            tenant_queued_tokens=tenant.queued_tokens,
+            burst_tokens=bucket.burst,
+            budget_wait_ms=budget_wait_ms,
+        )
+
+    def _lending_memory_ms(self) -> float:
+        """Time constant of the within-budget dispatch rate: the shorter wait limit, so lending
+        stops within a wait limit of the neighbours coming back."""
+        return min(self.policy.max_interactive_wait_ms, self.policy.max_batch_wait_ms)
+
+    def _expired(self, expired: list[Decision], now_ms: float) -> None:
+        """The ``Retry-After`` of the requests :meth:`expire` refused, from the tenant's own
+        position: how much longer than the limit a new request of the tenant would wait now, for
+        its turn or (with budgets as caps) for its budget."""
+        for decision in expired:
+            lane = Lane.of(decision.priority_class)
+            tenant_id = decision.tenant_id
+            wait_ms = self.predicted_wait_ms(tenant_id, lane, decision.service_tokens, now_ms)
+            tenant = self.tenants[tenant_id]
+            if not self.policy.lend_idle_capacity:
+                needed = tenant.queued_tokens + decision.service_tokens
+                wait_ms = max(wait_ms, tenant.bucket.ms_until(needed, now_ms))
+            decision.retry_after_ms = max(0.0, wait_ms - self._wait_limits[lane])
+
+    # -- selection --------------------------------------------------------------------------
+
+    def _push(self, job: Job) -> None:
+        self._lanes[job.lane].push(job, join_ahead=self._push_ahead)
+
+    def _forget(self, job: Job) -> None:
+        lane = job.lane
+        tenant_id = job.request.tenant_id
+        drr = self._lanes[lane]
+        drr.forget(job)
+        if not drr.backlogged(tenant_id):
+            self._competition[lane].drained(tenant_id)
+        # Called before the totals drop the job: the batch lane empties if this is its last job.
+        if self.queued_count[Lane.BATCH] == int(lane is Lane.BATCH):
+            self._batch_credit = 0.0
+            self._cheapest_batch_head = None
+
+    def _eligible(self, job: Job) -> bool:
+        # `kv_fits`, inline: this runs for every head a selection looks at.
+        if (self.resident_blocks + job.kv_blocks) / self._total_kv_blocks > (
+            self._watermarks[job.lane]
+        ):
+            return False
+        if self._lending:
+            return True
+        tenant = self.tenants[job.request.tenant_id]
+        return tenant.bucket.ms_until(job.service_tokens, self._now_ms) == 0.0
+
+    def _select(self, now_ms: float) -> Job | None:
+        self._now_ms = now_ms
+        job = self._select_by_lane()
+        if job is None and self._lend:
+            # Nobody within budget can start: lend the idle capacity to work over budget.
+            self._lending = True
+            try:
+                job = self._select_by_lane()
+            finally:
+                self._lending = False
+            if job is not None:
+                job.borrowed = True
+        if job is not None:
+            tenant_id = job.request.tenant_id
+            if not self._lanes[job.lane].queues[tenant_id].live:  # no longer backlogged
+                self._competition[job.lane].drained(tenant_id)
+        return job
+
+    def _select_by_lane(self) -> Job | None:
+        interactive, batch = self._lanes
+        eligible = self._eligible_now
+        queued_count = self.queued_count
+        batch_waiting = queued_count[1] > 0
+        interactive_waiting = queued_count[0] > 0
+        if not batch_waiting:
+            self._batch_credit = 0.0
+            self._cheapest_batch_head = None
+        batch_due = False
+        if interactive_waiting and batch_waiting:
+            cheapest = self._cheapest_batch_head = batch.min_head_cost()
+            batch_due = cheapest is not None and self._batch_credit >= cheapest
+        if interactive_waiting and not batch_due:
+            job = interactive.pick(eligible)
+            if job is not None:
+                if batch_waiting:
+                    self._batch_credit += job.expected_tokens * self._batch_share / self._batch_rest
+                return job
+        if batch_waiting:
+            job = batch.pick(eligible)
+            if job is not None:
+                if interactive_waiting:
+                    self._batch_credit -= job.expected_tokens
+                return job
+        if batch_due:
+            return interactive.pick(eligible)
+        return None
+
+    # -- budgets and settlement -------------------------------------------------------------
+
+    def _charge(self, job: Job, tenant: TenantState, now_ms: float) -> None:
+        rate = self._rate
+        expected_tokens = job.expected_tokens
+        request = job.request
+        self._kv_release_ms[request.request_id] = (
+            now_ms + self._kv_residency * expected_tokens / rate
+        )
+        self._residual.dispatched(expected_tokens, rate, now_ms)
+        # `_record_service`, inline
+        lane = job.lane
+        memory_ms = self._memories_ms[lane]
+        served_rates = self._served[lane]
+        served = served_rates.get(request.tenant_id)
+        if served is None:
+            served = served_rates[request.tenant_id] = DemandRate()
+        served.add(expected_tokens, now_ms, memory_ms)
+        self._lane_served[lane].add(expected_tokens, now_ms, memory_ms)
+        if job.lifted:
+            self._lane_lifted[lane].add(expected_tokens, now_ms, self._wait_limits[lane])
+        if job.borrowed:
+            return
+        if self._lend:  # only lending reads it
+            self._budgeted.add(expected_tokens, now_ms, self._lending_memory_ms())
+        bucket = tenant.bucket
+        bucket.refill(now_ms)
+        bucket.level -= job.service_tokens
+
+    def _record_service(self, job: Job, tokens: float, now_ms: float) -> None:
+        lane = job.lane
+        memory_ms = self._memories_ms[lane]
+        tenant_id = job.request.tenant_id
+        served = self._served[lane].get(tenant_id)
+        if served is None:
+            served = self._served[lane][tenant_id] = DemandRate()
+        served.add(tokens, now_ms, memory_ms)
+        self._lane_served[lane].add(tokens, now_ms, memory_ms)
+
+    def fair_level(self, lane: Lane, now_ms: float) -> float:
+        """The lane's weighted max-min water level ``L``, in service tokens per ms per quantum
+        token: each tenant ``j`` is owed ``min(offered_j, L * Q_j)`` of the lane's recent service
+        rate, ``offered_j`` being its recent offered rate (every arrival, admitted or not).
+        ``inf`` while the offers fit. Recomputed at most once per wait limit of the lane, in
+        O(n log n) over the tenants that offered lately (``shares.water_level``); tenants whose
+        offer has faded below 1e-9 tokens per ms are forgotten then."""
+        at_ms, level = self._level[lane]
+        horizon_ms = self._wait_limits[lane]
+        if now_ms - at_ms < horizon_ms:
+            return level
+        memory_ms = horizon_ms * SERVICE_MEMORY_LIMITS
+        # Capacity: what the lane served lately, with the same time constant as the offers (so
+        # both warm up alike), not what it could serve: the batch lane gets what interactive
+        # leaves. Nothing served yet: level 0 (nobody is owed a share of nothing), asked again
+        # at the lane's first service, without the O(n log n) pass.
+        served = self._lane_served[lane].rate(now_ms, memory_ms)
+        if served <= 0.0:
+            return 0.0
+        queues = self._lanes[lane].queues
+        configured = self.config.tenant_index
+        offered = self._offered[lane]
+        demands: list[tuple[float, float]] = []
+        for tenant_id, rate in list(offered.items()):
+            value = rate.rate(now_ms, memory_ms)
+            if value < FORGOTTEN_RATE or tenant_id not in configured:
+                del offered[tenant_id]  # faded, or removed by a reload
+            else:
+                demands.append((value, queues[tenant_id].quantum))
+        level = water_level(served, demands)
+        self._level[lane] = (now_ms, level)
+        return level
+
+    def share_ratio(self, tenant_id: str, lane: Lane, now_ms: float) -> float | None:
+        """The tenant's recent service per quantum over the lane's max-min water level (below 1:
+        owed service), or over the lane's recent service per competing quantum while the offers
+        fit the lane; None while the lane has served nothing lately."""
+        memory_ms = self._memories_ms[lane]
+        quantum = self._lanes[lane].queues[tenant_id].quantum
+        at_ms, level = self._level[lane]  # `fair_level`'s cached level while it is fresh
+        if not now_ms - at_ms < self._wait_limits[lane]:
+            level = self.fair_level(lane, now_ms)
+        if math.isinf(level):
+            lane_rate = self._lane_served[lane].rate(now_ms, memory_ms)
+            competing = self._competition[lane].competing_quanta
+            if lane_rate <= 0.0 or competing <= 0.0:
+                return None
+            level = lane_rate / competing
+        if level <= 0.0:
+            return None
+        served = self._served[lane].get(tenant_id)
+        if served is None:
+            return 0.0
+        return served.rate(now_ms, memory_ms) / (level * quantum)
+
+    def _settle(self, job: Job, tenant: TenantState, refund: int, now_ms: float) -> None:
+        if not refund and tenant.usage_ratio == 1.0 and job.expected_tokens == job.service_tokens:
+            # Used its estimate, expected at it, ratio at 1: the ratio stays 1.0 exactly
+            # (1.0 + (c / c - 1.0) * w), the overrun is 0.0 and there is no refund: nothing
+            # below would change anything.
+            return
+        if job.service_tokens:
+            ratio = tenant.usage_ratio
+            ratio += ((job.service_tokens - refund) / job.service_tokens - ratio) * (
+                USAGE_RATIO_WEIGHT
+            )
+            # min(high, max(low, ratio)) in conditionals, the same comparisons
+            ratio = ratio if ratio > _RATIO_LOW else _RATIO_LOW
+            tenant.usage_ratio = ratio if ratio < _RATIO_HIGH else _RATIO_HIGH
+        # The round robin and the work in flight were charged the expected usage; the budget
+        # was charged the estimate. Each is settled against what it was charged.
+        overrun = job.service_tokens - refund - job.expected_tokens
+        if overrun:
+            dispatch_ms = job.decision.dispatch_ms if job.decision is not None else None
+            if dispatch_ms is not None:  # the hold follows the actual usage
+                self._kv_release_ms[job.request.request_id] = dispatch_ms + (
+                    self.policy.kv_residency_factor
+                    * (job.service_tokens - refund)
+                    / self.policy.service_tokens_per_ms
+                )
+            self._record_service(job, overrun, now_ms)
+            self._lanes[job.lane].settle(tenant.config.tenant_id, overrun)
+            self._residual.settled(overrun, self.policy.service_tokens_per_ms)
+        if refund and not job.borrowed:  # a borrowed dispatch was never charged to the bucket
+            tenant.bucket.refill(now_ms)
+            tenant.bucket.settle(refund)
+
+    def next_wakeup_ms(self, now_ms: float) -> float | None:
+        wakeup = super().next_wakeup_ms(now_ms)
+        if self.policy.lend_idle_capacity:
+            return wakeup  # a head short of budget borrows when nothing else can start
+        for lane in self._lanes:
+            for queue in lane.active:
+                head = queue.head()
+                if head is None:
+                    continue
+                bucket = self.tenants[queue.tenant_id].bucket
+                if head.service_tokens > bucket.burst:
+                    continue  # no refill ever covers it (a reload shrank the burst): it expires
+                wait_ms = bucket.ms_until(head.service_tokens, now_ms)
+                if wait_ms > 0:
+                    # At least one ulp later, so a caller that sleeps until then makes progress.
+                    ready_ms = max(now_ms + wait_ms, math.nextafter(now_ms, math.inf))
+                    if wakeup is None or ready_ms < wakeup:
+                        wakeup = ready_ms
+        return wakeup

@@ -1,0 +1,236 @@
+"""App factories: the proxy app (tenants' traffic) and the admin app, sharing one :class:`Sidecar`.
+
+Long-lived resources live in the proxy app's ``cleanup_ctx`` (set up in this order, torn down in
+reverse, each only if its setup ran): the tracer provider (with tracing on: torn down last, so
+the spans of the requests the drain ends are exported), the backend (the upstream
+``ClientSession``), the records file, the budget store's lease task (teardown returns the
+leases), the dispatcher (its timers; teardown drains the queue and releases every
+reservation), and the config watcher task.
+
+The proxy app's one middleware, :func:`observe_requests`, counts the requests in flight and
+gives each request a :class:`~tokenfair.server.accesslog.RequestScope` (its route and
+trace context, for its access-log line and span); a request it sees answered before admission
+gets its line and span there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from tokenfair.config import Config
+from tokenfair.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED
+from tokenfair.server.accesslog import CURRENT_SCOPE, RequestScope, bounded
+from tokenfair.server.admin import create_admin_app
+from tokenfair.server.backends import MODELS_ROUTE, ROUTES, Backend
+from tokenfair.server.errors import INTERNAL_ERROR
+from tokenfair.server.models import list_models
+from tokenfair.server.proxy import (
+    SIDECAR,
+    completions,
+    expect_continue,
+    expect_not_found,
+    not_found,
+)
+from tokenfair.server.record_writer import RecordWriter
+from tokenfair.server.reload import watch_config
+from tokenfair.server.settings import SidecarSettings
+from tokenfair.server.state import Sidecar
+from tokenfair.server.tracing import (
+    RequestTracer,
+    check_tracing_available,
+    otlp_tracer_provider,
+)
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+
+
+def create_app(
+    settings: SidecarSettings,
+    config: Config,
+    backend: Backend,
+    *,
+    config_path: Path | None = None,
+    config_sha256: str = "",
+    section: object = None,
+    tracer_provider: TracerProvider | None = None,
+) -> web.Application:
+    """The proxy app; ``app[SIDECAR]`` is its state (pass it to :func:`create_admin_app`).
+    With ``config_path``, that file is watched and reloaded. With ``settings.tracing``, spans
+    go to ``tracer_provider`` (the caller's: not shut down here) or, by default, to an OTLP
+    exporter; :class:`~tokenfair.config.ConfigError` at once if the ``tracing`` extra
+    is not installed."""
+    if settings.tracing and tracer_provider is None:
+        check_tracing_available()
+    sidecar = Sidecar(
+        settings,
+        config,
+        backend,
+        config_sha256=config_sha256,
+        config_path=config_path,
+        section=section,
+    )
+    # auto_decompress off: the proxy decodes request bodies itself (proxy.decode_body), so that a
+    # coding aiohttp cannot decode is the proxy's 415, not aiohttp's plain-text 400.
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        handler_args={"auto_decompress": False},
+        middlewares=[observe_requests],
+    )
+    app[SIDECAR] = sidecar
+    app[TRACER_PROVIDER] = tracer_provider
+    for route in ROUTES:
+        app.router.add_post(route, completions, expect_handler=expect_continue)
+    app.router.add_get(MODELS_ROUTE, list_models, allow_head=False)
+    app.router.add_route("*", "/{tail:.*}", not_found, expect_handler=expect_not_found)
+    app.cleanup_ctx.append(_tracing_ctx)
+    app.cleanup_ctx.append(_backend_ctx)
+    app.cleanup_ctx.append(_records_ctx)
+    app.cleanup_ctx.append(_pool_ctx)
+    app.cleanup_ctx.append(_dispatcher_ctx)
+    app.cleanup_ctx.append(_watcher_ctx)
+    return app
+
+
+TRACER_PROVIDER = web.AppKey("tracer_provider", object)
+"""The caller's tracer provider (None: an OTLP one is made when tracing is on)."""
+
+
+@web.middleware
+async def observe_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count the request in flight and give it its scope; if nothing accounted it by the time
+    the handler is done (answered before admission), write its access-log line and span."""
+    sidecar = request.app[SIDECAR]
+    metrics = sidecar.metrics
+    headers = request.headers
+    scope = RequestScope(
+        bounded(request.method) or "",
+        bounded(request.path) or "",
+        sidecar.clock.now_ms(),
+        headers.get("traceparent"),
+        headers.get("tracestate"),
+    )
+    token = CURRENT_SCOPE.set(scope)
+    metrics.in_flight += 1
+    status: int = 500
+    reason: str | None = INTERNAL_ERROR
+    try:
+        response = await handler(request)
+        status = response.status
+        reason = _error_code(response) if status >= 400 else None
+        return response
+    except asyncio.CancelledError:
+        status, reason = STATUS_CLIENT_CLOSED, CANCELLED
+        raise
+    except web.HTTPException as exc:
+        status, reason = exc.status, None
+        raise
+    finally:
+        metrics.in_flight -= 1
+        CURRENT_SCOPE.reset(token)
+        if not scope.accounted:
+            sidecar.observe_unadmitted(scope, status, reason)
+
+
+def _error_code(response: web.StreamResponse) -> str | None:
+    """The ``error.code`` of one of the sidecar's JSON error bodies (None if it has none)."""
+    body = response.body if isinstance(response, web.Response) else None
+    if not isinstance(body, bytes | bytearray) or len(body) > 65536:
+        return None
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
+
+
+async def _tracing_ctx(app: web.Application) -> AsyncIterator[None]:
+    """With tracing on, the sidecar's :class:`RequestTracer` (shut down last: it exports the
+    spans of the requests the drain ended)."""
+    sidecar = app[SIDECAR]
+    if not sidecar.settings.tracing:
+        yield
+        return
+    given = app[TRACER_PROVIDER]
+    if given is None:
+        provider = otlp_tracer_provider(sidecar.settings.tracing_endpoint)
+        tracer = RequestTracer(provider, sidecar.backend.name, owned=True)
+    else:
+        tracer = RequestTracer(given, sidecar.backend.name, owned=False)  # type: ignore[arg-type]
+    sidecar.tracer = tracer
+    yield
+    sidecar.tracer = None
+    await tracer.close()
+
+
+async def _backend_ctx(app: web.Application) -> AsyncIterator[None]:
+    backend = app[SIDECAR].backend
+    await backend.open()
+    yield
+    await backend.close()
+
+
+async def _records_ctx(app: web.Application) -> AsyncIterator[None]:
+    sidecar = app[SIDECAR]
+    path = sidecar.settings.records_path
+    if path is not None:
+        sidecar.recorder = RecordWriter(path, on_dropped=sidecar.metrics.records_dropped.inc)
+    yield
+    if sidecar.recorder is not None:
+        sidecar.recorder.close()
+        sidecar.recorder = None
+
+
+async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The budget store's lease task; torn down after the dispatcher's drain, so the leases
+    returned at shutdown include the refunds of the last settlements."""
+    pool = app[SIDECAR].pool
+    if pool is None:
+        yield
+        return
+    task = asyncio.create_task(pool.run(), name="tokenfair-budget-pool")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await pool.close()
+
+
+async def _dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    dispatcher = app[SIDECAR].dispatcher
+    dispatcher.drain()
+    dispatcher.close()
+
+
+async def _watcher_ctx(app: web.Application) -> AsyncIterator[None]:
+    sidecar = app[SIDECAR]
+    if sidecar.config_path is None:
+        yield
+        return
+    task = asyncio.create_task(
+        watch_config(
+            sidecar.config_path,
+            sidecar.settings.reload_interval_s,
+            sidecar.config_sha256,
+            sidecar.apply_config,
+            sidecar.refuse_config,
+            sidecar.reload_failed,
+        ),
+        name="tokenfair-config-watcher",
+    )
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+__all__ = ["SIDECAR", "create_admin_app", "create_app"]

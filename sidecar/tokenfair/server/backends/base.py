@@ -1,0 +1,284 @@
+"""The backend contract: run one dispatched request and answer the client.
+
+``respond(call)`` must either raise :class:`UpstreamError` before anything was sent to the client
+(the proxy then answers with its status: 502 refused/reset, 504 timeout), or answer the client
+itself (a ``web.Response``, or a prepared ``web.StreamResponse`` for SSE). A stream whose source
+breaks after it started raises :class:`StreamAbortedError` carrying the started response: the
+proxy then cuts the client's connection, so the client sees an incomplete transfer rather than a
+clean end. While it runs it fills in ``call.prompt_tokens`` / ``call.completion_tokens`` (the
+usage to settle; :meth:`BackendCall.report_usage` checks reported values) and calls
+``call.first_byte()`` when the first body bytes go out (TTFT). Stream bytes go out through
+:meth:`BackendCall.write` and a stream ends with :meth:`BackendCall.write_eof` (never a bare
+``response.write``/``write_eof``: both wait for the client to take the bytes), which cut a client
+that takes nothing for ``client_write_timeout_s`` while they wait. It may be cancelled at any
+await (the client went away); it must then free what it holds (an upstream connection) and
+re-raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Final
+
+from aiohttp import web
+
+from tokenfair.core import Decision
+from tokenfair.core.cost import MAX_REQUEST_TOKENS
+from tokenfair.server.estimate import Estimate
+
+log = logging.getLogger("tokenfair.sidecar")
+
+EMBEDDINGS_ROUTE: Final = "/v1/embeddings"
+MODELS_ROUTE: Final = "/v1/models"
+"""``GET``: listed without admission (it does no model work) by :meth:`Backend.models`."""
+ROUTES: Final = ("/v1/completions", "/v1/chat/completions", EMBEDDINGS_ROUTE)
+"""The ``POST`` routes that are admitted, scheduled and settled (``/v1/embeddings`` at a
+prefill-only cost: :func:`~tokenfair.server.estimate.estimate_embeddings`)."""
+
+MAX_USAGE_TOKENS: Final = MAX_REQUEST_TOKENS
+"""Largest ``usage.prompt_tokens`` / ``usage.completion_tokens`` believed (a signed 32-bit int:
+orders of magnitude above any context window). A reported value that is not an integer in
+``[0, MAX_USAGE_TOKENS]`` is a protocol error: the request settles at its estimate and its record
+says ``upstream_bad_usage``."""
+BAD_USAGE: Final = "upstream_bad_usage"
+UPSTREAM_ABORTED: Final = "upstream_aborted"
+UPSTREAM_TOO_LARGE: Final = "upstream_too_large"
+"""502 code and record reason: the upstream's response head (over 64 KiB) or non-streamed body
+(over 8 MiB) passed the client's bounds (:class:`~tokenfair.server.upstream.
+UpstreamTooLargeError`); the connection was dropped."""
+
+CLIENT_MESSAGES: Final = {
+    "upstream_error": "the model server failed to answer (refused, reset or a malformed "
+    "response); the sidecar's log has the details under this request's x-request-id",
+    "upstream_timeout": "the model server did not answer in time; the sidecar's log has the "
+    "details under this request's x-request-id",
+    "upstream_unavailable": "the model server is not available",
+    "upstream_too_large": "the model server's answer was larger than the sidecar relays; the "
+    "sidecar's log has the details under this request's x-request-id",
+}
+"""What a tenant reads in a 502/504: no upstream host, port or errno (those go to the log)."""
+WRITE_CHECKS_PER_TIMEOUT: Final = 4
+"""While a write to the client waits, the client's progress is looked at this many times per
+``client_write_timeout_s`` (the transport's buffer shrinking: the client took bytes)."""
+
+
+class UpstreamError(Exception):
+    """The backend failed before the response started; ``status`` is 502 or 504.
+
+    ``detail`` says what happened (host, port, errno) for the sidecar's log; the client gets
+    :attr:`client_message`, which shows nothing of the upstream's address."""
+
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.detail = detail
+
+    @property
+    def client_message(self) -> str:
+        return CLIENT_MESSAGES.get(self.code, CLIENT_MESSAGES["upstream_error"])
+
+
+class StreamAbortedError(Exception):
+    """The upstream broke after the client's response started (its status and some bytes are
+    out). ``response`` is that started response; the proxy aborts the client's connection so the
+    transfer ends incomplete (no terminating chunk), never as a clean, truncated success."""
+
+    def __init__(self, response: web.StreamResponse, detail: str) -> None:
+        super().__init__(detail)
+        self.response = response
+        self.code = UPSTREAM_ABORTED
+        self.detail = detail
+
+
+class UsageError(ValueError):
+    """The backend's reported usage is not believable (see :data:`MAX_USAGE_TOKENS`)."""
+
+
+def _describe(value: object) -> str:
+    """A short description of a bad value: never its full text (a 5,000-digit integer cannot
+    even be printed, and a nested list may be megabytes)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"an integer of {value.bit_length()} bits" if value >= 0 else "a negative integer"
+    return f"a value of type {type(value).__name__}"
+
+
+def usage_tokens(usage: Mapping[str, Any], name: str) -> int | None:
+    """``usage[name]`` as a token count: None if absent or null (not reported); an integer in
+    ``[0, MAX_USAGE_TOKENS]``; anything else raises :class:`UsageError`."""
+    value = usage.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_USAGE_TOKENS:
+        raise UsageError(
+            f"usage.{name}: must be an integer in [0, {MAX_USAGE_TOKENS}] (got {_describe(value)})"
+        )
+    return value
+
+
+@dataclass(slots=True, eq=False)
+class BackendCall:
+    """One dispatched request as a backend sees it, plus what the backend reports back."""
+
+    request: web.Request
+    path: str
+    body: dict[str, Any]
+    raw_body: bytes
+    stream: bool
+    estimate: Estimate
+    decision: Decision
+    response_headers: Mapping[str, str]
+    """Headers the proxy adds to the response (rate-limit headers, request id)."""
+    on_first_byte: Callable[[], None]
+    dispatched_at_s: float
+    """Event-loop time when the scheduler dispatched the request."""
+    client_write_timeout_s: float | None = None
+    """How long a write to the client may wait while the client takes nothing (see
+    :meth:`write`); None: unbounded."""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    usage_error: str | None = None
+    """Why the reported usage was not believed (then the request settles at its estimate)."""
+    first_byte_sent: bool = field(default=False)
+    client_write_timed_out: bool = field(default=False)
+    """Set when a write waited ``client_write_timeout_s`` without the client taking a byte and
+    the client's connection was aborted (the request is then recorded as
+    ``client_write_timeout``)."""
+    _writing_since: float | None = field(default=None, init=False, repr=False)
+    """Loop time the write under way began (None: no write under way)."""
+    _progress_at: float = field(default=0.0, init=False, repr=False)
+    """Loop time of the last look that saw the client take bytes."""
+    _buffered: int = field(default=0, init=False, repr=False)
+    """The transport's write buffer at the last look."""
+    _appended: int = field(default=0, init=False, repr=False)
+    """Bytes handed to writes since the last look."""
+    _watchdog: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
+
+    def first_byte(self) -> None:
+        if not self.first_byte_sent:
+            self.first_byte_sent = True
+            self.on_first_byte()
+
+    def report_usage(self, usage: Mapping[str, Any] | None) -> None:
+        """Take the backend's reported usage (a ``usage`` object, or None: not reported). A value
+        that is not believable leaves both counts unknown (settled at the estimate) and sets
+        :attr:`usage_error`."""
+        if usage is None:
+            self.prompt_tokens = self.completion_tokens = None
+            return
+        try:
+            prompt = usage_tokens(usage, "prompt_tokens")
+            completion = usage_tokens(usage, "completion_tokens")
+        except UsageError as exc:
+            self.bad_usage(str(exc))
+            return
+        self.prompt_tokens, self.completion_tokens = prompt, completion
+
+    def bad_usage(self, detail: str) -> None:
+        """The backend reported usage that cannot be believed: settle at the estimate."""
+        log.warning("request %s: the backend's usage is a protocol error, settling at the "
+                    "estimate: %s", self.decision.request_id, detail)  # fmt: skip
+        self.prompt_tokens = self.completion_tokens = None
+        self.usage_error = BAD_USAGE
+
+    # -- writing to the client ------------------------------------------------------------------
+
+    async def write(self, response: web.StreamResponse, data: bytes) -> None:
+        """``response.write(data)``, bounded: see :meth:`_bounded`."""
+        await self._bounded(response.write(data), len(data))
+
+    async def write_eof(self, response: web.StreamResponse) -> None:
+        """``response.write_eof()``, bounded like :meth:`write`: it too waits until the client
+        has taken what is buffered (the last bytes of a stream may be up to 64 KiB that no
+        ``write`` waited for), so a client that stops reading near the end is cut as well."""
+        await self._bounded(response.write_eof(), 0)
+
+    async def _bounded(self, operation: Awaitable[None], size: int) -> None:
+        """Await ``operation`` (a write of ``size`` bytes to the client). While it waits, a
+        timer looks at the client's connection :data:`WRITE_CHECKS_PER_TIMEOUT` times per
+        ``client_write_timeout_s``: the client made progress if the transport's buffer is
+        smaller than at the last look plus what was written since. A write that has waited
+        ``client_write_timeout_s`` since it began, or since progress was last seen, aborts the
+        client's connection (the write then raises), so a client that stops reading cannot hold
+        its in-flight slot, while one that reads slowly is never cut. One timer per call, armed
+        by a write and re-armed only while a write waits (not per write)."""
+        timeout_s = self.client_write_timeout_s
+        if timeout_s is None:
+            await operation
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._watchdog is None:
+            transport = self.request.transport
+            self._buffered = 0 if transport is None else transport.get_write_buffer_size()
+            self._appended = 0
+            interval_s = timeout_s / WRITE_CHECKS_PER_TIMEOUT
+            self._watchdog = loop.call_at(now + interval_s, self._check_write, timeout_s)
+        self._appended += size
+        self._writing_since = now
+        try:
+            await operation
+        finally:
+            self._writing_since = None
+
+    def _check_write(self, timeout_s: float) -> None:
+        self._watchdog = None
+        since = self._writing_since
+        transport = self.request.transport
+        if since is None or transport is None:
+            # No write under way (the next one arms the timer again, with a new baseline), or
+            # the connection is gone (the write fails by itself).
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        buffered = transport.get_write_buffer_size()
+        if buffered < self._buffered + self._appended:
+            self._progress_at = now  # the client took bytes since the last look
+        self._buffered, self._appended = buffered, 0
+        deadline = max(since, self._progress_at) + timeout_s
+        if now < deadline:
+            interval_s = timeout_s / WRITE_CHECKS_PER_TIMEOUT
+            self._watchdog = loop.call_at(
+                min(deadline, now + interval_s), self._check_write, timeout_s
+            )
+            return
+        self.client_write_timed_out = True
+        log.warning("request %s: the client took nothing for %g s; aborting its connection",
+                    self.decision.request_id, timeout_s)  # fmt: skip
+        transport.abort()
+
+    def close(self) -> None:
+        """Stop the write timer (the proxy calls this once the request is over)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+
+
+class Backend(ABC):
+    """One model server behind the sidecar."""
+
+    name: ClassVar[str]
+    default_max_in_flight: ClassVar[int]
+
+    async def open(self) -> None:
+        """Acquire long-lived resources (called from the app's cleanup context)."""
+
+    async def close(self) -> None:
+        """Release them."""
+
+    @abstractmethod
+    async def respond(self, call: BackendCall) -> web.StreamResponse:
+        """Run ``call`` and answer the client (see the module docstring)."""
+
+    @abstractmethod
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """Answer ``GET /v1/models`` for an authenticated client (no admission: listing models
+        does no model work). May raise :class:`UpstreamError` (the proxy answers 502/504)."""
+
+    def kv_hold_ms(self, call: BackendCall) -> float:
+        """Model ms after dispatch until the request's KV blocks are free (0: at completion)."""
+        return 0.0

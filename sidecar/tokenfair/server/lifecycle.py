@@ -1,0 +1,318 @@
+"""One owner of a request's lifecycle: admission, waiting, dispatch, settlement, the one outcome.
+
+Every request that reaches admission gets one :class:`Lifecycle`. Its phase moves only forward,
+and each move has one place that makes it::
+
+    begin ──► REFUSED ───────────────────────────────────────────────────────────┐
+          └─► QUEUED ──► LEFT_QUEUE  expired (429), cancelled (499), drained (503) ─┤
+                     └─► RUNNING ──► SETTLED  slot released, KV at its hold time ──┴─► end
+
+* :func:`begin` runs admission (:meth:`Dispatcher.submit
+  <tokenfair.server.dispatcher.Dispatcher.submit>`): REFUSED or QUEUED.
+* The dispatcher's pump moves QUEUED to RUNNING (dispatched) or LEFT_QUEUE (expired); a waiter
+  whose client leaves moves QUEUED to LEFT_QUEUE (cancelled) or, dispatched in that very
+  instant, RUNNING to SETTLED at zero usage; a drain moves QUEUED to LEFT_QUEUE (drained).
+* :meth:`Dispatcher.settle <tokenfair.server.dispatcher.Dispatcher.settle>` moves
+  RUNNING to SETTLED: it books the usage in the core and releases the running slot and (at
+  ``kv_hold_ms`` after dispatch) the KV, and never raises.
+* :meth:`Lifecycle.end` is the one verb for a request's end, called by whoever answered the
+  client (the proxy, in a ``finally``). It settles a request still RUNNING, decides the one
+  outcome and counts and records it — exactly once (a second call is logged and changes
+  nothing) and without raising, whatever the backend, the core or the accounting raise.
+
+The outcome (:meth:`Lifecycle.outcome_of`): a request that never ran ends with the decision that
+ended its wait (the refusal at the door, the expiry, the cancellation ``499``, ``503 draining``);
+one that ran ends as its client met it (the proxy's status and reason), except that a usage that
+was not booked as reported ends ``upstream_bad_usage`` (settled at the estimate) or
+``internal_error`` (the core failed), and a settlement that failed ends ``internal_error``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from tokenfair.core import Decision, Request
+from tokenfair.core.jobs import ADMITTED, CANCELLED, STATUS_CLIENT_CLOSED
+from tokenfair.server.accesslog import RequestFacts
+from tokenfair.server.backends import BAD_USAGE, BackendCall
+from tokenfair.server.errors import INTERNAL_ERROR
+from tokenfair.server.record_writer import NO_USAGE, Usage
+
+if TYPE_CHECKING:
+    from tokenfair.server.state import Sidecar
+
+log = logging.getLogger("tokenfair.sidecar")
+
+DRAINING: Final = "draining"
+"""Reason (status 503) of a request refused at the door, or taken out of the queue, by a drain."""
+DRAIN_ABORTED: Final = "drain_aborted"
+"""Reason (status 503) of a request still running (or still waiting) when the drain grace ran
+out: the sidecar cut it (a stream ends incomplete; a request with nothing sent yet is answered
+``503 drain_aborted`` with ``Retry-After``)."""
+
+
+class Phase(enum.Enum):
+    """Where a request is in its lifecycle (the module docstring draws the moves)."""
+
+    REFUSED = "refused"
+    """Refused at admission; never queued."""
+    QUEUED = "queued"
+    """Waiting in the core's lanes."""
+    LEFT_QUEUE = "left_queue"
+    """Taken out of the queue without running: expired, cancelled or drained."""
+    RUNNING = "running"
+    """Dispatched: it holds a running slot and its KV reservation."""
+    SETTLED = "settled"
+    """Its usage is booked and its running slot released (its KV at its hold time)."""
+
+
+class Settlement(enum.Enum):
+    """How :meth:`Dispatcher.settle <tokenfair.server.dispatcher.Dispatcher.settle>`
+    booked a request."""
+
+    AS_REPORTED = "as_reported"
+    """The usage given was booked (``None``: the estimate, as asked)."""
+    AT_ESTIMATE = "at_estimate"
+    """The core refused the usage given (``ValueError``, ``TypeError``, ``ArithmeticError``:
+    a value it cannot book): the estimate was booked instead."""
+    CORE_FAILED = "core_failed"
+    """The core raised something else (a bug, logged): the estimate was booked instead or, if
+    even that raised, the slot and KV were released unsettled."""
+
+
+class LifecycleError(RuntimeError):
+    """A move the lifecycle does not allow (a bug in the sidecar: the message names it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A request's one outcome, as recorded: its status code and reason."""
+
+    status_code: int
+    reason: str
+
+
+CLIENT_LEFT: Final = Outcome(STATUS_CLIENT_CLOSED, CANCELLED)
+"""The outcome of a request whose handler ends without an answer: its client went away."""
+
+
+@dataclass(slots=True, eq=False)
+class Lifecycle:
+    """One request from admission to its record; the phase moves only as the module says."""
+
+    request: Request
+    phase: Phase
+    decision: Decision | None = None
+    """The decision that ended its wait: the refusal at the door, the dispatch, or the
+    refusal or cancellation that took it out of the queue (``None`` only if the core had
+    nothing to say when it left the queue, which cannot happen: logged, and recorded)."""
+    future: asyncio.Future[Decision] | None = None
+    """Resolves with :attr:`decision` when the request leaves the queue (QUEUED only)."""
+    drained: bool = False
+    """Taken out of the queue by a drain (the client gets ``503 draining``)."""
+    dispatched_at_s: float = 0.0
+    """Event-loop time of the dispatch (a backend's engine may start then, before the handler
+    gets round to it)."""
+    settlement: Settlement | None = None
+    """How it was settled (SETTLED only)."""
+    booked_service_tokens: int | None = None
+    """The usage booked as reported, in service tokens (``None``: the estimate)."""
+    outcome: Outcome | None = None
+    """Its one outcome, once :meth:`end` decided it."""
+    admission_ms: float | None = None
+    """Model time admission decided (set by :func:`begin`; the span's admission event)."""
+
+    # -- moves (each from one phase only: anything else is a bug, LifecycleError) -----------
+
+    def _move(self, expected: Phase, to: Phase) -> None:
+        if self.phase is not expected:
+            raise LifecycleError(
+                f"request {self.request.request_id}: cannot move from {self.phase.value} to "
+                f"{to.value} (only from {expected.value})"
+            )
+        self.phase = to
+
+    def dispatched(self, decision: Decision, at_s: float) -> None:
+        """QUEUED → RUNNING: the core dispatched it."""
+        self._move(Phase.QUEUED, Phase.RUNNING)
+        self.decision = decision
+        self.dispatched_at_s = at_s
+
+    def left_queue(self, decision: Decision | None, *, drained: bool = False) -> None:
+        """QUEUED → LEFT_QUEUE: expired, cancelled or drained (``decision`` says which)."""
+        self._move(Phase.QUEUED, Phase.LEFT_QUEUE)
+        self.decision = decision
+        self.drained = drained
+
+    def settled(self, settlement: Settlement, booked_service_tokens: int | None) -> None:
+        """RUNNING → SETTLED: its usage is booked and its running slot released."""
+        self._move(Phase.RUNNING, Phase.SETTLED)
+        self.settlement = settlement
+        self.booked_service_tokens = booked_service_tokens
+
+    @property
+    def ran(self) -> bool:
+        """It was dispatched (RUNNING or SETTLED)."""
+        return self.phase is Phase.RUNNING or self.phase is Phase.SETTLED
+
+    # -- the end ----------------------------------------------------------------------------
+
+    def outcome_of(self, met: Outcome) -> Outcome:
+        """The outcome given ``met``, the answer its client met: that answer if the request ran,
+        or if the sidecar itself failed to answer it (``internal_error``) or cut it
+        (``drain_aborted``); otherwise the decision that ended its wait."""
+        if self.ran or met.reason in (INTERNAL_ERROR, DRAIN_ABORTED):
+            return met
+        if self.drained:
+            return Outcome(503, DRAINING)
+        if self.decision is None:
+            return CLIENT_LEFT
+        return Outcome(self.decision.status_code, self.decision.reason)
+
+    def end(
+        self,
+        sidecar: Sidecar,
+        met: Outcome = CLIENT_LEFT,
+        call: BackendCall | None = None,
+        first_byte_ms: float | None = None,
+    ) -> Outcome:
+        """End the request: settle it if it still runs, decide its outcome, count and record it.
+
+        ``met`` is the answer its client met (by default: it went away), ``call`` the backend
+        call if one was made (its reported usage is settled), ``first_byte_ms`` the model time
+        from arrival to the first byte sent. Exactly once: a later call logs and returns the
+        first outcome. Never raises; each step is guarded on its own, so that whatever raises,
+        the slot and KV are released and one record is written (by ``account``, or if that
+        raised by ``record`` alone, which counts a record it cannot write as dropped)."""
+        if self.outcome is not None:
+            log.error("request %s: ended twice; the second end (%s) changes nothing",
+                      self.request.request_id, met)  # fmt: skip
+            return self.outcome
+        reason = met.reason
+        usage = NO_USAGE
+        if self.phase is Phase.RUNNING:
+            try:
+                usage, reason = self._settle_run(sidecar, call, reason, first_byte_ms)
+            except Exception:  # a bug: logged; released at its estimate below
+                log.exception("request %s: settlement failed", self.request.request_id)
+                usage = NO_USAGE
+                reason = INTERNAL_ERROR if reason == ADMITTED else reason
+            if self.phase is Phase.RUNNING:  # the settlement raised before the slot was freed
+                self._release_unsettled(sidecar)
+                reason = INTERNAL_ERROR if reason == ADMITTED else reason
+        outcome = self.outcome = self.outcome_of(Outcome(met.status_code, reason))
+        self._account(sidecar, outcome, usage, call)
+        return outcome
+
+    def _release_unsettled(self, sidecar: Sidecar) -> None:
+        """The last resort when settling raised: the slot and KV are taken off the books
+        without the core's settlement code (the tenant keeps the estimate charged at dispatch),
+        and the request is SETTLED (``CORE_FAILED``) whatever that raises."""
+        dispatcher = sidecar.dispatcher
+        try:
+            dispatcher.release_unsettled(self.request.request_id)
+        except Exception:
+            log.exception("request %s: releasing it failed", self.request.request_id)
+        self.settled(Settlement.CORE_FAILED, None)
+        try:
+            dispatcher.pump()  # its slot is free: the next queued request may run
+        except Exception:
+            log.exception("request %s: dispatching after its release failed",
+                          self.request.request_id)  # fmt: skip
+
+    def _settle_run(
+        self,
+        sidecar: Sidecar,
+        call: BackendCall | None,
+        reason: str,
+        first_byte_ms: float | None,
+    ) -> tuple[Usage, str]:
+        """Settle a RUNNING request: its usage for the record and its reason (changed when the
+        usage was not booked as reported)."""
+        dispatcher = sidecar.dispatcher
+        if call is None:  # dispatched but no backend call made (its client left, or a failure)
+            dispatcher.settle(self, 0, 0.0)
+            return NO_USAGE, reason
+        request = self.request
+        prompt, completion = call.prompt_tokens, call.completion_tokens
+        actual: int | None = None
+        if prompt is not None or completion is not None:  # a missing count stands in as estimated
+            try:
+                actual = sidecar.scheduler.cost.service_tokens(
+                    request.prefill_tokens if prompt is None else prompt,
+                    request.decode_tokens if completion is None else completion,
+                )
+            except Exception:  # the backend's numbers: whatever they are, the estimate stands
+                log.exception("request %s: usage not computable; settling at the estimate",
+                              request.request_id)  # fmt: skip
+                prompt = completion = None
+                reason = BAD_USAGE if reason == ADMITTED else reason
+        try:
+            kv_hold_ms = sidecar.backend.kv_hold_ms(call)
+        except Exception:
+            log.exception("request %s: KV hold time failed; releasing at once", request.request_id)
+            kv_hold_ms = 0.0
+        settlement = dispatcher.settle(self, actual, kv_hold_ms)
+        if settlement is not Settlement.AS_REPORTED:
+            # Not booked as reported: settled at the estimate (or released unsettled), recorded so.
+            prompt = completion = None
+            if reason == ADMITTED:
+                reason = BAD_USAGE if settlement is Settlement.AT_ESTIMATE else INTERNAL_ERROR
+        usage = Usage(
+            prompt, completion, first_byte_ms, sidecar.clock.now_ms() - request.arrival_ms
+        )
+        return usage, reason
+
+    def facts(self, call: BackendCall | None) -> RequestFacts:
+        """What the access log and the span need besides the decision and the usage."""
+        model = call.body.get("model") if call is not None else None
+        return RequestFacts(
+            route=call.path if call is not None else None,
+            model=model if isinstance(model, str) else None,
+            admission_ms=self.admission_ms,
+            queued=self.phase is not Phase.REFUSED,
+            settlement=self.settlement.value if self.settlement is not None else None,
+        )
+
+    def _account(
+        self, sidecar: Sidecar, outcome: Outcome, usage: Usage, call: BackendCall | None = None
+    ) -> None:
+        """Count and record the outcome; never raises."""
+        request = self.request
+        decision = self.decision
+        if decision is None:  # cannot happen (logged where it left the queue): record it anyway
+            sidecar.record(request, None, status_code=outcome.status_code, reason=outcome.reason)
+            return
+        actual = self.booked_service_tokens if self.settlement is Settlement.AS_REPORTED else None
+        try:
+            sidecar.account(
+                request,
+                decision,
+                status_code=outcome.status_code,
+                reason=outcome.reason,
+                actual_service_tokens=actual,
+                usage=usage,
+                facts=self.facts(call),
+            )
+        except Exception:  # a bug: the record is still written, alone
+            log.exception("request %s: accounting failed; writing its record alone",
+                          request.request_id)  # fmt: skip
+            sidecar.record(
+                request, decision, status_code=outcome.status_code, reason=outcome.reason,
+                usage=usage,
+            )  # fmt: skip
+
+
+def begin(sidecar: Sidecar, request: Request) -> Lifecycle:
+    """Admission: a QUEUED lifecycle, or a REFUSED one (whoever answers its client ends it, once
+    the answer is built, so that its record says what the client got). Raises
+    :class:`~tokenfair.core.UnknownTenantError` if the tenant is gone (a reload removed
+    it while the body was read): nothing is booked then."""
+    admission_ms = sidecar.clock.now_ms()  # before submit: it may dispatch at once
+    lifecycle = sidecar.dispatcher.submit(request)
+    lifecycle.admission_ms = admission_ms
+    return lifecycle

@@ -1,0 +1,618 @@
+"""Proxy handlers: authenticate, estimate, admit, wait for dispatch, run the backend, settle.
+
+Status codes the client can get from the sidecar itself (OpenAI-style error bodies; ``code``):
+
+=====  ==========================================================================================
+400    ``invalid_json`` (body not a JSON object, not UTF-8 — RFC 8259 §8.1: UTF-16 and UTF-32
+       bodies are refused — or nested deeper than the parser follows),
+       ``body_too_complex`` (JSON nested over ``max_json_depth`` levels or holding over
+       ``max_json_values`` values: the message names the rule),
+       ``invalid_encoding`` (body not decodable as its ``Content-Encoding`` says:
+       :func:`decode_body`),
+       ``invalid_value`` (``param`` names the field: ``max_tokens``,
+       ``max_completion_tokens``, ``n``, ``best_of``, ``stream``, ``messages`` (and
+       ``messages[i].…``), ``prompt``, ``tools``, ``functions``, ``response_format``,
+       ``tool_choice``; for ``/v1/embeddings`` ``input``, ``dimensions``,
+       ``encoding_format``; or the ``x-tokenfair-priority`` header asking for a class above
+       the tenant's);
+       ``request_over_kv_capacity`` / ``request_over_tenant_burst``: a request no state of the
+       running configuration could admit — its own KV blocks above its class's watermark of
+       the whole cache, or its cost above the tenant's burst with ``lendIdleCapacity`` off
+       (:meth:`~tokenfair.core.scheduler.Scheduler.never_admissible`); recorded with
+       that reason, counted as refused. With lending on, an over-burst request stays a
+       ``429`` (idle capacity may admit it later)
+401    ``invalid_api_key`` (no ``Authorization: Bearer`` key, or an unknown one)
+404    ``not_found`` (any route but ``POST /v1/completions``, ``/v1/chat/completions``,
+       ``/v1/embeddings`` and ``GET /v1/models``; with ``Expect``, answered at once instead of
+       ``100 Continue``, and the connection closed)
+417    ``expectation_failed`` (an ``Expect`` other than ``100-continue``; see
+       :func:`expect_continue`: ``100 Continue`` is sent only after the key and the announced
+       size passed)
+408    ``request_timeout`` (the body took over ``client_body_timeout_s``; connection closed)
+413    ``request_too_large`` (body over ``max_body_bytes``, as sent or decoded)
+415    ``unsupported_content_encoding`` (see :data:`DECODED_REQUEST_CODINGS`)
+429    ``rate_limit_exceeded`` (OpenAI's shape: :func:`~tokenfair.server.errors.
+       rate_limit_response`), the gate's reason in ``tokenfair_reason``: ``shed_kv_watermark``,
+       ``shed_queue_wait_slo``, ``shed_tenant_token_quota``, ``queue_full`` (admission) or
+       ``shed_queue_timeout`` (waited past the class limit); with ``Retry-After``,
+       ``retry-after-ms`` and the rate-limit headers (:meth:`~tokenfair.server.state.
+       Sidecar.ratelimit_headers`)
+500    ``internal_error`` (the sidecar failed on the request: a bug, logged with its traceback)
+502    ``upstream_error`` (refused, reset, broken response) — ``openai`` backend; the message
+       is generic, the upstream's address and errno go to the log
+503    ``draining`` (shutting down; ``Retry-After``); ``drain_aborted`` (still running when the
+       drain grace ran out, nothing sent yet: cut by the sidecar; ``Retry-After``);
+       ``too_many_connections`` (the listener's cap, answered by
+       :mod:`~tokenfair.server.runner` before parsing)
+504    ``upstream_timeout``
+=====  ==========================================================================================
+
+Headers the sidecar adds to the answers of a request that reached admission (the upstream's
+answer, 429, 502, 504):
+``x-request-id`` (the sidecar's own id, unique in its records file, ending in the client's
+``x-request-id`` when that is valid — :data:`REQUEST_ID_RE`) and
+``x-tokenfair-queue-wait-ms`` (wall milliseconds the request waited in the queue: 0 for a
+refusal at the door, the wait until expiry for ``shed_queue_timeout``).
+
+Outcomes recorded for a request whose answer started and then ended otherwise: ``502
+upstream_aborted`` (the upstream broke a stream: the client's connection is aborted, so it sees
+an incomplete transfer), ``499 client_write_timeout`` (the client stopped reading a stream),
+``200 upstream_bad_usage`` (the reported usage was not believable: settled at the estimate),
+``503 drain_aborted`` (still running when the drain grace ran out: cut by the sidecar).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import sys
+from typing import Any, Final
+
+from aiohttp import compression_utils, web
+from aiohttp.web_protocol import RequestPayloadError
+
+from tokenfair.config import PRIORITY_CLASSES, PriorityClass, TenantConfig
+from tokenfair.core import Decision, Request, UnknownTenantError
+from tokenfair.core.jobs import ADMITTED, STATUS_CLIENT_CLOSED
+from tokenfair.core.scheduler import OVER_KV_CAPACITY, STATUS_NEVER_ADMISSIBLE
+from tokenfair.server.backends import BackendCall, StreamAbortedError, UpstreamError
+from tokenfair.server.backends.base import EMBEDDINGS_ROUTE
+from tokenfair.server.errors import INTERNAL_ERROR, error_response, rate_limit_response
+from tokenfair.server.estimate import (
+    BodyShapeError,
+    Estimate,
+    EstimateError,
+    NotUtf8Error,
+    check_json_shape,
+    check_raw_values,
+    estimate,
+    estimate_embeddings,
+    utf8_text,
+)
+from tokenfair.server.lifecycle import (
+    CLIENT_LEFT,
+    DRAIN_ABORTED,
+    DRAINING,
+    Lifecycle,
+    LifecycleError,
+    Outcome,
+    Phase,
+    begin,
+)
+from tokenfair.server.state import Sidecar
+
+SIDECAR: Final = web.AppKey("sidecar", Sidecar)
+PRIORITY_HEADER: Final = "x-tokenfair-priority"
+REQUEST_ID_HEADER: Final = "x-request-id"
+QUEUE_WAIT_HEADER: Final = "x-tokenfair-queue-wait-ms"
+REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}")
+"""A client's request id is honoured when it matches this: 1-128 letters, digits and ``_.:-``
+(the trace ids of ``tokenfair trace``, e.g. ``tenant_chat_pro-000001``, and UUIDs)."""
+BODY_TOO_COMPLEX: Final = "body_too_complex"
+CLIENT_WRITE_TIMEOUT: Final = "client_write_timeout"
+HAS_BROTLI: Final[bool] = getattr(compression_utils, "HAS_BROTLI", False)
+HAS_ZSTD: Final[bool] = getattr(compression_utils, "HAS_ZSTD", False)
+DECODED_REQUEST_CODINGS: Final = frozenset(
+    {"", "identity", "gzip", "deflate"} | ({"br"} if HAS_BROTLI else set())
+    | ({"zstd"} if HAS_ZSTD else set())
+)  # fmt: skip
+"""Request ``Content-Encoding`` values the proxy reads (compared as aiohttp does: ASCII, any
+case): ``br`` and ``zstd`` only where aiohttp can decode them (its ``HAS_BROTLI`` /
+``HAS_ZSTD``: the Brotli and zstandard libraries are installed). The body is decoded by
+:func:`decode_body`, not by aiohttp (whose parser answers a coding it cannot decode with a
+plain-text 400 before any handler runs); any other coding would reach the JSON parser, and the
+upstream, still encoded: ``415``."""
+_PARSE_STACK_FRAMES: Final = 20
+"""About how deep the handler's stack is when it parses a body: the JSON parser recurses once
+per nesting level within the interpreter's recursion limit, minus these frames."""
+
+log = logging.getLogger("tokenfair.sidecar")
+
+
+def _invalid(sidecar: Sidecar, status: int, message: str, code: str, param: str | None = None
+             ) -> web.Response:  # fmt: skip
+    sidecar.metrics.invalid.labels(str(status)).inc()
+    return error_response(status, message, code, param=param)
+
+
+def _draining(sidecar: Sidecar) -> web.Response:
+    return error_response(
+        503,
+        "the sidecar is shutting down; retry (another replica will serve you)",
+        DRAINING,
+        headers={"Retry-After": str(sidecar.retry_after_s(None))},
+    )
+
+
+def _drain_aborted(sidecar: Sidecar, request_id: str) -> web.Response:
+    """The answer of a non-streamed request still running when the drain grace ran out."""
+    return error_response(
+        503,
+        "the sidecar is shutting down and cut this request before it finished; retry (another "
+        "replica will serve you)",
+        DRAIN_ABORTED,
+        headers={"Retry-After": str(sidecar.retry_after_s(None)), REQUEST_ID_HEADER: request_id},
+    )
+
+
+def _refusal(sidecar: Sidecar, decision: Decision, mix: tuple[int, int]) -> web.Response:
+    """The ``429`` of a gate (OpenAI's shape: :func:`rate_limit_response`); ``mix`` is the
+    request's ``(usage tokens, service tokens)`` for the rate-limit headers."""
+    observed = ", ".join(f"{k}={v:g}" for k, v in decision.observed.items())
+    message = f"refused by the {decision.gate} gate: {decision.reason}"
+    if observed:
+        message += f" ({observed})"
+    headers = sidecar.ratelimit_headers(decision.tenant_id, mix)
+    headers["Retry-After"] = str(sidecar.retry_after_s(decision))
+    headers[RETRY_AFTER_MS_HEADER] = str(sidecar.retry_after_ms(decision))
+    headers[REQUEST_ID_HEADER] = decision.request_id
+    headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
+    return rate_limit_response(message, decision.reason, headers=headers)
+
+
+def _never_admissible(sidecar: Sidecar, decision: Decision) -> web.Response:
+    """``400`` for a request no state of the running configuration could admit (SDKs do not
+    retry a 400, as they would a 429): the message names the limit and the request's size."""
+    # Whole numbers, as integers (`:g` would print 1e+06 for a million).
+    shown = {name: round(value) for name, value in decision.observed.items()}
+    if decision.reason == OVER_KV_CAPACITY:
+        message = (
+            f"the request needs {shown['request_kv_blocks']} KV blocks (prompt plus max_tokens "
+            f"times n, per prompt) and its class may hold at most {shown['max_kv_blocks']}: "
+            "lower max_tokens, n or the prompt"
+        )
+    else:
+        message = (
+            f"the request costs {shown['request_service_tokens']} service tokens (prompt plus "
+            "decode weight times max_tokens times n, per prompt), over the tenant's burst of "
+            f"{shown['burst_service_tokens']} (burstServiceTokens): lower max_tokens, n or the "
+            "prompt"
+        )
+    headers = {
+        REQUEST_ID_HEADER: decision.request_id,
+        QUEUE_WAIT_HEADER: _queue_wait_header(sidecar, decision),
+    }
+    return error_response(400, message, decision.reason, headers=headers)
+
+
+class BodyTooLargeError(ValueError):
+    """A request body decodes to more than ``max_body_bytes``."""
+
+
+def decode_body(raw: bytes, coding: str, limit: int) -> bytes:
+    """``raw`` decoded as ``coding`` (one of :data:`DECODED_REQUEST_CODINGS`, lower case) by
+    aiohttp's own decompressors, exactly as aiohttp would have decoded it (concatenated members,
+    a raw deflate stream recognised by its first byte), and at most ``limit`` bytes of it: never
+    more is decoded, so a few compressed bytes cannot expand into gigabytes.
+    :class:`BodyTooLargeError` past ``limit``; ``ValueError`` if it does not decode."""
+    if coding in ("", "identity"):
+        return raw
+    decompressor: (
+        compression_utils.ZLibDecompressor
+        | compression_utils.BrotliDecompressor
+        | compression_utils.ZSTDDecompressor
+    )
+    if coding == "br":
+        decompressor = compression_utils.BrotliDecompressor()
+    elif coding == "zstd":
+        decompressor = compression_utils.ZSTDDecompressor()
+    else:  # RFC 1950: a zlib stream's first byte has compression method 8 in its low bits
+        raw_deflate = coding == "deflate" and bool(raw) and raw[0] & 0x0F != 8
+        decompressor = compression_utils.ZLibDecompressor(
+            encoding=coding, suppress_deflate_header=raw_deflate
+        )
+    try:
+        body = decompressor.decompress_sync(raw, max_length=limit + 1)
+    except Exception as exc:
+        raise ValueError(f"not a valid {coding} body: {exc}") from None
+    if len(body) > limit:
+        raise BodyTooLargeError(f"decodes to over {limit} bytes")
+    if (  # the check aiohttp makes (a gzip member's end is checked by zlib itself)
+        isinstance(decompressor, compression_utils.ZLibDecompressor)
+        and coding == "deflate"
+        and raw
+        and not decompressor.eof
+    ):
+        raise ValueError("the deflate body is cut short")
+    return body
+
+
+async def _answer_and_close(request: web.Request, response: web.Response) -> web.Response:
+    """Send ``response`` now and close the connection after it: the request's body is unusable
+    (still arriving after its timeout, or undecodable), so nothing more can be read on this
+    connection. Closing here also keeps aiohttp from draining (and logging) the broken body."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()
+    return response
+
+
+def _queue_wait_header(sidecar: Sidecar, decision: Decision) -> str:
+    """The decision's queue wait (model ms) in wall ms, as the header's value."""
+    return f"{decision.queue_wait_ms * sidecar.clock.time_scale:.3f}"
+
+
+def _request_id(sidecar: Sidecar, asked: str | None) -> str:
+    """A new id, unique in the records file; a valid client ``x-request-id`` is appended to it
+    (``<prefix>-<n>-<client id>``), so records can be joined with the client's own while a
+    client that reuses its ids (retries, a second run) still never duplicates a record id."""
+    if asked is not None and REQUEST_ID_RE.fullmatch(asked) is not None:
+        return f"{sidecar.next_request_id()}-{asked}"
+    return sidecar.next_request_id()
+
+
+def _unauthenticated(sidecar: Sidecar) -> web.Response:
+    return _invalid(
+        sidecar, 401, "missing or unknown API key (Authorization: Bearer <key>)",
+        "invalid_api_key",
+    )  # fmt: skip
+
+
+def _authenticate(sidecar: Sidecar, request: web.Request) -> TenantConfig | None:
+    headers = request.headers
+    trusted_header = sidecar.settings.trusted_tenant_header
+    return sidecar.auth.authenticate(
+        headers.get("Authorization"), headers.get(trusted_header) if trusted_header else None
+    )
+
+
+async def expect_continue(request: web.Request) -> web.Response | None:
+    """``Expect: 100-continue``: the ``100 Continue`` goes out only once the request could be
+    read — the sidecar is not draining, the key is valid, the announced ``Content-Length`` is
+    within ``max_body_bytes`` — else the refusal is the answer (``503``, ``401``, ``413``) and
+    the connection is closed (the body the client held back is never read). Any other
+    expectation is ``417``."""
+    sidecar = request.app[SIDECAR]
+    response: web.Response | None = None
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        response = _invalid(
+            sidecar, 417, "only Expect: 100-continue is supported", "expectation_failed",
+            param="Expect",
+        )  # fmt: skip
+    elif sidecar.dispatcher.draining:
+        response = _draining(sidecar)
+    elif _authenticate(sidecar, request) is None:
+        response = _unauthenticated(sidecar)
+    elif (request.content_length or 0) > sidecar.settings.max_body_bytes:
+        response = _invalid(
+            sidecar, 413, f"request body over {sidecar.settings.max_body_bytes} bytes",
+            "request_too_large",
+        )  # fmt: skip
+    if response is not None:  # closed at once: the client holds its body back for our answer
+        return await _answer_and_close(request, response)
+    if request.version >= (1, 1):
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer proper has not started
+    return None
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+    sidecar = request.app[SIDECAR]
+    arrival_ms = round(sidecar.clock.now_ms(), 3)
+    if sidecar.dispatcher.draining:
+        return _draining(sidecar)
+    headers = request.headers
+    tenant = _authenticate(sidecar, request)
+    if tenant is None:
+        return _unauthenticated(sidecar)
+    priority: PriorityClass = tenant.priority_class
+    asked = headers.get(PRIORITY_HEADER)
+    if asked is not None:
+        wanted = asked.strip().lower()
+        if wanted not in PRIORITY_CLASSES or (wanted == "interactive" and priority == "batch"):
+            return _invalid(
+                sidecar,
+                400,
+                f"{PRIORITY_HEADER}: may only lower the class to batch "
+                f"(tenant class {priority}, asked {asked!r})",
+                "invalid_value",
+                PRIORITY_HEADER,
+            )
+        priority = "batch" if wanted == "batch" else priority
+    settings = sidecar.settings
+    coding = headers.get("Content-Encoding")
+    decoded_as = "" if coding is None or not coding.isascii() else coding.lower()
+    if coding is not None and decoded_as not in DECODED_REQUEST_CODINGS:
+        # Any other coding would reach the JSON parser (and the upstream) still encoded.
+        return _invalid(
+            sidecar, 415,
+            f"Content-Encoding {coding[:40]!r} is not supported "
+            f"(use one of: {', '.join(sorted(c for c in DECODED_REQUEST_CODINGS if c))})",
+            "unsupported_content_encoding",
+        )  # fmt: skip
+    try:
+        if request.content.is_eof():  # the whole body came with the head: nothing to wait for
+            raw = await request.read()
+        else:
+            async with asyncio.timeout(settings.client_body_timeout_s):
+                raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return _invalid(
+            sidecar, 413, f"request body over {settings.max_body_bytes} bytes",
+            "request_too_large",
+        )  # fmt: skip
+    except TimeoutError:
+        return await _answer_and_close(request, _invalid(
+            sidecar, 408, f"the request body took over {settings.client_body_timeout_s:g} s",
+            "request_timeout",
+        ))  # fmt: skip
+    except RequestPayloadError:  # a body whose transfer is broken (e.g. bad chunked framing)
+        return await _answer_and_close(request, _invalid(
+            sidecar, 400, "the body could not be read (its transfer is malformed)",
+            "invalid_encoding",
+        ))  # fmt: skip
+    try:
+        raw = decode_body(raw, decoded_as, settings.max_body_bytes)
+    except BodyTooLargeError:
+        return _invalid(
+            sidecar, 413, f"request body over {settings.max_body_bytes} bytes decoded",
+            "request_too_large",
+        )  # fmt: skip
+    except ValueError:
+        return _invalid(
+            sidecar, 400,
+            f"the body does not decode as its Content-Encoding ({(coding or '')[:40]!r}) says",
+            "invalid_encoding",
+        )  # fmt: skip
+    try:
+        text = utf8_text(raw)  # before counting: the count reads the bytes as UTF-8
+    except NotUtf8Error as exc:
+        return _invalid(sidecar, 400, str(exc), "invalid_json")
+    try:
+        check_raw_values(raw, settings.max_json_values)  # before the parse: it bounds its time
+    except BodyShapeError as exc:
+        return _invalid(sidecar, 400, f"{exc} (the sidecar's {exc.rule})", BODY_TOO_COMPLEX)
+    try:
+        body = json.loads(text)
+    except ValueError:
+        body = None
+    except RecursionError:
+        return _invalid(
+            sidecar, 400,
+            f"the body nests JSON more deeply than the sidecar parses (at most about "
+            f"{sys.getrecursionlimit() - _PARSE_STACK_FRAMES} levels)",
+            "invalid_json",
+        )  # fmt: skip
+    if not isinstance(body, dict):
+        return _invalid(sidecar, 400, "the body must be a JSON object", "invalid_json")
+    try:
+        check_json_shape(body, settings.max_json_depth, settings.max_json_values)
+    except BodyShapeError as exc:
+        return _invalid(sidecar, 400, f"{exc} (the sidecar's {exc.rule})", BODY_TOO_COMPLEX)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        return _invalid(sidecar, 400, "stream: must be a boolean", "invalid_value", "stream")
+    try:
+        cost, stream = _estimate_route(sidecar, request.path, body, stream)
+    except EstimateError as exc:
+        return _invalid(sidecar, 400, str(exc), "invalid_value", exc.param)
+    job = Request(
+        _request_id(sidecar, headers.get(REQUEST_ID_HEADER)),
+        tenant.tenant_id,
+        arrival_ms,
+        cost.prefill_tokens,
+        cost.decode_tokens,
+        priority,
+    )
+    try:
+        lifecycle = begin(sidecar, job)
+    except UnknownTenantError:  # removed by a reload while its body was being read
+        return _invalid(sidecar, 401, "the tenant of this key no longer exists", "invalid_api_key")
+    except Exception:  # a bug in admission: nothing was queued; one record says so
+        log.exception("request %s: admission failed in the sidecar", job.request_id)
+        sidecar.record(job, None, status_code=500, reason=INTERNAL_ERROR)
+        return _internal_error(job.request_id)
+    if lifecycle.phase is Phase.REFUSED:
+        return _answer_refusal(sidecar, lifecycle, cost)
+    return await _serve(sidecar, request, lifecycle, body, raw, stream, cost)
+
+
+def _answer_refusal(sidecar: Sidecar, lifecycle: Lifecycle, cost: Estimate) -> web.Response:
+    """Answer a request refused at the door, then end it: the answer is built first, so its
+    record says what the client got (``500 internal_error`` if building it failed)."""
+    met = CLIENT_LEFT  # the decision's outcome stands unless the answer fails
+    refusal = lifecycle.decision
+    try:
+        if refusal is None:  # cannot happen: a refusal at the door has its decision
+            raise LifecycleError(f"request {lifecycle.request.request_id} refused without one")
+        if refusal.reason == DRAINING:
+            return _draining(sidecar)
+        if refusal.status_code == STATUS_NEVER_ADMISSIBLE:
+            return _never_admissible(sidecar, refusal)
+        return _refusal(sidecar, refusal, _usage_mix(sidecar, cost))
+    except Exception:
+        log.exception("request %s: its refusal could not be answered", lifecycle.request.request_id)
+        met = Outcome(500, INTERNAL_ERROR)
+        return _internal_error(lifecycle.request.request_id)
+    finally:
+        lifecycle.end(sidecar, met)
+
+
+def _internal_error(request_id: str) -> web.Response:
+    """``500 internal_error``: the sidecar failed on the request (logged with its traceback)."""
+    return error_response(
+        500, "the sidecar failed on this request; its log has the details under this "
+        "request's x-request-id", INTERNAL_ERROR,
+        headers={REQUEST_ID_HEADER: request_id},
+    )  # fmt: skip
+
+
+async def _serve(
+    sidecar: Sidecar,
+    request: web.Request,
+    lifecycle: Lifecycle,
+    body: dict[str, Any],
+    raw: bytes,
+    stream: bool,
+    cost: Estimate,
+) -> web.StreamResponse:
+    """Wait for dispatch, run the backend, answer the client; the lifecycle ends in ``finally``.
+
+    ``met`` is the answer as the client met it; it starts as "the client went away" (the only
+    way out of the ``await`` without an answer) and is set on every other path. Whatever the
+    backend raises, :meth:`Lifecycle.end
+    <tokenfair.server.lifecycle.Lifecycle.end>` releases the request's slot and KV and
+    writes its one record (it never raises)."""
+    job = lifecycle.request
+    clock = sidecar.clock
+    met = CLIENT_LEFT
+    call: BackendCall | None = None
+    first_byte_ms: list[float] = []
+    handler = asyncio.current_task()
+    handlers = sidecar.dispatcher.handlers
+    if handler is not None:
+        handlers.add(handler)
+    try:
+        decision = await sidecar.dispatcher.wait(lifecycle)
+        if lifecycle.drained:
+            return _draining(sidecar)
+        if decision.status_code == 500:  # the core could not dispatch it (a bug, logged)
+            return _internal_error(job.request_id)
+        if not decision.admitted:
+            return _refusal(sidecar, decision, _usage_mix(sidecar, cost))
+        sidecar.dispatched(decision)
+        headers = sidecar.ratelimit_headers(job.tenant_id, _usage_mix(sidecar, cost))
+        headers[REQUEST_ID_HEADER] = job.request_id
+        headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
+        call = BackendCall(
+            request=request,
+            path=request.path,
+            body=body,
+            raw_body=raw,
+            stream=stream,
+            estimate=cost,
+            decision=decision,
+            response_headers=headers,
+            on_first_byte=lambda: first_byte_ms.append(clock.now_ms() - job.arrival_ms),
+            dispatched_at_s=lifecycle.dispatched_at_s,
+            client_write_timeout_s=sidecar.settings.client_write_timeout_s,
+        )
+        try:
+            response = await sidecar.backend.respond(call)
+        except UpstreamError as exc:
+            met = Outcome(exc.status, exc.code)
+            log.warning("request %s: %s", job.request_id, exc.detail)
+            if exc.status == 502 and call.prompt_tokens is None:
+                # Refused or reset before any answer: no work to charge. (A timeout may have
+                # run on the upstream, so it settles at the estimate.)
+                call.prompt_tokens = call.completion_tokens = 0
+            return error_response(exc.status, exc.client_message, exc.code, headers=headers)
+        except StreamAbortedError as exc:
+            # The client has the status line and part of the body: cut its connection so the
+            # transfer ends incomplete (a clean end would pass a truncated answer as whole).
+            met = Outcome(502, exc.code)
+            _abort_client(request)
+            return exc.response
+        met = Outcome(response.status, call.usage_error or ADMITTED)
+        return response
+    except asyncio.CancelledError:
+        if call is not None and call.client_write_timed_out:
+            met = Outcome(STATUS_CLIENT_CLOSED, CLIENT_WRITE_TIMEOUT)
+        elif sidecar.dispatcher.aborting:  # cut by the drain, not by its client
+            met = Outcome(503, DRAIN_ABORTED)
+            writer = request.writer
+            # A stream under way (bytes out, or a chunked answer prepared): end it incomplete.
+            if writer.output_size > 0 or getattr(writer, "chunked", True):
+                _abort_client(request)
+            elif handler is not None and not _client_gone(request) and handler.uncancel() == 0:
+                # Nothing sent yet: the client gets the 503 its record says (not a reset).
+                return _drain_aborted(sidecar, job.request_id)
+        raise
+    except Exception as exc:
+        if isinstance(exc, ConnectionError) and _client_gone(request):
+            # A write to a client that left (or was cut for not reading) failed before the
+            # handler's cancellation arrived: the client's outcome, not the sidecar's failure.
+            if call is not None and call.client_write_timed_out:
+                met = Outcome(STATUS_CLIENT_CLOSED, CLIENT_WRITE_TIMEOUT)
+            return web.Response(status=STATUS_CLIENT_CLOSED)  # never sent: no connection
+        log.exception("request %s failed in the sidecar", job.request_id)
+        met = Outcome(500, INTERNAL_ERROR)
+        if request.writer.output_size > 0:  # a response already started: cut it
+            _abort_client(request)
+            return web.Response(status=500)  # never sent: the connection is gone
+        return _internal_error(job.request_id)
+    finally:
+        if call is not None:
+            call.close()
+        lifecycle.end(sidecar, met, call, first_byte_ms[0] if first_byte_ms else None)
+        if handler is not None:
+            handlers.discard(handler)
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def _abort_client(request: web.Request) -> None:
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
+async def expect_not_found(request: web.Request) -> web.Response:
+    """The ``Expect`` handler of every other route: no ``100 Continue`` for a request that has
+    nowhere to go — its ``404`` is the answer and the connection closes (the body the client
+    holds back is never read)."""
+    return await _answer_and_close(request, await not_found(request))
+
+
+async def not_found(request: web.Request) -> web.Response:
+    return error_response(
+        404, f"no route {request.method} {request.path} (try POST /v1/chat/completions)",
+        "not_found",
+    )  # fmt: skip
+
+
+RETRY_AFTER_MS_HEADER: Final = "retry-after-ms"
+"""A refusal's wait in real milliseconds next to ``Retry-After`` (whole seconds): the openai
+SDK reads it first (``_parse_retry_after_header``)."""
+
+
+def _estimate_route(
+    sidecar: Sidecar, path: str, body: dict[str, Any], stream: bool
+) -> tuple[Estimate, bool]:
+    """The request's estimate by route, and whether it streams: an embedding costs prefill only
+    and is one JSON answer whatever ``stream`` says (:func:`~tokenfair.server.estimate.
+    estimate_embeddings`); completions and chat as :func:`~tokenfair.server.estimate.
+    estimate` says. Raises :class:`EstimateError` naming a bad field."""
+    if path == EMBEDDINGS_ROUTE:
+        return estimate_embeddings(body, sidecar.estimator), False
+    settings = sidecar.settings
+    cost = estimate(
+        body, sidecar.estimator, settings.default_decode_tokens, settings.max_decode_tokens
+    )
+    return cost, stream
+
+
+def _usage_mix(sidecar: Sidecar, cost: Estimate) -> tuple[int, int]:
+    """The request's ``(usage tokens, service tokens)``: its estimate's ``prompt + max_tokens``
+    and their service tokens, the ratio that converts the tenant's service-token bucket into
+    the tokens clients count (:meth:`~tokenfair.server.state.Sidecar.
+    ratelimit_headers`)."""
+    prefill, decode = cost.prefill_tokens, cost.decode_tokens
+    return prefill + decode, sidecar.scheduler.cost.service_tokens(prefill, decode)

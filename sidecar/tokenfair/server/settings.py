@@ -1,0 +1,394 @@
+"""Runtime settings of the sidecar (everything that is not scheduling policy).
+
+Set from three places, later ones winning: the defaults below, the optional ``sidecar:`` section
+of a ``TokenfairConfig`` document (camelCase keys, see :data:`SECTION_FIELDS`), and command-line
+flags. The section is read here, not by :mod:`tokenfair.config`: it is stripped from the
+documents before they reach :func:`~tokenfair.config.parse_documents`, so the policy
+contract stays the operator's and the sidecar's alone.
+
+Only the policy and tenants are hot-reloaded; a changed ``sidecar:`` section needs a restart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from tokenfair.config import (
+    CONFIG_KIND,
+    Config,
+    ConfigError,
+    document_text,
+    load_documents,
+    parse_documents,
+    shown,
+)
+from tokenfair.server.accesslog import ACCESS_LOG_FORMATS
+from tokenfair.server.estimate import (
+    MAX_EMBEDDING_DIMENSIONS,
+    MAX_JSON_DEPTH,
+    MAX_JSON_VALUES,
+)
+from tokenfair.server.upstream import parse_origin
+
+BACKENDS: Final = ("costmodel", "openai")
+DEFAULT_SERVED_MODEL_NAMES: Final = ("tokenfair-costmodel",)
+DEFAULT_EMBEDDING_DIMENSIONS: Final = 384
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarSettings:
+    """How the sidecar runs; every field has a flag or a ``sidecar:`` key."""
+
+    listen: str = "127.0.0.1:8080"
+    """Proxy listener, ``HOST:PORT`` (tenants' traffic)."""
+    admin_listen: str = "127.0.0.1:9090"
+    """Admin listener, ``HOST:PORT`` (health, metrics, status); never reachable via ``listen``."""
+    backend: str = "costmodel"
+    """``costmodel`` (embedded engine) or ``openai`` (an OpenAI-compatible upstream)."""
+    upstream_url: str | None = None
+    """Base URL of the ``openai`` upstream, e.g. ``http://127.0.0.1:8000`` (request paths are
+    appended)."""
+    time_scale: float = 1.0
+    """Real seconds per model second: 0.01 runs the cost model and the scheduler's clock 100x
+    faster (tests, demos). Keep 1.0 in front of a real model server."""
+    max_body_bytes: int = 1 << 20
+    """Largest request body accepted (bytes); larger is ``413``."""
+    default_decode_tokens: int = 256
+    """Decode tokens assumed when a request sets neither ``max_tokens`` nor
+    ``max_completion_tokens``."""
+    max_decode_tokens: int = 8192
+    """Largest ``max_tokens`` accepted; larger is ``400`` (the KV reservation must be honest)."""
+    max_json_depth: int = MAX_JSON_DEPTH
+    """Deepest nesting of a request body's JSON (the body itself is level 1); deeper is ``400
+    body_too_complex`` (see :data:`~tokenfair.server.estimate.MAX_JSON_DEPTH`)."""
+    max_json_values: int = MAX_JSON_VALUES
+    """Most JSON values in a request body (objects, arrays, strings, numbers, literals); more is
+    ``400 body_too_complex``: it bounds the event-loop time a body costs before admission (see
+    :data:`~tokenfair.server.estimate.MAX_JSON_VALUES`)."""
+    trusted_tenant_header: str | None = None
+    """When set (e.g. ``x-tokenfair-tenant``), that header names the tenant instead of an API key:
+    only behind a gateway that authenticates callers and strips the header from outside."""
+    records_path: str | None = None
+    """Append one JSONL request record per request here (the trace format); None: no records."""
+    max_in_flight: int | None = None
+    """Requests dispatched to the backend at once; None: the backend's default (costmodel 2:
+    one running on its serial engine, one staged; openai 64)."""
+    upstream_connect_timeout_s: float = 5.0
+    """Connecting to the upstream longer than this is ``504``."""
+    upstream_read_timeout_s: float = 120.0
+    """Waiting longer than this for the next upstream bytes is ``504`` (or ends the stream)."""
+    drain_grace_s: float = 30.0
+    """On SIGTERM, how long in-flight requests may run before the listeners close."""
+    reload_interval_s: float = 1.0
+    """How often the config file's mtime and hash are checked for a hot reload."""
+    prompt_estimator: str = "chars4"
+    """Name of the prompt-token estimator (see :mod:`tokenfair.server.estimate`)."""
+    client_idle_timeout_s: float = 75.0
+    """A proxy-listener connection with no request under way — idle between requests, or still
+    sending a request's head — is closed after this long. Above the time for which common HTTP
+    client pools keep an idle connection (httpx and the OpenAI SDK 5 s, aiohttp 15 s), so a
+    client does not send a POST on a connection the sidecar is closing (nginx's default too);
+    together with ``max_client_connections`` it bounds what idle and slow-header connections
+    can hold."""
+    client_body_timeout_s: float = 30.0
+    """Reading one request's body longer than this is ``408`` (the body is at most
+    ``max_body_bytes``: 30 s is ~35 KB/s for the default 1 MiB)."""
+    client_write_timeout_s: float = 30.0
+    """A write to a streaming client (or the end of its stream) that has waited this long with
+    the client taking no bytes aborts the client's connection and settles the request (``499
+    client_write_timeout``): a client that stops reading cannot hold an in-flight slot, while
+    one that reads slowly is never cut (the clock restarts whenever it takes bytes: see
+    :meth:`~tokenfair.server.backends.base.BackendCall.write`)."""
+    max_client_connections: int = 4096
+    """Open connections on the proxy listener; one more is answered ``503`` and closed at once.
+    Every queued request holds one, so keep it above ``maxInFlight`` plus the queue you expect
+    (and the process's file limit above it)."""
+    upstream_api_key_file: str | None = None
+    """A file holding the API key the ``openai`` upstream expects (vLLM's ``--api-key``), e.g. a
+    mounted Secret; sent as ``Authorization: Bearer <key>`` on every upstream request (the
+    client's own ``Authorization`` carries the tenant's key and is never forwarded). Read once
+    at start (surrounding whitespace stripped): an unreadable or empty file stops the start.
+    None: ``$TOKENFAIR_UPSTREAM_API_KEY_FILE`` if set, else no key. Never logged or shown."""
+    served_model_names: tuple[str, ...] = DEFAULT_SERVED_MODEL_NAMES
+    """What ``GET /v1/models`` lists with the ``costmodel`` engine (the ``openai`` backend
+    relays the upstream's list). The default is the name the engine answers with when a
+    request names no model."""
+    embedding_dimensions: int = DEFAULT_EMBEDDING_DIMENSIONS
+    """Length of the ``costmodel`` engine's fake embeddings when a request does not set
+    ``dimensions`` (384: the common small sentence-embedding models')."""
+    ietf_ratelimit_headers: bool = False
+    """Also send the IETF ``RateLimit-Policy`` and ``RateLimit`` fields
+    (draft-ietf-httpapi-ratelimit-headers) in service tokens; off by default (a draft)."""
+    access_log: str = "json"
+    """The access log's format: ``json`` (one object per line), ``text`` (logfmt) or ``off``
+    (see :mod:`~tokenfair.server.accesslog`). On by default: a request that leaves no
+    line cannot be found afterwards, and a line costs ~10-20 µs of the event loop."""
+    tracing: bool = False
+    """Export one OpenTelemetry span per request over OTLP/HTTP (needs the ``tracing`` extra;
+    see :mod:`~tokenfair.server.tracing`). Off by default: it needs a collector."""
+    tracing_endpoint: str | None = None
+    """The OTLP/HTTP traces URL, e.g. ``http://otel-collector:4318/v1/traces``; None: the
+    OpenTelemetry SDK's variables (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ...), else its
+    default (``http://localhost:4318/v1/traces``)."""
+
+
+MAX_SETTING_INT: Final = 2**53
+"""Largest integer setting (exactly representable as a float); larger is refused by name."""
+
+
+def _shown(value: object) -> str:
+    """A value for an error message, bounded (:func:`tokenfair.config.shown`)."""
+    return shown(value)
+
+
+def _positive_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{name}: must be a finite number (got {_shown(value)})")
+    if (isinstance(value, int) and abs(value) > MAX_SETTING_INT) or not math.isfinite(value):
+        raise ConfigError(f"{name}: must be a finite number (got {_shown(value)})")
+    if value <= 0:
+        raise ConfigError(f"{name}: must be > 0 (got {_shown(value)})")
+    return float(value)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name}: must be an integer > 0 (got {_shown(value)})")
+    if value > MAX_SETTING_INT:
+        raise ConfigError(f"{name}: must be <= {MAX_SETTING_INT} (got {_shown(value)})")
+    return value
+
+
+def _string(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{name}: must be a non-empty string (got {_shown(value)})")
+    return value
+
+
+def _address(name: str, value: object) -> str:
+    parse_address(_string(name, value), name)
+    return str(value)
+
+
+def _backend(name: str, value: object) -> str:
+    if value not in BACKENDS:
+        raise ConfigError(f"{name}: must be one of {', '.join(BACKENDS)} (got {_shown(value)})")
+    return str(value)
+
+
+def _header(name: str, value: object) -> str:
+    return _string(name, value).lower()
+
+
+def _access_log(name: str, value: object) -> str:
+    if value not in ACCESS_LOG_FORMATS:
+        raise ConfigError(
+            f"{name}: must be one of {', '.join(ACCESS_LOG_FORMATS)} (got {_shown(value)})"
+        )
+    return str(value)
+
+
+def _http_url(name: str, value: object) -> str:
+    url = _string(name, value)
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"{name}: must be an http:// or https:// URL (got {_shown(value)})")
+    return url
+
+
+def _boolean(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}: must be true or false (got {_shown(value)})")
+    return value
+
+
+MAX_MODEL_NAMES: Final = 64
+MAX_MODEL_NAME_CHARS: Final = 256
+
+
+def _model_names(name: str, value: object) -> tuple[str, ...]:
+    if (
+        not isinstance(value, list)
+        or not 1 <= len(value) <= MAX_MODEL_NAMES
+        or not all(isinstance(v, str) and 0 < len(v) <= MAX_MODEL_NAME_CHARS for v in value)
+    ):
+        raise ConfigError(
+            f"{name}: must be a list of 1..{MAX_MODEL_NAMES} non-empty strings of at most "
+            f"{MAX_MODEL_NAME_CHARS} characters (got {_shown(value)})"
+        )
+    return tuple(value)
+
+
+def _embedding_dimensions(name: str, value: object) -> int:
+    dimensions = _positive_int(name, value)
+    if dimensions > MAX_EMBEDDING_DIMENSIONS:
+        raise ConfigError(f"{name}: must be <= {MAX_EMBEDDING_DIMENSIONS} (got {dimensions})")
+    return dimensions
+
+
+SECTION_FIELDS: Final[dict[str, tuple[str, Any]]] = {
+    "listen": ("listen", _address),
+    "adminListen": ("admin_listen", _address),
+    "backend": ("backend", _backend),
+    "upstreamUrl": ("upstream_url", _string),
+    "timeScale": ("time_scale", _positive_float),
+    "maxBodyBytes": ("max_body_bytes", _positive_int),
+    "defaultDecodeTokens": ("default_decode_tokens", _positive_int),
+    "maxDecodeTokens": ("max_decode_tokens", _positive_int),
+    "maxJsonDepth": ("max_json_depth", _positive_int),
+    "maxJsonValues": ("max_json_values", _positive_int),
+    "trustedTenantHeader": ("trusted_tenant_header", _header),
+    "recordsPath": ("records_path", _string),
+    "maxInFlight": ("max_in_flight", _positive_int),
+    "upstreamConnectTimeoutSeconds": ("upstream_connect_timeout_s", _positive_float),
+    "upstreamReadTimeoutSeconds": ("upstream_read_timeout_s", _positive_float),
+    "drainGraceSeconds": ("drain_grace_s", _positive_float),
+    "reloadIntervalSeconds": ("reload_interval_s", _positive_float),
+    "promptEstimator": ("prompt_estimator", _string),
+    "clientIdleTimeoutSeconds": ("client_idle_timeout_s", _positive_float),
+    "clientBodyTimeoutSeconds": ("client_body_timeout_s", _positive_float),
+    "clientWriteTimeoutSeconds": ("client_write_timeout_s", _positive_float),
+    "maxClientConnections": ("max_client_connections", _positive_int),
+    "upstreamApiKeyFile": ("upstream_api_key_file", _string),
+    "servedModelNames": ("served_model_names", _model_names),
+    "embeddingDimensions": ("embedding_dimensions", _embedding_dimensions),
+    "ietfRateLimitHeaders": ("ietf_ratelimit_headers", _boolean),
+    "accessLog": ("access_log", _access_log),
+    "tracing": ("tracing", _boolean),
+    "tracingEndpoint": ("tracing_endpoint", _http_url),
+}
+"""``sidecar:`` key -> (attribute, parser)."""
+
+
+def parse_address(value: str, name: str = "address") -> tuple[str, int]:
+    """``HOST:PORT`` -> ``(host, port)``; ``[::1]:80`` for IPv6."""
+    host, sep, port = value.rpartition(":")
+    if (
+        not sep
+        or not host
+        or not (port.isascii() and port.isdigit())
+        or not 0 <= int(port) <= 65535
+    ):
+        raise ConfigError(f"{name}: must be HOST:PORT (got {_shown(value)})")
+    return host.strip("[]"), int(port)
+
+
+def settings_from_section(
+    section: Mapping[str, object], base: SidecarSettings | None = None, *, check: bool = True
+) -> SidecarSettings:
+    """Apply a ``sidecar:`` section (camelCase) over ``base`` (default: the defaults); each
+    field is checked, and with ``check`` the cross-field rules too (:func:`check_settings`).
+    A caller that applies more (command-line flags) passes ``check=False`` and checks the
+    result: ``backend: openai`` in the file with the upstream from ``--upstream`` is valid."""
+    unknown = sorted(set(section) - set(SECTION_FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"sidecar: unknown field(s) {', '.join(unknown)} "
+            f"(known: {', '.join(sorted(SECTION_FIELDS))})"
+        )
+    values = {
+        attr: parse(f"sidecar.{key}", section[key])
+        for key, (attr, parse) in SECTION_FIELDS.items()
+        if key in section
+    }
+    settings = dataclasses.replace(base or SidecarSettings(), **values)
+    return check_settings(settings) if check else settings
+
+
+def check_settings(settings: SidecarSettings) -> SidecarSettings:
+    """Cross-field rules."""
+    if settings.backend == "openai" and not settings.upstream_url:
+        raise ConfigError("the openai backend needs an upstream URL (--upstream / upstreamUrl)")
+    if settings.upstream_url is not None:
+        try:
+            parse_origin(settings.upstream_url)
+        except ValueError as exc:
+            raise ConfigError(f"upstreamUrl: {exc} (got {_shown(settings.upstream_url)})") from None
+    if settings.default_decode_tokens > settings.max_decode_tokens:
+        raise ConfigError(
+            f"defaultDecodeTokens ({settings.default_decode_tokens}) must be <= "
+            f"maxDecodeTokens ({settings.max_decode_tokens})"
+        )
+    parse_address(settings.listen, "listen")
+    parse_address(settings.admin_listen, "adminListen")
+    return settings
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedFile:
+    """A config file as read: the policy contract, the raw ``sidecar:`` section, its digest."""
+
+    config: Config
+    section: Mapping[str, object]
+    sha256: str
+
+
+def loads_sidecar_file(data: bytes, source: str) -> LoadedFile:
+    """Parse YAML bytes holding TokenfairConfig / TenantQuota / SchedulingPolicy documents."""
+    # gzip and JSON (the operator's large documents) are read by the contract's own loader.
+    documents = load_documents(document_text(data, source), source)
+    section: dict[str, object] = {}
+    stripped: list[object] = []
+    for document in documents:
+        if isinstance(document, dict) and document.get("kind") == CONFIG_KIND:
+            document = dict(document)
+            raw = document.pop("sidecar", None)
+            if raw is not None:
+                if not isinstance(raw, dict):
+                    raise ConfigError(f"{source}: sidecar: must be a mapping")
+                section.update(raw)
+        stripped.append(document)
+    config = parse_documents(stripped, source)
+    return LoadedFile(config, section, hashlib.sha256(data).hexdigest())
+
+
+UPSTREAM_API_KEY_FILE_ENV: Final = "TOKENFAIR_UPSTREAM_API_KEY_FILE"
+"""The environment variable naming the upstream key's file when ``upstreamApiKeyFile`` is
+unset (what an injector sets next to a mounted Secret)."""
+MAX_API_KEY_BYTES: Final = 4096
+
+
+def upstream_api_key_path(
+    settings: SidecarSettings, environ: Mapping[str, str]
+) -> tuple[str, str] | None:
+    """The file of the upstream's key and where it was named (for messages): the setting,
+    else :data:`UPSTREAM_API_KEY_FILE_ENV`; None for no key."""
+    if settings.upstream_api_key_file:
+        return settings.upstream_api_key_file, "upstreamApiKeyFile"
+    path = environ.get(UPSTREAM_API_KEY_FILE_ENV)
+    return (path, f"${UPSTREAM_API_KEY_FILE_ENV}") if path else None
+
+
+def read_upstream_api_key(path: str, named_by: str = "upstreamApiKeyFile") -> str:
+    """The key in ``path``, stripped of surrounding whitespace. :class:`ConfigError` naming the
+    file and ``named_by`` (never its content) if it cannot be read, is empty, is over 4 KiB or
+    holds anything but visible ASCII (the key goes into a header line)."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_API_KEY_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{named_by}: cannot read {path} ({exc.strerror or exc})") from None
+    if len(data) > MAX_API_KEY_BYTES:
+        raise ConfigError(f"{named_by}: {path} is over {MAX_API_KEY_BYTES} bytes")
+    key = data.strip()
+    if not key:
+        raise ConfigError(f"{named_by}: {path} is empty")
+    if not all(0x21 <= byte <= 0x7E for byte in key):
+        raise ConfigError(
+            f"{named_by}: {path} holds characters other than visible ASCII "
+            "(spaces, control characters or non-ASCII bytes inside the key)"
+        )
+    return key.decode("ascii")
+
+
+def load_sidecar_file(path: str | Path) -> LoadedFile:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    return loads_sidecar_file(data, str(path))

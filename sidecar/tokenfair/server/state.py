@@ -1,0 +1,578 @@
+"""The state of one running sidecar, shared by the proxy and admin apps (``web.AppKey`` entries).
+
+Owns the scheduler, its dispatcher, the authenticator and the accounting of outcomes (metrics,
+per-tenant counters for ``/status``, request records). A request's one outcome is decided by
+its :class:`~tokenfair.server.lifecycle.Lifecycle`, whose ``end`` calls
+:meth:`Sidecar.account` for it once; :meth:`Sidecar.record` never raises (a record it cannot
+write is counted as dropped). ``account`` also writes the request's access-log line and, with
+tracing on, its span (:meth:`Sidecar.observe`: never raises either); a request answered before
+admission gets both from :meth:`Sidecar.observe_unadmitted`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import secrets
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Final
+
+from tokenfair.config import Config, PriorityClass
+from tokenfair.config.budget_store import split_budgets
+from tokenfair.core import (
+    DEFAULT_POLICY,
+    Decision,
+    Lane,
+    Request,
+    Scheduler,
+    make_scheduler,
+)
+from tokenfair.core.cost import CostModel
+from tokenfair.server.accesslog import (
+    CURRENT_SCOPE,
+    AccessLog,
+    RequestFacts,
+    RequestScope,
+    bounded,
+    utc_timestamp,
+)
+from tokenfair.server.auth import Authenticator
+from tokenfair.server.backends import Backend, CostModelBackend
+from tokenfair.server.dispatcher import Dispatcher, ModelClock
+from tokenfair.server.errors import INTERNAL_ERROR
+from tokenfair.server.estimate import ESTIMATORS, PromptEstimator
+from tokenfair.server.metrics import LANE_NAMES, LaneSeries, Metrics
+from tokenfair.server.pool import BudgetPool
+from tokenfair.server.record_writer import (
+    NO_USAGE,
+    RecordWriter,
+    Usage,
+    encode_record,
+    minimal_record,
+)
+from tokenfair.server.settings import LoadedFile, SidecarSettings
+from tokenfair.server.tracing import RequestTracer, wall_ns_of
+
+log = logging.getLogger("tokenfair.sidecar")
+
+FALLBACK_RETRY_AFTER_S: Final = 1
+"""``Retry-After`` when the gate gives no time (a request that can never fit as sized)."""
+REFUSAL_STATUSES: Final = frozenset({400, 429, 503})
+"""Statuses of a request never dispatched that count as refused (``400`` never admissible,
+``429`` a gate, ``503`` draining); the same statuses after dispatch are the upstream's."""
+
+
+IETF_POLICY: Final = "service-tokens"
+"""The policy name (and quota unit) of the IETF ``RateLimit-Policy`` / ``RateLimit`` fields."""
+
+
+def ietf_ratelimit_fields(
+    burst: int, remaining: int, window_s: float, reset_s: float
+) -> dict[str, str]:
+    """The IETF fields (draft-ietf-httpapi-ratelimit-headers-10, Structured Fields): the policy
+    ``"service-tokens";q=<burst>;qu="service-tokens";w=<seconds to refill from empty>`` and the
+    state ``"service-tokens";r=<remaining>;t=<seconds until full>``. Service tokens, not the
+    converted usage tokens: the policy should stay the same from response to response, and the
+    conversion changes with each request's mix. ``qu`` is outside the draft's registry
+    (``requests``, ``content-bytes``, ``concurrent-requests``): without it the quota would read
+    as requests. ``w`` is at least 1 (the draft's window is a positive integer); ``t`` is
+    rounded up."""
+    return {
+        "RateLimit-Policy": (
+            f'"{IETF_POLICY}";q={burst};qu="{IETF_POLICY}";w={max(1, math.ceil(window_s))}'
+        ),
+        "RateLimit": f'"{IETF_POLICY}";r={remaining};t={math.ceil(reset_s)}',
+    }
+
+
+class Sidecar:
+    """One sidecar's live state; built by ``create_app``, torn down by its cleanup context."""
+
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        config: Config,
+        backend: Backend,
+        *,
+        config_sha256: str = "",
+        config_path: Path | None = None,
+        section: object = None,
+    ) -> None:
+        if settings.prompt_estimator not in ESTIMATORS:
+            raise ValueError(
+                f"unknown prompt estimator {settings.prompt_estimator!r} "
+                f"(known: {', '.join(ESTIMATORS)})"
+            )
+        self.settings = settings
+        self.config = config
+        self.config_sha256 = config_sha256
+        self.config_path = config_path
+        self.section = section or {}
+        self.backend = backend
+        self.policy_name = DEFAULT_POLICY
+        self.clock = ModelClock(settings.time_scale)
+        self.scheduler = make_scheduler(DEFAULT_POLICY, config, self.clock.now_ms())
+        max_in_flight = settings.max_in_flight or backend.default_max_in_flight
+        self.dispatcher = Dispatcher(self.scheduler, self.clock, max_in_flight)
+        self.auth = Authenticator(config, settings.trusted_tenant_header)
+        self.estimator: PromptEstimator = ESTIMATORS[settings.prompt_estimator]
+        self.metrics = Metrics(self._scrape_state)
+        self.pool: BudgetPool | None = None
+        """Pool-wide budgets through the config's ``budgetStore``; None without one."""
+        if config.budget_store is not None:
+            scale = settings.time_scale
+            self.pool = BudgetPool(
+                config.budget_store,
+                self.scheduler,
+                wall_ms=lambda: time.time() * 1000.0 / scale,
+                on_tokens=self.dispatcher.pump,
+            )
+            self.metrics.registry.register(self.pool.collector())
+        self.budget_store_notice = ""
+        """Why the budgets enforced differ from the document's until a restart ("" if not):
+        a reload added, removed or moved the budget store (:meth:`_enforceable`)."""
+        self.recorder: RecordWriter | None = None
+        self.tenant_counts: dict[str, Counter[str]] = {}
+        self._series_cache: dict[tuple[str, PriorityClass], LaneSeries] = {}
+        self._id_prefix = secrets.token_hex(4)
+        self._next_id = 0
+        self.access_log: AccessLog | None = (
+            None if settings.access_log == "off" else AccessLog(settings.access_log)
+        )
+        self.tracer: RequestTracer | None = None
+        """Set by the app's tracing context when tracing is on."""
+
+    def _scrape_state(self) -> tuple[Scheduler, bool, str, str]:
+        return self.scheduler, self.dispatcher.draining, self.config.version, self.config_sha256
+
+    def next_request_id(self) -> str:
+        """Unique per process, and across restarts appending to one records file."""
+        self._next_id += 1
+        return f"{self._id_prefix}-{self._next_id:08d}"
+
+    # -- reload ------------------------------------------------------------------------------
+
+    def apply_config(self, loaded: LoadedFile) -> None:
+        """Adopt a valid new config: queued and running requests keep going. A document whose
+        budget store this sidecar cannot honour until a restart is enforced as it can
+        (:meth:`_enforceable`) or refused (the last good config stays)."""
+        config = loaded.config
+        enforced, notice = self._enforceable(config)
+        if enforced is None:
+            self.budget_store_notice = notice
+            self.refuse_config(notice)
+            return
+        self.scheduler.reconfigure(enforced, self.clock.now_ms())
+        if self.pool is not None:
+            self.pool.adopt(enforced)
+        if notice:
+            log.warning("config reload: %s", notice)
+        self.budget_store_notice = notice
+        self.auth = Authenticator(config, self.settings.trusted_tenant_header)
+        if isinstance(self.backend, CostModelBackend):
+            self.backend.retune(CostModel.from_policy(config.policy))
+        self.config = config
+        self.config_sha256 = loaded.sha256
+        self.metrics.reloads.labels("applied").inc()
+        if loaded.section != self.section:
+            log.warning("config reload: the sidecar: section changed; restart to apply it")
+        log.info("config reloaded: version %r, sha256 %s", config.version, loaded.sha256[:12])
+        self.dispatcher.pump()
+
+    def _enforceable(self, config: Config) -> tuple[Config | None, str]:
+        """What of ``config`` this running sidecar enforces, and why it differs (or "").
+
+        The store's connection (and the lease client) is made at start only, and a document's
+        budgets are the pool's with a store but one sidecar's share without one. So:
+
+        * started without a store, the document adds one: its budgets are the pool's, and no
+          lease client runs here; each tenant gets ``split_budgets(tenant, replicas)`` (the
+          store's fallback split) on a local bucket, until a restart;
+        * started with a store, the document removes it: its budgets are one sidecar's share,
+          wrong for the running pool; refused (None), the last good config stays;
+        * the store's identity (url, passwordEnv, keyPrefix) changes: the budgets are still
+          the pool's; the running store keeps serving them (its replicas and lease settings
+          follow the document), until a restart.
+        """
+        new = config.budget_store
+        pool = self.pool
+        if pool is None:
+            if new is None:
+                return config, ""
+            shares = tuple(split_budgets(tenant, new.replicas) for tenant in config.tenants)
+            return dataclasses.replace(config, tenants=shares, budget_store=None), (
+                f"budgetStore added ({new.url}, key prefix {new.key_prefix!r}) but this sidecar "
+                f"started without one: each tenant's pool budget is enforced here as "
+                f"1/{new.replicas} on a local bucket until the sidecar is restarted"
+            )
+        running = pool.store
+        if new is None:
+            return None, (
+                f"budgetStore removed, but this sidecar leases from {running.url} (key prefix "
+                f"{running.key_prefix!r}) and the document's budgets are per-sidecar shares; "
+                "reload refused, the last good config and its pool stay until the sidecar is "
+                "restarted"
+            )
+        identity = (running.url, running.password_env, running.key_prefix)
+        if (new.url, new.password_env, new.key_prefix) == identity:
+            return config, ""
+        kept = dataclasses.replace(
+            new, url=running.url, password_env=running.password_env, key_prefix=running.key_prefix
+        )
+        return dataclasses.replace(config, budget_store=kept), (
+            f"budgetStore changed to {new.url} (key prefix {new.key_prefix!r}); this sidecar "
+            f"keeps leasing from {running.url} (key prefix {running.key_prefix!r}) until it is "
+            "restarted"
+        )
+
+    def refuse_config(self, message: str) -> None:
+        self.metrics.reloads.labels("invalid").inc()
+        log.error("config reload refused, keeping the last good config: %s", message)
+
+    def reload_failed(self, message: str) -> None:
+        """Count a reload that failed unexpectedly (the watcher logged it, with its traceback,
+        and tries again on its next tick)."""
+        self.metrics.reloads.labels("error").inc()
+
+    # -- outcomes ----------------------------------------------------------------------------
+
+    def retry_after_s(self, decision: Decision | None) -> int:
+        """Seconds (ceil, at least 1) from the gate's ``retry_after_ms`` in real time."""
+        if decision is None or decision.retry_after_ms is None:
+            return FALLBACK_RETRY_AFTER_S
+        return max(1, math.ceil(self.clock.real_seconds(decision.retry_after_ms)))
+
+    def retry_after_ms(self, decision: Decision | None) -> int:
+        """``retry-after-ms``: the gate's ``retry_after_ms`` in real milliseconds (ceil, at least
+        1; never above :meth:`retry_after_s` times 1000). The openai SDK prefers it to
+        ``Retry-After``, whose whole seconds would turn a 420 ms wait into 1 s. A gate with no
+        wait to give (``None``) or none left (``0``: a request shed after waiting its whole
+        limit) gets the fallback, 1000: the SDK takes any positive value as is, and 1 ms would
+        send the retry straight back into the queue that just shed it."""
+        if decision is None or decision.retry_after_ms is None or decision.retry_after_ms <= 0:
+            return FALLBACK_RETRY_AFTER_S * 1000
+        return max(1, math.ceil(self.clock.real_seconds(decision.retry_after_ms) * 1000.0))
+
+    def ratelimit_headers(
+        self, tenant_id: str, mix: tuple[int, int] | None = None
+    ) -> dict[str, str]:
+        """Rate-limit headers from the tenant's bucket (service tokens, see the docs):
+
+        * ``x-tokenfair-ratelimit-{limit,remaining,reset}-service-tokens``: the bucket exactly
+          (burst, level, real seconds until full);
+        * ``x-ratelimit-{limit,remaining,reset}-tokens`` (OpenAI's names) in the tokens clients
+          count (``usage.prompt_tokens + usage.completion_tokens``): the bucket converted with
+          this request's own mix, ``usage / service`` where ``mix = (usage, service)`` is its
+          estimate's ``prompt + max_tokens`` and service tokens (floored); without ``mix``, or
+          for a request of 0 service tokens, 1:1;
+        * with ``ietf_ratelimit_headers``, ``RateLimit-Policy`` and ``RateLimit``
+          (:func:`ietf_ratelimit_fields`)."""
+        state = self.scheduler.tenants.get(tenant_id)
+        if state is None:
+            return {}
+        bucket = state.bucket
+        level = bucket.refill(self.clock.now_ms())
+        reset_ms = max(0.0, bucket.burst - level) * 1000.0 / bucket.sustained_per_second
+        level = max(0.0, level)  # a bucket in debt shows 0 remaining (the reset counts the debt)
+        reset_s = self.clock.real_seconds(reset_ms)
+        usage, service = mix if mix is not None else (1, 1)
+        ratio = usage / service if service > 0 else 1.0
+        headers = {
+            "x-ratelimit-limit-tokens": str(math.floor(bucket.burst * ratio)),
+            "x-ratelimit-remaining-tokens": str(math.floor(level * ratio)),
+            "x-ratelimit-reset-tokens": f"{reset_s:.3f}s",
+            "x-tokenfair-ratelimit-limit-service-tokens": str(math.floor(bucket.burst)),
+            "x-tokenfair-ratelimit-remaining-service-tokens": str(math.floor(level)),
+            "x-tokenfair-ratelimit-reset-service-tokens": f"{reset_s:.3f}s",
+        }
+        if self.settings.ietf_ratelimit_headers:
+            window_s = self.clock.real_seconds(bucket.burst * 1000.0 / bucket.sustained_per_second)
+            headers.update(
+                ietf_ratelimit_fields(
+                    math.floor(bucket.burst), math.floor(level), window_s, reset_s
+                )
+            )
+        return headers
+
+    def _series(self, tenant_id: str, priority_class: PriorityClass) -> LaneSeries:
+        key = (tenant_id, priority_class)
+        series = self._series_cache.get(key)
+        if series is None:
+            lane = LANE_NAMES[Lane.of(priority_class)]
+            series = self._series_cache[key] = self.metrics.lane_series(tenant_id, lane)
+        return series
+
+    def dispatched(self, decision: Decision) -> None:
+        series = self._series(decision.tenant_id, decision.priority_class)
+        series.admitted += 1
+        series.estimated_tokens += decision.service_tokens
+        series.queue_wait.observe(decision.queue_wait_ms / 1000.0)
+
+    def account(
+        self,
+        request: Request,
+        decision: Decision,
+        *,
+        status_code: int,
+        reason: str,
+        actual_service_tokens: int | None = None,
+        usage: Usage | None = None,
+        facts: RequestFacts | None = None,
+    ) -> None:
+        """Count, measure and record one request's outcome, then log and trace it (called once
+        per request, by :meth:`Lifecycle.end
+        <tokenfair.server.lifecycle.Lifecycle.end>`). A failure while counting (a bug,
+        logged) does not stop the record, nor a failure of either the log line or the span."""
+        if usage is None:
+            usage = NO_USAGE
+        try:
+            self._count(request, decision, status_code, reason, actual_service_tokens, usage)
+        except Exception:
+            log.exception("request %s: counting its outcome failed; its record is still written",
+                          request.request_id)  # fmt: skip
+        self.record(request, decision, status_code=status_code, reason=reason, usage=usage)
+        self.observe(request, decision, status_code=status_code, reason=reason,
+                     actual_service_tokens=actual_service_tokens, usage=usage,
+                     facts=facts)  # fmt: skip
+
+    def _count(
+        self,
+        request: Request,
+        decision: Decision,
+        status_code: int,
+        reason: str,
+        actual_service_tokens: int | None,
+        usage: Usage,
+    ) -> None:
+        tenant = request.tenant_id
+        series = self._series(tenant, request.priority_class)
+        lane = series.lane
+        metrics = self.metrics
+        counts = self.tenant_counts.get(tenant)
+        if counts is None:
+            counts = self.tenant_counts[tenant] = Counter()
+        if status_code == 499:
+            series.cancelled += 1
+            counts["cancelled"] += 1
+        elif decision.dispatch_ms is None and status_code in REFUSAL_STATUSES:
+            # Never dispatched: refused at admission (429, or 400 never admissible), shed from
+            # the queue (429) or taken out of it by a drain (503 draining). A dispatched
+            # request's 400, 429 or 503 is the upstream's answer, not a refusal.
+            metrics.refused.labels(tenant, lane, reason).inc()
+            counts["refused"] += 1
+        elif reason.startswith("upstream_") or reason == INTERNAL_ERROR or status_code >= 500:
+            # Upstream faults (502, 504, a stream cut after its 200, usage not believed on a
+            # 200, the upstream's own 5xx), the sidecar's own failures (500 internal_error, or
+            # a 200 it could not settle) and requests the drain cut (503 drain_aborted).
+            metrics.backend_errors.labels(tenant, lane, reason).inc()
+            counts["backend_errors"] += 1
+        else:
+            counts["served"] += 1
+        if decision.dispatch_ms is not None:
+            counts["admitted"] += 1
+            settled = (
+                decision.service_tokens
+                if actual_service_tokens is None
+                else (actual_service_tokens)
+            )
+            series.actual_tokens += settled
+            if usage.prompt_tokens is not None:
+                series.prompt_tokens += usage.prompt_tokens
+            if usage.completion_tokens is not None:
+                series.completion_tokens += usage.completion_tokens
+            e2e_ms = usage.e2e_ms
+            if e2e_ms is None:
+                e2e_ms = self.clock.now_ms() - request.arrival_ms
+            series.e2e.observe(e2e_ms / 1000.0)
+        if usage.ttft_ms is not None:
+            series.observe_ttft(usage.ttft_ms / 1000.0)
+            decision.ttft_ms = round(usage.ttft_ms, 2)
+
+    # -- access log and tracing --------------------------------------------------------------
+
+    def observe(
+        self,
+        request: Request,
+        decision: Decision,
+        *,
+        status_code: int,
+        reason: str,
+        actual_service_tokens: int | None = None,
+        usage: Usage = NO_USAGE,
+        facts: RequestFacts | None = None,
+    ) -> None:
+        """Write the request's access-log line and, with tracing on, its span
+        (:mod:`~tokenfair.server.accesslog`, :mod:`~tokenfair.server.tracing`),
+        and mark its scope accounted. Never raises."""
+        scope = CURRENT_SCOPE.get()
+        if scope is not None:
+            scope.accounted = True
+        access, tracer = self.access_log, self.tracer
+        if (access is None or not access.enabled()) and tracer is None:
+            return
+        try:
+            facts = facts or RequestFacts()
+            now_ms = self.clock.now_ms()
+            scale = self.clock.time_scale
+            ran = decision.dispatch_ms is not None
+            settled = 0
+            if ran:
+                settled = (
+                    decision.service_tokens
+                    if actual_service_tokens is None
+                    else actual_service_tokens
+                )
+            e2e_model_ms = usage.e2e_ms if usage.e2e_ms is not None else now_ms - request.arrival_ms
+            ttft_ms = usage.ttft_ms
+            now_s = time.time()
+            fields: dict[str, Any] = {
+                "time": utc_timestamp(now_s),
+                "request_id": request.request_id,
+                "tenant": request.tenant_id,
+                "priority_class": request.priority_class,
+                "method": scope.method if scope is not None else "POST",
+                "route": bounded(facts.route) or (scope.route if scope is not None else None),
+                "model": bounded(facts.model),
+                "status": status_code,
+                "reason": reason,
+                "gate": decision.gate,
+                "prompt_tokens_estimated": request.prefill_tokens,
+                "completion_tokens_estimated": request.decode_tokens,
+                "service_tokens_estimated": decision.service_tokens,
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens,
+                "service_tokens_settled": settled,
+                "queue_wait_ms": round(decision.queue_wait_ms * scale, 3),
+                "ttft_ms": None if ttft_ms is None else round(ttft_ms * scale, 3),
+                "e2e_ms": round(e2e_model_ms * scale, 3),
+            }
+        except Exception:
+            log.exception("request %s: building its access log line failed", request.request_id)
+            return
+        if access is not None:
+            access.emit(fields)
+        if tracer is not None:
+            try:
+                now_ns = int(now_s * 1e9)
+                tracer.request_span(
+                    fields, request, decision, facts,
+                    start_ms=request.arrival_ms if scope is None else scope.arrival_ms,
+                    now_ms=now_ms, now_ns=now_ns, time_scale=scale, scope=scope,
+                )  # fmt: skip
+            except Exception:
+                log.exception("request %s: its span failed", request.request_id)
+
+    def observe_unadmitted(self, scope: RequestScope, status_code: int, reason: str | None
+                           ) -> None:  # fmt: skip
+        """The access-log line and span of a request answered before admission (by the
+        proxy app's middleware: nothing accounted it). Never raises."""
+        access, tracer = self.access_log, self.tracer
+        if (access is None or not access.enabled()) and tracer is None:
+            return
+        try:
+            now_ms = self.clock.now_ms()
+            now_s = time.time()
+            fields: dict[str, Any] = {
+                "time": utc_timestamp(now_s),
+                "request_id": None,
+                "tenant": None,
+                "priority_class": None,
+                "method": scope.method,
+                "route": scope.route,
+                "model": None,
+                "status": status_code,
+                "reason": reason,
+                "e2e_ms": round((now_ms - scope.arrival_ms) * self.clock.time_scale, 3),
+            }
+        except Exception:
+            log.exception("an unadmitted request's access log line failed")
+            return
+        if access is not None:
+            access.emit(fields)
+        if tracer is not None:
+            try:
+                now_ns = int(now_s * 1e9)
+                start = wall_ns_of(scope.arrival_ms, now_ms, now_ns, self.clock.time_scale)
+                tracer.span(fields, start_ns=start, end_ns=now_ns, events=[],
+                            traceparent=scope.traceparent, tracestate=scope.tracestate)  # fmt: skip
+            except Exception:
+                log.exception("an unadmitted request's span failed")
+
+    def record(
+        self,
+        request: Request,
+        decision: Decision | None,
+        *,
+        status_code: int,
+        reason: str,
+        usage: Usage = NO_USAGE,
+    ) -> None:
+        """Write the request's record, if records are on. Never raises: a record that cannot
+        be encoded, or has no decision (which cannot happen: the lifecycle logs it), is written
+        minimal (:func:`minimal_record`), and one that cannot be queued at all is counted in
+        ``tokenfair_records_dropped_total`` (both logged)."""
+        recorder = self.recorder
+        if recorder is None:
+            return
+        try:
+            line: str | None = None
+            if decision is not None:
+                try:
+                    line = encode_record(request, decision, self.policy_name,
+                                         status_code=status_code, reason=reason,
+                                         usage=usage)  # fmt: skip
+                except Exception:
+                    log.exception("request %s: its record could not be encoded; writing a "
+                                  "minimal one", request.request_id)  # fmt: skip
+            if line is None:
+                line = minimal_record(request, self.policy_name, status_code=status_code,
+                                      reason=reason)  # fmt: skip
+            recorder.write(line)
+        except Exception:
+            log.exception("request %s: its record could not be written; counted as dropped",
+                          request.request_id)  # fmt: skip
+            try:
+                self.metrics.records_dropped.inc()
+            except Exception:
+                log.exception("counting a dropped record failed")
+
+    def status(self) -> dict[str, object]:
+        """The ``/status`` document: config, books, per-tenant state and counters."""
+        scheduler = self.scheduler
+        now_ms = self.clock.now_ms()
+        books = scheduler.books()
+        config: dict[str, object] = {"version": self.config.version, "sha256": self.config_sha256}
+        if self.budget_store_notice:
+            config["restart_needed"] = self.budget_store_notice
+        tenants: dict[str, object] = {}
+        for tenant_id, state in scheduler.tenants.items():
+            tenants[tenant_id] = {
+                "priority_class": state.config.priority_class,
+                "weight": state.config.weight,
+                "queued_requests": state.queued,
+                "queued_service_tokens": state.queued_tokens,
+                "served_service_tokens": state.served_tokens,
+                "bucket_service_tokens": round(state.bucket.refill(now_ms), 3),
+                "burst_service_tokens": state.bucket.burst,
+                "counts": dict(self.tenant_counts.get(tenant_id, {})),
+            }
+        return {
+            "policy": self.policy_name,
+            "backend": self.backend.name,
+            "config": config,
+            "draining": self.dispatcher.draining,
+            "max_in_flight": self.dispatcher.max_in_flight,
+            "time_scale": self.settings.time_scale,
+            "books": {
+                "queued_requests": books.queued_requests,
+                "queued_service_tokens": books.queued_service_tokens,
+                "queued_kv_blocks": books.queued_kv_blocks,
+                "running_requests": books.running_requests,
+                "resident_kv_blocks": books.resident_kv_blocks,
+            },
+            "tenants": tenants,
+            **({"budget_store": self.pool.status()} if self.pool is not None else {}),
+        }

@@ -1,0 +1,423 @@
+"""Fit the cost model's ``decode_weight`` and service rate to observed request times.
+
+What is fitted. The cost model says a request of ``p`` prefill and ``d`` decode tokens keeps the
+server busy for ``execution_ms = (p + w * d) / rate``. That is linear in ``p`` and ``d``::
+
+    execution_ms = a * p + b * d        rate = 1 / a   (service tokens per ms)
+                                        w    = b / a   (decode weight)
+
+with no intercept (the model has none). Least squares over the usable records solves the 2x2
+normal equations in closed form (weights ``v``)::
+
+    [Spp Spd] [a]   [Spy]          Spp = sum v p^2, Spd = sum v p d, Spy = sum v p y, ...
+    [Spd Sdd] [b] = [Sdy]          det = Spp*Sdd - Spd^2
+
+first unweighted (``v = 1``), then twice with ``v = 1 / fitted^2``: latency noise is roughly
+proportional to the time, and these weights minimise the *relative* error, which spreads the
+influence over short and long requests instead of letting the longest decide (on the generator's
+5 % noise this cuts the error of ``w`` by ~2.5x against plain least squares).
+
+What time is execution time. ``execution_ms = e2e_ms - queue_wait_ms - send_lag_ms``: the time
+from dispatch to the last token. ``e2e_ms`` and ``ttft_ms`` count from the request's arrival (its
+``arrival_ms``); ``queue_wait_ms`` (an outcome field of a sidecar record) is the time it waited
+for dispatch, and ``observed.send_lag_ms`` (``tokenfair loadgen``'s) the time the client sent it
+late. A record without ``queue_wait_ms`` is taken to have waited 0 ms (an idle-server probe, as
+``tokenfair trace generate --observe`` writes); the result counts these records, because on a
+loaded server their queue wait would inflate the fitted costs. Token counts are the backend's
+``actual_prefill_tokens`` / ``actual_decode_tokens``: requested lengths are upper bounds, not
+what ran. Records with a ``status_code`` other than 200 (shed, cancelled, failed) are skipped,
+as are records without ``e2e_ms`` or actual token counts; the result counts each reason.
+
+Fit quality. ``r_squared`` is the centered R^2, ``1 - RSS / sum (y - mean y)^2`` (the uncentered
+R^2 of a no-intercept fit flatters it); ``residual_rms_ms = sqrt(RSS / n)``; the relative RMS is
+that of ``(y - fit) / fit``, the right yardstick for multiplicative noise. Standard errors are
+the heteroscedasticity-robust sandwich ``M^-1 B M^-1 * n / (n - 2)`` (``M`` the weighted normal
+matrix, ``B = sum (v e)^2 x x'``), honest whatever the noise's shape (the textbook
+``sigma^2 (X'X)^-1`` understates them when big requests are noisier), with the delta method for
+``w = b / a`` and ``rate = 1 / a``.
+
+Refusals (:class:`CalibrationError`): fewer than ``min_records`` usable records; prompt and output
+lengths (nearly) proportional across records (``1 - Spd^2 / (Spp * Sdd) < 1e-6``: ``a`` and ``b``
+cannot be told apart); ``a <= 0`` or ``b <= 0`` (no positive rate or weight explains the data);
+a relative standard error of ``w`` or ``rate`` above ``max_relative_stderr`` (default 0.2).
+
+Prefill speed (optional, from TTFT). ``prefill_ms = ttft_ms - queue_wait_ms - send_lag_ms``
+follows ``max(floor, p / prefill_tokens_per_ms)``. A TTFT within 1 % of ``e2e_ms`` is the time of
+a whole non-streamed response, not of a first token, and is left out. The fit of
+``prefill_ms = c * p`` (``speed = 1 / c``) is again the relative-error one, ``c = mean(prefill_ms
+/ p)`` (weights ``1 / p^2``), with standard error ``sd(prefill_ms / p) / sqrt(n)``. The floor hides
+the speed for short prompts, so it uses only records whose prompt is long enough that
+``p / speed >= 1.5 * floor`` at the current estimate, iterated to a fixed point. Selecting on
+``p`` (the regressor), never on the observed time, keeps the estimate unbiased.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Final
+
+from tokenfair.config import PolicyConfig
+from tokenfair.core.jobs import STATUS_OK
+from tokenfair.sim.records import TraceRecord
+
+DEFAULT_MIN_RECORDS: Final = 20
+DEFAULT_PREFILL_FLOOR_MS: Final = PolicyConfig().prefill_floor_ms
+DEFAULT_MAX_RELATIVE_STDERR: Final = 0.2
+COLLINEARITY_LIMIT: Final = 1e-6
+"""Smallest ``1 - cos^2`` between the prompt and output length vectors that still separates them."""
+NOT_STREAMED_RATIO: Final = 0.99
+"""A TTFT at or above this fraction of e2e_ms timed a whole response, not a first token."""
+REWEIGHT_STEPS: Final = 2
+"""Weighted passes after the unweighted one; the second changes the estimate by far less than
+its standard error."""
+PREFILL_FLOOR_MARGIN: Final = 1.5
+"""Prompts must predict ``margin * floor`` of prefill to be clear of the floor's reach."""
+
+# Skip reasons, as counted in :attr:`Calibration.skipped`.
+NOT_ADMITTED: Final = "not admitted (status_code != 200)"
+NO_E2E: Final = "no e2e_ms"
+NO_ACTUAL_TOKENS: Final = "no actual token counts"
+NO_TOKENS: Final = "no tokens"
+NOT_POSITIVE: Final = "e2e_ms not above the queue wait"
+
+
+class CalibrationError(ValueError):
+    """The records cannot support a fit; the message says why and what was counted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One usable record: actual token counts and the times the server spent on it."""
+
+    prefill_tokens: int
+    decode_tokens: int
+    execution_ms: float
+    prefill_ms: float | None = None
+    """TTFT minus queue wait, when the record has a TTFT of a first token."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceFit:
+    """The fitted ``decode_weight`` and ``service_tokens_per_ms`` and how well they fit."""
+
+    decode_weight: float
+    decode_weight_stderr: float
+    service_tokens_per_ms: float
+    service_tokens_per_ms_stderr: float
+    ms_per_prefill_token: float
+    ms_per_decode_token: float
+    r_squared: float
+    residual_rms_ms: float
+    residual_rms_relative: float
+    records_used: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillFit:
+    """The fitted prefill speed (prompt tokens per ms) above ``prefill_floor_ms``."""
+
+    prefill_tokens_per_ms: float
+    prefill_tokens_per_ms_stderr: float
+    prefill_floor_ms: float
+    r_squared: float
+    residual_rms_ms: float
+    records_used: int
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """The result of :func:`calibrate`."""
+
+    service: ServiceFit
+    prefill: PrefillFit | None
+    prefill_note: str
+    """Why the prefill speed was not fitted ('' when it was)."""
+    records_read: int
+    assumed_idle_records: int
+    """Usable records without ``queue_wait_ms`` (their wait taken as 0)."""
+    skipped: Mapping[str, int] = field(default_factory=dict)
+
+    def overrides(self) -> list[str]:
+        """``--set`` assignments that apply the fit (4 significant digits)."""
+        out = [
+            f"decodeWeight={_sig(self.service.decode_weight)}",
+            f"serviceTokensPerMs={_sig(self.service.service_tokens_per_ms)}",
+        ]
+        if self.prefill is not None:
+            out.append(f"prefillTokensPerMs={_sig(self.prefill.prefill_tokens_per_ms)}")
+        return out
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "records_read": self.records_read,
+            "records_used": self.service.records_used,
+            "skipped": dict(self.skipped),
+            "assumed_idle_records": self.assumed_idle_records,
+            "service": asdict(self.service),
+            "prefill": None if self.prefill is None else asdict(self.prefill),
+            "prefill_note": self.prefill_note,
+            "set": self.overrides(),
+        }
+
+
+def _sig(value: float) -> str:
+    return repr(float(f"{value:.4g}"))
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The outcome fields of a record that calibration uses (``None`` where absent)."""
+
+    queue_wait_ms: float | None = None
+    status_code: int | None = None
+    send_lag_ms: float | None = None
+
+
+def read_outcomes(
+    path: str | Path, tap: Callable[[Iterable[str]], Iterable[str]] | None = None
+) -> dict[str, Outcome]:
+    """``queue_wait_ms``, ``status_code`` and ``observed.send_lag_ms`` by request id, for the
+    records that carry any, from a trace already validated by ``read_trace`` (which drops
+    outcome fields). ``tap`` wraps the file's lines as they are read (the CLI's progress bar
+    counts them there)."""
+    outcomes: dict[str, Outcome] = {}
+    with Path(path).open(encoding="utf-8") as handle:
+        lines: Iterable[str] = handle if tap is None else tap(handle)
+        for line in lines:
+            if not line.strip():
+                continue
+            data = json.loads(line)
+            wait, status = data.get("queue_wait_ms"), data.get("status_code")
+            observed = data.get("observed")
+            lag = observed.get("send_lag_ms") if isinstance(observed, dict) else None
+            outcome = Outcome(
+                _number(wait),
+                status if isinstance(status, int) and not isinstance(status, bool) else None,
+                _number(lag),
+            )
+            if outcome != Outcome():
+                outcomes[data["request_id"]] = outcome
+    return outcomes
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def samples_from_records(
+    records: Sequence[TraceRecord], outcomes: Mapping[str, Outcome]
+) -> tuple[list[Sample], Counter[str], int]:
+    """Usable samples, skip counts by reason, and how many samples assumed no queue wait."""
+    samples: list[Sample] = []
+    skipped: Counter[str] = Counter()
+    assumed_idle = 0
+    for record in records:
+        outcome = outcomes.get(record.request.request_id, Outcome())
+        if outcome.status_code is not None and outcome.status_code != STATUS_OK:
+            skipped[NOT_ADMITTED] += 1
+            continue
+        if record.e2e_ms is None:
+            skipped[NO_E2E] += 1
+            continue
+        prefill, decode = record.actual_prefill_tokens, record.actual_decode_tokens
+        if prefill is None or decode is None:
+            skipped[NO_ACTUAL_TOKENS] += 1
+            continue
+        if prefill + decode == 0:
+            skipped[NO_TOKENS] += 1
+            continue
+        wait_ms = 0.0 if outcome.queue_wait_ms is None else outcome.queue_wait_ms
+        wait_ms += outcome.send_lag_ms or 0.0
+        execution_ms = record.e2e_ms - wait_ms
+        if execution_ms <= 0:
+            skipped[NOT_POSITIVE] += 1
+            continue
+        assumed_idle += outcome.queue_wait_ms is None
+        prefill_ms = None
+        if record.ttft_ms is not None and record.ttft_ms < NOT_STREAMED_RATIO * record.e2e_ms:
+            prefill_ms = record.ttft_ms - wait_ms
+        samples.append(Sample(prefill, decode, execution_ms, prefill_ms))
+    return samples, skipped, assumed_idle
+
+
+@dataclass(frozen=True, slots=True)
+class _Normal:
+    """Weighted sums of the normal equations, and their solution ``(a, b)``."""
+
+    spp: float
+    spd: float
+    sdd: float
+    a: float
+    b: float
+
+    @property
+    def det(self) -> float:
+        return self.spp * self.sdd - self.spd * self.spd
+
+
+def _solve(samples: Sequence[Sample], weights: Sequence[float]) -> _Normal:
+    spp = spd = sdd = spy = sdy = 0.0
+    for s, w in zip(samples, weights, strict=True):
+        p, d, y = float(s.prefill_tokens), float(s.decode_tokens), s.execution_ms
+        spp += w * p * p
+        spd += w * p * d
+        sdd += w * d * d
+        spy += w * p * y
+        sdy += w * d * y
+    if spp == 0 or sdd == 0:
+        which = "prompt" if spp == 0 else "output"
+        raise CalibrationError(f"every usable record has an empty {which}; w cannot be fitted")
+    independence = 1.0 - spd * spd / (spp * sdd)
+    if independence < COLLINEARITY_LIMIT:
+        raise CalibrationError(
+            "prompt and output lengths are (nearly) proportional across the records "
+            f"(1 - cos^2 = {independence:.2e}); prefill and decode cost cannot be told apart - "
+            "collect records with varied prompt/output ratios"
+        )
+    det = spp * sdd - spd * spd
+    a = (spy * sdd - sdy * spd) / det
+    b = (sdy * spp - spy * spd) / det
+    if a <= 0 or b <= 0:
+        raise CalibrationError(
+            f"degenerate fit: ms per prefill token {a:.4g}, ms per decode token {b:.4g}; both "
+            "must be > 0 (are the times execution times, and the token counts actual?)"
+        )
+    return _Normal(spp, spd, sdd, a, b)
+
+
+def fit_service(
+    samples: Sequence[Sample],
+    min_records: int = DEFAULT_MIN_RECORDS,
+    max_relative_stderr: float = DEFAULT_MAX_RELATIVE_STDERR,
+) -> ServiceFit:
+    """Weighted least squares ``execution_ms = a*p + b*d`` (module docstring); refuses
+    degenerate data."""
+    n = len(samples)
+    if n < max(min_records, 3):
+        raise CalibrationError(
+            f"only {n} usable record(s); at least {max(min_records, 3)} are needed"
+        )
+    weights = [1.0] * n
+    fit = _solve(samples, weights)
+    for _ in range(REWEIGHT_STEPS):
+        weights = [(fit.a * s.prefill_tokens + fit.b * s.decode_tokens) ** -2 for s in samples]
+        fit = _solve(samples, weights)
+    a, b = fit.a, fit.b
+    fitted = [a * s.prefill_tokens + b * s.decode_tokens for s in samples]
+    residuals = [s.execution_ms - f for s, f in zip(samples, fitted, strict=True)]
+    # Sandwich covariance M^-1 B M^-1 (HC1): M the weighted normal matrix, B = sum of
+    # (w e)^2 x x'; honest whatever the noise's true shape.
+    b_pp = b_pd = b_dd = 0.0
+    for s, w, e in zip(samples, weights, residuals, strict=True):
+        we_sq = (w * e) ** 2
+        b_pp += we_sq * s.prefill_tokens**2
+        b_pd += we_sq * s.prefill_tokens * s.decode_tokens
+        b_dd += we_sq * s.decode_tokens**2
+    i_pp, i_pd, i_dd = fit.sdd / fit.det, -fit.spd / fit.det, fit.spp / fit.det  # M^-1
+    scale = n / (n - 2)
+    var_a = scale * (i_pp * (i_pp * b_pp + i_pd * b_pd) + i_pd * (i_pp * b_pd + i_pd * b_dd))
+    var_b = scale * (i_pd * (i_pd * b_pp + i_dd * b_pd) + i_dd * (i_pd * b_pd + i_dd * b_dd))
+    cov_ab = scale * (i_pp * (i_pd * b_pp + i_dd * b_pd) + i_pd * (i_pd * b_pd + i_dd * b_dd))
+    rel_rate = math.sqrt(var_a) / a  # rate = 1/a: relative errors of a and rate agree
+    weight = b / a
+    rel_weight = math.sqrt(max(0.0, var_b / b**2 + var_a / a**2 - 2 * cov_ab / (a * b)))
+    if max(rel_rate, rel_weight) > max_relative_stderr:
+        raise CalibrationError(
+            f"fit too uncertain: relative standard error of decode_weight {rel_weight:.1%}, "
+            f"of the service rate {rel_rate:.1%} (limit {max_relative_stderr:.0%}); collect more "
+            "records or records with more varied prompt/output lengths"
+        )
+    rss = sum(r * r for r in residuals)
+    mean_y = sum(s.execution_ms for s in samples) / n
+    tss = sum((s.execution_ms - mean_y) ** 2 for s in samples)
+    relative_sq = sum((r / f) ** 2 for r, f in zip(residuals, fitted, strict=True))
+    return ServiceFit(
+        decode_weight=weight,
+        decode_weight_stderr=weight * rel_weight,
+        service_tokens_per_ms=1.0 / a,
+        service_tokens_per_ms_stderr=rel_rate / a,
+        ms_per_prefill_token=a,
+        ms_per_decode_token=b,
+        r_squared=1.0 - rss / tss if tss > 0 else 1.0,
+        residual_rms_ms=math.sqrt(rss / n),
+        residual_rms_relative=math.sqrt(relative_sq / n),
+        records_used=n,
+    )
+
+
+def fit_prefill(
+    samples: Sequence[Sample], floor_ms: float, min_records: int = DEFAULT_MIN_RECORDS
+) -> PrefillFit | str:
+    """Prefill speed from TTFTs above the floor (module docstring), or why it cannot be fitted."""
+    timed = [s for s in samples if s.prefill_ms is not None and s.prefill_tokens > 0]
+    if len(timed) < max(min_records, 3):
+        return f"only {len(timed)} usable record(s) with a first-token ttft_ms"
+    # Start from the records whose TTFT clears the floor, then select on prompt length only.
+    selected = [s for s in timed if (s.prefill_ms or 0.0) > PREFILL_FLOOR_MARGIN * floor_ms]
+    for _ in range(50):
+        if len(selected) < max(min_records, 3):
+            return (
+                f"only {len(selected)} record(s) with prompts long enough to clear the "
+                f"{floor_ms:g} ms prefill floor"
+            )
+        ratios = [(s.prefill_ms or 0.0) / s.prefill_tokens for s in selected]
+        ms_per_token = statistics.fmean(ratios)
+        if ms_per_token <= 0:
+            return "the TTFTs do not grow with the prompt length"
+        threshold_tokens = PREFILL_FLOOR_MARGIN * floor_ms / ms_per_token
+        again = [s for s in timed if s.prefill_tokens >= threshold_tokens]
+        if again == selected:
+            break
+        selected = again
+    n = len(selected)
+    ys = [s.prefill_ms or 0.0 for s in selected]
+    residuals = [y - ms_per_token * s.prefill_tokens for y, s in zip(ys, selected, strict=True)]
+    rss = sum(r * r for r in residuals)
+    mean_y = sum(ys) / n
+    tss = sum((y - mean_y) ** 2 for y in ys)
+    relative_stderr = statistics.stdev(ratios) / math.sqrt(n) / ms_per_token
+    return PrefillFit(
+        prefill_tokens_per_ms=1.0 / ms_per_token,
+        prefill_tokens_per_ms_stderr=relative_stderr / ms_per_token,
+        prefill_floor_ms=floor_ms,
+        r_squared=1.0 - rss / tss if tss > 0 else 1.0,
+        residual_rms_ms=math.sqrt(rss / n),
+        records_used=n,
+    )
+
+
+def calibrate(
+    records: Sequence[TraceRecord],
+    outcomes: Mapping[str, Outcome] | None = None,
+    *,
+    min_records: int = DEFAULT_MIN_RECORDS,
+    max_relative_stderr: float = DEFAULT_MAX_RELATIVE_STDERR,
+    prefill_floor_ms: float = DEFAULT_PREFILL_FLOOR_MS,
+) -> Calibration:
+    """Fit the service model (and the prefill speed when TTFTs allow) to ``records``."""
+    samples, skipped, assumed_idle = samples_from_records(records, outcomes or {})
+    try:
+        service = fit_service(samples, min_records, max_relative_stderr)
+    except CalibrationError as exc:
+        counts = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
+        raise CalibrationError(
+            f"{exc} ({len(records)} record(s) read, {len(samples)} usable"
+            + (f"; skipped: {counts})" if counts else ")")
+        ) from None
+    prefill = fit_prefill(samples, prefill_floor_ms, min_records)
+    return Calibration(
+        service=service,
+        prefill=prefill if isinstance(prefill, PrefillFit) else None,
+        prefill_note=prefill if isinstance(prefill, str) else "",
+        records_read=len(records),
+        assumed_idle_records=assumed_idle,
+        skipped=dict(sorted(skipped.items())),
+    )

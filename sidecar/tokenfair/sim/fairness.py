@@ -1,0 +1,474 @@
+"""Fairness of a run, per tenant: the service it got against its weighted max-min fair share.
+
+Pure functions over decision records (``core/jobs.py``'s :class:`Decision`); no I/O. Used by
+``tokenfair simulate`` (under each policy's block, and ``fairness`` in its JSON report) and
+``tokenfair report`` (over a records file). Definitions (docs/report.md):
+
+**Size.** A request's size ``s`` is its *actual* service tokens when known —
+``Decision.actual_service_tokens`` (what it was settled against), else the caller's
+``actual_service_tokens[request_id]`` (the simulator passes the trace's usage there, which also
+sizes the requests it refused) — and its estimate ``Decision.service_tokens`` otherwise.
+
+**Window** ``[start_ms, end_ms]`` (both ends included). Default: ``[min arrival_ms, max
+arrival_ms]`` over the decisions. When that has zero length (every request arrived at once), the
+end is the end of the last dispatch, ``max(dispatch_ms + s / serviceTokensPerMs)``, or
+``start_ms + 1`` if nothing ran later than ``start_ms``; with no decisions at all it is ``[0, 1]``.
+
+**Offered and served**, per tenant, over the requests that *arrived* in the window::
+
+    offered_service_tokens = Σ s                     (every request that arrived)
+    served_service_tokens  = Σ s                     (those dispatched: status 200, gate dispatch)
+    demand_served          = served / offered        (None when offered = 0)
+
+Every per-tenant count (requests, refusals, expiries) is over the same arrivals.
+
+**Fair share**, per lane (``priority_class``; a tenant's lane and weight come from the config, a
+tenant absent from it has weight 1 and the lane of its last decision)::
+
+    fair_share = water_fill(capacity = Σ served of the lane,
+                            demands  = offered per tenant, weights = tenant weight)
+    served_over_fair = served / fair_share           (None when fair_share = 0)
+
+i.e. what weighted max-min fairness would have given each tenant of the lane out of what the
+lane actually got. ``served_over_fair`` is 1.0 for a tenant that got exactly its share, below 1
+for one that got less.
+
+**Jain's index** per lane over ``served_over_fair`` of the lane's tenants with ``offered > 0``
+(and a fair share, i.e. when the lane served anything): ``(Σx)² / (n · Σx²)``, 1.0 when every
+tenant got the same fraction of its share, ``1/n`` when one tenant got everything.
+
+**Utilisation** over the window, by *dispatch* time, in actual tokens::
+
+    utilisation = Σ s over requests with start_ms <= dispatch_ms <= end_ms
+                  / (serviceTokensPerMs * (end_ms - start_ms))
+
+(every dispatched request, whatever its outcome after dispatch). A request counts in full at
+its dispatch, so the ratio can pass 1.0 when the last ones run past the window's end, or when
+the server is faster than ``serviceTokensPerMs`` says.
+
+**Admitted then expired.** A request is *admitted* when it was not refused at gate
+``admission``; it *expired* when, admitted, it was refused later: from the queue (gate
+``queue``, status 429: ``shed_queue_timeout``) or at dispatch (gate ``dispatch``, status
+neither 200 nor 499: a dispatch-time KV refusal, or a live sidecar's upstream error).
+Cancelled requests (499) are not expired, nor are those a draining sidecar answered 503 from
+the queue; they stay in ``refused_by_reason`` (``cancelled``, ``draining``).
+``admitted_then_expired_ratio = expired / admitted`` over all tenants.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Final
+
+from tokenfair.config import PRIORITY_CLASSES, Config
+from tokenfair.core import Decision
+from tokenfair.core.jobs import ADMITTED, STATUS_CLIENT_CLOSED, STATUS_OK, STATUS_SHED
+
+DEFAULT_WEIGHT: Final = 1.0
+"""Weight of a tenant the config does not know (e.g. ``tokenfair report`` without --tenants)."""
+EMPTY_WINDOW_MS: Final = 1.0
+"""Length of the window when the decisions give none (every request arrived and ran at once)."""
+
+
+def water_fill(
+    capacity: float, demands: Mapping[str, float], weights: Mapping[str, float]
+) -> dict[str, float]:
+    """Weighted max-min fair allocation of ``capacity`` among ``demands`` (progressive filling).
+
+    Every tenant gets ``min(demand_i, level * weight_i)``, with the water level chosen so the
+    allocations sum to ``min(capacity, Σ demand)``. Tenants are filled in order of
+    ``demand_i / weight_i``: while the smallest of those is at most ``remaining capacity /
+    remaining weight`` that tenant is satisfied and leaves; the rest share what is left in
+    proportion to their weights. O(n log n).
+
+    ``weights`` must hold a weight > 0 for every key of ``demands``; demands and capacity must be
+    finite and >= 0. Anything else raises ``ValueError`` naming the tenant.
+    """
+    if not (math.isfinite(capacity) and capacity >= 0):
+        raise ValueError(f"water_fill: capacity must be a finite number >= 0 (got {capacity!r})")
+    for tenant_id, demand in demands.items():
+        if not (math.isfinite(demand) and demand >= 0):
+            raise ValueError(
+                f"water_fill: demand of {tenant_id!r} must be a finite number >= 0 (got {demand!r})"
+            )
+        if tenant_id not in weights:
+            raise ValueError(f"water_fill: no weight for {tenant_id!r}")
+        weight = weights[tenant_id]
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(
+                f"water_fill: weight of {tenant_id!r} must be a finite number > 0 (got {weight!r})"
+            )
+    order = sorted(demands, key=lambda t: demands[t] / weights[t])
+    # rest_weight[i]: the weight of order[i:], summed from the end (O(n)) rather than by
+    # subtracting from the total, so it never drifts to 0 or below for the last tenant.
+    rest_weight = list(accumulate(weights[t] for t in reversed(order)))[::-1]
+    allocation = dict.fromkeys(demands, 0.0)
+    remaining_capacity = float(capacity)
+    for index, tenant_id in enumerate(order):
+        demand, weight = demands[tenant_id], weights[tenant_id]
+        level = remaining_capacity / rest_weight[index]
+        if demand <= level * weight:
+            allocation[tenant_id] = float(demand)
+            remaining_capacity = max(0.0, remaining_capacity - demand)
+            continue
+        # Every tenant left wants more than its weighted share of what is left (they are in
+        # order of demand / weight): the level is final and they split the rest by weight.
+        for other in order[index:]:
+            allocation[other] = level * weights[other]
+        break
+    return allocation
+
+
+def jain_index(values: Sequence[float]) -> float | None:
+    """Jain's fairness index ``(Σx)² / (n · Σx²)``: 1.0 when all are equal, ``1/n`` at worst.
+
+    None for no values; 1.0 when every value is 0 (all equal). Values must be >= 0.
+    """
+    if not values:
+        return None
+    if any(value < 0 for value in values):
+        raise ValueError(f"jain_index: values must be >= 0 (got {min(values)!r})")
+    squares = math.fsum(value * value for value in values)
+    if squares == 0:
+        return 1.0
+    return math.fsum(values) ** 2 / (len(values) * squares)
+
+
+@dataclass(frozen=True, slots=True)
+class TenantFairness:
+    """One tenant over the requests that arrived in the window (sizes in service tokens)."""
+
+    tenant_id: str
+    priority_class: str
+    weight: float
+    offered_requests: int
+    offered_service_tokens: int
+    admitted_requests: int
+    """Passed admission: every request not refused at gate ``admission``."""
+    served_requests: int
+    served_service_tokens: int
+    """Dispatched: status 200 at gate ``dispatch``."""
+    fair_share_service_tokens: float
+    """Weighted max-min share of what its lane served (``water_fill``)."""
+    served_over_fair: float | None
+    """``served / fair share``; None when the fair share is 0."""
+    demand_served: float | None
+    """``served / offered``; None when offered is 0."""
+    refused_by_reason: dict[str, int]
+    """Requests not served, by reason (``cancelled`` included; ``http_<status>`` for a live
+    request dispatched and answered with an error status under reason ``admitted``)."""
+    admitted_then_expired: int
+    """Admitted, then refused from the queue (429) or at dispatch (not 200, not 499)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessReport:
+    """The fairness of one policy's decisions over one window."""
+
+    tenants: dict[str, TenantFairness]
+    """By tenant id: interactive tenants first, then batch, each by id."""
+    jain_by_lane: dict[str, float | None]
+    """``interactive`` and ``batch``: Jain over ``served_over_fair`` of tenants with offered > 0."""
+    utilisation: float
+    """Service tokens dispatched in the window / (service_tokens_per_ms * window length)."""
+    window_ms: tuple[float, float]
+    admitted_requests: int
+    admitted_then_expired: int
+    admitted_then_expired_ratio: float | None
+    """``admitted_then_expired / admitted_requests``; None when nothing was admitted."""
+    dispatched_service_tokens: int = 0
+    """The numerator of ``utilisation``."""
+    service_tokens_per_ms: float = 0.0
+    """The rate ``utilisation`` is measured against (the policy's ``serviceTokensPerMs``)."""
+
+
+def request_size(decision: Decision, actual_service_tokens: Mapping[str, int]) -> int:
+    """The size ``s`` of a request: actual service tokens when known, else the estimate."""
+    return decision_size(decision, actual_service_tokens.get(decision.request_id))
+
+
+def decision_size(decision: Decision, actual_service_tokens: int | None) -> int:
+    """:func:`request_size` given the request's recorded usage itself (None: not recorded)."""
+    if decision.actual_service_tokens is not None:
+        return decision.actual_service_tokens
+    return decision.service_tokens if actual_service_tokens is None else actual_service_tokens
+
+
+def is_served(decision: Decision) -> bool:
+    """Dispatched and answered: status 200 at gate ``dispatch``."""
+    return decision.status_code == STATUS_OK and decision.gate == "dispatch"
+
+
+def is_admitted(decision: Decision) -> bool:
+    """Passed admission: anything not refused at gate ``admission``."""
+    return decision.gate != "admission"
+
+
+def is_expired(decision: Decision) -> bool:
+    """Admitted, then refused from the queue (429) or at dispatch (neither 200 nor 499)."""
+    if decision.gate == "queue":
+        return decision.status_code == STATUS_SHED
+    return decision.gate == "dispatch" and decision.status_code not in (
+        STATUS_OK,
+        STATUS_CLIENT_CLOSED,
+    )
+
+
+def _refusal_key(decision: Decision) -> str:
+    # A live sidecar writes the status the client saw; a dispatched request the upstream
+    # answered with an error keeps reason "admitted", which would read as a non-refusal.
+    if decision.reason == ADMITTED:
+        return f"http_{decision.status_code}"
+    return decision.reason
+
+
+def _check_window(window_ms: tuple[float, float]) -> tuple[float, float]:
+    start_ms, end_ms = float(window_ms[0]), float(window_ms[1])
+    if not (math.isfinite(start_ms) and math.isfinite(end_ms) and end_ms > start_ms):
+        raise ValueError(
+            f"window: END_MS must be greater than START_MS, both finite (got {start_ms:g}:"
+            f"{end_ms:g})"
+        )
+    return (start_ms, end_ms)
+
+
+@dataclass(slots=True)
+class _Tally:
+    """Per-tenant running sums while the decisions are read."""
+
+    priority_class: str
+    offered_requests: int = 0
+    offered_tokens: int = 0
+    admitted_requests: int = 0
+    served_requests: int = 0
+    served_tokens: int = 0
+    expired: int = 0
+    refused: dict[str, int] | None = None
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def fairness_report(
+    decisions: Iterable[Decision],
+    config: Config,
+    *,
+    actual_service_tokens: Mapping[str, int] | None = None,
+    window_ms: tuple[float, float] | None = None,
+) -> FairnessReport:
+    """Fairness of one policy's decisions (definitions in the module docstring).
+
+    Tenants: every tenant of ``config`` and every tenant of ``decisions`` (one with no request in
+    the window shows zeros). ``window_ms`` must have ``end > start``. For decisions that arrive
+    one at a time (a replay too large to hold), feed a :class:`FairnessTally` instead.
+    """
+    rows = list(decisions)
+    actual = actual_service_tokens or {}
+    sizes = [request_size(d, actual) for d in rows]
+    window: tuple[float, float | None]
+    if window_ms is not None:
+        window = window_ms
+    elif not rows:
+        window = (0.0, EMPTY_WINDOW_MS)
+    else:
+        start_ms = min(d.arrival_ms for d in rows)
+        end_ms = max(d.arrival_ms for d in rows)
+        window = (start_ms, end_ms) if end_ms > start_ms else (start_ms, None)
+    tally = FairnessTally(config, window)
+    for decision, size in zip(rows, sizes, strict=True):
+        tally.add(decision, size)
+    return tally.report()
+
+
+class FairnessTally:
+    """:func:`fairness_report` one decision at a time, in constant memory per tenant.
+
+    ``window_ms`` is ``(start, end)``, or ``(start, None)`` for the default window of decisions
+    that all arrived at ``start`` (its end is then the end of the last dispatch,
+    ``max(dispatch_ms + s / serviceTokensPerMs)``, or ``start + 1``; every dispatch counts then,
+    as none is earlier than its arrival nor later than that end). A caller streaming a replay
+    knows the default window before it starts: ``[min arrival_ms, max arrival_ms]`` of the trace.
+    Feed every decision with its size ``s`` (:func:`request_size`), then call :meth:`report`.
+    """
+
+    def __init__(self, config: Config, window_ms: tuple[float, float | None]) -> None:
+        start_ms, end_ms = window_ms
+        if end_ms is not None:
+            start_ms, end_ms = _check_window((start_ms, end_ms))
+        elif not math.isfinite(start_ms):
+            raise ValueError(f"window: START_MS must be finite (got {start_ms:g})")
+        self._config = config
+        self._tenant_index = config.tenant_index
+        self._rate = config.policy.service_tokens_per_ms
+        self._start_ms = float(start_ms)
+        self._end_ms = math.inf if end_ms is None else end_ms
+        self._open_end = end_ms is None
+        self._last_end_ms = self._start_ms  # the latest dispatch end (open-ended window only)
+        self._dispatched_tokens = 0
+        self._tallies: dict[str, _Tally] = {
+            t.tenant_id: _Tally(t.priority_class) for t in config.tenants
+        }
+
+    def add(self, decision: Decision, size: int) -> None:
+        """Count one decision of size ``size`` service tokens."""
+        tenant_id = decision.tenant_id
+        tally = self._tallies.get(tenant_id)
+        if tally is None:
+            tally = self._tallies[tenant_id] = _Tally(decision.priority_class)
+        elif tenant_id not in self._tenant_index:
+            tally.priority_class = decision.priority_class  # its last decision's lane
+        start_ms, end_ms = self._start_ms, self._end_ms
+        dispatch_ms = decision.dispatch_ms
+        if dispatch_ms is not None:
+            if start_ms <= dispatch_ms <= end_ms:
+                self._dispatched_tokens += size
+            if self._open_end:
+                self._last_end_ms = max(self._last_end_ms, dispatch_ms + size / self._rate)
+        if not start_ms <= decision.arrival_ms <= end_ms:
+            return
+        tally.offered_requests += 1
+        tally.offered_tokens += size
+        gate = decision.gate
+        if gate != "admission":  # `is_admitted`, inline (every decision comes here)
+            tally.admitted_requests += 1
+            if gate == "dispatch" and decision.status_code == STATUS_OK:  # `is_served`
+                tally.served_requests += 1
+                tally.served_tokens += size
+                return
+        if is_expired(decision):
+            tally.expired += 1
+        if tally.refused is None:
+            tally.refused = {}
+        key = _refusal_key(decision)
+        tally.refused[key] = tally.refused.get(key, 0) + 1
+
+    def report(self) -> FairnessReport:
+        """The report of the decisions added so far."""
+        config, tallies = self._config, self._tallies
+        start_ms, end_ms = self._start_ms, self._end_ms
+        if self._open_end:
+            last = self._last_end_ms
+            end_ms = last if last > start_ms else start_ms + EMPTY_WINDOW_MS
+        weights = {
+            tenant_id: (
+                config.tenant_index[tenant_id].weight
+                if tenant_id in config.tenant_index
+                else DEFAULT_WEIGHT
+            )
+            for tenant_id in tallies
+        }
+        tenants: dict[str, TenantFairness] = {}
+        jain_by_lane: dict[str, float | None] = {}
+        for lane in PRIORITY_CLASSES:
+            members = sorted(t for t, tally in tallies.items() if tally.priority_class == lane)
+            shares = water_fill(
+                capacity=sum(tallies[t].served_tokens for t in members),
+                demands={t: float(tallies[t].offered_tokens) for t in members},
+                weights={t: weights[t] for t in members},
+            )
+            ratios: list[float] = []
+            for tenant_id in members:
+                tally = tallies[tenant_id]
+                over_fair = _ratio(tally.served_tokens, shares[tenant_id])
+                if tally.offered_tokens > 0 and over_fair is not None:
+                    ratios.append(over_fair)
+                tenants[tenant_id] = TenantFairness(
+                    tenant_id=tenant_id,
+                    priority_class=lane,
+                    weight=weights[tenant_id],
+                    offered_requests=tally.offered_requests,
+                    offered_service_tokens=tally.offered_tokens,
+                    admitted_requests=tally.admitted_requests,
+                    served_requests=tally.served_requests,
+                    served_service_tokens=tally.served_tokens,
+                    fair_share_service_tokens=shares[tenant_id],
+                    served_over_fair=over_fair,
+                    demand_served=_ratio(tally.served_tokens, tally.offered_tokens),
+                    refused_by_reason=dict(sorted((tally.refused or {}).items())),
+                    admitted_then_expired=tally.expired,
+                )
+            jain_by_lane[lane] = jain_index(ratios)
+        admitted = sum(t.admitted_requests for t in tenants.values())
+        expired = sum(t.admitted_then_expired for t in tenants.values())
+        return FairnessReport(
+            tenants=tenants,
+            jain_by_lane=jain_by_lane,
+            utilisation=self._dispatched_tokens / (self._rate * (end_ms - start_ms)),
+            window_ms=(start_ms, end_ms),
+            admitted_requests=admitted,
+            admitted_then_expired=expired,
+            admitted_then_expired_ratio=_ratio(expired, admitted),
+            dispatched_service_tokens=self._dispatched_tokens,
+            service_tokens_per_ms=self._rate,
+        )
+
+
+def _round(value: float | None, places: int) -> float | None:
+    return None if value is None else round(value, places)
+
+
+def fairness_to_json(report: FairnessReport) -> dict[str, object]:
+    """The report as JSON-ready data; ratios rounded to 4 places, fair shares to 2."""
+    return {
+        "window_ms": list(report.window_ms),
+        "service_tokens_per_ms": report.service_tokens_per_ms,
+        "dispatched_service_tokens": report.dispatched_service_tokens,
+        "utilisation": round(report.utilisation, 4),
+        "admitted_requests": report.admitted_requests,
+        "admitted_then_expired": report.admitted_then_expired,
+        "admitted_then_expired_ratio": _round(report.admitted_then_expired_ratio, 4),
+        "jain_by_lane": {lane: _round(j, 4) for lane, j in report.jain_by_lane.items()},
+        "tenants": {
+            tenant_id: {
+                "priority_class": t.priority_class,
+                "weight": t.weight,
+                "offered_requests": t.offered_requests,
+                "offered_service_tokens": t.offered_service_tokens,
+                "admitted_requests": t.admitted_requests,
+                "served_requests": t.served_requests,
+                "served_service_tokens": t.served_service_tokens,
+                "fair_share_service_tokens": round(t.fair_share_service_tokens, 2),
+                "served_over_fair": _round(t.served_over_fair, 4),
+                "demand_served": _round(t.demand_served, 4),
+                "refused_by_reason": dict(t.refused_by_reason),
+                "admitted_then_expired": t.admitted_then_expired,
+            }
+            for tenant_id, t in report.tenants.items()
+        },
+    }
+
+
+def _optional(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_fairness(report: FairnessReport) -> str:
+    """A fixed-width text table, indented two spaces (it sits under a policy's block)."""
+    start_ms, end_ms = report.window_ms
+    jain = ", ".join(
+        f"{lane} {_optional(value, '.4f')}" for lane, value in report.jain_by_lane.items()
+    )
+    expired_ratio = _optional(report.admitted_then_expired_ratio, ".2%")
+    lines = [
+        f"  fairness over {start_ms:.2f}..{end_ms:.2f} ms: utilisation "
+        f"{report.utilisation:.4f}; admitted then expired {report.admitted_then_expired}/"
+        f"{report.admitted_requests} ({expired_ratio}); Jain {jain}",
+        f"  {'tenant':<22}{'lane':<12}{'weight':>7}{'served/offered req':>20}"
+        f"{'served tok':>13}{'offered tok':>13}{'fair share':>13}{'served/fair':>13}"
+        f"{'demand':>9}{'expired':>9}  refused",
+    ]
+    for tenant_id, t in report.tenants.items():
+        refused = " ".join(f"{reason}={n}" for reason, n in t.refused_by_reason.items())
+        requests = f"{t.served_requests}/{t.offered_requests}"
+        lines.append(
+            f"  {tenant_id:<22}{t.priority_class:<12}{t.weight:>7g}{requests:>20}"
+            f"{t.served_service_tokens:>13}{t.offered_service_tokens:>13}"
+            f"{t.fair_share_service_tokens:>13.1f}{_optional(t.served_over_fair, '.4f'):>13}"
+            f"{_optional(t.demand_served, '.1%'):>9}{t.admitted_then_expired:>9}  "
+            f"{refused or '-'}"
+        )
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,573 @@
+"""Request records (JSONL): the trace format the simulator replays and the sidecar writes.
+
+One JSON object per line. The schema is :class:`TraceLine`, written once and decoded by a
+compiled decoder (msgspec; ~0.7 µs a line, validated): required ``request_id`` (str),
+``tenant_id`` (str), ``arrival_ms`` (number >= 0), ``prefill_tokens`` and ``decode_tokens``
+(int >= 0), ``priority_class`` (``interactive|batch``); optional observed fields
+``actual_prefill_tokens``, ``actual_decode_tokens`` (what the backend reported), ``ttft_ms`` and
+``e2e_ms`` (observed times). Outcome fields of a decision record (``status_code``, ``reason``,
+``queue_wait_ms``, …, see :data:`OUTCOME_FIELDS`) may be present and are skipped, so a
+sidecar's records replay as they are. Any other key is an error. Errors name ``file:line``, the
+field and the rule (:func:`_trace_error` rewords the decoder's). Schema: docs/records.md.
+
+Reading: :func:`read_trace` (a list), :func:`iter_trace_lines` (a validated stream),
+:func:`scan_trace` (one validating pass, nothing kept but the ids) and :func:`stream_requests`
+(a scanned file straight into ``Request`` objects, for a replay that reads the file once per
+policy; :func:`stream_arrivals` the same as the replay's arrivals).
+
+Decision records are written by :func:`decision_to_json` (the sidecar, loadgen) or
+:func:`encode_decision` (its bytes without the dict: ``tokenfair simulate --records``) and read
+back into ``Decision`` objects by :func:`read_decisions` (``tokenfair report``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Final, TextIO, TypeVar, cast, get_args
+
+import msgspec
+
+from tokenfair.config import PRIORITY_CLASSES, PriorityClass, shown
+from tokenfair.core import Decision, Request
+from tokenfair.core.cost import MAX_REQUEST_TOKENS, service_tokens
+
+# ---------------------------------------------------------------------------------------------
+# The request record schema: one definition, read by a compiled decoder (msgspec).
+
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_REQUEST_TOKENS)]
+NonNegativeMs = Annotated[float, msgspec.Meta(ge=0)]
+NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class TraceLine(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False):
+    """One request record as it is on the wire: **the** schema of a trace line (docs/records.md).
+
+    Required fields have no default; the observed ones default to ``None`` (absent and ``null``
+    mean the same). Integers must be JSON integers, booleans are not numbers, ``arrival_ms``
+    and the observed times are finite numbers >= 0. Decoded by :data:`_DECODER`, which also
+    accepts (and skips undecoded) the outcome fields of a decision record, so a sidecar's
+    records replay as they are; any other key is an error. ``gc=False``: a record holds no
+    containers, so the cyclic collector need not track it.
+    """
+
+    request_id: NonEmptyText
+    tenant_id: NonEmptyText
+    arrival_ms: NonNegativeMs
+    prefill_tokens: TokenCount
+    decode_tokens: TokenCount
+    priority_class: PriorityClass
+    actual_prefill_tokens: TokenCount | None = None
+    actual_decode_tokens: TokenCount | None = None
+    ttft_ms: NonNegativeMs | None = None
+    e2e_ms: NonNegativeMs | None = None
+
+
+_TRACE_FIELDS: Final = msgspec.structs.fields(TraceLine)
+REQUIRED_FIELDS: Final = tuple(f.name for f in _TRACE_FIELDS if f.required)
+OBSERVED_FIELDS: Final = tuple(f.name for f in _TRACE_FIELDS if not f.required)
+OUTCOME_FIELDS: Final = frozenset(f.name for f in dataclasses.fields(Decision)) | {
+    "policy",
+    "estimated_service_tokens",
+}
+"""Decision-record fields a request record may carry (ignored on replay)."""
+
+# The wire type adds the outcome-only fields as `Raw`: accepted, never decoded (no cost beyond
+# skipping them). Built from `Decision`'s fields so a new outcome field replays at once.
+_TraceWire = msgspec.defstruct(
+    "_TraceWire",
+    [
+        (name, msgspec.Raw, msgspec.Raw())
+        for name in sorted(OUTCOME_FIELDS - set(REQUIRED_FIELDS) - set(OBSERVED_FIELDS))
+    ],
+    bases=(TraceLine,),
+    forbid_unknown_fields=True,
+    frozen=True,
+    gc=False,
+)
+_DECODER: Final = msgspec.json.Decoder(cast(type[TraceLine], _TraceWire))
+
+
+class TraceError(ValueError):
+    """A trace line broke the schema; the message names the file, line and field."""
+
+
+def _rule(info: msgspec.inspect.Type, declared: object) -> str | None:
+    """The rule a field's type states, as the error messages word it (None: not described).
+    ``declared`` is the annotation itself: a ``Literal``'s values in the order written."""
+    if isinstance(info, msgspec.inspect.UnionType):  # `X | None`: the rule is X's
+        kinds = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
+        return _rule(kinds[0], declared) if len(kinds) == 1 else None
+    if isinstance(info, msgspec.inspect.IntType) and info.ge == 0:
+        return "an integer >= 0" + ("" if info.le is None else f" and <= {info.le}")
+    if isinstance(info, msgspec.inspect.FloatType) and info.ge == 0:
+        return "a number >= 0"
+    if isinstance(info, msgspec.inspect.StrType) and info.min_length == 1:
+        return "a non-empty string"
+    if isinstance(info, msgspec.inspect.LiteralType):  # (its `values` are sorted)
+        return f"one of {', '.join(map(str, get_args(declared) or info.values))}"
+    return None
+
+
+_SCHEMA: Final = msgspec.inspect.type_info(TraceLine)
+assert isinstance(_SCHEMA, msgspec.inspect.StructType)
+_FIELD_RULES: Final[dict[str, str | None]] = {
+    field.name: _rule(field.type, declared.type)
+    for field, declared in zip(_SCHEMA.fields, _TRACE_FIELDS, strict=True)
+}
+_AT_FIELD: Final = " - at `$."
+
+
+def _trace_error(line: bytes, where: str, exc: msgspec.MsgspecError) -> TraceError:
+    """The decoder's refusal of ``line`` in the project's words: file:line, field(s), rule.
+
+    Only the error path pays for this: the line is decoded again with ``json`` to name every
+    unknown or missing key at once and to show the offending value.
+    """
+    if not isinstance(exc, msgspec.ValidationError):  # (a ValidationError is a DecodeError)
+        return TraceError(f"{where}: invalid JSON ({exc})")
+    try:
+        data = json.loads(line)
+    except ValueError:  # the two JSON grammars differ at the edges (NaN, huge numbers)
+        return TraceError(f"{where}: invalid JSON ({exc})")
+    if not isinstance(data, dict):
+        return TraceError(f"{where}: a record must be a JSON object")
+    unknown = sorted(set(data) - _TRACE_ACCEPTED)
+    if unknown:
+        return TraceError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    missing = [name for name in REQUIRED_FIELDS if name not in data]
+    if missing:
+        return TraceError(f"{where}: missing field(s) {', '.join(missing)}")
+    message = str(exc)
+    name = message.partition(_AT_FIELD)[2].rstrip("`")
+    rule = _FIELD_RULES.get(name)
+    if rule is None:  # a path the schema does not describe: msgspec's own words
+        return TraceError(f"{where}: {message}")
+    return TraceError(f"{where}: {name} must be {rule} (got {shown(data.get(name))})")
+
+
+def decode_line(line: bytes, where: str) -> TraceLine:
+    """Decode and validate one JSONL line; ``where`` (``file:line``) prefixes every error."""
+    try:
+        return _DECODER.decode(line)
+    except msgspec.MsgspecError as exc:
+        raise _trace_error(line, where, exc) from None
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRecord:
+    """A request and what was observed when it ran (``None`` where unknown)."""
+
+    request: Request
+    actual_prefill_tokens: int | None = None
+    actual_decode_tokens: int | None = None
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+
+    @classmethod
+    def from_line(cls, line: TraceLine) -> TraceRecord:
+        """The record of a decoded line (its outcome fields, if any, are not kept)."""
+        request = Request(
+            line.request_id,
+            line.tenant_id,
+            line.arrival_ms,
+            line.prefill_tokens,
+            line.decode_tokens,
+            line.priority_class,
+        )
+        return cls(
+            request,
+            line.actual_prefill_tokens,
+            line.actual_decode_tokens,
+            line.ttft_ms,
+            line.e2e_ms,
+        )
+
+    def actual_tokens(self) -> tuple[int, int] | None:
+        """Observed ``(prefill, decode)`` tokens (a side not recorded takes the request's), or
+        None when the record carries neither."""
+        if self.actual_prefill_tokens is None and self.actual_decode_tokens is None:
+            return None
+        prefill = self.request.prefill_tokens
+        decode = self.request.decode_tokens
+        if self.actual_prefill_tokens is not None:
+            prefill = self.actual_prefill_tokens
+        if self.actual_decode_tokens is not None:
+            decode = self.actual_decode_tokens
+        return prefill, decode
+
+    def actual_service_tokens(self, decode_weight: float) -> int | None:
+        """Observed usage in service tokens, or None when the record carries none."""
+        tokens = self.actual_tokens()
+        return None if tokens is None else service_tokens(*tokens, decode_weight)
+
+    def to_json(self) -> dict[str, object]:
+        request = self.request
+        out: dict[str, object] = {
+            "request_id": request.request_id,
+            "tenant_id": request.tenant_id,
+            "arrival_ms": request.arrival_ms,
+            "prefill_tokens": request.prefill_tokens,
+            "decode_tokens": request.decode_tokens,
+            "priority_class": request.priority_class,
+        }
+        for name in OBSERVED_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+def _int(where: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TraceError(f"{where}: {name} must be an integer >= 0 (got {value!r})")
+    return value
+
+
+def _ms(where: str, name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise TraceError(f"{where}: {name} must be a number >= 0 (got {value!r})")
+    return float(value)
+
+
+def _record_header(
+    data: object, where: str, accepted: Collection[str], required: Sequence[str]
+) -> tuple[dict[str, Any], PriorityClass]:
+    """The checks of a decision record (``parse_decision``): a JSON object with only
+    ``accepted`` keys, every ``required`` one, and a known ``priority_class``."""
+    if not isinstance(data, dict):
+        raise TraceError(f"{where}: a record must be a JSON object")
+    unknown = sorted(set(data) - set(accepted))
+    if unknown:
+        raise TraceError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    missing = [name for name in required if name not in data]
+    if missing:
+        raise TraceError(f"{where}: missing field(s) {', '.join(missing)}")
+    priority = data["priority_class"]
+    if priority not in PRIORITY_CLASSES:
+        raise TraceError(
+            f"{where}: priority_class must be one of {', '.join(PRIORITY_CLASSES)} "
+            f"(got {priority!r})"
+        )
+    return data, priority
+
+
+_TRACE_ACCEPTED: Final = frozenset(REQUIRED_FIELDS) | frozenset(OBSERVED_FIELDS) | OUTCOME_FIELDS
+
+
+def iter_trace_lines(
+    path: str | Path,
+    known_tenants: Mapping[str, object] | Collection[str] | None = None,
+    *,
+    unique_ids: bool = True,
+) -> Iterator[TraceLine]:
+    """Stream a JSONL trace, one validated :class:`TraceLine` per non-blank line, in file order.
+
+    With ``known_tenants``, every tenant must be one of them. With ``unique_ids`` (the default)
+    a repeated ``request_id`` is an error; that check keeps every id seen so far (the one
+    per-request cost of the stream: a caller that has checked the file once may turn it off).
+    Errors name ``path:line``. Nothing else is kept: memory does not grow with the file.
+    """
+    seen: set[str] = set()
+    for number, record in _decoded_lines(path, _DECODER):
+        if unique_ids:
+            if record.request_id in seen:
+                raise TraceError(f"{path}:{number}: duplicate request_id {record.request_id!r}")
+            seen.add(record.request_id)
+        if known_tenants is not None and record.tenant_id not in known_tenants:
+            raise TraceError(
+                f"{path}:{number}: tenant_id {record.tenant_id!r} is not in the tenants "
+                f"file (known: {', '.join(known_tenants)})"
+            )
+        yield record
+
+
+def _decoded_lines(path: str | Path, decoder: msgspec.json.Decoder[_T]) -> Iterator[tuple[int, _T]]:
+    """``(line number, decoded line)`` for each non-blank line of ``path``, in file order; a
+    line the decoder refuses raises :class:`TraceError` naming ``path:line``, field and rule."""
+    decode = decoder.decode
+    try:
+        with Path(path).open("rb") as handle:
+            for number, line in enumerate(handle, start=1):
+                try:
+                    decoded = decode(line)
+                except msgspec.MsgspecError as exc:
+                    if not line.strip():
+                        continue
+                    raise _trace_error(line, f"{path}:{number}", exc) from None
+                yield number, decoded
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
+
+
+def read_trace(
+    path: str | Path, known_tenants: Mapping[str, object] | None = None
+) -> list[TraceRecord]:
+    """Read and validate a JSONL trace; with ``known_tenants``, every tenant must be known."""
+    records = [TraceRecord.from_line(line) for line in iter_trace_lines(path, known_tenants)]
+    if not records:
+        raise TraceError(f"{path}: no records")
+    return records
+
+
+@dataclass(frozen=True, slots=True)
+class TraceScan:
+    """What one validating pass over a trace file learnt (:func:`scan_trace`)."""
+
+    records: int
+    in_order: bool
+    """Every line comes after the one before it in ``(arrival_ms, request_id)`` order: the
+    replay can stream the file as it is (otherwise it must hold and sort it)."""
+    first_arrival_ms: float
+    """The smallest ``arrival_ms``."""
+    last_arrival_ms: float
+    """The largest ``arrival_ms``."""
+    observed_usage: bool
+    """Some record carries ``actual_prefill_tokens`` or ``actual_decode_tokens``."""
+
+
+def scan_trace(path: str | Path, known_tenants: Mapping[str, object] | None = None) -> TraceScan:
+    """Validate a whole trace (every rule of :func:`iter_trace_lines`, an empty file is an
+    error) and return its :class:`TraceScan`; keeps nothing of the records but their ids."""
+    count = 0
+    in_order = True
+    observed_usage = False
+    first_ms = last_ms = math.nan
+    previous_ms, previous_id = -math.inf, ""
+    for line in iter_trace_lines(path, known_tenants):
+        count += 1
+        arrival_ms = line.arrival_ms
+        if count == 1:
+            first_ms = arrival_ms
+        # In order (the usual case) the first line has the smallest arrival and the last line
+        # the largest: one comparison a line instead of a min and a max.
+        if not in_order:
+            first_ms = min(first_ms, arrival_ms)
+            last_ms = max(last_ms, arrival_ms)
+        elif arrival_ms > previous_ms or (
+            arrival_ms == previous_ms and line.request_id > previous_id
+        ):
+            previous_ms, previous_id = arrival_ms, line.request_id
+        else:
+            in_order = False
+            first_ms, last_ms = min(first_ms, arrival_ms), previous_ms
+        if not observed_usage and (
+            line.actual_prefill_tokens is not None or line.actual_decode_tokens is not None
+        ):
+            observed_usage = True
+    if not count:
+        raise TraceError(f"{path}: no records")
+    if in_order:
+        last_ms = previous_ms
+    return TraceScan(count, in_order, first_ms, last_ms, observed_usage)
+
+
+_REQUEST_DECODER: Final = msgspec.json.Decoder(Request)
+
+
+def stream_requests(path: str | Path) -> Iterator[Request]:
+    """The requests of a trace that :func:`scan_trace` has validated, straight from the file.
+
+    Decodes into ``Request`` in one step (types checked, the other fields skipped), about
+    twice as fast as :func:`iter_trace_lines` then building each ``Request``: the fast path of
+    a replay that reads the file once per policy. A line that no longer decodes (the file
+    changed since its scan) raises ``TraceError`` naming it.
+    """
+    for _, request in _decoded_lines(path, _REQUEST_DECODER):
+        yield request
+
+
+def stream_arrivals(path: str | Path) -> Iterator[tuple[Request, None, None]]:
+    """``(request, None, None)`` for each request of :func:`stream_requests`: the arrivals of
+    a scanned trace without recorded usage, as the replay takes them (``simulator.Arrival``)."""
+    for _, request in _decoded_lines(path, _REQUEST_DECODER):
+        yield (request, None, None)
+
+
+def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
+    with Path(path).open("w", encoding="utf-8") as handle:
+        dump_trace(handle, records)
+
+
+def dump_trace(handle: TextIO, records: Iterable[TraceRecord]) -> None:
+    """Write request records as JSONL to an open stream."""
+    for record in records:
+        handle.write(json.dumps(record.to_json(), separators=(",", ":")) + "\n")
+
+
+DECISION_FIELDS: Final = tuple(f.name for f in dataclasses.fields(Decision))
+"""``Decision``'s fields in declaration order (the order of a decision record's keys)."""
+
+
+def decision_to_json(decision: Decision, policy: str | None = None) -> dict[str, object]:
+    """A decision record: ``policy`` (when given), then the lesson's outcome fields, then ours.
+
+    The same dict ``dataclasses.asdict`` gives (``observed`` copied), built field by field:
+    ``asdict`` deep-copies every value and was a large share of the sidecar's per-request CPU.
+    """
+    out: dict[str, object] = {} if policy is None else {"policy": policy}
+    for name in DECISION_FIELDS:
+        out[name] = getattr(decision, name)
+    out["observed"] = dict(decision.observed)
+    return out
+
+
+_ENCODER: Final = msgspec.json.Encoder()
+
+
+def encode_decision(decision: Decision, policy: str | None = None) -> bytes:
+    """The JSONL line (newline included) of :func:`decision_to_json`'s record, encoded from the
+    ``Decision`` itself: no per-record dict. Same keys in the same order and the same values
+    (``json.loads`` of it equals ``decision_to_json``); numbers are written the shortest way
+    that reads back exactly, as ``json.dumps`` does. A record holding a non-finite number
+    (which JSON lacks; msgspec would write ``null``) is written by ``json.dumps`` instead, as
+    ``Infinity``/``NaN``, so that it reads back as it was."""
+    finite = math.isfinite(
+        decision.arrival_ms
+        + decision.kv_occupancy_ratio
+        + decision.queue_wait_ms
+        + decision.ttft_ms
+        + (decision.dispatch_ms or 0.0)
+        + (decision.retry_after_ms or 0.0)
+        + sum(decision.observed.values())
+    )  # one sum: any inf or nan makes it non-finite (an overflow only takes the slow path)
+    if not finite:
+        line = json.dumps(decision_to_json(decision, policy), separators=(",", ":"))
+        return line.encode() + b"\n"
+    body = _ENCODER.encode(decision)
+    if policy is None:
+        return body + b"\n"
+    return b'{"policy":' + _ENCODER.encode(policy) + b"," + body[1:] + b"\n"
+
+
+def write_decisions(path: str | Path, results: Mapping[str, Iterable[Decision]]) -> None:
+    with Path(path).open("wb") as handle:
+        for policy, decisions in results.items():
+            handle.writelines(encode_decision(decision, policy) for decision in decisions)
+
+
+def dump_decisions(handle: TextIO, results: Mapping[str, Iterable[Decision]]) -> None:
+    for policy, decisions in results.items():
+        for decision in decisions:
+            handle.write(encode_decision(decision, policy).decode())
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading decision records back (``tokenfair report``): the inverse of ``decision_to_json``.
+
+DECISION_REQUIRED_FIELDS: Final = tuple(
+    f.name
+    for f in dataclasses.fields(Decision)
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+)
+"""The fields a decision record must have: those of ``Decision`` without a default."""
+_DECISION_ACCEPTED: Final = (
+    frozenset(DECISION_FIELDS)
+    | {"policy", "estimated_service_tokens"}
+    | set(REQUIRED_FIELDS)
+    | set(OBSERVED_FIELDS)
+)
+_T = TypeVar("_T")
+_D = TypeVar("_D")
+UNNAMED_POLICY: Final = "unnamed"
+"""The group of decision records that carry no ``policy``."""
+
+
+def _text(where: str, name: str, value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise TraceError(f"{where}: {name} must be a non-empty string (got {value!r})")
+    return value
+
+
+def _optional(
+    where: str,
+    data: Mapping[str, object],
+    name: str,
+    parse: Callable[[str, str, object], _T],
+    default: _D,
+) -> _T | _D:
+    """``parse(where, name, value)`` of an optional field; ``default`` when absent or null."""
+    value = data.get(name)
+    return default if value is None else parse(where, name, value)
+
+
+def _observed(where: str, name: str, value: object) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise TraceError(f"{where}: {name} must be an object of numbers (got {value!r})")
+    for key, number in value.items():
+        if isinstance(number, bool) or not isinstance(number, int | float):
+            raise TraceError(f"{where}: {name}.{key} must be a number (got {number!r})")
+    return {key: float(number) for key, number in value.items()}
+
+
+def parse_decision(data: object, where: str) -> tuple[str, Decision]:
+    """Validate one decoded decision record; returns ``(policy, decision)``.
+
+    Accepts what :func:`decision_to_json` writes and what the sidecar and loadgen write (a
+    decision record plus the request fields; those are checked and dropped). Required: the
+    fields of :data:`DECISION_REQUIRED_FIELDS`; ``policy`` defaults to :data:`UNNAMED_POLICY`.
+    """
+    data, priority_class = _record_header(data, where, _DECISION_ACCEPTED, DECISION_REQUIRED_FIELDS)
+    # The request fields a live record carries: validated so a corrupt line is named, not used.
+    for name in ("prefill_tokens", "decode_tokens", "estimated_service_tokens"):
+        _optional(where, data, name, _int, None)
+    for name in ("actual_prefill_tokens", "actual_decode_tokens"):
+        _optional(where, data, name, _int, None)
+    _optional(where, data, "e2e_ms", _ms, None)
+    decision = Decision(
+        request_id=_text(where, "request_id", data["request_id"]),
+        tenant_id=_text(where, "tenant_id", data["tenant_id"]),
+        priority_class=priority_class,
+        status_code=_int(where, "status_code", data["status_code"]),
+        reason=_text(where, "reason", data["reason"]),
+        gate=_text(where, "gate", data["gate"]),
+        service_tokens=_int(where, "service_tokens", data["service_tokens"]),
+        arrival_ms=_ms(where, "arrival_ms", data["arrival_ms"]),
+        kv_occupancy_ratio=_optional(where, data, "kv_occupancy_ratio", _ms, 0.0),
+        queue_wait_ms=_optional(where, data, "queue_wait_ms", _ms, 0.0),
+        ttft_ms=_optional(where, data, "ttft_ms", _ms, 0.0),
+        dispatch_ms=_optional(where, data, "dispatch_ms", _ms, None),
+        retry_after_ms=_optional(where, data, "retry_after_ms", _ms, None),
+        actual_service_tokens=_optional(where, data, "actual_service_tokens", _int, None),
+        observed=_optional(where, data, "observed", _observed, dict[str, float]()),
+    )
+    policy = _optional(where, data, "policy", _text, UNNAMED_POLICY)
+    return policy, decision
+
+
+def read_decisions(path: str | Path) -> dict[str, list[Decision]]:
+    """Read decision records (JSONL) grouped by ``policy``, in file order within each group.
+
+    A ``request_id`` may appear once per policy; an empty file is an error.
+    """
+    results: dict[str, list[Decision]] = {}
+    seen: dict[str, set[str]] = {}
+    try:
+        with Path(path).open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    data = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TraceError(f"{where}: invalid JSON ({exc.msg})") from None
+                policy, decision = parse_decision(data, where)
+                ids = seen.setdefault(policy, set())
+                if decision.request_id in ids:
+                    raise TraceError(
+                        f"{where}: duplicate request_id {decision.request_id!r} (policy {policy!r})"
+                    )
+                ids.add(decision.request_id)
+                results.setdefault(policy, []).append(decision)
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise TraceError(f"{path}: not UTF-8 text ({exc.reason})") from None
+    if not results:
+        raise TraceError(f"{path}: no records")
+    return results

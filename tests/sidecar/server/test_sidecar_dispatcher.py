@@ -1,0 +1,148 @@
+"""The dispatcher between asyncio and the scheduling core, on a fake clock (no sleeping).
+
+Behaviours: the in-flight limit holds requests in the core's queue; a completion dispatches the
+next one at once; a waiter cancelled while queued leaves the queue (refunded); a waiter cancelled
+in the very instant its request is dispatched is settled at zero usage; KV is held ``kv_hold_ms``
+after dispatch and released by a timer; a drain answers every queued waiter; the books balance
+after each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from sidecar_support import ZERO_BOOKS, keyed_config
+
+from tokenfair.core import Decision, Request, make_scheduler
+from tokenfair.server.dispatcher import Dispatcher, ModelClock
+from tokenfair.server.lifecycle import Lifecycle, Phase
+
+
+class FakeClock(ModelClock):
+    """Model time that moves only when the test says so; ``time_scale`` maps it to timers."""
+
+    def __init__(self) -> None:
+        super().__init__(time_scale=0.001)
+        self.model_ms = 0.0
+
+    def now_ms(self) -> float:
+        return self.model_ms
+
+
+def make_dispatcher(max_in_flight: int = 1) -> tuple[Dispatcher, FakeClock]:
+    clock = FakeClock()
+    scheduler = make_scheduler("tokenfair", keyed_config(), clock.now_ms())
+    return Dispatcher(scheduler, clock, max_in_flight), clock
+
+
+def chat(request_id: str, at_ms: float = 0.0) -> Request:
+    # 280 + 4 * 90 = 640 service tokens, ceil(370 / 16) = 24 KV blocks.
+    return Request(request_id, "tenant_chat_pro", at_ms, 280, 90, "interactive")
+
+
+def waiter(lifecycle: Lifecycle) -> asyncio.Future[Decision]:
+    assert lifecycle.future is not None
+    return lifecycle.future
+
+
+def queued(lifecycle: Lifecycle) -> Lifecycle:
+    assert lifecycle.phase is not Phase.REFUSED, lifecycle.decision
+    assert lifecycle.future is not None
+    return lifecycle
+
+
+async def test_in_flight_limit_and_dispatch_on_completion() -> None:
+    dispatcher, clock = make_dispatcher()
+    first, second = queued(dispatcher.submit(chat("a"))), queued(dispatcher.submit(chat("b")))
+    assert waiter(first).done()
+    assert waiter(first).result().admitted
+    assert not waiter(second).done()
+    assert dispatcher.scheduler.books().queued_requests == 1
+    clock.model_ms = 14.0
+    dispatcher.settle(first, 640, kv_hold_ms=0.0)
+    assert waiter(second).done()
+    assert waiter(second).result().admitted
+    assert waiter(second).result().queue_wait_ms == 14.0
+    dispatcher.settle(second, 600, kv_hold_ms=0.0)
+    assert dispatcher.scheduler.books() == ZERO_BOOKS
+    # Settled to actual usage: 640 + 600.
+    assert dispatcher.scheduler.tenants["tenant_chat_pro"].served_tokens == 1240
+
+
+async def test_cancel_while_queued_refunds() -> None:
+    dispatcher, _ = make_dispatcher()
+    running = queued(dispatcher.submit(chat("a")))
+    waiting = queued(dispatcher.submit(chat("b")))
+    task = asyncio.create_task(dispatcher.wait(waiting))
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert waiting.phase is Phase.LEFT_QUEUE
+    assert waiting.decision is not None
+    assert waiting.decision.reason == "cancelled"
+    assert dispatcher.scheduler.books().queued_requests == 0
+    dispatcher.settle(running, None, kv_hold_ms=0.0)
+    assert dispatcher.scheduler.books() == ZERO_BOOKS
+
+
+async def test_cancelled_in_the_instant_of_dispatch_settles_at_zero() -> None:
+    dispatcher, _ = make_dispatcher()
+    running = queued(dispatcher.submit(chat("a")))
+    waiting = queued(dispatcher.submit(chat("b")))
+    task = asyncio.create_task(dispatcher.wait(waiting))
+    await asyncio.sleep(0)
+    task.cancel()  # its future is cancelled now; its handler has not run yet
+    dispatcher.settle(running, 640, kv_hold_ms=0.0)  # ... and the pump dispatches it
+    await asyncio.gather(task, return_exceptions=True)
+    assert waiting.phase is Phase.SETTLED  # dispatched, then settled at zero
+    assert waiting.booked_service_tokens == 0
+    assert dispatcher.scheduler.books() == ZERO_BOOKS
+    # Only the first request's 640 tokens were served; the second settled at zero.
+    assert dispatcher.scheduler.tenants["tenant_chat_pro"].served_tokens == 640
+
+
+async def test_kv_is_held_after_completion_then_released() -> None:
+    dispatcher, _ = make_dispatcher()
+    lifecycle = queued(dispatcher.submit(chat("a")))
+    # Held 100 model ms after dispatch = 0.1 real ms at time_scale 0.001.
+    dispatcher.settle(lifecycle, None, kv_hold_ms=100.0)
+    assert dispatcher.scheduler.books().resident_kv_blocks == 24
+    assert dispatcher.scheduler.books().running_requests == 0
+    assert await dispatcher.wait_idle(1.0)
+    for _ in range(100):
+        if dispatcher.scheduler.books() == ZERO_BOOKS:
+            break
+        await asyncio.sleep(0.001)
+    assert dispatcher.scheduler.books() == ZERO_BOOKS
+
+
+async def test_drain_answers_queued_waiters_and_close_releases_kv() -> None:
+    dispatcher, _ = make_dispatcher()
+    running = queued(dispatcher.submit(chat("a")))
+    waiters = [queued(dispatcher.submit(chat(f"q{i}"))) for i in range(3)]
+    assert dispatcher.drain() == 3
+    assert all(w.drained and w.future is not None and waiter(w).done() for w in waiters)
+    assert dispatcher.scheduler.books().queued_requests == 0
+    dispatcher.settle(running, None, kv_hold_ms=1e9)  # would hold KV for ages
+    dispatcher.close()
+    assert dispatcher.scheduler.books() == ZERO_BOOKS
+
+
+async def test_served_requests_leave_no_bookkeeping_behind() -> None:
+    # A regression: skipping the core's wake-up computation on an empty queue also skipped the
+    # pruning of its deadline heap, which then kept every served request (RSS grew ~30 MiB in
+    # bench/bench_sidecar.py). Serve many requests one at a time, each completing before the
+    # next arrives (the queue is empty between them): nothing may accumulate.
+    clock = FakeClock()
+    config = keyed_config(burst_service_tokens=10**9)  # no budget waits: dispatched at once
+    scheduler = make_scheduler("tokenfair", config, clock.now_ms())
+    dispatcher = Dispatcher(scheduler, clock, max_in_flight=4)
+    for n in range(500):
+        clock.model_ms = float(n)
+        lifecycle = queued(dispatcher.submit(chat(f"r{n}", at_ms=clock.model_ms)))
+        assert waiter(lifecycle).result().admitted
+        dispatcher.settle(lifecycle, 600, kv_hold_ms=0.0)
+    assert scheduler.books() == ZERO_BOOKS
+    assert not scheduler.jobs
+    # The deadline heap is the core's private index; it must stay O(requests in flight).
+    assert len(scheduler._deadlines) <= 1
