@@ -69,7 +69,7 @@ from tokenfair.config import api_key_digest  # noqa: E402
 from tokenfair.core import make_scheduler  # noqa: E402
 from tokenfair.core.jobs import Request  # noqa: E402
 from tokenfair.core.scheduler import Scheduler  # noqa: E402
-from tokenfair.server.settings import loads_sidecar_file  # noqa: E402
+from tokenfair.server.runtime_settings import loads_sidecar_file  # noqa: E402
 from tokenfair_operator import PolicyView, QuotaView, render_config  # noqa: E402
 from tokenfair_operator.reconcile import Reconciler  # noqa: E402
 from tokenfair_operator.render import KeyLookup  # noqa: E402

@@ -22,7 +22,7 @@ from tokenfair.config import (
 from tokenfair.core import Books
 from tokenfair.core.cost import CostModel
 from tokenfair.server import SIDECAR, Sidecar, create_admin_app, create_app, make_backend
-from tokenfair.server.settings import SidecarSettings
+from tokenfair.server.runtime_settings import SidecarSettings
 from tokenfair.sim.scenarios import LESSON_TENANTS
 
 KEYS = {

@@ -42,7 +42,7 @@ from test_operator_leader import _create_policy, api_client_for
 from tokenfair.config import config_to_document
 from tokenfair.server.reload import ConfigWatcher
 from tokenfair.server.remote import GENERATION_HEADER, RemoteFeed, RemoteSource
-from tokenfair.server.settings import LoadedFile
+from tokenfair.server.runtime_settings import LoadedFile
 from tokenfair_operator.documents import (
     Document,
     DocumentStore,

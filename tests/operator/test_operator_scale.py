@@ -53,7 +53,7 @@ from test_operator_kube import (
 )
 
 from tokenfair.config import MAX_DOCUMENT_BYTES, ConfigError
-from tokenfair.server.settings import loads_sidecar_file
+from tokenfair.server.runtime_settings import loads_sidecar_file
 from tokenfair_operator import PolicyView, QuotaView, render_config
 from tokenfair_operator.kube import KubeApi, api_client
 from tokenfair_operator.model import QUOTA_PLURAL, VERSION_ANNOTATION

@@ -20,7 +20,7 @@ from tokenfair.server.accesslog import (
     configure_access_logger,
 )
 from tokenfair.server.runner import serve
-from tokenfair.server.settings import (
+from tokenfair.server.runtime_settings import (
     BACKENDS,
     SECTION_FIELDS,
     SidecarSettings,

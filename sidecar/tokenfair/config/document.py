@@ -531,7 +531,7 @@ def loads_config(text: str, source: str = "<config>") -> Config:
 
 SIDECAR_SECTION: Final = "sidecar"
 """The ``TokenfairConfig`` section of the sidecar's runtime settings (listeners, backend, ...),
-read by ``tokenfair.server.settings``, not part of the policy contract."""
+read by ``tokenfair.server.runtime_settings``, not part of the policy contract."""
 
 
 def load_tenants_file(path: str | Path) -> Config:

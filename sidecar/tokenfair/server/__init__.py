@@ -5,7 +5,7 @@ from __future__ import annotations
 from tokenfair.server.admin import create_admin_app
 from tokenfair.server.app import SIDECAR, create_app
 from tokenfair.server.backends import Backend, make_backend
-from tokenfair.server.settings import (
+from tokenfair.server.runtime_settings import (
     LoadedFile,
     SidecarSettings,
     load_sidecar_file,

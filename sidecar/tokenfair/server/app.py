@@ -41,7 +41,7 @@ from tokenfair.server.proxy import (
 )
 from tokenfair.server.record_writer import RecordWriter
 from tokenfair.server.reload import watch_config
-from tokenfair.server.settings import SidecarSettings
+from tokenfair.server.runtime_settings import SidecarSettings
 from tokenfair.server.state import Sidecar
 from tokenfair.server.tracing import (
     RequestTracer,

@@ -52,7 +52,7 @@ from tokenfair.server.remote import (
     RemoteSource,
     parse_generation,
 )
-from tokenfair.server.settings import LoadedFile, loads_sidecar_file
+from tokenfair.server.runtime_settings import LoadedFile, loads_sidecar_file
 
 log = logging.getLogger("tokenfair.sidecar")
 

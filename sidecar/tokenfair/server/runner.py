@@ -41,7 +41,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 
 from tokenfair.server.admin import create_admin_app
 from tokenfair.server.app import SIDECAR
-from tokenfair.server.settings import SidecarSettings, parse_address
+from tokenfair.server.runtime_settings import SidecarSettings, parse_address
 
 log = logging.getLogger("tokenfair.sidecar")
 

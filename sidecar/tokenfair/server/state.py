@@ -53,7 +53,7 @@ from tokenfair.server.record_writer import (
     encode_record,
     minimal_record,
 )
-from tokenfair.server.settings import LoadedFile, SidecarSettings
+from tokenfair.server.runtime_settings import LoadedFile, SidecarSettings
 from tokenfair.server.tracing import RequestTracer, wall_ns_of
 
 log = logging.getLogger("tokenfair.sidecar")

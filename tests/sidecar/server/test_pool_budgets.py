@@ -61,7 +61,7 @@ from tokenfair.core import Request, Scheduler, make_scheduler
 from tokenfair.core.bucket import LeasedBucket
 from tokenfair.server import load_sidecar_file
 from tokenfair.server.pool import BudgetPool
-from tokenfair.server.settings import SidecarSettings
+from tokenfair.server.runtime_settings import SidecarSettings
 from tokenfair_operator.model import PolicyView, QuotaView
 from tokenfair_operator.render import PASSWORD_ENV, render_config
 

@@ -36,7 +36,7 @@ from sidecar_support import (
 )
 
 from tokenfair.config import PolicyConfig, build_config
-from tokenfair.server.settings import LoadedFile, SidecarSettings
+from tokenfair.server.runtime_settings import LoadedFile, SidecarSettings
 from tokenfair.sim.records import read_trace
 
 CHAT_BODY = {

@@ -35,7 +35,7 @@ from tokenfair.server.estimate import (
     estimate_embeddings,
     utf8_text,
 )
-from tokenfair.server.settings import SidecarSettings
+from tokenfair.server.runtime_settings import SidecarSettings
 
 
 def compact(value: object) -> int:

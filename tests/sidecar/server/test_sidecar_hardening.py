@@ -64,7 +64,7 @@ from tokenfair.server.dispatcher import Dispatcher, ModelClock
 from tokenfair.server.lifecycle import Lifecycle, Phase, Settlement
 from tokenfair.server.proxy import HAS_BROTLI, HAS_ZSTD
 from tokenfair.server.record_writer import RecordWriter
-from tokenfair.server.settings import SidecarSettings
+from tokenfair.server.runtime_settings import SidecarSettings
 
 USAGE_CHUNK = b'data: {"id":"c","object":"chat.completion.chunk","choices":[],'
 USAGE_CHUNK += b'"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}\n\n'

@@ -38,7 +38,7 @@ from tokenfair.server.lifecycle import (
     Settlement,
     begin,
 )
-from tokenfair.server.settings import SidecarSettings
+from tokenfair.server.runtime_settings import SidecarSettings
 
 
 def chat_request(request_id: str = "r-1", decode_tokens: int = 90) -> Request:

@@ -37,7 +37,7 @@ from tokenfair.config import PolicyConfig
 from tokenfair.config.budget_store import BudgetStoreConfig
 from tokenfair.core import Request, make_scheduler
 from tokenfair.core.scheduler import OVER_KV_CAPACITY, OVER_TENANT_BURST
-from tokenfair.server.settings import SidecarSettings
+from tokenfair.server.runtime_settings import SidecarSettings
 
 
 def records(path: Path) -> list[dict[str, object]]:

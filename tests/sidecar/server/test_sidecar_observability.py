@@ -35,7 +35,7 @@ from sidecar_support import (
 
 from tokenfair.config import ConfigError, PolicyConfig
 from tokenfair.server.accesslog import ACCESS_LOGGER, AccessLog, format_line
-from tokenfair.server.settings import SidecarSettings, settings_from_section
+from tokenfair.server.runtime_settings import SidecarSettings, settings_from_section
 
 SERVED_FIELDS = {
     "time", "request_id", "tenant", "priority_class", "method", "route", "model", "status",

@@ -31,7 +31,7 @@ from sidecar_support import (
 )
 
 from tokenfair.config import PolicyConfig
-from tokenfair.server.settings import SidecarSettings
+from tokenfair.server.runtime_settings import SidecarSettings
 
 
 @asynccontextmanager

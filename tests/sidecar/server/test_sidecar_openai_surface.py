@@ -46,7 +46,7 @@ from tokenfair.core.cost import CostModel
 from tokenfair.server import make_backend
 from tokenfair.server.backends.openai import request_headers
 from tokenfair.server.estimate import MAX_BATCH_INPUTS, MAX_TOKEN_ID
-from tokenfair.server.settings import (
+from tokenfair.server.runtime_settings import (
     UPSTREAM_API_KEY_FILE_ENV,
     SidecarSettings,
     read_upstream_api_key,

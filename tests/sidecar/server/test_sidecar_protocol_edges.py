@@ -36,7 +36,7 @@ from tokenfair.config import (
 from tokenfair.core.cost import CostModel
 from tokenfair.server import create_app, load_sidecar_file, make_backend
 from tokenfair.server.runner import quiet_malformed_requests
-from tokenfair.server.settings import SidecarSettings
+from tokenfair.server.runtime_settings import SidecarSettings
 
 KEY = KEYS["tenant_chat_pro"]
 BODY = b'{"model":"m","prompt":"hi","max_tokens":2}'

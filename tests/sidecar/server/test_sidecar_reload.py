@@ -51,7 +51,7 @@ from tokenfair.server.backends.openai import with_include_usage
 from tokenfair.server.estimate import EstimateError, chars4, decode_tokens
 from tokenfair.server.record_writer import RecordWriter
 from tokenfair.server.reload import ConfigWatcher
-from tokenfair.server.settings import (
+from tokenfair.server.runtime_settings import (
     SidecarSettings,
     loads_sidecar_file,
     settings_from_section,

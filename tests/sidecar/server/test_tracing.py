@@ -42,7 +42,7 @@ from sidecar_support import (
 from tokenfair.config import ConfigError, PolicyConfig
 from tokenfair.core.cost import CostModel
 from tokenfair.server import create_app, make_backend
-from tokenfair.server.settings import SidecarSettings
+from tokenfair.server.runtime_settings import SidecarSettings
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_SPAN_ID = "b7ad6b7169203331"

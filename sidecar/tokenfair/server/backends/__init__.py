@@ -19,7 +19,7 @@ from tokenfair.server.backends.base import (
 )
 from tokenfair.server.backends.costmodel import CostModelBackend
 from tokenfair.server.backends.openai import OpenAIBackend
-from tokenfair.server.settings import (
+from tokenfair.server.runtime_settings import (
     SidecarSettings,
     read_upstream_api_key,
     upstream_api_key_path,
@@ -30,7 +30,7 @@ def make_backend(
     settings: SidecarSettings, cost: CostModel, environ: Mapping[str, str] | None = None
 ) -> Backend:
     """The backend ``settings.backend`` names. The ``openai`` backend's upstream key is read
-    here, at start (:func:`~tokenfair.server.settings.read_upstream_api_key`: a
+    here, at start (:func:`~tokenfair.server.runtime_settings.read_upstream_api_key`: a
     ``ConfigError`` naming the file if it is unreadable or empty); ``environ`` (default: the
     process's) may name its file."""
     if settings.backend == "openai":

@@ -44,7 +44,7 @@ from aiohttp import web
 from tokenfair.core.cost import CostModel
 from tokenfair.server.backends.base import EMBEDDINGS_ROUTE, Backend, BackendCall
 from tokenfair.server.errors import error_response
-from tokenfair.server.settings import (
+from tokenfair.server.runtime_settings import (
     DEFAULT_EMBEDDING_DIMENSIONS,
     DEFAULT_SERVED_MODEL_NAMES,
 )
