@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 ROOT: Final = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # kubecluster and test_propagation's wiring
+sys.path.insert(0, str(ROOT / "tests"))  # kubecluster and the operator tests' support modules
 
 POLL_S: Final = 0.01
 TIMEOUT_S: Final = 60.0
@@ -101,7 +101,7 @@ def operator(kubeconfig: Path, ns: str, log: Path, env: dict[str, str]) -> Itera
     """The operator as the tests start it, with the shipped resync and usage periods (the tests'
     are 1 s); on exit, stopped, and a refused API call in its log fails the run."""
     from kubecluster import stop_process
-    from test_operator_kube import start_operator
+    from operator_support import start_operator
 
     from tokenfair_operator.settings import (
         DEFAULT_RESYNC_S,
@@ -122,17 +122,10 @@ def operator(kubeconfig: Path, ns: str, log: Path, env: dict[str, str]) -> Itera
 
 
 def operator_kubeconfig(cluster: Any, folder: Path) -> Path:
-    """The shipped ServiceAccount, ClusterRole and ClusterRoleBinding applied as they are, and a
-    kubeconfig holding a token of that ServiceAccount (the tests' fixture of that name)."""
-    from test_operator_kube import OPERATOR_NAMESPACE, RBAC
+    """The shipped RBAC applied and a kubeconfig of its ServiceAccount (as the tests' fixture)."""
+    from operator_support import shipped_rbac_kubeconfig
 
-    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(namespace))
-    for name in ("serviceaccount.yaml", "clusterrole.yaml", "clusterrolebinding.yaml"):
-        cluster.kubectl("apply", "-f", str(RBAC / name))
-    token = cluster.service_account_token(OPERATOR_NAMESPACE, "tokenfair-operator")
-    path: Path = cluster.write_kubeconfig(folder / "kubeconfig", token, user="tokenfair-operator")
-    return path
+    return shipped_rbac_kubeconfig(cluster, folder / "kubeconfig")
 
 
 def wait_until(what: str, probe: Callable[[], T | None], timeout_s: float = TIMEOUT_S) -> T:
@@ -147,8 +140,9 @@ def wait_until(what: str, probe: Callable[[], T | None], timeout_s: float = TIME
 
 def run(sidecar_count: int, rounds: int) -> None:
     import kubecluster
-    from test_operator_kube import get
-    from test_propagation import (
+    from loopback_support import free_ports
+    from operator_support import get
+    from propagation_support import (
         TRUST_CONFIGMAP,
         apply_lesson_and_wait,
         long_poll_env,
@@ -173,7 +167,7 @@ def run(sidecar_count: int, rounds: int) -> None:
         kubeconfig = operator_kubeconfig(cluster, folder)
         ns = cluster.create_namespace("bench")
         token = token_file(cluster, ns, "model", folder)  # TokenRequest, "tokenfair-config"
-        (https_port,) = kubecluster.free_ports(1)
+        (https_port,) = free_ports(1)
         env = tls_env(ns, https_port, folder / "operator.certs")
         stack.enter_context(operator(kubeconfig, ns, folder / "operator.log", env))
         apply_lesson_and_wait(cluster, ns)
@@ -191,7 +185,7 @@ def run(sidecar_count: int, rounds: int) -> None:
         admins: list[str] = []
         logs: list[Path] = []
         for i in range(sidecar_count):
-            proxy_port, admin_port = kubecluster.free_ports(2)
+            proxy_port, admin_port = free_ports(2)
             cmd = [str(bin_dir / "tokenfair"), "sidecar", "--config", str(config_file)]
             cmd += ["--backend", "costmodel", "--listen", f"127.0.0.1:{proxy_port}"]
             cmd += ["--admin-listen", f"127.0.0.1:{admin_port}"]

@@ -34,7 +34,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from loopback_support import free_ports
 
 pytest_plugins = ["pytester"]
 
@@ -359,16 +359,6 @@ def _json_object(raw: bytes) -> dict[str, Any]:
 
 
 # --- starting and stopping -------------------------------------------------------------------
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on 127.0.0.1 right now (the kernel's picks, all held
-    open until the last is chosen). A child may still lose one to a race: see START_ATTEMPTS."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def start_process(name: str, cmd: list[str], workdir: Path) -> subprocess.Popen[bytes]:

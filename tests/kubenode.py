@@ -59,13 +59,13 @@ from kubecluster import (
     ControlPlaneOptions,
     KubeCluster,
     find_binary,
-    free_ports,
     log_tail,
     require_binaries,
     running_cluster,
     start_process,
     stop_process,
 )
+from loopback_support import free_ports
 
 REQUIRE_NODE_ENV = "TOKENFAIR_REQUIRE_NODE"
 # Import this image tarball instead of the one `make image` made for the current sources (while

@@ -1,29 +1,133 @@
-"""Architecture rules that keep the components apart.
+"""Architecture rules that keep the components and the packages apart.
 
-- The sidecar package never imports Kopf, the Kubernetes client or the operator package (the
+- The sidecar's package never imports Kopf, the Kubernetes client or the operator package (the
   sidecar owns the config contract; the operator depends on it, never the reverse).
+- Inside ``tokenfair`` each package imports only what is below it (read from every ``import``
+  statement, function-level ones included, so a lazy import cannot hide a dependency):
+  ``config`` only itself; ``core`` no asyncio, aiohttp or anything but ``config``; ``sim`` not
+  the server, the load generator or the command line; ``loadgen`` (a client) and ``server`` not
+  each other nor the command line; only ``cli`` imports ``commands`` (whose modules may import each other).
+- Tests mirror the packages: ``tests/sidecar/<package>/`` for each package of ``tokenfair``,
+  ``tests/operator/`` for ``tokenfair_operator``; no test module imports another one (shared
+  helpers live in the support modules at ``tests/``).
 - ``operator/`` is a plain folder: importing ``operator`` still gives the standard library module.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+import pytest
+from repo_paths import REPO_ROOT, TESTS_DIR
+
+PACKAGE_DIR = REPO_ROOT / "sidecar" / "tokenfair"
 FORBIDDEN_IN_SIDECAR = ("kopf", "kubernetes", "tokenfair_operator")
+
+# package (first component under tokenfair) -> import prefixes its modules must not use
+FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
+    "config": (
+        "tokenfair.core",
+        "tokenfair.sim",
+        "tokenfair.loadgen",
+        "tokenfair.server",
+        "tokenfair.commands",
+        "tokenfair.cli",
+        "asyncio",
+        "aiohttp",
+    ),
+    "core": (
+        "tokenfair.sim",
+        "tokenfair.loadgen",
+        "tokenfair.server",
+        "tokenfair.commands",
+        "tokenfair.cli",
+        "asyncio",
+        "aiohttp",
+    ),
+    "sim": ("tokenfair.loadgen", "tokenfair.server", "tokenfair.commands", "tokenfair.cli"),
+    "loadgen": ("tokenfair.server", "tokenfair.commands", "tokenfair.cli"),
+    "server": ("tokenfair.loadgen", "tokenfair.commands", "tokenfair.cli", "tokenfair_operator"),
+}
+# Support modules at tests/ (not tests themselves) and repository-wide tests that stay at the top.
+TOP_LEVEL_TESTS = {"test_layout.py", "test_lock.py"}
+TEST_FOLDERS = {"sidecar", "operator", "deploy", "harness"}
+
+
+def _package_modules() -> list[tuple[str, Path]]:
+    found = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+        name = ".".join(parts).removesuffix(".__init__")
+        found.append((name, path))
+    return found
+
+
+def _imports(module: str, path: Path) -> Iterator[str]:
+    """Every module ``path`` imports (absolute names; relative imports resolved)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            yield base
+            # `from tokenfair import commands` imports the submodule tokenfair.commands
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def _leaks(imported: str, forbidden: tuple[str, ...]) -> bool:
+    return any(imported == prefix or imported.startswith(prefix + ".") for prefix in forbidden)
+
+
+def test_every_package_imports_only_what_is_below_it() -> None:
+    modules = _package_modules()
+    assert {name.split(".")[1] for name, _ in modules if name.count(".") >= 1} >= set(
+        FORBIDDEN_IMPORTS
+    )
+    broken = [
+        f"{name} imports {imported}"
+        for name, path in modules
+        if name.count(".") >= 1 and name.split(".")[1] in FORBIDDEN_IMPORTS
+        for imported in set(_imports(name, path))
+        if _leaks(imported, FORBIDDEN_IMPORTS[name.split(".")[1]])
+    ]
+    assert broken == []
+
+
+def test_only_the_command_line_imports_the_subcommands() -> None:
+    broken = [
+        f"{name} imports {imported}"
+        for name, path in _package_modules()
+        if not name.startswith(("tokenfair.commands", "tokenfair.cli"))
+        for imported in set(_imports(name, path))
+        if _leaks(imported, ("tokenfair.commands",))
+    ]
+    assert broken == []
+
+
+def test_the_import_rules_are_read_from_lazy_imports_too(tmp_path: Path) -> None:
+    # The reader must see an import inside a function and a relative one: the rule's teeth.
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "def later():\n    import asyncio\n    from ..server import app\n", encoding="utf-8"
+    )
+    seen = set(_imports("tokenfair.core.probe", source))
+    assert {"asyncio", "tokenfair.server", "tokenfair.server.app"} <= seen
+    assert _leaks("tokenfair.server.app", FORBIDDEN_IMPORTS["core"])
+    assert not _leaks("tokenfair.serverless", ("tokenfair.server",))
 
 
 def test_sidecar_never_imports_operator_side_packages() -> None:
     # Import every sidecar module in a fresh interpreter, then list what got loaded.
-    modules = sorted(
-        ".".join(path.relative_to(REPO_ROOT / "sidecar").with_suffix("").parts)
-        for path in (REPO_ROOT / "sidecar" / "tokenfair").rglob("*.py")
-        if path.name != "__main__.py"
-    )
-    modules = [m.removesuffix(".__init__") for m in modules]
+    modules = [name for name, path in _package_modules() if path.name != "__main__.py"]
     assert "tokenfair.core.scheduler" in modules
     script = (
         "import importlib, json, sys\n"
@@ -38,6 +142,37 @@ def test_sidecar_never_imports_operator_side_packages() -> None:
     )
     leaks = [m for m in loaded if m.split(".")[0] in FORBIDDEN_IN_SIDECAR]
     assert leaks == []
+
+
+def test_tests_mirror_the_packages() -> None:
+    packages = {path.name for path in PACKAGE_DIR.iterdir() if path.is_dir()} | {
+        path.stem for path in PACKAGE_DIR.glob("*.py") if path.stem != "__init__"
+    }
+    stray = sorted(
+        str(path.relative_to(TESTS_DIR))
+        for path in TESTS_DIR.glob("test_*.py")
+        if path.name not in TOP_LEVEL_TESTS
+    )
+    assert stray == [], "a test module belongs in the folder of what it tests"
+    assert {path.name for path in TESTS_DIR.iterdir() if path.is_dir()} - {
+        "data",
+        "__pycache__",
+    } <= TEST_FOLDERS
+    sidecar_folders = {
+        path.name for path in (TESTS_DIR / "sidecar").iterdir() if path.name != "__pycache__"
+    }
+    assert sidecar_folders <= packages, f"no package for {sorted(sidecar_folders - packages)}"
+
+
+@pytest.mark.parametrize("folder", sorted(TEST_FOLDERS))
+def test_no_test_module_imports_another(folder: str) -> None:
+    broken = [
+        f"{path.relative_to(TESTS_DIR)} imports {imported}"
+        for path in sorted((TESTS_DIR / folder).rglob("test_*.py"))
+        for imported in set(_imports("tests", path))
+        if imported.split(".")[0].startswith("test_")
+    ]
+    assert broken == []
 
 
 def test_operator_folder_does_not_shadow_the_standard_library() -> None:

@@ -1,10 +1,10 @@
-"""Operator-level periodic loops, in place of Kopf's per-object timers.
+"""Operator-level periodic loops: one asyncio task per loop for the whole operator.
 
-Kopf puts its finalizer on every object that has a timer or daemon, to stop them before the
-object goes. A finalizer needs a live operator with its RBAC to be released, which a plain
-``helm uninstall`` removes in the same breath, so the objects (and what they own) would stay.
-One loop per job for the whole operator needs no finalizer: each round walks the Kopf indexes
-as they are at that moment.
+They are not Kopf timers or daemons on purpose: Kopf puts its finalizer on every object that
+has one, to stop them before the object goes. A finalizer needs a live operator with its RBAC
+to be released, which a plain ``helm uninstall`` removes in the same breath, so the objects
+(and what they own) would stay. One loop per task for the whole operator needs no finalizer:
+each round walks the Kopf indexes as they are at that moment.
 
 A round that raises is logged and the loop goes on; the next round repairs what it missed.
 """
@@ -17,13 +17,16 @@ from dataclasses import dataclass, field
 
 import kopf
 
-Job = Callable[[], Awaitable[None]]
+PeriodicTask = Callable[[], Awaitable[None]]
+"""One round of a loop (the rounds are built in :mod:`.resync`, :mod:`.usage_loop`,
+:mod:`.tls_loop` and :mod:`.cert_bootstrap`)."""
 
 
-async def run_every(interval_s: float, job: Job, logger: kopf.Logger) -> None:
-    """Run ``job`` every ``interval_s`` seconds (first after one interval: the resume handlers
-    have just done a full pass), until cancelled. Rounds never overlap: the next interval starts
-    when a round ends, so a slow API stretches the period instead of stacking rounds."""
+async def run_every(interval_s: float, job: PeriodicTask, logger: kopf.Logger) -> None:
+    """Run ``job`` every ``interval_s`` seconds (first after one interval: the initial listing's
+    events have just brought a pass of every policy), until cancelled. Rounds never overlap: the
+    next interval starts when a round ends, so a slow API stretches the period instead of
+    stacking rounds."""
     while True:
         await asyncio.sleep(interval_s)
         try:
@@ -38,7 +41,7 @@ class Periodic:
 
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
-    def start(self, name: str, interval_s: float, job: Job, logger: kopf.Logger) -> None:
+    def start(self, name: str, interval_s: float, job: PeriodicTask, logger: kopf.Logger) -> None:
         task = asyncio.create_task(run_every(interval_s, job, logger), name=name)
         self.tasks.append(task)
 

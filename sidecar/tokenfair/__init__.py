@@ -1,6 +1,7 @@
 """tokenfair: fair admission and scheduling for a shared LLM inference service, in service tokens.
 
-Packages, each importing only those above it in this list (tests/test_layout.py checks):
+Packages, each importing only those above it in this list, ``loadgen`` and ``server`` not each
+other (tests/test_layout.py checks):
 
 * :mod:`tokenfair.config` — the config contract (policy, tenants, budget store), shared with the
   operator (``tokenfair_operator``), which renders documents with it;

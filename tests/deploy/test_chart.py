@@ -50,7 +50,6 @@ Behaviours under test:
 from __future__ import annotations
 
 import base64
-import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -60,53 +59,45 @@ import re
 import socket
 import ssl
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+import kopf
 import pytest
 import yaml
-from kubecluster import (
-    HOW_TO_GET,
-    KubeCluster,
-    find_binary,
-    free_ports,
-    skip_or_fail,
-    stop_process,
+from chart_support import (
+    CHART,
+    REPO,
+    VARIANTS,
+    Doc,
+    assert_never_refused,
+    container,
+    dry_run,
+    local_command,
+    of_kind,
+    parse,
+    process,
+    render,
+    run_helm,
+    set_args,
 )
-from repo_paths import REPO_ROOT
+from kubecluster import KubeCluster
+from loopback_support import free_ports
 
 from tokenfair.config import parse_documents
 from tokenfair.sim.scenarios import LESSON_TENANTS
 from tokenfair_operator.certs import ServingCerts, due
+from tokenfair_operator.handlers import register_webhooks
 from tokenfair_operator.inject import InjectionSettings
 from tokenfair_operator.metrics import OperatorMetrics
-from tokenfair_operator.settings import SIDECAR_ENV, injection_from_env
+from tokenfair_operator.settings import SIDECAR_ENV, OperatorConfig, injection_from_env
 
-REPO = REPO_ROOT
-CHART = REPO / "charts" / "tokenfair"
 CRDS = REPO / "crds"
 SHIPPED_ROLE = REPO / "operator" / "rbac" / "clusterrole.yaml"
 HELM_MAJORS = (3, 4)
-# The documented variants (docs/deploy.md): name -> `--set` arguments.
-VARIANTS: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "demo": ("demo.enabled=true",),
-    "webhook-cert-manager": ("webhook.enabled=true", "certManager.enabled=true"),
-    "webhook-own-certificate": ("webhook.enabled=true",),
-    "watch-namespaces": ("operator.watchNamespaces={team-a,team-b}",),
-    "production": (
-        "webhook.enabled=true",
-        "networkPolicy.enabled=true",
-        "serviceMonitor.enabled=true",
-        "prometheusRule.enabled=true",
-        "image.digest=sha256:" + "0123456789abcdef" * 4,
-        "operator.logFormat=json",
-    ),
-}
 # Kinds of CRDs the test control plane does not have: checked offline only.
 FOREIGN_API_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
 # The public demo keys of examples/sidecar-standalone.yaml, by tenant id.
@@ -121,69 +112,8 @@ WAIT_S = 30.0
 GC_WAIT_S = 75.0
 T = TypeVar("T")
 
-Doc = dict[str, Any]
-
 
 # --- rendering ---------------------------------------------------------------------------------
-
-
-def helm_binary(major: int) -> Path:
-    """``helm3``/``helm4`` from ``make tools``; skip (fail under TOKENFAIR_REQUIRE_KUBE=1)."""
-    found = find_binary(f"helm{major}")
-    if found is None:
-        skip_or_fail(f"no helm{major}: {HOW_TO_GET}")
-        raise AssertionError("unreachable")
-    return found
-
-
-def run_helm(major: int, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Helm ``major`` offline, its caches in a throwaway folder (never the developer's home)."""
-    home = Path(os.environ.get("TMPDIR", "/tmp")) / f"tokenfair-helm{major}-{os.getpid()}"
-    env = {
-        **os.environ,
-        "HELM_CACHE_HOME": str(home / "cache"),
-        "HELM_CONFIG_HOME": str(home / "config"),
-        "HELM_DATA_HOME": str(home / "data"),
-    }
-    result = subprocess.run(
-        [str(helm_binary(major)), *args], capture_output=True, text=True, env=env, check=False
-    )
-    if check and result.returncode != 0:
-        raise AssertionError(f"helm{major} {' '.join(args)}:\n{result.stderr}")
-    return result
-
-
-def set_args(sets: tuple[str, ...]) -> list[str]:
-    return [arg for value in sets for arg in ("--set", value)]
-
-
-def render(
-    major: int,
-    sets: tuple[str, ...] = (),
-    *,
-    release: str = "tokenfair",
-    namespace: str = "tokenfair-system",
-    extra: tuple[str, ...] = (),
-) -> str:
-    """``helm template`` of the chart (its text)."""
-    args = ["template", release, str(CHART), "--namespace", namespace, *set_args(sets), *extra]
-    return run_helm(major, *args).stdout
-
-
-def parse(text: str) -> list[Doc]:
-    """Every non-empty YAML document, each checked to be an object with apiVersion, kind and
-    metadata.name."""
-    docs = [doc for doc in yaml.safe_load_all(text) if doc is not None]
-    for doc in docs:
-        assert isinstance(doc, dict), doc
-        assert doc.get("apiVersion"), doc
-        assert doc.get("kind"), doc
-        assert doc.get("metadata", {}).get("name"), doc
-    return docs
-
-
-def of_kind(docs: list[Doc], kind: str) -> list[Doc]:
-    return [doc for doc in docs if doc["kind"] == kind]
 
 
 def pod_specs(docs: list[Doc]) -> list[Doc]:
@@ -312,9 +242,9 @@ def test_every_pod_meets_the_restricted_profile(variant: str) -> None:
         assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
         assert not spec.get("hostNetwork")
         assert not spec.get("hostPID")
-        for container in spec["containers"]:
-            ctx = container["securityContext"]
-            assert ctx["runAsNonRoot"] is True, container["name"]
+        for each in spec["containers"]:
+            ctx = each["securityContext"]
+            assert ctx["runAsNonRoot"] is True, each["name"]
             assert ctx["readOnlyRootFilesystem"] is True
             assert ctx["allowPrivilegeEscalation"] is False
             assert ctx["capabilities"] == {"drop": ["ALL"]}
@@ -468,17 +398,11 @@ def test_the_lease_is_granted_by_name_in_the_release_namespace() -> None:
 
 
 def kopf_webhook_ids() -> set[str]:
-    """The ids Kopf registers for the operator's admission handlers (in a child process: the
-    handlers module registers with a webhook port only, and globally)."""
-    code = (
-        "import kopf, tokenfair_operator.handlers\n"
-        "print(' '.join(h.id for h in kopf.get_default_registry()._webhooks.get_all_handlers()))"
-    )
-    env = {**os.environ, "TOKENFAIR_WEBHOOK_PORT": "9443"}
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
-    )
-    return set(result.stdout.split())
+    """The ids under which the operator's startup hook registers its admission handlers (here
+    in a registry of their own, with a webhook port set)."""
+    registry = kopf.OperatorRegistry()
+    register_webhooks(registry, OperatorConfig(webhook_port=9443))
+    return {h.id for h in registry._webhooks.get_all_handlers()}
 
 
 def test_static_webhooks_call_the_operators_handlers() -> None:
@@ -804,16 +728,6 @@ def test_grafana_dashboard_configmap_ships_the_dashboard_file() -> None:
 # --- on the real control plane -----------------------------------------------------------------
 
 
-def dry_run(cluster: KubeCluster, namespace: str, docs: list[Doc]) -> str:
-    """``kubectl apply --server-side --dry-run=server`` of ``docs``: the API server validates
-    every object (schemas, CEL, admission) and stores nothing."""
-    text = "\n---\n".join(json.dumps(doc) for doc in docs)
-    args = ("apply", "--server-side", "--force-conflicts", "--dry-run=server", "-n", namespace)
-    result = cluster.kubectl(*args, "-f", "-", input=text, check=False)
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_rendered_object_passes_server_dry_run(
     kube_cluster: KubeCluster, kube_namespace: str, variant: str
@@ -859,54 +773,12 @@ def inventory(cluster: KubeCluster, namespace: str) -> set[str]:
     return set(names.split())
 
 
-def container(docs: list[Doc], kind: str, name_suffix: str) -> Doc:
-    """The first container of the one ``kind`` object whose name ends with ``name_suffix``."""
-    (obj,) = [d for d in of_kind(docs, kind) if d["metadata"]["name"].endswith(name_suffix)]
-    spec = obj["spec"]["template"]["spec"] if kind == "Deployment" else obj["spec"]
-    first: Doc = spec["containers"][0]
-    return first
-
-
-def local_command(spec: Doc, remap: Mapping[str, str]) -> list[str]:
-    """A container's command and args as a local command line: the image's programs from this
-    virtualenv, and every ``old`` substring of an argument replaced by ``remap[old]``."""
-    programs = {"kopf": [sys.executable, "-m", "kopf"], "python": [sys.executable]}
-    programs["tokenfair"] = [str(Path(sys.executable).with_name("tokenfair"))]
-    command = [*spec["command"], *spec.get("args", [])]
-    local = [*programs[command[0]]]
-    for arg in command[1:]:
-        for old, new in remap.items():
-            arg = arg.replace(old, new)
-        local.append(arg)
-    return local
-
-
-@contextlib.contextmanager
-def process(cmd: list[str], log: Path, env: Mapping[str, str]) -> Iterator[Path]:
-    """``cmd`` as a child process in its own group, output to ``log``; stopped on exit."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True
-        )
-    try:
-        yield log
-    finally:
-        stop_process(proc)
-        print(f"--- {log.name} (tail) ---\n{log.read_text(errors='replace')[-4000:]}")
-
-
 def http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
             return bool(resp.status == 200)
     except OSError:
         return False
-
-
-def assert_never_refused(log_text: str) -> None:
-    """The chart's RBAC was enough: the API server refused the operator nothing."""
-    assert "Forbidden" not in log_text, log_text[-4000:]
-    assert " 403" not in log_text, log_text[-4000:]
 
 
 def get(cluster: KubeCluster, path: str) -> dict[str, Any] | None:

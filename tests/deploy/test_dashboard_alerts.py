@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 import yaml
-from kubecluster import free_ports
+from loopback_support import free_ports
 from repo_paths import REPO_ROOT
 from sidecar_support import CHAT, keyed_config
 

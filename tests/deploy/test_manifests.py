@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 import yaml
+from chart_support import CHART, VARIANTS, dry_run, parse, render, run_helm
 from kubecluster import KubeCluster
 from repo_paths import REPO_ROOT
-from test_chart import CHART, VARIANTS, dry_run, parse, render, run_helm
 
 from tokenfair.config import parse_documents
 from tokenfair.sim.scenarios import LESSON_TENANTS

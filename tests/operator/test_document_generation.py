@@ -36,8 +36,8 @@ from typing import Any
 
 import pytest
 from kubecluster import KubeCluster
+from operator_support import api_client_for, create_policy
 from sidecar_support import keyed_config
-from test_operator_leader import _create_policy, api_client_for
 
 from tokenfair.config import config_to_document
 from tokenfair.server.reload import ConfigWatcher
@@ -252,7 +252,7 @@ async def test_generations_are_kept_in_the_api_and_a_new_leader_continues(
 ) -> None:
     api = api_client_for(kube_cluster)
     try:
-        policy = PolicyView.from_body(_create_policy(kube_cluster, kube_namespace, "pool"))
+        policy = PolicyView.from_body(create_policy(kube_cluster, kube_namespace, "pool"))
         first = KubeApi(api)
         publish = first.publish_document
         before_ms = time.time_ns() // 1_000_000

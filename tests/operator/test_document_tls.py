@@ -44,11 +44,12 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from kubecluster import KubeCluster, free_ports
+from certs_support import Clock, FakeCluster
+from kubecluster import KubeCluster
 from kubernetes import config as kube_config
-from test_cert_rotation import Clock, FakeCluster
-from test_operator_kube import get, operator_kubeconfig
-from test_propagation import AUDIENCE, audience_token
+from loopback_support import free_ports
+from operator_support import get
+from propagation_support import AUDIENCE, audience_token
 
 from tokenfair.server.remote import RemoteFeed, RemoteSource
 from tokenfair_operator.certs import RENEW_BEFORE, TRUST_SETTLE, VALIDITY, ServingCerts, issue
@@ -63,8 +64,6 @@ from tokenfair_operator.serve import (
     start_server,
 )
 from tokenfair_operator.serving_tls import ServingTLS, TrustPublisher
-
-__all__ = ["operator_kubeconfig"]  # a fixture, imported to be found by pytest
 
 NOW = datetime.datetime(2026, 12, 1, tzinfo=datetime.UTC)
 KEY = ("ns", "pool")

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import datetime
 import ssl
-import tempfile
-from pathlib import Path
 
 import pytest
+from certs_support import server_context
 
 from tokenfair_operator.certs import (
     RENEW_BEFORE,
@@ -36,16 +35,6 @@ NOW = datetime.datetime(2026, 11, 29, 12, 0, tzinfo=datetime.UTC)
 # issued from the clock, not from the fixed NOW (which would expire under the tests one day).
 CLOCK_NOW = datetime.datetime.now(datetime.UTC)
 NAMES = ("tokenfair-operator", "tokenfair-operator.tf.svc")
-
-
-def server_context(certs: ServingCerts) -> ssl.SSLContext:
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    with tempfile.TemporaryDirectory() as folder:
-        cert, key = Path(folder) / "tls.crt", Path(folder) / "tls.key"
-        cert.write_bytes(certs.cert_pem)
-        key.write_bytes(certs.key_pem)
-        context.load_cert_chain(cert, key)
-    return context
 
 
 def handshake(server: ServingCerts, ca_pem: bytes, hostname: str) -> None:

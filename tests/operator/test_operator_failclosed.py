@@ -26,19 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubecluster import KubeCluster, free_ports
-from test_chart import CHART, VARIANTS, of_kind, parse, render, run_helm, set_args
-from test_operator_kube import (
+from chart_support import CHART, VARIANTS, of_kind, parse, render, run_helm, set_args
+from kubecluster import KubeCluster
+from loopback_support import free_ports
+from operator_support import (
     condition,
     get,
-    operator_kubeconfig,
     policy_path,
     running_operator,
     wait_for,
     warning_events,
 )
-
-__all__ = ["operator_kubeconfig"]  # a fixture, imported to be found by pytest
 
 WEBHOOK = VARIANTS["webhook-own-certificate"]
 MUTATING = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"

@@ -29,19 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubecluster import KubeCluster, free_ports, stop_process
-from test_operator_kube import (
-    _weight,
+from kubecluster import KubeCluster, stop_process
+from loopback_support import free_ports
+from operator_support import (
     get,
-    operator_kubeconfig,
     published,
     running_operator,
     start_operator,
     wait_for,
+    with_weight,
 )
-from test_propagation import apply_lesson_and_wait, http_get, published_ca, tls_env, token_file
-
-__all__ = ["operator_kubeconfig"]  # a fixture, imported to be found by pytest
+from propagation_support import apply_lesson_and_wait, http_get, published_ca, tls_env, token_file
 
 LEASE = "tokenfair-operator"
 # Lease duration (10 s) + a retry (2 s) + a pass, with room for a loaded machine.
@@ -157,7 +155,7 @@ def test_one_leader_writes_the_standby_relays_and_takes_over(
         assert spec["leaseTransitions"] == transitions + 1
         wait_for(
             "the change published by the new leader",
-            lambda: _weight(published(kube_cluster, ns), "tenant_chat_pro", 5.0),
+            lambda: with_weight(published(kube_cluster, ns), "tenant_chat_pro", 5.0),
             FAILOVER_WAIT_S,
         )
         assert published_generation(kube_cluster, ns) > generation  # continued, not restarted

@@ -42,9 +42,9 @@ from typing import Any, cast
 import kopf
 import pytest
 from kubecluster import KubeCluster
-from test_operator_kube import operator_kubeconfig, webhook_operator
 
-from tokenfair_operator import handlers
+from tokenfair_operator import handlers, runtime
+from tokenfair_operator.indexes import Indexes
 from tokenfair_operator.inject import (
     CONTAINER,
     InjectionError,
@@ -58,9 +58,7 @@ from tokenfair_operator.inject import (
 from tokenfair_operator.model import PolicyView
 from tokenfair_operator.reconcile import Reconciler
 from tokenfair_operator.render import PASSWORD_ENV
-from tokenfair_operator.settings import SIDECAR_ENV, injection_from_env
-
-__all__ = ["operator_kubeconfig", "webhook_operator"]  # fixtures, imported to be found by pytest
+from tokenfair_operator.settings import SIDECAR_ENV, OperatorConfig, injection_from_env
 
 SETTINGS = InjectionSettings(image="registry.local/tokenfair:test")
 
@@ -478,16 +476,24 @@ async def run_webhook(
     api: FakePolicies, index: Mapping[tuple[str, str], list[PolicyView]]
 ) -> kopf.Patch:
     patch = kopf.Patch()
-    memo = kopf.Memo()
-    memo[handlers.RECONCILER] = Reconciler(api)  # type: ignore[arg-type]
     await handlers.inject_sidecar(
         body=kopf.Body(cast(kopf.RawBody, pod())),
         patch=patch,
-        memo=memo,
+        memo=webhook_memo(api, index),
         namespace="ns",
-        policies_by_name=index,
     )
     return patch
+
+
+def webhook_memo(
+    api: FakePolicies, policies: Mapping[tuple[str, str], list[PolicyView]]
+) -> kopf.Memo:
+    """What the startup hook leaves in the memo, as far as the injection webhook reads it."""
+    memo = kopf.Memo()
+    memo[runtime.CONFIG] = OperatorConfig.from_env()
+    memo[runtime.INDEXES] = Indexes(policies, {}, {})  # type: ignore[arg-type]
+    memo[runtime.RECONCILER] = Reconciler(api)  # type: ignore[arg-type]
+    return memo
 
 
 def password_env(patch: kopf.Patch) -> dict[str, Any] | None:
@@ -533,8 +539,7 @@ async def test_a_failed_read_refuses_the_pod() -> None:
 
 async def test_a_bad_annotation_is_an_admission_refusal() -> None:
     patch = kopf.Patch()
-    memo = kopf.Memo()
-    memo[handlers.RECONCILER] = Reconciler(FakePolicies({}))  # type: ignore[arg-type]
+    memo = webhook_memo(FakePolicies({}), {})
     bad = pod(annotations={"tokenfair.io/sidecar-log-level": "loud"})
     with pytest.raises(kopf.AdmissionError, match=r"sidecar-log-level\]: must be one of") as caught:
         await handlers.inject_sidecar(
@@ -542,7 +547,6 @@ async def test_a_bad_annotation_is_an_admission_refusal() -> None:
             patch=patch,
             memo=memo,
             namespace="ns",
-            policies_by_name={},
         )
     assert caught.value.code == 422
     assert not patch

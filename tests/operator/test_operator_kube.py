@@ -42,27 +42,39 @@ import datetime
 import functools
 import hashlib
 import json
-import os
 import subprocess
 import sys
-import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import pytest
-import yaml
-from kubecluster import KubeCluster, free_ports, stop_process
+from kubecluster import KubeCluster, stop_process
 from kubernetes.client import ApiException
-from repo_paths import REPO_ROOT, TEST_DATA
+from loopback_support import free_ports
+from operator_support import (
+    LESSON,
+    apply,
+    condition,
+    get,
+    policy_path,
+    published,
+    quota,
+    quota_path,
+    ready_reason,
+    running_operator,
+    sidecar_status,
+    wait_for,
+    warning_events,
+    with_weight,
+)
 
 from tokenfair.config import (
     POLICY_FIELDS,
     Config,
     PolicyConfig,
-    parse_documents,
     parse_policy,
 )
 from tokenfair.sim.scenarios import LESSON_TENANTS
@@ -70,84 +82,7 @@ from tokenfair_operator.certs import Rotation, ServingCerts, due, issue
 from tokenfair_operator.kube import NotLeader
 from tokenfair_operator.webhook_certs import CertKeeper
 
-REPO = REPO_ROOT
-RBAC = REPO / "operator" / "rbac"
-LESSON = TEST_DATA / "operator" / "lesson-tenants.yaml"
-API = "/apis/tokenfair.io/v1alpha1"
-OPERATOR_NAMESPACE = "tokenfair-system"
-# Generous for a loaded 2-core machine; a pass takes well under a second (docs/operator.md).
-WAIT_S = 30.0
-RESYNC_S = "1"
 MERGE_PATCH = "application/merge-patch+json"
-USAGE_S = "1"
-T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = WAIT_S) -> T:
-    """Poll ``probe`` every 0.1 s until it returns something truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.1)
-
-
-@pytest.fixture(scope="module")
-def operator_kubeconfig(
-    kube_cluster: KubeCluster, tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    """The shipped ServiceAccount, ClusterRole and ClusterRoleBinding applied as they are, and a
-    kubeconfig holding a token of that ServiceAccount."""
-    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": OPERATOR_NAMESPACE}}
-    kube_cluster.kubectl("apply", "-f", "-", input=json.dumps(namespace))
-    for name in ("serviceaccount.yaml", "clusterrole.yaml", "clusterrolebinding.yaml"):
-        kube_cluster.kubectl("apply", "-f", str(RBAC / name))
-    token = kube_cluster.service_account_token(OPERATOR_NAMESPACE, "tokenfair-operator")
-    path = tmp_path_factory.mktemp("operator") / "kubeconfig"
-    return kube_cluster.write_kubeconfig(path, token, user="tokenfair-operator")
-
-
-def start_operator(
-    kubeconfig: Path, namespace: str, log_path: Path, env: Mapping[str, str]
-) -> subprocess.Popen[bytes]:
-    """``kopf run -m tokenfair_operator.handlers --namespace <ns>`` as a child process in its
-    own session, its output in ``log_path``, the test's short resync and usage periods."""
-    full_env = {
-        **os.environ,
-        "KUBECONFIG": str(kubeconfig),
-        "TOKENFAIR_RESYNC_SECONDS": RESYNC_S,
-        "TOKENFAIR_USAGE_SECONDS": USAGE_S,
-        "NO_PROXY": "127.0.0.1,localhost",
-        "no_proxy": "127.0.0.1,localhost",
-        **env,
-    }
-    cmd = [sys.executable, "-m", "kopf", "run", "-m", "tokenfair_operator.handlers"]
-    cmd += ["--namespace", namespace, "--standalone"]
-    with log_path.open("wb") as log:
-        return subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
-        )
-
-
-@contextlib.contextmanager
-def running_operator(
-    kubeconfig: Path, namespace: str, log_path: Path, **env: str
-) -> Iterator[Path]:
-    """:func:`start_operator`, yielding its log file. On exit: stopped, and its log must show
-    no refused API call."""
-    proc = start_operator(kubeconfig, namespace, log_path, env)
-    try:
-        yield log_path
-        assert proc.poll() is None, "the operator exited during the test"
-    finally:
-        stop_process(proc)
-        text = log_path.read_text(errors="replace")
-        print(f"--- operator log (tail) ---\n{text[-6000:]}")  # shown when the test fails
-    assert "Forbidden" not in text, text[-4000:]
-    assert " 403" not in text, text[-4000:]
 
 
 @pytest.fixture
@@ -155,63 +90,6 @@ def operator(operator_kubeconfig: Path, kube_namespace: str, tmp_path: Path) -> 
     """The operator for ``kube_namespace``, with the shipped RBAC, no webhook."""
     with running_operator(operator_kubeconfig, kube_namespace, tmp_path / "operator.log") as log:
         yield log
-
-
-def get(cluster: KubeCluster, path: str) -> dict[str, Any] | None:
-    resp = cluster.request("GET", path)
-    return resp.body if resp.status == 200 else None
-
-
-def quota_path(ns: str, name: str = "") -> str:
-    return f"{API}/namespaces/{ns}/tenantquotas/{name}".rstrip("/")
-
-
-def policy_path(ns: str, name: str = "pool") -> str:
-    return f"{API}/namespaces/{ns}/schedulingpolicies/{name}"
-
-
-def condition(obj: dict[str, Any] | None, kind: str = "Ready") -> dict[str, Any]:
-    for cond in (obj or {}).get("status", {}).get("conditions", []):
-        if cond["type"] == kind:
-            return dict(cond)
-    return {}
-
-
-def ready_reason(cluster: KubeCluster, path: str, reason: str) -> dict[str, Any] | None:
-    """The object once its Ready condition has ``reason``, else None."""
-    obj = get(cluster, path)
-    return obj if condition(obj).get("reason") == reason else None
-
-
-def published(cluster: KubeCluster, ns: str, kind: str = "configmaps") -> Config | None:
-    """The document in the policy's ConfigMap (or Secret), parsed by the sidecar's loader."""
-    name = "tokenfair-pool" if kind == "configmaps" else "tokenfair-pool-keys"
-    obj = get(cluster, f"/api/v1/namespaces/{ns}/{kind}/{name}")
-    if obj is None:
-        return None
-    text = obj["data"]["config.yaml"]
-    if kind == "secrets":
-        text = base64.b64decode(text).decode()
-    return parse_documents(yaml.safe_load_all(text), f"{kind}/{name}")
-
-
-def apply(cluster: KubeCluster, ns: str, *docs: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-n", ns, "-f", "-", input="\n---\n".join(map(json.dumps, docs)))
-
-
-def quota(name: str, **spec: Any) -> dict[str, Any]:
-    base = {
-        "policyName": "pool",
-        "weight": 1.0,
-        "burstServiceTokens": 1000,
-        "sustainedServiceTokensPerSecond": 100.0,
-    }
-    return {
-        "apiVersion": "tokenfair.io/v1alpha1",
-        "kind": "TenantQuota",
-        "metadata": {"name": name},
-        "spec": base | spec,
-    }
 
 
 def apply_lesson(cluster: KubeCluster, ns: str) -> Config:
@@ -368,7 +246,7 @@ def test_update_and_delete_reach_the_configmap(
     )
     after = wait_for(
         "the new weight in the ConfigMap",
-        lambda: _weight(published(kube_cluster, ns), "tenant_chat_pro", 3.0),
+        lambda: with_weight(published(kube_cluster, ns), "tenant_chat_pro", 3.0),
     )
     assert after.version != before.version
     chat = wait_for(
@@ -398,22 +276,9 @@ def _statuses_name(listing: dict[str, Any] | None, version: str) -> dict[str, An
     return listing
 
 
-def _weight(config: Config | None, tenant: str, weight: float) -> Config | None:
-    return config if config is not None and config.tenant(tenant).weight == weight else None
-
-
 def _at_generation(obj: dict[str, Any] | None, generation: int) -> dict[str, Any] | None:
     ok = obj is not None and obj.get("status", {}).get("observedGeneration") == generation
     return obj if ok else None
-
-
-def warning_events(cluster: KubeCluster, ns: str, name: str) -> list[dict[str, Any]]:
-    events = get(cluster, f"/api/v1/namespaces/{ns}/events") or {"items": []}
-    return [
-        e
-        for e in events["items"]
-        if e["involvedObject"].get("name") == name and e.get("type") == "Warning"
-    ]
 
 
 def test_refusals_have_reasons_and_events(
@@ -588,58 +453,6 @@ def test_selector_narrows_the_sidecars_budgets_are_divided_across(
 # --- the validating webhook, called by kube-apiserver over TLS ---------------------------------
 
 
-def self_signed_certificate(folder: Path) -> tuple[Path, Path]:
-    """A P-256 certificate for 127.0.0.1 (CN and IP SAN), valid one day, and its key."""
-    cert, key = folder / "webhook.crt", folder / "webhook.key"
-    subprocess.run(
-        [
-            *("openssl", "req", "-x509", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"),
-            *("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1"),
-            *("-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
-
-
-@pytest.fixture
-def webhook_operator(
-    kube_cluster: KubeCluster, operator_kubeconfig: Path, kube_namespace: str, tmp_path: Path
-) -> Iterator[Path]:
-    """The operator serving its validating webhook on a loopback port, with Kopf keeping the
-    ValidatingWebhookConfiguration ``tokenfair.io`` pointed at it (the shipped RBAC allows
-    exactly that name)."""
-    cert, key = self_signed_certificate(tmp_path)
-    (port,) = free_ports(1)
-    with running_operator(
-        operator_kubeconfig,
-        kube_namespace,
-        tmp_path / "operator.log",
-        TOKENFAIR_WEBHOOK_PORT=str(port),
-        TOKENFAIR_WEBHOOK_ADDR="127.0.0.1",
-        TOKENFAIR_WEBHOOK_HOST="127.0.0.1",
-        TOKENFAIR_WEBHOOK_CERT=str(cert),
-        TOKENFAIR_WEBHOOK_KEY=str(key),
-        TOKENFAIR_WEBHOOK_MANAGED="tokenfair.io",
-    ) as log:
-        # Kopf configures the validating webhook, then the mutating one: wait for both, or a
-        # Pod created in between is admitted with no injection webhook at all.
-        for kind in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations"):
-            path = f"/apis/admissionregistration.k8s.io/v1/{kind}/tokenfair.io"
-            wait_for(
-                f"the {kind} to point at our port",
-                functools.partial(_points_at, kube_cluster, path, port),
-            )
-        yield log
-    for kind in ("validatingwebhookconfigurations", "mutatingwebhookconfigurations"):
-        kube_cluster.request("DELETE", f"/apis/admissionregistration.k8s.io/v1/{kind}/tokenfair.io")
-
-
-def _points_at(cluster: KubeCluster, path: str, port: int) -> bool:
-    return f":{port}/" in json.dumps(get(cluster, path) or {})
-
-
 def refused(cluster: KubeCluster, ns: str, doc: dict[str, Any]) -> str:
     """``kubectl apply`` that must fail; its error output."""
     result = cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc), check=False)
@@ -745,16 +558,6 @@ def project(cluster: KubeCluster, ns: str, target: Path) -> str:
     staged.write_text(configmap["data"]["config.yaml"])
     staged.replace(target)
     return str(configmap["metadata"]["annotations"]["tokenfair.io/config-version"])
-
-
-def sidecar_status(admin_url: str) -> dict[str, Any] | None:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(f"{admin_url}/status", timeout=5) as resp:
-            status = json.loads(resp.read())
-    except OSError:
-        return None
-    return status if isinstance(status, dict) else None
 
 
 @contextlib.contextmanager

@@ -34,7 +34,7 @@ from typing import Any
 
 import pytest
 from kubecluster import KubeCluster
-from kubernetes import client
+from operator_support import api_client_for, create_policy
 
 from tokenfair_operator.documents import DocumentStore
 from tokenfair_operator.kube import KubeApi, NotLeader
@@ -137,16 +137,6 @@ class FreezableProxy:
             pass
         finally:
             writer.close()
-
-
-def api_client_for(cluster: KubeCluster, host: str | None = None) -> Any:
-    """An admin client of ``cluster``, optionally through ``host`` (the proxy; the API
-    server's certificate names 127.0.0.1, whatever the port)."""
-    configuration = client.Configuration()
-    configuration.host = host or cluster.server
-    configuration.ssl_ca_cert = str(cluster.ca_file)
-    configuration.api_key = {"authorization": f"Bearer {cluster.admin_token}"}
-    return client.ApiClient(configuration)
 
 
 @contextlib.asynccontextmanager
@@ -266,7 +256,7 @@ async def test_writers_ask_right_before_writing(
     try:
         assert await a.attempt()
         kube = KubeApi(api, may_write=lambda: a.is_leader)
-        policy = PolicyView.from_body(_create_policy(kube_cluster, kube_namespace, "pool"))
+        policy = PolicyView.from_body(create_policy(kube_cluster, kube_namespace, "pool"))
         generation, written = await asyncio.to_thread(
             kube.publish_document, policy, "v1", b'{"a": 1}', b'{"a": 1}'
         )
@@ -326,20 +316,6 @@ async def test_a_token_review_flood_does_not_delay_the_renewal(
 async def _until(probe: Callable[[], bool]) -> None:
     while not probe():
         await asyncio.sleep(0.05)
-
-
-def _create_policy(cluster: KubeCluster, ns: str, name: str) -> dict[str, Any]:
-    body = {
-        "apiVersion": "tokenfair.io/v1alpha1",
-        "kind": "SchedulingPolicy",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {},
-    }
-    answer = cluster.request(
-        "POST", f"/apis/tokenfair.io/v1alpha1/namespaces/{ns}/schedulingpolicies", body
-    )
-    assert answer.status == 201, answer.body
-    return answer.body
 
 
 # -- the TokenReview limiter, no cluster ----------------------------------------------------

@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kubecluster import KubeCluster, free_ports
-from test_chart import (
+from chart_support import (
     CHART,
     assert_never_refused,
     container,
@@ -36,7 +35,9 @@ from test_chart import (
     render,
     set_args,
 )
-from test_operator_kube import apply, policy_path, quota, quota_path, ready_reason, wait_for
+from kubecluster import KubeCluster
+from loopback_support import free_ports
+from operator_support import apply, policy_path, quota, quota_path, ready_reason, wait_for
 
 from tokenfair.config import parse_documents
 

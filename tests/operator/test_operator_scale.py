@@ -42,11 +42,10 @@ from typing import Any
 
 import pytest
 from kubecluster import KubeCluster
-from test_operator_kube import (
+from operator_support import (
     API,
     condition,
     get,
-    operator_kubeconfig,
     policy_path,
     running_operator,
     wait_for,
@@ -60,8 +59,6 @@ from tokenfair_operator.model import QUOTA_PLURAL, VERSION_ANNOTATION
 from tokenfair_operator.payload import COMPRESS_ABOVE_BYTES, MAX_OBJECT_DATA_BYTES
 from tokenfair_operator.reconcile import Reconciler
 from tokenfair_operator.status import policy_status, quota_status
-
-__all__ = ["operator_kubeconfig"]  # a fixture, imported to be found by pytest
 
 QUOTAS = 1_000
 KEYS_PER_QUOTA = 16

@@ -45,16 +45,18 @@ from tokenfair_operator import (
     PolicyView,
     QuotaView,
     conditions_for,
-    handlers,
     policy_status,
     quota_status,
     reconcile,
     render_config,
+    runtime,
     split_budgets,
 )
 from tokenfair_operator.kube import NotLeader
 from tokenfair_operator.model import SidecarView
+from tokenfair_operator.passes import news
 from tokenfair_operator.reconcile import Reconciler
+from tokenfair_operator.resync import prune_generations
 from tokenfair_operator.status import differs, orphan_verdict
 
 T1, T2 = "2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z"
@@ -644,12 +646,12 @@ def test_generations_of_objects_no_index_holds_are_forgotten() -> None:
 
     memo = kopf.Memo()
     for uid in ("pu", "uid-1", "uid-2", "uid-3"):
-        assert handlers._news(memo, "ADDED", body(uid))
-    assert not handlers._news(memo, "MODIFIED", body("uid-1"))  # our own status write's event
-    assert handlers._news(memo, "DELETED", body("uid-3"))
+        assert news(memo, "ADDED", body(uid))
+    assert not news(memo, "MODIFIED", body("uid-1"))  # our own status write's event
+    assert news(memo, "DELETED", body("uid-3"))
     policies = {("ns", "pool"): [policy()]}
     quotas = {("ns", "pool"): [keyed_quota(1)]}  # uid-2 deleted, its DELETED event missed
 
-    handlers._prune_generations(memo, policies, quotas)  # type: ignore[arg-type]
+    prune_generations(memo, policies, quotas)  # type: ignore[arg-type]
 
-    assert set(memo[handlers.GENERATIONS]) == {"pu", "uid-1"}
+    assert set(memo[runtime.GENERATIONS]) == {"pu", "uid-1"}

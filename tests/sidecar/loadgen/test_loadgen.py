@@ -45,7 +45,7 @@ import pytest
 import yaml
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from kubecluster import free_ports
+from loopback_support import free_ports
 
 from tokenfair import cli
 from tokenfair.config import PolicyConfig, build_config, config_to_document

@@ -44,7 +44,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from kubecluster import free_ports
+from loopback_support import free_ports
 from sidecar_support import KEYS, keyed_config
 
 from tokenfair.config import config_to_document

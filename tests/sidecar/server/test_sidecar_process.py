@@ -33,7 +33,7 @@ import aiohttp
 import pytest
 import yaml
 from aiohttp import web
-from kubecluster import free_ports
+from loopback_support import free_ports
 from sidecar_support import CHAT, keyed_config
 
 from tokenfair.config import PolicyConfig, config_to_document

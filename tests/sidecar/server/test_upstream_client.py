@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import re
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
-from kubecluster import free_ports
+from loopback_support import TLSFiles, free_ports, localhost_tls
 
 from tokenfair.server.backends.openai import usage_from_sse
 from tokenfair.server.upstream import (
@@ -35,7 +33,6 @@ from tokenfair.server.upstream import (
     UpstreamTooLargeError,
     parse_origin,
 )
-from tokenfair_operator.certs import issue
 
 SOCKET_READ_BYTES = 256 * 1024
 """The most asyncio's socket transport reads at once: the client may buffer one such read past
@@ -1132,25 +1129,13 @@ def test_idle_keepalive_is_under_uvicorns_five_seconds() -> None:
 # -- https -----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Certificate:
-    ca_file: Path
-    cert_file: Path
-    key_file: Path
-
-
 @pytest.fixture(scope="module")
-def certificate(tmp_path_factory: pytest.TempPathFactory) -> Certificate:
-    """A CA and a serving certificate for ``localhost``, made by the operator's own issuer."""
-    certs = issue(["localhost"], datetime.datetime.now(datetime.UTC))
-    directory = tmp_path_factory.mktemp("tls")
-    files = [directory / name for name in ("ca.pem", "cert.pem", "key.pem")]
-    for path, pem in zip(files, (certs.ca_pem, certs.cert_pem, certs.key_pem), strict=True):
-        path.write_bytes(pem)
-    return Certificate(*files)
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> TLSFiles:
+    """A CA and a serving certificate for ``localhost``."""
+    return localhost_tls(tmp_path_factory.mktemp("tls"))
 
 
-def server_tls(certificate: Certificate) -> ssl.SSLContext:
+def server_tls(certificate: TLSFiles) -> ssl.SSLContext:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(certificate.cert_file, certificate.key_file)
     return context
@@ -1159,7 +1144,7 @@ def server_tls(certificate: Certificate) -> ssl.SSLContext:
 async def test_https_upstream_trusted_through_ssl_cert_file(
     serve: ServerFactory,
     clients: ClientFactory,
-    certificate: Certificate,
+    certificate: TLSFiles,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     host = "localhost"
@@ -1177,7 +1162,7 @@ async def test_https_upstream_trusted_through_ssl_cert_file(
 
 
 async def test_https_upstream_with_an_untrusted_certificate_is_refused(
-    serve: ServerFactory, clients: ClientFactory, certificate: Certificate
+    serve: ServerFactory, clients: ClientFactory, certificate: TLSFiles
 ) -> None:
     server = await serve(answer_each(ok()), ssl_context=server_tls(certificate))
     client = clients(server.url("https", "localhost"))  # the system trust store: unknown CA

@@ -1,0 +1,168 @@
+"""What the startup hook starts and the cleanup hook stops, in order.
+
+Starting: the reconciler; with leader election, the elector (:mod:`.leader`), whose first round
+ends before anything that writes; with a webhook or TLS port and
+``$TOKENFAIR_WEBHOOK_CERT_SECRET``, the operator's own certificate (:mod:`.cert_bootstrap`);
+Kopf's settings (:func:`.settings.configure_kopf`); with ``$TOKENFAIR_HTTP_PORT`` or
+``$TOKENFAIR_HTTPS_PORT``, the HTTP server (:mod:`.serve`) and, over TLS, the serving-TLS loop
+(:mod:`.tls_loop`); then the resync (:mod:`.resync`) and usage (:mod:`.usage_loop`) loops, one
+each for the whole operator (:mod:`.periodic`). Everything lands in Kopf's memo
+(:mod:`.runtime`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import kopf
+from aiohttp import web
+
+from . import runtime
+from .cert_bootstrap import own_certificates
+from .indexes import Indexes
+from .kube import KubeApi, api_client
+from .leader import LeaderElector
+from .periodic import Periodic
+from .reconcile import Reconciler
+from .resync import resync_task
+from .serve import TokenAuthenticator, audience_reviewer, create_app, start_server
+from .serving_tls import ServingTLS, TrustPublisher
+from .settings import OperatorConfig, configure_kopf
+from .tls_loop import serving_tls_task
+from .usage_loop import usage_task
+
+
+async def start(
+    config: OperatorConfig,
+    indexes: Indexes,
+    settings: kopf.OperatorSettings,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+) -> None:
+    """Start the operator's own parts (the module's docstring lists them), given its settings
+    and the indexes Kopf passed to the startup hook (empty, filled in place later)."""
+    api = api_client()
+    periodic = Periodic()
+    memo[runtime.CONFIG] = config
+    memo[runtime.INDEXES] = indexes
+    # Every write asks, right before it is sent, whether this replica leads now (.leader).
+    memo[runtime.RECONCILER] = Reconciler(KubeApi(api, may_write=lambda: runtime.leads(memo)))
+    if config.leader_election:
+        await _elect(api, memo, logger, indexes, config)
+    serves_tls = config.webhook_port is not None or config.https_port is not None
+    if serves_tls and config.webhook_cert_secret is not None:
+        config = await own_certificates(api, memo, periodic, logger, config)
+    configure_kopf(settings, config)
+    if config.http_port is not None or config.https_port is not None:
+        await _serve(api, memo, config, periodic, logger, indexes)
+    resync = resync_task(memo, logger, indexes)
+    periodic.start("tokenfair-resync", config.resync_interval_s, resync, logger)
+    usage = usage_task(memo, logger, indexes, config.scrape_timeout_s)
+    periodic.start("tokenfair-usage", config.usage_interval_s, usage, logger)
+    memo[runtime.PERIODIC] = periodic
+
+
+async def stop(memo: kopf.Memo) -> None:
+    """Stop what :func:`start` started (whatever of it did start)."""
+    periodic = memo.get(runtime.PERIODIC)
+    if isinstance(periodic, Periodic):
+        await periodic.stop()
+    elector = memo.get(runtime.ELECTOR)
+    if isinstance(elector, LeaderElector):
+        await elector.stop()  # releases the Lease: the standby leads at its next attempt
+    server = memo.get(runtime.SERVER)
+    if isinstance(server, web.AppRunner):
+        await server.cleanup()
+    reconciler = memo.get(runtime.RECONCILER)
+    if isinstance(reconciler, Reconciler):
+        await reconciler.close()  # queued status writes: the next leader's pass writes them
+
+
+async def _elect(
+    api: Any, memo: kopf.Memo, logger: kopf.Logger, indexes: Indexes, config: OperatorConfig
+) -> None:
+    """Leader election (:mod:`.leader`). On becoming the leader: a full pass of every policy
+    at once (a standby only watched), so a failover costs the lease expiry plus one pass. On
+    stepping down: the documents held, the queued status writes and the key cache are forgotten
+    (:meth:`.Reconciler.step_down`), so a replica elected again serves none from its previous
+    term (only what its first pass publishes, :mod:`.documents`)."""
+    resync = resync_task(memo, logger, indexes)
+
+    async def on_lead() -> None:
+        try:
+            await resync()
+        except Exception:
+            logger.exception("first pass as the leader failed; the resync retries")
+
+    elector = LeaderElector(
+        api,
+        config.lease_namespace,
+        config.lease_name,
+        config.identity,
+        on_lead=on_lead,
+        on_lose=runtime.reconciler(memo).step_down,
+        advertise=config.http_advertise,
+    )
+    memo[runtime.ELECTOR] = elector
+    elector.start()
+    await elector.first_round()  # the certificates' keeper needs to know who leads
+
+
+async def _serve(
+    api: Any,
+    memo: kopf.Memo,
+    config: OperatorConfig,
+    periodic: Periodic,
+    logger: kopf.Logger,
+    indexes: Indexes,
+) -> None:
+    """The HTTP server (:mod:`.serve`): plain on ``http_port``, TLS on ``https_port`` with the
+    operator's serving certificate (``$TOKENFAIR_HTTPS_CERT``/``_KEY``/``_CA``, else the
+    webhook's); TokenReviews for the sidecars' audience only."""
+    reconciler = runtime.reconciler(memo)
+    auth = TokenAuthenticator(audience_reviewer(api, config.config_audience))
+    elector = memo.get(runtime.ELECTOR)
+    leader = elector.leader_address if isinstance(elector, LeaderElector) else _no_leader
+    tls = _serving_tls(config)
+    app = create_app(
+        reconciler.documents,
+        reconciler.metrics,
+        auth,
+        leader,
+        config.relay_connections,
+        plain_config=config.config_insecure_http,
+        tls=tls,
+    )
+    context = tls.server if tls is not None else None
+    memo[runtime.SERVER] = await start_server(
+        app, config.http_addr, config.http_port, config.https_port, context
+    )
+    if tls is not None:
+        memo[runtime.TRUST] = publisher = TrustPublisher(api)  # the rotation asks it
+        job = serving_tls_task(memo, logger, indexes, tls, publisher)
+        try:
+            await job()  # the CA out to the policies' namespaces before the first resync ends
+        except Exception:
+            logger.exception("publishing the CA bundle failed; retried next round")
+        periodic.start("tokenfair-serving-tls", config.resync_interval_s, job, logger)
+
+
+def _serving_tls(config: OperatorConfig) -> ServingTLS | None:
+    """The TLS port's certificate files: given, else the webhook's; None without a TLS port.
+    A TLS port without a certificate stops the operator at startup, naming the variables."""
+    if config.https_port is None:
+        return None
+    cert = config.https_cert or config.webhook_cert
+    key = config.https_key or config.webhook_key or cert
+    ca = config.https_ca or config.webhook_ca
+    if not (cert and key and ca):
+        raise kopf.PermanentError(
+            "$TOKENFAIR_HTTPS_PORT needs a certificate: $TOKENFAIR_WEBHOOK_CERT_SECRET (the "
+            "operator's own), or $TOKENFAIR_HTTPS_CERT, _KEY and _CA (PEM files)"
+        )
+    return ServingTLS(Path(cert), Path(key), Path(ca))
+
+
+def _no_leader() -> None:
+    """One replica (no election): this one serves its own documents."""
