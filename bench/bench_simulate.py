@@ -37,6 +37,17 @@ Ratios are lab / command (above 1: the command is faster). Each run is the best 
     .venv/bin/python bench/bench_simulate.py --million        # + relaxed 1M (several minutes)
     .venv/bin/python bench/bench_simulate.py --million --relaxed-only   # relaxed 32k + 1M only
     .venv/bin/python bench/bench_simulate.py --quick          # smoke run, ~10 s
+    .venv/bin/python bench/bench_simulate.py --records-only --tree ../old-tree   # records only
+
+**Records** (``--records``, or ``--records-only`` for that section alone): the trace reader and
+the record writers of ``sim/records.py``, in microseconds per record (best of ``--repeat``, at
+least 3; ``--records-count`` records, 100k): decoding a trace (``stream_requests``, what the
+replay reads once per policy; ``iter_trace_lines``, validated with unique ids) and encoding the
+records each writer writes (the sidecar's ``encode_record``, ``simulate --records``'
+``encode_decision``, loadgen's record line, ``trace generate``'s ``dump_trace``), plus the plain
+reference encoder (``records.plain_line``) where the tree has it. Each tree (this checkout, and
+``--tree DIR`` for another checkout's ``sidecar/``) runs in a child process of its own, in
+turn; ratios are the other tree over this one (above 1: this one is faster).
 
 Figures and how to read them: bench/README.md.
 """
@@ -45,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import inspect
 import json
 import multiprocessing
 import os
@@ -278,6 +290,156 @@ def profile(config: Config, size: int, work: Path, top: int = 15) -> None:
     stats.strip_dirs().sort_stats("tottime").print_stats(top)
 
 
+def _records_child(count: int, repeat: int) -> None:
+    """Run in a child with the tree's ``sidecar/`` first on ``sys.path`` (its source is sent
+    with ``python -c``: nothing of this checkout is imported). Prints a JSON object of
+    microseconds per record."""
+    import io
+    import json
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from tokenfair import loadgen
+    from tokenfair.core import Decision, Request
+    from tokenfair.server.record_writer import Usage, encode_record
+    from tokenfair.sim import records
+
+    requests, decisions, usages = [], [], []
+    for i in range(count):
+        tenant = ("tenant_chat_pro", "tenant_batch_rag", "tenant_ide_assist")[i % 3]
+        arrival = round(i * 0.731, 3)
+        request = Request(f"{tenant}-{i:06d}", tenant, arrival, 200 + i % 3000, 16 + i % 400,
+                          "batch" if i % 3 == 1 else "interactive")  # fmt: skip
+        if i % 5 == 4:  # a refusal, with the values its gate saw
+            decision = Decision(request.request_id, tenant, request.priority_class, 429,
+                                "shed_queue_wait_slo", "admission", 300 + i % 5000, arrival,
+                                round(0.3 + i % 50 / 100, 4), 0.0, 0.0, None,
+                                round(10 + i % 900 * 0.37, 3), None,
+                                {"predicted_wait_ms": 400 + i % 300 * 1.7,
+                                 "max_wait_ms": 420.0})  # fmt: skip
+            usage = Usage()
+        else:
+            wait = round(i % 700 * 0.41, 3)
+            decision = Decision(request.request_id, tenant, request.priority_class, 200,
+                                "admitted", "dispatch", 300 + i % 5000, arrival,
+                                round(0.2 + i % 60 / 100, 4), wait, round(wait + 35.2, 3),
+                                round(arrival + wait, 3), None, 310 + i % 5000, {})  # fmt: skip
+            usage = Usage(request.prefill_tokens, request.decode_tokens - i % 3,
+                          35.2 + i % 100 * 0.113, 90.7 + i % 300 * 0.97)  # fmt: skip
+        requests.append(request)
+        decisions.append(decision)
+        usages.append(usage)
+    settings = loadgen.LoadgenSettings("http://127.0.0.1:1")
+    observations = []
+    for request, decision, usage in zip(requests, decisions, usages, strict=True):
+        o = loadgen.Observation(
+            request, request.arrival_ms, sent_offset_ms=request.arrival_ms + 0.2
+        )
+        o.status_code, o.reason = decision.status_code, decision.reason
+        o.ttft_wall_ms, o.e2e_wall_ms = usage.ttft_ms, usage.e2e_ms
+        o.prompt_tokens, o.completion_tokens = usage.prompt_tokens, usage.completion_tokens
+        observations.append((o, loadgen.to_decision(o, settings)))
+    trace_records = [records.TraceRecord(r) for r in requests]
+    zipped = list(zip(requests, decisions, usages, strict=True))
+
+    def sidecar() -> None:
+        for r, d, u in zipped:
+            encode_record(r, d, "tokenfair", status_code=d.status_code, reason=d.reason, usage=u)
+
+    def simulate() -> None:
+        for d in decisions:
+            records.encode_decision(d, "tokenfair")
+
+    if hasattr(loadgen, "record_line"):  # this change: the one encoder
+
+        def live() -> None:
+            for o, d in observations:
+                records.encode_record_line(loadgen.record_line(o, d), "live")
+
+    else:  # before it: a dict, then json.dumps
+
+        def live() -> None:
+            for o, d in observations:
+                line = loadgen.record_json(o, d, "live")  # type: ignore[attr-defined]
+                json.dumps(line, separators=(",", ":"))
+
+    def trace() -> None:
+        records.dump_trace(io.StringIO(), trace_records)
+
+    cases = {"encode: sidecar encode_record": sidecar,
+             "encode: simulate encode_decision": simulate,
+             "encode: loadgen record line": live,
+             "encode: trace generate dump_trace": trace}  # fmt: skip
+    if hasattr(records, "plain_line"):
+        lines = [records.decision_line(d) for d in decisions]
+
+        def plain() -> None:
+            for line in lines:
+                records.plain_line(line, "tokenfair")
+
+        def fast() -> None:
+            for line in lines:
+                records.encode_record_line(line, "tokenfair")
+
+        cases["  plain_line (reference), decision lines"] = plain
+        cases["  encode_record_line (fast), same lines"] = fast
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "trace.jsonl"
+        with path.open("w", encoding="utf-8") as handle:
+            for r in requests:
+                handle.write(json.dumps({"request_id": r.request_id, "tenant_id": r.tenant_id,
+                                         "arrival_ms": r.arrival_ms,
+                                         "prefill_tokens": r.prefill_tokens,
+                                         "decode_tokens": r.decode_tokens,
+                                         "priority_class": r.priority_class},
+                                        separators=(",", ":")) + "\n")  # fmt: skip
+
+        def streamed() -> None:
+            for _ in records.stream_requests(path):
+                pass
+
+        def validated() -> None:
+            for _ in records.iter_trace_lines(path):
+                pass
+
+        cases = {"decode: stream_requests (replay)": streamed,
+                 "decode: iter_trace_lines (validated)": validated, **cases}  # fmt: skip
+        figures = {}
+        for name, case in cases.items():
+            best = float("inf")
+            for _ in range(repeat):
+                start = time.process_time()
+                case()
+                best = min(best, time.process_time() - start)
+            figures[name] = best / count * 1e6
+    print(json.dumps(figures))
+
+
+def bench_records(trees: Sequence[Path], count: int, repeat: int) -> None:
+    """The records section: each tree's figures from a child of its own, in turn."""
+    code = inspect.getsource(_records_child) + f"\n_records_child({count}, {max(3, repeat)})\n"
+    figures = []
+    for tree in trees:
+        env = {**os.environ, "PYTHONPATH": str(tree.resolve() / "sidecar")}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, check=False)  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"records bench of {tree}: {done.stderr}")
+        figures.append(json.loads(done.stdout))
+    names = ["this checkout", *(f"--tree {tree}" for tree in trees[1:])]
+    print(f"records: CPU µs per record, {count} records, best of {max(3, repeat)}")
+    print(f"  {'':<42}" + "".join(f"{name[:22]:>24}" for name in names)
+          + ("   other / this" if len(trees) > 1 else ""))  # fmt: skip
+    for case in dict.fromkeys(name for f in figures for name in f):
+        cells = [f.get(case) for f in figures]
+        text = "".join(f"{'-' if c is None else f'{c:.2f}':>24}" for c in cells)
+        ratio = ""
+        if len(cells) > 1 and cells[0] and cells[1]:
+            ratio = f"   {cells[1] / cells[0]:.2f}"
+        print(f"  {case:<42}{text}{ratio}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument(
@@ -295,6 +457,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile-size", type=int, default=50_000)
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     parser.add_argument("--keep", type=Path, help="write the traces here and keep them")
+    parser.add_argument("--records", action="store_true", help="add the records section")
+    parser.add_argument("--records-only", action="store_true", help="the records section only")
+    parser.add_argument("--records-count", type=int, default=100_000)
+    parser.add_argument("--tree", type=Path, help="another checkout, for the records section")
     args = parser.parse_args(argv)
     if args.lab:
         lab_main(*args.lab)
@@ -314,6 +480,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average {load}, "
         f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}"
     )
+    root = Path(__file__).resolve().parent.parent
+    trees = [root] if args.tree is None else [root, args.tree]
+    if args.records_only:
+        bench_records(trees, args.records_count, args.repeat)
+        return 0
     with tempfile.TemporaryDirectory() as scratch:
         work = args.keep or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
@@ -329,6 +500,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_regime("relaxed", relaxed_config(), relaxed_sizes, args.lab_max, args.repeat, work)
         if args.profile:
             profile(default_config(), args.profile_size, work)
+    if args.records:
+        bench_records(trees, args.records_count, args.repeat)
     gc.collect()
     return 0
 

@@ -51,7 +51,7 @@ from yarl import URL
 from tokenfair.core import Decision, Request
 from tokenfair.core.cost import CostModel
 from tokenfair.core.jobs import ADMITTED, SHED_QUEUE_TIMEOUT, STATUS_OK, STATUS_SHED
-from tokenfair.sim.records import decision_to_json
+from tokenfair.sim.records import RecordLine, decision_line
 
 CHARS_PER_TOKEN: Final = 4
 """Prompt characters per prompt token: the rule the sidecar's default estimator uses
@@ -491,17 +491,12 @@ def to_decision(observation: Observation, settings: LoadgenSettings) -> Decision
     )
 
 
-def record_json(observation: Observation, decision: Decision, policy: str) -> dict[str, object]:
-    """One line of ``--records``: the request in trace format plus the decision's outcome fields,
-    so ``tokenfair simulate --trace`` can replay a live run (see ``records.py``)."""
+def record_line(observation: Observation, decision: Decision) -> RecordLine:
+    """One line of ``--records``: the decision's outcome fields plus the request in trace format
+    (the sidecar's record line, see ``sim/records.py``), so ``tokenfair simulate --trace`` can
+    replay a live run; ``e2e_ms`` is the decision's ``observed["e2e_ms"]`` when there is one."""
     request = observation.request
-    out: dict[str, object] = decision_to_json(decision, policy)
-    out["prefill_tokens"] = request.prefill_tokens
-    out["decode_tokens"] = request.decode_tokens
-    if observation.prompt_tokens is not None:
-        out["actual_prefill_tokens"] = observation.prompt_tokens
-    if observation.completion_tokens is not None:
-        out["actual_decode_tokens"] = observation.completion_tokens
-    if "e2e_ms" in decision.observed:
-        out["e2e_ms"] = decision.observed["e2e_ms"]
-    return out
+    return decision_line(
+        decision, None, None, None, request.prefill_tokens, request.decode_tokens,
+        observation.prompt_tokens, observation.completion_tokens, decision.observed.get("e2e_ms"),
+    )  # fmt: skip

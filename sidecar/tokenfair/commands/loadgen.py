@@ -38,11 +38,11 @@ from tokenfair.loadgen import (
     KV_GAUGE,
     LoadgenSettings,
     ReplayResult,
-    record_json,
+    record_line,
     replay,
     to_decision,
 )
-from tokenfair.sim.records import read_trace
+from tokenfair.sim.records import encode_record_line, read_trace
 from tokenfair.sim.report import summarize
 from tokenfair.sim.scenarios import SCENARIOS
 
@@ -243,11 +243,11 @@ def build_report(result: ReplayResult) -> dict[str, Any]:
 
 
 def write_records(path: Path, result: ReplayResult) -> None:
-    with path.open("w", encoding="utf-8") as handle:
+    """One record line per request (``sim/records.py``'s schema and encoder), policy ``live``."""
+    with path.open("wb") as handle:
         for observation in result.observations:
-            decision = to_decision(observation, result.settings)
-            line = record_json(observation, decision, RUN_LABEL)
-            handle.write(json.dumps(line, separators=(",", ":")) + "\n")
+            line = record_line(observation, to_decision(observation, result.settings))
+            handle.write(encode_record_line(line, RUN_LABEL) + b"\n")
 
 
 def _missing_keys(requests: Sequence[Request], keys: Mapping[str, str]) -> list[str]:

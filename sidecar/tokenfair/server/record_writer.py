@@ -1,7 +1,8 @@
 """Request records: one JSONL line per request that reached admission.
 
-A record is the core's decision record (the shape of
-:func:`tokenfair.sim.records.decision_to_json`, with ``policy``) plus the trace fields
+A record is a :class:`tokenfair.sim.records.RecordLine` (the one schema and encoder of record
+lines, shared with ``tokenfair simulate --records`` and loadgen): the core's decision record,
+with ``policy``, plus the trace fields
 ``prefill_tokens`` / ``decode_tokens`` (the estimate), ``actual_prefill_tokens`` /
 ``actual_decode_tokens`` (the usage the backend reported), ``ttft_ms`` and ``e2e_ms``;
 ``status_code`` and ``reason`` are the outcome the client saw (e.g. ``502 upstream_error``,
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -33,9 +33,14 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from tokenfair.core import Decision, Request
-from tokenfair.sim.records import decision_to_json
+from tokenfair.sim.records import (
+    RecordLine,
+    decision_line,
+    dumps_fields,
+    encode_record_line,
+    line_fields,
+)
 
-_ENCODER: Final = json.JSONEncoder(separators=(",", ":"))
 MAX_PENDING_RECORDS: Final = 10_000
 """Records kept in memory while the file refuses writes (~500 bytes each: ~5 MiB); beyond it
 new records are dropped and counted rather than growing the process without bound."""
@@ -58,6 +63,20 @@ class Usage:
 NO_USAGE: Final = Usage()
 
 
+def record_line(
+    request: Request, decision: Decision, *, status_code: int, reason: str, usage: Usage = NO_USAGE
+) -> RecordLine:
+    """The request's record line (:class:`~tokenfair.sim.records.RecordLine`): the decision with
+    the outcome the client saw (``status_code``, ``reason``), the measured ``ttft_ms`` when there
+    is one, the estimate and the reported usage. Times measured here are rounded to 0.01 ms."""
+    ttft_ms, e2e_ms = usage.ttft_ms, usage.e2e_ms
+    return decision_line(
+        decision, status_code, reason, None if ttft_ms is None else round(ttft_ms, 2),
+        request.prefill_tokens, request.decode_tokens, usage.prompt_tokens,
+        usage.completion_tokens, None if e2e_ms is None else round(e2e_ms, 2),
+    )  # fmt: skip
+
+
 def request_record(
     request: Request,
     decision: Decision,
@@ -68,43 +87,8 @@ def request_record(
     usage: Usage = NO_USAGE,
 ) -> dict[str, Any]:
     """The record as a dict (the shape; :func:`encode_record` writes the same as JSON text)."""
-    record: dict[str, Any] = decision_to_json(decision, policy)
-    record["prefill_tokens"] = request.prefill_tokens
-    record["decode_tokens"] = request.decode_tokens
-    record["status_code"] = status_code
-    record["reason"] = reason
-    if usage.prompt_tokens is not None:
-        record["actual_prefill_tokens"] = usage.prompt_tokens
-    if usage.completion_tokens is not None:
-        record["actual_decode_tokens"] = usage.completion_tokens
-    if usage.ttft_ms is not None:
-        record["ttft_ms"] = round(usage.ttft_ms, 2)
-    if usage.e2e_ms is not None:
-        record["e2e_ms"] = round(usage.e2e_ms, 2)
-    return record
-
-
-def minimal_record(request: Request, policy: str, *, status_code: int, reason: str) -> str:
-    """A record of the request's own fields and its outcome only (JSON text): written when the
-    full record cannot be encoded (a bug), so that the request still has its one record. It
-    holds the trace fields a replay needs; the decision's fields are missing."""
-    return _ENCODER.encode(
-        {
-            "policy": policy,
-            "request_id": request.request_id,
-            "tenant_id": request.tenant_id,
-            "priority_class": request.priority_class,
-            "status_code": status_code,
-            "reason": reason,
-            "arrival_ms": request.arrival_ms,
-            "prefill_tokens": request.prefill_tokens,
-            "decode_tokens": request.decode_tokens,
-        }
-    )
-
-
-_string: Final = json.encoder.encode_basestring_ascii
-"""json's own string encoder (C): the quoted, escaped, ASCII-only JSON string."""
+    line = record_line(request, decision, status_code=status_code, reason=reason, usage=usage)
+    return line_fields(line, policy)
 
 
 def encode_record(
@@ -116,45 +100,31 @@ def encode_record(
     reason: str,
     usage: Usage = NO_USAGE,
 ) -> str:
-    """``_ENCODER.encode(request_record(...))``, the same text byte for byte, written directly.
+    """The record's JSON text (one line, no newline): :func:`request_record` by the records'
+    one encoder (:func:`tokenfair.sim.records.encode_record_line`), which writes what ``json``
+    writes, byte for byte."""
+    line = record_line(request, decision, status_code=status_code, reason=reason, usage=usage)
+    return encode_record_line(line, policy).decode()
 
-    ``json``'s C encoder calls back into a Python function for every float (six per record):
-    the dict-then-encode path costs ~7 µs per record, this ~3.5 (tight loop). Numbers are
-    written with ``repr``, which is what ``json`` writes for finite floats and for ints (never
-    bools here: the estimate and usage parsers refuse them). A record with a non-finite number
-    (``json`` writes ``Infinity``/``NaN``) takes the slow path, so the output always equals
-    ``json``'s; ``observed`` (refusals only) is encoded by ``json``.
-    """
-    d = decision
-    ttft_ms, e2e_ms = usage.ttft_ms, usage.e2e_ms
-    ttft = d.ttft_ms if ttft_ms is None else round(ttft_ms, 2)
-    dispatch, retry, actual = d.dispatch_ms, d.retry_after_ms, d.actual_service_tokens
-    text = (
-        f'{{"policy":{_string(policy)},"request_id":{_string(d.request_id)},'
-        f'"tenant_id":{_string(d.tenant_id)},"priority_class":{_string(d.priority_class)},'
-        f'"status_code":{status_code!r},"reason":{_string(reason)},"gate":{_string(d.gate)},'
-        f'"service_tokens":{d.service_tokens!r},"arrival_ms":{d.arrival_ms!r},'
-        f'"kv_occupancy_ratio":{d.kv_occupancy_ratio!r},"queue_wait_ms":{d.queue_wait_ms!r},'
-        f'"ttft_ms":{ttft!r},"dispatch_ms":{"null" if dispatch is None else repr(dispatch)},'
-        f'"retry_after_ms":{"null" if retry is None else repr(retry)},'
-        f'"actual_service_tokens":{"null" if actual is None else repr(actual)},'
-        f'"observed":{_ENCODER.encode(d.observed) if d.observed else "{}"},'
-        f'"prefill_tokens":{request.prefill_tokens!r},"decode_tokens":{request.decode_tokens!r}'
-    )
-    if usage.prompt_tokens is not None:
-        text += f',"actual_prefill_tokens":{usage.prompt_tokens!r}'
-    if usage.completion_tokens is not None:
-        text += f',"actual_decode_tokens":{usage.completion_tokens!r}'
-    if e2e_ms is not None:
-        text += f',"e2e_ms":{round(e2e_ms, 2)!r}'
-    text += "}"
-    finite = d.arrival_ms + d.kv_occupancy_ratio + d.queue_wait_ms + ttft + (dispatch or 0.0)
-    finite += (retry or 0.0) + (e2e_ms or 0.0)
-    if finite - finite != 0.0:  # an inf or a nan among them (or a sum that overflowed)
-        return _ENCODER.encode(
-            request_record(request, d, policy, status_code=status_code, reason=reason, usage=usage)
-        )
-    return text
+
+def minimal_record(request: Request, policy: str, *, status_code: int, reason: str) -> str:
+    """A record of the request's own fields and its outcome only (JSON text): written when the
+    full record cannot be encoded (a bug), so that the request still has its one record. It
+    holds the trace fields a replay needs; the decision's fields are missing. Encoded plainly
+    (:func:`tokenfair.sim.records.dumps_fields`), in the schema's key order."""
+    return dumps_fields(
+        {
+            "policy": policy,
+            "request_id": request.request_id,
+            "tenant_id": request.tenant_id,
+            "priority_class": request.priority_class,
+            "status_code": status_code,
+            "reason": reason,
+            "arrival_ms": request.arrival_ms,
+            "prefill_tokens": request.prefill_tokens,
+            "decode_tokens": request.decode_tokens,
+        }
+    ).decode()
 
 
 class RecordSink(Protocol):

@@ -15,9 +15,15 @@ Reading: :func:`read_trace` (a list), :func:`iter_trace_lines` (a validated stre
 (a scanned file straight into ``Request`` objects, for a replay that reads the file once per
 policy; :func:`stream_arrivals` the same as the replay's arrivals).
 
-Decision records are written by :func:`decision_to_json` (the sidecar, loadgen) or
-:func:`encode_decision` (its bytes without the dict: ``tokenfair simulate --records``) and read
-back into ``Decision`` objects by :func:`read_decisions` (``tokenfair report``).
+Writing: every record line of the project is written here, by one encoder. A request record
+is a :class:`TraceLine` (:func:`dump_trace`: ``tokenfair trace generate``), a decision record a
+:class:`RecordLine` (the ``Decision``'s fields, then the request fields of a live record):
+``tokenfair simulate --records`` (:func:`encode_decision`), the sidecar's records file
+(``server/record_writer.py``) and ``tokenfair loadgen --records`` (``loadgen.record_line``) all
+build one with :func:`decision_line` and write it with :func:`encode_record_line`. The encoding
+rule is ``json.dumps`` compact (ASCII only); :func:`plain_line` applies it plainly (the
+reference) and the encoders apply it fast (msgspec, checked byte for byte against it). Decision
+records are read back into ``Decision`` objects by :func:`read_decisions` (``tokenfair report``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import operator
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +51,9 @@ NonNegativeMs = Annotated[float, msgspec.Meta(ge=0)]
 NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
 
 
-class TraceLine(msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False):
+class TraceLine(
+    msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False, omit_defaults=True
+):
     """One request record as it is on the wire: **the** schema of a trace line (docs/records.md).
 
     Required fields have no default; the observed ones default to ``None`` (absent and ``null``
@@ -205,21 +214,17 @@ class TraceRecord:
         tokens = self.actual_tokens()
         return None if tokens is None else service_tokens(*tokens, decode_weight)
 
+    def to_line(self) -> TraceLine:
+        """The record as a line of the schema (what :func:`dump_trace` writes)."""
+        r = self.request
+        return TraceLine(
+            r.request_id, r.tenant_id, r.arrival_ms, r.prefill_tokens, r.decode_tokens,
+            r.priority_class, self.actual_prefill_tokens, self.actual_decode_tokens,
+            self.ttft_ms, self.e2e_ms,
+        )  # fmt: skip
+
     def to_json(self) -> dict[str, object]:
-        request = self.request
-        out: dict[str, object] = {
-            "request_id": request.request_id,
-            "tenant_id": request.tenant_id,
-            "arrival_ms": request.arrival_ms,
-            "prefill_tokens": request.prefill_tokens,
-            "decode_tokens": request.decode_tokens,
-            "priority_class": request.priority_class,
-        }
-        for name in OBSERVED_FIELDS:
-            value = getattr(self, name)
-            if value is not None:
-                out[name] = value
-        return out
+        return line_fields(self.to_line())
 
 
 def _int(where: str, name: str, value: object) -> int:
@@ -388,23 +393,192 @@ def stream_arrivals(path: str | Path) -> Iterator[tuple[Request, None, None]]:
         yield (request, None, None)
 
 
-def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
-    with Path(path).open("w", encoding="utf-8") as handle:
-        dump_trace(handle, records)
+# ---------------------------------------------------------------------------------------------
+# Writing records: one schema for each kind of line, one encoding rule, one encoder.
+#
+# A line is a msgspec struct: :class:`TraceLine` (a request record: ``tokenfair trace generate``)
+# or :class:`RecordLine` (a decision record: ``tokenfair simulate --records``, the sidecar's
+# records file, ``tokenfair loadgen --records``), optionally preceded by ``policy``. Its fields,
+# in declaration order, are the keys of the line; a field whose default is None is left out when
+# None, the others are always written (None as ``null``). The encoding rule is Python's
+# ``json.dumps(..., separators=(",", ":"))``: compact, ASCII only (``\uXXXX`` escapes), numbers
+# as ``repr`` writes them, non-finite ones as ``Infinity``/``NaN``. :func:`plain_line` applies it
+# (the reference); :func:`encode_record_line` and :func:`encode_trace_line` are the fast path
+# (msgspec) and fall back to it for what msgspec writes otherwise, so both give the same bytes.
 
 
-def dump_trace(handle: TextIO, records: Iterable[TraceRecord]) -> None:
-    """Write request records as JSONL to an open stream."""
-    for record in records:
-        handle.write(json.dumps(record.to_json(), separators=(",", ":")) + "\n")
+class RecordLine(msgspec.Struct, omit_defaults=True, gc=False):
+    """A decision record line, **the** schema of one (docs/records.md): the fields of the core's
+    ``Decision`` in its order, then the request fields a live record adds (the sidecar's and
+    loadgen's; ``tokenfair simulate --records`` leaves them out). ``policy``, when given, is
+    written before them by the encoder. ``gc=False``: ``observed`` is a dict of floats, never
+    part of a cycle."""
+
+    request_id: str
+    tenant_id: str
+    priority_class: str
+    status_code: int
+    reason: str
+    gate: str
+    service_tokens: int
+    arrival_ms: float
+    kv_occupancy_ratio: float
+    queue_wait_ms: float
+    ttft_ms: float
+    dispatch_ms: float | None
+    retry_after_ms: float | None
+    actual_service_tokens: int | None
+    observed: dict[str, float]
+    prefill_tokens: int | None = None
+    decode_tokens: int | None = None
+    actual_prefill_tokens: int | None = None
+    actual_decode_tokens: int | None = None
+    e2e_ms: float | None = None
 
 
+RECORD_FIELDS: Final = msgspec.structs.fields(RecordLine)
 DECISION_FIELDS: Final = tuple(f.name for f in dataclasses.fields(Decision))
 """``Decision``'s fields in declaration order (the order of a decision record's keys)."""
+if tuple(f.name for f in RECORD_FIELDS[: len(DECISION_FIELDS)]) != DECISION_FIELDS:
+    raise AssertionError("RecordLine must begin with Decision's fields, in Decision's order")
+
+# The encoding rule. msgspec writes the same bytes as `json.dumps` for every value but three:
+# a float outside [1e-4, 1e16) other than zero (msgspec `1e-7`, `0.00001`, `1e16`; json `1e-07`,
+# `1e-05`, `1e+16`; inf and nan included: msgspec writes `null`), a non-ASCII character and DEL
+# (json escapes them, msgspec writes them as UTF-8). A line holding any of them takes the plain
+# path. The bounds are checked on the values, the characters on the output.
+_ENCODE: Final = msgspec.json.Encoder().encode
+_LO: Final = 1e-4
+_HI: Final = 1e16
+
+
+def _float_fields(cls: type[msgspec.Struct]) -> Callable[[Any], tuple[Any, ...]]:
+    """A getter of the fields of ``cls`` typed ``float`` (or ``float | None``), as a tuple: the
+    numbers the fast path must check (an ``int`` is written alike by both encoders)."""
+    info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)
+    names = []
+    for field in info.fields:
+        kinds = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else ()
+        if isinstance(field.type, msgspec.inspect.FloatType) or any(
+            isinstance(kind, msgspec.inspect.FloatType) for kind in kinds
+        ):
+            names.append(field.name)
+    assert len(names) > 1  # (one name would make the getter return the value, not a tuple)
+    return operator.attrgetter(*names)
+
+
+_RECORD_FLOATS: Final = _float_fields(RecordLine)
+_TRACE_FLOATS: Final = _float_fields(TraceLine)
+_OPTIONAL: Final = {
+    cls: tuple((f.name, f.default is None) for f in msgspec.structs.fields(cls))
+    for cls in (RecordLine, TraceLine)
+}
+
+
+def line_fields(line: RecordLine | TraceLine, policy: str | None = None) -> dict[str, object]:
+    """The JSON object a line stands for: ``policy`` first (when given), then the fields in
+    the schema's order, those defaulting to None only when set."""
+    out: dict[str, object] = {} if policy is None else {"policy": policy}
+    for name, optional in _OPTIONAL[type(line)]:
+        value = getattr(line, name)
+        if value is not None or not optional:
+            out[name] = value
+    return out
+
+
+def dumps_fields(fields: Mapping[str, object]) -> bytes:
+    """The encoding rule, applied plainly: ``json.dumps`` compact, ASCII only (no newline)."""
+    return json.dumps(fields, separators=(",", ":")).encode()
+
+
+def plain_line(line: RecordLine | TraceLine, policy: str | None = None) -> bytes:
+    """The reference encoder: ``dumps_fields(line_fields(line, policy))`` (no newline)."""
+    return dumps_fields(line_fields(line, policy))
+
+
+def _exact(numbers: Iterable[float | None]) -> bool:
+    """msgspec writes each of ``numbers`` as ``json`` does: None, zero, or 1e-4 <= |x| < 1e16
+    (so finite; a nan fails every comparison)."""
+    for x in numbers:  # noqa: SIM110 (all() over a generator is slower: this runs per record)
+        if not (x is None or _LO <= x < _HI or x == 0 or -_HI < x <= -_LO):
+            return False
+    return True
+
+
+_PREFIXES: Final[dict[str, bytes]] = {}
+"""``{"policy":"<policy>",`` by policy name (a handful of names; at most 64 kept)."""
+
+
+def _fast(line: RecordLine | TraceLine, policy: str | None) -> bytes | None:
+    """msgspec's encoding of ``line`` (``policy`` first), or None if it holds a character
+    ``json`` escapes and msgspec does not (non-ASCII, DEL). Its numbers are checked already."""
+    body = _ENCODE(line)
+    if policy is not None:
+        prefix = _PREFIXES.get(policy)
+        if prefix is None:
+            prefix = b'{"policy":' + _ENCODE(policy) + b","
+            if len(_PREFIXES) < 64:
+                _PREFIXES[policy] = prefix
+        body = prefix + body[1:]
+    return body if body.isascii() and b"\x7f" not in body else None
+
+
+def encode_record_line(line: RecordLine, policy: str | None = None) -> bytes:
+    """The JSON text of a decision record (no newline): :func:`plain_line`'s bytes, fast."""
+    try:
+        observed = line.observed
+        if _exact(_RECORD_FLOATS(line)) and (not observed or _exact(observed.values())):
+            body = _fast(line, policy)
+            if body is not None:
+                return body
+    except (msgspec.MsgspecError, TypeError, ValueError):  # (a lone surrogate, a bad type)
+        pass
+    return plain_line(line, policy)
+
+
+def encode_trace_line(line: TraceLine) -> bytes:
+    """The JSON text of a request record (no newline): :func:`plain_line`'s bytes, fast."""
+    try:
+        if _exact(_TRACE_FLOATS(line)):
+            body = _fast(line, None)
+            if body is not None:
+                return body
+    except (msgspec.MsgspecError, TypeError, ValueError):
+        pass
+    return plain_line(line)
+
+
+def decision_line(
+    decision: Decision,
+    status_code: int | None = None,
+    reason: str | None = None,
+    ttft_ms: float | None = None,
+    prefill_tokens: int | None = None,
+    decode_tokens: int | None = None,
+    actual_prefill_tokens: int | None = None,
+    actual_decode_tokens: int | None = None,
+    e2e_ms: float | None = None,
+) -> RecordLine:
+    """The record line of a ``Decision``: its fields, with the outcome the client saw when one
+    is given (``status_code``, ``reason``, ``ttft_ms``: the sidecar's), then the request fields
+    a live record adds (the sidecar's and loadgen's; None: left out). The one place a
+    ``RecordLine`` is built (positionally, in the schema's order: keywords cost ~1 µs a line;
+    the tests check it against the dict built key by key)."""
+    d = decision
+    return RecordLine(
+        d.request_id, d.tenant_id, d.priority_class,
+        d.status_code if status_code is None else status_code,
+        d.reason if reason is None else reason,
+        d.gate, d.service_tokens, d.arrival_ms, d.kv_occupancy_ratio, d.queue_wait_ms,
+        d.ttft_ms if ttft_ms is None else ttft_ms,
+        d.dispatch_ms, d.retry_after_ms, d.actual_service_tokens, d.observed,
+        prefill_tokens, decode_tokens, actual_prefill_tokens, actual_decode_tokens, e2e_ms,
+    )  # fmt: skip
 
 
 def decision_to_json(decision: Decision, policy: str | None = None) -> dict[str, object]:
-    """A decision record: ``policy`` (when given), then the lesson's outcome fields, then ours.
+    """A decision record: ``policy`` (when given), then ``Decision``'s fields in its order.
 
     The same dict ``dataclasses.asdict`` gives (``observed`` copied), built field by field:
     ``asdict`` deep-copies every value and was a large share of the sidecar's per-request CPU.
@@ -416,32 +590,10 @@ def decision_to_json(decision: Decision, policy: str | None = None) -> dict[str,
     return out
 
 
-_ENCODER: Final = msgspec.json.Encoder()
-
-
 def encode_decision(decision: Decision, policy: str | None = None) -> bytes:
-    """The JSONL line (newline included) of :func:`decision_to_json`'s record, encoded from the
-    ``Decision`` itself: no per-record dict. Same keys in the same order and the same values
-    (``json.loads`` of it equals ``decision_to_json``); numbers are written the shortest way
-    that reads back exactly, as ``json.dumps`` does. A record holding a non-finite number
-    (which JSON lacks; msgspec would write ``null``) is written by ``json.dumps`` instead, as
-    ``Infinity``/``NaN``, so that it reads back as it was."""
-    finite = math.isfinite(
-        decision.arrival_ms
-        + decision.kv_occupancy_ratio
-        + decision.queue_wait_ms
-        + decision.ttft_ms
-        + (decision.dispatch_ms or 0.0)
-        + (decision.retry_after_ms or 0.0)
-        + sum(decision.observed.values())
-    )  # one sum: any inf or nan makes it non-finite (an overflow only takes the slow path)
-    if not finite:
-        line = json.dumps(decision_to_json(decision, policy), separators=(",", ":"))
-        return line.encode() + b"\n"
-    body = _ENCODER.encode(decision)
-    if policy is None:
-        return body + b"\n"
-    return b'{"policy":' + _ENCODER.encode(policy) + b"," + body[1:] + b"\n"
+    """The JSONL line (newline included) of :func:`decision_to_json`'s record: the record line
+    of the ``Decision`` (:func:`decision_line`) by :func:`encode_record_line`."""
+    return encode_record_line(decision_line(decision), policy) + b"\n"
 
 
 def write_decisions(path: str | Path, results: Mapping[str, Iterable[Decision]]) -> None:
@@ -454,6 +606,17 @@ def dump_decisions(handle: TextIO, results: Mapping[str, Iterable[Decision]]) ->
     for policy, decisions in results.items():
         for decision in decisions:
             handle.write(encode_decision(decision, policy).decode())
+
+
+def write_trace(path: str | Path, records: Iterable[TraceRecord]) -> None:
+    with Path(path).open("w", encoding="utf-8") as handle:
+        dump_trace(handle, records)
+
+
+def dump_trace(handle: TextIO, records: Iterable[TraceRecord]) -> None:
+    """Write request records as JSONL to an open stream (:func:`encode_trace_line`)."""
+    for record in records:
+        handle.write(encode_trace_line(record.to_line()).decode() + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
