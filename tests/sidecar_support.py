@@ -130,9 +130,9 @@ async def one_running_one_queued(
 
 def records_of(sidecar: Sidecar) -> list[dict[str, Any]]:
     """The sidecar's request records so far (flushed first), one dict per JSON line."""
-    recorder = sidecar.recorder
-    assert recorder is not None
-    recorder.flush()
+    record_writer = sidecar.record_writer
+    assert record_writer is not None
+    record_writer.flush()
     path = sidecar.settings.records_path
     assert path is not None
     return [json.loads(line) for line in Path(path).read_text().splitlines()]

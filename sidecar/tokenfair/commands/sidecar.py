@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tokenfair.config import ConfigError
+from tokenfair.config.fields import flag_number
 from tokenfair.core.cost import CostModel
 from tokenfair.server import create_app, load_sidecar_file, make_backend
 from tokenfair.server.accesslog import (
@@ -19,9 +19,9 @@ from tokenfair.server.accesslog import (
     FLUSH_AT_EXIT_S,
     configure_access_logger,
 )
+from tokenfair.server.backends import BACKENDS
 from tokenfair.server.runner import serve
 from tokenfair.server.runtime_settings import (
-    BACKENDS,
     SECTION_FIELDS,
     SidecarSettings,
     check_settings,
@@ -52,23 +52,34 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--admin-listen", metavar="HOST:PORT", help="admin listener (127.0.0.1:9090)"
     )
-    parser.add_argument("--backend", choices=BACKENDS, help="model server (costmodel)")
+    parser.add_argument(
+        "--backend",
+        choices=tuple(BACKENDS),
+        help="model server: "
+        + " or ".join(
+            f"{name} ({kind.summary}{', needs --upstream' if kind.needs_upstream else ''})"
+            for name, kind in BACKENDS.items()
+        )
+        + f"; default {SidecarSettings().backend}",
+    )
     parser.add_argument("--upstream", metavar="URL", help="OpenAI-compatible upstream (openai)")
     parser.add_argument(
         "--time-scale",
-        type=float,
+        type=flag_number,
         metavar="X",
         help="real seconds per model second (1.0; 0.01 runs 100x faster)",
     )
     parser.add_argument("--records", metavar="FILE", help="append request records (JSONL)")
-    parser.add_argument("--max-in-flight", type=int, metavar="N", help="backend concurrency")
+    parser.add_argument(
+        "--max-in-flight", type=flag_number, metavar="N", help="backend concurrency"
+    )
     parser.add_argument(
         "--trusted-tenant-header",
         metavar="NAME",
         help="trust this header to name the tenant (only behind an authenticating gateway)",
     )
     parser.add_argument(
-        "--drain-grace", type=float, metavar="SECONDS", help="in-flight grace on SIGTERM (30)"
+        "--drain-grace", type=flag_number, metavar="SECONDS", help="in-flight grace on SIGTERM (30)"
     )
     parser.add_argument(
         "--upstream-api-key-file",
@@ -84,7 +95,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--embedding-dimensions",
-        type=int,
+        type=flag_number,
         metavar="N",
         help="length of the costmodel engine's embeddings when a request sets none (384)",
     )
@@ -118,16 +129,14 @@ def register(subparsers: Any) -> None:
 
 _FLAGS = {
     "listen": "listen",
-    "admin_listen": "admin_listen",
+    "admin_listen": "adminListen",
     "backend": "backend",
-    "upstream": "upstream_url",
-    "time_scale": "time_scale",
-    "records": "records_path",
-    "max_in_flight": "max_in_flight",
-    "trusted_tenant_header": "trusted_tenant_header",
-    "drain_grace": "drain_grace_s",
-}
-_CHECKED_FLAGS = {
+    "upstream": "upstreamUrl",
+    "time_scale": "timeScale",
+    "records": "recordsPath",
+    "max_in_flight": "maxInFlight",
+    "trusted_tenant_header": "trustedTenantHeader",
+    "drain_grace": "drainGraceSeconds",
     "upstream_api_key_file": "upstreamApiKeyFile",
     "served_model_name": "servedModelNames",
     "embedding_dimensions": "embeddingDimensions",
@@ -136,7 +145,16 @@ _CHECKED_FLAGS = {
     "tracing": "tracing",
     "tracing_endpoint": "tracingEndpoint",
 }
-"""Flags checked by the parser of their ``sidecar:`` key (one rule per setting)."""
+"""Flag (its ``argparse`` dest) -> the ``sidecar:`` key it overrides. A flag's value is checked
+by the parser of that key (:data:`~tokenfair.server.runtime_settings.SECTION_FIELDS`), under
+the flag's name: one rule per setting, wherever it is set. Number flags reach it as numbers
+(:func:`~tokenfair.config.fields.flag_number`), so ``--max-in-flight 2.5`` is refused as
+``sidecar: {maxInFlight: 2.5}`` is."""
+
+
+def flag_name(dest: str) -> str:
+    """``max_in_flight`` -> ``--max-in-flight``."""
+    return "--" + dest.replace("_", "-")
 
 
 def settings_for(args: argparse.Namespace, section: Mapping[str, object]) -> SidecarSettings:
@@ -144,18 +162,12 @@ def settings_for(args: argparse.Namespace, section: Mapping[str, object]) -> Sid
     are checked once all three are applied (a file's ``backend: openai`` may get its upstream
     from ``--upstream``)."""
     settings = settings_from_section(section, check=False)
-    flags = {attr: getattr(args, flag) for flag, attr in _FLAGS.items()}
-    changes = {attr: value for attr, value in flags.items() if value is not None}
-    if changes.get("trusted_tenant_header"):
-        changes["trusted_tenant_header"] = str(changes["trusted_tenant_header"]).lower()
-    for name in ("time_scale", "max_in_flight", "drain_grace_s"):
-        if name in changes and not changes[name] > 0:
-            raise ConfigError(f"--{name.removesuffix('_s').replace('_', '-')}: must be > 0")
-    for flag, key in _CHECKED_FLAGS.items():
-        value = getattr(args, flag, None)
+    changes: dict[str, Any] = {}
+    for dest, key in _FLAGS.items():
+        value = getattr(args, dest, None)
         if value is not None:
             attr, parse = SECTION_FIELDS[key]
-            changes[attr] = parse(f"--{flag.replace('_', '-')}", value)
+            changes[attr] = parse(flag_name(dest), value)
     return check_settings(dataclasses.replace(settings, **changes))
 
 

@@ -5,6 +5,9 @@ Modules:
 * :mod:`tokenfair.config.document` — the policy and tenants (typed, frozen), YAML and manifest
   loading, overrides, the API-key digest; every bad value raises :class:`ConfigError` naming the
   field and the rule it broke;
+* :mod:`tokenfair.config.fields` — the value parsers (one rule each: numbers, integers,
+  ratios, booleans, strings, choices) and the table-driven reader every section and the
+  ``tokenfair sidecar`` flags use, :class:`ConfigError` and :func:`shown`;
 * :mod:`tokenfair.config.budget_store` — the ``budgetStore:`` section (pool-wide budgets) and
   the split of a tenant's budgets over ``n`` replicas.
 
@@ -19,10 +22,8 @@ from tokenfair.config.document import (
     MAX_VERSION_CHARS,
     POLICY_FIELDS,
     PRIORITY_CLASSES,
-    SHOWN_CHARS,
     TENANT_FIELDS,
     Config,
-    ConfigError,
     PolicyConfig,
     PriorityClass,
     TenantConfig,
@@ -39,8 +40,8 @@ from tokenfair.config.document import (
     parse_policy,
     parse_tenant,
     replace_policy,
-    shown,
 )
+from tokenfair.config.fields import SHOWN_CHARS, ConfigError, shown
 
 __all__ = [
     "CONFIG_KIND",

@@ -29,7 +29,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, cast
 
-from tokenfair.config.document import ConfigError, TenantConfig, shown
+from tokenfair.config.document import TenantConfig
+from tokenfair.config.fields import (
+    ConfigError,
+    FieldTable,
+    integer_in,
+    number_in,
+    read_fields,
+    shown,
+    unknown_keys,
+)
 
 DEFAULT_KEY_PREFIX: Final = "tokenfair"
 MAX_LEASE_MS: Final = 60_000
@@ -92,39 +101,40 @@ def split_budgets(tenant: TenantConfig, replicas: int) -> TenantConfig:
     )
 
 
-def _bounded(where: str, value: object, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{where}: must be a number (got {shown(value)})")
-    if not low <= value <= high:
-        raise ConfigError(f"{where}: must be in [{low:g}, {high:g}] (got {shown(value)})")
-    return float(value)
-
-
 def _mapping(where: str, value: object) -> Mapping[str, object]:
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
         raise ConfigError(f"{where}: must be a mapping (got {shown(value)})")
     return cast(Mapping[str, object], value)
 
 
-def _no_unknown(where: str, data: Mapping[str, object], known: set[str]) -> None:
-    unknown = sorted(set(data) - known)
-    if unknown:
+def _key_prefix(name: str, value: object) -> str:
+    if not isinstance(value, str) or not _KEY_PREFIX.match(value):
         raise ConfigError(
-            f"{where}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            f"{name}: must be 1-200 characters of letters, digits and _.:/{{}}- "
+            f"(got {shown(value)})"
         )
+    return value
+
+
+_FIELDS: Final[FieldTable] = {
+    "keyPrefix": ("key_prefix", _key_prefix),
+    "replicas": ("replicas", integer_in(1, MAX_REPLICAS)),
+    "leaseMs": ("lease_ms", number_in(1, MAX_LEASE_MS)),
+    "timeoutMs": ("timeout_ms", number_in(1, MAX_TIMEOUT_MS)),
+    "probeIntervalMs": ("probe_interval_ms", number_in(1, MAX_PROBE_INTERVAL_MS)),
+}
+"""``budgetStore:`` key -> (attribute, parser), ``redis`` aside (nested, required)."""
 
 
 def parse_budget_store(data: object, where: str = "budgetStore") -> BudgetStoreConfig:
     """Build a :class:`BudgetStoreConfig` from its camelCase YAML; bad input raises
     :class:`ConfigError` naming the field and the rule."""
     doc = _mapping(where, data)
-    _no_unknown(
-        where, doc, {"redis", "keyPrefix", "replicas", "leaseMs", "timeoutMs", "probeIntervalMs"}
-    )
+    unknown_keys(where, doc, [*_FIELDS, "redis"])
     if "redis" not in doc:
         raise ConfigError(f"{where}: missing required field redis (the only store kind)")
     redis = _mapping(f"{where}.redis", doc["redis"])
-    _no_unknown(f"{where}.redis", redis, {"url", "passwordEnv", *_OPERATOR_ONLY_REDIS_FIELDS})
+    unknown_keys(f"{where}.redis", redis, {"url", "passwordEnv", *_OPERATOR_ONLY_REDIS_FIELDS})
     url = redis.get("url")
     if not isinstance(url, str) or not _URL.match(url):
         raise ConfigError(
@@ -143,35 +153,8 @@ def parse_budget_store(data: object, where: str = "budgetStore") -> BudgetStoreC
             f"{where}.redis.passwordEnv: must be an environment variable name "
             f"(got {shown(password_env)})"
         )
-    key_prefix = doc.get("keyPrefix", DEFAULT_KEY_PREFIX)
-    if not isinstance(key_prefix, str) or not _KEY_PREFIX.match(key_prefix):
-        raise ConfigError(
-            f"{where}.keyPrefix: must be 1-200 characters of letters, digits and _.:/{{}}- "
-            f"(got {shown(key_prefix)})"
-        )
-    replicas = doc.get("replicas", 1)
-    if isinstance(replicas, bool) or not isinstance(replicas, int):
-        raise ConfigError(f"{where}.replicas: must be an integer (got {shown(replicas)})")
-    _bounded(f"{where}.replicas", replicas, 1, MAX_REPLICAS)
-    defaults = BudgetStoreConfig(url)
-    return BudgetStoreConfig(
-        url=url,
-        password_env=password_env,
-        key_prefix=key_prefix,
-        replicas=replicas,
-        lease_ms=_bounded(
-            f"{where}.leaseMs", doc.get("leaseMs", defaults.lease_ms), 1, MAX_LEASE_MS
-        ),
-        timeout_ms=_bounded(
-            f"{where}.timeoutMs", doc.get("timeoutMs", defaults.timeout_ms), 1, MAX_TIMEOUT_MS
-        ),
-        probe_interval_ms=_bounded(
-            f"{where}.probeIntervalMs",
-            doc.get("probeIntervalMs", defaults.probe_interval_ms),
-            1,
-            MAX_PROBE_INTERVAL_MS,
-        ),
-    )
+    values = read_fields(where, doc, _FIELDS, also=["redis"])
+    return BudgetStoreConfig(url=url, password_env=password_env, **values)
 
 
 def budget_store_to_dict(store: BudgetStoreConfig) -> dict[str, object]:

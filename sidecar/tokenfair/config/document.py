@@ -17,16 +17,29 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import re
-import reprlib
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal, cast
 
 import yaml
+
+from tokenfair.config.fields import (
+    ConfigError,
+    Parser,
+    boolean,
+    non_negative,
+    one_of,
+    positive,
+    positive_int,
+    ratio,
+    read_fields,
+    share,
+    shown,
+    unknown_keys,
+)
 
 if TYPE_CHECKING:  # budget_store imports this module; its parser is imported where it is used
     from tokenfair.config.budget_store import BudgetStoreConfig
@@ -41,10 +54,6 @@ PriorityClass = Literal["interactive", "batch"]
 PRIORITY_CLASSES: Final[tuple[PriorityClass, ...]] = ("interactive", "batch")
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
-
-
-class ConfigError(ValueError):
-    """A config input broke a rule; the message names the field and the rule."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,109 +139,8 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------
-# Field tables: YAML name -> (attribute, parser). One table drives parsing, validation, `--set`.
-
-Parser = Callable[[str, object], Any]
-
-
-_MAX_INTEGER: Final = 2**53
-"""Largest integer a field takes: every integer up to it is an exact float, and the core mixes
-integers with floats (budgets, occupancy). Larger ones (e.g. 400 digits) are refused by name."""
-
-
-def _too_large(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > _MAX_INTEGER
-
-
-class _BoundedRepr(reprlib.Repr):
-    """``repr`` cut to a few levels, items and characters; an integer beyond
-    :data:`_MAX_INTEGER` by its size (``repr`` of one of over 4,300 digits raises)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel = 2
-        self.maxtuple = self.maxlist = self.maxarray = 3
-        self.maxdict = self.maxset = self.maxfrozenset = self.maxdeque = 3
-        self.maxstring = self.maxother = 40
-        self.maxlong = 40
-
-    def repr_int(self, x: int, level: int) -> str:
-        if _too_large(x):
-            return f"<an integer of {abs(x).bit_length()} bits>"
-        return super().repr_int(x, level)
-
-
-_SHOWN: Final = _BoundedRepr()
-SHOWN_CHARS: Final = 120
-"""The most characters :func:`shown` gives a value."""
-
-
-def shown(value: object) -> str:
-    """A value as an error message shows it: its ``repr``, bounded (2 levels, 3 items a level,
-    40 characters a string, :data:`SHOWN_CHARS` in all), so a value from a YAML alias bomb
-    (nested lists of millions of items, built from a few lines) makes a short message, quickly.
-    Every value in a config error message goes through it."""
-    try:
-        text = _SHOWN.repr(value)
-    except Exception:  # a repr that fails
-        return f"<a value of type {type(value).__name__}>"
-    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
-
-
-def _number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{name}: must be a number (got {shown(value)})")
-    if _too_large(value):  # float() of it may overflow; its repr may be thousands of digits
-        raise ConfigError(f"{name}: must be at most {_MAX_INTEGER} (got an integer beyond it)")
-    if not math.isfinite(value):
-        raise ConfigError(f"{name}: must be finite (got {shown(value)})")
-    return float(value)
-
-
-def _positive(name: str, value: object) -> float:
-    number = _number(name, value)
-    if number <= 0:
-        raise ConfigError(f"{name}: must be > 0 (got {shown(value)})")
-    return number
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name}: must be an integer (got {shown(value)})")
-    if _too_large(value):
-        raise ConfigError(f"{name}: must be at most {_MAX_INTEGER} (got an integer beyond it)")
-    if value <= 0:
-        raise ConfigError(f"{name}: must be > 0 (got {shown(value)})")
-    return value
-
-
-def _ratio(name: str, value: object) -> float:
-    number = _number(name, value)
-    if not 0 < number <= 1:
-        raise ConfigError(f"{name}: must be in (0, 1] (got {shown(value)})")
-    return number
-
-
-def _share(name: str, value: object) -> float:
-    number = _number(name, value)
-    if not 0 <= number <= 0.5:
-        raise ConfigError(f"{name}: must be in [0, 0.5] (got {shown(value)})")
-    return number
-
-
-def _non_negative(name: str, value: object) -> float:
-    number = _number(name, value)
-    if number < 0:
-        raise ConfigError(f"{name}: must be >= 0 (got {shown(value)})")
-    return number
-
-
-def _boolean(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}: must be true or false (got {shown(value)})")
-    return value
+# Field tables: YAML name -> (attribute, parser). One table drives parsing, validation, `--set`;
+# the parsers and the reader are tokenfair.config.fields' (one rule each, integers included).
 
 
 def _tenant_id(name: str, value: object) -> str:
@@ -243,11 +151,11 @@ def _tenant_id(name: str, value: object) -> str:
     return value
 
 
+_priority_class: Final = one_of(PRIORITY_CLASSES)
+
+
 def _priority(name: str, value: object) -> PriorityClass:
-    for option in PRIORITY_CLASSES:
-        if value == option:
-            return option
-    raise ConfigError(f"{name}: must be one of {', '.join(PRIORITY_CLASSES)} (got {shown(value)})")
+    return cast(PriorityClass, _priority_class(name, value))
 
 
 def api_key_digest(api_key: str) -> str:
@@ -271,29 +179,29 @@ def _key_hashes(name: str, value: object) -> tuple[str, ...]:
 
 
 POLICY_FIELDS: Final[dict[str, tuple[str, Parser]]] = {
-    "totalKvBlocks": ("total_kv_blocks", _positive_int),
-    "kvBlockTokens": ("kv_block_tokens", _positive_int),
-    "interactiveKvWatermark": ("interactive_kv_watermark", _ratio),
-    "batchKvWatermark": ("batch_kv_watermark", _ratio),
-    "maxInteractiveWaitMs": ("max_interactive_wait_ms", _positive),
-    "maxBatchWaitMs": ("max_batch_wait_ms", _positive),
-    "decodeWeight": ("decode_weight", _positive),
-    "baseQuantumTokens": ("base_quantum_tokens", _positive_int),
-    "serviceTokensPerMs": ("service_tokens_per_ms", _positive),
-    "batchMinShare": ("batch_min_share", _share),
-    "lendIdleCapacity": ("lend_idle_capacity", _boolean),
-    "maxQueuedRequests": ("max_queued_requests", _positive_int),
-    "maxQueuedRequestsPerTenant": ("max_queued_requests_per_tenant", _positive_int),
-    "prefillFloorMs": ("prefill_floor_ms", _non_negative),
-    "prefillTokensPerMs": ("prefill_tokens_per_ms", _positive),
-    "kvResidencyFactor": ("kv_residency_factor", _positive),
+    "totalKvBlocks": ("total_kv_blocks", positive_int),
+    "kvBlockTokens": ("kv_block_tokens", positive_int),
+    "interactiveKvWatermark": ("interactive_kv_watermark", ratio),
+    "batchKvWatermark": ("batch_kv_watermark", ratio),
+    "maxInteractiveWaitMs": ("max_interactive_wait_ms", positive),
+    "maxBatchWaitMs": ("max_batch_wait_ms", positive),
+    "decodeWeight": ("decode_weight", positive),
+    "baseQuantumTokens": ("base_quantum_tokens", positive_int),
+    "serviceTokensPerMs": ("service_tokens_per_ms", positive),
+    "batchMinShare": ("batch_min_share", share),
+    "lendIdleCapacity": ("lend_idle_capacity", boolean),
+    "maxQueuedRequests": ("max_queued_requests", positive_int),
+    "maxQueuedRequestsPerTenant": ("max_queued_requests_per_tenant", positive_int),
+    "prefillFloorMs": ("prefill_floor_ms", non_negative),
+    "prefillTokensPerMs": ("prefill_tokens_per_ms", positive),
+    "kvResidencyFactor": ("kv_residency_factor", positive),
 }
 
 TENANT_FIELDS: Final[dict[str, tuple[str, Parser]]] = {
     "tenantId": ("tenant_id", _tenant_id),
-    "weight": ("weight", _positive),
-    "burstServiceTokens": ("burst_service_tokens", _positive_int),
-    "sustainedServiceTokensPerSecond": ("sustained_service_tokens_per_second", _positive),
+    "weight": ("weight", positive),
+    "burstServiceTokens": ("burst_service_tokens", positive_int),
+    "sustainedServiceTokensPerSecond": ("sustained_service_tokens_per_second", positive),
     "priorityClass": ("priority_class", _priority),
     "apiKeySha256": ("api_key_sha256", _key_hashes),
 }
@@ -318,22 +226,10 @@ def _mapping(where: str, value: object) -> Mapping[str, object]:
     return cast(Mapping[str, object], value)
 
 
-def _unknown_keys(where: str, data: Mapping[str, object], known: Iterable[str]) -> None:
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})"
-        )
-
-
 def parse_policy(data: Mapping[str, object], where: str = "policy") -> PolicyConfig:
     """Build a :class:`PolicyConfig` from camelCase keys; missing keys take the defaults."""
-    _unknown_keys(where, data, [*POLICY_FIELDS, *_OPERATOR_ONLY_POLICY_FIELDS, *_POLICY_SECTIONS])
-    values = {
-        attr: parse(f"{where}.{key}", data[key])
-        for key, (attr, parse) in POLICY_FIELDS.items()
-        if key in data
-    }
+    also = [*_OPERATOR_ONLY_POLICY_FIELDS, *_POLICY_SECTIONS]
+    values = read_fields(where, data, POLICY_FIELDS, also)
     return validate_policy(PolicyConfig(**values), where)
 
 
@@ -357,17 +253,13 @@ def parse_tenant(
     data: Mapping[str, object], where: str, default_id: str | None = None
 ) -> TenantConfig:
     """Build a :class:`TenantConfig` from a TenantQuota ``spec`` or a config-document entry."""
-    _unknown_keys(where, data, [*TENANT_FIELDS, *_OPERATOR_ONLY_TENANT_FIELDS])
+    unknown_keys(where, data, [*TENANT_FIELDS, *_OPERATOR_ONLY_TENANT_FIELDS])
     missing = [key for key in _REQUIRED_TENANT_FIELDS if key not in data]
     if "tenantId" not in data and default_id is None:
         missing.insert(0, "tenantId")
     if missing:
         raise ConfigError(f"{where}: missing required field(s) {', '.join(missing)}")
-    values = {
-        attr: parse(f"{where}.{key}", data[key])
-        for key, (attr, parse) in TENANT_FIELDS.items()
-        if key in data
-    }
+    values = read_fields(where, data, TENANT_FIELDS, _OPERATOR_ONLY_TENANT_FIELDS)
     if "tenant_id" not in values:
         values["tenant_id"] = _tenant_id(f"{where}.tenantId", default_id)
     return TenantConfig(**values)
@@ -453,7 +345,7 @@ def parse_documents(documents: Iterable[object], source: str = "<config>") -> Co
                 f"{where}: apiVersion must be {API_VERSION} (got {shown(api_version)})"
             )
         if kind == CONFIG_KIND:
-            _unknown_keys(
+            unknown_keys(
                 where, doc, ["apiVersion", "kind", "version", "policy", "tenants", "budgetStore"]
             )
             if "policy" in doc:

@@ -1,22 +1,28 @@
-"""The deterministic service-cost model of the reference lesson, as one reusable component.
+"""The deterministic service-cost model of the reference lesson: one object, built from the policy.
 
-For a request of ``p`` prefill (prompt) tokens and ``d`` decode (output) tokens::
+For a request of ``p`` prefill (prompt) tokens and ``d`` decode (output) tokens, with the
+policy's coefficients ``w`` (``decode_weight``), ``R`` (``service_tokens_per_ms``), ``F``
+(``prefill_floor_ms``), ``P`` (``prefill_tokens_per_ms``), ``B`` (``kv_block_tokens``) and ``K``
+(``kv_residency_factor``)::
 
-    service_tokens = p + ceil(decode_weight * d)              (integer; the unit of all accounting)
-    prefill_ms     = max(prefill_floor_ms, p / prefill_tokens_per_ms)   (time to first token)
-    execution_ms   = service_tokens / service_tokens_per_ms   (serial, non-preemptive execution)
-    kv_blocks      = ceil((p + d) / kv_block_tokens)
-    kv_hold_ms     = kv_residency_factor * execution_ms       (KV stays resident after dispatch)
+    service_tokens = p + ceil(w * d)           (integer; the unit of all accounting)
+    prefill_ms     = max(F, p / P)             (time to first token once running)
+    execution_ms   = service_tokens / R        (serial, non-preemptive execution)
+    kv_blocks      = ceil((p + d) / B)         (exact, in integers)
+    kv_hold_ms     = K * execution_ms          (KV stays resident that long after dispatch)
 
-Defaults (the lesson's): decode_weight 4, prefill floor 8 ms at 48 tokens/ms, 45 service
-tokens/ms, 16-token blocks held for 5.5x the execution time. The simulator runs it on a virtual
-clock; the ``costmodel`` backend runs it in real time.
+:class:`CostModel` is these formulas, compiled once from a
+:class:`~tokenfair.config.PolicyConfig` (:meth:`CostModel.from_policy`; the scheduler holds its
+policy's as ``Scheduler.cost``): the scheduler prices each request with it, the simulator runs
+its virtual clock on it (:meth:`CostModel.run_ms`), the sidecar's ``costmodel`` engine answers in
+real time by it, and the sidecar settles reported usage with it. The coefficients' defaults are
+the policy's (the config contract holds them; this module repeats none).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from tokenfair.config import PolicyConfig
@@ -28,25 +34,43 @@ always replays, and a replay never meets a count the core refuses (``prefill + w
 stays under the core's settlement bound of 2**40 for decode weights up to 511)."""
 
 
+_DEFAULT_POLICY: Final = PolicyConfig()
+"""The coefficients' defaults are this policy's (the config contract's)."""
+
+
 def service_tokens(prefill_tokens: int, decode_tokens: int, decode_weight: float) -> int:
-    """``prefill + ceil(decode_weight * decode)``: the integer unit of all accounting."""
+    """``prefill + ceil(decode_weight * decode)``: the integer unit of all accounting (the
+    formula of :meth:`CostModel.service_tokens`, for a caller holding a weight, not a model)."""
     # Round first so float noise (4.2 * 10 = 42.00000000000001) does not ceil up a whole token.
     return prefill_tokens + math.ceil(round(float(decode_weight) * decode_tokens, 9))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class CostModel:
-    """Coefficients of the cost model; see the module docstring for the formulas."""
+    """The cost model's coefficients and formulas (the module docstring states them).
 
-    decode_weight: float = 4.0
-    service_tokens_per_ms: float = 45.0
-    prefill_floor_ms: float = 8.0
-    prefill_tokens_per_ms: float = 48.0
-    kv_block_tokens: int = 16
-    kv_residency_factor: float = 5.5
+    Build it with :meth:`from_policy`. A coefficient given by keyword alone (a tool or a test
+    varying one) leaves the others at the default policy's: read from :class:`PolicyConfig`,
+    which holds the defaults, not restated here."""
+
+    decode_weight: float = _DEFAULT_POLICY.decode_weight
+    service_tokens_per_ms: float = _DEFAULT_POLICY.service_tokens_per_ms
+    prefill_floor_ms: float = _DEFAULT_POLICY.prefill_floor_ms
+    prefill_tokens_per_ms: float = _DEFAULT_POLICY.prefill_tokens_per_ms
+    kv_block_tokens: int = _DEFAULT_POLICY.kv_block_tokens
+    kv_residency_factor: float = _DEFAULT_POLICY.kv_residency_factor
+    integral_decode_weight: int | None = field(init=False, repr=False, compare=False)
+    """``decode_weight`` as an ``int`` when it is a whole number (the usual case): service
+    tokens are then computed in integers, exactly; ``None`` otherwise."""
+
+    def __post_init__(self) -> None:
+        weight = self.decode_weight
+        integral = int(weight) if float(weight).is_integer() else None
+        object.__setattr__(self, "integral_decode_weight", integral)
 
     @classmethod
     def from_policy(cls, policy: PolicyConfig) -> CostModel:
+        """The cost model of ``policy`` (its cost-model coefficients)."""
         return cls(
             decode_weight=policy.decode_weight,
             service_tokens_per_ms=policy.service_tokens_per_ms,
@@ -57,16 +81,38 @@ class CostModel:
         )
 
     def service_tokens(self, prefill_tokens: int, decode_tokens: int) -> int:
+        """``p + ceil(w * d)``: exact in integers for a whole ``w``."""
+        weight = self.integral_decode_weight
+        if weight is not None:
+            return prefill_tokens + weight * decode_tokens
         return service_tokens(prefill_tokens, decode_tokens, self.decode_weight)
 
+    def kv_blocks(self, prefill_tokens: int, decode_tokens: int) -> int:
+        """``ceil((p + d) / B)``, exact in integers."""
+        return -(-(prefill_tokens + decode_tokens) // self.kv_block_tokens)
+
     def prefill_ms(self, prefill_tokens: int) -> float:
-        return max(self.prefill_floor_ms, prefill_tokens / self.prefill_tokens_per_ms)
+        """``max(F, p / P)``: the time to the first token once the request runs."""
+        prefill_ms = prefill_tokens / self.prefill_tokens_per_ms
+        floor_ms = self.prefill_floor_ms
+        return floor_ms if floor_ms > prefill_ms else prefill_ms
 
     def execution_ms(self, service_tokens: int) -> float:
+        """``service_tokens / R``: how long the request runs (also the queue-wait unit)."""
         return service_tokens / self.service_tokens_per_ms
 
-    def kv_blocks(self, prefill_tokens: int, decode_tokens: int) -> int:
-        return math.ceil((prefill_tokens + decode_tokens) / self.kv_block_tokens)
-
     def kv_hold_ms(self, execution_ms: float) -> float:
+        """``K * execution_ms``: how long its KV stays resident after dispatch."""
         return execution_ms * self.kv_residency_factor
+
+    def run_ms(self, prefill_tokens: int, service_tokens: int) -> tuple[float, float, float]:
+        """``(prefill_ms(p), execution_ms(s), kv_hold_ms(execution_ms(s)))`` in one call (the
+        simulator's loop makes it once per dispatch): the same values as the three methods."""
+        prefill_ms = prefill_tokens / self.prefill_tokens_per_ms
+        floor_ms = self.prefill_floor_ms
+        execution_ms = service_tokens / self.service_tokens_per_ms
+        return (
+            floor_ms if floor_ms > prefill_ms else prefill_ms,
+            execution_ms,
+            execution_ms * self.kv_residency_factor,
+        )

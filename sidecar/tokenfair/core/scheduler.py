@@ -37,6 +37,7 @@ from tokenfair.core.jobs import (
     STATUS_CLIENT_CLOSED,
     STATUS_OK,
     STATUS_SHED,
+    UNITS_PER_TOKEN,
     Decision,
     Job,
     JobState,
@@ -71,9 +72,11 @@ class TenantState:
 
     __slots__ = ("bucket", "config", "queued", "queued_tokens", "served_tokens", "usage_ratio")
 
-    def __init__(self, config: TenantConfig, now_ms: float) -> None:
+    def __init__(
+        self, config: TenantConfig, now_ms: float, bucket_type: type[TokenBucket] = TokenBucket
+    ) -> None:
         self.config = config
-        self.bucket = TokenBucket(
+        self.bucket = bucket_type(
             config.burst_service_tokens, config.sustained_service_tokens_per_second, now_ms
         )
         self.queued = 0
@@ -108,10 +111,14 @@ class Scheduler(ABC):
     settles_every_request: ClassVar[bool] = False
     """``_settle`` (and the usage ratio) run at every settlement, not only when the actual
     usage differs from the estimate (skipped on the hot path otherwise) — except one at the
-    estimate of a job expected at its estimate (``expected_tokens == service_tokens``) whose
-    tenant's usage ratio is 1.0: such a ``_settle`` must change nothing, and is not called."""
+    estimate of a job expected at its estimate (``expected_units == service_tokens * 10**9``)
+    whose tenant's usage ratio is 1.0: such a ``_settle`` must change nothing, and is not
+    called."""
     tracks_kv_releases: ClassVar[bool] = False
     """``_kv_released`` is called when a request's KV is freed."""
+    bucket_type: ClassVar[type[TokenBucket]] = TokenBucket
+    """The tenants' budget buckets: the lesson's float :class:`TokenBucket` by default;
+    ``tokenfair`` keeps its budgets in integer units (``ExactTokenBucket``)."""
 
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
         self.config = config
@@ -135,7 +142,7 @@ class Scheduler(ABC):
         for tenant_config in tenants:
             state = self.tenants.get(tenant_config.tenant_id)
             if state is None:
-                state = TenantState(tenant_config, now_ms)
+                state = TenantState(tenant_config, now_ms, self.bucket_type)
                 self.tenants[tenant_config.tenant_id] = state
             else:
                 state.config = tenant_config
@@ -168,16 +175,15 @@ class Scheduler(ABC):
 
     def _adopt_cost_model(self) -> None:
         self.cost = CostModel.from_policy(self.policy)
-        # Fast path of `submit`: integral decode weights (the usual case) cost in integers.
-        weight = self.cost.decode_weight
-        self._integral_decode_weight = int(weight) if float(weight).is_integer() else None
-        self._kv_block_tokens = self.cost.kv_block_tokens
+        # `submit` prices every request: the cost model's methods, bound once.
+        self._service_tokens = self.cost.service_tokens
+        self._kv_blocks = self.cost.kv_blocks
         self._total_kv_blocks = self.policy.total_kv_blocks
         # `wait_limit_ms` by lane (interactive, batch): read at every admission.
         self._wait_limits = (self.policy.max_interactive_wait_ms, self.policy.max_batch_wait_ms)
         # `watermark` by lane, and the service rate: read at every admission of the policies.
         self._watermarks = (self.policy.interactive_kv_watermark, self.policy.batch_kv_watermark)
-        self._service_rate = self.policy.service_tokens_per_ms
+        self._service_rate = self.cost.service_tokens_per_ms
         # `round(blocks / total_kv_blocks, 4)` by resident blocks: every dispatch records its
         # occupancy, and `round` to 4 places costs more than a lookup. Bounded (a cache of
         # 10^9 blocks would not be): a value past the bound is computed each time.
@@ -196,14 +202,7 @@ class Scheduler(ABC):
         if request.request_id in jobs:
             raise DuplicateRequestError(request.request_id)
         prefill, decode = request.prefill_tokens, request.decode_tokens
-        weight = self._integral_decode_weight
-        job = Job(
-            request,
-            prefill + weight * decode
-            if weight is not None
-            else self.cost.service_tokens(prefill, decode),
-            -(-(prefill + decode) // self._kv_block_tokens),  # ceil((p + d) / block), exact
-        )
+        job = Job(request, self._service_tokens(prefill, decode), self._kv_blocks(prefill, decode))
         refusal = self._admit(job, tenant, now_ms)
         if refusal is not None:
             job.state = JobState.REFUSED
@@ -260,7 +259,7 @@ class Scheduler(ABC):
             return None
         policy = self.policy
         prefill, decode = request.prefill_tokens, request.decode_tokens
-        blocks = -(-(prefill + decode) // self._kv_block_tokens)
+        blocks = self.cost.kv_blocks(prefill, decode)
         share = blocks / policy.total_kv_blocks
         if kv_gated and share > self.watermark(Lane.of(request.priority_class)):
             reason = OVER_KV_CAPACITY
@@ -392,7 +391,10 @@ class Scheduler(ABC):
             tenant = self.tenants[job.request.tenant_id]
             # At the estimate, expected at it, usage ratio 1: `_settle` would change nothing
             # (its first test, inline; the policies that settle every request start with it).
-            if tenant.usage_ratio != 1.0 or job.expected_tokens != job.service_tokens:
+            if (
+                tenant.usage_ratio != 1.0
+                or job.expected_units != job.service_tokens * UNITS_PER_TOKEN
+            ):
                 self._settle(job, tenant, refund, now_ms)
         if actual_kv_blocks is not None:
             self.resident_blocks += actual_kv_blocks - job.kv_blocks

@@ -1,8 +1,8 @@
 """The access log: one structured line per proxy request, on the ``tokenfair.access`` logger.
 
-A request that reached admission is logged by :meth:`Sidecar.account
-<tokenfair.server.state.Sidecar.account>`, the one place its end is accounted (called
-once by :meth:`Lifecycle.end <tokenfair.server.lifecycle.Lifecycle.end>`); a request
+A request that reached admission is logged by :meth:`Sidecar.completed
+<tokenfair.server.state.Sidecar.completed>`, the one place its completion is counted (called
+once by :meth:`Lifecycle.complete <tokenfair.server.lifecycle.Lifecycle.complete>`); a request
 answered before admission (``401``, ``400`` invalid, ``413``, ``404``, ``503 draining`` at the
 door, ``GET /v1/models``) by the proxy app's middleware, which sees that nothing accounted it.
 Either way exactly one line, and logging never raises into the request: a failure is logged
@@ -82,7 +82,7 @@ log = logging.getLogger("tokenfair.sidecar")
 
 @dataclass(slots=True)
 class RequestScope:
-    """What the proxy app's middleware knows of one HTTP request, for whoever ends it."""
+    """What the proxy app's middleware knows of one HTTP request, for whoever completes it."""
 
     method: str
     route: str

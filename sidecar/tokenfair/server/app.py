@@ -2,10 +2,10 @@
 
 Long-lived resources live in the proxy app's ``cleanup_ctx`` (set up in this order, torn down in
 reverse, each only if its setup ran): the tracer provider (with tracing on: torn down last, so
-the spans of the requests the drain ends are exported), the backend (the upstream
-``ClientSession``), the records file, the budget store's lease task (teardown returns the
-leases), the dispatcher (its timers; teardown drains the queue and releases every
-reservation), and the config watcher task.
+the spans of the requests the drain ends are exported), the backend (the ``openai`` backend's
+connection pool to its upstream, :class:`~tokenfair.server.upstream.UpstreamClient`), the
+records file, the budget store's lease task (teardown returns the leases), the dispatcher (its
+timers; teardown drains the queue and releases every reservation), and the config watcher task.
 
 The proxy app's one middleware, :func:`observe_requests`, counts the requests in flight and
 gives each request a :class:`~tokenfair.server.accesslog.RequestScope` (its route and
@@ -182,11 +182,11 @@ async def _records_ctx(app: web.Application) -> AsyncIterator[None]:
     sidecar = app[SIDECAR]
     path = sidecar.settings.records_path
     if path is not None:
-        sidecar.recorder = RecordWriter(path, on_dropped=sidecar.metrics.records_dropped.inc)
+        sidecar.record_writer = RecordWriter(path, on_dropped=sidecar.metrics.records_dropped.inc)
     yield
-    if sidecar.recorder is not None:
-        sidecar.recorder.close()
-        sidecar.recorder = None
+    if sidecar.record_writer is not None:
+        sidecar.record_writer.close()
+        sidecar.record_writer = None
 
 
 async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -10,7 +10,7 @@ The core (:mod:`tokenfair.core`) is synchronous and pure; this module moves requ
   ``max_in_flight`` requests run — is called synchronously whenever something changed (an arrival,
   a completion, a KV release, a cancellation) and from one timer armed at ``next_wakeup_ms`` (a
   deadline passing, a budget refilling). Pumping inline costs no task switch per request.
-* :meth:`Dispatcher.settle` books a dispatched request (``complete`` with the actual usage, or
+* :meth:`Dispatcher.complete` books a dispatched request (``complete`` with the actual usage, or
   with the estimate if the core refuses that usage) and never raises: if the core fails (raises
   anything else, even for the estimate), the request's slot and KV are taken off the books by
   :meth:`Dispatcher.release_unsettled`, which touches no settlement code of the core. Its KV is
@@ -20,7 +20,7 @@ The core (:mod:`tokenfair.core`) is synchronous and pure; this module moves requ
 
 Each request's phase lives in its :class:`~tokenfair.server.lifecycle.Lifecycle`; the
 dispatcher makes the moves that belong to the queue and the books, and
-:meth:`Lifecycle.end <tokenfair.server.lifecycle.Lifecycle.end>` the one outcome.
+:meth:`Lifecycle.complete <tokenfair.server.lifecycle.Lifecycle.complete>` the one outcome.
 
 Time: the scheduler's clock is model milliseconds, ``real_seconds * 1000 / time_scale`` since start.
 """
@@ -159,7 +159,7 @@ class Dispatcher:
             lifecycle.left_queue(decision)
             self.pump()
         elif lifecycle.phase is Phase.RUNNING:  # dispatched in the instant its client left
-            self.settle(lifecycle, 0, 0.0)
+            self.complete(lifecycle, 0, 0.0)
 
     # -- dispatch --------------------------------------------------------------------------
 
@@ -251,7 +251,7 @@ class Dispatcher:
             # The client left after its task was cancelled but before its handler ran (its
             # `wait` finds the lifecycle moved on): nothing ran, so it is settled at zero.
             if decision.admitted:
-                self.settle(lifecycle, 0, 0.0)
+                self.complete(lifecycle, 0, 0.0)
             return
         future.set_result(decision)
 
@@ -280,7 +280,7 @@ class Dispatcher:
 
     # -- settlement ------------------------------------------------------------------------
 
-    def settle(
+    def complete(
         self, lifecycle: Lifecycle, actual_service_tokens: int | None, kv_hold_ms: float
     ) -> Settlement | None:
         """Book a RUNNING request (``actual_service_tokens``; ``None``: the estimate), release

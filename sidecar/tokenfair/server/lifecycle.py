@@ -5,20 +5,26 @@ and each move has one place that makes it::
 
     begin ──► REFUSED ───────────────────────────────────────────────────────────┐
           └─► QUEUED ──► LEFT_QUEUE  expired (429), cancelled (499), drained (503) ─┤
-                     └─► RUNNING ──► SETTLED  slot released, KV at its hold time ──┴─► end
+                     └─► RUNNING ──► SETTLED  slot released, KV at its hold time ──┴─► complete
 
 * :func:`begin` runs admission (:meth:`Dispatcher.submit
   <tokenfair.server.dispatcher.Dispatcher.submit>`): REFUSED or QUEUED.
 * The dispatcher's pump moves QUEUED to RUNNING (dispatched) or LEFT_QUEUE (expired); a waiter
   whose client leaves moves QUEUED to LEFT_QUEUE (cancelled) or, dispatched in that very
   instant, RUNNING to SETTLED at zero usage; a drain moves QUEUED to LEFT_QUEUE (drained).
-* :meth:`Dispatcher.settle <tokenfair.server.dispatcher.Dispatcher.settle>` moves
+* :meth:`Dispatcher.complete <tokenfair.server.dispatcher.Dispatcher.complete>` moves
   RUNNING to SETTLED: it books the usage in the core and releases the running slot and (at
   ``kv_hold_ms`` after dispatch) the KV, and never raises.
-* :meth:`Lifecycle.end` is the one verb for a request's end, called by whoever answered the
+* :meth:`Lifecycle.complete` is the one verb for a request's end, called by whoever answered the
   client (the proxy, in a ``finally``). It settles a request still RUNNING, decides the one
   outcome and counts and records it — exactly once (a second call is logged and changes
   nothing) and without raising, whatever the backend, the core or the accounting raise.
+
+A request's end is ``complete`` at every layer: :meth:`Lifecycle.complete` settles through
+:meth:`Dispatcher.complete <tokenfair.server.dispatcher.Dispatcher.complete>`, which calls the
+core's contract verb (:meth:`Scheduler.complete <tokenfair.core.scheduler.Scheduler.complete>`),
+and has the outcome counted and recorded by :meth:`Sidecar.completed
+<tokenfair.server.state.Sidecar.completed>`.
 
 The outcome (:meth:`Lifecycle.outcome_of`): a request that never ran ends with the decision that
 ended its wait (the refusal at the door, the expiry, the cancellation ``499``, ``503 draining``);
@@ -71,7 +77,7 @@ class Phase(enum.Enum):
 
 
 class Settlement(enum.Enum):
-    """How :meth:`Dispatcher.settle <tokenfair.server.dispatcher.Dispatcher.settle>`
+    """How :meth:`Dispatcher.complete <tokenfair.server.dispatcher.Dispatcher.complete>`
     booked a request."""
 
     AS_REPORTED = "as_reported"
@@ -122,7 +128,7 @@ class Lifecycle:
     booked_service_tokens: int | None = None
     """The usage booked as reported, in service tokens (``None``: the estimate)."""
     outcome: Outcome | None = None
-    """Its one outcome, once :meth:`end` decided it."""
+    """Its one outcome, once :meth:`complete` decided it."""
     admission_ms: float | None = None
     """Model time admission decided (set by :func:`begin`; the span's admission event)."""
 
@@ -173,7 +179,7 @@ class Lifecycle:
             return CLIENT_LEFT
         return Outcome(self.decision.status_code, self.decision.reason)
 
-    def end(
+    def complete(
         self,
         sidecar: Sidecar,
         met: Outcome = CLIENT_LEFT,
@@ -186,17 +192,18 @@ class Lifecycle:
         call if one was made (its reported usage is settled), ``first_byte_ms`` the model time
         from arrival to the first byte sent. Exactly once: a later call logs and returns the
         first outcome. Never raises; each step is guarded on its own, so that whatever raises,
-        the slot and KV are released and one record is written (by ``account``, or if that
-        raised by ``record`` alone, which counts a record it cannot write as dropped)."""
+        the slot and KV are released and one record is written (by :meth:`Sidecar.completed
+        <tokenfair.server.state.Sidecar.completed>`, or if that raised by ``record`` alone,
+        which counts a record it cannot write as dropped)."""
         if self.outcome is not None:
-            log.error("request %s: ended twice; the second end (%s) changes nothing",
+            log.error("request %s: completed twice; the second completion (%s) changes nothing",
                       self.request.request_id, met)  # fmt: skip
             return self.outcome
         reason = met.reason
         usage = NO_USAGE
         if self.phase is Phase.RUNNING:
             try:
-                usage, reason = self._settle_run(sidecar, call, reason, first_byte_ms)
+                usage, reason = self._complete_run(sidecar, call, reason, first_byte_ms)
             except Exception:  # a bug: logged; released at its estimate below
                 log.exception("request %s: settlement failed", self.request.request_id)
                 usage = NO_USAGE
@@ -205,7 +212,7 @@ class Lifecycle:
                 self._release_unsettled(sidecar)
                 reason = INTERNAL_ERROR if reason == ADMITTED else reason
         outcome = self.outcome = self.outcome_of(Outcome(met.status_code, reason))
-        self._account(sidecar, outcome, usage, call)
+        self._record_outcome(sidecar, outcome, usage, call)
         return outcome
 
     def _release_unsettled(self, sidecar: Sidecar) -> None:
@@ -224,7 +231,7 @@ class Lifecycle:
             log.exception("request %s: dispatching after its release failed",
                           self.request.request_id)  # fmt: skip
 
-    def _settle_run(
+    def _complete_run(
         self,
         sidecar: Sidecar,
         call: BackendCall | None,
@@ -235,7 +242,7 @@ class Lifecycle:
         usage was not booked as reported)."""
         dispatcher = sidecar.dispatcher
         if call is None:  # dispatched but no backend call made (its client left, or a failure)
-            dispatcher.settle(self, 0, 0.0)
+            dispatcher.complete(self, 0, 0.0)
             return NO_USAGE, reason
         request = self.request
         prompt, completion = call.prompt_tokens, call.completion_tokens
@@ -256,7 +263,7 @@ class Lifecycle:
         except Exception:
             log.exception("request %s: KV hold time failed; releasing at once", request.request_id)
             kv_hold_ms = 0.0
-        settlement = dispatcher.settle(self, actual, kv_hold_ms)
+        settlement = dispatcher.complete(self, actual, kv_hold_ms)
         if settlement is not Settlement.AS_REPORTED:
             # Not booked as reported: settled at the estimate (or released unsettled), recorded so.
             prompt = completion = None
@@ -278,7 +285,7 @@ class Lifecycle:
             settlement=self.settlement.value if self.settlement is not None else None,
         )
 
-    def _account(
+    def _record_outcome(
         self, sidecar: Sidecar, outcome: Outcome, usage: Usage, call: BackendCall | None = None
     ) -> None:
         """Count and record the outcome; never raises."""
@@ -289,7 +296,7 @@ class Lifecycle:
             return
         actual = self.booked_service_tokens if self.settlement is Settlement.AS_REPORTED else None
         try:
-            sidecar.account(
+            sidecar.completed(
                 request,
                 decision,
                 status_code=outcome.status_code,
@@ -308,8 +315,8 @@ class Lifecycle:
 
 
 def begin(sidecar: Sidecar, request: Request) -> Lifecycle:
-    """Admission: a QUEUED lifecycle, or a REFUSED one (whoever answers its client ends it, once
-    the answer is built, so that its record says what the client got). Raises
+    """Admission: a QUEUED lifecycle, or a REFUSED one (whoever answers its client completes it,
+    once the answer is built, so that its record says what the client got). Raises
     :class:`~tokenfair.core.UnknownTenantError` if the tenant is gone (a reload removed
     it while the body was read): nothing is booked then."""
     admission_ms = sidecar.clock.now_ms()  # before submit: it may dispatch at once

@@ -407,31 +407,31 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if not isinstance(stream, bool):
         return _invalid(sidecar, 400, "stream: must be a boolean", "invalid_value", "stream")
     try:
-        cost, stream = _estimate_route(sidecar, request.path, body, stream)
+        estimated, stream = _estimate_route(sidecar, request.path, body, stream)
     except EstimateError as exc:
         return _invalid(sidecar, 400, str(exc), "invalid_value", exc.param)
-    job = Request(
+    core_request = Request(
         _request_id(sidecar, headers.get(REQUEST_ID_HEADER)),
         tenant.tenant_id,
         arrival_ms,
-        cost.prefill_tokens,
-        cost.decode_tokens,
+        estimated.prefill_tokens,
+        estimated.decode_tokens,
         priority,
     )
     try:
-        lifecycle = begin(sidecar, job)
+        lifecycle = begin(sidecar, core_request)
     except UnknownTenantError:  # removed by a reload while its body was being read
         return _invalid(sidecar, 401, "the tenant of this key no longer exists", "invalid_api_key")
     except Exception:  # a bug in admission: nothing was queued; one record says so
-        log.exception("request %s: admission failed in the sidecar", job.request_id)
-        sidecar.record(job, None, status_code=500, reason=INTERNAL_ERROR)
-        return _internal_error(job.request_id)
+        log.exception("request %s: admission failed in the sidecar", core_request.request_id)
+        sidecar.record(core_request, None, status_code=500, reason=INTERNAL_ERROR)
+        return _internal_error(core_request.request_id)
     if lifecycle.phase is Phase.REFUSED:
-        return _answer_refusal(sidecar, lifecycle, cost)
-    return await _serve(sidecar, request, lifecycle, body, raw, stream, cost)
+        return _answer_refusal(sidecar, lifecycle, estimated)
+    return await _serve(sidecar, request, lifecycle, body, raw, stream, estimated)
 
 
-def _answer_refusal(sidecar: Sidecar, lifecycle: Lifecycle, cost: Estimate) -> web.Response:
+def _answer_refusal(sidecar: Sidecar, lifecycle: Lifecycle, estimated: Estimate) -> web.Response:
     """Answer a request refused at the door, then end it: the answer is built first, so its
     record says what the client got (``500 internal_error`` if building it failed)."""
     met = CLIENT_LEFT  # the decision's outcome stands unless the answer fails
@@ -443,13 +443,13 @@ def _answer_refusal(sidecar: Sidecar, lifecycle: Lifecycle, cost: Estimate) -> w
             return _draining(sidecar)
         if refusal.status_code == STATUS_NEVER_ADMISSIBLE:
             return _never_admissible(sidecar, refusal)
-        return _refusal(sidecar, refusal, _usage_mix(sidecar, cost))
+        return _refusal(sidecar, refusal, _usage_mix(sidecar, estimated))
     except Exception:
         log.exception("request %s: its refusal could not be answered", lifecycle.request.request_id)
         met = Outcome(500, INTERNAL_ERROR)
         return _internal_error(lifecycle.request.request_id)
     finally:
-        lifecycle.end(sidecar, met)
+        lifecycle.complete(sidecar, met)
 
 
 def _internal_error(request_id: str) -> web.Response:
@@ -468,16 +468,16 @@ async def _serve(
     body: dict[str, Any],
     raw: bytes,
     stream: bool,
-    cost: Estimate,
+    estimated: Estimate,
 ) -> web.StreamResponse:
     """Wait for dispatch, run the backend, answer the client; the lifecycle ends in ``finally``.
 
     ``met`` is the answer as the client met it; it starts as "the client went away" (the only
     way out of the ``await`` without an answer) and is set on every other path. Whatever the
-    backend raises, :meth:`Lifecycle.end
-    <tokenfair.server.lifecycle.Lifecycle.end>` releases the request's slot and KV and
+    backend raises, :meth:`Lifecycle.complete
+    <tokenfair.server.lifecycle.Lifecycle.complete>` releases the request's slot and KV and
     writes its one record (it never raises)."""
-    job = lifecycle.request
+    core_request = lifecycle.request
     clock = sidecar.clock
     met = CLIENT_LEFT
     call: BackendCall | None = None
@@ -491,12 +491,12 @@ async def _serve(
         if lifecycle.drained:
             return _draining(sidecar)
         if decision.status_code == 500:  # the core could not dispatch it (a bug, logged)
-            return _internal_error(job.request_id)
+            return _internal_error(core_request.request_id)
         if not decision.admitted:
-            return _refusal(sidecar, decision, _usage_mix(sidecar, cost))
+            return _refusal(sidecar, decision, _usage_mix(sidecar, estimated))
         sidecar.dispatched(decision)
-        headers = sidecar.ratelimit_headers(job.tenant_id, _usage_mix(sidecar, cost))
-        headers[REQUEST_ID_HEADER] = job.request_id
+        headers = sidecar.ratelimit_headers(core_request.tenant_id, _usage_mix(sidecar, estimated))
+        headers[REQUEST_ID_HEADER] = core_request.request_id
         headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
         call = BackendCall(
             request=request,
@@ -504,10 +504,10 @@ async def _serve(
             body=body,
             raw_body=raw,
             stream=stream,
-            estimate=cost,
+            estimate=estimated,
             decision=decision,
             response_headers=headers,
-            on_first_byte=lambda: first_byte_ms.append(clock.now_ms() - job.arrival_ms),
+            on_first_byte=lambda: first_byte_ms.append(clock.now_ms() - core_request.arrival_ms),
             dispatched_at_s=lifecycle.dispatched_at_s,
             client_write_timeout_s=sidecar.settings.client_write_timeout_s,
         )
@@ -515,7 +515,7 @@ async def _serve(
             response = await sidecar.backend.respond(call)
         except UpstreamError as exc:
             met = Outcome(exc.status, exc.code)
-            log.warning("request %s: %s", job.request_id, exc.detail)
+            log.warning("request %s: %s", core_request.request_id, exc.detail)
             if exc.status == 502 and call.prompt_tokens is None:
                 # Refused or reset before any answer: no work to charge. (A timeout may have
                 # run on the upstream, so it settles at the estimate.)
@@ -540,7 +540,7 @@ async def _serve(
                 _abort_client(request)
             elif handler is not None and not _client_gone(request) and handler.uncancel() == 0:
                 # Nothing sent yet: the client gets the 503 its record says (not a reset).
-                return _drain_aborted(sidecar, job.request_id)
+                return _drain_aborted(sidecar, core_request.request_id)
         raise
     except Exception as exc:
         if isinstance(exc, ConnectionError) and _client_gone(request):
@@ -549,16 +549,16 @@ async def _serve(
             if call is not None and call.client_write_timed_out:
                 met = Outcome(STATUS_CLIENT_CLOSED, CLIENT_WRITE_TIMEOUT)
             return web.Response(status=STATUS_CLIENT_CLOSED)  # never sent: no connection
-        log.exception("request %s failed in the sidecar", job.request_id)
+        log.exception("request %s failed in the sidecar", core_request.request_id)
         met = Outcome(500, INTERNAL_ERROR)
         if request.writer.output_size > 0:  # a response already started: cut it
             _abort_client(request)
             return web.Response(status=500)  # never sent: the connection is gone
-        return _internal_error(job.request_id)
+        return _internal_error(core_request.request_id)
     finally:
         if call is not None:
             call.close()
-        lifecycle.end(sidecar, met, call, first_byte_ms[0] if first_byte_ms else None)
+        lifecycle.complete(sidecar, met, call, first_byte_ms[0] if first_byte_ms else None)
         if handler is not None:
             handlers.discard(handler)
 
@@ -603,16 +603,16 @@ def _estimate_route(
     if path == EMBEDDINGS_ROUTE:
         return estimate_embeddings(body, sidecar.estimator), False
     settings = sidecar.settings
-    cost = estimate(
+    estimated = estimate(
         body, sidecar.estimator, settings.default_decode_tokens, settings.max_decode_tokens
     )
-    return cost, stream
+    return estimated, stream
 
 
-def _usage_mix(sidecar: Sidecar, cost: Estimate) -> tuple[int, int]:
+def _usage_mix(sidecar: Sidecar, estimated: Estimate) -> tuple[int, int]:
     """The request's ``(usage tokens, service tokens)``: its estimate's ``prompt + max_tokens``
     and their service tokens, the ratio that converts the tenant's service-token bucket into
     the tokens clients count (:meth:`~tokenfair.server.state.Sidecar.
     ratelimit_headers`)."""
-    prefill, decode = cost.prefill_tokens, cost.decode_tokens
+    prefill, decode = estimated.prefill_tokens, estimated.decode_tokens
     return prefill + decode, sidecar.scheduler.cost.service_tokens(prefill, decode)

@@ -10,10 +10,10 @@ Drain sequence on SIGTERM (or SIGINT):
    to settle and record their requests (``503 drain_aborted``: a stream ends incomplete, its
    upstream call is closed); then the proxy listener closes (aiohttp's own shutdown, given
    :data:`RUNNER_SHUTDOWN_S`, finds nothing left to wait for), then the admin listener, and the
-   cleanup context closes the upstream session and the records file and releases any remaining
-   KV. The drain ends within ``drain_grace_s + 1`` s (``+ 1.5`` s at worst: a handler that
-   ignores its cancellation costs aiohttp's two waits of :data:`RUNNER_SHUTDOWN_S`), then
-   the process exits.
+   cleanup context closes the upstream connections (the backend's) and the records file and
+   releases any remaining KV. The drain ends within ``drain_grace_s + 1`` s (``+ 1.5`` s at
+   worst: a handler that ignores its cancellation costs aiohttp's two waits of
+   :data:`RUNNER_SHUTDOWN_S`), then the process exits.
 
 The proxy listener is bounded (the admin listener serves a few scrapers and is not):
 

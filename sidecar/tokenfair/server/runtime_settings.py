@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from tokenfair.config import (
     CONFIG_KIND,
@@ -28,6 +27,16 @@ from tokenfair.config import (
     parse_documents,
     shown,
 )
+from tokenfair.config.fields import (
+    FieldTable,
+    boolean,
+    integer_in,
+    one_of,
+    positive,
+    positive_int,
+    read_fields,
+    string,
+)
 from tokenfair.server.accesslog import ACCESS_LOG_FORMATS
 from tokenfair.server.estimate import (
     MAX_EMBEDDING_DIMENSIONS,
@@ -36,7 +45,6 @@ from tokenfair.server.estimate import (
 )
 from tokenfair.server.upstream import parse_origin
 
-BACKENDS: Final = ("costmodel", "openai")
 DEFAULT_SERVED_MODEL_NAMES: Final = ("tokenfair-costmodel",)
 DEFAULT_EMBEDDING_DIMENSIONS: Final = 384
 
@@ -50,7 +58,9 @@ class SidecarSettings:
     admin_listen: str = "127.0.0.1:9090"
     """Admin listener, ``HOST:PORT`` (health, metrics, status); never reachable via ``listen``."""
     backend: str = "costmodel"
-    """``costmodel`` (embedded engine) or ``openai`` (an OpenAI-compatible upstream)."""
+    """The model server: a name in the registry
+    :data:`tokenfair.server.backends.BACKENDS` (the embedded cost-model engine, or an
+    OpenAI-compatible upstream)."""
     upstream_url: str | None = None
     """Base URL of the ``openai`` upstream, e.g. ``http://127.0.0.1:8000`` (request paths are
     appended)."""
@@ -138,73 +148,31 @@ class SidecarSettings:
     default (``http://localhost:4318/v1/traces``)."""
 
 
-MAX_SETTING_INT: Final = 2**53
-"""Largest integer setting (exactly representable as a float); larger is refused by name."""
-
-
-def _shown(value: object) -> str:
-    """A value for an error message, bounded (:func:`tokenfair.config.shown`)."""
-    return shown(value)
-
-
-def _positive_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{name}: must be a finite number (got {_shown(value)})")
-    if (isinstance(value, int) and abs(value) > MAX_SETTING_INT) or not math.isfinite(value):
-        raise ConfigError(f"{name}: must be a finite number (got {_shown(value)})")
-    if value <= 0:
-        raise ConfigError(f"{name}: must be > 0 (got {_shown(value)})")
-    return float(value)
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name}: must be an integer > 0 (got {_shown(value)})")
-    if value > MAX_SETTING_INT:
-        raise ConfigError(f"{name}: must be <= {MAX_SETTING_INT} (got {_shown(value)})")
-    return value
-
-
-def _string(name: str, value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{name}: must be a non-empty string (got {_shown(value)})")
-    return value
-
-
 def _address(name: str, value: object) -> str:
-    parse_address(_string(name, value), name)
+    parse_address(string(name, value), name)
     return str(value)
 
 
 def _backend(name: str, value: object) -> str:
-    if value not in BACKENDS:
-        raise ConfigError(f"{name}: must be one of {', '.join(BACKENDS)} (got {_shown(value)})")
-    return str(value)
+    """A name in the backend registry (imported here: the registry's modules import this
+    one)."""
+    from tokenfair.server.backends import BACKENDS
+
+    return str(one_of(BACKENDS)(name, value))
 
 
 def _header(name: str, value: object) -> str:
-    return _string(name, value).lower()
+    return string(name, value).lower()
 
 
-def _access_log(name: str, value: object) -> str:
-    if value not in ACCESS_LOG_FORMATS:
-        raise ConfigError(
-            f"{name}: must be one of {', '.join(ACCESS_LOG_FORMATS)} (got {_shown(value)})"
-        )
-    return str(value)
+_access_log: Final = one_of(ACCESS_LOG_FORMATS)
 
 
 def _http_url(name: str, value: object) -> str:
-    url = _string(name, value)
+    url = string(name, value)
     if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"{name}: must be an http:// or https:// URL (got {_shown(value)})")
+        raise ConfigError(f"{name}: must be an http:// or https:// URL (got {shown(value)})")
     return url
-
-
-def _boolean(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}: must be true or false (got {_shown(value)})")
-    return value
 
 
 MAX_MODEL_NAMES: Final = 64
@@ -219,50 +187,45 @@ def _model_names(name: str, value: object) -> tuple[str, ...]:
     ):
         raise ConfigError(
             f"{name}: must be a list of 1..{MAX_MODEL_NAMES} non-empty strings of at most "
-            f"{MAX_MODEL_NAME_CHARS} characters (got {_shown(value)})"
+            f"{MAX_MODEL_NAME_CHARS} characters (got {shown(value)})"
         )
     return tuple(value)
 
 
-def _embedding_dimensions(name: str, value: object) -> int:
-    dimensions = _positive_int(name, value)
-    if dimensions > MAX_EMBEDDING_DIMENSIONS:
-        raise ConfigError(f"{name}: must be <= {MAX_EMBEDDING_DIMENSIONS} (got {dimensions})")
-    return dimensions
-
-
-SECTION_FIELDS: Final[dict[str, tuple[str, Any]]] = {
+SECTION_FIELDS: Final[FieldTable] = {
     "listen": ("listen", _address),
     "adminListen": ("admin_listen", _address),
     "backend": ("backend", _backend),
-    "upstreamUrl": ("upstream_url", _string),
-    "timeScale": ("time_scale", _positive_float),
-    "maxBodyBytes": ("max_body_bytes", _positive_int),
-    "defaultDecodeTokens": ("default_decode_tokens", _positive_int),
-    "maxDecodeTokens": ("max_decode_tokens", _positive_int),
-    "maxJsonDepth": ("max_json_depth", _positive_int),
-    "maxJsonValues": ("max_json_values", _positive_int),
+    "upstreamUrl": ("upstream_url", string),
+    "timeScale": ("time_scale", positive),
+    "maxBodyBytes": ("max_body_bytes", positive_int),
+    "defaultDecodeTokens": ("default_decode_tokens", positive_int),
+    "maxDecodeTokens": ("max_decode_tokens", positive_int),
+    "maxJsonDepth": ("max_json_depth", positive_int),
+    "maxJsonValues": ("max_json_values", positive_int),
     "trustedTenantHeader": ("trusted_tenant_header", _header),
-    "recordsPath": ("records_path", _string),
-    "maxInFlight": ("max_in_flight", _positive_int),
-    "upstreamConnectTimeoutSeconds": ("upstream_connect_timeout_s", _positive_float),
-    "upstreamReadTimeoutSeconds": ("upstream_read_timeout_s", _positive_float),
-    "drainGraceSeconds": ("drain_grace_s", _positive_float),
-    "reloadIntervalSeconds": ("reload_interval_s", _positive_float),
-    "promptEstimator": ("prompt_estimator", _string),
-    "clientIdleTimeoutSeconds": ("client_idle_timeout_s", _positive_float),
-    "clientBodyTimeoutSeconds": ("client_body_timeout_s", _positive_float),
-    "clientWriteTimeoutSeconds": ("client_write_timeout_s", _positive_float),
-    "maxClientConnections": ("max_client_connections", _positive_int),
-    "upstreamApiKeyFile": ("upstream_api_key_file", _string),
+    "recordsPath": ("records_path", string),
+    "maxInFlight": ("max_in_flight", positive_int),
+    "upstreamConnectTimeoutSeconds": ("upstream_connect_timeout_s", positive),
+    "upstreamReadTimeoutSeconds": ("upstream_read_timeout_s", positive),
+    "drainGraceSeconds": ("drain_grace_s", positive),
+    "reloadIntervalSeconds": ("reload_interval_s", positive),
+    "promptEstimator": ("prompt_estimator", string),
+    "clientIdleTimeoutSeconds": ("client_idle_timeout_s", positive),
+    "clientBodyTimeoutSeconds": ("client_body_timeout_s", positive),
+    "clientWriteTimeoutSeconds": ("client_write_timeout_s", positive),
+    "maxClientConnections": ("max_client_connections", positive_int),
+    "upstreamApiKeyFile": ("upstream_api_key_file", string),
     "servedModelNames": ("served_model_names", _model_names),
-    "embeddingDimensions": ("embedding_dimensions", _embedding_dimensions),
-    "ietfRateLimitHeaders": ("ietf_ratelimit_headers", _boolean),
+    "embeddingDimensions": ("embedding_dimensions", integer_in(1, MAX_EMBEDDING_DIMENSIONS)),
+    "ietfRateLimitHeaders": ("ietf_ratelimit_headers", boolean),
     "accessLog": ("access_log", _access_log),
-    "tracing": ("tracing", _boolean),
+    "tracing": ("tracing", boolean),
     "tracingEndpoint": ("tracing_endpoint", _http_url),
 }
-"""``sidecar:`` key -> (attribute, parser)."""
+"""``sidecar:`` key -> (attribute, parser): the parsers are :mod:`tokenfair.config.fields`'
+(one rule each; an integer setting takes ``2`` and ``2.0``, never ``2.5`` or ``true``), and
+the ``tokenfair sidecar`` flags are checked by the parser of the key they override."""
 
 
 def parse_address(value: str, name: str = "address") -> tuple[str, int]:
@@ -274,7 +237,7 @@ def parse_address(value: str, name: str = "address") -> tuple[str, int]:
         or not (port.isascii() and port.isdigit())
         or not 0 <= int(port) <= 65535
     ):
-        raise ConfigError(f"{name}: must be HOST:PORT (got {_shown(value)})")
+        raise ConfigError(f"{name}: must be HOST:PORT (got {shown(value)})")
     return host.strip("[]"), int(port)
 
 
@@ -285,30 +248,24 @@ def settings_from_section(
     field is checked, and with ``check`` the cross-field rules too (:func:`check_settings`).
     A caller that applies more (command-line flags) passes ``check=False`` and checks the
     result: ``backend: openai`` in the file with the upstream from ``--upstream`` is valid."""
-    unknown = sorted(set(section) - set(SECTION_FIELDS))
-    if unknown:
-        raise ConfigError(
-            f"sidecar: unknown field(s) {', '.join(unknown)} "
-            f"(known: {', '.join(sorted(SECTION_FIELDS))})"
-        )
-    values = {
-        attr: parse(f"sidecar.{key}", section[key])
-        for key, (attr, parse) in SECTION_FIELDS.items()
-        if key in section
-    }
+    values = read_fields("sidecar", section, SECTION_FIELDS)
     settings = dataclasses.replace(base or SidecarSettings(), **values)
     return check_settings(settings) if check else settings
 
 
 def check_settings(settings: SidecarSettings) -> SidecarSettings:
     """Cross-field rules."""
-    if settings.backend == "openai" and not settings.upstream_url:
-        raise ConfigError("the openai backend needs an upstream URL (--upstream / upstreamUrl)")
+    from tokenfair.server.backends import BACKENDS  # the registry's modules import this one
+
+    if BACKENDS[_backend("backend", settings.backend)].needs_upstream and not settings.upstream_url:
+        raise ConfigError(
+            f"the {settings.backend} backend needs an upstream URL (--upstream / upstreamUrl)"
+        )
     if settings.upstream_url is not None:
         try:
             parse_origin(settings.upstream_url)
         except ValueError as exc:
-            raise ConfigError(f"upstreamUrl: {exc} (got {_shown(settings.upstream_url)})") from None
+            raise ConfigError(f"upstreamUrl: {exc} (got {shown(settings.upstream_url)})") from None
     if settings.default_decode_tokens > settings.max_decode_tokens:
         raise ConfigError(
             f"defaultDecodeTokens ({settings.default_decode_tokens}) must be <= "

@@ -2,9 +2,9 @@
 
 Owns the scheduler, its dispatcher, the authenticator and the accounting of outcomes (metrics,
 per-tenant counters for ``/status``, request records). A request's one outcome is decided by
-its :class:`~tokenfair.server.lifecycle.Lifecycle`, whose ``end`` calls
-:meth:`Sidecar.account` for it once; :meth:`Sidecar.record` never raises (a record it cannot
-write is counted as dropped). ``account`` also writes the request's access-log line and, with
+its :class:`~tokenfair.server.lifecycle.Lifecycle`, whose ``complete`` calls
+:meth:`Sidecar.completed` for it once; :meth:`Sidecar.record` never raises (a record it cannot
+write is counted as dropped). ``completed`` also writes the request's access-log line and, with
 tracing on, its span (:meth:`Sidecar.observe`: never raises either); a request answered before
 admission gets both from :meth:`Sidecar.observe_unadmitted`.
 """
@@ -30,7 +30,6 @@ from tokenfair.core import (
     Scheduler,
     make_scheduler,
 )
-from tokenfair.core.cost import CostModel
 from tokenfair.server.accesslog import (
     CURRENT_SCOPE,
     AccessLog,
@@ -134,7 +133,7 @@ class Sidecar:
         self.budget_store_notice = ""
         """Why the budgets enforced differ from the document's until a restart ("" if not):
         a reload added, removed or moved the budget store (:meth:`_enforceable`)."""
-        self.recorder: RecordWriter | None = None
+        self.record_writer: RecordWriter | None = None
         self.tenant_counts: dict[str, Counter[str]] = {}
         self._series_cache: dict[tuple[str, PriorityClass], LaneSeries] = {}
         self._id_prefix = secrets.token_hex(4)
@@ -173,7 +172,7 @@ class Sidecar:
         self.budget_store_notice = notice
         self.auth = Authenticator(config, self.settings.trusted_tenant_header)
         if isinstance(self.backend, CostModelBackend):
-            self.backend.retune(CostModel.from_policy(config.policy))
+            self.backend.retune(self.scheduler.cost)  # the policy's, as the scheduler prices
         self.config = config
         self.config_sha256 = loaded.sha256
         self.metrics.reloads.labels("applied").inc()
@@ -311,7 +310,7 @@ class Sidecar:
         series.estimated_tokens += decision.service_tokens
         series.queue_wait.observe(decision.queue_wait_ms / 1000.0)
 
-    def account(
+    def completed(
         self,
         request: Request,
         decision: Decision,
@@ -323,8 +322,8 @@ class Sidecar:
         facts: RequestFacts | None = None,
     ) -> None:
         """Count, measure and record one request's outcome, then log and trace it (called once
-        per request, by :meth:`Lifecycle.end
-        <tokenfair.server.lifecycle.Lifecycle.end>`). A failure while counting (a bug,
+        per request, by :meth:`Lifecycle.complete
+        <tokenfair.server.lifecycle.Lifecycle.complete>`). A failure while counting (a bug,
         logged) does not stop the record, nor a failure of either the log line or the span."""
         if usage is None:
             usage = NO_USAGE
@@ -514,8 +513,8 @@ class Sidecar:
         be encoded, or has no decision (which cannot happen: the lifecycle logs it), is written
         minimal (:func:`minimal_record`), and one that cannot be queued at all is counted in
         ``tokenfair_records_dropped_total`` (both logged)."""
-        recorder = self.recorder
-        if recorder is None:
+        writer = self.record_writer
+        if writer is None:
             return
         try:
             line: str | None = None
@@ -530,7 +529,7 @@ class Sidecar:
             if line is None:
                 line = minimal_record(request, self.policy_name, status_code=status_code,
                                       reason=reason)  # fmt: skip
-            recorder.write(line)
+            writer.write(line)
         except Exception:
             log.exception("request %s: its record could not be written; counted as dropped",
                           request.request_id)  # fmt: skip

@@ -158,14 +158,14 @@ class UpstreamResponse:
         """Done with it: a finished keep-alive connection goes back to the pool, else closed."""
         connection, self._connection = self._connection, None
         if connection is not None:
-            connection.finish()
+            connection.release()
 
     def close(self) -> None:
         """Abandon the response: its connection is closed."""
         connection, self._connection = self._connection, None
         if connection is not None:
             connection.keep_alive = False
-            connection.finish()
+            connection.release()
 
     def _live(self) -> _Connection:
         if self._connection is None:
@@ -241,8 +241,9 @@ class _Connection(asyncio.Protocol):
             self.last_read = self.loop.time()  # the wait for the upstream starts again now
             self.transport.resume_reading()
 
-    def finish(self) -> None:
-        """The exchange is over: pool the connection if it can carry another one, else close."""
+    def release(self) -> None:
+        """The exchange is over: pool the connection if it can carry another one, else close it
+        (a connection's end, not a request's)."""
         if self.timer is not None:
             self.timer.cancel()
         reusable = (
@@ -447,7 +448,7 @@ class UpstreamClient:
                 connection.raise_error()
                 await connection.wait()
         except BaseException:
-            connection.finish()
+            connection.release()
             raise
         return UpstreamResponse(connection, connection.status, connection.headers)
 
@@ -462,9 +463,9 @@ class UpstreamClient:
                 continue
             if now - connection.idle_since <= IDLE_KEEPALIVE_S:
                 return connection
-            connection.finish()  # too old to trust (and every one before it is older)
+            connection.release()  # too old to trust (and every one before it is older)
             while idle:
-                idle.pop().finish()
+                idle.pop().release()
         return None
 
     async def _connect(self) -> _Connection:

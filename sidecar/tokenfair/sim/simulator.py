@@ -13,6 +13,9 @@ Event rules (the lesson's, so its policies decide exactly as its lab did):
 * when nothing can start, the clock jumps to the next event: an arrival, a KV release, or the
   scheduler's own wake-up (a deadline, a budget refill).
 
+The times (``prefill_ms``, ``execution_ms``, the KV hold) are the scheduler's own cost model's
+(:class:`~tokenfair.core.cost.CostModel`, built from the policy): the formulas live there only.
+
 :func:`replay` streams: it reads each arrival when the clock reaches it and yields each
 decision once final, holding only the requests queued or running (``tokenfair simulate`` feeds
 it straight from the trace file and folds the decisions into its report as they come).
@@ -96,12 +99,8 @@ def _replay(
     config: Config, arrivals: Iterator[Arrival], policy: str
 ) -> Iterator[tuple[Decision, int | None]]:
     scheduler = make_scheduler(policy, config)
-    cost = scheduler.cost
     # The loop runs once per event: keep everything it touches in locals.
-    rate = cost.service_tokens_per_ms
-    prefill_floor_ms = cost.prefill_floor_ms
-    prefill_rate = cost.prefill_tokens_per_ms
-    residency = cost.kv_residency_factor
+    run_ms = scheduler.cost.run_ms
     expires = scheduler.expires_queued
     own_expiry = type(scheduler).expire is Scheduler.expire
     deadlines = scheduler._deadlines  # rebuilt in place (`Scheduler.submit`): bound once
@@ -173,15 +172,13 @@ def _replay(
         if decision.status_code != STATUS_OK:
             yield decision, used
             continue
-        execution_ms = (decision.service_tokens if used is None else used) / rate
-        # max(prefill floor, prefill time) and max(0, wait) as conditionals: the same values
-        prefill_ms = request.prefill_tokens / prefill_rate
-        if prefill_floor_ms > prefill_ms:
-            prefill_ms = prefill_floor_ms
-        wait_ms = clock_ms - request.arrival_ms
+        prefill_ms, execution_ms, kv_hold_ms = run_ms(
+            request.prefill_tokens, decision.service_tokens if used is None else used
+        )
+        wait_ms = clock_ms - request.arrival_ms  # max(0, wait) as a conditional: the same value
         decision.ttft_ms = round((wait_ms if wait_ms > 0.0 else 0.0) + prefill_ms, 2)
         sequence += 1
-        heappush(releases, (clock_ms + execution_ms * residency, sequence, request_id))
+        heappush(releases, (clock_ms + kv_hold_ms, sequence, request_id))
         clock_ms += execution_ms
         complete(request_id, clock_ms, used, actual_kv_blocks=used_kv, release_kv=False)
         yield decision, used

@@ -410,8 +410,8 @@ async def test_request_id_and_queue_wait_headers(
 
     # The header is the recorded queue wait (model ms) times time_scale (10 real ms per model
     # ms), to 3 decimals; the twin waited behind the 89 model ms request.
-    assert sidecar.recorder is not None
-    sidecar.recorder.flush()
+    assert sidecar.record_writer is not None
+    sidecar.record_writer.flush()
     by_id: dict[str, list[dict[str, Any]]] = {}
     for line in records.read_text().splitlines():
         record = json.loads(line)

@@ -59,11 +59,11 @@ async def test_in_flight_limit_and_dispatch_on_completion() -> None:
     assert not waiter(second).done()
     assert dispatcher.scheduler.books().queued_requests == 1
     clock.model_ms = 14.0
-    dispatcher.settle(first, 640, kv_hold_ms=0.0)
+    dispatcher.complete(first, 640, kv_hold_ms=0.0)
     assert waiter(second).done()
     assert waiter(second).result().admitted
     assert waiter(second).result().queue_wait_ms == 14.0
-    dispatcher.settle(second, 600, kv_hold_ms=0.0)
+    dispatcher.complete(second, 600, kv_hold_ms=0.0)
     assert dispatcher.scheduler.books() == ZERO_BOOKS
     # Settled to actual usage: 640 + 600.
     assert dispatcher.scheduler.tenants["tenant_chat_pro"].served_tokens == 1240
@@ -81,7 +81,7 @@ async def test_cancel_while_queued_refunds() -> None:
     assert waiting.decision is not None
     assert waiting.decision.reason == "cancelled"
     assert dispatcher.scheduler.books().queued_requests == 0
-    dispatcher.settle(running, None, kv_hold_ms=0.0)
+    dispatcher.complete(running, None, kv_hold_ms=0.0)
     assert dispatcher.scheduler.books() == ZERO_BOOKS
 
 
@@ -92,7 +92,7 @@ async def test_cancelled_in_the_instant_of_dispatch_settles_at_zero() -> None:
     task = asyncio.create_task(dispatcher.wait(waiting))
     await asyncio.sleep(0)
     task.cancel()  # its future is cancelled now; its handler has not run yet
-    dispatcher.settle(running, 640, kv_hold_ms=0.0)  # ... and the pump dispatches it
+    dispatcher.complete(running, 640, kv_hold_ms=0.0)  # ... and the pump dispatches it
     await asyncio.gather(task, return_exceptions=True)
     assert waiting.phase is Phase.SETTLED  # dispatched, then settled at zero
     assert waiting.booked_service_tokens == 0
@@ -105,7 +105,7 @@ async def test_kv_is_held_after_completion_then_released() -> None:
     dispatcher, _ = make_dispatcher()
     lifecycle = queued(dispatcher.submit(chat("a")))
     # Held 100 model ms after dispatch = 0.1 real ms at time_scale 0.001.
-    dispatcher.settle(lifecycle, None, kv_hold_ms=100.0)
+    dispatcher.complete(lifecycle, None, kv_hold_ms=100.0)
     assert dispatcher.scheduler.books().resident_kv_blocks == 24
     assert dispatcher.scheduler.books().running_requests == 0
     assert await dispatcher.wait_idle(1.0)
@@ -123,7 +123,7 @@ async def test_drain_answers_queued_waiters_and_close_releases_kv() -> None:
     assert dispatcher.drain() == 3
     assert all(w.drained and w.future is not None and waiter(w).done() for w in waiters)
     assert dispatcher.scheduler.books().queued_requests == 0
-    dispatcher.settle(running, None, kv_hold_ms=1e9)  # would hold KV for ages
+    dispatcher.complete(running, None, kv_hold_ms=1e9)  # would hold KV for ages
     dispatcher.close()
     assert dispatcher.scheduler.books() == ZERO_BOOKS
 
@@ -141,7 +141,7 @@ async def test_served_requests_leave_no_bookkeeping_behind() -> None:
         clock.model_ms = float(n)
         lifecycle = queued(dispatcher.submit(chat(f"r{n}", at_ms=clock.model_ms)))
         assert waiter(lifecycle).result().admitted
-        dispatcher.settle(lifecycle, 600, kv_hold_ms=0.0)
+        dispatcher.complete(lifecycle, 600, kv_hold_ms=0.0)
     assert scheduler.books() == ZERO_BOOKS
     assert not scheduler.jobs
     # The deadline heap is the core's private index; it must stay O(requests in flight).

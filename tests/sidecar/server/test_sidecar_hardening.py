@@ -295,7 +295,7 @@ async def test_usage_the_core_refuses_settles_at_the_estimate() -> None:
     request = Request("r-1", "tenant_chat_pro", 0.0, 280, 90, "interactive")
     lifecycle = dispatcher.submit(request)
     assert lifecycle.phase is Phase.RUNNING
-    assert dispatcher.settle(lifecycle, 10**400, 0.0) is Settlement.AT_ESTIMATE
+    assert dispatcher.complete(lifecycle, 10**400, 0.0) is Settlement.AT_ESTIMATE
     assert phase_of(lifecycle) is Phase.SETTLED
     assert scheduler.books() == ZERO_BOOKS
     assert scheduler.tenants["tenant_chat_pro"].served_tokens == 280 + 4 * 90  # the estimate
@@ -1121,11 +1121,11 @@ async def test_records_survive_a_full_disk(aiohttp_client: ClientFactory, tmp_pa
     settings = SidecarSettings(time_scale=0.01, records_path=str(path))
     clients = await start(aiohttp_client, keyed_config(), settings)
     sidecar = clients.sidecar
-    assert sidecar.recorder is not None
-    sidecar.recorder.close()
+    assert sidecar.record_writer is not None
+    sidecar.record_writer.close()
     disk = FullDisk(path)
     # Five records may wait; retried every 10 ms (the defaults: 10,000 and 1 s).
-    sidecar.recorder = RecordWriter.to_file(
+    sidecar.record_writer = RecordWriter.to_file(
         disk,
         str(path),
         max_pending=5,
@@ -1150,12 +1150,12 @@ async def test_records_survive_a_full_disk(aiohttp_client: ClientFactory, tmp_pa
     disk.full = False  # space again: the waiting records go out on the next retry
     assert await wait_for(lambda: len(path.read_bytes().splitlines()) == 2 + 1 + 5)
     await send(2)
-    assert sidecar.recorder.flush()
+    assert sidecar.record_writer.flush()
     lines = path.read_text().splitlines()
     assert len(lines) == 10
     ids = [json.loads(line)["request_id"] for line in lines]  # every line whole JSON
     assert len(set(ids)) == 10
-    assert sidecar.recorder.dropped == 2
+    assert sidecar.record_writer.dropped == 2
     text = await metrics_text(clients)
     assert "tokenfair_records_dropped_total 2.0" in text
     assert await books_when_settled(sidecar) == ZERO_BOOKS
@@ -1173,7 +1173,7 @@ async def test_a_failure_inside_the_sidecar_is_one_500_record_and_no_leak(
     clients = await start(aiohttp_client, keyed_config(), settings)
     sidecar = clients.sidecar
     lines: list[str] = []
-    monkeypatch.setattr(sidecar, "recorder", RecordWriter.to_file(_Lines(lines)))
+    monkeypatch.setattr(sidecar, "record_writer", RecordWriter.to_file(_Lines(lines)))
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
     async def broken(call: Any) -> Any:
@@ -1197,8 +1197,8 @@ async def test_a_failure_inside_the_sidecar_is_one_500_record_and_no_leak(
         )
     assert response.status == 200
     assert await books_when_settled(sidecar) == ZERO_BOOKS
-    assert sidecar.recorder is not None
-    sidecar.recorder.flush()
+    assert sidecar.record_writer is not None
+    sidecar.record_writer.flush()
     rows = [json.loads(line) for line in "".join(lines).splitlines()]
     outcomes = [(row["status_code"], row["reason"]) for row in rows]
     assert outcomes == [(500, "internal_error"), (200, "admitted")]
@@ -1269,7 +1269,7 @@ async def test_an_accounting_failure_still_writes_one_record(
     )
     clients = await start(aiohttp_client, keyed_config(), settings)
     sidecar = clients.sidecar
-    account = sidecar.account
+    completed = sidecar.completed
     failed = False
 
     def failing(*args: Any, **kwargs: Any) -> None:
@@ -1277,9 +1277,9 @@ async def test_an_accounting_failure_still_writes_one_record(
         if not failed:
             failed = True
             raise RuntimeError("injected accounting bug")
-        account(*args, **kwargs)
+        completed(*args, **kwargs)
 
-    monkeypatch.setattr(sidecar, "account", failing)
+    monkeypatch.setattr(sidecar, "completed", failing)
     responses = await post_twice(clients)
     assert failed
     assert [r.status for r in responses] == [200, 200]
@@ -1296,12 +1296,12 @@ async def test_an_accounting_failure_still_writes_one_record(
     rows = one_record_each(clients, responses)
     assert [(row["status_code"], row["reason"]) for row in rows[2:]] == [(200, "admitted")] * 2
     assert "dispatch_ms" not in rows[2]  # minimal: the request's own fields and its outcome
-    assert sidecar.recorder is not None
+    assert sidecar.record_writer is not None
 
     def broken_write(line: str) -> None:
         raise RuntimeError("injected write bug")
 
-    monkeypatch.setattr(sidecar.recorder, "write", broken_write)
+    monkeypatch.setattr(sidecar.record_writer, "write", broken_write)
     responses += await post_twice(clients)
     assert "tokenfair_records_dropped_total 2.0" in await metrics_text(clients)
     assert await books_when_settled(sidecar) == ZERO_BOOKS
@@ -1325,15 +1325,15 @@ async def test_release_unsettled_takes_what_the_core_cannot_settle_off_the_books
 
     with monkeypatch.context() as patch:
         patch.setattr(scheduler, "complete", broken)
-        assert dispatcher.settle(first, 300, 0.0) is Settlement.CORE_FAILED
+        assert dispatcher.complete(first, 300, 0.0) is Settlement.CORE_FAILED
     assert phase_of(first) is Phase.SETTLED
     assert phase_of(second) is Phase.RUNNING  # the slot went to the next request
     assert scheduler.books().running_requests == 1
     with monkeypatch.context() as patch:
         patch.setattr(scheduler, "release_kv", broken)
-        assert dispatcher.settle(second, 300, 0.0) is Settlement.AS_REPORTED
+        assert dispatcher.complete(second, 300, 0.0) is Settlement.AS_REPORTED
     assert scheduler.books() == ZERO_BOOKS
-    assert dispatcher.settle(second, 999, 0.0) is Settlement.AS_REPORTED  # once only
+    assert dispatcher.complete(second, 999, 0.0) is Settlement.AS_REPORTED  # once only
     assert second.booked_service_tokens == 300
 
 

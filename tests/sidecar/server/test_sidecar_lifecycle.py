@@ -105,16 +105,16 @@ async def test_end_is_exactly_once(aiohttp_client: ClientFactory, tmp_path: Path
     sidecar = clients.sidecar
     lifecycle = begin(sidecar, chat_request())
     assert lifecycle.phase is Phase.RUNNING  # an idle server dispatches at once
-    first = lifecycle.end(sidecar, Outcome(200, "admitted"))
+    first = lifecycle.complete(sidecar, Outcome(200, "admitted"))
     assert phase_of(lifecycle) is Phase.SETTLED
-    second = lifecycle.end(sidecar, Outcome(500, "internal_error"))
+    second = lifecycle.complete(sidecar, Outcome(500, "internal_error"))
     assert first == second == Outcome(200, "admitted")
     # A request no configuration admits is refused; whoever answers it ends it, once.
     refused = begin(sidecar, chat_request("r-2", decode_tokens=10**6))
     assert refused.phase is Phase.REFUSED
     assert refused.outcome is None
-    assert refused.end(sidecar) == Outcome(400, "request_over_kv_capacity")
-    assert refused.end(sidecar, Outcome(500, "internal_error")) == refused.outcome
+    assert refused.complete(sidecar) == Outcome(400, "request_over_kv_capacity")
+    assert refused.complete(sidecar, Outcome(500, "internal_error")) == refused.outcome
     assert await books_when_settled(sidecar) == ZERO_BOOKS
     rows = records_of(sidecar)
     assert [(row["request_id"], row["status_code"]) for row in rows] == [("r-1", 200), ("r-2", 400)]
@@ -129,8 +129,8 @@ FAULTS = {
     "ratelimit-headers": ("", "ratelimit_headers", Outcome(500, "internal_error")),
     "backend": ("backend", "respond", Outcome(500, "internal_error")),
     "kv-hold-time": ("backend", "kv_hold_ms", Outcome(200, "admitted")),
-    "dispatcher-settle": ("dispatcher", "settle", Outcome(200, "internal_error")),
-    "accounting": ("", "account", Outcome(200, "admitted")),
+    "dispatcher-complete": ("dispatcher", "complete", Outcome(200, "internal_error")),
+    "accounting": ("", "completed", Outcome(200, "admitted")),
     # The core failing while dispatching (a bug): the pump logs it and tries again shortly.
     "core-dispatch": ("scheduler", "next_dispatch", Outcome(200, "admitted")),
     "core-expiry": ("scheduler", "expire", Outcome(200, "admitted")),
@@ -265,7 +265,7 @@ async def test_a_request_reaching_admission_during_a_drain_is_a_recorded_503(
     assert lifecycle.phase is Phase.REFUSED
     assert lifecycle.decision is not None
     assert (lifecycle.decision.status_code, lifecycle.decision.reason) == (503, "draining")
-    assert lifecycle.end(sidecar) == Outcome(503, "draining")
+    assert lifecycle.complete(sidecar) == Outcome(503, "draining")
     # A request cut by the drain's abort is recorded as cut, whatever phase it was in.
     waiting = Lifecycle(chat_request("r-2"), Phase.QUEUED)
     waiting.left_queue(decision(499, "cancelled"))

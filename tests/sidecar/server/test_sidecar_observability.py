@@ -285,7 +285,9 @@ def test_flags_of_the_file_only_settings_and_observability() -> None:
         False,
         None,
     )
-    with pytest.raises(ConfigError, match="--embedding-dimensions: must be an integer > 0"):
+    with pytest.raises(
+        ConfigError, match=r"--embedding-dimensions: must be in \[1, 16384\] \(got 0\)"
+    ):
         settings_for(parse_flags("--embedding-dimensions", "0"), {})
     with pytest.raises(ConfigError, match="--tracing-endpoint: must be an http"):
         settings_for(parse_flags("--tracing-endpoint", "collector:4318"), {})

@@ -16,7 +16,7 @@ Behaviours under test:
   not; an explicit window; the zero-length and empty defaults; tenants absent from the config
   (weight 1, lane of their decisions); a bad window refused;
 * ``read_decisions`` reads back exactly what ``write_decisions`` wrote, grouped by policy, and
-  the lines the sidecar's recorder writes;
+  the lines the sidecar's record writer writes;
 * ``tokenfair simulate`` puts ``fairness`` beside (not inside) the lesson-shaped ``comparison``
   and prints the fairness table under each policy's block;
 * ``tokenfair report`` on ``tokenfair simulate --records`` output (three policies, grouped)
@@ -340,7 +340,7 @@ def test_read_decisions_reads_back_what_was_written(tmp_path: Path) -> None:
 
 
 def test_read_decisions_reads_the_sidecar_recorders_lines(tmp_path: Path) -> None:
-    # The live shape as the recorder really writes it (not a copy of it): decision fields plus
+    # The live shape as the record writer really writes it (not a copy of it): decision fields plus
     # the request's tokens and the reported usage; the outcome is the status the client saw.
     request = Request("r1", "chat", 12.5, 300, 40, "interactive")
     dispatched = Decision("r1", "chat", "interactive", 200, "admitted", "dispatch", 460, 12.5)
@@ -479,7 +479,7 @@ def live_record(
     dispatch_ms: float | None = None,
     actual: int | None = None,
 ) -> dict[str, object]:
-    """A line as the sidecar's recorder writes it (decision fields + the request's tokens)."""
+    """A line as the sidecar's record writer writes it (decision fields + the request's tokens)."""
     record: dict[str, object] = {
         "policy": "tokenfair",
         "request_id": request_id,

@@ -515,7 +515,7 @@ class OpenAIBackend(Backend):
                 raise _upstream_failure(exc, "response") from None
             if decoder is not None:
                 data = _decoded(decoder, data, coding, "response")
-            self._settle_json(call, None if opaque else data, upstream.status)
+            self._report_json_usage(call, None if opaque else data, upstream.status)
             call.first_byte()
             return web.Response(body=data, status=upstream.status, headers=headers)
         finally:
@@ -572,7 +572,7 @@ class OpenAIBackend(Backend):
         return web.Response(body=data, status=upstream.status, headers=out)
 
     @staticmethod
-    def _settle_json(call: BackendCall, data: bytes | None, status: int) -> None:
+    def _report_json_usage(call: BackendCall, data: bytes | None, status: int) -> None:
         try:
             usage = None if data is None else usage_from_json(data)
         except UsageError as exc:
@@ -625,14 +625,14 @@ class OpenAIBackend(Backend):
                 raise _upstream_failure(exc, "stream") from None
             log.warning("upstream stream of %s broke after it started: %s",
                         call.decision.request_id, exc)  # fmt: skip
-            self._settle_stream(call, tail)
+            self._report_stream_usage(call, tail)
             raise StreamAbortedError(response, str(exc)) from None
         rest = usage_filter.flush() if usage_filter is not None else b""
         if not started:
             await response.prepare(call.request)
         if rest:
             await call.write(response, rest)
-        self._settle_stream(call, tail)
+        self._report_stream_usage(call, tail)
         try:
             await call.write_eof(response)
         except ConnectionResetError:
@@ -643,7 +643,7 @@ class OpenAIBackend(Backend):
         return response
 
     @staticmethod
-    def _settle_stream(call: BackendCall, tail: bytearray) -> None:
+    def _report_stream_usage(call: BackendCall, tail: bytearray) -> None:
         try:
             usage = usage_from_sse(bytes(tail))
         except UsageError as exc:
