@@ -41,6 +41,14 @@ Three departures from the textbook, all bounded:
   ``k = min_i ceil((cost_i - D_i) / Q_i) - 1`` in one step, so selection costs O(tenants) and
   never loops on large requests.
 
+**Exact arithmetic.** Deficits, quanta, the lane's credit and queued totals are integers in
+fixed-point units of ``UNITS_PER_TOKEN`` (10^9) per service token (:mod:`.jobs`); a job is
+charged its ``expected_units``. Every sum, difference and ``ceil`` here is exact, so the running
+totals equal the sums they stand for at every step and no tolerance is needed. The only
+rounding is where a float enters: a quantum ``base * weight`` and a float ``settle`` amount are
+rounded to the nearest unit (at most 0.5e-9 token each), once, when they enter. The
+``deficit``, ``quantum``, ``credit_tokens``... attributes read the state in tokens (floats).
+
 Costs of selection: O(active tenants) per pick; enqueue and cancel amortised O(1) (joining
 ahead: O(tenants waiting for their first turn ahead); a cancel that empties a tenant's queue
 takes it out of the ring, O(active tenants) in C); ``min_head_cost`` O(log n) amortised (its
@@ -49,43 +57,62 @@ first call O(n): the heads are indexed from then on, so a lane never asked pays 
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from heapq import heapify, heappop, heappush
 from itertools import count
 
-from tokenfair.core.jobs import Job, JobState
+from tokenfair.core.jobs import UNITS_PER_TOKEN, Job, JobState, to_units
 
 _QUEUED = JobState.QUEUED
+_UNIT = UNITS_PER_TOKEN
+
+
+def _quantum_units(quantum: float) -> int:
+    """A quantum in units, at least one (a quantum of 0 would never cover a head)."""
+    units = to_units(quantum)
+    return units if units > 0 else 1
 
 
 class TenantQueue:
     """One tenant's FIFO within one lane, with its DRR state."""
 
     __slots__ = (
-        "deficit",
+        "deficit_units",
         "in_active",
         "jobs",
         "joined_ahead",
         "live",
         "quantum",
-        "queued_tokens",
+        "quantum_units",
+        "queued_units",
         "tenant_id",
         "turn_open",
     )
 
     def __init__(self, tenant_id: str, quantum: float) -> None:
         self.tenant_id = tenant_id
-        self.quantum = quantum
+        self.quantum_units = _quantum_units(quantum)
+        self.quantum = self.quantum_units / _UNIT
+        """``Q_i`` in service tokens, read (the state is ``quantum_units``)."""
         self.jobs: deque[Job] = deque()
         self.live = 0  # queued jobs not cancelled (cancelled ones are dropped lazily at the head)
-        self.queued_tokens = 0.0  # expected service tokens of the live jobs
-        self.deficit = 0.0
+        self.queued_units = 0  # expected service of the live jobs, in units
+        self.deficit_units = 0
         self.turn_open = False
         self.in_active = False
         self.joined_ahead = False  # joined ahead of the ring's tail, first turn still to come
+
+    @property
+    def deficit(self) -> float:
+        """``D_i`` in service tokens (the state is ``deficit_units``, exact)."""
+        return self.deficit_units / _UNIT
+
+    @property
+    def queued_tokens(self) -> float:
+        """Expected service tokens of the live jobs (the state is ``queued_units``)."""
+        return self.queued_units / _UNIT
 
     def head(self) -> Job | None:
         jobs = self.jobs
@@ -95,10 +122,10 @@ class TenantQueue:
 
     def reset(self) -> None:
         """The queue emptied: drop a credit (idle tenants bank nothing), keep a debt."""
-        if self.deficit > 0.0:
-            self.deficit = 0.0
+        if self.deficit_units > 0:
+            self.deficit_units = 0
         self.turn_open = False
-        self.queued_tokens = 0.0  # no float residue of the expected costs it held
+        self.queued_units = 0
 
 
 class DeficitRoundRobin:
@@ -111,33 +138,48 @@ class DeficitRoundRobin:
         "_joiner_ranks",
         "_sequence",
         "active",
-        "active_quanta",
-        "credit_tokens",
-        "queued_tokens",
+        "active_quanta_units",
+        "credit_units",
+        "queued_units",
         "queues",
     )
 
     def __init__(self) -> None:
         self.queues: dict[str, TenantQueue] = {}
         self.active: deque[TenantQueue] = deque()
-        self.credit_tokens = 0.0
-        """``sum_i max(0, D_i)``: what the tenants could send on deficits already granted
-        (admission's bound on the others' next turns reads it)."""
-        self.active_quanta = 0.0
-        """Sum of the quanta of the backlogged tenants (the ring)."""
+        self.credit_units = 0
+        """``sum_i max(0, D_i)`` in units: what the tenants could send on deficits already
+        granted (admission's bound on the others' next turns reads it)."""
+        self.active_quanta_units = 0
+        """Sum of the quanta of the backlogged tenants (the ring), in units."""
         # The tenants that joined ahead and wait for their first turn sit at active[1:1+n],
         # in rank order; these lists hold their ranks and what they may send in that turn.
         self._joiner_ranks: list[float] = []
-        self._joiner_credit: list[float] = []
-        self.queued_tokens = 0.0
-        """Expected service tokens of every live queued job of the lane."""
-        # (cost, sequence, job) of every live queue's head, plus stale entries (a head that was
-        # sent or cancelled) dropped when they surface: `min_head_cost` in O(log n) amortised.
-        # Kept from the first `min_head_cost` on: a lane nobody asks (`tokenfair` asks only the
-        # batch lane) pays nothing for it.
-        self._head_costs: list[tuple[float, int, Job]] = []
+        self._joiner_credit: list[int] = []
+        self.queued_units = 0
+        """Expected service of every live queued job of the lane, in units."""
+        # (cost in units, sequence, job) of every live queue's head, plus stale entries (a head
+        # that was sent or cancelled) dropped when they surface: `min_head_cost` in O(log n)
+        # amortised. Kept from the first `min_head_cost` on: a lane nobody asks (`tokenfair`
+        # asks only the batch lane) pays nothing for it.
+        self._head_costs: list[tuple[int, int, Job]] = []
         self._heads_indexed = False
         self._sequence = count()
+
+    @property
+    def credit_tokens(self) -> float:
+        """``sum_i max(0, D_i)`` in service tokens."""
+        return self.credit_units / _UNIT
+
+    @property
+    def active_quanta(self) -> float:
+        """Sum of the quanta of the backlogged tenants, in service tokens."""
+        return self.active_quanta_units / _UNIT
+
+    @property
+    def queued_tokens(self) -> float:
+        """Expected service tokens of every live queued job of the lane."""
+        return self.queued_units / _UNIT
 
     @property
     def ahead_joiners(self) -> int:
@@ -149,9 +191,11 @@ class DeficitRoundRobin:
         if queue is None:
             self.queues[tenant_id] = TenantQueue(tenant_id, quantum)
         else:
+            units = _quantum_units(quantum)
             if queue.in_active:
-                self.active_quanta += quantum - queue.quantum
-            queue.quantum = quantum
+                self.active_quanta_units += units - queue.quantum_units
+            queue.quantum_units = units
+            queue.quantum = units / _UNIT
 
     def push(self, job: Job, *, join_ahead: float | None = None) -> None:
         """Queue a job. A tenant that was not backlogged joins the ring at its tail — or, with
@@ -165,17 +209,17 @@ class DeficitRoundRobin:
             self._head_changed(job)
         queue.jobs.append(job)
         queue.live += 1
-        queue.queued_tokens += job.expected_tokens
-        self.queued_tokens += job.expected_tokens
+        cost = job.expected_units
+        queue.queued_units += cost
+        self.queued_units += cost
         if not queue.in_active:
             queue.in_active = True
-            self.active_quanta += queue.quantum
+            self.active_quanta_units += queue.quantum_units
             active = self.active
             if join_ahead is not None:
-                if queue.deficit < job.expected_tokens:
-                    before = queue.deficit
-                    queue.deficit = job.expected_tokens
-                    self._credit_moved(before, queue.deficit)
+                if queue.deficit_units < cost:
+                    self._credit_moved(queue.deficit_units, cost)
+                    queue.deficit_units = cost
                 queue.turn_open = True
                 if active and not active[0].turn_open and not self._joiner_ranks:
                     # The front has not started its turn and nobody waits ahead: the joiner
@@ -185,7 +229,7 @@ class DeficitRoundRobin:
                     position = bisect_right(self._joiner_ranks, join_ahead)
                     active.insert(1 + position, queue)
                     self._joiner_ranks.insert(position, join_ahead)
-                    self._joiner_credit.insert(position, queue.deficit)
+                    self._joiner_credit.insert(position, queue.deficit_units)
                     queue.joined_ahead = True
                 else:
                     active.append(queue)
@@ -197,18 +241,18 @@ class DeficitRoundRobin:
         first turn: nothing if it would go before the front (:meth:`push`); else the front's
         turn (its credit, or a fresh quantum on top if its turn is not open yet, capped by what
         it has queued), then the first turns of the joiners ranked no higher. O(log n) to find
-        them, then a sum over a list slice."""
+        them, then a sum over a list slice (exact, in units)."""
         active = self.active
         if not active:
             return 0.0
         front = active[0]
         if not front.turn_open and not self._joiner_ranks:
             return 0.0  # it would go before the front (`push`)
-        credit = max(0.0, front.deficit)
+        credit = max(0, front.deficit_units)
         if not front.turn_open:
-            credit += front.quantum
+            credit += front.quantum_units
         before = bisect_right(self._joiner_ranks, rank)
-        return min(credit, front.queued_tokens) + math.fsum(self._joiner_credit[:before])
+        return (min(credit, front.queued_units) + sum(self._joiner_credit[:before])) / _UNIT
 
     def _front_changed(self) -> None:
         """A queue reached the front of the ring: a joiner's first turn has come."""
@@ -222,7 +266,7 @@ class DeficitRoundRobin:
         """The front queue has nothing live: it leaves the ring."""
         self.active.popleft()
         queue.in_active = False
-        self.active_quanta = self.active_quanta - queue.quantum if self.active else 0.0
+        self.active_quanta_units -= queue.quantum_units
         self._drop_credit(queue)
         self._front_changed()
 
@@ -237,8 +281,8 @@ class DeficitRoundRobin:
         ahead until the ring came round to it."""
         queue = self.queues[job.request.tenant_id]
         queue.live -= 1
-        queue.queued_tokens -= job.expected_tokens
-        self.queued_tokens -= job.expected_tokens
+        queue.queued_units -= job.expected_units
+        self.queued_units -= job.expected_units
         jobs = queue.jobs
         while jobs and jobs[0] is not job and jobs[0].state is not _QUEUED:
             jobs.popleft()  # each dead job is popped once: amortised O(1)
@@ -266,27 +310,33 @@ class DeficitRoundRobin:
             del self._joiner_credit[index - 1]
             queue.joined_ahead = False
         queue.in_active = False
-        self.active_quanta = self.active_quanta - queue.quantum if active else 0.0
+        self.active_quanta_units -= queue.quantum_units
 
     def settle(self, tenant_id: str, overrun_tokens: float) -> None:
-        """Charge ``actual - charged`` of a sent request to its tenant's deficit.
+        """Charge ``actual - charged`` of a sent request, in service tokens, to its tenant's
+        deficit (:meth:`settle_units`, after rounding to the nearest unit)."""
+        self.settle_units(tenant_id, to_units(overrun_tokens))
 
-        A debt (``overrun_tokens > 0``) is always kept; a credit only while the tenant is
+    def settle_units(self, tenant_id: str, overrun_units: int) -> None:
+        """Charge ``actual - charged`` of a sent request, in units, to its tenant's deficit.
+
+        A debt (``overrun_units > 0``) is always kept; a credit only while the tenant is
         backlogged (an idle tenant banks nothing)."""
         queue = self.queues[tenant_id]
-        before = queue.deficit
-        queue.deficit -= overrun_tokens
-        if queue.live == 0 and queue.deficit > 0.0:  # idle (or emptied by cancellations)
-            queue.deficit = 0.0
-        self._credit_moved(before, queue.deficit)
+        before = queue.deficit_units
+        after = before - overrun_units
+        if queue.live == 0 and after > 0:  # idle (or emptied by cancellations)
+            after = 0
+        queue.deficit_units = after
+        self._credit_moved(before, after)
 
-    def _credit_moved(self, before: float, after: float) -> None:
-        self.credit_tokens += (after if after > 0.0 else 0.0) - (before if before > 0.0 else 0.0)
+    def _credit_moved(self, before: int, after: int) -> None:
+        self.credit_units += (after if after > 0 else 0) - (before if before > 0 else 0)
 
     def _drop_credit(self, queue: TenantQueue) -> None:
         """The queue emptied: its credit goes (a debt stays), and its turn ends."""
-        if queue.deficit > 0.0:
-            self.credit_tokens -= queue.deficit
+        if queue.deficit_units > 0:
+            self.credit_units -= queue.deficit_units
         queue.reset()
 
     def backlogged(self, tenant_id: str) -> bool:
@@ -298,7 +348,7 @@ class DeficitRoundRobin:
         if not self._heads_indexed:
             return
         heads = self._head_costs
-        heappush(heads, (head.expected_tokens, next(self._sequence), head))
+        heappush(heads, (head.expected_units, next(self._sequence), head))
         if len(heads) > 64 + 4 * len(self.active):
             # Mostly stale (heads sent while nobody asked for the cheapest): rebuild, O(n).
             heads[:] = [entry for entry in heads if self._is_head(entry[2])]
@@ -308,9 +358,16 @@ class DeficitRoundRobin:
         return job.state is _QUEUED and self.queues[job.request.tenant_id].head() is job
 
     def min_head_cost(self) -> float | None:
-        """Cheapest head among backlogged tenants: O(log n) amortised (a heap of the heads'
-        costs; entries of heads that were sent or cancelled are dropped as they surface). The
-        first call indexes the heads there are (O(n)); every head change is indexed from then on."""
+        """Expected service tokens of the cheapest head among backlogged tenants
+        (:meth:`min_head_units`, read in tokens)."""
+        units = self.min_head_units()
+        return None if units is None else units / _UNIT
+
+    def min_head_units(self) -> int | None:
+        """Cheapest head among backlogged tenants, in units: O(log n) amortised (a heap of the
+        heads' costs; entries of heads that were sent or cancelled are dropped as they surface).
+        The first call indexes the heads there are (O(n)); every head change is indexed from
+        then on."""
         heads = self._head_costs
         queues = self.queues
         if not self._heads_indexed:
@@ -319,7 +376,7 @@ class DeficitRoundRobin:
                 if queue.live:
                     head = queue.head()
                     if head is not None:
-                        heappush(heads, (head.expected_tokens, next(self._sequence), head))
+                        heappush(heads, (head.expected_units, next(self._sequence), head))
         while heads:
             cost, _, job = heads[0]
             if job.state is _QUEUED:
@@ -354,22 +411,22 @@ class DeficitRoundRobin:
                     active.rotate(-1)
                     self._front_changed()
                     continue
-                deficit = queue.deficit
+                deficit = queue.deficit_units
                 if not queue.turn_open:
                     before = deficit
-                    queue.deficit = deficit = deficit + queue.quantum
+                    queue.deficit_units = deficit = deficit + queue.quantum_units
                     queue.turn_open = True
-                    self.credit_tokens += (deficit if deficit > 0.0 else 0.0) - (
-                        before if before > 0.0 else 0.0
+                    self.credit_units += (deficit if deficit > 0 else 0) - (
+                        before if before > 0 else 0
                     )
-                cost = head.expected_tokens
+                cost = head.expected_units
                 if deficit >= cost:
                     jobs.popleft()
                     queue.live -= 1
-                    queue.queued_tokens -= cost
-                    self.queued_tokens -= cost
-                    queue.deficit = deficit - cost  # stays >= 0: all of it was credit
-                    self.credit_tokens -= cost
+                    queue.queued_units -= cost
+                    self.queued_units -= cost
+                    queue.deficit_units = deficit - cost  # stays >= 0: all of it was credit
+                    self.credit_units -= cost
                     if queue.live:
                         next_head = jobs[0] if jobs else None
                         if next_head is not None and next_head.state is not _QUEUED:
@@ -378,9 +435,6 @@ class DeficitRoundRobin:
                             self._head_changed(next_head)
                     else:
                         self._leave(queue)
-                        if not active:
-                            # Nobody holds credit or queued work: no float residue.
-                            self.credit_tokens = self.queued_tokens = 0.0
                     return head
                 queue.turn_open = False
                 if candidates is None:
@@ -391,12 +445,14 @@ class DeficitRoundRobin:
             if not candidates:
                 return None
             # Nobody's deficit covered its head: grant the quanta of the empty rounds at once.
+            # ceil((cost - D) / Q) in integers: exact.
             rounds = min(
-                math.ceil((q.jobs[0].expected_tokens - q.deficit) / q.quantum) for q in candidates
+                -((q.deficit_units - q.jobs[0].expected_units) // q.quantum_units)
+                for q in candidates
             )
             if rounds > 1:
                 for queue in candidates:
-                    before = queue.deficit
-                    queue.deficit += (rounds - 1) * queue.quantum
-                    self._credit_moved(before, queue.deficit)
+                    before = queue.deficit_units
+                    queue.deficit_units = after = before + (rounds - 1) * queue.quantum_units
+                    self._credit_moved(before, after)
         return None

@@ -103,6 +103,20 @@ _LANE_OF: Final[dict[str, Lane]] = {"interactive": Lane.INTERACTIVE, "batch": La
 _QUEUED: Final = JobState.QUEUED
 _NEVER: Final = float("inf")
 
+UNITS_PER_TOKEN: Final = 10**9
+"""Fixed-point scale of the fairness state (DRR deficits, quanta and credit, bucket levels, the
+batch lane's credit): integer nano-tokens, like APF's seat-seconds at 1e9 per seat-second. Sums
+and differences of these are exact; the one rounding is where a float enters (a usage ratio, a
+weight, a refill over float milliseconds), stated where it happens. A service token count
+``n <= 2**40`` is ``n * 10**9`` units exactly, and a unit count converts back to the nearest
+float (``units / UNITS_PER_TOKEN``) only for reading and prediction."""
+
+
+def to_units(tokens: float) -> int:
+    """``tokens`` in units: exact for an integer count, else the nearest unit (half a unit,
+    0.5e-9 token, at most; the same value always gives the same units)."""
+    return tokens * UNITS_PER_TOKEN if type(tokens) is int else round(tokens * UNITS_PER_TOKEN)
+
 
 class Job:
     """A request inside the scheduler: its costs, its state and its bookkeeping."""
@@ -112,6 +126,7 @@ class Job:
         "deadline_ms",
         "decision",
         "expected_tokens",
+        "expected_units",
         "kv_blocks",
         "lane",
         "lifted",
@@ -130,6 +145,8 @@ class Job:
         self.decision: Decision | None = None
         self.borrowed = False  # dispatched on capacity lent to a tenant over its budget
         self.expected_tokens = float(service_tokens)  # what admission expects it to really use
+        self.expected_units = service_tokens * UNITS_PER_TOKEN  # the same, in fixed point: the
+        # round robin's charge (`expected_tokens` is always `expected_units / UNITS_PER_TOKEN`)
         self.lifted = False  # its tenant joined the ring ahead with it (drr.push join_ahead)
 
     def outcome(

@@ -59,6 +59,9 @@ from collections.abc import Callable
 from itertools import accumulate
 from typing import Protocol
 
+from tokenfair.core.jobs import UNITS_PER_TOKEN
+from tokenfair.core.jobs import to_units as _units
+
 
 class TurnState(Protocol):
     """What the prediction reads of a tenant's DRR state (``drr.TenantQueue`` has it)."""
@@ -74,15 +77,21 @@ class TurnState(Protocol):
 class LaneCompetition:
     """The tenants competing in one lane and the sum ``W`` of their quanta."""
 
-    __slots__ = ("_counted", "_recent", "competing_quanta")
+    __slots__ = ("_counted", "_recent", "competing_units")
 
     def __init__(self) -> None:
-        self.competing_quanta = 0.0
-        """``W``: the sum of the quanta of the competing tenants."""
+        self.competing_units = 0
+        """``W`` in fixed-point units (``UNITS_PER_TOKEN``): an exact integer sum, so it is 0
+        exactly when nobody competes, whatever was added and taken away."""
         self._counted: dict[str, float] = {}  # competing tenant -> the quantum counted in W
         self._recent: OrderedDict[str, float] = (
             OrderedDict()
         )  # tenant -> last admission, oldest first
+
+    @property
+    def competing_quanta(self) -> float:
+        """``W``: the sum of the quanta of the competing tenants, in service tokens."""
+        return self.competing_units / UNITS_PER_TOKEN
 
     def admitted(self, tenant_id: str, quantum: float, now_ms: float) -> None:
         """A request of the tenant was admitted into the lane: it competes from now on."""
@@ -91,7 +100,7 @@ class LaneCompetition:
         recent.move_to_end(tenant_id)
         if tenant_id not in self._counted:
             self._counted[tenant_id] = quantum
-            self.competing_quanta += quantum
+            self.competing_units += _units(quantum)
 
     def retire(self, now_ms: float, horizon_ms: float, backlogged: Callable[[str], bool]) -> None:
         """Stop counting the tenants whose last admission is older than ``horizon_ms`` and whose
@@ -122,7 +131,7 @@ class LaneCompetition:
         counted = self._counted.get(tenant_id)
         if counted is not None:
             self._counted[tenant_id] = quantum
-            self.competing_quanta += quantum - counted
+            self.competing_units += _units(quantum) - _units(counted)
 
     def competes(self, tenant_id: str) -> bool:
         return tenant_id in self._counted
@@ -130,8 +139,7 @@ class LaneCompetition:
     def _uncount(self, tenant_id: str) -> None:
         quantum = self._counted.pop(tenant_id, None)
         if quantum is not None:
-            # Recomputed from scratch when the set empties, so float sums cannot drift for ever.
-            self.competing_quanta = self.competing_quanta - quantum if self._counted else 0.0
+            self.competing_units -= _units(quantum)  # what `admitted` added: exact
 
 
 def tokens_ahead(
@@ -163,7 +171,8 @@ def tokens_ahead(
     that only; its first turn covers the request. Competing tenants that are not backlogged now
     take part in the later turns only if they send meanwhile: the caller adds that
     (:meth:`TokenfairScheduler.predicted_wait_ms`). Returns ``(ahead, k - 1)``."""
-    needed = own_queued_tokens + cost_tokens - own.deficit
+    deficit = own.deficit
+    needed = own_queued_tokens + cost_tokens - deficit
     if front is own and own.turn_open and needed <= 0:
         return own_queued_tokens, 0
     if first_turn_tokens is not None:
@@ -175,7 +184,6 @@ def tokens_ahead(
         later_turns = math.ceil(needed / own.quantum) - 1
         if later_turns < 0:
             later_turns = 0
-        deficit = own.deficit
         first_turn = (
             lane_credit_tokens - (deficit if deficit > 0.0 else 0.0) + competing_quanta
         ) - own.quantum

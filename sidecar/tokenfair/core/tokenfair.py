@@ -53,14 +53,17 @@ the tenant's own predicted wait (for its turn or its budget) beyond the limit.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Final
 
 from tokenfair.config import Config
+from tokenfair.core.bucket import ExactTokenBucket
 from tokenfair.core.drr import DeficitRoundRobin
 from tokenfair.core.jobs import (
     QUEUE_FULL,
     SHED_QUEUE_WAIT_SLO,
     SHED_TENANT_TOKEN_QUOTA,
+    UNITS_PER_TOKEN,
     Decision,
     Job,
     Lane,
@@ -76,6 +79,7 @@ from tokenfair.core.shares import (
 
 _INTERACTIVE: Final = Lane.INTERACTIVE
 _BATCH: Final = Lane.BATCH
+_UNIT: Final = UNITS_PER_TOKEN
 
 SERVICE_MEMORY_LIMITS = 10.0
 """How far back a tenant's recent service reaches, in wait limits of its lane (time constant
@@ -112,6 +116,7 @@ class TokenfairScheduler(Scheduler):
     charges_at_dispatch = True
     settles_every_request = True  # the expected cost (estimate x usage ratio) may differ
     tracks_kv_releases = True  # the KV forecast of `kv_wait_ms`
+    bucket_type = ExactTokenBucket  # budgets in integer units, like the DRR state
 
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
         self._lanes = (DeficitRoundRobin(), DeficitRoundRobin())
@@ -134,8 +139,11 @@ class TokenfairScheduler(Scheduler):
         # (when computed, level), recomputed at most once per wait limit, is `_level`
         # (`_adopt_cost_model` starts it).
         self._offered: tuple[dict[str, DemandRate], dict[str, DemandRate]] = ({}, {})
-        self._batch_credit = 0.0
-        self._cheapest_batch_head: float | None = None  # as of the last selection that looked
+        # The batch lane's minimum-share credit, in units times `_credit_spend` (exact: see
+        # `_adopt_cost_model`; `_batch_credit` reads it in tokens).
+        self._batch_credit_scaled = 0
+        self._credit_spend = 1
+        self._cheapest_batch_units: int | None = None  # as of the last selection that looked
         self._now_ms = now_ms  # the clock of the selection in progress (read by `_eligible`)
         self._lending = False  # the selection in progress ignores budgets (read by `_eligible`)
         self._push_ahead: float | None = None  # join rank of the job `_admit` just admitted
@@ -150,8 +158,17 @@ class TokenfairScheduler(Scheduler):
         self._memories_ms = tuple(limit * SERVICE_MEMORY_LIMITS for limit in self._wait_limits)
         self._rate = policy.service_tokens_per_ms
         self._interactive_cap = self._rate * (1.0 - policy.batch_min_share)
-        self._batch_share = policy.batch_min_share
-        self._batch_rest = 1.0 - policy.batch_min_share
+        # The minimum share as the decimal it was written as, s = p / q (0.1 -> 1/10): an
+        # interactive dispatch of `e` units earns the batch lane e * s / (1 - s) units of
+        # credit, kept times (q - p) so that it is an exact integer, e * p; a batch dispatch
+        # spends e * (q - p). No rounding, so no drift: batch is due exactly when the credit
+        # covers the cheapest head. A reload that changes the share rescales the credit (one
+        # floor, less than a unit).
+        share = Fraction(repr(float(policy.batch_min_share)))
+        spend = share.denominator - share.numerator
+        self._batch_credit_scaled = self._batch_credit_scaled * spend // self._credit_spend
+        self._credit_earn = share.numerator
+        self._credit_spend = spend
         self._kv_residency = policy.kv_residency_factor
         self._lend = policy.lend_idle_capacity
         # `watermark * total_kv_blocks` per lane: `kv_wait_ms`'s bound, the same product.
@@ -159,6 +176,23 @@ class TokenfairScheduler(Scheduler):
         # The water level is per quantum token and over the tenants of the old configuration:
         # computed again at the next admission that asks.
         self._level: list[tuple[float, float]] = [(-math.inf, math.inf), (-math.inf, math.inf)]
+
+    @property
+    def _batch_credit(self) -> float:
+        """The batch lane's minimum-share credit in service tokens (the state is
+        ``_batch_credit_scaled``)."""
+        return self._batch_credit_scaled / self._credit_spend / _UNIT
+
+    @_batch_credit.setter
+    def _batch_credit(self, tokens: float) -> None:
+        self._batch_credit_scaled = round(tokens * _UNIT) * self._credit_spend
+
+    @property
+    def _cheapest_batch_head(self) -> float | None:
+        """The cheapest batch head's expected service tokens, as of the last selection that
+        looked (the state is ``_cheapest_batch_units``)."""
+        units = self._cheapest_batch_units
+        return None if units is None else units / _UNIT
 
     def _tenant_added(self, tenant: TenantState) -> None:
         quantum = self.tenant_quantum(tenant)
@@ -186,24 +220,25 @@ class TokenfairScheduler(Scheduler):
         drr = self._lanes[lane]
         queue = drr.queues[tenant_id]
         competition = self._competition[lane]
-        competing = competition.competing_quanta
+        # The state in units, read in tokens: a prediction is a float estimate.
+        competing = competition.competing_units / _UNIT
         quantum = queue.quantum
         if not competition.competes(tenant_id):
             competing += quantum
-        backlogged = drr.active_quanta + (0.0 if queue.in_active else quantum)
+        backlogged = drr.active_quanta_units / _UNIT + (0.0 if queue.in_active else quantum)
         first_turn = None
         if join_rank is not None:  # it would join ahead with that rank (`_join_rank`)
             first_turn = drr.tokens_before_joining_ahead(join_rank)
         expected_tokens = cost_tokens * self.tenants[tenant_id].usage_ratio
         active = drr.active
         ahead, later_turns = tokens_ahead(
-            queue.queued_tokens,
+            queue.queued_units / _UNIT,
             expected_tokens,
             queue,
             competing,
             backlogged,
-            drr.queued_tokens,
-            drr.credit_tokens,
+            drr.queued_units / _UNIT,
+            drr.credit_units / _UNIT,
             active[0] if active else None,
             first_turn,
         )
@@ -261,7 +296,7 @@ class TokenfairScheduler(Scheduler):
         lane = job.lane
         drr = self._lanes[lane]
         queue = drr.queues[tenant_id]
-        if queue.in_active or queue.deficit < 0.0:
+        if queue.in_active or queue.deficit_units < 0:
             return None
         ratio = self.share_ratio(tenant_id, lane, now_ms)
         if ratio is None or ratio >= 1.0:
@@ -281,13 +316,17 @@ class TokenfairScheduler(Scheduler):
         sends next, if dearer than the cheapest (a due head may cost more than the credit)."""
         if not self.queued_count[Lane.BATCH]:
             return 0.0
-        cheapest = self._cheapest_batch_head
-        if cheapest is None:
-            cheapest = self._cheapest_batch_head = self._lanes[Lane.BATCH].min_head_cost()
-            if cheapest is None:
+        cheapest_units = self._cheapest_batch_units
+        if cheapest_units is None:
+            cheapest_units = self._cheapest_batch_units = self._lanes[Lane.BATCH].min_head_units()
+            if cheapest_units is None:
                 return 0.0
+        cheapest = cheapest_units / _UNIT
         share = self.policy.batch_min_share
-        credit = self._batch_credit + interactive_tokens * share / (1.0 - share)
+        credit = (
+            self._batch_credit_scaled / self._credit_spend / _UNIT
+            + interactive_tokens * share / (1.0 - share)
+        )
         if credit < cheapest:
             return 0.0
         # Due: the batch lane sends the head its round robin picks, which is the front's
@@ -337,7 +376,9 @@ class TokenfairScheduler(Scheduler):
         # From its arrival: a replay submits the arrivals of a busy stretch when it ends.
         queue = drr.queues[tenant_id]
         # `_join_rank`'s first test, inline: a backlogged or indebted tenant joins at the tail.
-        join_rank = None if queue.in_active or queue.deficit < 0.0 else self._join_rank(job, now_ms)
+        join_rank = (
+            None if queue.in_active or queue.deficit_units < 0 else self._join_rank(job, now_ms)
+        )
         elapsed_ms = now_ms - request.arrival_ms
         turn_wait_ms = self.predicted_wait_ms(tenant_id, lane, service_tokens, now_ms, join_rank)
         if self.resident_blocks + job.kv_blocks - self._kv_limits[lane] > 0:
@@ -365,13 +406,23 @@ class TokenfairScheduler(Scheduler):
                 return refusal
         else:
             ratio = tenant.usage_ratio
-            needed = tenant.queued_tokens * (ratio if ratio > 1.0 else 1.0) + service_tokens
+            # An integer at a ratio up to 1: the bucket compares it exactly, without rounding.
+            needed = (
+                tenant.queued_tokens * ratio + service_tokens
+                if ratio > 1.0
+                else tenant.queued_tokens + service_tokens
+            )
             budget_wait_ms = bucket.ms_until(needed, now_ms)
             if budget_wait_ms > 0.0 or budget_wait_ms > wait_limit_ms:
                 refusal = self._budget_gate(job, tenant, wait_limit_ms, now_ms, budget_wait_ms)
                 if refusal is not None:
                     return refusal
-        job.expected_tokens = expected_tokens = service_tokens * tenant.usage_ratio
+        # The expected cost in units: exact at a usage ratio of 1, else the nearest unit of
+        # estimate x ratio (the one rounding, at most 0.5e-9 token per job).
+        ratio = tenant.usage_ratio
+        units = service_tokens * _UNIT if ratio == 1.0 else round(service_tokens * ratio * _UNIT)
+        job.expected_units = units
+        job.expected_tokens = expected_tokens = units / _UNIT
         self._push_ahead = join_rank
         competition.admitted(tenant_id, queue.quantum, now_ms)
         self._lane_demand[lane].add(expected_tokens, now_ms, wait_limit_ms)
@@ -501,8 +552,8 @@ class TokenfairScheduler(Scheduler):
             self._competition[lane].drained(tenant_id)
         # Called before the totals drop the job: the batch lane empties if this is its last job.
         if self.queued_count[Lane.BATCH] == int(lane is Lane.BATCH):
-            self._batch_credit = 0.0
-            self._cheapest_batch_head = None
+            self._batch_credit_scaled = 0
+            self._cheapest_batch_units = None
 
     def _eligible(self, job: Job) -> bool:
         # `kv_fits`, inline: this runs for every head a selection looks at.
@@ -513,7 +564,7 @@ class TokenfairScheduler(Scheduler):
         if self._lending:
             return True
         tenant = self.tenants[job.request.tenant_id]
-        return tenant.bucket.ms_until(job.service_tokens, self._now_ms) == 0.0
+        return tenant.bucket.covers(job.service_tokens, self._now_ms)
 
     def _select(self, now_ms: float) -> Job | None:
         self._now_ms = now_ms
@@ -540,23 +591,25 @@ class TokenfairScheduler(Scheduler):
         batch_waiting = queued_count[1] > 0
         interactive_waiting = queued_count[0] > 0
         if not batch_waiting:
-            self._batch_credit = 0.0
-            self._cheapest_batch_head = None
+            self._batch_credit_scaled = 0
+            self._cheapest_batch_units = None
         batch_due = False
         if interactive_waiting and batch_waiting:
-            cheapest = self._cheapest_batch_head = batch.min_head_cost()
-            batch_due = cheapest is not None and self._batch_credit >= cheapest
+            cheapest = self._cheapest_batch_units = batch.min_head_units()
+            batch_due = (
+                cheapest is not None and self._batch_credit_scaled >= cheapest * self._credit_spend
+            )
         if interactive_waiting and not batch_due:
             job = interactive.pick(eligible)
             if job is not None:
                 if batch_waiting:
-                    self._batch_credit += job.expected_tokens * self._batch_share / self._batch_rest
+                    self._batch_credit_scaled += job.expected_units * self._credit_earn
                 return job
         if batch_waiting:
             job = batch.pick(eligible)
             if job is not None:
                 if interactive_waiting:
-                    self._batch_credit -= job.expected_tokens
+                    self._batch_credit_scaled -= job.expected_units * self._credit_spend
                 return job
         if batch_due:
             return interactive.pick(eligible)
@@ -587,9 +640,7 @@ class TokenfairScheduler(Scheduler):
             return
         if self._lend:  # only lending reads it
             self._budgeted.add(expected_tokens, now_ms, self._lending_memory_ms())
-        bucket = tenant.bucket
-        bucket.refill(now_ms)
-        bucket.level -= job.service_tokens
+        tenant.bucket.debit(job.service_tokens, now_ms)
 
     def _record_service(self, job: Job, tokens: float, now_ms: float) -> None:
         lane = job.lane
@@ -645,7 +696,7 @@ class TokenfairScheduler(Scheduler):
             level = self.fair_level(lane, now_ms)
         if math.isinf(level):
             lane_rate = self._lane_served[lane].rate(now_ms, memory_ms)
-            competing = self._competition[lane].competing_quanta
+            competing = self._competition[lane].competing_units / _UNIT
             if lane_rate <= 0.0 or competing <= 0.0:
                 return None
             level = lane_rate / competing
@@ -657,7 +708,11 @@ class TokenfairScheduler(Scheduler):
         return served.rate(now_ms, memory_ms) / (level * quantum)
 
     def _settle(self, job: Job, tenant: TenantState, refund: int, now_ms: float) -> None:
-        if not refund and tenant.usage_ratio == 1.0 and job.expected_tokens == job.service_tokens:
+        if (
+            not refund
+            and tenant.usage_ratio == 1.0
+            and job.expected_units == job.service_tokens * _UNIT
+        ):
             # Used its estimate, expected at it, ratio at 1: the ratio stays 1.0 exactly
             # (1.0 + (c / c - 1.0) * w), the overrun is 0.0 and there is no refund: nothing
             # below would change anything.
@@ -672,8 +727,9 @@ class TokenfairScheduler(Scheduler):
             tenant.usage_ratio = ratio if ratio < _RATIO_HIGH else _RATIO_HIGH
         # The round robin and the work in flight were charged the expected usage; the budget
         # was charged the estimate. Each is settled against what it was charged.
-        overrun = job.service_tokens - refund - job.expected_tokens
-        if overrun:
+        overrun_units = (job.service_tokens - refund) * _UNIT - job.expected_units
+        if overrun_units:
+            overrun = overrun_units / _UNIT
             dispatch_ms = job.decision.dispatch_ms if job.decision is not None else None
             if dispatch_ms is not None:  # the hold follows the actual usage
                 self._kv_release_ms[job.request.request_id] = dispatch_ms + (
@@ -682,7 +738,7 @@ class TokenfairScheduler(Scheduler):
                     / self.policy.service_tokens_per_ms
                 )
             self._record_service(job, overrun, now_ms)
-            self._lanes[job.lane].settle(tenant.config.tenant_id, overrun)
+            self._lanes[job.lane].settle_units(tenant.config.tenant_id, overrun_units)
             self._residual.settled(overrun, self.policy.service_tokens_per_ms)
         if refund and not job.borrowed:  # a borrowed dispatch was never charged to the bucket
             tenant.bucket.refill(now_ms)

@@ -39,7 +39,7 @@ from tokenfair.config import (
     TenantConfig,
     build_config,
 )
-from tokenfair.core.bucket import LeasedBucket, TokenBucket, refill_all
+from tokenfair.core.bucket import ExactTokenBucket, LeasedBucket, TokenBucket, refill_all
 from tokenfair.core.cost import CostModel
 from tokenfair.core.jobs import (
     SHED_QUEUE_WAIT_SLO,
@@ -67,9 +67,21 @@ class ReferenceBucket(TokenBucket):
     __slots__ = ()
 
 
+class ReferenceExactBucket(ExactTokenBucket):
+    """The same for a policy whose buckets are exact (``tokenfair``): same arithmetic, not an
+    ``ExactTokenBucket`` by type."""
+
+    __slots__ = ()
+
+
 def swap_buckets(scheduler: Scheduler) -> None:
     for tenant in scheduler.tenants.values():
         old = tenant.bucket
+        if isinstance(old, ExactTokenBucket):
+            exact = ReferenceExactBucket(old.burst, old.sustained_per_second, old.refilled_at_ms)
+            exact.level_units = old.level_units
+            tenant.bucket = exact
+            continue
         bucket = ReferenceBucket(old.burst, old.sustained_per_second, old.refilled_at_ms)
         bucket.level = old.level
         tenant.bucket = bucket
@@ -377,8 +389,10 @@ def test_the_inline_paths_decide_and_end_as_the_reference(
             patch.setitem(core.POLICIES, name, reference)
             expected = simulate(config, requests, name, used, used_kv)
             built_fast, built_reference = Recording.built
-        assert type(built_reference.tenants["chat"].bucket) is ReferenceBucket
-        assert type(built_fast.tenants["chat"].bucket) is TokenBucket
+        exact = built_fast.bucket_type is ExactTokenBucket
+        reference_type = ReferenceExactBucket if exact else ReferenceBucket
+        assert type(built_reference.tenants["chat"].bucket) is reference_type
+        assert type(built_fast.tenants["chat"].bucket) is built_fast.bucket_type
         assert decided == expected, name
         assert end_state(built_fast) == end_state(built_reference), name
 
