@@ -14,7 +14,7 @@ otherwise. Budgets are non-binding (burst and sustained rate 10^9) unless the sc
 budgets; the policy is the default one. ``actual`` maps request id to the service tokens a request
 really used where that differs from its estimate (the under-declarer).
 
-Figures (``tokenfair/fairness.py`` computes all but one; the window is ``[0, window]``,
+Figures (``tokenfair/sim/fairness.py`` computes all but one; the window is ``[0, window]``,
 sizes are actual service tokens where known, else the estimate):
 
 * **demand served** of a tenant = service tokens of its requests that arrived in the window and
@@ -122,7 +122,7 @@ UNLIMITED: Final = 10**9
 INTERACTIVE_SIZE: Final = (200, 50)
 LOGNORMAL_SIGMA: Final = 0.6
 CHECKOUT: Final = Path(__file__).resolve().parent.parent
-FAIRNESS_FILE: Final = CHECKOUT / "sidecar" / "tokenfair" / "fairness.py"
+FAIRNESS_FILE: Final = CHECKOUT / "sidecar" / "tokenfair" / "sim" / "fairness.py"
 CORE_ENV: Final = "TOKENFAIR_BENCH_CORE"
 """Set when the bench re-ran itself for ``--core-path`` (so it does so once)."""
 

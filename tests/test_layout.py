@@ -4,9 +4,10 @@
   sidecar owns the config contract; the operator depends on it, never the reverse).
 - Inside ``tokenfair`` each package imports only what is below it (read from every ``import``
   statement, function-level ones included, so a lazy import cannot hide a dependency):
-  ``config`` only itself; ``core`` no asyncio, aiohttp or anything but ``config``; ``sim`` not
-  the server, the load generator or the command line; ``loadgen`` (a client) and ``server`` not
-  each other nor the command line; only ``cli`` imports ``commands`` (whose modules may import each other).
+  ``config`` only itself; ``core`` no asyncio, no aiohttp and nothing of ours but ``config``;
+  ``sim`` not the server, the load generator or the command line; ``loadgen`` (a client) and
+  ``server`` not each other nor the command line; only ``cli`` imports ``commands`` (whose
+  modules may import each other).
 - Tests mirror the packages: ``tests/sidecar/<package>/`` for each package of ``tokenfair``,
   ``tests/operator/`` for ``tokenfair_operator``; no test module imports another one (shared
   helpers live in the support modules at ``tests/``).

@@ -52,7 +52,7 @@ labels by (namespace, policy label).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import kopf
 
@@ -64,6 +64,11 @@ from .passes import news, run_pass, sidecars_moved
 from .reconcile import PolicyKey
 from .settings import OperatorConfig
 
+ADMIT_QUOTA_ID: Final = "admit-quota"
+ADMIT_POLICY_ID: Final = "admit-policy"
+INJECT_ID: Final = "inject-sidecar"
+"""The admission handlers' ids (:func:`register_webhooks`): Kopf serves each at ``/<id>``."""
+
 
 @kopf.on.startup()
 async def configure(
@@ -72,17 +77,23 @@ async def configure(
     """Read our settings (a bad one stops the operator), register the admission webhooks if a
     webhook server is configured, and start the operator's parts (:func:`.startup.start`) over
     the indexes, which Kopf passes here already (empty, filled in place as the watches list
-    objects)."""
-    try:
-        config = OperatorConfig.from_env()
-    except ValueError as exc:
-        raise kopf.PermanentError(f"invalid setting: {exc}") from exc
+    objects).
+
+    Kopf runs a startup hook that raised an ordinary error again (a minute later), with the
+    same memo: the settings are read on the first attempt only (kept in the memo, so the Lease
+    identity stays), the webhooks are added once (:func:`register_webhooks` skips those the
+    registry holds), and a failed :func:`.startup.start` has stopped what it started."""
+    config = memo.get(runtime.CONFIG)
+    if not isinstance(config, OperatorConfig):
+        try:
+            config = OperatorConfig.from_env()
+        except ValueError as exc:
+            raise kopf.PermanentError(f"invalid setting: {exc}") from exc
+        memo[runtime.CONFIG] = config
     # Kopf refuses to start with admission handlers and no server; it reads the registry only
-    # once the startup hooks are done, so they can still be added here. A startup hook that
-    # failed is run again: they are added once.
-    if config.webhook_port is not None and not memo.get(runtime.WEBHOOKS):
+    # once the startup hooks are done, so they can still be added here.
+    if config.webhook_port is not None:
         register_webhooks(kopf.get_default_registry(), config)
-        memo[runtime.WEBHOOKS] = True
     await startup.start(config, Indexes.from_kwargs(kwargs), settings, memo, logger)
 
 
@@ -203,10 +214,16 @@ def register_webhooks(registry: kopf.OperatorRegistry, config: OperatorConfig) -
     # Explicit ids: Kopf serves each handler at ``/<id>``, and a webhook's Service path must
     # be made of RFC 1123 labels (no underscores), which the function names are not.
     validators = (
-        (QUOTA_PLURAL, "admit-quota", admit_quota),
-        (POLICY_PLURAL, "admit-policy", admit_policy),
+        (QUOTA_PLURAL, ADMIT_QUOTA_ID, admit_quota),
+        (POLICY_PLURAL, ADMIT_POLICY_ID, admit_policy),
     )
+    # Idempotent, by the ids the registry holds (whatever memo the caller has): Kopf keeps a
+    # second handler under the same id, runs both on each review and lists the webhook twice in
+    # a configuration it manages, so one added already (a retried startup hook) is skipped.
+    present = {handler.id for handler in registry._webhooks.get_all_handlers()}
     for plural, handler_id, admit in validators:
+        if handler_id in present:
+            continue
         kopf.on.validate(
             GROUP,
             VERSION,
@@ -216,11 +233,13 @@ def register_webhooks(registry: kopf.OperatorRegistry, config: OperatorConfig) -
             ignore_failures=True,
             registry=registry,
         )(admit)
+    if INJECT_ID in present:
+        return
     kopf.on.mutate(
         "",
         "v1",
         "pods",
-        id="inject-sidecar",
+        id=INJECT_ID,
         operations=["CREATE"],
         labels={POLICY_LABEL: kopf.PRESENT},
         ignore_failures=config.injection_failure_policy == "Ignore",

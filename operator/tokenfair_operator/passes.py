@@ -21,8 +21,10 @@ def news(memo: kopf.Memo, type: str | None, body: kopf.Body) -> bool:
     """True for an event a pass must follow: the object is new to us (``type`` None is the
     initial listing), deleted, being deleted, or at a generation not seen yet. Recorded on
     every replica, leader or not, so a standby that takes over starts from the same place
-    (and runs a full pass anyway)."""
-    seen: dict[str, tuple[int, bool]] = memo.setdefault(runtime.GENERATIONS, {})
+    (and runs a full pass anyway). ``memo`` is the object's copy of the operator's memo; the
+    record is the one dict the startup hook put there (:func:`.runtime.generations`), so the
+    resync round sees what every object's events recorded."""
+    seen = runtime.generations(memo)
     meta = body.get("metadata", {})
     uid = str(meta.get("uid", ""))
     if type == "DELETED":

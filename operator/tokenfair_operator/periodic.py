@@ -17,20 +17,21 @@ from dataclasses import dataclass, field
 
 import kopf
 
-PeriodicTask = Callable[[], Awaitable[None]]
-"""One round of a loop (the rounds are built in :mod:`.resync`, :mod:`.usage_loop`,
-:mod:`.tls_loop` and :mod:`.cert_bootstrap`)."""
+PeriodicRound = Callable[[], Awaitable[None]]
+"""One round of a loop: a callable each call of which runs the round once (not an
+:class:`asyncio.Task`; :class:`Periodic` makes the task). The rounds are built in
+:mod:`.resync`, :mod:`.usage_loop`, :mod:`.tls_loop` and :mod:`.cert_bootstrap`."""
 
 
-async def run_every(interval_s: float, job: PeriodicTask, logger: kopf.Logger) -> None:
-    """Run ``job`` every ``interval_s`` seconds (first after one interval: the initial listing's
-    events have just brought a pass of every policy), until cancelled. Rounds never overlap: the
-    next interval starts when a round ends, so a slow API stretches the period instead of
-    stacking rounds."""
+async def run_every(interval_s: float, one_round: PeriodicRound, logger: kopf.Logger) -> None:
+    """Run ``one_round`` every ``interval_s`` seconds (first after one interval: the initial
+    listing's events have just brought a pass of every policy), until cancelled. Rounds never
+    overlap: the next interval starts when a round ends, so a slow API stretches the period
+    instead of stacking rounds."""
     while True:
         await asyncio.sleep(interval_s)
         try:
-            await job()
+            await one_round()
         except Exception:
             logger.exception("periodic round failed; the next round retries")
 
@@ -41,8 +42,11 @@ class Periodic:
 
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
-    def start(self, name: str, interval_s: float, job: PeriodicTask, logger: kopf.Logger) -> None:
-        task = asyncio.create_task(run_every(interval_s, job, logger), name=name)
+    def start(
+        self, name: str, interval_s: float, one_round: PeriodicRound, logger: kopf.Logger
+    ) -> None:
+        """A loop named ``name`` running ``one_round`` every ``interval_s`` (:func:`run_every`)."""
+        task = asyncio.create_task(run_every(interval_s, one_round, logger), name=name)
         self.tasks.append(task)
 
     async def stop(self) -> None:

@@ -12,10 +12,10 @@ from . import runtime
 from .indexes import Indexes, PolicyIndex, QuotaIndex
 from .kube import is_conflict
 from .passes import run_pass
-from .periodic import PeriodicTask
+from .periodic import PeriodicRound
 
 
-def resync_task(memo: kopf.Memo, logger: kopf.Logger, indexes: Indexes) -> PeriodicTask:
+def resync_round(memo: kopf.Memo, logger: kopf.Logger, indexes: Indexes) -> PeriodicRound:
     """One resync round, for :class:`.Periodic` (and run at once by a new leader). One policy
     failing skips only itself."""
 
@@ -46,7 +46,7 @@ def prune_generations(memo: kopf.Memo, policies: PolicyIndex, quotas: QuotaIndex
     re-established) leaves nothing behind. Kopf updates an index before it calls the event's
     handlers, so a live object's entry is never dropped (if it were, its next event would
     only cost one more pass)."""
-    seen: dict[str, tuple[int, bool]] | None = memo.get(runtime.GENERATIONS)
+    seen = runtime.generations(memo)
     if not seen:
         return
     live = {view.uid for index in (policies, quotas) for key in index for view in index[key]}

@@ -3,7 +3,13 @@
 The startup hook (:mod:`.startup`) puts the settings, the typed indexes, the reconciler and the
 running parts (loops, HTTP server, leader elector, certificate keeper, CA publisher) there; the
 handlers and the loops read them through the functions below, and the cleanup hook stops what
-runs. Kopf hands the same memo to every handler of the operator.
+runs.
+
+Kopf hands the startup and cleanup hooks the operator's memo itself, but each object's handlers
+a shallow copy of it (``copy.copy``, once per object): a key set there stays in that object's
+copy, while a mutable value set here at startup is shared by all of them. So everything a handler
+records for the whole operator lives in a value the startup hook created (the generations,
+:func:`generations`), never in a key a handler sets.
 """
 
 from __future__ import annotations
@@ -18,15 +24,19 @@ from .reconcile import Reconciler
 from .settings import OperatorConfig
 
 CONFIG: Final = "config"
+"""The settings as read from the environment, once per process by the startup hook (a retried
+hook reuses them: the same Lease identity); not the copy pointing Kopf at the operator's own
+certificate files."""
 INDEXES: Final = "indexes"
 RECONCILER: Final = "reconciler"
 PERIODIC: Final = "periodic"
 SERVER: Final = "server"
 ELECTOR: Final = "elector"
 GENERATIONS: Final = "generations"
+"""By object uid, the (generation, being deleted) its last event had (:func:`.passes.news`);
+one dict, created by the startup hook, shared by every object's copy of the memo."""
 KEEPER: Final = "cert_keeper"
 TRUST: Final = "trust_publisher"
-WEBHOOKS: Final = "webhooks_registered"
 
 
 def config(memo: kopf.Memo) -> OperatorConfig:
@@ -52,3 +62,18 @@ def leads(memo: kopf.Memo) -> bool:
     """Whether this replica may reconcile and write: always without leader election."""
     elector = memo.get(ELECTOR)
     return not isinstance(elector, LeaderElector) or elector.is_leader
+
+
+Generations = dict[str, tuple[int, bool]]
+
+
+def generations(memo: kopf.Memo) -> Generations:
+    """The shared record of :data:`GENERATIONS`. Fails if the startup hook did not create it:
+    one made here would land in one object's copy of the memo and be seen by no one else."""
+    found = memo.get(GENERATIONS)
+    if not isinstance(found, dict):
+        raise RuntimeError(
+            f"memo[{GENERATIONS!r}] is missing: the startup hook creates it, shared by every "
+            "object's copy of the memo"
+        )
+    return found

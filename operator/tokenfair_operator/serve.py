@@ -430,13 +430,18 @@ async def start_server(
     tls: ssl.SSLContext | None = None,
 ) -> web.AppRunner:
     """Listen on ``addr:port`` (plain, when given) and ``addr:tls_port`` (with ``tls``, when
-    given); the caller calls ``runner.cleanup()`` to stop."""
+    given); the caller calls ``runner.cleanup()`` to stop. A port that cannot be bound raises
+    with neither port left bound (a retried startup binds both again)."""
     # Held long-polls are cut at shutdown, not awaited (60 s by default): their sidecars ask
     # again, and find the new leader.
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
     await runner.setup()
-    if port is not None:
-        await web.TCPSite(runner, addr, port).start()
-    if tls_port is not None and tls is not None:
-        await web.TCPSite(runner, addr, tls_port, ssl_context=tls).start()
+    try:
+        if port is not None:
+            await web.TCPSite(runner, addr, port).start()
+        if tls_port is not None and tls is not None:
+            await web.TCPSite(runner, addr, tls_port, ssl_context=tls).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
     return runner

@@ -10,6 +10,7 @@ the one older versions put on policies.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import uuid
@@ -66,6 +67,13 @@ CONFIG_AUDIENCE_ENV: Final = "TOKENFAIR_CONFIG_AUDIENCE"
 INSECURE_HTTP_ENV: Final = "TOKENFAIR_CONFIG_INSECURE_HTTP"
 LEADER_ELECTION_ENV: Final = "TOKENFAIR_LEADER_ELECTION"
 POD_NAME_ENV: Final = "TOKENFAIR_POD_NAME"
+ADVERTISE_ENV: Final = "TOKENFAIR_HTTP_ADVERTISE"
+LEASE_NAMESPACE_ENV: Final = "TOKENFAIR_LEASE_NAMESPACE"
+LEASE_NAME_ENV: Final = "TOKENFAIR_LEASE_NAME"
+RELAY_CONNECTIONS_ENV: Final = "TOKENFAIR_RELAY_CONNECTIONS"
+PROCESS_TAG: Final = uuid.uuid4().hex[:8]
+"""This process's part of its Lease identity (:attr:`OperatorConfig.identity`): drawn once per
+process, so reading the settings again (a retried startup hook) gives the same identity."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,59 +179,57 @@ class OperatorConfig:
     """Name of the Lease (``$TOKENFAIR_LEASE_NAME``)."""
     identity: str = ""
     """This process's name in the Lease: ``$TOKENFAIR_POD_NAME`` (else the host name, in a Pod
-    the Pod's name), ``_`` and 8 random hex digits, so a restarted container is a new holder
-    and waits for its predecessor's lease to expire like anyone else (as client-go)."""
-    batch_window_s: float = 0.02
-    """Seconds Kopf waits for more events of one object before handling it (Kopf's default is
-    0.1). Our handlers reconcile a whole policy, so coalescing buys little; the window adds
-    straight to apply-to-ConfigMap latency."""
+    the Pod's name), ``_`` and 8 random hex digits drawn once per process
+    (:data:`PROCESS_TAG`): a restarted container is a new holder and waits for its predecessor's
+    lease to expire like anyone else (as client-go), while a retried startup hook keeps it."""
     relay_connections: int = 1_000
     """Long-polls a standby relays to the leader at once (``$TOKENFAIR_RELAY_CONNECTIONS``):
     one per sidecar, so at least the expected sidecar count (``serve.DEFAULT_RELAY_CONNECTIONS``;
     aiohttp's own default, 100, would hold the 101st sidecar back)."""
 
     @classmethod
-    def from_env(cls) -> OperatorConfig:
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
         """Defaults, overridden by ``$TOKENFAIR_RESYNC_SECONDS``, ``$TOKENFAIR_USAGE_SECONDS``,
         ``$TOKENFAIR_SIDECAR_IMAGE``, ``$TOKENFAIR_INJECTION_FAILURE_POLICY``,
         ``$TOKENFAIR_HTTP_PORT``, ``_ADDR``, ``$TOKENFAIR_HTTPS_PORT``, ``_CERT``, ``_KEY``,
         ``_CA``, ``$TOKENFAIR_CONFIG_URL_BASE``, ``_AUDIENCE``, ``_INSECURE_HTTP``, the sidecar
-        defaults (:data:`SIDECAR_ENV`) and
-        ``$TOKENFAIR_WEBHOOK_PORT``,
-        ``_ADDR``, ``_HOST``, ``_CERT``, ``_KEY``, ``_MANAGED``, ``_CERT_SECRET``,
-        ``_DNS_NAMES``, ``_CONFIGURATIONS``, ``_CERT_DIR``."""
-        env = os.environ
-        hook = {k.removeprefix(WEBHOOK_ENV_PREFIX): v for k, v in env.items() if v}
-        port = hook.get("PORT") if WEBHOOK_ENV_PREFIX + "PORT" in env else None
+        defaults (:data:`SIDECAR_ENV`), ``$TOKENFAIR_RELAY_CONNECTIONS``, the Lease's
+        ``$TOKENFAIR_LEADER_ELECTION``, ``$TOKENFAIR_LEASE_NAMESPACE``, ``_NAME``,
+        ``$TOKENFAIR_POD_NAME``, and ``$TOKENFAIR_WEBHOOK_PORT``, ``_ADDR``, ``_HOST``,
+        ``_CERT``, ``_KEY``, ``_MANAGED``, ``_CERT_SECRET``, ``_DNS_NAMES``,
+        ``_CONFIGURATIONS``, ``_CERT_DIR`` (``env``: ``os.environ`` unless given). Unset or
+        empty: the default. A bad value raises ValueError naming its variable."""
+        env = os.environ if env is None else env
+        hook = WEBHOOK_ENV_PREFIX
         return cls(
-            resync_interval_s=float(env.get(RESYNC_ENV) or DEFAULT_RESYNC_S),
-            usage_interval_s=float(env.get(USAGE_ENV) or DEFAULT_USAGE_S),
-            webhook_port=int(port) if port else None,
-            webhook_addr=hook.get("ADDR", DEFAULT_WEBHOOK_ADDR),
-            webhook_host=hook.get("HOST"),
-            webhook_cert=hook.get("CERT"),
-            webhook_key=hook.get("KEY"),
-            webhook_cert_secret=_namespaced(hook.get("CERT_SECRET")),
-            webhook_dns_names=_listed(hook.get("DNS_NAMES")),
-            webhook_configurations=_listed(hook.get("CONFIGURATIONS")),
-            webhook_cert_dir=hook.get("CERT_DIR", "/tmp/tokenfair-webhook"),
-            webhook_managed=hook.get("MANAGED"),
+            resync_interval_s=_seconds(env, RESYNC_ENV, DEFAULT_RESYNC_S),
+            usage_interval_s=_seconds(env, USAGE_ENV, DEFAULT_USAGE_S),
+            webhook_port=_port(env, hook + "PORT"),
+            webhook_addr=_text(env, hook + "ADDR") or DEFAULT_WEBHOOK_ADDR,
+            webhook_host=_text(env, hook + "HOST"),
+            webhook_cert=_text(env, hook + "CERT"),
+            webhook_key=_text(env, hook + "KEY"),
+            webhook_cert_secret=_namespaced(env, hook + "CERT_SECRET"),
+            webhook_dns_names=_listed(env, hook + "DNS_NAMES"),
+            webhook_configurations=_listed(env, hook + "CONFIGURATIONS"),
+            webhook_cert_dir=_text(env, hook + "CERT_DIR") or "/tmp/tokenfair-webhook",
+            webhook_managed=_text(env, hook + "MANAGED"),
             injection=injection_from_env(env),
-            injection_failure_policy=_failure_policy(env.get(INJECTION_POLICY_ENV) or "Fail"),
-            http_port=int(env[HTTP_PORT_ENV]) if env.get(HTTP_PORT_ENV) else None,
-            http_addr=env.get(HTTP_ADDR_ENV) or DEFAULT_WEBHOOK_ADDR,
-            https_port=int(env[HTTPS_PORT_ENV]) if env.get(HTTPS_PORT_ENV) else None,
-            https_cert=env.get(HTTPS_FILES_ENV["https_cert"]) or None,
-            https_key=env.get(HTTPS_FILES_ENV["https_key"]) or None,
-            https_ca=env.get(HTTPS_FILES_ENV["https_ca"]) or None,
-            config_audience=env.get(CONFIG_AUDIENCE_ENV) or CONFIG_AUDIENCE,
-            config_insecure_http=_flag(INSECURE_HTTP_ENV, env.get(INSECURE_HTTP_ENV) or "false"),
-            http_advertise=env.get("TOKENFAIR_HTTP_ADVERTISE") or _own_address(env),
-            leader_election=_flag(LEADER_ELECTION_ENV, env.get(LEADER_ELECTION_ENV, "false")),
-            lease_namespace=env.get("TOKENFAIR_LEASE_NAMESPACE") or "default",
-            lease_name=env.get("TOKENFAIR_LEASE_NAME") or "tokenfair-operator",
-            identity=f"{env.get(POD_NAME_ENV) or socket.gethostname()}_{uuid.uuid4().hex[:8]}",
-            relay_connections=int(env.get("TOKENFAIR_RELAY_CONNECTIONS") or 1_000),
+            injection_failure_policy=_failure_policy(env),
+            http_port=_port(env, HTTP_PORT_ENV),
+            http_addr=_text(env, HTTP_ADDR_ENV) or DEFAULT_WEBHOOK_ADDR,
+            https_port=_port(env, HTTPS_PORT_ENV),
+            https_cert=_text(env, HTTPS_FILES_ENV["https_cert"]),
+            https_key=_text(env, HTTPS_FILES_ENV["https_key"]),
+            https_ca=_text(env, HTTPS_FILES_ENV["https_ca"]),
+            config_audience=_text(env, CONFIG_AUDIENCE_ENV) or CONFIG_AUDIENCE,
+            config_insecure_http=_flag(env, INSECURE_HTTP_ENV),
+            http_advertise=_text(env, ADVERTISE_ENV) or _own_address(env),
+            leader_election=_flag(env, LEADER_ELECTION_ENV),
+            lease_namespace=_text(env, LEASE_NAMESPACE_ENV) or "default",
+            lease_name=_text(env, LEASE_NAME_ENV) or "tokenfair-operator",
+            identity=f"{_text(env, POD_NAME_ENV) or socket.gethostname()}_{PROCESS_TAG}",
+            relay_connections=_count(env, RELAY_CONNECTIONS_ENV, 1_000),
         )
 
 
@@ -255,12 +261,10 @@ def injection_from_env(env: Mapping[str, str]) -> InjectionSettings:
                 if given["drain_grace_s"]
                 else defaults.drain_grace_s
             ),
-            scrape_annotations=_flag(
-                SIDECAR_ENV["scrape_annotations"], given["scrape_annotations"] or "true"
-            ),
+            scrape_annotations=_flag(env, SIDECAR_ENV["scrape_annotations"], default="true"),
             config_url_base=env.get(CONFIG_URL_BASE_ENV) or None,
             config_audience=env.get(CONFIG_AUDIENCE_ENV) or CONFIG_AUDIENCE,
-            config_insecure_http=_flag(INSECURE_HTTP_ENV, env.get(INSECURE_HTTP_ENV) or "false"),
+            config_insecure_http=_flag(env, INSECURE_HTTP_ENV),
             env_names=SIDECAR_ENV,
         )
         settings.check()
@@ -283,33 +287,85 @@ def _own_address(env: Mapping[str, str]) -> str:
     return f"{host}:{port}"
 
 
-def _flag(name: str, value: str) -> bool:
+def _text(env: Mapping[str, str], name: str) -> str | None:
+    """``$name`` without surrounding blanks; None when unset or blank."""
+    return (env.get(name) or "").strip() or None
+
+
+def _invalid(name: str, rule: str, value: str) -> ValueError:
+    return ValueError(f"${name}: {rule} (got {value!r})")
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    """A positive, finite number of seconds."""
+    value = _text(env, name)
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise _invalid(name, "must be a positive number of seconds", value)
+    return seconds
+
+
+def _count(env: Mapping[str, str], name: str, default: int) -> int:
+    """A positive whole number."""
+    value = _text(env, name)
+    if value is None:
+        return default
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise _invalid(name, "must be a positive whole number", value)
+    return count
+
+
+def _port(env: Mapping[str, str], name: str) -> int | None:
+    """A TCP port, 1 to 65535; None when unset."""
+    value = _text(env, name)
+    if value is None:
+        return None
+    try:
+        port = int(value)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise _invalid(name, "must be a TCP port, 1 to 65535", value)
+    return port
+
+
+def _flag(env: Mapping[str, str], name: str, default: str = "false") -> bool:
+    value = _text(env, name) or default
     if value.lower() not in ("true", "false"):
-        raise ValueError(f"${name}: must be true or false (got {value!r})")
+        raise _invalid(name, "must be true or false", value)
     return value.lower() == "true"
 
 
-def _failure_policy(value: str) -> str:
+def _failure_policy(env: Mapping[str, str]) -> str:
+    value = _text(env, INJECTION_POLICY_ENV) or "Fail"
     if value not in FAILURE_POLICIES:
-        raise ValueError(
-            f"${INJECTION_POLICY_ENV}: must be one of {', '.join(FAILURE_POLICIES)} (got {value!r})"
-        )
+        raise _invalid(INJECTION_POLICY_ENV, f"must be one of {', '.join(FAILURE_POLICIES)}", value)
     return value
 
 
-def _namespaced(value: str | None) -> tuple[str, str] | None:
-    """``namespace/name`` -> (namespace, name); None stays None."""
+def _namespaced(env: Mapping[str, str], name: str) -> tuple[str, str] | None:
+    """``namespace/name`` -> (namespace, name); None when unset."""
+    value = _text(env, name)
     if value is None:
         return None
-    namespace, slash, name = value.partition("/")
-    if not (namespace and slash and name):
-        raise ValueError(f"expected namespace/name, got {value!r}")
-    return namespace, name
+    namespace, slash, rest = value.partition("/")
+    if not (namespace and slash and rest) or "/" in rest:
+        raise _invalid(name, "must be namespace/name", value)
+    return namespace, rest
 
 
-def _listed(value: str | None) -> tuple[str, ...]:
+def _listed(env: Mapping[str, str], name: str) -> tuple[str, ...]:
     """A comma-separated list (blanks dropped)."""
-    return tuple(item.strip() for item in (value or "").split(",") if item.strip())
+    return tuple(item.strip() for item in (_text(env, name) or "").split(",") if item.strip())
 
 
 def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> None:
@@ -328,7 +384,6 @@ def configure_kopf(settings: kopf.OperatorSettings, config: OperatorConfig) -> N
     settings.scanning.disabled = True
     settings.watching.server_timeout = config.watch_server_timeout_s
     settings.watching.client_timeout = config.watch_client_timeout_s
-    settings.batching.batch_window = config.batch_window_s
     if config.webhook_port is not None:
         settings.admission.server = kopf.WebhookServer(
             addr=config.webhook_addr,

@@ -6,8 +6,18 @@ ends before anything that writes; with a webhook or TLS port and
 Kopf's settings (:func:`.settings.configure_kopf`); with ``$TOKENFAIR_HTTP_PORT`` or
 ``$TOKENFAIR_HTTPS_PORT``, the HTTP server (:mod:`.serve`) and, over TLS, the serving-TLS loop
 (:mod:`.tls_loop`); then the resync (:mod:`.resync`) and usage (:mod:`.usage_loop`) loops, one
-each for the whole operator (:mod:`.periodic`). Everything lands in Kopf's memo
-(:mod:`.runtime`).
+each for the whole operator (:mod:`.periodic`).
+
+Everything lands in Kopf's memo (:mod:`.runtime`): ``memo[runtime.CONFIG]`` holds the settings
+as the startup hook read them from the environment, once per process (so a retried hook keeps
+its Lease identity), not the copy :func:`.cert_bootstrap.own_certificates` returns with the
+own certificate's file paths (only Kopf's webhook server and the TLS port get that one);
+``memo[runtime.GENERATIONS]`` the one generations record every object's copy of the memo
+shares.
+
+A start that fails part way (an API error, a port already bound) stops what it had started
+before the error goes to Kopf, which runs the hook again a minute later: no elector, loop or
+server of a failed attempt keeps running next to the retry's.
 """
 
 from __future__ import annotations
@@ -25,12 +35,12 @@ from .kube import KubeApi, api_client
 from .leader import LeaderElector
 from .periodic import Periodic
 from .reconcile import Reconciler
-from .resync import resync_task
+from .resync import resync_round
 from .serve import TokenAuthenticator, audience_reviewer, create_app, start_server
 from .serving_tls import ServingTLS, TrustPublisher
 from .settings import OperatorConfig, configure_kopf
-from .tls_loop import serving_tls_task
-from .usage_loop import usage_task
+from .tls_loop import serving_tls_round
+from .usage_loop import usage_round
 
 
 async def start(
@@ -41,11 +51,28 @@ async def start(
     logger: kopf.Logger,
 ) -> None:
     """Start the operator's own parts (the module's docstring lists them), given its settings
-    and the indexes Kopf passed to the startup hook (empty, filled in place later)."""
+    and the indexes Kopf passed to the startup hook (empty, filled in place later). On any
+    error, whatever had started is stopped (:func:`stop`) and the error raised again."""
+    try:
+        await _start(config, indexes, settings, memo, logger)
+    except BaseException:
+        await stop(memo)
+        raise
+
+
+async def _start(
+    config: OperatorConfig,
+    indexes: Indexes,
+    settings: kopf.OperatorSettings,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+) -> None:
     api = api_client()
-    periodic = Periodic()
     memo[runtime.CONFIG] = config
     memo[runtime.INDEXES] = indexes
+    # Created here, in the operator's memo: each object's handlers get a shallow copy of it.
+    memo[runtime.GENERATIONS] = {}
+    memo[runtime.PERIODIC] = periodic = Periodic()  # in the memo at once: stop() finds its loops
     # Every write asks, right before it is sent, whether this replica leads now (.leader).
     memo[runtime.RECONCILER] = Reconciler(KubeApi(api, may_write=lambda: runtime.leads(memo)))
     if config.leader_election:
@@ -56,22 +83,23 @@ async def start(
     configure_kopf(settings, config)
     if config.http_port is not None or config.https_port is not None:
         await _serve(api, memo, config, periodic, logger, indexes)
-    resync = resync_task(memo, logger, indexes)
+    resync = resync_round(memo, logger, indexes)
     periodic.start("tokenfair-resync", config.resync_interval_s, resync, logger)
-    usage = usage_task(memo, logger, indexes, config.scrape_timeout_s)
+    usage = usage_round(memo, logger, indexes, config.scrape_timeout_s)
     periodic.start("tokenfair-usage", config.usage_interval_s, usage, logger)
-    memo[runtime.PERIODIC] = periodic
 
 
 async def stop(memo: kopf.Memo) -> None:
-    """Stop what :func:`start` started (whatever of it did start)."""
-    periodic = memo.get(runtime.PERIODIC)
+    """Stop what :func:`start` started (whatever of it did start); idempotent. The loops and
+    the server leave the memo; a stopped elector stays there, telling every writer that this
+    replica does not lead (:func:`.runtime.leads`), until a retried start replaces it."""
+    periodic = memo.pop(runtime.PERIODIC, None)
     if isinstance(periodic, Periodic):
         await periodic.stop()
     elector = memo.get(runtime.ELECTOR)
     if isinstance(elector, LeaderElector):
         await elector.stop()  # releases the Lease: the standby leads at its next attempt
-    server = memo.get(runtime.SERVER)
+    server = memo.pop(runtime.SERVER, None)
     if isinstance(server, web.AppRunner):
         await server.cleanup()
     reconciler = memo.get(runtime.RECONCILER)
@@ -87,7 +115,7 @@ async def _elect(
     stepping down: the documents held, the queued status writes and the key cache are forgotten
     (:meth:`.Reconciler.step_down`), so a replica elected again serves none from its previous
     term (only what its first pass publishes, :mod:`.documents`)."""
-    resync = resync_task(memo, logger, indexes)
+    resync = resync_round(memo, logger, indexes)
 
     async def on_lead() -> None:
         try:
@@ -140,12 +168,12 @@ async def _serve(
     )
     if tls is not None:
         memo[runtime.TRUST] = publisher = TrustPublisher(api)  # the rotation asks it
-        job = serving_tls_task(memo, logger, indexes, tls, publisher)
+        tls_round = serving_tls_round(memo, logger, indexes, tls, publisher)
         try:
-            await job()  # the CA out to the policies' namespaces before the first resync ends
+            await tls_round()  # the CA out to the policies' namespaces before the first resync
         except Exception:
             logger.exception("publishing the CA bundle failed; retried next round")
-        periodic.start("tokenfair-serving-tls", config.resync_interval_s, job, logger)
+        periodic.start("tokenfair-serving-tls", config.resync_interval_s, tls_round, logger)
 
 
 def _serving_tls(config: OperatorConfig) -> ServingTLS | None:

@@ -13,18 +13,18 @@ import kopf
 from . import runtime
 from .indexes import Indexes
 from .model import PolicyView
-from .periodic import PeriodicTask
+from .periodic import PeriodicRound
 from .serving_tls import ServingTLS, TrustPublisher
 from .webhook_certs import CertKeeper
 
 
-def serving_tls_task(
+def serving_tls_round(
     memo: kopf.Memo,
     logger: kopf.Logger,
     indexes: Indexes,
     tls: ServingTLS,
     publisher: TrustPublisher,
-) -> PeriodicTask:
+) -> PeriodicRound:
     """One round, for :class:`.Periodic` (and run once at startup, before the first resync)."""
     led = False
 

@@ -11,14 +11,14 @@ import kopf
 from . import runtime
 from .indexes import Indexes
 from .kube import NotLeader
-from .periodic import PeriodicTask
+from .periodic import PeriodicRound
 from .scrape import scrape_metrics
 from .selector import selected_sidecars
 
 
-def usage_task(
+def usage_round(
     memo: kopf.Memo, logger: kopf.Logger, indexes: Indexes, scrape_timeout_s: float
-) -> PeriodicTask:
+) -> PeriodicRound:
     """One usage round, for :class:`.Periodic`; a scrape waits ``scrape_timeout_s`` at most."""
 
     async def scrape() -> None:

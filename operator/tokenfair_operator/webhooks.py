@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 import kopf
 
@@ -21,11 +21,10 @@ from . import runtime
 from .admission import quota_refusal
 from .indexes import PolicyIndex
 from .inject import POLICY_LABEL, InjectionError, injected, scrape_annotations, store_password_key
+from .kube import FORBIDDEN
 from .model import PolicyView, QuotaView
 from .reconcile import PolicyKey
 from .selector import parse_selector
-
-FORBIDDEN: Final = 403
 
 
 def spec_changed(review: Mapping[str, Any]) -> bool:
@@ -94,7 +93,7 @@ class PolicyReader(Protocol):
 
 
 async def policy_spec_for(
-    key: PolicyKey, policies: PolicyIndex | None, api: PolicyReader
+    key: PolicyKey, policies: PolicyIndex, api: PolicyReader
 ) -> Mapping[str, Any] | None:
     """The spec of SchedulingPolicy ``key`` for injection: from the live index, or, when the
     index has no entry (right after a restart, or the policy applied together with its Pods,
@@ -103,7 +102,7 @@ async def policy_spec_for(
     failed read refuses the Pod (503) rather than injecting a sidecar that cannot reach its
     store; its ReplicaSet retries. A 403 (a namespace the operator is not granted, so not
     watched either) counts as no policy: the Pod is injected without the password."""
-    for indexed in policies.get(key, ()) if policies is not None else ():
+    for indexed in policies.get(key, ()):
         return indexed.spec
     if not key[0]:  # no namespace to read from (the API server sets it before admission)
         return None

@@ -29,6 +29,7 @@ Behaviours under test (pure functions, called directly):
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import hashlib
 import logging
@@ -637,21 +638,28 @@ def test_a_quota_moved_to_another_policy_keeps_what_that_policy_wrote() -> None:
 
 def test_generations_of_objects_no_index_holds_are_forgotten() -> None:
     """The generations the event handlers record (to skip our own status writes' events) go
-    with the DELETED event, and, for a deletion whose event never came, at the next resync
-    round: only objects an index still holds keep theirs."""
+    with the DELETED event and, for a deletion whose event never came, at the next resync
+    round: only objects an index still holds keep theirs. Kopf gives each object's handlers a
+    shallow copy of the operator's memo (``copy.copy``, once per object); the record is the
+    one dict the startup hook put in it, so the resync round, on the operator's memo, sees
+    what every copy recorded."""
 
     def body(uid: str) -> kopf.Body:
         raw: dict[str, Any] = {"metadata": {"uid": uid, "generation": 1}}
         return kopf.Body(cast(Any, raw))
 
     memo = kopf.Memo()
-    for uid in ("pu", "uid-1", "uid-2", "uid-3"):
-        assert news(memo, "ADDED", body(uid))
-    assert not news(memo, "MODIFIED", body("uid-1"))  # our own status write's event
-    assert news(memo, "DELETED", body("uid-3"))
+    memo[runtime.GENERATIONS] = {}  # as startup.start does
+    copies = {uid: copy.copy(memo) for uid in ("pu", "uid-1", "uid-2", "uid-3")}  # as Kopf
+    for uid, objects_memo in copies.items():
+        assert news(objects_memo, "ADDED", body(uid))
+    assert not news(copies["uid-1"], "MODIFIED", body("uid-1"))  # our own status write's event
+    assert news(copies["uid-3"], "DELETED", body("uid-3"))
+    assert set(memo[runtime.GENERATIONS]) == {"pu", "uid-1", "uid-2"}
     policies = {("ns", "pool"): [policy()]}
     quotas = {("ns", "pool"): [keyed_quota(1)]}  # uid-2 deleted, its DELETED event missed
 
     prune_generations(memo, policies, quotas)  # type: ignore[arg-type]
 
     assert set(memo[runtime.GENERATIONS]) == {"pu", "uid-1"}
+    assert all(c[runtime.GENERATIONS] is memo[runtime.GENERATIONS] for c in copies.values())
