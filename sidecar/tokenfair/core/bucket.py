@@ -26,6 +26,8 @@ from tokenfair.core.jobs import UNITS_PER_TOKEN
 from tokenfair.core.jobs import to_units as _units
 
 _UNIT: Final = UNITS_PER_TOKEN
+_NOISE_TOKENS: Final = 1e-6
+"""The float bucket's tolerance (the lesson's arithmetic only)."""
 _UNITS_PER_MS_PER_TOKEN_PER_S: Final = UNITS_PER_TOKEN // 1000
 
 
@@ -65,7 +67,9 @@ class TokenBucket:
     def ms_until(self, tokens: float, now_ms: float) -> float:
         """Milliseconds from ``now_ms`` until the level reaches ``tokens`` (0 if it has)."""
         missing = tokens - self.refill(now_ms)
-        return 0.0 if missing <= 0.0 else missing * 1000.0 / self.sustained_per_second
+        # The lesson's float sums: a shortfall of float rounding noise is no shortfall (the
+        # lesson's policies keep this behaviour; the exact bucket below needs no tolerance).
+        return 0.0 if missing <= _NOISE_TOKENS else missing * 1000.0 / self.sustained_per_second
 
     def settle(self, refund_tokens: float) -> None:
         """Return (positive) or take (negative) the difference between estimate and actual."""
@@ -110,7 +114,7 @@ class ExactTokenBucket(TokenBucket):
     def __init__(self, burst: int, sustained_per_second: float, now_ms: float = 0.0) -> None:
         self.burst = burst
         self.sustained_per_second = sustained_per_second
-        self.burst_units = burst * _UNIT
+        self.burst_units = int(burst) * _UNIT
         self.level_units = self.burst_units
         self.refilled_at_ms = now_ms
         self._set_rate(sustained_per_second)
@@ -190,7 +194,7 @@ class ExactTokenBucket(TokenBucket):
         """Adopt new limits (hot reload) without forgiving or inventing spent tokens."""
         self.refill(now_ms)
         self.burst = burst
-        self.burst_units = burst * _UNIT
+        self.burst_units = int(burst) * _UNIT
         self._set_rate(sustained_per_second)
         if self.level_units > self.burst_units:
             self.level_units = self.burst_units
@@ -300,7 +304,7 @@ class LeasedBucket(ExactTokenBucket):
         self.shared = False
         self.shortfall_tokens = 0.0
         self.burst = burst
-        self.burst_units = burst * _UNIT
+        self.burst_units = int(burst) * _UNIT
         self.refilled_at_ms = now_ms
         self._set_rate(sustained_per_second)
         if self.level_units > self.burst_units:
@@ -311,7 +315,7 @@ class LeasedBucket(ExactTokenBucket):
         ExactTokenBucket.refill(self, now_ms)
         self.shared = True
         self.burst = burst
-        self.burst_units = burst * _UNIT
+        self.burst_units = int(burst) * _UNIT
         self.refilled_at_ms = now_ms
         self._set_rate(sustained_per_second)
         if self.level_units > 0:

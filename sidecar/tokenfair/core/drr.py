@@ -46,7 +46,8 @@ fixed-point units of ``UNITS_PER_TOKEN`` (10^9) per service token (:mod:`.jobs`)
 charged its ``expected_units``. Every sum, difference and ``ceil`` here is exact, so the running
 totals equal the sums they stand for at every step and no tolerance is needed. The only
 rounding is where a float enters: a quantum ``base * weight`` and a float ``settle`` amount are
-rounded to the nearest unit (at most 0.5e-9 token each), once, when they enter. The
+rounded to the nearest unit of their float value (off the real value by at most ``0.5 unit +
+2^-53 * value``), once, when they enter; charge and refund use the same integer. The
 ``deficit``, ``quantum``, ``credit_tokens``... attributes read the state in tokens (floats).
 
 Costs of selection: O(active tenants) per pick; enqueue and cancel amortised O(1) (joining

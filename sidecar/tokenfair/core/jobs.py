@@ -113,8 +113,9 @@ float (``units / UNITS_PER_TOKEN``) only for reading and prediction."""
 
 
 def to_units(tokens: float) -> int:
-    """``tokens`` in units: exact for an integer count, else the nearest unit (half a unit,
-    0.5e-9 token, at most; the same value always gives the same units)."""
+    """``tokens`` in units: exact for an integer count, else the nearest unit to the float's
+    ``tokens * 10^9`` (off by at most ``0.5 unit + 2^-53 * tokens * 10^9``; the same value
+    always gives the same units)."""
     return tokens * UNITS_PER_TOKEN if type(tokens) is int else round(tokens * UNITS_PER_TOKEN)
 
 

@@ -418,7 +418,7 @@ class TokenfairScheduler(Scheduler):
                 if refusal is not None:
                     return refusal
         # The expected cost in units: exact at a usage ratio of 1, else the nearest unit of
-        # estimate x ratio (the one rounding, at most 0.5e-9 token per job).
+        # estimate x ratio (the one rounding: 0.5 unit + 2^-53 of the value at most, per job).
         ratio = tenant.usage_ratio
         units = service_tokens * _UNIT if ratio == 1.0 else round(service_tokens * ratio * _UNIT)
         job.expected_units = units
