@@ -53,6 +53,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from tokenfair.config import ConfigError
+from tokenfair.server.backends import BACKENDS
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -81,8 +82,6 @@ OPERATIONS: Final[Mapping[str, str]] = {
 """``gen_ai.operation.name`` by route (the semantic conventions' well-known values)."""
 KNOWN_ROUTES: Final = frozenset(OPERATIONS) | {"/v1/models"}
 """Routes written as ``http.route``: the proxy's own (a low-cardinality attribute)."""
-PROVIDERS: Final[Mapping[str, str]] = {"openai": "openai", "costmodel": "tokenfair.costmodel"}
-"""``gen_ai.provider.name`` by backend."""
 
 
 def check_tracing_available() -> None:
@@ -122,7 +121,9 @@ class RequestTracer:
         self.owned = owned
         """Shut down by :meth:`close` (False: the caller's, e.g. a test's in-memory one)."""
         self.tracer = provider.get_tracer(INSTRUMENTATION_NAME)
-        self.provider_name = PROVIDERS.get(backend_name, backend_name)
+        # `gen_ai.provider.name`: the backend registry's (a name it does not hold, as given)
+        kind = BACKENDS.get(backend_name)
+        self.provider_name = backend_name if kind is None else kind.genai_provider
         self._propagator = TraceContextTextMapPropagator()
         self._server: Any = trace.SpanKind.SERVER
         self._error_status: Any = trace.Status(trace.StatusCode.ERROR)

@@ -42,6 +42,8 @@ class BackendKind:
     """What it is, for ``--help`` and messages."""
     build: Callable[[SidecarSettings, CostModel, Mapping[str, str]], Backend]
     """``(settings, cost model, environment) -> backend``."""
+    genai_provider: str
+    """Its ``gen_ai.provider.name`` in trace spans (OpenTelemetry's GenAI conventions)."""
     needs_upstream: bool = False
     """It relays to ``upstreamUrl`` (``--upstream``), which must then be set."""
 
@@ -69,9 +71,14 @@ def _openai(settings: SidecarSettings, cost: CostModel, environ: Mapping[str, st
 
 BACKENDS: Final[Mapping[str, BackendKind]] = MappingProxyType(
     {
-        CostModelBackend.name: BackendKind("the embedded cost-model engine", _costmodel),
+        CostModelBackend.name: BackendKind(
+            "the embedded cost-model engine", _costmodel, genai_provider="tokenfair.costmodel"
+        ),
         OpenAIBackend.name: BackendKind(
-            "an OpenAI-compatible upstream such as vLLM", _openai, needs_upstream=True
+            "an OpenAI-compatible upstream such as vLLM",
+            _openai,
+            genai_provider="openai",
+            needs_upstream=True,
         ),
     }
 )
