@@ -27,7 +27,6 @@ import argparse
 import concurrent.futures
 import contextlib
 import functools
-import json
 import os
 import signal
 import statistics
@@ -35,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -51,18 +49,10 @@ TLS_LOG: Final = "answers (server verified with"
 T = TypeVar("T")
 
 
-def status(admin: str) -> dict[str, Any] | None:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(f"{admin}/status", timeout=5) as response:
-            body = json.loads(response.read())
-    except OSError:
-        return None
-    return body if isinstance(body, dict) else None
-
-
 def version_of(admin: str) -> str | None:
-    body = status(admin)
+    from operator_support import sidecar_status
+
+    body = sidecar_status(admin)
     return None if body is None else str(body["config"]["version"])
 
 

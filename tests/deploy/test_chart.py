@@ -61,9 +61,9 @@ import ssl
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import kopf
 import pytest
@@ -86,6 +86,7 @@ from chart_support import (
 )
 from kubecluster import KubeCluster
 from loopback_support import free_ports
+from operator_support import wait_for
 
 from tokenfair.config import parse_documents
 from tokenfair.sim.scenarios import LESSON_TENANTS
@@ -110,7 +111,6 @@ DEMO_KEYS = {
 FREE_MAPS = {"annotations", "podAnnotations", "podLabels", "nodeSelector", "labels", "matchLabels"}
 WAIT_S = 30.0
 GC_WAIT_S = 75.0
-T = TypeVar("T")
 
 
 # --- rendering ---------------------------------------------------------------------------------
@@ -741,17 +741,6 @@ def test_every_rendered_object_passes_server_dry_run(
     docs = [d for d in docs if not d["apiVersion"].startswith(FOREIGN_API_GROUPS)]
     out = dry_run(kube_cluster, kube_namespace, docs)
     assert out.count("(server dry run)") == len(docs), out
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = WAIT_S) -> T:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(0.2)
 
 
 CLUSTER_KINDS = (
