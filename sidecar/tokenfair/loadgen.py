@@ -48,6 +48,7 @@ from typing import Any, Final
 import aiohttp
 from yarl import URL
 
+from tokenfair.config import PolicyConfig
 from tokenfair.core import Decision, Request
 from tokenfair.core.cost import CostModel
 from tokenfair.core.jobs import ADMITTED, SHED_QUEUE_TIMEOUT, STATUS_OK, STATUS_SHED
@@ -103,8 +104,9 @@ class LoadgenSettings:
     """Bound on one request, from when it is sent to the end of its body."""
     model: str = "tokenfair"
     """``model`` field of every request body."""
-    decode_weight: float = 4.0
-    """Converts tokens to service tokens for the report (the sidecar's ``decodeWeight``)."""
+    decode_weight: float = PolicyConfig().decode_weight
+    """Converts tokens to service tokens for the report (the sidecar's ``decodeWeight``; the
+    default is the policy's)."""
     admin_url: str | None = None
     """Base URL of the sidecar's admin listener (``http://127.0.0.1:9090``): its ``/metrics``
     is sampled for the KV occupancy during the run. None: KV is not measured."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ import yaml
 from tokenfair.commands import add_format_flag, progress
 from tokenfair.commands.simulate import EXPERIMENT, format_table
 from tokenfair.config import PolicyConfig
+from tokenfair.config.fields import positive
 from tokenfair.core import Request
 from tokenfair.loadgen import (
     KV_GAUGE,
@@ -121,12 +121,6 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _positive(flag: str, value: float) -> float:
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{flag}: must be a finite number > 0 (got {value})")
-    return value
-
-
 def load_keys(path: Path | None, pairs: Sequence[str]) -> dict[str, str]:
     """Tenant -> API key from ``--keys`` then ``--key`` pairs (later wins)."""
     keys: dict[str, str] = {}
@@ -167,28 +161,28 @@ def settings_from(
     target = args.target
     if not target.startswith(("http://", "https://")) or len(target.split("://", 1)[1]) == 0:
         raise ValueError(f"--target: must be an http:// or https:// URL (got {target!r})")
-    time_scale = _positive("--time-scale", args.time_scale)
-    request_timeout_s = _positive("--request-timeout", args.request_timeout)
+    time_scale = positive("--time-scale", args.time_scale)
+    request_timeout_s = positive("--request-timeout", args.request_timeout)
     if args.concurrency_limit < 1:
         raise ValueError(f"--concurrency-limit: must be >= 1 (got {args.concurrency_limit})")
     span_s = max((r.arrival_ms for r in requests), default=0.0) * time_scale / 1000.0
     if args.timeout is None:
         timeout_s = span_s + request_timeout_s + TIMEOUT_SLACK_S
     else:
-        timeout_s = _positive("--timeout", args.timeout)
+        timeout_s = positive("--timeout", args.timeout)
         if timeout_s <= span_s:
             raise ValueError(
                 f"--timeout: {timeout_s:g} s ends before the last request is due "
                 f"({span_s:g} s at --time-scale {time_scale:g}); raise it or lower --time-scale"
             )
     if args.decode_weight is not None:
-        decode_weight = _positive("--decode-weight", args.decode_weight)
+        decode_weight = positive("--decode-weight", args.decode_weight)
     admin = args.admin
     if admin is not None and (
         not admin.startswith(("http://", "https://")) or len(admin.split("://", 1)[1]) == 0
     ):
         raise ValueError(f"--admin: must be an http:// or https:// URL (got {admin!r})")
-    kv_sample_s = _positive("--kv-sample-ms", args.kv_sample_ms) / 1000.0
+    kv_sample_s = positive("--kv-sample-ms", args.kv_sample_ms) / 1000.0
     return LoadgenSettings(
         target_url=target,
         time_scale=time_scale,
