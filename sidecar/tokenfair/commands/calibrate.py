@@ -14,6 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from tokenfair.commands import add_format_flag, progress
+from tokenfair.config.fields import (
+    ConfigError,
+    flag_number,
+    integer,
+    non_negative,
+    positive,
+    shown,
+)
 from tokenfair.sim.calibrate import (
     DEFAULT_MAX_RELATIVE_STDERR,
     DEFAULT_MIN_RECORDS,
@@ -44,14 +52,14 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--min-records",
-        type=int,
+        type=flag_number,
         default=DEFAULT_MIN_RECORDS,
         metavar="N",
         help=f"refuse with fewer usable records (default {DEFAULT_MIN_RECORDS})",
     )
     parser.add_argument(
         "--max-relative-stderr",
-        type=float,
+        type=flag_number,
         default=DEFAULT_MAX_RELATIVE_STDERR,
         metavar="FRACTION",
         help="refuse when the standard error of decodeWeight or serviceTokensPerMs exceeds this "
@@ -59,7 +67,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--prefill-floor-ms",
-        type=float,
+        type=flag_number,
         default=DEFAULT_PREFILL_FLOOR_MS,
         metavar="MS",
         help="shortest prefill of the model (prefillFloorMs); TTFTs it may explain are left out "
@@ -89,13 +97,30 @@ def read_records(path: Path, bar: progress.Bar) -> list[TraceRecord]:
     return records
 
 
+MIN_RECORDS_FLOOR = 3
+"""The fewest records ``--min-records`` may ask for: two coefficients and a residual."""
+
+
+def check_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with its number flags parsed by the :mod:`~tokenfair.config.fields` rules
+    (``--min-records 5.0`` is 5); a bad one raises :class:`ConfigError` naming the flag."""
+    min_records = integer("--min-records", args.min_records)
+    if min_records < MIN_RECORDS_FLOOR:
+        raise ConfigError(
+            f"--min-records: must be >= {MIN_RECORDS_FLOOR} (got {shown(args.min_records)})"
+        )
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "min_records": min_records,
+            "max_relative_stderr": positive("--max-relative-stderr", args.max_relative_stderr),
+            "prefill_floor_ms": non_negative("--prefill-floor-ms", args.prefill_floor_ms),
+        }
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.min_records < 3:
-        raise ValueError(f"--min-records: must be >= 3 (got {args.min_records})")
-    if not args.max_relative_stderr > 0:
-        raise ValueError(f"--max-relative-stderr: must be > 0 (got {args.max_relative_stderr})")
-    if not 0 <= args.prefill_floor_ms < float("inf"):
-        raise ValueError(f"--prefill-floor-ms: must be >= 0 (got {args.prefill_floor_ms})")
+    args = check_flags(args)  # before the records are read
     # The bar counts the file's lines over its two passes (the records, then their outcomes),
     # then says "fitting" while the fit runs; it is cleared before anything is printed.
     try:

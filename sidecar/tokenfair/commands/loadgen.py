@@ -32,7 +32,7 @@ import yaml
 from tokenfair.commands import add_format_flag, progress
 from tokenfair.commands.simulate import EXPERIMENT, format_table
 from tokenfair.config import PolicyConfig
-from tokenfair.config.fields import positive
+from tokenfair.config.fields import flag_number, positive, positive_int
 from tokenfair.core import Request
 from tokenfair.loadgen import (
     KV_GAUGE,
@@ -78,7 +78,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--time-scale",
-        type=float,
+        type=flag_number,
         default=1.0,
         help="wall time per unit of trace time (default 1; 0.1 = ten times faster)",
     )
@@ -86,20 +86,23 @@ def register(subparsers: Any) -> None:
     add_format_flag(parser)
     parser.add_argument("--records", type=Path, help="write one record per request (JSONL)")
     parser.add_argument(
-        "--concurrency-limit", type=int, default=256, help="most requests in flight (default 256)"
+        "--concurrency-limit",
+        type=flag_number,
+        default=256,
+        help="most requests in flight (default 256)",
     )
     parser.add_argument(
-        "--timeout", type=float, help="bound on the whole run in seconds (default: see docs)"
+        "--timeout", type=flag_number, help="bound on the whole run in seconds (default: see docs)"
     )
     parser.add_argument(
         "--request-timeout",
-        type=float,
+        type=flag_number,
         default=30.0,
         help="bound on one request in seconds (default 30)",
     )
     parser.add_argument(
         "--decode-weight",
-        type=float,
+        type=flag_number,
         help="service tokens per decoded token, for the report (default: the scenario's, or 4)",
     )
     parser.add_argument("--model", default="tokenfair", help="`model` of every request body")
@@ -112,7 +115,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--kv-sample-ms",
-        type=float,
+        type=flag_number,
         default=50.0,
         metavar="MS",
         help="wall ms between two samples of the KV gauge (default 50; with --admin)",
@@ -154,46 +157,60 @@ def _workload(args: argparse.Namespace) -> tuple[list[Request], float]:
     return [record.request for record in read_trace(args.trace)], PolicyConfig().decode_weight
 
 
+def check_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with its URL and number flags checked, the numbers parsed by the
+    :mod:`~tokenfair.config.fields` rules (``--concurrency-limit 8.0`` is 8); a bad value raises
+    ``ValueError`` naming its flag. Needs no input: :func:`run` calls it before the workload is
+    read. Parsing again a value it parsed gives the same value."""
+    for flag, url in (("--target", args.target), ("--admin", args.admin)):
+        if url is not None and (
+            not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0
+        ):
+            raise ValueError(f"{flag}: must be an http:// or https:// URL (got {url!r})")
+    timeout, decode_weight = args.timeout, args.decode_weight
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "time_scale": positive("--time-scale", args.time_scale),
+            "request_timeout": positive("--request-timeout", args.request_timeout),
+            "concurrency_limit": positive_int("--concurrency-limit", args.concurrency_limit),
+            "timeout": None if timeout is None else positive("--timeout", timeout),
+            "decode_weight": None
+            if decode_weight is None
+            else positive("--decode-weight", decode_weight),
+            "kv_sample_ms": positive("--kv-sample-ms", args.kv_sample_ms),
+        }
+    )
+
+
 def settings_from(
     args: argparse.Namespace, requests: Sequence[Request], decode_weight: float
 ) -> LoadgenSettings:
-    """Validated settings; a bad value raises ``ValueError`` naming its flag."""
-    target = args.target
-    if not target.startswith(("http://", "https://")) or len(target.split("://", 1)[1]) == 0:
-        raise ValueError(f"--target: must be an http:// or https:// URL (got {target!r})")
-    time_scale = positive("--time-scale", args.time_scale)
-    request_timeout_s = positive("--request-timeout", args.request_timeout)
-    if args.concurrency_limit < 1:
-        raise ValueError(f"--concurrency-limit: must be >= 1 (got {args.concurrency_limit})")
+    """Validated settings (the flags by :func:`check_flags`, then ``--timeout`` against the
+    workload's span); a bad value raises ``ValueError`` naming its flag."""
+    args = check_flags(args)
+    time_scale = args.time_scale
     span_s = max((r.arrival_ms for r in requests), default=0.0) * time_scale / 1000.0
     if args.timeout is None:
-        timeout_s = span_s + request_timeout_s + TIMEOUT_SLACK_S
+        timeout_s = span_s + args.request_timeout + TIMEOUT_SLACK_S
     else:
-        timeout_s = positive("--timeout", args.timeout)
+        timeout_s = args.timeout
         if timeout_s <= span_s:
             raise ValueError(
                 f"--timeout: {timeout_s:g} s ends before the last request is due "
                 f"({span_s:g} s at --time-scale {time_scale:g}); raise it or lower --time-scale"
             )
-    if args.decode_weight is not None:
-        decode_weight = positive("--decode-weight", args.decode_weight)
-    admin = args.admin
-    if admin is not None and (
-        not admin.startswith(("http://", "https://")) or len(admin.split("://", 1)[1]) == 0
-    ):
-        raise ValueError(f"--admin: must be an http:// or https:// URL (got {admin!r})")
-    kv_sample_s = positive("--kv-sample-ms", args.kv_sample_ms) / 1000.0
     return LoadgenSettings(
-        target_url=target,
+        target_url=args.target,
         time_scale=time_scale,
         stream=args.stream,
         concurrency_limit=args.concurrency_limit,
         timeout_s=timeout_s,
-        request_timeout_s=request_timeout_s,
+        request_timeout_s=args.request_timeout,
         model=args.model,
-        decode_weight=decode_weight,
-        admin_url=admin,
-        kv_sample_s=kv_sample_s,
+        decode_weight=decode_weight if args.decode_weight is None else args.decode_weight,
+        admin_url=args.admin,
+        kv_sample_s=args.kv_sample_ms / 1000.0,
     )
 
 
@@ -249,6 +266,7 @@ def _missing_keys(requests: Sequence[Request], keys: Mapping[str, str]) -> list[
 
 
 def run(args: argparse.Namespace) -> int:
+    args = check_flags(args)  # before the workload is read
     requests, decode_weight = _workload(args)
     keys = load_keys(args.keys, args.key_pairs)
     missing = _missing_keys(requests, keys)

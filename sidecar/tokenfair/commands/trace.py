@@ -11,6 +11,15 @@ from typing import Any, TypeVar
 
 from tokenfair.commands import progress
 from tokenfair.config import Config, apply_overrides, load_tenants_file
+from tokenfair.config.fields import (
+    ConfigError,
+    flag_number,
+    integer,
+    number,
+    positive,
+    positive_int,
+    shown,
+)
 from tokenfair.core.cost import CostModel
 from tokenfair.sim.records import TraceRecord, dump_trace
 from tokenfair.sim.scenarios import lesson_config
@@ -97,13 +106,13 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--duration-ms",
-        type=float,
+        type=flag_number,
         metavar="MS",
         help=f"length of the trace in ms (default {DEFAULT_DURATION_MS:.0f} unless --requests)",
     )
     parser.add_argument(
         "--requests",
-        type=int,
+        type=flag_number,
         metavar="N",
         help="stop after N requests in all (with --duration-ms: whichever comes first)",
     )
@@ -171,7 +180,7 @@ def register(subparsers: Any) -> None:
         help="send only in [START_MS, END_MS); either side may be empty (a tenant that joins "
         "late or leaves early)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--seed", type=flag_number, default=0, help="random seed (default 0)")
     parser.add_argument(
         "--observe",
         action="store_true",
@@ -180,7 +189,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--noise",
-        type=float,
+        type=flag_number,
         default=None,
         metavar="FRACTION",
         help=f"relative standard deviation of the observed times, in [0, 1) (default "
@@ -202,10 +211,35 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def _noise(value: object) -> float:
+    """``--noise``: a number in [0, 1)."""
+    noise = number("--noise", value)
+    if not 0 <= noise < 1:
+        raise ConfigError(f"--noise: must be in [0, 1) (got {shown(value)})")
+    return noise
+
+
+def check_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with its number flags parsed by the :mod:`~tokenfair.config.fields` rules
+    (``--requests 2.0`` is 2); a bad one raises :class:`ConfigError` naming the flag, and
+    ``--noise`` or ``--set`` without ``--observe`` a :class:`WorkloadError`."""
     if not args.observe and (args.overrides or args.noise is not None):
         flag = "--set" if args.overrides else "--noise"
         raise WorkloadError(f"{flag}: only applies with --observe")
+    duration_ms, requests, noise = args.duration_ms, args.requests, args.noise
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "duration_ms": None if duration_ms is None else positive("--duration-ms", duration_ms),
+            "requests": None if requests is None else positive_int("--requests", requests),
+            "seed": integer("--seed", args.seed),
+            "noise": None if noise is None else _noise(noise),
+        }
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    args = check_flags(args)  # before the tenants file is read
     config = load_tenants_file(args.tenants) if args.tenants else lesson_config()
     cost = CostModel.from_policy(apply_overrides(config, args.overrides).policy)
     spec = build_spec(config, args)

@@ -574,6 +574,8 @@ def _trace(tmp_path: Path) -> Path:
         (["--time-scale", "0"], "--time-scale"),
         (["--time-scale", "nan"], "--time-scale"),
         (["--concurrency-limit", "0"], "--concurrency-limit"),
+        (["--concurrency-limit", "2.5"], "--concurrency-limit: must be an integer (got 2.5)"),
+        (["--time-scale", "fast"], "--time-scale: must be a number (got 'fast')"),
         (["--request-timeout", "-1"], "--request-timeout"),
         (["--timeout", "0"], "--timeout"),
         # The only request is due at 2000 ms * 1.0 = 2 s; a 1 s run cannot reach it.

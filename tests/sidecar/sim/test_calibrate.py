@@ -264,6 +264,14 @@ def test_cli_refusal_exits_1_and_bad_flags_exit_2(tmp_path: Path) -> None:
     )  # fmt: skip
     assert bad.returncode == 2
     assert "--min-records: must be >= 3" in bad.stderr
+    not_a_number = subprocess.run(
+        [TOKENFAIR, "calibrate", "--records", str(trace), "--min-records", "abc"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert (not_a_number.returncode, not_a_number.stdout) == (2, "")
+    assert not_a_number.stderr == (
+        "tokenfair calibrate: error: --min-records: must be an integer (got 'abc')\n"
+    )
 
 
 def test_outcome_fields_are_read_from_sidecar_records(tmp_path: Path) -> None:

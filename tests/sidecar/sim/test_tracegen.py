@@ -506,7 +506,9 @@ def test_output_reads_back_and_replays_through_simulate(tmp_path: Path, tenants_
         (["--noise", "0.1"], "--noise: only applies with --observe"),
         (["--observe", "--noise", "1.5"], "--noise: must be in [0, 1)"),
         (["--observe", "--set", "decodeWeight=0"], "decodeWeight: must be > 0"),
-        (["--seed", "x"], "--seed: invalid int value"),
+        (["--seed", "x"], "--seed: must be an integer (got 'x')"),
+        (["--requests", "2.5"], "--requests: must be an integer (got 2.5)"),
+        (["--observe", "--noise", "nan"], "--noise: must be finite (got nan)"),
         (["--out", "/nonexistent-dir/trace.jsonl"], "--out /nonexistent-dir/trace.jsonl: cannot"),
     ],
 )
