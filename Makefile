@@ -13,7 +13,7 @@ IMAGE_LOCK := requirements/image.txt
 UV_COMPILE := $(BIN)/uv pip compile --quiet --universal --python-version 3.11 --generate-hashes
 export TOKENFAIR_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/tokenfair
 
-.PHONY: help venv lock run simulate test lint format bench bench-fairness bench-simulate bench-sidecar bench-pool clean
+.PHONY: help venv native lock run simulate test lint format bench bench-fairness bench-simulate bench-sidecar bench-pool clean
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -29,7 +29,15 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
-venv: $(STAMP) ## create .venv and install tokenfair with its dev tools (from the lock)
+venv: $(STAMP) native ## create .venv and install tokenfair with its dev tools (from the lock)
+
+# The compiled core (docs/native.md): mypyc builds the scheduling core and the replay loop into
+# .venv/tokenfair-native when their sources changed (~20 s); a process uses them only while
+# those sources are as built, else the interpreted modules (the same decisions, slower). No C
+# compiler: a warning, and the interpreted core runs; TOKENFAIR_REQUIRE_NATIVE=1 (CI) fails.
+native: $(STAMP) ## compile the scheduling core with mypyc (~20 s; only when its sources changed)
+	@$(BIN)/tokenfair native build --if-stale || { [ "$${TOKENFAIR_REQUIRE_NATIVE:-}" != 1 ] && \
+		echo "make: warning: the compiled core did not build; the interpreted one runs" >&2; }
 
 lock: $(STAMP) ## re-resolve requirements/*.txt after a pyproject.toml edit (uv; LOCK_FLAGS=--upgrade)
 	UV_CUSTOM_COMPILE_COMMAND='make lock' $(UV_COMPILE) $(LOCK_FLAGS) \
@@ -37,7 +45,7 @@ lock: $(STAMP) ## re-resolve requirements/*.txt after a pyproject.toml edit (uv;
 	UV_CUSTOM_COMPILE_COMMAND='make lock' $(UV_COMPILE) --constraint $(LOCK) \
 		--extra operator -o $(IMAGE_LOCK) pyproject.toml requirements/build.in
 
-run: $(STAMP) ## the main job: the sidecar standalone on the cost-model engine, lesson's tenants
+run: $(STAMP) native ## the main job: the sidecar standalone on the cost-model engine, lesson's tenants
 	@echo "tokenfair sidecar: proxy http://127.0.0.1:8080, admin http://127.0.0.1:9090 (Ctrl-C stops)"
 	@echo "local API keys (examples/local-keys.yaml):"
 	@sed -n 's/^\(tenant_[a-z_]*\): \(.*\)/  \1  Authorization: Bearer \2/p' examples/local-keys.yaml
@@ -45,7 +53,7 @@ run: $(STAMP) ## the main job: the sidecar standalone on the cost-model engine, 
 	@echo "  $(BIN)/tokenfair loadgen --target http://127.0.0.1:8080 --scenario noisy-neighbor --keys examples/local-keys.yaml --stream"
 	$(BIN)/tokenfair sidecar --config examples/sidecar-standalone.yaml
 
-simulate: $(STAMP) ## replay the lesson's noisy-neighbor fixture under every policy (no server)
+simulate: $(STAMP) native ## replay the lesson's noisy-neighbor fixture under every policy (no server)
 	$(BIN)/tokenfair simulate --scenario noisy-neighbor
 
 lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict
@@ -53,26 +61,30 @@ lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint ## lint, then the whole test suite
+test: lint native ## lint, then the whole test suite (and the core's tests on the interpreted core)
 	$(BIN)/pytest
+	@if $(BIN)/tokenfair native status >/dev/null; then \
+		echo "the core's and the replay's tests again, on the interpreted core (TOKENFAIR_NATIVE=0):"; \
+		TOKENFAIR_NATIVE=0 $(BIN)/pytest -q tests/sidecar/core tests/sidecar/sim tests/sidecar/native; \
+	fi
 
 format: $(STAMP) ## apply ruff's formatting and safe fixes
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(STAMP) ## scheduling-core benchmarks (minutes; not part of the tests)
+bench: $(STAMP) native ## scheduling-core benchmarks (minutes; not part of the tests)
 	$(BIN)/python bench/bench_core.py
 
-bench-fairness: $(STAMP) ## fairness scenario suite, every figure against its target (seconds)
+bench-fairness: $(STAMP) native ## fairness scenario suite, every figure against its target (seconds)
 	$(BIN)/python bench/bench_fairness.py
 
-bench-simulate: $(STAMP) ## `tokenfair simulate` end to end vs the lesson's lab, 200k/32k (~2 min; BENCH_ARGS=--million adds 1M)
+bench-simulate: $(STAMP) native ## `tokenfair simulate` end to end vs the lesson's lab, 200k/32k (~2 min; BENCH_ARGS=--million adds 1M)
 	$(BIN)/python bench/bench_simulate.py $(BENCH_ARGS)
 
-bench-sidecar: $(STAMP) ## the sidecar against a minimal proxy (needs nginx, wrk; ~8 min)
+bench-sidecar: $(STAMP) native ## the sidecar against a minimal proxy (needs nginx, wrk; ~8 min)
 	$(BIN)/python bench/bench_sidecar.py
 
-bench-pool: $(STAMP) ## pool-wide budgets on Redis vs the 1/n split (needs redis-server; ~5 min; BENCH_ARGS=--window 20)
+bench-pool: $(STAMP) native ## pool-wide budgets on Redis vs the 1/n split (needs redis-server; ~5 min; BENCH_ARGS=--window 20)
 	$(BIN)/python bench/bench_pool.py $(BENCH_ARGS)
 
 clean: ## remove the virtualenv and caches of this checkout (not the build cache)

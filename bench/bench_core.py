@@ -619,6 +619,16 @@ def parse_sizes(text: str) -> list[int]:
     return [int(part.replace("_", "")) for part in text.split(",") if part.strip()]
 
 
+def core_kind() -> str:
+    """Which core this process (and the commands it starts) runs: compiled or interpreted
+    (docs/native.md). ``bench_simulate.py`` and ``bench_fairness.py`` print it too."""
+    try:
+        from tokenfair import native
+    except ImportError:  # a tree from before the compiled core (PYTHONPATH at another checkout)
+        return "interpreted core (a tree without tokenfair.native)"
+    return native.status().describe()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument(
@@ -682,7 +692,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"python {sys.version.split()[0]}, load average {load}, seed {TRACE_SEED}, "
         f"gc {collector} during replays"
     )
-    print(f"core: {Path(core_package.__file__ or '?').parent}")
+    print(f"core: {Path(core_package.__file__ or '?').parent}, {core_kind()}")
     if not args.tenants_only:
         bench_relaxed(args.sizes, args.oracle_sizes, args.oracle_cap, args.repeat, not args.gc_off)
         bench_default(args.default_size, args.repeat, not args.gc_off)

@@ -103,6 +103,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
+from bench_core import core_kind
+
 from tokenfair.config import Config, PolicyConfig, PriorityClass, TenantConfig, build_config
 from tokenfair.core import Decision, Request
 from tokenfair.core.cost import CostModel
@@ -966,7 +968,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"python {sys.version.split()[0]}, load average {load}, seed {args.seed}, "
         f"window {window_ms / 1000:g} s"
     )
-    print(f"core: {Path(str(core_package.__file__)).parent}")
+    print(f"core: {Path(str(core_package.__file__)).parent}, {core_kind()}")
     print(f"fairness: {fairness_file}")
     started = time.perf_counter()
     results: list[tuple[str, Row]] = []

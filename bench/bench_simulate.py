@@ -76,7 +76,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_core import default_config, overloaded_trace, relaxed_config
+from bench_core import core_kind, default_config, overloaded_trace, relaxed_config
 from lesson_bridge import DRR, oracle_inputs
 from lesson_reference import OracleRequest, lab_summary, run_service_token_drr
 
@@ -480,6 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average {load}, "
         f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}"
     )
+    print(f"core: {core_kind()}")
     root = Path(__file__).resolve().parent.parent
     trees = [root] if args.tree is None else [root, args.tree]
     if args.records_only:

@@ -7,7 +7,8 @@
   ``config`` only itself; ``core`` no asyncio, no aiohttp and nothing of ours but ``config``;
   ``sim`` not the server, the load generator or the command line; ``loadgen`` (a client) and
   ``server`` not each other nor the command line; only ``cli`` imports ``commands`` (whose
-  modules may import each other).
+  modules may import each other); ``native`` (the compiled core's loader, imported first of
+  all) nothing of ours.
 - Tests mirror the packages: ``tests/sidecar/<package>/`` for each package of ``tokenfair``,
   ``tests/operator/`` for ``tokenfair_operator``; no test module imports another one (shared
   helpers live in the support modules at ``tests/``).
@@ -54,6 +55,9 @@ FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
     "loadgen": ("tokenfair.server", "tokenfair.commands", "tokenfair.cli"),
     "server": ("tokenfair.loadgen", "tokenfair.commands", "tokenfair.cli", "tokenfair_operator"),
 }
+# The compiled core's loader, imported by `tokenfair/__init__.py` before anything else: nothing
+# of ours at all (what `config` may not import, and `config`).
+FORBIDDEN_IMPORTS["native"] = ("tokenfair.config", *FORBIDDEN_IMPORTS["config"])
 # Support modules at tests/ (not tests themselves) and repository-wide tests that stay at the top.
 TOP_LEVEL_TESTS = {"test_layout.py", "test_lock.py"}
 TEST_FOLDERS = {"sidecar", "operator", "deploy", "harness"}

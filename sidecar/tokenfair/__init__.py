@@ -12,3 +12,9 @@ other (tests/test_layout.py checks):
 * :mod:`tokenfair.cli` and :mod:`tokenfair.commands` — the ``tokenfair`` command, one module per
   subcommand, imported only by ``cli``.
 """
+
+from tokenfair import native as _native
+
+# Before any module of the core is imported: the compiled core if a fresh build is there
+# (tokenfair/native.py), else the interpreted one.
+_native.activate()

@@ -5,14 +5,10 @@ from __future__ import annotations
 from typing import Final
 
 from tokenfair.config import Config
+from tokenfair.core.errors import DuplicateRequestError, SimulationStuckError, UnknownTenantError
 from tokenfair.core.jobs import Decision, Lane, Request
 from tokenfair.core.lesson import LessonDrrScheduler, RequestCountScheduler
-from tokenfair.core.scheduler import (
-    Books,
-    DuplicateRequestError,
-    Scheduler,
-    UnknownTenantError,
-)
+from tokenfair.core.scheduler import Books, Scheduler
 from tokenfair.core.tokenfair import TokenfairScheduler
 
 POLICIES: Final[dict[str, type[Scheduler]]] = {
@@ -42,6 +38,7 @@ __all__ = [
     "Lane",
     "Request",
     "Scheduler",
+    "SimulationStuckError",
     "UnknownTenantError",
     "make_scheduler",
 ]

@@ -20,7 +20,7 @@ Two implementations of that rule:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeAlias
 
 from tokenfair.core.jobs import UNITS_PER_TOKEN
 from tokenfair.core.jobs import to_units as _units
@@ -83,9 +83,11 @@ class TokenBucket:
         self.level = min(self.level, float(burst))
 
 
-class ExactTokenBucket(TokenBucket):
+class ExactTokenBucket:
     """The token bucket in integer units: ``level_units`` (``level`` reads and writes it in
-    tokens), ``burst_units``; times are float milliseconds on the scheduler's clock.
+    tokens), ``burst_units``; times are float milliseconds on the scheduler's clock. The same
+    rule and methods as :class:`TokenBucket`, not a subclass of it: ``level`` is a view here,
+    a slot there (a compiled core, ``tokenfair.native``, reads a base's slot directly).
 
     **Refill rule.** The refill since the *anchor* ``a`` (the last time the level was capped at
     the burst, or the rate changed) is ``round((t - a) * r)`` units, ``r`` the rate in units per
@@ -107,8 +109,11 @@ class ExactTokenBucket(TokenBucket):
         "_anchor_ms",
         "_rate_units_per_ms",
         "_refilled_units",
+        "burst",
         "burst_units",
         "level_units",
+        "refilled_at_ms",
+        "sustained_per_second",
     )
 
     def __init__(self, burst: int, sustained_per_second: float, now_ms: float = 0.0) -> None:
@@ -200,6 +205,11 @@ class ExactTokenBucket(TokenBucket):
             self.level_units = self.burst_units
 
 
+Bucket: TypeAlias = "TokenBucket | ExactTokenBucket"
+"""A tenant's budget: the lesson's float bucket or the exact one (a :class:`LeasedBucket` is an
+exact one)."""
+
+
 def refill_all(tenants: Iterable[_HasBucket], now_ms: float) -> None:
     """``tenant.bucket.refill(now_ms)`` for each of ``tenants``: a plain :class:`TokenBucket`'s
     refill inline (the same operations as :meth:`TokenBucket.refill`, no call per bucket), any
@@ -221,7 +231,7 @@ def refill_all(tenants: Iterable[_HasBucket], now_ms: float) -> None:
 
 class _HasBucket(Protocol):
     @property
-    def bucket(self) -> TokenBucket: ...
+    def bucket(self) -> Bucket: ...
 
 
 class LeasedBucket(ExactTokenBucket):

@@ -24,6 +24,9 @@ from enum import IntEnum
 from typing import Final
 
 from tokenfair.config import PriorityClass
+from tokenfair.core.request import Request
+
+__all__ = ["Request"]  # its home is `request.py`; imported from here too
 
 ADMITTED: Final = "admitted"
 SHED_KV_WATERMARK: Final = "shed_kv_watermark"
@@ -55,18 +58,6 @@ class JobState(IntEnum):
     DONE = 2
     REFUSED = 3
     CANCELLED = 4
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One request record of a trace (see docs/records.md). Times in ms, sizes in tokens."""
-
-    request_id: str
-    tenant_id: str
-    arrival_ms: float
-    prefill_tokens: int
-    decode_tokens: int
-    priority_class: PriorityClass
 
 
 @dataclass(slots=True)

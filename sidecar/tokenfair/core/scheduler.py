@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import ClassVar, Final
 
 from tokenfair.config import Config, TenantConfig
-from tokenfair.core.bucket import TokenBucket
+from tokenfair.core.bucket import Bucket, ExactTokenBucket, TokenBucket
 from tokenfair.core.cost import CostModel
+from tokenfair.core.errors import DuplicateRequestError, UnknownTenantError
 from tokenfair.core.jobs import (
     ADMITTED,
     CANCELLED,
@@ -59,21 +60,13 @@ OVER_TENANT_BURST: Final = "request_over_tenant_burst"
 no capacity is lent to tenants over their budget)."""
 
 
-class UnknownTenantError(KeyError):
-    """The request names a tenant the configuration does not have."""
-
-
-class DuplicateRequestError(ValueError):
-    """A request id is already queued or running."""
-
-
 class TenantState:
     """Per-tenant runtime state: budget, queue totals and the fairness counter."""
 
     __slots__ = ("bucket", "config", "queued", "queued_tokens", "served_tokens", "usage_ratio")
 
     def __init__(
-        self, config: TenantConfig, now_ms: float, bucket_type: type[TokenBucket] = TokenBucket
+        self, config: TenantConfig, now_ms: float, bucket_type: type[Bucket] = TokenBucket
     ) -> None:
         self.config = config
         self.bucket = bucket_type(
@@ -116,7 +109,7 @@ class Scheduler(ABC):
     called."""
     tracks_kv_releases: ClassVar[bool] = False
     """``_kv_released`` is called when a request's KV is freed."""
-    bucket_type: ClassVar[type[TokenBucket]] = TokenBucket
+    bucket_type: ClassVar[type[TokenBucket] | type[ExactTokenBucket]] = TokenBucket
     """The tenants' budget buckets: the lesson's float :class:`TokenBucket` by default;
     ``tokenfair`` keeps its budgets in integer units (``ExactTokenBucket``)."""
 
@@ -361,9 +354,9 @@ class Scheduler(ABC):
         self,
         request_id: str,
         now_ms: float,
-        actual_service_tokens: int | None = None,
+        actual_service_tokens: object = None,
         *,
-        actual_kv_blocks: int | None = None,
+        actual_kv_blocks: object = None,
         release_kv: bool = True,
     ) -> Decision:
         """Settle a dispatched request against its actual usage (default: the estimate).
@@ -378,10 +371,10 @@ class Scheduler(ABC):
         if actual_service_tokens is None:
             actual = job.service_tokens  # the estimate: nothing to check, nothing to correct
         else:
-            _check_settled("actual_service_tokens", actual_service_tokens)
-            actual = actual_service_tokens
+            actual = _checked_settled("actual_service_tokens", actual_service_tokens)
+        kv_blocks = None
         if actual_kv_blocks is not None:
-            _check_settled("actual_kv_blocks", actual_kv_blocks)
+            kv_blocks = _checked_settled("actual_kv_blocks", actual_kv_blocks)
         refund = job.service_tokens - actual
         if refund:
             tenant = self.tenants[job.request.tenant_id]
@@ -396,9 +389,9 @@ class Scheduler(ABC):
                 or job.expected_units != job.service_tokens * UNITS_PER_TOKEN
             ):
                 self._settle(job, tenant, refund, now_ms)
-        if actual_kv_blocks is not None:
-            self.resident_blocks += actual_kv_blocks - job.kv_blocks
-            job.kv_blocks = actual_kv_blocks
+        if kv_blocks is not None:
+            self.resident_blocks += kv_blocks - job.kv_blocks
+            job.kv_blocks = kv_blocks
         job.state = _DONE
         self.running -= 1
         decision.actual_service_tokens = actual
@@ -579,11 +572,16 @@ MAX_SETTLED_TOKENS: Final = 2**40
 beyond any request, and far below where float budgets lose integer precision (2**53)."""
 
 
-def _check_settled(name: str, value: object) -> None:
+def _checked_settled(name: str, value: object) -> int:
+    """``value`` if it is an integer in ``[0, MAX_SETTLED_TOKENS]``, else ``ValueError`` naming
+    ``name``. ``complete`` takes ``object`` for these values so that this check is the one a
+    caller meets, compiled or not (a compiled ``int`` parameter would turn ``True`` into 1 and
+    refuse a float with a ``TypeError`` first)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer (got {type(value).__name__})")
     if not 0 <= value <= MAX_SETTLED_TOKENS:
         raise ValueError(f"{name} must be in [0, {MAX_SETTLED_TOKENS}] (got {value})")
+    return value
 
 
 def shed_kv(scheduler: Scheduler, job: Job, gate: str, occupancy: float) -> Decision:

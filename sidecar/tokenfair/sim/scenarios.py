@@ -31,15 +31,17 @@ def lesson_config() -> Config:
 
 
 def noisy_neighbor() -> tuple[Config, list[Request]]:
+    # Arrival times are floats, as a trace decodes them: records write them alike ("0.0").
     requests = [
-        Request(f"batch-{i:02d}", "tenant_batch_rag", i * 10, 3200, 350, "batch") for i in range(18)
+        Request(f"batch-{i:02d}", "tenant_batch_rag", i * 10.0, 3200, 350, "batch")
+        for i in range(18)
     ]
     requests += [
-        Request(f"chat-{i:02d}", "tenant_chat_pro", 5 + i * 15, 280, 90, "interactive")
+        Request(f"chat-{i:02d}", "tenant_chat_pro", 5.0 + i * 15, 280, 90, "interactive")
         for i in range(24)
     ]
     requests += [
-        Request(f"ide-{i:02d}", "tenant_ide_assist", 8 + i * 20, 420, 60, "interactive")
+        Request(f"ide-{i:02d}", "tenant_ide_assist", 8.0 + i * 20, 420, 60, "interactive")
         for i in range(18)
     ]
     return lesson_config(), requests
@@ -49,15 +51,15 @@ def starvation(duration_ms: int = 20_000) -> tuple[Config, list[Request]]:
     """Interactive demand ~1.3x capacity for ``duration_ms``; batch backlogged from t=0."""
     # 640 + 660 service tokens every 22 ms = 59 tokens/ms against 45 tokens/ms of capacity.
     requests = [
-        Request(f"chat-{i:05d}", "tenant_chat_pro", i * 22, 280, 90, "interactive")
+        Request(f"chat-{i:05d}", "tenant_chat_pro", i * 22.0, 280, 90, "interactive")
         for i in range(duration_ms // 22)
     ]
     requests += [
-        Request(f"ide-{i:05d}", "tenant_ide_assist", 11 + i * 22, 420, 60, "interactive")
+        Request(f"ide-{i:05d}", "tenant_ide_assist", 11.0 + i * 22, 420, 60, "interactive")
         for i in range(duration_ms // 22)
     ]
     requests += [
-        Request(f"batch-{i:04d}", "tenant_batch_rag", i * 250, 3200, 350, "batch")
+        Request(f"batch-{i:04d}", "tenant_batch_rag", i * 250.0, 3200, 350, "batch")
         for i in range(duration_ms // 250)
     ]
     config = build_config(

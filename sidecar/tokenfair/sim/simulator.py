@@ -31,13 +31,9 @@ from typing import TypeAlias
 
 from tokenfair.config import Config
 from tokenfair.core import Decision, Request, make_scheduler
+from tokenfair.core.errors import SimulationStuckError
 from tokenfair.core.jobs import STATUS_OK, JobState
 from tokenfair.core.scheduler import Scheduler
-
-
-class SimulationStuckError(RuntimeError):
-    """Queued work that no future event can release (a policy bug, never an input error)."""
-
 
 Arrival: TypeAlias = tuple[Request, int | None, int | None]
 """A request of the trace and what it really used: ``(request, actual_service_tokens,

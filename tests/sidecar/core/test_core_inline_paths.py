@@ -31,7 +31,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokenfair import core
+from tokenfair import core, native
 from tokenfair.config import (
     Config,
     PolicyConfig,
@@ -39,7 +39,13 @@ from tokenfair.config import (
     TenantConfig,
     build_config,
 )
-from tokenfair.core.bucket import ExactTokenBucket, LeasedBucket, TokenBucket, refill_all
+from tokenfair.core.bucket import (
+    Bucket,
+    ExactTokenBucket,
+    LeasedBucket,
+    TokenBucket,
+    refill_all,
+)
 from tokenfair.core.cost import CostModel
 from tokenfair.core.jobs import (
     SHED_QUEUE_WAIT_SLO,
@@ -51,7 +57,7 @@ from tokenfair.core.jobs import (
     Request,
 )
 from tokenfair.core.lesson import LessonDrrScheduler
-from tokenfair.core.scheduler import Scheduler, TenantState, _check_settled, shed_kv
+from tokenfair.core.scheduler import Scheduler, TenantState, _checked_settled, shed_kv
 from tokenfair.core.shares import DemandRate
 from tokenfair.core.tokenfair import TokenfairScheduler
 from tokenfair.sim.report import percentile, percentiles
@@ -213,9 +219,9 @@ class ReferenceTokenfair(TokenfairScheduler):
         self,
         request_id: str,
         now_ms: float,
-        actual_service_tokens: int | None = None,
+        actual_service_tokens: object = None,
         *,
-        actual_kv_blocks: int | None = None,
+        actual_kv_blocks: object = None,
         release_kv: bool = True,
     ) -> Decision:
         """Settle a dispatched request against its actual usage (default: the estimate).
@@ -230,18 +236,18 @@ class ReferenceTokenfair(TokenfairScheduler):
         if actual_service_tokens is None:
             actual = job.service_tokens  # the estimate: nothing to check, nothing to correct
         else:
-            _check_settled("actual_service_tokens", actual_service_tokens)
-            actual = actual_service_tokens
+            actual = _checked_settled("actual_service_tokens", actual_service_tokens)
+        kv_blocks = None
         if actual_kv_blocks is not None:
-            _check_settled("actual_kv_blocks", actual_kv_blocks)
+            kv_blocks = _checked_settled("actual_kv_blocks", actual_kv_blocks)
         refund = job.service_tokens - actual
         if refund or self.settles_every_request:
             tenant = self.tenants[job.request.tenant_id]
             tenant.served_tokens -= refund
             self._settle(job, tenant, refund, now_ms)
-        if actual_kv_blocks is not None:
-            self.resident_blocks += actual_kv_blocks - job.kv_blocks
-            job.kv_blocks = actual_kv_blocks
+        if kv_blocks is not None:
+            self.resident_blocks += kv_blocks - job.kv_blocks
+            job.kv_blocks = kv_blocks
         job.state = _DONE
         self.running -= 1
         decision.actual_service_tokens = actual
@@ -364,6 +370,11 @@ def end_state(scheduler: Scheduler) -> dict[str, Any]:
     return state
 
 
+@pytest.mark.skipif(
+    native.status().active,
+    reason="the reference subclasses are interpreted classes, which cannot subclass the compiled "
+    "core: `make test` runs this file again with TOKENFAIR_NATIVE=0",
+)
 @settings(max_examples=60, deadline=None)
 @given(ROWS, st.booleans(), st.sampled_from([0.0, 0.1, 0.3, 0.5]), st.sampled_from([420.0, 90.0]))
 def test_the_inline_paths_decide_and_end_as_the_reference(
@@ -401,7 +412,7 @@ def test_refill_all_refills_each_bucket_as_its_refill_does() -> None:
     rng = random.Random(17)
     for _ in range(200):
         now_ms = rng.uniform(0.0, 5000.0)
-        fast = [
+        fast: list[Bucket] = [
             TokenBucket(rng.randint(1, 50000), rng.uniform(0.0, 90000.0), rng.uniform(0.0, 5000.0))
             for _ in range(4)
         ]
@@ -410,7 +421,7 @@ def test_refill_all_refills_each_bucket_as_its_refill_does() -> None:
         leased = LeasedBucket(20000, 4000.0, 0.0)
         leased.fall_back(10000, 2000.0, rng.uniform(0.0, 5000.0))
         fast.append(leased)
-        slow = []
+        slow: list[Bucket] = []
         for bucket in fast[:-1]:
             copy = TokenBucket(bucket.burst, bucket.sustained_per_second, bucket.refilled_at_ms)
             copy.level = bucket.level
@@ -427,7 +438,7 @@ def test_refill_all_refills_each_bucket_as_its_refill_does() -> None:
 
 
 class _Holder:
-    def __init__(self, bucket: TokenBucket) -> None:
+    def __init__(self, bucket: Bucket) -> None:
         self.bucket = bucket
 
 

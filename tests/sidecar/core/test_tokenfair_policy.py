@@ -409,7 +409,7 @@ def test_settlement_refuses_absurd_usage_before_changing_anything(
     assert scheduler.next_dispatch(0.0) is not None
     before = scheduler.books()
     with pytest.raises(ValueError, match=re.escape(message)):
-        scheduler.complete("a0", 1.0, actual)  # type: ignore[arg-type]
+        scheduler.complete("a0", 1.0, actual)
     assert scheduler.books() == before
     scheduler.complete("a0", 1.0, 400)  # still settles once, properly
     assert scheduler.books() == Books(0, 0, 0, 0, 0)

@@ -1,0 +1,243 @@
+"""The compiled core: the scheduling core and the replay loop built as C extensions by mypyc,
+used only when they were built from exactly the sources beside them.
+
+Why: the core is the per-request path of both the sidecar's admission and ``tokenfair
+simulate``; compiled, a replay costs a half to a third of the interpreted one
+(``bench/bench_simulate.py`` prints both). The sources stay the one truth: the extensions are
+built from them unchanged (``mypy --strict`` clean code is what mypyc compiles), they decide
+exactly as the interpreted modules do (``tests/sidecar/test_native.py`` replays the same traces
+both ways and compares the records byte for byte), and nothing depends on them being there.
+
+How:
+
+* ``tokenfair native build [DIR]`` (``make native``; needs mypy's ``mypyc`` and a C
+  compiler) compiles :data:`COMPILED` from a copy of the package into ``DIR`` and writes
+  ``DIR/manifest.json``: the extension file of each module, the interpreter's extension suffix,
+  and the SHA-256 of every source the compiled code was built against (:data:`HASHED`: the
+  compiled modules and everything they import, since mypyc may inline another module's
+  ``Final`` constants).
+* At the first import of :mod:`tokenfair`, :func:`activate` reads the manifest of
+  ``$TOKENFAIR_NATIVE_DIR`` (default ``<sys.prefix>/tokenfair-native``, where ``make native``
+  puts it in the venv) and, if every digest matches the sources of this installation and the
+  suffix this interpreter's, puts an import finder for those modules first on
+  ``sys.meta_path``. Otherwise — no build, a source edited since (a stale build never runs),
+  another interpreter, ``TOKENFAIR_NATIVE=0`` — the pure-Python modules are imported, as
+  always. :func:`status` says which, and why (``tokenfair native status`` prints it).
+
+The check costs one hash of ~0.3 MB of source per process (~1 ms).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib.machinery import ModuleSpec
+from pathlib import Path
+from types import ModuleType
+from typing import Final
+
+COMPILED: Final = (
+    "tokenfair.core.bucket",
+    "tokenfair.core.cost",
+    "tokenfair.core.drr",
+    "tokenfair.core.jobs",
+    "tokenfair.core.lesson",
+    "tokenfair.core.scheduler",
+    "tokenfair.core.shares",
+    "tokenfair.core.tokenfair",
+    "tokenfair.sim.simulator",
+)
+"""The modules built as extensions: the core's per-request path and the replay loop. Package
+``__init__`` modules stay interpreted (they hold no hot code, and the finder needs them)."""
+
+HASHED: Final = ("__init__.py", "config", "core", "sim/__init__.py", "sim/simulator.py")
+"""What the compiled code was built against, relative to the ``tokenfair`` package folder
+(a folder: every ``.py`` file in it): the compiled modules and all they import
+(``tests/test_layout.py``: ``core`` imports only ``config``, the simulator ``config`` and
+``core``)."""
+
+SWITCH_ENV: Final = "TOKENFAIR_NATIVE"
+"""``0``: never use the compiled modules (any other value, or unset: use them if fresh)."""
+DIR_ENV: Final = "TOKENFAIR_NATIVE_DIR"
+"""Where the build is; default ``<sys.prefix>/tokenfair-native``."""
+MANIFEST: Final = "manifest.json"
+FORMAT: Final = 1
+"""The manifest's format; a build of another format is not used."""
+
+PACKAGE_DIR: Final = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Status:
+    """Whether the compiled modules are in use, from where, and if not, why not."""
+
+    active: bool
+    directory: Path
+    reason: str
+
+    def describe(self) -> str:
+        if self.active:
+            return f"compiled core in use ({self.directory})"
+        return f"interpreted core ({self.reason})"
+
+
+_status: Status | None = None
+
+
+def native_dir() -> Path:
+    """``$TOKENFAIR_NATIVE_DIR``, or ``<sys.prefix>/tokenfair-native``."""
+    configured = os.environ.get(DIR_ENV)
+    return Path(configured) if configured else Path(sys.prefix) / "tokenfair-native"
+
+
+def source_digests(package_dir: Path = PACKAGE_DIR) -> dict[str, str]:
+    """SHA-256 (hex) of each source of :data:`HASHED`, by path relative to ``package_dir``."""
+    digests: dict[str, str] = {}
+    for entry in HASHED:
+        path = package_dir / entry
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        for file in files:
+            relative = file.relative_to(package_dir).as_posix()
+            digests[relative] = hashlib.sha256(file.read_bytes()).hexdigest()
+    return digests
+
+
+def _suffix() -> str:
+    return importlib.machinery.EXTENSION_SUFFIXES[0]
+
+
+class _CompiledFinder:
+    """Finds the modules of one build (and mypyc's shared library) in its directory: a
+    ``sys.meta_path`` finder (``find_spec`` is all the protocol asks; not a subclass of
+    ``importlib.abc.MetaPathFinder``, whose import costs every command ~7 ms)."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        file = self.files.get(fullname)
+        if file is None:
+            return None
+        loader = importlib.machinery.ExtensionFileLoader(fullname, str(file))
+        return importlib.machinery.ModuleSpec(fullname, loader, origin=str(file))
+
+
+def check_build(directory: Path) -> tuple[dict[str, Path] | None, str]:
+    """The module files of the build in ``directory`` if it is fresh (every digest of its
+    manifest matches this installation's sources, built for this interpreter), else None and
+    why not. The switch (``TOKENFAIR_NATIVE``) is not read here."""
+    manifest_path = directory / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, f"no build at {directory} (make native)"
+    except (OSError, ValueError) as exc:
+        return None, f"unreadable {manifest_path}: {exc}"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return None, f"{manifest_path}: not a format-{FORMAT} manifest"
+    if manifest.get("suffix") != _suffix():
+        return None, f"built for another interpreter ({manifest.get('suffix')})"
+    if manifest.get("sources") != source_digests():
+        return None, "the sources changed since the build (make native)"
+    modules = manifest.get("modules")
+    if not isinstance(modules, dict) or set(COMPILED) - set(modules):
+        return None, f"{manifest_path}: modules missing"
+    files = {name: directory / str(relative) for name, relative in modules.items()}
+    missing = [str(file) for file in files.values() if not file.is_file()]
+    if missing:
+        return None, f"missing {', '.join(missing)}"
+    return files, ""
+
+
+def activate() -> Status:
+    """Use the build at :func:`native_dir` if it is fresh (see the module's docstring); once per
+    process, before any compiled module is imported. Returns :func:`status`."""
+    global _status
+    if _status is not None:
+        return _status
+    directory = native_dir()
+    imported = [name for name in COMPILED if name in sys.modules]
+    if imported:
+        _status = Status(False, directory, f"imported before activation: {imported[0]}")
+        return _status
+    if os.environ.get(SWITCH_ENV) == "0":
+        _status = Status(False, directory, f"{SWITCH_ENV}=0")
+        return _status
+    files, reason = check_build(directory)
+    if files is None:
+        _status = Status(False, directory, reason)
+    else:
+        sys.meta_path.insert(0, _CompiledFinder(files))
+        _status = Status(True, directory, "")
+    return _status
+
+
+def status() -> Status:
+    """Whether this process uses the compiled modules (``activate`` has run at import)."""
+    return activate()
+
+
+def build(directory: Path, *, python: str = sys.executable) -> dict[str, object]:
+    """Compile :data:`COMPILED` from a copy of this package into ``directory`` (replaced) and
+    write its manifest; returns the manifest. Needs mypyc (the ``dev`` extra's mypy) and a C
+    compiler; a failure raises ``RuntimeError`` with mypyc's output."""
+    import shutil  # only a build needs these: every command imports this module at start
+    import subprocess
+    import tempfile
+
+    digests = source_digests()
+    with tempfile.TemporaryDirectory(prefix="tokenfair-native-") as scratch:
+        work = Path(scratch)
+        shutil.copytree(
+            PACKAGE_DIR, work / "tokenfair", ignore=shutil.ignore_patterns("__pycache__", "*.so")
+        )
+        sources = [name.replace(".", "/") + ".py" for name in COMPILED]
+        env = {**os.environ, "MYPYC_OPT_LEVEL": "3"}
+        done = subprocess.run(
+            [python, "-m", "mypyc", *sources],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"mypyc failed ({done.returncode}):\n{done.stdout}{done.stderr}")
+        if source_digests(work / "tokenfair") != digests:
+            raise RuntimeError("the sources changed during the build: build again")
+        suffix = _suffix()
+        staged = Path(tempfile.mkdtemp(prefix=".native-", dir=directory.parent))
+        modules: dict[str, str] = {}
+        for name in COMPILED:
+            relative = name.replace(".", "/") + suffix
+            target = staged / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(work / relative, target)
+            modules[name] = relative
+        # mypyc's shared library (one per build, named by a hash of the module list): a
+        # top-level module every compiled module imports.
+        for shared in work.glob(f"*__mypyc{suffix}"):
+            shutil.copy2(shared, staged / shared.name)
+            modules[shared.name[: -len(suffix)]] = shared.name
+    manifest: dict[str, object] = {
+        "format": FORMAT,
+        "suffix": suffix,
+        "modules": modules,
+        "sources": digests,
+    }
+    (staged / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    # Replace the old build in one rename, so a process starting meanwhile sees one or the other.
+    old = directory.with_name(directory.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if directory.exists():
+        directory.rename(old)
+    staged.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)
+    return manifest

@@ -1,0 +1,296 @@
+"""The compiled core (``tokenfair.native``): used only when fresh, and deciding exactly as the
+interpreted core does.
+
+* Freshness: a build is used only if every source digest in its manifest is this
+  installation's, for this interpreter's extension suffix, with every module file present; each
+  way of failing that is refused with its reason (no compiler needed: the manifest rule is read
+  on fake builds). A real build whose manifest names one changed source is not imported by a
+  real ``tokenfair`` process, and ``TOKENFAIR_NATIVE=0`` turns a fresh one off.
+* Same decisions: ``tokenfair simulate --records`` of the same traces (a built-in scenario; a
+  generated trace with recorded usage, tight budgets, batch and interactive tenants; with
+  lending on) under every policy, in a subprocess on the compiled core and in one on the
+  interpreted core, write the same bytes, report and records.
+
+The tests that need a real build skip without one, and fail instead where CI requires it
+(``TOKENFAIR_REQUIRE_NATIVE=1``, set by ``.ci/run``; ``make native`` builds it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenfair import native
+
+TOKENFAIR = Path(sys.executable).parent / "tokenfair"
+REQUIRED = os.environ.get("TOKENFAIR_REQUIRE_NATIVE") == "1"
+SWITCHED_OFF = os.environ.get(native.SWITCH_ENV) == "0"
+
+
+def _build() -> Path:
+    """The real build this process would use; skips (or, where required, fails) without one."""
+    files, reason = native.check_build(native.native_dir())
+    if files is None:
+        if REQUIRED:
+            pytest.fail(f"TOKENFAIR_REQUIRE_NATIVE=1 but no usable build: {reason}")
+        pytest.skip(f"no compiled core ({reason}; make native)")
+    return native.native_dir()
+
+
+def _run(*args: str | Path, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(TOKENFAIR), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, **env},
+        check=False,
+        timeout=600,
+    )
+
+
+# -- the status of this process ---------------------------------------------------------------
+
+
+def test_status_says_which_core_this_process_imported() -> None:
+    from tokenfair.core import drr
+    from tokenfair.sim import simulator
+
+    status = native.status()
+    compiled = [m.__file__ or "" for m in (drr, simulator)]
+    assert all(name.endswith(".so") for name in compiled) == status.active
+    assert all(name.endswith(".py") for name in compiled) == (not status.active)
+    assert status.describe().startswith("compiled" if status.active else "interpreted")
+    if not status.active:
+        assert status.reason  # never silent about why
+
+
+def test_a_required_build_is_in_use() -> None:
+    if SWITCHED_OFF:
+        pytest.skip("TOKENFAIR_NATIVE=0: this run tests the interpreted core")
+    if not REQUIRED:
+        pytest.skip("TOKENFAIR_REQUIRE_NATIVE is not set")
+    status = native.status()
+    assert status.active, status.reason
+
+
+def test_the_request_stays_interpreted_for_the_trace_decoder() -> None:
+    # msgspec decodes trace lines straight into Request: it must stay a plain dataclass.
+    from tokenfair.core import request
+
+    assert request.__file__ is not None
+    assert request.__file__.endswith(".py")
+    assert "tokenfair.core.request" not in native.COMPILED
+
+
+# -- the freshness rule, on fake builds --------------------------------------------------------
+
+
+def _fake_build(directory: Path, **changes: Any) -> Path:
+    """A build directory whose manifest matches this installation, with ``changes`` applied."""
+    suffix = native._suffix()
+    modules = {name: name.replace(".", "/") + suffix for name in native.COMPILED}
+    for relative in modules.values():
+        (directory / relative).parent.mkdir(parents=True, exist_ok=True)
+        (directory / relative).write_bytes(b"not a real extension")
+    manifest: dict[str, Any] = {
+        "format": native.FORMAT,
+        "suffix": suffix,
+        "modules": modules,
+        "sources": native.source_digests(),
+    }
+    manifest.update(changes)
+    (directory / native.MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+    return directory
+
+
+def test_a_build_of_these_sources_for_this_interpreter_is_fresh(tmp_path: Path) -> None:
+    files, reason = native.check_build(_fake_build(tmp_path))
+    assert reason == ""
+    assert files is not None
+    assert set(files) == set(native.COMPILED)
+    assert all(path.is_file() for path in files.values())
+
+
+def test_digests_cover_the_compiled_modules_and_what_they_import() -> None:
+    digests = native.source_digests()
+    for name in native.COMPILED:
+        assert name.removeprefix("tokenfair.").replace(".", "/") + ".py" in digests
+    # what mypyc may inline from: the config contract, the core's other modules
+    assert {"__init__.py", "core/request.py", "core/errors.py", "core/__init__.py"} <= set(digests)
+    assert any(path.startswith("config/") for path in digests)
+    source = native.PACKAGE_DIR / "core" / "drr.py"
+    assert digests["core/drr.py"] == hashlib.sha256(source.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"sources": {"core/drr.py": "0" * 64}}, "the sources changed since the build"),
+        ({"suffix": ".cpython-39-x86_64-linux-gnu.so"}, "built for another interpreter"),
+        ({"format": native.FORMAT + 1}, f"not a format-{native.FORMAT} manifest"),
+        ({"modules": {"tokenfair.core.drr": "x.so"}}, "modules missing"),
+    ],
+)
+def test_a_build_that_does_not_match_is_refused_with_its_reason(
+    tmp_path: Path, change: dict[str, Any], reason: str
+) -> None:
+    if "sources" in change:
+        change = {"sources": {**native.source_digests(), **change["sources"]}}
+    files, said = native.check_build(_fake_build(tmp_path, **change))
+    assert files is None
+    assert reason in said
+
+
+def test_a_missing_module_file_or_manifest_is_refused(tmp_path: Path) -> None:
+    build = _fake_build(tmp_path / "build")
+    victim = build / (native.COMPILED[0].replace(".", "/") + native._suffix())
+    victim.unlink()
+    files, said = native.check_build(build)
+    assert files is None
+    assert "missing" in said
+    assert str(victim) in said
+    files, said = native.check_build(tmp_path / "nothing")
+    assert files is None
+    assert "no build at" in said
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / native.MANIFEST).write_text("{", encoding="utf-8")
+    files, said = native.check_build(tmp_path / "broken")
+    assert files is None
+    assert "unreadable" in said
+
+
+# -- a real build, in real processes ------------------------------------------------------------
+
+
+def _loaded_file(env: dict[str, str], cwd: Path) -> tuple[str, str]:
+    """What a fresh interpreter imports for ``tokenfair.core.drr``, and its native status."""
+    script = (
+        "import tokenfair.core.drr as m, tokenfair.native as n; "
+        "print(m.__file__); print(n.status().describe())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, **env},
+        check=True,
+    )
+    path, described = done.stdout.splitlines()
+    return path, described
+
+
+def test_a_stale_build_never_runs_and_the_switch_turns_a_fresh_one_off(tmp_path: Path) -> None:
+    build = _build()
+    path, described = _loaded_file({native.SWITCH_ENV: "1", native.DIR_ENV: str(build)}, tmp_path)
+    assert path.endswith(".so")
+    assert described.startswith("compiled")
+    path, described = _loaded_file({native.SWITCH_ENV: "0", native.DIR_ENV: str(build)}, tmp_path)
+    assert path.endswith(".py")
+    assert "TOKENFAIR_NATIVE=0" in described
+    stale = tmp_path / "stale"
+    shutil.copytree(build, stale)
+    manifest = json.loads((stale / native.MANIFEST).read_text(encoding="utf-8"))
+    manifest["sources"]["core/tokenfair.py"] = "0" * 64  # as if edited since the build
+    (stale / native.MANIFEST).write_text(json.dumps(manifest), encoding="utf-8")
+    path, described = _loaded_file({native.SWITCH_ENV: "1", native.DIR_ENV: str(stale)}, tmp_path)
+    assert path.endswith(".py")
+    assert "the sources changed since the build" in described
+    done = _run(
+        "native", "status", env={native.SWITCH_ENV: "1", native.DIR_ENV: str(stale)}, cwd=tmp_path
+    )
+    assert done.returncode == 1
+    assert "sources changed" in done.stdout
+
+
+def _trace(path: Path, seed: int, count: int) -> None:
+    """Random requests of six tenants (two batch), ~1.5x overload, with recorded usage on
+    two thirds of them (refunds and overruns), in (arrival_ms, request_id) order."""
+    rng = random.Random(seed)
+    lines = []
+    arrival_ms = 0.0
+    for number in range(count):
+        tenant = rng.randrange(6)
+        arrival_ms += rng.expovariate(1 / 6.0)
+        line: dict[str, Any] = {
+            "request_id": f"r{number:06d}",
+            "tenant_id": f"t{tenant}",
+            "arrival_ms": round(arrival_ms, 3),
+            "prefill_tokens": rng.randint(1, 1500),
+            "decode_tokens": rng.randint(1, 300),
+            "priority_class": "batch" if tenant >= 4 else "interactive",
+        }
+        if rng.random() < 2 / 3:
+            line["actual_prefill_tokens"] = line["prefill_tokens"]
+            line["actual_decode_tokens"] = rng.randint(0, 3 * line["decode_tokens"])
+        lines.append(json.dumps(line))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _tenants(path: Path, lend: bool) -> None:
+    tenants = "\n".join(
+        f"- tenantId: t{i}\n  weight: {[1, 2, 1.5, 4, 1, 2][i]}\n"
+        f"  burstServiceTokens: {[8000, 60000, 20000, 40000, 30000, 12000][i]}\n"
+        f"  sustainedServiceTokensPerSecond: {[5000, 120000, 30000, 60000, 20000, 9000][i]}\n"
+        f"  priorityClass: {'batch' if i >= 4 else 'interactive'}"
+        for i in range(6)
+    )
+    path.write_text(
+        "apiVersion: tokenfair.io/v1alpha1\nkind: TokenfairConfig\npolicy:\n"
+        f"  lendIdleCapacity: {str(lend).lower()}\n  batchMinShare: 0.2\n"
+        f"tenants:\n{tenants}\n",
+        encoding="utf-8",
+    )
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["scenario", "trace", "trace-lending"],
+)
+def test_the_compiled_and_interpreted_cores_write_the_same_bytes(
+    tmp_path: Path, source: str
+) -> None:
+    build = _build()
+    if source == "scenario":
+        args: list[str | Path] = ["--scenario", "noisy-neighbor"]
+    else:
+        _trace(tmp_path / "trace.jsonl", seed=len(source), count=6000)
+        _tenants(tmp_path / "tenants.yaml", lend=source == "trace-lending")
+        args = ["--trace", tmp_path / "trace.jsonl", "--tenants", tmp_path / "tenants.yaml"]
+    outputs = {}
+    for switch in ("1", "0"):
+        records = tmp_path / f"records-{switch}.jsonl"
+        done = _run(
+            "simulate",
+            *args,
+            "--records",
+            records,
+            "--format",
+            "json",
+            env={native.SWITCH_ENV: switch, native.DIR_ENV: str(build)},
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stderr
+        outputs[switch] = (done.stdout, records.read_bytes())
+    report = json.loads(outputs["1"][0])
+    assert set(report["comparison"]) == {
+        "request_count_no_admission",
+        "service_token_drr_with_admission",
+        "tokenfair",
+    }
+    # one record per request and policy
+    assert outputs["1"][1].count(b"\n") == sum(
+        summary["total_requests"] for summary in report["comparison"].values()
+    )
+    assert outputs["1"][0] == outputs["0"][0]
+    assert outputs["1"][1] == outputs["0"][1]
