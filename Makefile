@@ -61,11 +61,11 @@ lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint native ## lint, then the whole test suite (and the core's tests on the interpreted core)
+test: lint native ## lint, then the whole test suite (and the sidecar's tests on the interpreted core)
 	$(BIN)/pytest
 	@if $(BIN)/tokenfair native status >/dev/null; then \
-		echo "the core's and the replay's tests again, on the interpreted core (TOKENFAIR_NATIVE=0):"; \
-		TOKENFAIR_NATIVE=0 $(BIN)/pytest -q tests/sidecar/core tests/sidecar/sim tests/sidecar/native; \
+		echo "the sidecar package's tests again, on the interpreted core (TOKENFAIR_NATIVE=0):"; \
+		TOKENFAIR_NATIVE=0 $(BIN)/pytest -q tests/sidecar; \
 	fi
 
 format: $(STAMP) ## apply ruff's formatting and safe fixes

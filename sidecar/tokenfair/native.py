@@ -4,18 +4,19 @@ used only when they were built from exactly the sources beside them.
 Why: the core is the per-request path of both the sidecar's admission and ``tokenfair
 simulate``; compiled, a replay costs a half to a third of the interpreted one
 (``bench/bench_simulate.py`` prints both). The sources stay the one truth: the extensions are
-built from them unchanged (``mypy --strict`` clean code is what mypyc compiles), they decide
-exactly as the interpreted modules do (``tests/sidecar/test_native.py`` replays the same traces
-both ways and compares the records byte for byte), and nothing depends on them being there.
+built from them unchanged (mypyc compiles the ``mypy --strict`` clean code as it is), they
+decide exactly as the interpreted modules do (``tests/sidecar/native/test_native.py`` replays
+the same traces both ways and compares the records byte for byte), and nothing depends on them
+being there.
 
 How:
 
 * ``tokenfair native build [DIR]`` (``make native``; needs mypy's ``mypyc`` and a C
-  compiler) compiles :data:`COMPILED` from a copy of the package into ``DIR`` and writes
-  ``DIR/manifest.json``: the extension file of each module, the interpreter's extension suffix,
-  and the SHA-256 of every source the compiled code was built against (:data:`HASHED`: the
-  compiled modules and everything they import, since mypyc may inline another module's
-  ``Final`` constants).
+  compiler) compiles :data:`COMPILED` from a copy of the package into a new
+  ``DIR/build-<id>/``, then points ``DIR/manifest.json`` at it (:func:`build`): the extension
+  file of each module, the interpreter's extension suffix, and the SHA-256 of every source the
+  compiled code was built against (:data:`HASHED`: the compiled modules and everything they
+  import, since mypyc may inline another module's ``Final`` constants).
 * At the first import of :mod:`tokenfair`, :func:`activate` reads the manifest of
   ``$TOKENFAIR_NATIVE_DIR`` (default ``<sys.prefix>/tokenfair-native``, where ``make native``
   puts it in the venv) and, if every digest matches the sources of this installation and the
@@ -24,7 +25,7 @@ How:
   another interpreter, ``TOKENFAIR_NATIVE=0`` — the pure-Python modules are imported, as
   always. :func:`status` says which, and why (``tokenfair native status`` prints it).
 
-The check costs one hash of ~0.3 MB of source per process (~1 ms).
+The check hashes ~0.2 MB of source once per process (under a millisecond).
 """
 
 from __future__ import annotations
@@ -55,18 +56,24 @@ COMPILED: Final = (
 """The modules built as extensions: the core's per-request path and the replay loop. Package
 ``__init__`` modules stay interpreted (they hold no hot code, and the finder needs them)."""
 
-HASHED: Final = ("__init__.py", "config", "core", "sim/__init__.py", "sim/simulator.py")
+HASHED: Final = (
+    "__init__.py",
+    "native.py",
+    "config",
+    "core",
+    "sim/__init__.py",
+    "sim/simulator.py",
+)
 """What the compiled code was built against, relative to the ``tokenfair`` package folder
-(a folder: every ``.py`` file in it): the compiled modules and all they import
-(``tests/test_layout.py``: ``core`` imports only ``config``, the simulator ``config`` and
-``core``)."""
+(a folder: every ``.py`` file in it): the compiled modules and all they import, transitively
+(``tests/sidecar/native/test_native.py`` reads their import statements and checks it)."""
 
 SWITCH_ENV: Final = "TOKENFAIR_NATIVE"
 """``0``: never use the compiled modules (any other value, or unset: use them if fresh)."""
 DIR_ENV: Final = "TOKENFAIR_NATIVE_DIR"
 """Where the build is; default ``<sys.prefix>/tokenfair-native``."""
 MANIFEST: Final = "manifest.json"
-FORMAT: Final = 1
+FORMAT: Final = 2
 """The manifest's format; a build of another format is not used."""
 
 PACKAGE_DIR: Final = Path(__file__).resolve().parent
@@ -90,18 +97,23 @@ _status: Status | None = None
 
 
 def native_dir() -> Path:
-    """``$TOKENFAIR_NATIVE_DIR``, or ``<sys.prefix>/tokenfair-native``."""
+    """``$TOKENFAIR_NATIVE_DIR``, or ``<sys.prefix>/tokenfair-native``; absolute (a process
+    that changes its directory still finds the modules it has not imported yet)."""
     configured = os.environ.get(DIR_ENV)
-    return Path(configured) if configured else Path(sys.prefix) / "tokenfair-native"
+    return (Path(configured) if configured else Path(sys.prefix) / "tokenfair-native").absolute()
 
 
 def source_digests(package_dir: Path = PACKAGE_DIR) -> dict[str, str]:
-    """SHA-256 (hex) of each source of :data:`HASHED`, by path relative to ``package_dir``."""
+    """SHA-256 (hex) of each source of :data:`HASHED`, by path relative to ``package_dir``: the
+    regular ``.py`` files, not hidden ones (an editor's lock file such as ``.#drr.py`` is a
+    dangling link). ``OSError`` if one cannot be read."""
     digests: dict[str, str] = {}
     for entry in HASHED:
         path = package_dir / entry
         files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
         for file in files:
+            if file.name.startswith(".") or (path.is_dir() and not file.is_file()):
+                continue
             relative = file.relative_to(package_dir).as_posix()
             digests[relative] = hashlib.sha256(file.read_bytes()).hexdigest()
     return digests
@@ -144,7 +156,11 @@ def check_build(directory: Path) -> tuple[dict[str, Path] | None, str]:
         return None, f"{manifest_path}: not a format-{FORMAT} manifest"
     if manifest.get("suffix") != _suffix():
         return None, f"built for another interpreter ({manifest.get('suffix')})"
-    if manifest.get("sources") != source_digests():
+    try:
+        digests = source_digests()
+    except OSError as exc:
+        return None, f"cannot read the sources to check the build: {exc}"
+    if manifest.get("sources") != digests:
         return None, "the sources changed since the build (make native)"
     modules = manifest.get("modules")
     if not isinstance(modules, dict) or set(COMPILED) - set(modules):
@@ -163,10 +179,6 @@ def activate() -> Status:
     if _status is not None:
         return _status
     directory = native_dir()
-    imported = [name for name in COMPILED if name in sys.modules]
-    if imported:
-        _status = Status(False, directory, f"imported before activation: {imported[0]}")
-        return _status
     if os.environ.get(SWITCH_ENV) == "0":
         _status = Status(False, directory, f"{SWITCH_ENV}=0")
         return _status
@@ -184,26 +196,60 @@ def status() -> Status:
     return activate()
 
 
+MARKER: Final = ".tokenfair-native"
+"""The file that marks a directory as one :func:`build` may write into (and prune)."""
+KEEP_BUILDS: Final = 2
+"""Builds kept in a directory: the current one and the one before, so that a process that
+checked the previous manifest can still import the modules it has not imported yet."""
+
+
 def build(directory: Path, *, python: str = sys.executable) -> dict[str, object]:
-    """Compile :data:`COMPILED` from a copy of this package into ``directory`` (replaced) and
-    write its manifest; returns the manifest. Needs mypyc (the ``dev`` extra's mypy) and a C
-    compiler; a failure raises ``RuntimeError`` with mypyc's output."""
-    import shutil  # only a build needs these: every command imports this module at start
+    """Compile :data:`COMPILED` from a copy of this package and install it as the current build
+    of ``directory``; returns the manifest. Needs mypyc (the ``dev`` extra's mypy) and a C
+    compiler; every failure raises ``RuntimeError``, leaving the current build as it was.
+
+    Layout: ``directory/manifest.json`` names the current build, ``directory/build-<id>/``
+    holds its files; a build is never changed once installed. The new build is staged inside
+    ``directory``, renamed to its own ``build-<id>``, then the manifest is replaced in one
+    ``os.replace``: a process reading it sees the old build or the new one, whole. Builds
+    beyond :data:`KEEP_BUILDS` are removed. Builds into one directory are serialised by a lock
+    (``directory/.lock``). ``directory`` must be new, empty, or one this function made (it
+    holds :data:`MARKER`): a build never deletes anything else."""
+    import fcntl  # only a build needs these: every command imports this module at start
+    import shutil
     import subprocess
     import tempfile
 
-    digests = source_digests()
+    directory = directory.absolute()
+    if (
+        directory.exists()
+        and not (directory / MARKER).is_file()
+        and (not directory.is_dir() or any(directory.iterdir()))
+    ):
+        raise RuntimeError(
+            f"{directory} exists and is not a build directory (no {MARKER}): "
+            "give a new or empty directory"
+        )
+    try:
+        digests = source_digests()
+    except OSError as exc:
+        raise RuntimeError(f"cannot read the sources: {exc}") from None
+    suffix = _suffix()
     with tempfile.TemporaryDirectory(prefix="tokenfair-native-") as scratch:
         work = Path(scratch)
         shutil.copytree(
-            PACKAGE_DIR, work / "tokenfair", ignore=shutil.ignore_patterns("__pycache__", "*.so")
+            PACKAGE_DIR,
+            work / "tokenfair",
+            ignore=shutil.ignore_patterns("__pycache__", "*.so", ".*"),
         )
+        # mypy's options are ours, not whatever config a user has: strict, as `make lint`.
+        config = work / "mypy.ini"
+        config.write_text("[mypy]\nstrict = True\n", encoding="utf-8")
         sources = [name.replace(".", "/") + ".py" for name in COMPILED]
-        env = {**os.environ, "MYPYC_OPT_LEVEL": "3"}
         done = subprocess.run(
-            [python, "-m", "mypyc", *sources],
+            [python, "-m", "mypyc", "--config-file", str(config), *sources],
             cwd=work,
-            env=env,
+            env={**os.environ, "MYPYC_OPT_LEVEL": "3"},
             capture_output=True,
             text=True,
             check=False,
@@ -212,32 +258,57 @@ def build(directory: Path, *, python: str = sys.executable) -> dict[str, object]
             raise RuntimeError(f"mypyc failed ({done.returncode}):\n{done.stdout}{done.stderr}")
         if source_digests(work / "tokenfair") != digests:
             raise RuntimeError("the sources changed during the build: build again")
-        suffix = _suffix()
-        staged = Path(tempfile.mkdtemp(prefix=".native-", dir=directory.parent))
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / MARKER).touch()
+            with (directory / ".lock").open("w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                return _install(directory, work, suffix, digests)
+        except OSError as exc:
+            raise RuntimeError(f"cannot install the build in {directory}: {exc}") from None
+
+
+def _install(
+    directory: Path, work: Path, suffix: str, digests: dict[str, str]
+) -> dict[str, object]:
+    """The install step of :func:`build`, under its lock: stage, rename, switch, prune."""
+    import shutil
+    import time
+
+    for stale in directory.glob(".staging-*"):  # left by a build that died (we hold the lock)
+        shutil.rmtree(stale, ignore_errors=True)
+    build_id = f"build-{time.time_ns()}-{os.getpid()}"
+    staged = directory / f".staging-{build_id}"
+    try:
         modules: dict[str, str] = {}
-        for name in COMPILED:
-            relative = name.replace(".", "/") + suffix
+        names = [(name, name.replace(".", "/") + suffix) for name in COMPILED]
+        # mypyc's shared library (named by a hash of the module list): a top-level module
+        # that every compiled module imports.
+        names += [(shared.name[: -len(suffix)], shared.name) for shared in work.glob(f"*{suffix}")]
+        for name, relative in names:
             target = staged / relative
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(work / relative, target)
-            modules[name] = relative
-        # mypyc's shared library (one per build, named by a hash of the module list): a
-        # top-level module every compiled module imports.
-        for shared in work.glob(f"*__mypyc{suffix}"):
-            shutil.copy2(shared, staged / shared.name)
-            modules[shared.name[: -len(suffix)]] = shared.name
+            shutil.copyfile(work / relative, target)
+            modules[name] = f"{build_id}/{relative}"
+        for folder in [staged, *(p for p in staged.rglob("*") if p.is_dir())]:
+            folder.chmod(0o755)  # readable by whoever runs the installation, as the venv is
+        staged.rename(directory / build_id)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
     manifest: dict[str, object] = {
         "format": FORMAT,
         "suffix": suffix,
+        "build": build_id,
         "modules": modules,
         "sources": digests,
     }
-    (staged / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    # Replace the old build in one rename, so a process starting meanwhile sees one or the other.
-    old = directory.with_name(directory.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if directory.exists():
-        directory.rename(old)
-    staged.rename(directory)
-    shutil.rmtree(old, ignore_errors=True)
+    pending = directory / f".{MANIFEST}.{build_id}"
+    pending.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    os.replace(pending, directory / MANIFEST)
+    builds = sorted(directory.glob("build-*"), key=lambda p: p.stat().st_mtime, reverse=True)
+    kept = [directory / build_id, *[p for p in builds if p.name != build_id][: KEEP_BUILDS - 1]]
+    for old in builds:
+        if old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
     return manifest

@@ -59,7 +59,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"up to date: {directory}")
             return 0
         print(f"building: {reason}")
-    directory.parent.mkdir(parents=True, exist_ok=True)
     try:
         native.build(directory)
     except (RuntimeError, OSError) as exc:

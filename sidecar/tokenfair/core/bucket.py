@@ -138,7 +138,7 @@ class ExactTokenBucket:
         return self.level_units / _UNIT
 
     @level.setter
-    def level(self, tokens: float) -> None:
+    def level(self, tokens: int | float) -> None:
         self.level_units = _units(tokens)
 
     def refill(self, now_ms: float) -> float:
@@ -179,7 +179,7 @@ class ExactTokenBucket:
         self.refill(now_ms)
         return self.level_units >= need
 
-    def ms_until(self, tokens: float, now_ms: float) -> float:
+    def ms_until(self, tokens: int | float, now_ms: float) -> float:
         """Milliseconds from ``now_ms`` until the level reaches ``tokens`` (0 if it has)."""
         if now_ms > self.refilled_at_ms:
             self.refill(now_ms)
@@ -189,7 +189,7 @@ class ExactTokenBucket:
         ) - self.level_units
         return 0.0 if missing <= 0 else missing / self._rate_units_per_ms
 
-    def settle(self, refund_tokens: float) -> None:
+    def settle(self, refund_tokens: int | float) -> None:
         """Return (positive) or take (negative) the difference between estimate and actual."""
         level = self.level_units + _units(refund_tokens)
         cap = self.burst_units
@@ -278,7 +278,7 @@ class LeasedBucket(ExactTokenBucket):
     def covers(self, tokens: int, now_ms: float) -> bool:
         return self.ms_until(tokens, now_ms) == 0.0  # a shortfall is reported (`ms_until`)
 
-    def ms_until(self, tokens: float, now_ms: float) -> float:
+    def ms_until(self, tokens: int | float, now_ms: float) -> float:
         if not self.shared:
             return ExactTokenBucket.ms_until(self, tokens, now_ms)
         missing = _units(tokens) - self.level_units

@@ -313,7 +313,7 @@ class DeficitRoundRobin:
         queue.in_active = False
         self.active_quanta_units -= queue.quantum_units
 
-    def settle(self, tenant_id: str, overrun_tokens: float) -> None:
+    def settle(self, tenant_id: str, overrun_tokens: int | float) -> None:
         """Charge ``actual - charged`` of a sent request, in service tokens, to its tenant's
         deficit (:meth:`settle_units`, after rounding to the nearest unit)."""
         self.settle_units(tenant_id, to_units(overrun_tokens))

@@ -103,10 +103,12 @@ weight, a refill over float milliseconds), stated where it happens. A service to
 float (``units / UNITS_PER_TOKEN``) only for reading and prediction."""
 
 
-def to_units(tokens: float) -> int:
+def to_units(tokens: int | float) -> int:
     """``tokens`` in units: exact for an integer count, else the nearest unit to the float's
     ``tokens * 10^9`` (off by at most ``0.5 unit + 2^-53 * tokens * 10^9``; the same value
-    always gives the same units)."""
+    always gives the same units). ``int | float``, not ``float``: the compiled core
+    (``tokenfair.native``) would turn an ``int`` argument into a float, and an integer count
+    above 2^53 / 10^9 tokens would no longer be exact."""
     return tokens * UNITS_PER_TOKEN if type(tokens) is int else round(tokens * UNITS_PER_TOKEN)
 
 

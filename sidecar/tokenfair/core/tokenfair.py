@@ -407,7 +407,7 @@ class TokenfairScheduler(Scheduler):
         else:
             ratio = tenant.usage_ratio
             # An integer at a ratio up to 1: the bucket compares it exactly, without rounding.
-            needed = (
+            needed: int | float = (
                 tenant.queued_tokens * ratio + service_tokens
                 if ratio > 1.0
                 else tenant.queued_tokens + service_tokens

@@ -17,6 +17,7 @@ The tests that need a real build skip without one, and fail instead where CI req
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -132,6 +133,44 @@ def test_digests_cover_the_compiled_modules_and_what_they_import() -> None:
     assert digests["core/drr.py"] == hashlib.sha256(source.read_bytes()).hexdigest()
 
 
+def _module_file(name: str) -> Path | None:
+    """The source of ``tokenfair.x.y`` (a module or a package), None if not ours."""
+    parts = name.split(".")
+    if parts[0] != "tokenfair":
+        return None
+    base = native.PACKAGE_DIR.joinpath(*parts[1:])
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def test_the_digests_cover_everything_the_compiled_modules_import() -> None:
+    # Transitively, from each compiled module's import statements (function-level ones too),
+    # plus each package's __init__ that importing a module runs.
+    pending = list(native.COMPILED)
+    seen: set[Path] = set()
+    while pending:
+        name = pending.pop()
+        parts = name.split(".")
+        pending += [".".join(parts[:end]) for end in range(1, len(parts))]  # its packages
+        file = _module_file(name)
+        if file is None or file in seen:
+            continue
+        seen.add(file)
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                pending += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                pending.append(node.module)
+                pending += [f"{node.module}.{alias.name}" for alias in node.names]
+    hashed = set(native.source_digests())
+    imported = {file.relative_to(native.PACKAGE_DIR).as_posix() for file in seen}
+    assert "core/tokenfair.py" in imported  # the walk found the core
+    assert "config/__init__.py" in imported  # and what it imports
+    assert imported - hashed == set()
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
@@ -167,6 +206,67 @@ def test_a_missing_module_file_or_manifest_is_refused(tmp_path: Path) -> None:
     files, said = native.check_build(tmp_path / "broken")
     assert files is None
     assert "unreadable" in said
+
+
+# -- installing a build (no compiler needed: fake extension files) -----------------------------
+
+
+def test_a_build_never_replaces_a_directory_that_is_not_one(tmp_path: Path) -> None:
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "notes.txt").write_text("precious", encoding="utf-8")
+    with pytest.raises(RuntimeError, match="is not a build directory"):
+        native.build(occupied)
+    assert (occupied / "notes.txt").read_text(encoding="utf-8") == "precious"
+    (tmp_path / "a-file").write_text("precious", encoding="utf-8")
+    with pytest.raises(RuntimeError, match="is not a build directory"):
+        native.build(tmp_path / "a-file")
+    done = _run("native", "build", occupied, env={}, cwd=tmp_path)
+    assert done.returncode == 1
+    assert "is not a build directory" in done.stderr
+    assert sorted(p.name for p in occupied.iterdir()) == ["notes.txt"]
+
+
+def _fake_work(work: Path) -> None:
+    """What mypyc leaves in its work folder: an extension per module and the shared library."""
+    suffix = native._suffix()
+    for name in native.COMPILED:
+        file = work / (name.replace(".", "/") + suffix)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_bytes(name.encode())
+    (work / f"0123abcd__mypyc{suffix}").write_bytes(b"shared")
+
+
+def test_builds_are_installed_whole_switched_by_the_manifest_and_pruned(tmp_path: Path) -> None:
+    work, directory = tmp_path / "work", tmp_path / "native"
+    _fake_work(work)
+    directory.mkdir()
+    (directory / native.MARKER).touch()
+    (directory / ".staging-build-1-1").mkdir()  # left by a build that died
+    digests = native.source_digests()
+    manifests = [native._install(directory, work, native._suffix(), digests) for _ in range(4)]
+    current = manifests[-1]
+    on_disk = json.loads((directory / native.MANIFEST).read_text(encoding="utf-8"))
+    assert on_disk == current
+    files, reason = native.check_build(directory)
+    assert reason == ""
+    assert files is not None
+    assert set(files) == {*native.COMPILED, "0123abcd__mypyc"}
+    assert all(
+        str(path).startswith(str(directory / str(current["build"]))) for path in files.values()
+    )
+    assert files["tokenfair.core.drr"].read_bytes() == b"tokenfair.core.drr"
+    # the current build and the one before it are kept (a process may still import from it)
+    kept = sorted(p.name for p in directory.glob("build-*"))
+    assert kept == sorted([str(manifests[-1]["build"]), str(manifests[-2]["build"])])
+    assert not list(directory.glob(".staging-*"))
+    assert not list(directory.glob(f".{native.MANIFEST}.*"))
+    for folder in [
+        directory / str(current["build"]),
+        *(directory / str(current["build"])).rglob("*"),
+    ]:
+        if folder.is_dir():
+            assert folder.stat().st_mode & 0o777 == 0o755
 
 
 # -- a real build, in real processes ------------------------------------------------------------
@@ -267,6 +367,10 @@ def test_the_compiled_and_interpreted_cores_write_the_same_bytes(
         _trace(tmp_path / "trace.jsonl", seed=len(source), count=6000)
         _tenants(tmp_path / "tenants.yaml", lend=source == "trace-lending")
         args = ["--trace", tmp_path / "trace.jsonl", "--tenants", tmp_path / "tenants.yaml"]
+    proof = _run(
+        "native", "status", env={native.SWITCH_ENV: "1", native.DIR_ENV: str(build)}, cwd=tmp_path
+    )
+    assert proof.returncode == 0, proof.stdout  # the first run below is on the compiled core
     outputs = {}
     for switch in ("1", "0"):
         records = tmp_path / f"records-{switch}.jsonl"
@@ -294,3 +398,38 @@ def test_the_compiled_and_interpreted_cores_write_the_same_bytes(
     )
     assert outputs["1"][0] == outputs["0"][0]
     assert outputs["1"][1] == outputs["0"][1]
+
+
+def test_both_cores_keep_exact_state_for_the_largest_settlements(tmp_path: Path) -> None:
+    # Integer token counts stay integers in the compiled core (a `float` parameter would turn
+    # 2**40 - 1 into a float and its units would be off by ~5e4).
+    build = _build()
+    script = (
+        "from tokenfair.config import PolicyConfig, TenantConfig, build_config\n"
+        "from tokenfair.core import Request, make_scheduler\n"
+        "from tokenfair.core.scheduler import MAX_SETTLED_TOKENS\n"
+        "from tokenfair import native\n"
+        "tenants = [TenantConfig('a', 1.0, 10**6, 1000.0, 'interactive')]\n"
+        "s = make_scheduler('tokenfair', build_config(PolicyConfig(), tenants))\n"
+        "assert s.submit(Request('r', 'a', 0.0, 100, 10, 'interactive'), 0.0) is None\n"
+        "assert s.next_dispatch(0.0) is not None\n"
+        "s.complete('r', 1.0, MAX_SETTLED_TOKENS - 1)\n"
+        "bucket = s.tenants['a'].bucket\n"
+        "print(native.status().active, bucket.level_units, s.books())\n"
+    )
+    lines = {}
+    for switch in ("1", "0"):
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, native.SWITCH_ENV: switch, native.DIR_ENV: str(build)},
+            check=True,
+        )
+        lines[switch] = done.stdout.split(" ", 1)
+    assert lines["1"][0] == "True"
+    assert lines["0"][0] == "False"
+    assert lines["1"][1] == lines["0"][1]
+    level_units = int(lines["0"][1].split()[0])
+    assert level_units % 10**9 == 0  # whole tokens: exact, no float rounding
