@@ -2,12 +2,12 @@
 used only when they were built from exactly the sources beside them.
 
 Why: the core is the per-request path of both the sidecar's admission and ``tokenfair
-simulate``; compiled, a replay costs a half to a third of the interpreted one
-(``bench/bench_simulate.py`` prints both). The sources stay the one truth: the extensions are
-built from them unchanged (mypyc compiles the ``mypy --strict`` clean code as it is), they
-decide exactly as the interpreted modules do (``tests/sidecar/native/test_native.py`` replays
-the same traces both ways and compares the records byte for byte), and nothing depends on them
-being there.
+simulate``; compiled, a replay takes ~35-60 % of the interpreted one's CPU time
+(``bench/bench_core.py`` and ``bench/bench_simulate.py`` print both). The sources stay the one
+truth: the extensions are built from them unchanged (mypyc compiles the ``mypy --strict``
+clean code as it is), they decide exactly as the interpreted modules do
+(``tests/sidecar/native/test_native.py`` replays the same traces both ways and compares the
+records byte for byte), and nothing depends on them being there.
 
 How:
 
@@ -198,9 +198,35 @@ def status() -> Status:
 
 MARKER: Final = ".tokenfair-native"
 """The file that marks a directory as one :func:`build` may write into (and prune)."""
-KEEP_BUILDS: Final = 2
-"""Builds kept in a directory: the current one and the one before, so that a process that
-checked the previous manifest can still import the modules it has not imported yet."""
+
+
+def is_build_id(name: str) -> bool:
+    """``build-<ns since the epoch>-<pid>``: the name of a build's folder, the only entries a
+    build removes besides its own leftovers (``.staging-<id>``, ``.manifest.json.<id>``)."""
+    parts = name.split("-")
+    return len(parts) == 3 and parts[0] == "build" and parts[1].isdigit() and parts[2].isdigit()
+
+
+def _claim(directory: Path, *, mark: bool) -> None:
+    """Refuse a ``directory`` that :func:`build` may not write into: one that exists, is not
+    empty and does not hold :data:`MARKER`. With ``mark``, create it and the marker."""
+    if (
+        directory.exists()
+        and not (directory / MARKER).is_file()
+        and (not directory.is_dir() or any(directory.iterdir()))
+    ):
+        raise RuntimeError(
+            f"{directory} exists and is not a build directory (no {MARKER}): "
+            "give a new or empty directory"
+        )
+    if mark:
+        if not directory.exists():
+            directory.mkdir(parents=True)
+            directory.chmod(0o755)  # not the umask's: readable by whoever runs the venv
+        for name in (MARKER, ".lock"):
+            if not (directory / name).exists():
+                (directory / name).touch()
+                (directory / name).chmod(0o644)
 
 
 def build(directory: Path, *, python: str = sys.executable) -> dict[str, object]:
@@ -211,25 +237,20 @@ def build(directory: Path, *, python: str = sys.executable) -> dict[str, object]
     Layout: ``directory/manifest.json`` names the current build, ``directory/build-<id>/``
     holds its files; a build is never changed once installed. The new build is staged inside
     ``directory``, renamed to its own ``build-<id>``, then the manifest is replaced in one
-    ``os.replace``: a process reading it sees the old build or the new one, whole. Builds
-    beyond :data:`KEEP_BUILDS` are removed. Builds into one directory are serialised by a lock
+    ``os.replace``: a process reading it sees the old build or the new one, whole. The build the
+    replaced manifest named is kept (a process that read it may still import from it); every
+    other ``build-<id>`` folder is removed. Builds into one directory are serialised by a lock
     (``directory/.lock``). ``directory`` must be new, empty, or one this function made (it
-    holds :data:`MARKER`): a build never deletes anything else."""
+    holds :data:`MARKER`), checked before compiling and again under the lock: a build never
+    removes anything but build folders and its own leftovers. Files are written readable by
+    all (0644, folders 0755), whatever the umask, as a venv's are."""
     import fcntl  # only a build needs these: every command imports this module at start
     import shutil
     import subprocess
     import tempfile
 
     directory = directory.absolute()
-    if (
-        directory.exists()
-        and not (directory / MARKER).is_file()
-        and (not directory.is_dir() or any(directory.iterdir()))
-    ):
-        raise RuntimeError(
-            f"{directory} exists and is not a build directory (no {MARKER}): "
-            "give a new or empty directory"
-        )
+    _claim(directory, mark=False)  # fail before a 20 s compile, not after
     try:
         digests = source_digests()
     except OSError as exc:
@@ -259,10 +280,10 @@ def build(directory: Path, *, python: str = sys.executable) -> dict[str, object]
         if source_digests(work / "tokenfair") != digests:
             raise RuntimeError("the sources changed during the build: build again")
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / MARKER).touch()
-            with (directory / ".lock").open("w") as lock:
+            _claim(directory, mark=True)
+            with (directory / ".lock").open("a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
+                _claim(directory, mark=True)  # again, under the lock
                 return _install(directory, work, suffix, digests)
         except OSError as exc:
             raise RuntimeError(f"cannot install the build in {directory}: {exc}") from None
@@ -271,14 +292,22 @@ def build(directory: Path, *, python: str = sys.executable) -> dict[str, object]
 def _install(
     directory: Path, work: Path, suffix: str, digests: dict[str, str]
 ) -> dict[str, object]:
-    """The install step of :func:`build`, under its lock: stage, rename, switch, prune."""
+    """The install step of :func:`build`, under its lock: sweep, stage, rename, switch, prune."""
     import shutil
     import time
 
-    for stale in directory.glob(".staging-*"):  # left by a build that died (we hold the lock)
-        shutil.rmtree(stale, ignore_errors=True)
+    for leftover in directory.glob(".staging-build-*"):  # a build that died (we hold the lock)
+        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in directory.glob(f".{MANIFEST}.build-*"):
+        leftover.unlink(missing_ok=True)
+    try:
+        previous = json.loads((directory / MANIFEST).read_text(encoding="utf-8")).get("build")
+    except (OSError, ValueError, AttributeError):
+        previous = None
     build_id = f"build-{time.time_ns()}-{os.getpid()}"
     staged = directory / f".staging-{build_id}"
+    pending = directory / f".{MANIFEST}.{build_id}"
+    installed = False
     try:
         modules: dict[str, str] = {}
         names = [(name, name.replace(".", "/") + suffix) for name in COMPILED]
@@ -289,26 +318,28 @@ def _install(
             target = staged / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(work / relative, target)
+            target.chmod(0o644)
             modules[name] = f"{build_id}/{relative}"
         for folder in [staged, *(p for p in staged.rglob("*") if p.is_dir())]:
-            folder.chmod(0o755)  # readable by whoever runs the installation, as the venv is
+            folder.chmod(0o755)
         staged.rename(directory / build_id)
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
-        raise
-    manifest: dict[str, object] = {
-        "format": FORMAT,
-        "suffix": suffix,
-        "build": build_id,
-        "modules": modules,
-        "sources": digests,
-    }
-    pending = directory / f".{MANIFEST}.{build_id}"
-    pending.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    os.replace(pending, directory / MANIFEST)
-    builds = sorted(directory.glob("build-*"), key=lambda p: p.stat().st_mtime, reverse=True)
-    kept = [directory / build_id, *[p for p in builds if p.name != build_id][: KEEP_BUILDS - 1]]
-    for old in builds:
-        if old not in kept:
-            shutil.rmtree(old, ignore_errors=True)
+        manifest: dict[str, object] = {
+            "format": FORMAT,
+            "suffix": suffix,
+            "build": build_id,
+            "modules": modules,
+            "sources": digests,
+        }
+        pending.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        pending.chmod(0o644)
+        os.replace(pending, directory / MANIFEST)
+        installed = True
+    finally:
+        if not installed:  # the current build stays as it was; nothing of this one is left
+            shutil.rmtree(staged, ignore_errors=True)
+            shutil.rmtree(directory / build_id, ignore_errors=True)
+            pending.unlink(missing_ok=True)
+    for entry in directory.iterdir():
+        if entry.is_dir() and is_build_id(entry.name) and entry.name not in (build_id, previous):
+            shutil.rmtree(entry, ignore_errors=True)
     return manifest

@@ -211,6 +211,21 @@ def test_a_missing_module_file_or_manifest_is_refused(tmp_path: Path) -> None:
 # -- installing a build (no compiler needed: fake extension files) -----------------------------
 
 
+def test_a_build_never_removes_what_is_not_a_build(tmp_path: Path) -> None:
+    # A directory of ours, with a folder that only looks like a build, and a user's files.
+    work, directory = tmp_path / "work", _marked(tmp_path / "native")
+    _fake_work(work)
+    for name in ("build-my-notes", "build-1-x", "notes"):
+        (directory / name).mkdir()
+        (directory / name / "precious.txt").write_text("precious", encoding="utf-8")
+    for _ in range(3):
+        native._install(directory, work, native._suffix(), native.source_digests())
+    for name in ("build-my-notes", "build-1-x", "notes"):
+        assert (directory / name / "precious.txt").read_text(encoding="utf-8") == "precious"
+    assert native.is_build_id("build-1796187407487277449-18065")
+    assert not native.is_build_id("build-my-notes")
+
+
 def test_a_build_never_replaces_a_directory_that_is_not_one(tmp_path: Path) -> None:
     occupied = tmp_path / "occupied"
     occupied.mkdir()
@@ -237,36 +252,76 @@ def _fake_work(work: Path) -> None:
     (work / f"0123abcd__mypyc{suffix}").write_bytes(b"shared")
 
 
+def _marked(directory: Path) -> Path:
+    native._claim(directory, mark=True)
+    return directory
+
+
 def test_builds_are_installed_whole_switched_by_the_manifest_and_pruned(tmp_path: Path) -> None:
-    work, directory = tmp_path / "work", tmp_path / "native"
+    work, directory = tmp_path / "work", _marked(tmp_path / "native")
     _fake_work(work)
-    directory.mkdir()
-    (directory / native.MARKER).touch()
     (directory / ".staging-build-1-1").mkdir()  # left by a build that died
+    (directory / f".{native.MANIFEST}.build-1-1").write_text("{", encoding="utf-8")
+    (directory / "build-7-7").mkdir()  # an orphan: renamed, never named by a manifest
     digests = native.source_digests()
-    manifests = [native._install(directory, work, native._suffix(), digests) for _ in range(4)]
-    current = manifests[-1]
+    first = native._install(directory, work, native._suffix(), digests)
+    # Whatever the times say (a clock stepped back, equal stamps), the build the replaced
+    # manifest named is the one kept: not the newest other folder.
+    os.utime(directory / str(first["build"]), (0, 0))
+    orphan = directory / "build-8-8"
+    orphan.mkdir()
+    os.utime(orphan, (4_000_000_000, 4_000_000_000))
+    second = native._install(directory, work, native._suffix(), digests)
+    third = native._install(directory, work, native._suffix(), digests)
     on_disk = json.loads((directory / native.MANIFEST).read_text(encoding="utf-8"))
-    assert on_disk == current
+    assert on_disk == third
+    kept = sorted(p.name for p in directory.iterdir() if p.name.startswith("build-"))
+    assert kept == sorted([str(second["build"]), str(third["build"])])
     files, reason = native.check_build(directory)
     assert reason == ""
     assert files is not None
     assert set(files) == {*native.COMPILED, "0123abcd__mypyc"}
-    assert all(
-        str(path).startswith(str(directory / str(current["build"]))) for path in files.values()
-    )
+    build_dir = directory / str(third["build"])
+    assert all(path.is_relative_to(build_dir) for path in files.values())
     assert files["tokenfair.core.drr"].read_bytes() == b"tokenfair.core.drr"
-    # the current build and the one before it are kept (a process may still import from it)
-    kept = sorted(p.name for p in directory.glob("build-*"))
-    assert kept == sorted([str(manifests[-1]["build"]), str(manifests[-2]["build"])])
     assert not list(directory.glob(".staging-*"))
     assert not list(directory.glob(f".{native.MANIFEST}.*"))
-    for folder in [
-        directory / str(current["build"]),
-        *(directory / str(current["build"])).rglob("*"),
-    ]:
-        if folder.is_dir():
-            assert folder.stat().st_mode & 0o777 == 0o755
+
+
+def test_a_build_leaves_its_files_readable_by_all_whatever_the_umask(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    _fake_work(work)
+    previous = os.umask(0o077)
+    try:
+        directory = _marked(tmp_path / "native")
+        manifest = native._install(directory, work, native._suffix(), native.source_digests())
+    finally:
+        os.umask(previous)
+    build_dir = directory / str(manifest["build"])
+    assert directory.stat().st_mode & 0o777 == 0o755
+    for entry in [directory / native.MANIFEST, directory / native.MARKER, directory / ".lock"]:
+        assert entry.stat().st_mode & 0o777 == 0o644, entry
+    for entry in [build_dir, *build_dir.rglob("*")]:
+        assert entry.stat().st_mode & 0o777 == (0o755 if entry.is_dir() else 0o644), entry
+
+
+def test_a_failed_install_leaves_the_current_build_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work, directory = tmp_path / "work", _marked(tmp_path / "native")
+    _fake_work(work)
+    current = native._install(directory, work, native._suffix(), native.source_digests())
+    before = sorted(p.name for p in directory.iterdir())
+
+    def full_disk(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        native._install(directory, work, native._suffix(), native.source_digests())
+    monkeypatch.undo()
+    assert sorted(p.name for p in directory.iterdir()) == before
+    assert json.loads((directory / native.MANIFEST).read_text(encoding="utf-8")) == current
 
 
 # -- a real build, in real processes ------------------------------------------------------------
@@ -415,7 +470,15 @@ def test_both_cores_keep_exact_state_for_the_largest_settlements(tmp_path: Path)
         "assert s.next_dispatch(0.0) is not None\n"
         "s.complete('r', 1.0, MAX_SETTLED_TOKENS - 1)\n"
         "bucket = s.tenants['a'].bucket\n"
-        "print(native.status().active, bucket.level_units, s.books())\n"
+        "from tokenfair.core.bucket import ExactTokenBucket, LeasedBucket\n"
+        "from tokenfair.core.jobs import to_units\n"
+        "big = MAX_SETTLED_TOKENS - 1\n"
+        "exact = ExactTokenBucket(2 * big, 1.0)\n"
+        "exact.level = big\n"
+        "leased = LeasedBucket(2 * big, 1.0)\n"
+        "leased.grant(big)\n"
+        "print(native.status().active, bucket.level_units, s.books(), to_units(big),\n"
+        "      exact.level_units, exact.ms_until(big + 1, 0.0), leased.ms_until(big + 2, 0.0))\n"
     )
     lines = {}
     for switch in ("1", "0"):
