@@ -182,7 +182,10 @@ def activate() -> Status:
     if os.environ.get(SWITCH_ENV) == "0":
         _status = Status(False, directory, f"{SWITCH_ENV}=0")
         return _status
-    files, reason = check_build(directory)
+    try:
+        files, reason = check_build(directory)
+    except Exception as exc:  # whatever is wrong with a build, the import of tokenfair works
+        files, reason = None, f"cannot check the build: {exc!r}"
     if files is None:
         _status = Status(False, directory, reason)
     else:

@@ -39,6 +39,7 @@ from typing import Final
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from tokenfair import native
 from tokenfair.server.admin import create_admin_app
 from tokenfair.server.app import SIDECAR
 from tokenfair.server.runtime_settings import SidecarSettings, parse_address
@@ -207,8 +208,9 @@ async def serve(settings: SidecarSettings, app: web.Application) -> None:
         admin_host, admin_port = parse_address(settings.admin_listen, "adminListen")
         await web.TCPSite(admin_runner, admin_host, admin_port).start()
         log.info(
-            "tokenfair sidecar: proxy on %s, admin on %s, backend %s",
+            "tokenfair sidecar: proxy on %s, admin on %s, backend %s, %s",
             settings.listen, settings.admin_listen, sidecar.backend.name,
+            native.status().describe(),
         )  # fmt: skip
         print(
             f"tokenfair sidecar ready: proxy http://{settings.listen} "

@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Final
 
+from tokenfair import native
 from tokenfair.config import Config, PriorityClass
 from tokenfair.config.budget_store import split_budgets
 from tokenfair.core import (
@@ -561,6 +562,9 @@ class Sidecar:
         return {
             "policy": self.policy_name,
             "backend": self.backend.name,
+            # which scheduling core this process runs (docs/native.md): "compiled" or
+            # "interpreted", the same decisions either way
+            "core": "compiled" if native.status().active else "interpreted",
             "config": config,
             "draining": self.dispatcher.draining,
             "max_in_flight": self.dispatcher.max_in_flight,

@@ -35,6 +35,7 @@ from sidecar_support import (
     wait_for,
 )
 
+from tokenfair import native
 from tokenfair.config import PolicyConfig, build_config
 from tokenfair.server.runtime_settings import LoadedFile, SidecarSettings
 from tokenfair.sim.records import read_trace
@@ -337,6 +338,7 @@ async def test_status_and_metrics_report_books_and_counters(aiohttp_client: Clie
     await clients.proxy.post("/v1/completions", json=completion_body(1, 1))  # 401
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
     status = await (await clients.admin.get("/status")).json()
+    assert status["core"] == ("compiled" if native.status().active else "interpreted")
     assert status["books"] == {
         "queued_requests": 0,
         "queued_service_tokens": 0,
