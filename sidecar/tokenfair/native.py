@@ -73,7 +73,7 @@ SWITCH_ENV: Final = "TOKENFAIR_NATIVE"
 DIR_ENV: Final = "TOKENFAIR_NATIVE_DIR"
 """Where the build is; default ``<sys.prefix>/tokenfair-native``."""
 MANIFEST: Final = "manifest.json"
-FORMAT: Final = 2
+FORMAT: Final = 3
 """The manifest's format; a build of another format is not used."""
 
 PACKAGE_DIR: Final = Path(__file__).resolve().parent
@@ -169,6 +169,13 @@ def check_build(directory: Path) -> tuple[dict[str, Path] | None, str]:
     missing = [str(file) for file in files.values() if not file.is_file()]
     if missing:
         return None, f"missing {', '.join(missing)}"
+    sizes = manifest.get("sizes")
+    # A size per file, read at install: a truncated or replaced extension is not imported (a
+    # stat each; a digest of ~2 MB of extensions would cost every command milliseconds).
+    if not isinstance(sizes, dict) or any(
+        files[name].stat().st_size != sizes.get(name) for name in files
+    ):
+        return None, f"{manifest_path}: an extension file is not the size it was built at"
     return files, ""
 
 
@@ -210,26 +217,51 @@ def is_build_id(name: str) -> bool:
     return len(parts) == 3 and parts[0] == "build" and parts[1].isdigit() and parts[2].isdigit()
 
 
+LOCK: Final = ".lock"
+
+
+def _ours(directory: Path) -> bool:
+    """``directory`` holds :data:`MARKER`, or a manifest of ours (a build of an earlier
+    format, made before the marker existed)."""
+    if (directory / MARKER).is_file():
+        return True
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and {"format", "suffix", "sources"} <= set(manifest)
+
+
 def _claim(directory: Path, *, mark: bool) -> None:
-    """Refuse a ``directory`` that :func:`build` may not write into: one that exists, is not
-    empty and does not hold :data:`MARKER`. With ``mark``, create it and the marker."""
-    if (
-        directory.exists()
-        and not (directory / MARKER).is_file()
-        and (not directory.is_dir() or any(directory.iterdir()))
+    """Refuse a ``directory`` that :func:`build` may not write into: one that exists and holds
+    anything but a lock file of ours, unless it is ours (:func:`_ours`). With ``mark`` (under
+    the lock), write the marker."""
+    if directory.exists() and not (
+        directory.is_dir() and ({p.name for p in directory.iterdir()} <= {LOCK} or _ours(directory))
     ):
         raise RuntimeError(
             f"{directory} exists and is not a build directory (no {MARKER}): "
             "give a new or empty directory"
         )
-    if mark:
-        if not directory.exists():
-            directory.mkdir(parents=True)
-            directory.chmod(0o755)  # not the umask's: readable by whoever runs the venv
-        for name in (MARKER, ".lock"):
-            if not (directory / name).exists():
-                (directory / name).touch()
-                (directory / name).chmod(0o644)
+    if mark and not (directory / MARKER).exists():
+        (directory / MARKER).touch()
+        (directory / MARKER).chmod(0o644)
+
+
+def _locked(directory: Path) -> Path:
+    """The lock file of ``directory``, creating the directory (0755, whatever the umask, when
+    this call makes it) and the file (0644)."""
+    try:
+        directory.mkdir(parents=True)
+    except FileExistsError:
+        pass  # there already, or made by a concurrent build: the lock decides
+    else:
+        directory.chmod(0o755)  # readable by whoever runs the venv, as the venv is
+    lock = directory / LOCK
+    if not lock.exists():
+        lock.touch()
+        lock.chmod(0o644)
+    return lock
 
 
 def build(directory: Path, *, python: str = sys.executable) -> dict[str, object]:
@@ -283,13 +315,22 @@ def build(directory: Path, *, python: str = sys.executable) -> dict[str, object]
         if source_digests(work / "tokenfair") != digests:
             raise RuntimeError("the sources changed during the build: build again")
         try:
-            _claim(directory, mark=True)
-            with (directory / ".lock").open("a") as lock:
+            _claim(directory, mark=False)  # before creating anything in it
+            with _locked(directory).open("a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-                _claim(directory, mark=True)  # again, under the lock
+                _claim(directory, mark=True)  # again under the lock: it may have changed
                 return _install(directory, work, suffix, digests)
         except OSError as exc:
             raise RuntimeError(f"cannot install the build in {directory}: {exc}") from None
+
+
+def _named_build(directory: Path) -> str | None:
+    """The build ``directory/manifest.json`` names, None if none can be read."""
+    try:
+        build_id = json.loads((directory / MANIFEST).read_text(encoding="utf-8")).get("build")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return build_id if isinstance(build_id, str) else None
 
 
 def _install(
@@ -303,46 +344,56 @@ def _install(
         shutil.rmtree(leftover, ignore_errors=True)
     for leftover in directory.glob(f".{MANIFEST}.build-*"):
         leftover.unlink(missing_ok=True)
-    try:
-        previous = json.loads((directory / MANIFEST).read_text(encoding="utf-8")).get("build")
-    except (OSError, ValueError, AttributeError):
-        previous = None
+    previous = _named_build(directory)
     build_id = f"build-{time.time_ns()}-{os.getpid()}"
+    while (directory / build_id).exists():  # a clock stepped back: never reuse a folder
+        build_id = f"build-{time.time_ns() + 1}-{os.getpid()}"
     staged = directory / f".staging-{build_id}"
     pending = directory / f".{MANIFEST}.{build_id}"
-    installed = False
+    manifest: dict[str, object] = {}
     try:
         modules: dict[str, str] = {}
         names = [(name, name.replace(".", "/") + suffix) for name in COMPILED]
         # mypyc's shared library (named by a hash of the module list): a top-level module
         # that every compiled module imports.
         names += [(shared.name[: -len(suffix)], shared.name) for shared in work.glob(f"*{suffix}")]
+        sizes: dict[str, int] = {}
         for name, relative in names:
             target = staged / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(work / relative, target)
             target.chmod(0o644)
             modules[name] = f"{build_id}/{relative}"
+            sizes[name] = target.stat().st_size
         for folder in [staged, *(p for p in staged.rglob("*") if p.is_dir())]:
             folder.chmod(0o755)
         staged.rename(directory / build_id)
-        manifest: dict[str, object] = {
+        manifest = {
             "format": FORMAT,
             "suffix": suffix,
             "build": build_id,
             "modules": modules,
+            "sizes": sizes,
             "sources": digests,
         }
         pending.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
         pending.chmod(0o644)
         os.replace(pending, directory / MANIFEST)
-        installed = True
     finally:
-        if not installed:  # the current build stays as it was; nothing of this one is left
+        # Whatever stopped it (an error, an interrupt), the manifest on disk decides: if it does
+        # not name this build, nothing of this build is left; if it does, the build stays.
+        if _named_build(directory) != build_id:
             shutil.rmtree(staged, ignore_errors=True)
             shutil.rmtree(directory / build_id, ignore_errors=True)
             pending.unlink(missing_ok=True)
-    for entry in directory.iterdir():
-        if entry.is_dir() and is_build_id(entry.name) and entry.name not in (build_id, previous):
-            shutil.rmtree(entry, ignore_errors=True)
+    try:
+        for entry in directory.iterdir():
+            if (
+                entry.is_dir()
+                and is_build_id(entry.name)
+                and entry.name not in (build_id, previous)
+            ):
+                shutil.rmtree(entry, ignore_errors=True)
+    except OSError:
+        pass  # the new build is in use already; an old one stays until the next build
     return manifest

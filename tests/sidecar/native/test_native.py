@@ -107,6 +107,7 @@ def _fake_build(directory: Path, **changes: Any) -> Path:
         "format": native.FORMAT,
         "suffix": suffix,
         "modules": modules,
+        "sizes": {name: len(b"not a real extension") for name in modules},
         "sources": native.source_digests(),
     }
     manifest.update(changes)
@@ -178,6 +179,7 @@ def test_the_digests_cover_everything_the_compiled_modules_import() -> None:
         ({"suffix": ".cpython-39-x86_64-linux-gnu.so"}, "built for another interpreter"),
         ({"format": native.FORMAT + 1}, f"not a format-{native.FORMAT} manifest"),
         ({"modules": {"tokenfair.core.drr": "x.so"}}, "modules missing"),
+        ({"sizes": {}}, "not the size it was built at"),  # a truncated or replaced extension
     ],
 )
 def test_a_build_that_does_not_match_is_refused_with_its_reason(
@@ -230,8 +232,14 @@ def test_a_build_never_replaces_a_directory_that_is_not_one(tmp_path: Path) -> N
     occupied = tmp_path / "occupied"
     occupied.mkdir()
     (occupied / "notes.txt").write_text("precious", encoding="utf-8")
-    with pytest.raises(RuntimeError, match="is not a build directory"):
-        native.build(occupied)
+
+    def compiler(*_: object, **__: object) -> None:
+        raise AssertionError("compiled before checking the directory")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess, "run", compiler)  # refused before any compiling
+        with pytest.raises(RuntimeError, match="is not a build directory"):
+            native.build(occupied)
     assert (occupied / "notes.txt").read_text(encoding="utf-8") == "precious"
     (tmp_path / "a-file").write_text("precious", encoding="utf-8")
     with pytest.raises(RuntimeError, match="is not a build directory"):
@@ -253,6 +261,7 @@ def _fake_work(work: Path) -> None:
 
 
 def _marked(directory: Path) -> Path:
+    native._locked(directory)
     native._claim(directory, mark=True)
     return directory
 
@@ -322,6 +331,75 @@ def test_a_failed_install_leaves_the_current_build_and_nothing_else(
     monkeypatch.undo()
     assert sorted(p.name for p in directory.iterdir()) == before
     assert json.loads((directory / native.MANIFEST).read_text(encoding="utf-8")) == current
+
+
+def test_an_interrupt_after_the_switch_keeps_the_build_the_manifest_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work, directory = tmp_path / "work", _marked(tmp_path / "native")
+    _fake_work(work)
+    native._install(directory, work, native._suffix(), native.source_digests())
+    replace = os.replace
+
+    def switched_then_interrupted(source: str | Path, target: str | Path) -> None:
+        replace(source, target)
+        raise KeyboardInterrupt  # Ctrl-C as `os.replace` returns
+
+    monkeypatch.setattr(os, "replace", switched_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        native._install(directory, work, native._suffix(), native.source_digests())
+    monkeypatch.undo()
+    files, reason = native.check_build(directory)
+    assert reason == ""
+    assert files is not None
+
+
+def test_a_build_id_that_exists_is_never_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work, directory = tmp_path / "work", _marked(tmp_path / "native")
+    _fake_work(work)
+    monkeypatch.setattr("time.time_ns", lambda: 1_000)  # a clock that does not move
+    first = native._install(directory, work, native._suffix(), native.source_digests())
+    second = native._install(directory, work, native._suffix(), native.source_digests())
+    assert first["build"] != second["build"]
+    assert (directory / str(first["build"])).is_dir()  # kept: the manifest it replaced named it
+    files, reason = native.check_build(directory)
+    assert reason == ""
+    assert files is not None
+
+
+def test_a_build_directory_of_ours_is_rebuilt_into(tmp_path: Path) -> None:
+    work, directory = tmp_path / "work", _marked(tmp_path / "native")
+    _fake_work(work)
+    native._install(directory, work, native._suffix(), native.source_digests())
+    native._claim(directory, mark=False)  # not empty, but ours: no error
+    # a build made before the marker existed: its manifest says it is ours
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / native.MANIFEST).write_text(
+        json.dumps({"format": 1, "suffix": native._suffix(), "sources": {}}), encoding="utf-8"
+    )
+    native._claim(older, mark=False)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / native.MANIFEST).write_text('{"name": "x"}', encoding="utf-8")
+    with pytest.raises(RuntimeError, match="is not a build directory"):
+        native._claim(tmp_path / "other", mark=False)
+
+
+def test_a_fault_in_the_check_leaves_the_interpreted_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(directory: Path) -> tuple[None, str]:
+        raise ValueError("a manifest nobody foresaw")
+
+    monkeypatch.setattr(native, "_status", None)
+    monkeypatch.setattr(native, "check_build", broken)
+    monkeypatch.delenv(native.SWITCH_ENV, raising=False)
+    finders = list(sys.meta_path)
+    status = native.activate()
+    assert not status.active
+    assert "cannot check the build" in status.reason
+    assert "a manifest nobody foresaw" in status.reason
+    assert sys.meta_path == finders
 
 
 # -- a real build, in real processes ------------------------------------------------------------
