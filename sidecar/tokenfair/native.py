@@ -243,9 +243,8 @@ def _claim(directory: Path, *, mark: bool) -> None:
             f"{directory} exists and is not a build directory (no {MARKER}): "
             "give a new or empty directory"
         )
-    if mark and not (directory / MARKER).exists():
-        (directory / MARKER).touch()
-        (directory / MARKER).chmod(0o644)
+    if mark:
+        _create(directory / MARKER)
 
 
 def _locked(directory: Path) -> Path:
@@ -258,13 +257,18 @@ def _locked(directory: Path) -> Path:
     else:
         directory.chmod(0o755)  # readable by whoever runs the venv, as the venv is
     lock = directory / LOCK
-    if not lock.exists():
-        lock.touch()
-        lock.chmod(0o644)
+    _create(lock)
     return lock
 
 
-def build(directory: Path, *, python: str = sys.executable) -> dict[str, object]:
+def _create(path: Path) -> None:
+    """An empty file at ``path`` if there is none, readable by all (0644, whatever the umask)."""
+    if not path.exists():
+        path.touch()
+        path.chmod(0o644)
+
+
+def build(directory: Path) -> dict[str, object]:
     """Compile :data:`COMPILED` from a copy of this package and install it as the current build
     of ``directory``; returns the manifest. Needs mypyc (the ``dev`` extra's mypy) and a C
     compiler; every failure raises ``RuntimeError``, leaving the current build as it was.
@@ -303,7 +307,7 @@ def build(directory: Path, *, python: str = sys.executable) -> dict[str, object]
         config.write_text("[mypy]\nstrict = True\n", encoding="utf-8")
         sources = [name.replace(".", "/") + ".py" for name in COMPILED]
         done = subprocess.run(
-            [python, "-m", "mypyc", "--config-file", str(config), *sources],
+            [sys.executable, "-m", "mypyc", "--config-file", str(config), *sources],
             cwd=work,
             env={**os.environ, "MYPYC_OPT_LEVEL": "3"},
             capture_output=True,
