@@ -45,6 +45,7 @@ from typing import Final
 COMPILED: Final = (
     "tokenfair.core.bucket",
     "tokenfair.core.cost",
+    "tokenfair.core.deadlines",
     "tokenfair.core.drr",
     "tokenfair.core.jobs",
     "tokenfair.core.lesson",

@@ -118,6 +118,7 @@ class Job:
     __slots__ = (
         "borrowed",
         "deadline_ms",
+        "deadline_seq",
         "decision",
         "expected_tokens",
         "expected_units",
@@ -136,6 +137,7 @@ class Job:
         self.lane = _LANE_OF[request.priority_class]
         self.state = _QUEUED
         self.deadline_ms = _NEVER
+        self.deadline_seq = 0  # its place among equal deadlines (`deadlines.DeadlineQueue`)
         self.decision: Decision | None = None
         self.borrowed = False  # dispatched on capacity lent to a tenant over its budget
         self.expected_tokens = float(service_tokens)  # what admission expects it to really use

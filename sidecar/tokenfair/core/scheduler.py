@@ -19,7 +19,6 @@ per lane; resident KV blocks) make every operation O(1) or O(tenants) — never 
 
 from __future__ import annotations
 
-import heapq
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
@@ -29,6 +28,7 @@ from typing import ClassVar, Final
 from tokenfair.config import Config, TenantConfig
 from tokenfair.core.bucket import Bucket, ExactTokenBucket, TokenBucket
 from tokenfair.core.cost import CostModel
+from tokenfair.core.deadlines import DeadlineQueue
 from tokenfair.core.errors import DuplicateRequestError, UnknownTenantError
 from tokenfair.core.jobs import (
     ADMITTED,
@@ -125,8 +125,7 @@ class Scheduler(ABC):
         self.queued_blocks = [0, 0]
         self.resident_blocks = 0
         self.running = 0
-        self._deadlines: list[tuple[float, int, Job]] = []
-        self._seq = 0
+        self._deadlines = DeadlineQueue()
         self._apply_tenants(config.tenants, now_ms)
 
     # -- configuration --------------------------------------------------------------------
@@ -208,16 +207,13 @@ class Scheduler(ABC):
         tenant.queued += 1
         tenant.queued_tokens += job.service_tokens
         if self.expires_queued:
-            job.deadline_ms = request.arrival_ms + self._wait_limits[lane]
-            self._seq += 1
             deadlines = self._deadlines
-            heapq.heappush(deadlines, (job.deadline_ms, self._seq, job))
+            deadlines.push(job, request.arrival_ms + self._wait_limits[lane])
             if len(deadlines) > 2 * (self.queued_count[0] + self.queued_count[1]) + 64:
-                # Mostly requests that left the queue: `expire` prunes only from the top, and a
-                # queued request with a distant deadline there would keep every one behind it
-                # (and its Request and Decision) alive. Rebuild: O(n), amortised O(1).
-                deadlines[:] = [entry for entry in deadlines if entry[2].state is JobState.QUEUED]
-                heapq.heapify(deadlines)
+                # Mostly requests that left the queue: entries are dropped only from the heads,
+                # and a queued request with a distant deadline there would keep every one behind
+                # it (and its Request and Decision) alive. Compact: O(n), amortised O(1).
+                deadlines.compact()
         self._push(job)
         return None
 
@@ -433,26 +429,19 @@ class Scheduler(ABC):
         return self._drop(job, STATUS_CLIENT_CLOSED, CANCELLED, "queue", now_ms)
 
     def expire(self, now_ms: float) -> list[Decision]:
-        """Refuse queued requests whose wait passed their class limit (``now > deadline``).
-
-        Also drops the stale entries (requests no longer queued) from the top of the deadline
-        heap; :meth:`submit` rebuilds the heap when stale entries are more than half of it, so
-        it holds O(queued requests) whatever the wait limits."""
+        """Refuse queued requests whose wait passed their class limit (``now > deadline``), the
+        earliest deadline first (:class:`~tokenfair.core.deadlines.DeadlineQueue`)."""
         expired: list[Decision] = []
         deadlines = self._deadlines
-        queued = _QUEUED
-        while deadlines:
-            deadline_ms, _, job = deadlines[0]
-            if job.state is queued:
-                if deadline_ms >= now_ms:
-                    break
-                heapq.heappop(deadlines)
-                decision = self._drop(job, STATUS_SHED, SHED_QUEUE_TIMEOUT, "queue", now_ms)
-                decision.retry_after_ms = 0.0
-                decision.observed["max_wait_ms"] = self.wait_limit_ms(job.lane)
-                expired.append(decision)
-            else:
-                heapq.heappop(deadlines)
+        while True:
+            job = deadlines.earliest()
+            if job is None or job.deadline_ms >= now_ms:
+                break
+            # `_drop` takes it out of the queue: its entry goes at the next `earliest`.
+            decision = self._drop(job, STATUS_SHED, SHED_QUEUE_TIMEOUT, "queue", now_ms)
+            decision.retry_after_ms = 0.0
+            decision.observed["max_wait_ms"] = self.wait_limit_ms(job.lane)
+            expired.append(decision)
         if expired:
             self._expired(expired, now_ms)
         return expired
@@ -460,12 +449,10 @@ class Scheduler(ABC):
     def next_wakeup_ms(self, now_ms: float) -> float | None:
         """Earliest time after ``now_ms`` when waiting could end by the passage of time alone
         (a deadline passing, a budget refilling); None if there is none."""
-        deadlines = self._deadlines
-        while deadlines and deadlines[0][2].state is not JobState.QUEUED:
-            heapq.heappop(deadlines)
-        if not deadlines:
+        job = self._deadlines.earliest()
+        if job is None:
             return None
-        return math.nextafter(deadlines[0][0], math.inf)
+        return math.nextafter(job.deadline_ms, math.inf)
 
     def books(self) -> Books:
         return Books(

@@ -32,7 +32,7 @@ from typing import TypeAlias
 from tokenfair.config import Config
 from tokenfair.core import Decision, Request, make_scheduler
 from tokenfair.core.errors import SimulationStuckError
-from tokenfair.core.jobs import STATUS_OK, JobState
+from tokenfair.core.jobs import STATUS_OK
 from tokenfair.core.scheduler import Scheduler
 
 Arrival: TypeAlias = tuple[Request, int | None, int | None]
@@ -99,8 +99,7 @@ def _replay(
     run_ms = scheduler.cost.run_ms
     expires = scheduler.expires_queued
     own_expiry = type(scheduler).expire is Scheduler.expire
-    deadlines = scheduler._deadlines  # rebuilt in place (`Scheduler.submit`): bound once
-    queued_state = JobState.QUEUED
+    earliest = scheduler._deadlines.earliest  # compacted in place (`Scheduler.submit`)
     submit, next_dispatch, complete = scheduler.submit, scheduler.next_dispatch, scheduler.complete
     release_kv = scheduler.release_kv
     releases: list[tuple[float, int, str]] = []  # (release_ms, tie-break, request_id)
@@ -133,11 +132,10 @@ def _replay(
             upcoming = next(arrivals, None)
         if expires:
             if own_expiry:
-                # `expire`'s first steps inline (the policy keeps the base's): drop the stale
-                # entries from the top of the deadline heap; call it only if the top is past.
-                while deadlines and deadlines[0][2].state is not queued_state:
-                    heappop(deadlines)
-                if deadlines and not deadlines[0][0] >= clock_ms:
+                # `expire`'s first step inline (the policy keeps the base's): call it only if
+                # the earliest deadline is past.
+                first = earliest()
+                if first is not None and not first.deadline_ms >= clock_ms:
                     for expired in scheduler.expire(clock_ms):
                         yield expired, pop_pending(expired.request_id)[1]
             else:

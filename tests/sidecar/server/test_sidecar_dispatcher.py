@@ -144,5 +144,5 @@ async def test_served_requests_leave_no_bookkeeping_behind() -> None:
         dispatcher.complete(lifecycle, 600, kv_hold_ms=0.0)
     assert scheduler.books() == ZERO_BOOKS
     assert not scheduler.jobs
-    # The deadline heap is the core's private index; it must stay O(requests in flight).
+    # The deadline index is the core's private one; it must stay O(requests in flight).
     assert len(scheduler._deadlines) <= 1
