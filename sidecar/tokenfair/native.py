@@ -49,9 +49,13 @@ COMPILED: Final = (
     "tokenfair.core.drr",
     "tokenfair.core.jobs",
     "tokenfair.core.lesson",
+    "tokenfair.core.rounding",
     "tokenfair.core.scheduler",
     "tokenfair.core.shares",
     "tokenfair.core.tokenfair",
+    "tokenfair.sim.fairness",
+    "tokenfair.sim.fold",
+    "tokenfair.sim.report",
     "tokenfair.sim.simulator",
 )
 """The modules built as extensions: the core's per-request path and the replay loop. Package
@@ -63,6 +67,9 @@ HASHED: Final = (
     "config",
     "core",
     "sim/__init__.py",
+    "sim/fairness.py",
+    "sim/fold.py",
+    "sim/report.py",
     "sim/simulator.py",
 )
 """What the compiled code was built against, relative to the ``tokenfair`` package folder

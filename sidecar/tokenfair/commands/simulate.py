@@ -16,10 +16,10 @@ from tokenfair.core.cost import CostModel
 from tokenfair.sim.fairness import (
     FairnessReport,
     FairnessTally,
-    decision_size,
     fairness_to_json,
     format_fairness,
 )
+from tokenfair.sim.fold import fold_decisions
 from tokenfair.sim.records import (
     TraceRecord,
     encode_decision,
@@ -164,20 +164,17 @@ def fold(
     kept: list[Decision] | None = None,
 ) -> None:
     """``summary.add(decision)`` and ``fairness.add(decision, decision_size(...))`` of each
-    ``(decision, recorded usage)`` of a replay; each decision written to ``records`` (tagged
-    ``policy``) and appended to ``kept`` when given, else dropped once counted. The tallies'
-    rules stay theirs (a first version of issue 17's third pass wrote them again here, inline;
-    not kept: one home per rule)."""
-    add_summary, add_fairness = summary.add, fairness.add
-    write = None if records is None else records.write
-    keep = None if kept is None else kept.append
-    for decision, actual in decisions:
-        add_summary(decision)
-        add_fairness(decision, decision_size(decision, actual))
-        if write is not None:
-            write(encode_decision(decision, policy))
-        if keep is not None:
-            keep(decision)
+    ``(decision, recorded usage)`` of a replay (:func:`tokenfair.sim.fold.fold_decisions`);
+    each decision written to ``records`` (tagged ``policy``) and appended to ``kept`` when
+    given, else dropped once counted."""
+    write: Callable[[Decision], object] | None = None
+    if records is not None:
+        write_bytes = records.write
+
+        def write(decision: Decision) -> object:
+            return write_bytes(encode_decision(decision, policy))
+
+    fold_decisions(decisions, summary, fairness, write, None if kept is None else kept.append)
 
 
 def run(args: argparse.Namespace) -> int:

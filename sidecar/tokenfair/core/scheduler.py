@@ -45,6 +45,7 @@ from tokenfair.core.jobs import (
     Lane,
     Request,
 )
+from tokenfair.core.rounding import round_hundredths
 
 _QUEUED: Final = JobState.QUEUED
 _DISPATCHED: Final = JobState.DISPATCHED
@@ -310,7 +311,7 @@ class Scheduler(ABC):
             if refusal is not None:
                 job.state = JobState.REFUSED
                 del self.jobs[request.request_id]
-                refusal.queue_wait_ms = round(max(0.0, now_ms - request.arrival_ms), 2)
+                refusal.queue_wait_ms = round_hundredths(max(0.0, now_ms - request.arrival_ms))
                 return refusal
         blocks = self.resident_blocks + kv_blocks
         rounded = self._rounded_occupancy
@@ -336,7 +337,7 @@ class Scheduler(ABC):
             service_tokens,
             arrival_ms,
             occupancy,
-            round(wait_ms if wait_ms > 0.0 else 0.0, 2),  # max(0.0, wait), rounded
+            round_hundredths(wait_ms if wait_ms > 0.0 else 0.0),  # max(0.0, wait), rounded
             0.0,
             now_ms,
         )
@@ -496,7 +497,7 @@ class Scheduler(ABC):
         del self.jobs[job.request.request_id]
         occupancy = (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks
         decision = job.outcome(status, reason, gate, round(occupancy, 4))
-        decision.queue_wait_ms = round(max(0.0, now_ms - job.request.arrival_ms), 2)
+        decision.queue_wait_ms = round_hundredths(max(0.0, now_ms - job.request.arrival_ms))
         return decision
 
     def _refusal(

@@ -33,6 +33,7 @@ from tokenfair.config import Config
 from tokenfair.core import Decision, Request, make_scheduler
 from tokenfair.core.errors import SimulationStuckError
 from tokenfair.core.jobs import STATUS_OK
+from tokenfair.core.rounding import round_hundredths
 from tokenfair.core.scheduler import Scheduler
 
 Arrival: TypeAlias = tuple[Request, int | None, int | None]
@@ -170,7 +171,7 @@ def _replay(
             request.prefill_tokens, decision.service_tokens if used is None else used
         )
         wait_ms = clock_ms - request.arrival_ms  # max(0, wait) as a conditional: the same value
-        decision.ttft_ms = round((wait_ms if wait_ms > 0.0 else 0.0) + prefill_ms, 2)
+        decision.ttft_ms = round_hundredths((wait_ms if wait_ms > 0.0 else 0.0) + prefill_ms)
         sequence += 1
         heappush(releases, (clock_ms + kv_hold_ms, sequence, request_id))
         clock_ms += execution_ms
