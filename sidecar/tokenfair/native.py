@@ -58,7 +58,8 @@ COMPILED: Final = (
     "tokenfair.sim.report",
     "tokenfair.sim.simulator",
 )
-"""The modules built as extensions: the core's per-request path and the replay loop. Package
+"""The modules built as extensions: the core's per-request path, the replay loop and the report
+tallies it feeds (with the report's water-filling and output). Package
 ``__init__`` modules stay interpreted (they hold no hot code, and the finder needs them)."""
 
 HASHED: Final = (

@@ -11,8 +11,9 @@ order of one heap of every request, which this replaces (issue 17: at a backlog 
 requests that heap's tuples and its O(log n) pops were a third of what the ``tokenfair``
 policy's replay cost over the lesson DRR's).
 
-A request is not removed when it leaves the queue (dispatched, cancelled, expired): its entry
-is dropped when it reaches a head (:meth:`DeadlineQueue.earliest`), and
+A request that expires is removed (:meth:`DeadlineQueue.remove`); one that leaves the queue
+otherwise (dispatched, cancelled) is not: its entry is dropped when it reaches a head
+(:meth:`DeadlineQueue.earliest`), and
 :meth:`DeadlineQueue.compact` drops every such entry; the scheduler compacts when they are more
 than half of what is held, so memory is O(queued requests) whatever the wait limits.
 """
@@ -84,6 +85,17 @@ class DeadlineQueue:
                 break
             heapq.heappop(late)
         return best
+
+    def remove(self, job: Job) -> None:
+        """Take out ``job``, which :meth:`earliest` has just returned (it is at a head)."""
+        fifo = self._fifos[job.lane]
+        if fifo and fifo[0] is job:
+            fifo.popleft()
+        else:
+            late = self._late
+            if not late or late[0][2] is not job:
+                raise ValueError(f"{job.request.request_id!r} is not the earliest deadline")
+            heapq.heappop(late)
 
     def compact(self) -> None:
         """Drop the entries of every job no longer queued: O(entries held)."""

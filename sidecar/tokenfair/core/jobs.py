@@ -121,6 +121,30 @@ class Decision:
         self.actual_service_tokens = actual_service_tokens
         self.observed = {} if observed is None else observed
 
+    def __reduce__(self) -> tuple[type[Decision], tuple[object, ...]]:
+        # `copy`, `deepcopy` and `pickle` rebuild it through `__init__` with every field: a
+        # compiled class's default reconstruction would call `__init__` with no argument.
+        return (
+            Decision,
+            (
+                self.request_id,
+                self.tenant_id,
+                self.priority_class,
+                self.status_code,
+                self.reason,
+                self.gate,
+                self.service_tokens,
+                self.arrival_ms,
+                self.kv_occupancy_ratio,
+                self.queue_wait_ms,
+                self.ttft_ms,
+                self.dispatch_ms,
+                self.retry_after_ms,
+                self.actual_service_tokens,
+                self.observed,
+            ),
+        )
+
     @property
     def admitted(self) -> bool:
         return self.status_code == STATUS_OK

@@ -7,16 +7,20 @@ gives the same float from float arithmetic when that is provably the same, and c
 otherwise:
 
 * ``s = x * 100.0`` is within half an ulp of the exact ``100 x``; for ``|s| < 2^31`` that is at
-  most ``2^-22`` (~2.4e-7). When the fraction ``s - floor(s)`` (exact in floating point) is more
-  than ``1e-6`` from ``0.5``, the exact ``100 x`` rounds to the same integer ``n`` as ``s``
-  (near 0 or 1 the exact value may sit across the integer, and rounds to the same ``n``).
+  most ``2^-22`` (~2.4e-7). The fraction ``f = s - floor(s)`` is exact for ``s >= 0`` (and for
+  ``s`` in ``(-1, 0)`` within an ulp of 1, possibly 1.0 itself, which still rounds up to the
+  right ``n = 0``). When ``f`` is more than ``1e-6`` from ``0.5``, the exact ``100 x`` rounds to
+  the same integer ``n`` as ``s`` (near 0 or 1 the exact value may sit across the integer, and
+  rounds to the same ``n``).
 * ``n / 100.0`` is then the double nearest ``n / 100`` (a correctly rounded division of two
   exact integers), which is what ``round`` returns: the nearest double to the decimal
   ``n / 100``. A zero result keeps the sign of ``x`` (``round(-0.001, 2)`` is ``-0.0``).
 * Near a tie, beyond ``2^31 / 100`` ms (~248 days), and for NaN and infinities: ``round``.
 
 ``tests/sidecar/core/test_rounding.py`` checks it against ``round`` on ties, near-ties, powers
-of ten and random floats.
+of ten and random floats. It always returns a float: an ``int`` time (a caller's, never the
+simulator's) comes out as ``5.0`` where ``round(5, 2)`` gives ``5`` — as the compiled core,
+whose parameters are floats, always did.
 """
 
 from __future__ import annotations

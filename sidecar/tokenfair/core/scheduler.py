@@ -438,7 +438,9 @@ class Scheduler(ABC):
             job = deadlines.earliest()
             if job is None or job.deadline_ms >= now_ms:
                 break
-            # `_drop` takes it out of the queue: its entry goes at the next `earliest`.
+            # Out of the index first, as the heap this replaced did: should `_drop` ever raise
+            # for a job, the next `expire` goes on with the others instead of failing on it.
+            deadlines.remove(job)
             decision = self._drop(job, STATUS_SHED, SHED_QUEUE_TIMEOUT, "queue", now_ms)
             decision.retry_after_ms = 0.0
             decision.observed["max_wait_ms"] = self.wait_limit_ms(job.lane)

@@ -31,10 +31,9 @@ def percentiles(values: Sequence[float], *ps: float) -> tuple[float, ...]:
 
 
 class TenantTally:
-    """One tenant's running sums in a :class:`SummaryTally` (``commands.simulate.fold``
-    updates them inline). TTFTs are kept by priority class, ``interactive_ttft_ms`` and
-    ``batch_ttft_ms``: the class's and the tenant's percentiles are read off the same sorted
-    runs (:meth:`SummaryTally.summary`)."""
+    """One tenant's running sums in a :class:`SummaryTally` (updated by its ``add``). TTFTs
+    are kept by priority class, ``interactive_ttft_ms`` and ``batch_ttft_ms``: the class's and
+    the tenant's percentiles are read off the same sorted runs (:meth:`SummaryTally.summary`)."""
 
     __slots__ = (
         "admitted_service_tokens",

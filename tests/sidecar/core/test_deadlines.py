@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -108,3 +109,19 @@ def test_a_lowered_wait_limit_expires_the_later_requests_first() -> None:
     assert [d.request_id for d in scheduler.expire(1001.0)] == ["slow"]
     assert scheduler.next_wakeup_ms(1001.0) is None
     assert len(scheduler._deadlines) == 0
+
+
+def test_remove_takes_the_earliest_out_wherever_it_is_held() -> None:
+    queue = DeadlineQueue()
+    in_fifo, in_heap, other = job(1, 0), job(2, 0), job(3, 1)
+    queue.push(in_fifo, 500.0)
+    queue.push(in_heap, 100.0)  # below its lane's tail: the heap
+    queue.push(other, 900.0)
+    assert queue.earliest() is in_heap
+    queue.remove(in_heap)
+    assert queue.earliest() is in_fifo  # still queued: found without the removed one
+    queue.remove(in_fifo)
+    assert queue.earliest() is other
+    assert len(queue) == 1
+    with pytest.raises(ValueError, match="'r1' is not the earliest deadline"):
+        queue.remove(in_fifo)
