@@ -25,7 +25,10 @@ Regimes (``bench/bench_core.py``'s trace: the lesson's three tenants, ~1.4x over
 
 In each regime the command also runs with ``--policy tokenfair``: its time over the lesson
 DRR policy's is the fair-admission work's price (target <= 1.5). ``--profile`` adds a cProfile
-top-15 (by own time) of the ``tokenfair`` policy's command at ``--profile-size`` requests.
+top-15 (by own time) of the ``tokenfair`` policy's command at ``--profile-size`` requests;
+``--phases`` adds where the lesson DRR command's time goes at ``--phases-size`` requests of the
+relaxed regime (interpreter start, imports, tenants file, validating scan, streaming decode,
+replay, fold, reports; each step timed in a child process, best of ``--repeat``, at least 3).
 
 Figures per run: wall seconds (``time.perf_counter`` around the child), CPU seconds (user +
 system of that child, ``os.wait4``), microseconds per request, peak RSS (``ru_maxrss``) and the
@@ -416,6 +419,78 @@ def _records_child(count: int, repeat: int) -> None:
     print(json.dumps(figures))
 
 
+def _phases_child(trace: str, tenants: str, policy: str) -> None:
+    """Run with ``python -c`` (nothing of this script imported first): the steps of
+    ``tokenfair simulate --trace T --tenants Q --policy P`` one after another, each timed
+    (``time.perf_counter``), the imports first; prints a JSON object of milliseconds."""
+    import time
+
+    started = time.perf_counter()
+    import json
+    from pathlib import Path
+
+    from tokenfair.commands import simulate
+    from tokenfair.config import load_tenants_file
+    from tokenfair.sim.fairness import FairnessTally
+    from tokenfair.sim.records import scan_trace, stream_arrivals
+    from tokenfair.sim.report import SummaryTally
+    from tokenfair.sim.simulator import replay
+
+    marks = [("imports", started, time.perf_counter())]
+    config = load_tenants_file(Path(tenants))
+    marks.append(("tenants file", marks[-1][2], time.perf_counter()))
+    scan = scan_trace(Path(trace), known_tenants=config.tenant_index)
+    marks.append(("validating scan", marks[-1][2], time.perf_counter()))
+    arrivals = list(stream_arrivals(Path(trace)))
+    marks.append(("streaming decode", marks[-1][2], time.perf_counter()))
+    decisions = list(replay(config, arrivals, policy))
+    marks.append(("replay", marks[-1][2], time.perf_counter()))
+    summary = SummaryTally()
+    window = simulate._window(scan.first_arrival_ms, scan.last_arrival_ms)
+    fairness = FairnessTally(config, window)
+    simulate.fold(decisions, summary, fairness)
+    marks.append(("fold (summary, fairness)", marks[-1][2], time.perf_counter()))
+    json.dumps({"summary": summary.summary(), "fairness": repr(fairness.report())})
+    marks.append(("reports", marks[-1][2], time.perf_counter()))
+    print(json.dumps({name: (end - start) * 1e3 for name, start, end in marks}))
+
+
+def bench_phases(config: Config, size: int, repeat: int, work: Path) -> None:
+    """Where the lesson DRR command's time goes at ``size`` requests (``_phases_child``), best
+    of ``repeat`` children per step; interpreter start-up is measured apart (``python -c
+    pass``)."""
+    tenants = work / "phases.yaml"
+    write_tenants(tenants, config)
+    trace = work / f"trace-{size}.jsonl"
+    if not trace.exists():
+        write_trace(trace, size)
+    code = (
+        inspect.getsource(_phases_child)
+        + f"\n_phases_child({str(trace)!r}, {str(tenants)!r}, {DRR!r})\n"
+    )
+    best: dict[str, float] = {}
+    for _ in range(max(3, repeat)):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        best["interpreter start"] = min(
+            best.get("interpreter start", 1e9), (time.perf_counter() - start) * 1e3
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"phases child: {done.stderr}")
+        for name, ms in json.loads(done.stdout).items():
+            best[name] = min(best.get(name, 1e9), ms)
+    print(
+        f"phases of `tokenfair simulate --policy {DRR}`, relaxed {size}, "
+        f"best of {max(3, repeat)} (ms, us/request):"
+    )
+    for name, ms in best.items():
+        print(f"  {name:<28}{ms:>9.1f}{ms * 1e3 / size:>9.2f}")
+    print(f"  {'sum':<28}{sum(best.values()):>9.1f}{sum(best.values()) * 1e3 / size:>9.2f}")
+
+
 def bench_records(trees: Sequence[Path], count: int, repeat: int) -> None:
     """The records section: each tree's figures from a child of its own, in turn."""
     code = inspect.getsource(_records_child) + f"\n_records_child({count}, {max(3, repeat)})\n"
@@ -455,6 +530,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="best of N runs (1)")
     parser.add_argument("--profile", action="store_true", help="cProfile top-15 of tokenfair")
     parser.add_argument("--profile-size", type=int, default=50_000)
+    parser.add_argument(
+        "--phases", action="store_true", help="add where the command's time goes (relaxed)"
+    )
+    parser.add_argument("--phases-size", type=int, default=32_000)
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     parser.add_argument("--keep", type=Path, help="write the traces here and keep them")
     parser.add_argument("--records", action="store_true", help="add the records section")
@@ -475,6 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             4_000,
             5_000,
         )
+        args.phases_size = 4_000
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(
         f"python {platform.python_version()}, {os.cpu_count()} CPUs, load average {load}, "
@@ -501,6 +581,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_regime("relaxed", relaxed_config(), relaxed_sizes, args.lab_max, args.repeat, work)
         if args.profile:
             profile(default_config(), args.profile_size, work)
+        if args.phases:
+            bench_phases(relaxed_config(), args.phases_size, args.repeat, work)
     if args.records:
         bench_records(trees, args.records_count, args.repeat)
     gc.collect()
