@@ -24,7 +24,8 @@ from tokenfair.core import Request, make_scheduler
 from tokenfair.core.deadlines import DeadlineQueue
 from tokenfair.core.jobs import Job, JobState
 
-# (lane 0/1, deadline in ms; or None: the job at this index, if any, leaves the queue)
+# A push (lane 0/1, deadline in ms), or an index: the job pushed at that index, if any, leaves
+# the queue.
 Step = tuple[int, int] | int
 
 
