@@ -4,22 +4,33 @@ Each module in :mod:`tokenfair.commands` exposes ``register(subparsers)``, which
 parser and sets ``func`` (``args -> exit code``). Only the module of the subcommand being run is
 imported (the others get a parser that carries their one-line summary): ``tokenfair simulate``
 must not pay for aiohttp, the server or loadgen. Errors a user can fix (bad config, bad trace,
-bad flag) print one line to stderr and exit 2; nothing prints a traceback for them.
+bad flag) print one line to stderr and exit 2; an error of the system (``OSError``: a full disk)
+one line and exit 1; nothing prints a traceback for them.
 ``tokenfair --version`` prints the installed distribution's version (its metadata, read only
 when asked).
+
+The console script is :func:`console`: :func:`main`, then the exit. For the subcommands of
+:data:`FAST_EXIT` it flushes stdout and stderr and ends the process with ``os._exit``, skipping
+the interpreter's teardown (freeing every module and object of a process about to end: ~15 ms
+of a ~0.2 s ``tokenfair simulate``). Those commands close their own files before they return
+and register no ``atexit`` hook. :func:`main` itself always returns (tests call it in-process).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Collection, Sequence
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 from tokenfair.commands import COMMANDS, load
 from tokenfair.config import ConfigError
 
 DISTRIBUTION: Final = "tokenfair"
+FAST_EXIT: Final = frozenset({"simulate", "report"})
+"""Subcommands with nothing left to clean up when they return: the console script ends them
+without the interpreter's teardown (see the module's docstring)."""
 
 
 class UsageError(Exception):
@@ -94,8 +105,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except BrokenPipeError:  # `tokenfair simulate ... | head`
         return 0
+    except OSError as exc:  # the system refused a write or a read: a full disk, a lost file
+        print(f"tokenfair {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     return code
 
 
+def console() -> NoReturn:
+    """The ``tokenfair`` console script: exit with :func:`main`'s code; for a subcommand of
+    :data:`FAST_EXIT`, once stdout and stderr are flushed, without the interpreter's teardown
+    (a reader that closed the pipe early, as ``| head`` does, ends it with 0, as :func:`main`
+    does)."""
+    code = main()
+    command = _chosen(sys.argv[1:])
+    if command in FAST_EXIT:
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            pass
+        except OSError as exc:  # e.g. a full disk: the report is incomplete
+            print(f"tokenfair {command}: error: cannot write the output ({exc})", file=sys.stderr)
+            code = code or 1
+        try:
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -14,6 +16,7 @@ from tokenfair.config import Config, apply_overrides, load_tenants_file
 from tokenfair.core import DEFAULT_POLICY, LESSON_POLICIES, POLICIES, Decision
 from tokenfair.core.cost import CostModel
 from tokenfair.sim.fairness import (
+    ArrivalsRead,
     FairnessReport,
     FairnessTally,
     fairness_to_json,
@@ -21,11 +24,15 @@ from tokenfair.sim.fairness import (
 )
 from tokenfair.sim.fold import fold_decisions
 from tokenfair.sim.records import (
+    TraceLine,
+    TraceOutOfOrder,
+    TraceReading,
     TraceRecord,
     encode_decision,
     iter_trace_lines,
     scan_trace,
     stream_arrivals,
+    stream_validated,
 )
 from tokenfair.sim.report import SummaryTally
 from tokenfair.sim.scenarios import SCENARIOS
@@ -43,9 +50,11 @@ def register(subparsers: Any) -> None:
             "server, the lesson's cost model) and report admissions, sheds and TTFT per policy, "
             "then each tenant's served service tokens against its weighted max-min fair share "
             "over the arrival window (docs/report.md). The JSON report keeps the lesson's "
-            "'comparison' block and adds 'fairness' by policy beside it. A trace is validated "
-            "in one pass, then streamed once per policy when its lines are in (arrival_ms, "
-            "request_id) order (memory follows the backlog, not the file; docs/records.md)."
+            "'comparison' block and adds 'fairness' by policy beside it. A trace whose lines "
+            "are in (arrival_ms, request_id) order is streamed once per policy, the first "
+            "replay validating it as it reads (memory follows the backlog, not the file); "
+            "otherwise it is validated, then held sorted in memory (docs/records.md). Nothing "
+            "is written (report, --records, --plot) unless the whole trace is valid."
         ),
     )
     source = parser.add_mutually_exclusive_group(required=True)
@@ -112,33 +121,120 @@ def _in_memory(
     return (lambda: arrivals), _window(min(times), max(times)), len(arrivals)
 
 
-def _trace_source(
-    path: Path, config: Config, overrides: list[str]
-) -> tuple[Config, Callable[[], Iterable[Arrival]], Window, int]:
-    """Validate the trace in one pass, then stream it once per policy (or, when its lines are
-    not in ``(arrival_ms, request_id)`` order, hold it sorted in memory). Also returns the
-    number of requests."""
-    scan = scan_trace(path, known_tenants=config.tenant_index)
-    # Recorded usage is priced by the (possibly overridden) policy's cost model.
-    config = apply_overrides(config, overrides)
-    cost = CostModel.from_policy(config.policy)
+class _Trace:
+    """A trace file, replayed once per policy.
 
-    def records() -> Iterator[TraceRecord]:
-        return map(TraceRecord.from_line, iter_trace_lines(path, unique_ids=False))
+    * In order (``(arrival_ms, request_id)``, the usual case): the first replay reads the file
+      through :func:`stream_validated`, which validates each line as it goes (no separate
+      scan: one read of the file fewer) and tells the fairness tally the window as it grows;
+      the later replays stream the validated file (:func:`stream_arrivals`, or priced lines
+      when it records usage).
+    * Out of order: the first replay stops at the first line out of order
+      (``TraceOutOfOrder``), the caller drops what it tallied, :meth:`hold_sorted` validates the
+      whole file and holds it sorted, and every replay runs over that list.
+    * ``validate_first``: :func:`scan_trace` validates the whole file before any replay (for a
+      ``--records`` target that cannot be rewritten, such as a pipe, and for a progress bar,
+      which needs the number of requests).
+    """
 
-    if not scan.in_order:
-        return (config, *_in_memory([_arrival(cost, r) for r in records()]))
-    window = _window(scan.first_arrival_ms, scan.last_arrival_ms)
-    if scan.observed_usage:
-        return config, lambda: (_arrival(cost, r) for r in records()), window, scan.records
-    return config, lambda: stream_arrivals(path), window, scan.records
+    def __init__(self, path: Path, config: Config, *, validate_first: bool) -> None:
+        self.path = path
+        self.config = config
+        self._cost = CostModel.from_policy(config.policy)
+        self._reading: TraceReading | None = None
+        self._sorted: tuple[Callable[[], Iterable[Arrival]], Window, int] | None = None
+        if validate_first:
+            scan = scan_trace(path, known_tenants=config.tenant_index)
+            if not scan.in_order:
+                self.hold_sorted()
+            else:
+                self._reading = TraceReading(
+                    scan.records, scan.first_arrival_ms, scan.last_arrival_ms,
+                    scan.observed_usage, complete=True,
+                )  # fmt: skip
+
+    @property
+    def count(self) -> int | None:
+        """The number of requests, once the file has been read through (else None)."""
+        if self._sorted is not None:
+            return self._sorted[2]
+        if self._reading is not None and self._reading.complete:
+            return self._reading.records
+        return None
+
+    def _priced(self, line: TraceLine) -> Arrival:
+        return _arrival(self._cost, TraceRecord.from_line(line))
+
+    def arrivals(self) -> tuple[Iterable[Arrival], Window | ArrivalsRead]:
+        """The next replay's arrivals and its fairness window (the reading itself, while the
+        first replay reads the file)."""
+        if self._sorted is not None:
+            arrivals, window, _ = self._sorted
+            return arrivals(), window
+        reading = self._reading
+        if reading is None or not reading.complete:
+            # First replay, or one that stopped (the records and tallies of a stopped one are
+            # dropped): read and validate as it goes.
+            reading = self._reading = TraceReading()
+            known = self.config.tenant_index
+            return stream_validated(self.path, known, reading, self._priced), reading
+        window = _window(reading.first_arrival_ms, reading.last_arrival_ms)
+        if reading.observed_usage:
+            lines = map(TraceRecord.from_line, iter_trace_lines(self.path, unique_ids=False))
+            return (_arrival(self._cost, r) for r in lines), window
+        return stream_arrivals(self.path), window
+
+    def hold_sorted(self) -> None:
+        """Validate the whole file and hold it sorted (a trace whose lines are not in order)."""
+        records = map(TraceRecord.from_line, iter_trace_lines(self.path, self.config.tenant_index))
+        self._sorted = _in_memory([_arrival(self._cost, r) for r in records])
+
+
+class _RecordsFile:
+    """``--records FILE``: the decision records, written aside (``FILE`` is replaced when
+    every replay has finished, so a bad line found mid-trace leaves it as it was). A target
+    that is not a regular file (``/dev/stdout``, a pipe) is written in place, and the trace is
+    then validated before the first replay (``rewritable`` is false)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            mode = None
+        except OSError as exc:
+            raise ValueError(f"--records {path}: cannot write ({exc.strerror})") from None
+        self.rewritable = mode is None or stat.S_ISREG(mode)
+        self._aside = path.with_name(f".{path.name}.{os.getpid()}.tmp") if self.rewritable else None
+        try:  # opened before the replays, so a bad path costs nothing
+            self.handle: BinaryIO = (self._aside or path).open("wb")
+            if self._aside is not None and mode is not None:
+                os.chmod(self._aside, stat.S_IMODE(mode))  # the file keeps its permissions
+        except OSError as exc:
+            raise ValueError(f"--records {path}: cannot write ({exc.strerror})") from None
+
+    def restart(self) -> None:
+        """Drop what was written (a replay that stopped at a line out of order)."""
+        assert self.rewritable, "only a rewritable target restarts"
+        self.handle.seek(0)
+        self.handle.truncate()
+
+    def commit(self) -> None:
+        self.handle.close()
+        if self._aside is not None:
+            os.replace(self._aside, self.path)
+
+    def discard(self) -> None:
+        self.handle.close()
+        if self._aside is not None:
+            self._aside.unlink(missing_ok=True)
 
 
 def _replay_policy(
     config: Config,
     arrivals: Iterable[Arrival],
     policy: str,
-    window: Window,
+    window: Window | ArrivalsRead,
     records: BinaryIO | None,
     kept: list[Decision] | None,
     bar: progress.Bar | None = None,
@@ -178,6 +274,31 @@ def fold(
 
 
 def run(args: argparse.Namespace) -> int:
+    records = _RecordsFile(args.records) if args.records else None
+    committed = False
+    try:
+        report = _run(args, records)
+        if records is not None:
+            records.commit()
+            committed = True
+    finally:
+        if records is not None and not committed:
+            records.discard()
+    if args.format == "json":
+        json.dump(report[0], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(format_table(*report[1:]))
+    return 0
+
+
+def _run(
+    args: argparse.Namespace, records: _RecordsFile | None
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, FairnessReport]]:
+    """The replays and the plot; the JSON report, the comparison and the fairness by policy."""
+    trace: _Trace | None = None
+    window: Window | ArrivalsRead
+    count: int | None
     if args.scenario:
         if args.tenants:
             config = load_tenants_file(args.tenants)
@@ -190,30 +311,44 @@ def run(args: argparse.Namespace) -> int:
     else:
         if not args.tenants:
             raise ValueError("--trace needs --tenants FILE.yaml (the quotas to replay against)")
-        config, arrivals, window, count = _trace_source(
-            args.trace, load_tenants_file(args.tenants), args.overrides
-        )
+        # Recorded usage is priced by the (possibly overridden) policy's cost model.
+        config = apply_overrides(load_tenants_file(args.tenants), args.overrides)
+        # A shown bar counts against the number of requests: a scan first gives it.
+        validate_first = progress.wanted(args) or (records is not None and not records.rewritable)
+        trace = _Trace(args.trace, config, validate_first=validate_first)
         source = f"--trace {args.trace.name}"
     policies = args.policy or [*LESSON_POLICIES, DEFAULT_POLICY]
     comparison: dict[str, dict[str, Any]] = {}
     fairness: dict[str, FairnessReport] = {}
     # Decisions are kept only for --plot; --records streams them to the file.
     results: dict[str, list[Decision]] | None = {} if args.plot else None
-    try:
-        records = args.records.open("wb") if args.records else None
-    except OSError as exc:  # opened before the replays, so a bad path costs nothing
-        raise ValueError(f"--records {args.records}: cannot write ({exc.strerror})") from None
-    try:
-        for number, name in enumerate(policies, start=1):
+    handle = None if records is None else records.handle
+    for number, name in enumerate(policies, start=1):
+        label = f"simulate {name} ({number}/{len(policies)})"
+        while True:
+            if trace is not None:
+                replayed, window = trace.arrivals()
+                count = trace.count  # None while the first replay reads the file
+            else:
+                replayed = arrivals()
             kept = None if results is None else results.setdefault(name, [])
-            label = f"simulate {name} ({number}/{len(policies)})"
-            with progress.bar(args, label, total=count) as bar:
-                comparison[name], fairness[name] = _replay_policy(
-                    config, arrivals(), name, window, records, kept, bar
-                )
-    finally:
-        if records is not None:
-            records.close()
+            try:
+                with progress.bar(args, label, total=count) as bar:
+                    comparison[name], fairness[name] = _replay_policy(
+                        config, replayed, name, window, handle, kept, bar
+                    )
+                break
+            except TraceOutOfOrder:
+                # Only the first replay reads unvalidated lines: nothing is written but its own
+                # records (dropped here) before the trace is held sorted.
+                assert trace is not None
+                if records is not None:
+                    records.restart()
+                if kept is not None:
+                    kept.clear()
+                trace.hold_sorted()
+    if trace is not None:
+        count = trace.count or 0
     report = {
         "experiment": EXPERIMENT,
         "decode_weight": config.policy.decode_weight,
@@ -226,12 +361,7 @@ def run(args: argparse.Namespace) -> int:
         plot_report(
             results, args.plot, fairness, title=f"tokenfair simulate {source}: {count} requests"
         )
-    if args.format == "json":
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(format_table(comparison, fairness))
-    return 0
+    return report, comparison, fairness
 
 
 def _unique(arrivals: list[Arrival]) -> list[Arrival]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Final
 
 from tokenfair.config import Config, TenantConfig
-from tokenfair.core.bucket import Bucket, ExactTokenBucket, TokenBucket
+from tokenfair.core.bucket import Bucket, ExactTokenBucket, HasBucket, TokenBucket
 from tokenfair.core.cost import CostModel
 from tokenfair.core.deadlines import DeadlineQueue
 from tokenfair.core.errors import DuplicateRequestError, UnknownTenantError
@@ -61,18 +61,20 @@ OVER_TENANT_BURST: Final = "request_over_tenant_burst"
 no capacity is lent to tenants over their budget)."""
 
 
-class TenantState:
-    """Per-tenant runtime state: budget, queue totals and the fairness counter."""
+class TenantState(HasBucket):
+    """Per-tenant runtime state: budget (``bucket``), queue totals and the fairness counter."""
 
-    __slots__ = ("bucket", "config", "queued", "queued_tokens", "served_tokens", "usage_ratio")
+    __slots__ = ("config", "queued", "queued_tokens", "served_tokens", "usage_ratio")
 
     def __init__(
         self, config: TenantConfig, now_ms: float, bucket_type: type[Bucket] = TokenBucket
     ) -> None:
-        self.config = config
-        self.bucket = bucket_type(
-            config.burst_service_tokens, config.sustained_service_tokens_per_second, now_ms
+        super().__init__(
+            bucket_type(
+                config.burst_service_tokens, config.sustained_service_tokens_per_second, now_ms
+            )
         )
+        self.config = config
         self.queued = 0
         self.queued_tokens = 0
         self.served_tokens = 0  # S_i: service tokens dispatched, settled to actual usage

@@ -61,7 +61,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Final
+from typing import Final, Protocol
 
 from tokenfair.config import PRIORITY_CLASSES, Config
 from tokenfair.core import Decision
@@ -284,6 +284,21 @@ def fairness_report(
     return tally.report()
 
 
+class ArrivalsRead(Protocol):
+    """The arrivals of a trace still being read, in ``(arrival_ms, request_id)`` order
+    (``records.TraceReading``): the default window is ``[first_arrival_ms, last_arrival_ms]``
+    once ``complete``; before, ``last_arrival_ms`` is the latest read, a lower bound of the end."""
+
+    @property
+    def first_arrival_ms(self) -> float: ...
+
+    @property
+    def last_arrival_ms(self) -> float: ...
+
+    @property
+    def complete(self) -> bool: ...
+
+
 class FairnessTally:
     """:func:`fairness_report` one decision at a time, in constant memory per tenant.
 
@@ -292,26 +307,91 @@ class FairnessTally:
     ``max(dispatch_ms + s / serviceTokensPerMs)``, or ``start + 1``; every dispatch counts then,
     as none is earlier than its arrival nor later than that end). A caller streaming a replay
     knows the default window before it starts: ``[min arrival_ms, max arrival_ms]`` of the trace.
+
+    A caller that validates the trace in the same pass as the replay does not know the end yet:
+    it passes the :class:`ArrivalsRead` it updates. Every arrival is then in the window (the
+    lines come in order), a dispatch at or before the latest arrival read is too, and one past
+    it waits in a list until the trace has been read further or to its end (the replay reads the
+    next arrival before it dispatches, so that list stays empty in practice). :meth:`report`
+    needs the trace read to its end, and gives what the known window would have given.
+
     Feed every decision with its size ``s`` (:func:`request_size`), then call :meth:`report`.
     """
 
-    def __init__(self, config: Config, window_ms: tuple[float, float | None]) -> None:
-        start_ms, end_ms = window_ms
-        if end_ms is not None:
-            start_ms, end_ms = _check_window((start_ms, end_ms))
-        elif not math.isfinite(start_ms):
-            raise ValueError(f"window: START_MS must be finite (got {start_ms:g})")
+    def __init__(
+        self, config: Config, window_ms: tuple[float, float | None] | ArrivalsRead
+    ) -> None:
         self._config = config
         self._tenant_index = config.tenant_index
         self._rate = config.policy.service_tokens_per_ms
-        self._start_ms = float(start_ms)
-        self._end_ms = math.inf if end_ms is None else end_ms
-        self._open_end = end_ms is None
+        self._reading: ArrivalsRead | None = None
+        self._undecided: list[tuple[float, int]] = []  # (dispatch_ms, size), a reading only
+        if isinstance(window_ms, tuple):
+            start_ms, end_ms = window_ms
+            if end_ms is not None:
+                start_ms, end_ms = _check_window((start_ms, end_ms))
+            elif not math.isfinite(start_ms):
+                raise ValueError(f"window: START_MS must be finite (got {start_ms:g})")
+            self._start_ms = float(start_ms)
+            self._end_ms = math.inf if end_ms is None else end_ms
+            self._open_end = end_ms is None
+        else:
+            # Until the end is known: every arrival counts, and dispatches up to `_end_ms`,
+            # the latest arrival read when last asked (`_dispatch_past_end`).
+            self._reading = window_ms
+            self._start_ms = -math.inf
+            self._end_ms = -math.inf
+            self._open_end = True  # the end of the last dispatch is kept, as for an open end
+        self._arrival_from_ms, self._arrival_to_ms = self._start_ms, self._end_ms
+        if self._reading is not None:
+            self._arrival_to_ms = math.inf
         self._last_end_ms = self._start_ms  # the latest dispatch end (open-ended window only)
         self._dispatched_tokens = 0
         self._tallies: dict[str, _Tally] = {
             t.tenant_id: _Tally(t.priority_class) for t in config.tenants
         }
+
+    def _dispatch_past_end(self, dispatch_ms: float, size: int) -> None:
+        """A dispatch after ``_end_ms`` while a trace is being read: once it has been read, the
+        window is the known one from then on (:meth:`_close_reading`); before, the dispatch
+        counts if the latest arrival read is not before it, else it waits aside."""
+        reading = self._reading
+        assert reading is not None
+        if reading.complete:
+            self._close_reading()
+            if self._start_ms <= dispatch_ms <= self._end_ms:
+                self._dispatched_tokens += size
+            return
+        self._end_ms = reading.last_arrival_ms
+        if dispatch_ms <= self._end_ms:
+            self._dispatched_tokens += size
+        else:
+            self._undecided.append((dispatch_ms, size))
+
+    def _close_reading(self) -> None:
+        """The trace has been read: the window becomes the known one, as if given at the
+        start, and the dispatches kept aside are counted by it."""
+        reading = self._reading
+        if reading is None:
+            return
+        if not reading.complete:
+            raise ValueError("fairness report: the trace has not been read to its end")
+        first_ms, last_ms = reading.first_arrival_ms, reading.last_arrival_ms
+        self._reading = None
+        self._start_ms = self._arrival_from_ms = first_ms
+        if last_ms > first_ms:
+            _check_window((first_ms, last_ms))
+            self._end_ms = self._arrival_to_ms = last_ms
+            self._open_end = False
+        else:
+            if not math.isfinite(first_ms):
+                raise ValueError(f"window: START_MS must be finite (got {first_ms:g})")
+            self._end_ms = self._arrival_to_ms = math.inf
+            self._last_end_ms = max(self._last_end_ms, first_ms)
+        for dispatch_ms, size in self._undecided:
+            if dispatch_ms <= self._end_ms:
+                self._dispatched_tokens += size
+        self._undecided.clear()
 
     def add(self, decision: Decision, size: int) -> None:
         """Count one decision of size ``size`` service tokens."""
@@ -321,14 +401,15 @@ class FairnessTally:
             tally = self._tallies[tenant_id] = _Tally(decision.priority_class)
         elif tenant_id not in self._tenant_index:
             tally.priority_class = decision.priority_class  # its last decision's lane
-        start_ms, end_ms = self._start_ms, self._end_ms
         dispatch_ms = decision.dispatch_ms
         if dispatch_ms is not None:
-            if start_ms <= dispatch_ms <= end_ms:
+            if self._start_ms <= dispatch_ms <= self._end_ms:
                 self._dispatched_tokens += size
+            elif self._reading is not None:
+                self._dispatch_past_end(dispatch_ms, size)
             if self._open_end:
                 self._last_end_ms = max(self._last_end_ms, dispatch_ms + size / self._rate)
-        if not start_ms <= decision.arrival_ms <= end_ms:
+        if not self._arrival_from_ms <= decision.arrival_ms <= self._arrival_to_ms:
             return
         tally.offered_requests += 1
         tally.offered_tokens += size
@@ -347,7 +428,9 @@ class FairnessTally:
         tally.refused[key] = tally.refused.get(key, 0) + 1
 
     def report(self) -> FairnessReport:
-        """The report of the decisions added so far."""
+        """The report of the decisions added so far (``ValueError`` while a trace it was given
+        as its window is still being read)."""
+        self._close_reading()
         config, tallies = self._config, self._tallies
         start_ms, end_ms = self._start_ms, self._end_ms
         if self._open_end:

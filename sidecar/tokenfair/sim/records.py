@@ -32,6 +32,7 @@ import dataclasses
 import json
 import math
 import operator
+from array import array
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,18 +52,10 @@ NonNegativeMs = Annotated[float, msgspec.Meta(ge=0)]
 NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
 
 
-class TraceLine(
-    msgspec.Struct, forbid_unknown_fields=True, frozen=True, gc=False, omit_defaults=True
-):
-    """One request record as it is on the wire: **the** schema of a trace line (docs/records.md).
-
-    Required fields have no default; the observed ones default to ``None`` (absent and ``null``
-    mean the same). Integers must be JSON integers, booleans are not numbers, ``arrival_ms``
-    and the observed times are finite numbers >= 0. Decoded by :data:`_DECODER`, which also
-    accepts (and skips undecoded) the outcome fields of a decision record, so a sidecar's
-    records replay as they are; any other key is an error. ``gc=False``: a record holds no
-    containers, so the cyclic collector need not track it.
-    """
+class TraceRequest(Request, forbid_unknown_fields=True, frozen=True, gc=False):
+    """A request record's required fields with their rules (those of :class:`TraceLine`): a
+    line that has no other key decodes straight into one (:data:`_REQUEST_LINE_DECODER`),
+    validated, and it *is* a ``Request`` (a subclass), so the replay takes it as it is."""
 
     request_id: NonEmptyText
     tenant_id: NonEmptyText
@@ -70,6 +63,19 @@ class TraceLine(
     prefill_tokens: TokenCount
     decode_tokens: TokenCount
     priority_class: PriorityClass
+
+
+class TraceLine(TraceRequest, frozen=True, omit_defaults=True):
+    """One request record as it is on the wire: **the** schema of a trace line (docs/records.md).
+
+    Required fields (those of :class:`TraceRequest`) have no default; the observed ones default
+    to ``None`` (absent and ``null`` mean the same). Integers must be JSON integers, booleans
+    are not numbers, ``arrival_ms`` and the observed times are finite numbers >= 0. Decoded by
+    :data:`_DECODER`, which also accepts (and skips undecoded) the outcome fields of a decision
+    record, so a sidecar's records replay as they are; any other key is an error. ``gc=False``
+    (inherited): a record holds no containers, so the cyclic collector need not track it.
+    """
+
     actual_prefill_tokens: TokenCount | None = None
     actual_decode_tokens: TokenCount | None = None
     ttft_ms: NonNegativeMs | None = None
@@ -99,6 +105,10 @@ _TraceWire = msgspec.defstruct(
     gc=False,
 )
 _DECODER: Final = msgspec.json.Decoder(cast(type[TraceLine], _TraceWire))
+_REQUEST_LINE_DECODER: Final = msgspec.json.Decoder(TraceRequest)
+"""The fast path of :func:`stream_validated`: a line with the required keys only. Whatever it
+refuses goes to :data:`_DECODER`, which accepts it (observed or outcome keys) or words the
+error; what it accepts, :data:`_DECODER` accepts too (the same rules, fewer keys)."""
 
 
 class TraceError(ValueError):
@@ -281,7 +291,7 @@ def iter_trace_lines(
     for number, record in _decoded_lines(path, _DECODER):
         if unique_ids:
             if record.request_id in seen:
-                raise TraceError(f"{path}:{number}: duplicate request_id {record.request_id!r}")
+                raise _repeated_id(f"{path}:{number}", record.request_id)
             seen.add(record.request_id)
         if known_tenants is not None and record.tenant_id not in known_tenants:
             raise TraceError(
@@ -391,6 +401,163 @@ def stream_arrivals(path: str | Path) -> Iterator[tuple[Request, None, None]]:
     a scanned trace without recorded usage, as the replay takes them (``simulator.Arrival``)."""
     for _, request in _decoded_lines(path, _REQUEST_DECODER):
         yield (request, None, None)
+
+
+class TraceOutOfOrder(Exception):
+    """Raised by :func:`stream_validated` at the first line that does not come after the one
+    before it in ``(arrival_ms, request_id)`` order: the caller reads the file again and sorts
+    it (a streamed replay needs the order)."""
+
+
+@dataclass(slots=True)
+class TraceReading:
+    """What :func:`stream_validated` has read so far; ``complete`` once it has read the whole
+    file, every line valid (then the arrivals are the trace's)."""
+
+    records: int = 0
+    """The number of requests (set when the file has been read)."""
+    first_arrival_ms: float = math.nan
+    """The first line's ``arrival_ms`` (the smallest: the lines are in order)."""
+    last_arrival_ms: float = math.nan
+    """The latest line's ``arrival_ms`` (at the end: the largest)."""
+    observed_usage: bool = False
+    """Some line carries ``actual_prefill_tokens`` or ``actual_decode_tokens``."""
+    complete: bool = False
+
+
+Priced = Callable[[TraceLine], tuple[Request, int | None, int | None]]
+"""How a line with recorded usage becomes an arrival: ``(request, actual service tokens,
+actual KV blocks)`` (the command prices the usage with the policy's cost model)."""
+
+
+class _IdHashes:
+    """The request ids read so far, 8 bytes each: their ``hash``, in 256 arrays by its low
+    byte. A set of the ids themselves would keep every id string alive for the whole replay
+    (~90 MB more at 1M requests); these arrays hold 8 MB. :meth:`repeated` is exact for
+    repeated ids and may also answer true for two ids with one hash (odds ~n²/2⁶⁵): the caller
+    then reads the file again to find the repeated id, or that there is none."""
+
+    __slots__ = ("buckets",)
+
+    def __init__(self) -> None:
+        self.buckets = [array("q") for _ in range(256)]
+
+    def repeated(self) -> bool:
+        """Two of the hashes are equal (checked one bucket at a time: a small set each)."""
+        return any(len(set(bucket)) != len(bucket) for bucket in self.buckets)
+
+
+def _repeated_id(where: str, request_id: str) -> TraceError:
+    return TraceError(f"{where}: duplicate request_id {request_id!r}")
+
+
+def _first_repeated_id(path: str | Path, last_line: float) -> None:
+    """Raise the error :func:`iter_trace_lines` raises at the first repeated ``request_id`` of
+    ``path`` up to line ``last_line`` (it reads the file again: a line before ``last_line``
+    that breaks the schema raises its own error, as it does there); return if there is none."""
+    seen: set[str] = set()
+    for number, record in _decoded_lines(path, _DECODER):
+        if number > last_line:
+            return
+        if record.request_id in seen:
+            raise _repeated_id(f"{path}:{number}", record.request_id)
+        seen.add(record.request_id)
+
+
+def stream_validated(
+    path: str | Path,
+    known_tenants: Mapping[str, object] | Collection[str],
+    reading: TraceReading,
+    priced: Priced,
+) -> Iterator[tuple[Request, int | None, int | None]]:
+    """Read a trace once, validating every line as it goes, and yield each as the replay's
+    arrival: the one pass of a replay that needs no separate validating scan.
+
+    Every rule of :func:`iter_trace_lines` (schema, unique ids, ``known_tenants``; an empty file
+    is an error), with the same error for the same file: the first broken rule in file order,
+    in the same words. The lines must also be in ``(arrival_ms, request_id)`` order: the first
+    that is not raises :class:`TraceOutOfOrder` (the caller reads the file again, sorted).
+
+    A line with the required keys only decodes straight into a :class:`TraceRequest` (a
+    ``Request``), yielded as ``(request, None, None)``; one with observed or outcome keys is
+    decoded by the full schema and yielded as ``priced(line)`` when it carries usage, else as
+    ``(Request(...), None, None)`` (a plain request: the replay holds it while it is queued, not
+    the line). ``reading`` is updated at each line and marked complete at the end.
+
+    Unique ids are checked through their hashes (:class:`_IdHashes`, 8 bytes a line): at the
+    end of the file, and before any other error is raised (so a repeated id earlier in the file
+    is the error reported, as :func:`iter_trace_lines` would). A repeated id is therefore
+    reported when the file has been read, not at its line: a consumer that must not act on a
+    trace with a bad line (write records, print a report) waits for the end.
+    """
+    fast, full = _REQUEST_LINE_DECODER.decode, _DECODER.decode
+    ids = _IdHashes()
+    buckets = ids.buckets
+
+    def refuse(error: Exception, number: int) -> Exception:
+        """``error`` (at line ``number``), unless an id repeats before it: then that error."""
+        if ids.repeated():
+            _first_repeated_id(path, number)  # raises it, unless two ids only share a hash
+        return error
+
+    previous_ms, previous_id = -math.inf, ""
+    count = 0
+    try:
+        with Path(path).open("rb") as handle:
+            for number, line in enumerate(handle, start=1):
+                arrival: tuple[Request, int | None, int | None] | None = None
+                try:
+                    request: Request = fast(line)
+                except msgspec.MsgspecError:
+                    if not line.strip():
+                        continue
+                    try:
+                        record = full(line)
+                    except msgspec.MsgspecError as exc:
+                        raise refuse(_trace_error(line, f"{path}:{number}", exc), number) from None
+                    if (
+                        record.actual_prefill_tokens is not None
+                        or record.actual_decode_tokens is not None
+                    ):
+                        reading.observed_usage = True
+                        arrival = priced(record)
+                        request = arrival[0]
+                    else:
+                        request = Request(
+                            record.request_id, record.tenant_id, record.arrival_ms,
+                            record.prefill_tokens, record.decode_tokens, record.priority_class,
+                        )  # fmt: skip
+                request_id = request.request_id
+                digest = hash(request_id)
+                buckets[digest & 255].append(digest)
+                if request.tenant_id not in known_tenants:
+                    raise refuse(
+                        TraceError(
+                            f"{path}:{number}: tenant_id {request.tenant_id!r} is not in the "
+                            f"tenants file (known: {', '.join(known_tenants)})"
+                        ),
+                        number,
+                    )
+                arrival_ms = request.arrival_ms
+                if arrival_ms > previous_ms or (
+                    arrival_ms == previous_ms and request_id > previous_id
+                ):
+                    previous_ms, previous_id = arrival_ms, request_id
+                else:  # (an id equal to the one before at the same time is a repeated id)
+                    raise refuse(TraceOutOfOrder(f"{path}:{number}: {request_id!r}"), number)
+                if not count:
+                    reading.first_arrival_ms = arrival_ms
+                count += 1
+                reading.last_arrival_ms = arrival_ms
+                yield (request, None, None) if arrival is None else arrival
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
+    if ids.repeated():
+        _first_repeated_id(path, math.inf)
+    if not count:
+        raise TraceError(f"{path}: no records")
+    reading.records = count
+    reading.complete = True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -96,13 +96,14 @@ def _replay(
     config: Config, arrivals: Iterator[Arrival], policy: str
 ) -> Iterator[tuple[Decision, int | None]]:
     scheduler = make_scheduler(policy, config)
-    # The loop runs once per event: keep everything it touches in locals.
-    run_ms = scheduler.cost.run_ms
+    # The loop runs once per event. The scheduler's methods are called on it, not through
+    # bound methods kept in locals: compiled, such a call is a direct C call with unboxed
+    # arguments, where a bound method goes through Python's calling convention (the locals
+    # saved an attribute lookup only to the interpreted core).
+    cost = scheduler.cost
+    deadlines = scheduler._deadlines  # compacted in place (`Scheduler.submit`)
     expires = scheduler.expires_queued
     own_expiry = type(scheduler).expire is Scheduler.expire
-    earliest = scheduler._deadlines.earliest  # compacted in place (`Scheduler.submit`)
-    submit, next_dispatch, complete = scheduler.submit, scheduler.next_dispatch, scheduler.complete
-    release_kv = scheduler.release_kv
     releases: list[tuple[float, int, str]] = []  # (release_ms, tie-break, request_id)
     pending: dict[str, Arrival] = {}  # queued or running, by request id
     pop_pending = pending.pop
@@ -113,7 +114,7 @@ def _replay(
     last_ms, last_id = float("-inf"), ""
     while True:
         while releases and releases[0][0] <= clock_ms:
-            release_kv(heappop(releases)[2])
+            scheduler.release_kv(heappop(releases)[2])
         while upcoming is not None:
             request = upcoming[0]
             arrival_ms = request.arrival_ms
@@ -125,7 +126,7 @@ def _replay(
                     f"({arrival_ms} ms, after {last_id!r} at {last_ms} ms)"
                 )
             last_ms, last_id = arrival_ms, request.request_id
-            refusal = submit(request, clock_ms)
+            refusal = scheduler.submit(request, clock_ms)
             if refusal is None:
                 pending[request.request_id] = upcoming
             else:
@@ -135,14 +136,14 @@ def _replay(
             if own_expiry:
                 # `expire`'s first step inline (the policy keeps the base's): call it only if
                 # the earliest deadline is past.
-                first = earliest()
+                first = deadlines.earliest()
                 if first is not None and not first.deadline_ms >= clock_ms:
                     for expired in scheduler.expire(clock_ms):
                         yield expired, pop_pending(expired.request_id)[1]
             else:
                 for expired in scheduler.expire(clock_ms):
                     yield expired, pop_pending(expired.request_id)[1]
-        decision = next_dispatch(clock_ms)
+        decision = scheduler.next_dispatch(clock_ms)
         if decision is None:
             queued = scheduler.queued_total
             events = []
@@ -167,7 +168,7 @@ def _replay(
         if decision.status_code != STATUS_OK:
             yield decision, used
             continue
-        prefill_ms, execution_ms, kv_hold_ms = run_ms(
+        prefill_ms, execution_ms, kv_hold_ms = cost.run_ms(
             request.prefill_tokens, decision.service_tokens if used is None else used
         )
         wait_ms = clock_ms - request.arrival_ms  # max(0, wait) as a conditional: the same value
@@ -175,5 +176,5 @@ def _replay(
         sequence += 1
         heappush(releases, (clock_ms + kv_hold_ms, sequence, request_id))
         clock_ms += execution_ms
-        complete(request_id, clock_ms, used, actual_kv_blocks=used_kv, release_kv=False)
+        scheduler.complete(request_id, clock_ms, used, actual_kv_blocks=used_kv, release_kv=False)
         yield decision, used

@@ -25,9 +25,11 @@ Behaviours under test:
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
+import threading
 from io import BytesIO
 from pathlib import Path
 from typing import Any
@@ -363,6 +365,81 @@ def test_records_path_that_cannot_be_written(tmp_path: Path) -> None:
     target = tmp_path / "missing" / "records.jsonl"
     line = bad_run(tmp_path, "--scenario", "noisy-neighbor", "--records", target)
     assert f"--records {target}: cannot write (No such file or directory)" in line
+
+
+def test_records_of_a_trace_bad_late_leave_the_file_as_it_was(tmp_path: Path) -> None:
+    # The first replay reads and validates in one pass and writes records as it goes: they go
+    # to a file aside, and the target is replaced only when every replay has finished.
+    lines = spread_with_usage()
+    lines[110] = {**lines[110], "decode_tokens": -5}
+    trace, tenants = write_trace(tmp_path, lines)
+    records = tmp_path / "records.jsonl"
+    records.write_text("earlier records\n", encoding="utf-8")
+    records.chmod(0o600)
+    line = bad_run(tmp_path, "--trace", trace, "--tenants", tenants, "--records", records)
+    assert f"{trace}:111: decode_tokens must be an integer >= 0" in line
+    assert records.read_text(encoding="utf-8") == "earlier records\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "records.jsonl",
+        "tenants.yaml",
+        "trace.jsonl",
+    ]
+    # A good run replaces it, keeping its permissions, and leaves nothing aside.
+    lines[110] = {**lines[110], "decode_tokens": 5}
+    trace.write_text("".join(json.dumps(row) + "\n" for row in lines), encoding="utf-8")
+    report("--trace", trace, "--tenants", tenants, "--records", records, cwd=tmp_path)
+    assert len(records.read_text(encoding="utf-8").splitlines()) == 3 * len(lines)
+    assert records.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "records.jsonl",
+        "tenants.yaml",
+        "trace.jsonl",
+    ]
+
+
+def test_records_of_a_trace_out_of_order_are_those_of_the_sorted_trace(tmp_path: Path) -> None:
+    # The first replay stops at the first line out of order (its records so far are dropped)
+    # and every policy replays the trace sorted.
+    lines = spread_with_usage()
+    lines[80], lines[81] = lines[81], lines[80]
+    if lines[80]["arrival_ms"] == lines[81]["arrival_ms"]:  # keep it out of order for sure
+        lines[80], lines[90] = lines[90], lines[80]
+    out_of_order = tmp_path / "shuffled"
+    in_order = tmp_path / "sorted"
+    for folder, rows in (
+        (out_of_order, lines),
+        (in_order, sorted(lines, key=lambda r: (r["arrival_ms"], r["request_id"]))),
+    ):
+        folder.mkdir()
+        trace, tenants = write_trace(folder, rows)
+        report("--trace", trace, "--tenants", tenants, "--records", folder / "r.jsonl", cwd=folder)
+    assert (out_of_order / "r.jsonl").read_bytes() == (in_order / "r.jsonl").read_bytes()
+
+
+def test_records_into_a_pipe_are_written_in_place(tmp_path: Path) -> None:
+    # A target that cannot be replaced (a FIFO) is written in place, the trace validated first:
+    # a bad line sends nothing down the pipe.
+    trace, tenants = write_trace(tmp_path, spread_with_usage())
+    regular = tmp_path / "regular.jsonl"
+    report("--trace", trace, "--tenants", tenants, "--records", regular, cwd=tmp_path)
+    fifo = tmp_path / "records.fifo"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()))
+    reader.start()
+    report("--trace", trace, "--tenants", tenants, "--records", fifo, cwd=tmp_path)
+    reader.join(timeout=60)
+    assert received == [regular.read_bytes()]
+    lines = spread_with_usage()
+    lines[100] = {**lines[100], "arrival_ms": -1}
+    trace.write_text("".join(json.dumps(row) + "\n" for row in lines), encoding="utf-8")
+    received.clear()
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()))
+    reader.start()
+    line = bad_run(tmp_path, "--trace", trace, "--tenants", tenants, "--records", fifo)
+    assert f"{trace}:101: arrival_ms must be a number >= 0" in line
+    reader.join(timeout=60)
+    assert received == [b""]
 
 
 def test_trace_without_tenants(tmp_path: Path) -> None:

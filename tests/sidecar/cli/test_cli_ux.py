@@ -17,7 +17,12 @@ Behaviours under test:
   refused service is drawn (hatched bars);
 * ``simulate --tenants`` and ``trace generate --tenants`` read the sidecar's own config file
   (``examples/sidecar-standalone.yaml``) as it is; a ``sidecar:`` section that is not a mapping
-  is still an error naming it, and a misspelled policy field is still refused.
+  is still an error naming it, and a misspelled policy field is still refused;
+* the end of a command: ``simulate`` and ``report`` leave the process without the interpreter's
+  teardown, their output whole: a report written to a file is the one ``main`` prints
+  in-process; a reader gone before the report is written (as ``| head`` goes) ends it with 0 and no
+  traceback; a full
+  disk (``/dev/full``) is one line on stderr and exit 1, in either format.
 """
 
 from __future__ import annotations
@@ -426,3 +431,41 @@ def test_the_config_file_is_still_checked(
     assert done.returncode == 2
     assert done.stderr.startswith("tokenfair simulate: error: ")
     assert expected in done.stderr
+
+
+# --- the end of a command ------------------------------------------------------------------
+
+
+def test_simulate_output_is_whole_without_the_teardown(
+    trace: Path, tenants: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tokenfair.cli import main
+
+    args = ["simulate", "--trace", str(trace), "--tenants", str(tenants), "--format", "table"]
+    out = tmp_path / "report.txt"
+    with out.open("w") as handle:
+        done = subprocess.run([TOKENFAIR, *args], stdout=handle, check=False, timeout=120)
+    assert done.returncode == 0
+    assert main([*args, "--no-progress"]) == 0
+    assert out.read_text() == capsys.readouterr().out
+
+
+def test_a_reader_that_stops_early_and_a_full_disk(trace: Path, tenants: Path) -> None:
+    args = [TOKENFAIR, "simulate", "--trace", str(trace), "--tenants", str(tenants)]
+    with subprocess.Popen([*args, "--format", "table"], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as process:  # fmt: skip
+        assert process.stdout is not None
+        assert process.stderr is not None
+        # Closed before the report is written (the replay takes longer than this): every write
+        # of it meets a closed pipe, as after `| head` has read its lines.
+        process.stdout.close()
+        assert process.wait(timeout=120) == 0
+        assert process.stderr.read() == b""
+    for fmt in ("table", "json"):
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([*args, "--format", fmt], stdout=full, stderr=subprocess.PIPE,
+                                  text=True, check=False, timeout=120)  # fmt: skip
+        assert done.returncode == 1
+        assert len(done.stderr.splitlines()) == 1, done.stderr
+        assert done.stderr.startswith("tokenfair simulate: error: ")
+        assert "No space left on device" in done.stderr

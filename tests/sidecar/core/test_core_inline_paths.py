@@ -42,6 +42,7 @@ from tokenfair.config import (
 from tokenfair.core.bucket import (
     Bucket,
     ExactTokenBucket,
+    HasBucket,
     LeasedBucket,
     TokenBucket,
     refill_all,
@@ -429,17 +430,12 @@ def test_refill_all_refills_each_bucket_as_its_refill_does() -> None:
         slow_leased = LeasedBucket(20000, 4000.0, 0.0)
         slow_leased.fall_back(10000, 2000.0, leased.refilled_at_ms)
         slow.append(slow_leased)
-        refill_all([_Holder(b) for b in fast], now_ms)
+        refill_all([HasBucket(b) for b in fast], now_ms)
         for bucket in slow:
             bucket.refill(now_ms)
         assert [(b.level, b.refilled_at_ms) for b in fast] == [
             (b.level, b.refilled_at_ms) for b in slow
         ]
-
-
-class _Holder:
-    def __init__(self, bucket: Bucket) -> None:
-        self.bucket = bucket
 
 
 @given(st.lists(st.floats(min_value=0.0, max_value=1e7), max_size=300))

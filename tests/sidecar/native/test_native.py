@@ -85,7 +85,7 @@ def test_a_required_build_is_in_use() -> None:
 
 
 def test_the_request_stays_interpreted_for_the_trace_decoder() -> None:
-    # msgspec decodes trace lines straight into Request: it must stay a plain dataclass.
+    # Request is a msgspec Struct (trace lines decode straight into it): mypyc cannot compile it.
     from tokenfair.core import request
 
     assert request.__file__ is not None
