@@ -12,9 +12,9 @@ when asked).
 The console script is :func:`console`: :func:`main`, then the exit. For the subcommands of
 :data:`FAST_EXIT` it flushes stdout and stderr and ends the process with ``os._exit``, skipping
 the interpreter's teardown (freeing every module and object of a process about to end: ~15 ms
-of a ~0.2 s ``tokenfair simulate``). Those commands close their own files before they return
-and register no ``atexit`` hook. :func:`main` itself always returns (tests call it in-process).
-"""
+of a ~0.2 s ``tokenfair simulate``). Those commands close their own files before they return;
+``atexit`` hooks are skipped (matplotlib's, after ``--plot``, only closes figures already
+saved). :func:`main` itself always returns (tests call it in-process)."""
 
 from __future__ import annotations
 

@@ -8,12 +8,19 @@ import os
 import stat
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from tokenfair.commands import add_format_flag, progress
 from tokenfair.config import Config, apply_overrides, load_tenants_file
-from tokenfair.core import DEFAULT_POLICY, LESSON_POLICIES, POLICIES, Decision
+from tokenfair.core import (
+    DEFAULT_POLICY,
+    LESSON_POLICIES,
+    POLICIES,
+    Decision,
+    DuplicateRequestError,
+)
 from tokenfair.core.cost import CostModel
 from tokenfair.sim.fairness import (
     ArrivalsRead,
@@ -184,34 +191,77 @@ class _Trace:
             return (_arrival(self._cost, r) for r in lines), window
         return stream_arrivals(self.path), window
 
+    def validate(self) -> None:
+        """Raise the error of the first broken rule of the file, if any (:func:`scan_trace`),
+        unless it has been validated already."""
+        if self._sorted is None and not (self._reading is not None and self._reading.complete):
+            scan_trace(self.path, known_tenants=self.config.tenant_index)
+
     def hold_sorted(self) -> None:
         """Validate the whole file and hold it sorted (a trace whose lines are not in order)."""
         records = map(TraceRecord.from_line, iter_trace_lines(self.path, self.config.tenant_index))
         self._sorted = _in_memory([_arrival(self._cost, r) for r in records])
 
 
+def _replaceable(path: Path) -> bool:
+    """Whether ``--records`` may be written aside and renamed over ``path``: it does not exist
+    yet (in a folder this process may write), or it is a regular file (not a link) with one
+    name, owned by this user, that this process may write, in such a folder. Anything else (a
+    link, ``/dev/stdout``, a pipe, a hard-linked or someone else's file) is written in place,
+    as ``open(path, "wb")`` would: the rename would replace the link or the name, not write
+    where it points."""
+    folder = path.parent
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return os.access(folder, os.W_OK)
+    except OSError:
+        return False  # the open in place says why, as it always did
+    return (
+        stat.S_ISREG(status.st_mode)
+        and status.st_nlink == 1
+        and status.st_uid == os.geteuid()
+        and os.access(path, os.W_OK)
+        and os.access(folder, os.W_OK)
+    )
+
+
 class _RecordsFile:
-    """``--records FILE``: the decision records, written aside (``FILE`` is replaced when
-    every replay has finished, so a bad line found mid-trace leaves it as it was). A target
-    that is not a regular file (``/dev/stdout``, a pipe) is written in place, and the trace is
-    then validated before the first replay (``rewritable`` is false)."""
+    """``--records FILE``. Written aside when :func:`_replaceable` (``rewritable``):
+    ``.tokenfair-records.<pid>.tmp`` in ``FILE``'s folder, with ``FILE``'s permissions when it
+    exists, renamed over ``FILE`` when every replay has finished (:meth:`commit`), removed
+    otherwise (:meth:`discard`), so a bad line found mid-trace leaves ``FILE`` as it was.
+    Otherwise written in place, and the trace is validated before the first replay. Opened by
+    :meth:`open`, before the replays (a bad path costs no replay)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.rewritable = _replaceable(path)
+        self._aside: Path | None = None
+        self._handle: BinaryIO | None = None
+
+    @property
+    def handle(self) -> BinaryIO:
+        assert self._handle is not None, "open() first"
+        return self._handle
+
+    def open(self) -> None:
         try:
-            mode = path.stat().st_mode
-        except FileNotFoundError:
-            mode = None
+            if not self.rewritable:
+                self._handle = self.path.open("wb")
+                return
+            aside = self.path.parent / f".tokenfair-records.{os.getpid()}.tmp"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+            descriptor = os.open(aside, flags, 0o666)  # the umask applies, as to open("wb")
+            self._aside = aside
+            self._handle = os.fdopen(descriptor, "wb")
+            try:
+                mode = stat.S_IMODE(os.stat(self.path).st_mode)
+            except FileNotFoundError:
+                return
+            os.fchmod(descriptor, mode)  # the file keeps its permissions
         except OSError as exc:
-            raise ValueError(f"--records {path}: cannot write ({exc.strerror})") from None
-        self.rewritable = mode is None or stat.S_ISREG(mode)
-        self._aside = path.with_name(f".{path.name}.{os.getpid()}.tmp") if self.rewritable else None
-        try:  # opened before the replays, so a bad path costs nothing
-            self.handle: BinaryIO = (self._aside or path).open("wb")
-            if self._aside is not None and mode is not None:
-                os.chmod(self._aside, stat.S_IMODE(mode))  # the file keeps its permissions
-        except OSError as exc:
-            raise ValueError(f"--records {path}: cannot write ({exc.strerror})") from None
+            raise ValueError(f"--records {self.path}: cannot write ({exc.strerror})") from None
 
     def restart(self) -> None:
         """Drop what was written (a replay that stopped at a line out of order)."""
@@ -220,14 +270,18 @@ class _RecordsFile:
         self.handle.truncate()
 
     def commit(self) -> None:
-        self.handle.close()
+        if self._handle is not None:
+            self._handle.close()
         if self._aside is not None:
             os.replace(self._aside, self.path)
+            self._aside = None
 
     def discard(self) -> None:
-        self.handle.close()
+        if self._handle is not None:
+            self._handle.close()
         if self._aside is not None:
             self._aside.unlink(missing_ok=True)
+            self._aside = None
 
 
 def _replay_policy(
@@ -277,25 +331,38 @@ def run(args: argparse.Namespace) -> int:
     records = _RecordsFile(args.records) if args.records else None
     committed = False
     try:
-        report = _run(args, records)
+        replayed = _run(args, records)
         if records is not None:
-            records.commit()
+            records.commit()  # before the plot: a plot that fails keeps the records
             committed = True
     finally:
         if records is not None and not committed:
             records.discard()
+    if replayed.kept is not None:
+        from tokenfair.sim.plot import plot_report  # matplotlib is an optional extra
+
+        plot_report(replayed.kept, args.plot, replayed.fairness, title=replayed.title)
     if args.format == "json":
-        json.dump(report[0], sys.stdout, indent=2)
+        json.dump(replayed.report, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(format_table(*report[1:]))
+        sys.stdout.write(format_table(replayed.comparison, replayed.fairness))
     return 0
 
 
-def _run(
-    args: argparse.Namespace, records: _RecordsFile | None
-) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[str, FairnessReport]]:
-    """The replays and the plot; the JSON report, the comparison and the fairness by policy."""
+@dataclass(frozen=True, slots=True)
+class _Replayed:
+    """What the replays gave: the JSON report, its parts, and the decisions kept for --plot."""
+
+    report: dict[str, Any]
+    comparison: dict[str, dict[str, Any]]
+    fairness: dict[str, FairnessReport]
+    kept: dict[str, list[Decision]] | None
+    title: str
+
+
+def _run(args: argparse.Namespace, records: _RecordsFile | None) -> _Replayed:
+    """Every policy's replay, in order (``records`` written as they go)."""
     trace: _Trace | None = None
     window: Window | ArrivalsRead
     count: int | None
@@ -317,6 +384,13 @@ def _run(
         validate_first = progress.wanted(args) or (records is not None and not records.rewritable)
         trace = _Trace(args.trace, config, validate_first=validate_first)
         source = f"--trace {args.trace.name}"
+    if records is not None:
+        try:
+            records.open()
+        except ValueError:
+            if trace is not None:
+                trace.validate()  # a bad trace is the error to report, as it always was
+            raise
     policies = args.policy or [*LESSON_POLICIES, DEFAULT_POLICY]
     comparison: dict[str, dict[str, Any]] = {}
     fairness: dict[str, FairnessReport] = {}
@@ -347,6 +421,12 @@ def _run(
                 if kept is not None:
                     kept.clear()
                 trace.hold_sorted()
+            except DuplicateRequestError:
+                # A repeated id the first replay met before the end of the file, where the one
+                # pass checks them: the error the trace's reader gives for it.
+                if trace is not None:
+                    trace.validate()
+                raise
     if trace is not None:
         count = trace.count or 0
     report = {
@@ -355,13 +435,8 @@ def _run(
         "comparison": comparison,  # exactly the lesson's shape: nothing of ours inside
         "fairness": {name: fairness_to_json(f) for name, f in fairness.items()},
     }
-    if results is not None:
-        from tokenfair.sim.plot import plot_report  # matplotlib is an optional extra
-
-        plot_report(
-            results, args.plot, fairness, title=f"tokenfair simulate {source}: {count} requests"
-        )
-    return report, comparison, fairness
+    title = f"tokenfair simulate {source}: {count} requests"
+    return _Replayed(report, comparison, fairness, results, title)
 
 
 def _unique(arrivals: list[Arrival]) -> list[Arrival]:

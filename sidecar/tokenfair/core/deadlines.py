@@ -94,7 +94,7 @@ class DeadlineQueue:
         else:
             late = self._late
             if not late or late[0][2] is not job:
-                raise ValueError(f"{job.request.request_id!r} is not the earliest deadline")
+                raise ValueError(f"{job.request_id!r} is not the earliest deadline")
             heapq.heappop(late)
 
     def compact(self) -> None:

@@ -205,7 +205,7 @@ class DeficitRoundRobin:
         deficit that covers this job: it sends the job in its first turn (VTC's lift, in DRR
         terms). When the front has not started its turn and no joiner waits, before the front:
         a tenant owed service goes before one that has been granted nothing yet."""
-        queue = self.queues[job.request.tenant_id]
+        queue = self.queues[job.tenant_id]
         if queue.live == 0:  # the job is the queue's head
             self._head_changed(job)
         queue.jobs.append(job)
@@ -280,7 +280,7 @@ class DeficitRoundRobin:
         O(active tenants), in C), so it is not backlogged any more — a tenant left in the ring
         with nothing queued would be taken for backlogged by admission and could not join
         ahead until the ring came round to it."""
-        queue = self.queues[job.request.tenant_id]
+        queue = self.queues[job.tenant_id]
         queue.live -= 1
         queue.queued_units -= job.expected_units
         self.queued_units -= job.expected_units
@@ -356,7 +356,7 @@ class DeficitRoundRobin:
             heapify(heads)
 
     def _is_head(self, job: Job) -> bool:
-        return job.state is _QUEUED and self.queues[job.request.tenant_id].head() is job
+        return job.state is _QUEUED and self.queues[job.tenant_id].head() is job
 
     def min_head_cost(self) -> float | None:
         """Expected service tokens of the cheapest head among backlogged tenants
@@ -381,7 +381,7 @@ class DeficitRoundRobin:
         while heads:
             cost, _, job = heads[0]
             if job.state is _QUEUED:
-                queue = queues[job.request.tenant_id]
+                queue = queues[job.tenant_id]
                 if queue.jobs[0] is job or queue.head() is job:  # the first test is the usual
                     return cost
             heappop(heads)

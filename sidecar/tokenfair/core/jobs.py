@@ -178,6 +178,7 @@ class Job:
     """A request inside the scheduler: its costs, its state and its bookkeeping."""
 
     __slots__ = (
+        "arrival_ms",
         "borrowed",
         "deadline_ms",
         "deadline_seq",
@@ -187,16 +188,25 @@ class Job:
         "kv_blocks",
         "lane",
         "lifted",
+        "priority_class",
         "request",
+        "request_id",
         "service_tokens",
         "state",
+        "tenant_id",
     )
 
     def __init__(self, request: Request, service_tokens: int, kv_blocks: int) -> None:
         self.request = request
+        # The request's fields the scheduler reads again and again, copied once: compiled, a
+        # job's own field is a load, a Request's (an interpreted class) a lookup by name.
+        self.request_id = request.request_id
+        self.tenant_id = request.tenant_id
+        self.arrival_ms = request.arrival_ms
+        self.priority_class: PriorityClass = request.priority_class
         self.service_tokens = service_tokens
         self.kv_blocks = kv_blocks
-        self.lane = _LANE_OF[request.priority_class]
+        self.lane = _LANE_OF[self.priority_class]
         self.state = _QUEUED
         self.deadline_ms = _NEVER
         self.deadline_seq = 0  # its place among equal deadlines (`deadlines.DeadlineQueue`)
@@ -210,16 +220,15 @@ class Job:
     def outcome(
         self, status_code: int, reason: str, gate: str, occupancy: float, **observed: float
     ) -> Decision:
-        request = self.request
         return Decision(
-            request_id=request.request_id,
-            tenant_id=request.tenant_id,
-            priority_class=request.priority_class,
+            request_id=self.request_id,
+            tenant_id=self.tenant_id,
+            priority_class=self.priority_class,
             status_code=status_code,
             reason=reason,
             gate=gate,
             service_tokens=self.service_tokens,
-            arrival_ms=request.arrival_ms,
+            arrival_ms=self.arrival_ms,
             kv_occupancy_ratio=occupancy,
             observed=observed,
         )

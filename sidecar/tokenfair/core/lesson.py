@@ -68,7 +68,7 @@ class RequestCountScheduler(Scheduler):
         if self._round_at >= 0:
             self._arrivals.append(job)
         else:
-            self._queues[job.request.tenant_id].append(job)
+            self._queues[job.tenant_id].append(job)
 
     def _select(self, now_ms: float) -> Job | None:
         order = self.tenant_order
@@ -84,7 +84,7 @@ class RequestCountScheduler(Scheduler):
                     return queue.popleft()
             self._round_at = -1
             for job in self._arrivals:
-                self._queues[job.request.tenant_id].append(job)
+                self._queues[job.tenant_id].append(job)
             self._arrivals.clear()
 
 
@@ -115,7 +115,7 @@ class LessonDrrScheduler(Scheduler):
         refill_all(self.tenant_order, now_ms)
 
     def _admit(self, job: Job, tenant: TenantState, now_ms: float) -> Decision | None:
-        arrival_ms = job.request.arrival_ms
+        arrival_ms = job.arrival_ms
         refill_all(self.tenant_order, arrival_ms)  # `self._refill_all`, one call fewer
         lane = job.lane
         queued_blocks = self.queued_blocks
@@ -155,7 +155,7 @@ class LessonDrrScheduler(Scheduler):
         return None
 
     def _push(self, job: Job) -> None:
-        self._queues[job.request.tenant_id][job.lane].append(job)
+        self._queues[job.tenant_id][job.lane].append(job)
 
     def _select(self, now_ms: float) -> Job | None:
         # The round's state lives in locals while the loop runs (it runs at every dispatch)

@@ -190,19 +190,21 @@ class Scheduler(ABC):
     # -- the contract -----------------------------------------------------------------------
 
     def submit(self, request: Request, now_ms: float) -> Decision | None:
-        tenant = self.tenants.get(request.tenant_id)
-        if tenant is None or request.tenant_id not in self.config.tenant_index:
-            raise UnknownTenantError(request.tenant_id)
+        tenant_id = request.tenant_id
+        tenant = self.tenants.get(tenant_id)
+        if tenant is None or tenant_id not in self.config.tenant_index:
+            raise UnknownTenantError(tenant_id)
         jobs = self.jobs
-        if request.request_id in jobs:
-            raise DuplicateRequestError(request.request_id)
+        request_id = request.request_id
+        if request_id in jobs:
+            raise DuplicateRequestError(request_id)
         prefill, decode = request.prefill_tokens, request.decode_tokens
         job = Job(request, self._service_tokens(prefill, decode), self._kv_blocks(prefill, decode))
         refusal = self._admit(job, tenant, now_ms)
         if refusal is not None:
             job.state = JobState.REFUSED
             return refusal
-        jobs[request.request_id] = job
+        jobs[request_id] = job
         lane = job.lane
         self.queued_count[lane] += 1
         self.queued_tokens[lane] += job.service_tokens
@@ -211,7 +213,7 @@ class Scheduler(ABC):
         tenant.queued_tokens += job.service_tokens
         if self.expires_queued:
             deadlines = self._deadlines
-            deadlines.push(job, request.arrival_ms + self._wait_limits[lane])
+            deadlines.push(job, job.arrival_ms + self._wait_limits[lane])
             if len(deadlines) > 2 * (self.queued_count[0] + self.queued_count[1]) + 64:
                 # Mostly requests that left the queue: entries are dropped only from the heads,
                 # and a queued request with a distant deadline there would keep every one behind
@@ -297,8 +299,7 @@ class Scheduler(ABC):
         job = self._select(now_ms)
         if job is None:
             return None
-        request = job.request
-        tenant = self.tenants[request.tenant_id]
+        tenant = self.tenants[job.tenant_id]
         # `_unqueue`, inline
         lane = job.lane
         service_tokens = job.service_tokens
@@ -312,8 +313,8 @@ class Scheduler(ABC):
             refusal = self._dispatch_gate(job, tenant, now_ms)
             if refusal is not None:
                 job.state = JobState.REFUSED
-                del self.jobs[request.request_id]
-                refusal.queue_wait_ms = round_hundredths(max(0.0, now_ms - request.arrival_ms))
+                del self.jobs[job.request_id]
+                refusal.queue_wait_ms = round_hundredths(max(0.0, now_ms - job.arrival_ms))
                 return refusal
         blocks = self.resident_blocks + kv_blocks
         rounded = self._rounded_occupancy
@@ -327,12 +328,12 @@ class Scheduler(ABC):
         tenant.served_tokens += service_tokens
         if self.charges_at_dispatch:
             self._charge(job, tenant, now_ms)
-        arrival_ms = request.arrival_ms
+        arrival_ms = job.arrival_ms
         wait_ms = now_ms - arrival_ms
         decision = Decision(
-            request.request_id,
-            request.tenant_id,
-            request.priority_class,
+            job.request_id,
+            job.tenant_id,
+            job.priority_class,
             STATUS_OK,
             ADMITTED,
             "dispatch",
@@ -376,11 +377,11 @@ class Scheduler(ABC):
             kv_blocks = _checked_settled("actual_kv_blocks", actual_kv_blocks)
         refund = job.service_tokens - actual
         if refund:
-            tenant = self.tenants[job.request.tenant_id]
+            tenant = self.tenants[job.tenant_id]
             tenant.served_tokens -= refund
             self._settle(job, tenant, refund, now_ms)
         elif self.settles_every_request:
-            tenant = self.tenants[job.request.tenant_id]
+            tenant = self.tenants[job.tenant_id]
             # At the estimate, expected at it, usage ratio 1: `_settle` would change nothing
             # (its first test, inline; the policies that settle every request start with it).
             if (
@@ -493,15 +494,15 @@ class Scheduler(ABC):
         tenant.queued_tokens -= job.service_tokens
 
     def _drop(self, job: Job, status: int, reason: str, gate: str, now_ms: float) -> Decision:
-        tenant = self.tenants[job.request.tenant_id]
+        tenant = self.tenants[job.tenant_id]
         # The policy first: one that cannot let a job leave raises before any total changes.
         self._forget(job)
         self._unqueue(job, tenant)
         job.state = JobState.CANCELLED if status == STATUS_CLIENT_CLOSED else JobState.REFUSED
-        del self.jobs[job.request.request_id]
+        del self.jobs[job.request_id]
         occupancy = (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks
         decision = job.outcome(status, reason, gate, round(occupancy, 4))
-        decision.queue_wait_ms = round_hundredths(max(0.0, now_ms - job.request.arrival_ms))
+        decision.queue_wait_ms = round_hundredths(max(0.0, now_ms - job.arrival_ms))
         return decision
 
     def _refusal(

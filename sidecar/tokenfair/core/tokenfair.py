@@ -292,7 +292,7 @@ class TokenfairScheduler(Scheduler):
         it fits the KV cache now, or the cache is forecast to have room for it before the work
         ahead of it is done at the full rate (a lifted request that cannot start at its turn
         goes to the tail). Its rank is its share ratio. None: it joins at the tail."""
-        tenant_id = job.request.tenant_id
+        tenant_id = job.tenant_id
         lane = job.lane
         drr = self._lanes[lane]
         queue = drr.queues[tenant_id]
@@ -344,8 +344,7 @@ class TokenfairScheduler(Scheduler):
         # constants and calls out only where the work is: the refusals (and the occupancy they
         # record, which nothing here changes) are built when a gate fails.
         lane = job.lane
-        request = job.request
-        tenant_id = request.tenant_id
+        tenant_id = job.tenant_id
         wait_limit_ms = self._wait_limits[lane]
         drr = self._lanes[lane]
         competition = self._competition[lane]
@@ -379,7 +378,7 @@ class TokenfairScheduler(Scheduler):
         join_rank = (
             None if queue.in_active or queue.deficit_units < 0 else self._join_rank(job, now_ms)
         )
-        elapsed_ms = now_ms - request.arrival_ms
+        elapsed_ms = now_ms - job.arrival_ms
         turn_wait_ms = self.predicted_wait_ms(tenant_id, lane, service_tokens, now_ms, join_rank)
         if self.resident_blocks + job.kv_blocks - self._kv_limits[lane] > 0:
             kv_wait_ms = self.kv_wait_ms(job, now_ms)
@@ -461,7 +460,7 @@ class TokenfairScheduler(Scheduler):
         return max(0.0, last_ms - now_ms)
 
     def _kv_released(self, job: Job) -> None:
-        self._kv_release_ms.pop(job.request.request_id, None)
+        self._kv_release_ms.pop(job.request_id, None)
 
     def _budget_gate(
         self,
@@ -485,7 +484,7 @@ class TokenfairScheduler(Scheduler):
         cost is above the burst (never coverable)."""
         policy = self.policy
         bucket = tenant.bucket
-        elapsed_ms = max(0.0, now_ms - job.request.arrival_ms)
+        elapsed_ms = max(0.0, now_ms - job.arrival_ms)
         never = budget_wait_ms is None
         if budget_wait_ms is None:
             budget_wait_ms = 0.0
@@ -500,7 +499,7 @@ class TokenfairScheduler(Scheduler):
             rate = policy.service_tokens_per_ms
             spare = rate - self._budgeted.rate(now_ms, self._lending_memory_ms())
             spare = max(spare, rate * MIN_LANE_RATE_FRACTION)
-            queue = self._lanes[job.lane].queues[job.request.tenant_id]
+            queue = self._lanes[job.lane].queues[job.tenant_id]
             borrow_wait_ms = (
                 elapsed_ms + self._residual.wait_ms(now_ms) + queue.queued_tokens / spare
             )
@@ -545,7 +544,7 @@ class TokenfairScheduler(Scheduler):
 
     def _forget(self, job: Job) -> None:
         lane = job.lane
-        tenant_id = job.request.tenant_id
+        tenant_id = job.tenant_id
         drr = self._lanes[lane]
         drr.forget(job)
         if not drr.backlogged(tenant_id):
@@ -563,7 +562,7 @@ class TokenfairScheduler(Scheduler):
             return False
         if self._lending:
             return True
-        tenant = self.tenants[job.request.tenant_id]
+        tenant = self.tenants[job.tenant_id]
         return tenant.bucket.covers(job.service_tokens, self._now_ms)
 
     def _select(self, now_ms: float) -> Job | None:
@@ -579,7 +578,7 @@ class TokenfairScheduler(Scheduler):
             if job is not None:
                 job.borrowed = True
         if job is not None:
-            tenant_id = job.request.tenant_id
+            tenant_id = job.tenant_id
             if not self._lanes[job.lane].queues[tenant_id].live:  # no longer backlogged
                 self._competition[job.lane].drained(tenant_id)
         return job
@@ -620,18 +619,15 @@ class TokenfairScheduler(Scheduler):
     def _charge(self, job: Job, tenant: TenantState, now_ms: float) -> None:
         rate = self._rate
         expected_tokens = job.expected_tokens
-        request = job.request
-        self._kv_release_ms[request.request_id] = (
-            now_ms + self._kv_residency * expected_tokens / rate
-        )
+        self._kv_release_ms[job.request_id] = now_ms + self._kv_residency * expected_tokens / rate
         self._residual.dispatched(expected_tokens, rate, now_ms)
         # `_record_service`, inline
         lane = job.lane
         memory_ms = self._memories_ms[lane]
         served_rates = self._served[lane]
-        served = served_rates.get(request.tenant_id)
+        served = served_rates.get(job.tenant_id)
         if served is None:
-            served = served_rates[request.tenant_id] = DemandRate()
+            served = served_rates[job.tenant_id] = DemandRate()
         served.add(expected_tokens, now_ms, memory_ms)
         self._lane_served[lane].add(expected_tokens, now_ms, memory_ms)
         if job.lifted:
@@ -645,7 +641,7 @@ class TokenfairScheduler(Scheduler):
     def _record_service(self, job: Job, tokens: float, now_ms: float) -> None:
         lane = job.lane
         memory_ms = self._memories_ms[lane]
-        tenant_id = job.request.tenant_id
+        tenant_id = job.tenant_id
         served = self._served[lane].get(tenant_id)
         if served is None:
             served = self._served[lane][tenant_id] = DemandRate()
@@ -732,7 +728,7 @@ class TokenfairScheduler(Scheduler):
             overrun = overrun_units / _UNIT
             dispatch_ms = job.decision.dispatch_ms if job.decision is not None else None
             if dispatch_ms is not None:  # the hold follows the actual usage
-                self._kv_release_ms[job.request.request_id] = dispatch_ms + (
+                self._kv_release_ms[job.request_id] = dispatch_ms + (
                     self.policy.kv_residency_factor
                     * (job.service_tokens - refund)
                     / self.policy.service_tokens_per_ms

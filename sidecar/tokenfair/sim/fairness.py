@@ -326,7 +326,7 @@ class FairnessTally:
         self._rate = config.policy.service_tokens_per_ms
         self._reading: ArrivalsRead | None = None
         self._undecided: list[tuple[float, int]] = []  # (dispatch_ms, size), a reading only
-        if isinstance(window_ms, tuple):
+        if isinstance(window_ms, (tuple, list)):  # a window given, not a reading
             start_ms, end_ms = window_ms
             if end_ms is not None:
                 start_ms, end_ms = _check_window((start_ms, end_ms))

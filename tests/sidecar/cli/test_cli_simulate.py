@@ -418,7 +418,7 @@ def test_records_of_a_trace_out_of_order_are_those_of_the_sorted_trace(tmp_path:
 
 def test_records_into_a_pipe_are_written_in_place(tmp_path: Path) -> None:
     # A target that cannot be replaced (a FIFO) is written in place, the trace validated first:
-    # a bad line sends nothing down the pipe.
+    # a bad line sends nothing down the pipe, which is not even opened.
     trace, tenants = write_trace(tmp_path, spread_with_usage())
     regular = tmp_path / "regular.jsonl"
     report("--trace", trace, "--tenants", tenants, "--records", regular, cwd=tmp_path)
@@ -433,13 +433,65 @@ def test_records_into_a_pipe_are_written_in_place(tmp_path: Path) -> None:
     lines = spread_with_usage()
     lines[100] = {**lines[100], "arrival_ms": -1}
     trace.write_text("".join(json.dumps(row) + "\n" for row in lines), encoding="utf-8")
-    received.clear()
-    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()))
-    reader.start()
+    # No reader: the command must not even open the pipe (it would wait for one).
     line = bad_run(tmp_path, "--trace", trace, "--tenants", tenants, "--records", fifo)
     assert f"{trace}:101: arrival_ms must be a number >= 0" in line
-    reader.join(timeout=60)
-    assert received == [b""]
+
+
+def test_a_repeated_id_the_replay_meets_first_is_reported_as_the_reader_does(
+    tmp_path: Path,
+) -> None:
+    # The one pass checks repeated ids at the end of the file; here the replay meets the second
+    # `a` while the first is still queued, and the error is still the reader's, at its line.
+    lines = [{**backlog()[0], "request_id": "a", "arrival_ms": t} for t in (0, 1)]
+    lines.append({**backlog()[1], "surprise": 1})  # a later bad line does not hide it
+    trace, tenants = write_trace(tmp_path, lines)
+    line = bad_run(tmp_path, "--trace", trace, "--tenants", tenants)
+    assert line == f"tokenfair simulate: error: {trace}:2: duplicate request_id 'a'"
+
+
+def test_records_through_a_link_are_written_where_it_points(tmp_path: Path) -> None:
+    trace, tenants = write_trace(tmp_path, backlog())
+    target = tmp_path / "real.jsonl"
+    target.write_text("old\n", encoding="utf-8")
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(target)
+    report("--trace", trace, "--tenants", tenants, "--records", link, cwd=tmp_path)
+    assert link.is_symlink()
+    assert len(target.read_text(encoding="utf-8").splitlines()) == 3 * 24
+    # An open descriptor named by /dev/fd (a link too) is written through, as a shell's `3>f`.
+    out = tmp_path / "fd.jsonl"
+    with out.open("wb") as handle:
+        done = subprocess.run(
+            [str(TOKENFAIR), "simulate", "--trace", str(trace), "--tenants", str(tenants),
+             "--records", f"/dev/fd/{handle.fileno()}"],
+            pass_fds=(handle.fileno(),), capture_output=True, text=True, check=False, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == target.read_bytes()
+
+
+def test_a_plot_that_fails_keeps_the_records(tmp_path: Path) -> None:
+    trace, tenants = write_trace(tmp_path, backlog())
+    records = tmp_path / "records.jsonl"
+    done = tokenfair(
+        *("--trace", trace, "--tenants", tenants, "--records", records),
+        *("--plot", tmp_path / "missing" / "plot.png"),
+        cwd=tmp_path,
+    )
+    assert done.returncode != 0
+    assert len(records.read_text(encoding="utf-8").splitlines()) == 3 * 24
+
+
+def test_a_bad_trace_is_reported_before_a_records_path_that_cannot_be_written(
+    tmp_path: Path,
+) -> None:
+    lines = backlog()
+    lines[5] = {**lines[5], "decode_tokens": -1}
+    trace, tenants = write_trace(tmp_path, lines)
+    target = tmp_path / "missing" / "records.jsonl"
+    line = bad_run(tmp_path, "--trace", trace, "--tenants", tenants, "--records", target)
+    assert f"{trace}:6: decode_tokens must be an integer >= 0" in line
 
 
 def test_trace_without_tenants(tmp_path: Path) -> None:
