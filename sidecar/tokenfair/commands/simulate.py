@@ -151,14 +151,7 @@ class _Trace:
         self._reading: TraceReading | None = None
         self._sorted: tuple[Callable[[], Iterable[Arrival]], Window, int] | None = None
         if validate_first:
-            scan = scan_trace(path, known_tenants=config.tenant_index)
-            if not scan.in_order:
-                self.hold_sorted()
-            else:
-                self._reading = TraceReading(
-                    scan.records, scan.first_arrival_ms, scan.last_arrival_ms,
-                    scan.observed_usage, complete=True,
-                )  # fmt: skip
+            self.validate()
 
     @property
     def count(self) -> int | None:
@@ -192,10 +185,19 @@ class _Trace:
         return stream_arrivals(self.path), window
 
     def validate(self) -> None:
-        """Raise the error of the first broken rule of the file, if any (:func:`scan_trace`),
-        unless it has been validated already."""
-        if self._sorted is None and not (self._reading is not None and self._reading.complete):
-            scan_trace(self.path, known_tenants=self.config.tenant_index)
+        """Validate the whole file now (:func:`scan_trace`: the error of its first broken rule),
+        unless it has been; then the replays stream the validated file, or the sorted list
+        when its lines are out of order (no replay reads an unvalidated line)."""
+        if self._sorted is not None or (self._reading is not None and self._reading.complete):
+            return
+        scan = scan_trace(self.path, known_tenants=self.config.tenant_index)
+        if not scan.in_order:
+            self.hold_sorted()
+        else:
+            self._reading = TraceReading(
+                scan.records, scan.first_arrival_ms, scan.last_arrival_ms,
+                scan.observed_usage, complete=True,
+            )  # fmt: skip
 
     def hold_sorted(self) -> None:
         """Validate the whole file and hold it sorted (a trace whose lines are not in order)."""
@@ -228,11 +230,12 @@ def _replaceable(path: Path) -> bool:
 
 class _RecordsFile:
     """``--records FILE``. Written aside when :func:`_replaceable` (``rewritable``):
-    ``.tokenfair-records.<pid>.tmp`` in ``FILE``'s folder, with ``FILE``'s permissions when it
-    exists, renamed over ``FILE`` when every replay has finished (:meth:`commit`), removed
-    otherwise (:meth:`discard`), so a bad line found mid-trace leaves ``FILE`` as it was.
-    Otherwise written in place, and the trace is validated before the first replay. Opened by
-    :meth:`open`, before the replays (a bad path costs no replay)."""
+    ``.tokenfair-records.<pid>.<random>.tmp`` in ``FILE``'s folder, with ``FILE``'s permissions
+    when it exists, renamed over ``FILE`` when every replay has finished (:meth:`commit`),
+    removed otherwise (:meth:`discard`), so a bad line found mid-trace leaves ``FILE`` as it was.
+    Otherwise (or when no file aside can be created) written in place, and the trace is
+    validated before ``FILE`` is opened. Opened before the replays (a bad path costs no
+    replay)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -245,21 +248,34 @@ class _RecordsFile:
         assert self._handle is not None, "open() first"
         return self._handle
 
-    def open(self) -> None:
+    def open_aside(self) -> bool:
+        """Open the file aside when ``rewritable`` and it can be created (its name is new:
+        ``O_EXCL``, and never a link: ``O_NOFOLLOW``); whether it was. When it was not,
+        ``rewritable`` is false and :meth:`open_in_place` is next."""
+        if not self.rewritable:
+            return False
+        aside = self.path.parent / f".tokenfair-records.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            if not self.rewritable:
-                self._handle = self.path.open("wb")
-                return
-            aside = self.path.parent / f".tokenfair-records.{os.getpid()}.tmp"
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
             descriptor = os.open(aside, flags, 0o666)  # the umask applies, as to open("wb")
-            self._aside = aside
-            self._handle = os.fdopen(descriptor, "wb")
-            try:
-                mode = stat.S_IMODE(os.stat(self.path).st_mode)
-            except FileNotFoundError:
-                return
-            os.fchmod(descriptor, mode)  # the file keeps its permissions
+        except OSError:
+            self.rewritable = False  # e.g. a folder that refuses new names: in place
+            return False
+        self._aside = aside
+        self._handle = os.fdopen(descriptor, "wb")
+        try:
+            os.fchmod(descriptor, stat.S_IMODE(os.stat(self.path).st_mode))
+        except FileNotFoundError:
+            pass  # a new file: the umask's permissions, as open("wb") gives
+        except OSError as exc:
+            self.discard()
+            raise ValueError(f"--records {self.path}: cannot write ({exc.strerror})") from None
+        return True
+
+    def open_in_place(self) -> None:
+        """Open ``FILE`` itself (truncated); ``ValueError`` naming it if it cannot be."""
+        try:
+            self._handle = self.path.open("wb")
         except OSError as exc:
             raise ValueError(f"--records {self.path}: cannot write ({exc.strerror})") from None
 
@@ -277,11 +293,17 @@ class _RecordsFile:
             self._aside = None
 
     def discard(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
-        if self._aside is not None:
-            self._aside.unlink(missing_ok=True)
-            self._aside = None
+        """Close without keeping: the file aside is removed, even when closing fails (a full
+        disk refuses the last buffered bytes)."""
+        try:
+            if self._handle is not None:
+                self._handle.close()
+        except OSError:
+            pass  # the records are dropped anyway; the error that brought us here is reported
+        finally:
+            if self._aside is not None:
+                self._aside.unlink(missing_ok=True)
+                self._aside = None
 
 
 def _replay_policy(
@@ -384,13 +406,11 @@ def _run(args: argparse.Namespace, records: _RecordsFile | None) -> _Replayed:
         validate_first = progress.wanted(args) or (records is not None and not records.rewritable)
         trace = _Trace(args.trace, config, validate_first=validate_first)
         source = f"--trace {args.trace.name}"
-    if records is not None:
-        try:
-            records.open()
-        except ValueError:
-            if trace is not None:
-                trace.validate()  # a bad trace is the error to report, as it always was
-            raise
+    if records is not None and not records.open_aside():
+        if trace is not None:
+            trace.validate()  # (done already unless no file aside could be made) before FILE
+            # is truncated: a bad trace is then the error, and FILE is left as it was
+        records.open_in_place()
     policies = args.policy or [*LESSON_POLICIES, DEFAULT_POLICY]
     comparison: dict[str, dict[str, Any]] = {}
     fairness: dict[str, FairnessReport] = {}

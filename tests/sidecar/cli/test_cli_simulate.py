@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import threading
@@ -469,6 +470,78 @@ def test_records_through_a_link_are_written_where_it_points(tmp_path: Path) -> N
         )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == target.read_bytes()
+
+
+def test_records_with_a_second_name_are_written_in_place(tmp_path: Path) -> None:
+    # A hard link: renaming over one name would split them; both names see the records.
+    trace, tenants = write_trace(tmp_path, backlog())
+    records = tmp_path / "records.jsonl"
+    records.write_text("old\n", encoding="utf-8")
+    other = tmp_path / "other-name.jsonl"
+    other.hardlink_to(records)
+    report("--trace", trace, "--tenants", tenants, "--records", records, cwd=tmp_path)
+    assert records.stat().st_ino == other.stat().st_ino
+    assert len(other.read_text(encoding="utf-8").splitlines()) == 3 * 24
+
+
+def test_a_write_that_fails_leaves_no_file_aside(tmp_path: Path) -> None:
+    # The file size limit stops the records midway: one line on stderr, exit 1, the target as
+    # it was, and nothing left aside (closing the file aside fails too: it is removed anyway).
+    trace, tenants = write_trace(tmp_path, spread_with_usage() * 1)
+    records = tmp_path / "records.jsonl"
+    records.write_text("earlier\n", encoding="utf-8")
+    limit = 4096
+
+    def small_files() -> None:
+        resource.setrlimit(
+            resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1])
+        )
+
+    done = subprocess.run(
+        [str(TOKENFAIR), "simulate", "--trace", str(trace), "--tenants", str(tenants),
+         "--records", str(records), "--format", "json"],
+        preexec_fn=small_files, capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.startswith("tokenfair simulate: error: ")
+    assert "File too large" in done.stderr
+    assert records.read_text(encoding="utf-8") == "earlier\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "records.jsonl",
+        "tenants.yaml",
+        "trace.jsonl",
+    ]
+
+
+def test_records_in_place_when_no_file_aside_can_be_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A folder that refuses the new name (here: every os.open of the command refuses): the
+    # records are written in place, the trace validated before FILE is truncated.
+    from tokenfair.cli import main
+
+    def refuse(*args: object, **kwargs: object) -> int:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "open", refuse)  # the command's only os.open is the file aside
+    lines = backlog()
+    lines[7] = {**lines[7], "decode_tokens": -1}
+    trace, tenants = write_trace(tmp_path, lines)
+    records = tmp_path / "records.jsonl"
+    records.write_text("earlier\n", encoding="utf-8")
+    args = ["simulate", "--trace", str(trace), "--tenants", str(tenants), "--no-progress"]
+    assert main([*args, "--records", str(records)]) == 2
+    assert f"{trace}:8: decode_tokens must be an integer >= 0" in capsys.readouterr().err
+    assert records.read_text(encoding="utf-8") == "earlier\n"
+    lines[7] = {**lines[7], "decode_tokens": 100}
+    trace.write_text("".join(json.dumps(row) + "\n" for row in lines), encoding="utf-8")
+    assert main([*args, "--records", str(records)]) == 0
+    assert len(records.read_text(encoding="utf-8").splitlines()) == 3 * 24
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "records.jsonl",
+        "tenants.yaml",
+        "trace.jsonl",
+    ]
 
 
 def test_a_plot_that_fails_keeps_the_records(tmp_path: Path) -> None:
