@@ -55,6 +55,7 @@ COMPILED: Final = (
     "tokenfair.core.tokenfair",
     "tokenfair.sim.fairness",
     "tokenfair.sim.fold",
+    "tokenfair.sim.reading",
     "tokenfair.sim.report",
     "tokenfair.sim.simulator",
 )
@@ -70,6 +71,7 @@ HASHED: Final = (
     "sim/__init__.py",
     "sim/fairness.py",
     "sim/fold.py",
+    "sim/reading.py",
     "sim/report.py",
     "sim/simulator.py",
 )

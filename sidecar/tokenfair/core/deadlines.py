@@ -44,7 +44,9 @@ class DeadlineQueue:
 
     def __init__(self) -> None:
         # One FIFO per lane (Lane.INTERACTIVE = 0, Lane.BATCH = 1), deadlines nondecreasing.
-        self._fifos: tuple[deque[Job], deque[Job]] = (deque(), deque())
+        # (`tuple[X, ...]`: compiled, a fixed-size tuple would be built again at each index by
+        # a variable.)
+        self._fifos: tuple[deque[Job], ...] = (deque(), deque())
         self._late: list[tuple[float, int, Job]] = []
         self._seq = 0
 

@@ -42,7 +42,9 @@ STATUS_CLIENT_CLOSED: Final = 499
 
 
 class Lane(IntEnum):
-    """Priority lanes, highest first."""
+    """Priority lanes, highest first. The core keeps a job's lane as a plain ``int`` of the same
+    value (``Job.lane``; :data:`LANE_INTERACTIVE`, :data:`LANE_BATCH`): compare lanes with
+    ``==``, not ``is``."""
 
     INTERACTIVE = 0
     BATCH = 1
@@ -151,8 +153,16 @@ class Decision:
         return self.status_code == STATUS_OK
 
 
+LANE_INTERACTIVE: Final = 0
+"""``Lane.INTERACTIVE`` as a plain ``int``: the core keeps a job's lane as one (``Job.lane``) and
+indexes its per-lane state with it. Compiled, an ``int`` index is a native one, where an
+``IntEnum`` member goes through the generic ``PyObject_GetItem`` (~100 instructions, dozens of
+times a request); the two compare equal, so a ``Lane`` is accepted wherever a lane is taken."""
+LANE_BATCH: Final = 1
+"""``Lane.BATCH`` as a plain ``int`` (see :data:`LANE_INTERACTIVE`)."""
+
 # Module constants: enum attribute lookups are measurable on the per-request path.
-_LANE_OF: Final[dict[str, Lane]] = {"interactive": Lane.INTERACTIVE, "batch": Lane.BATCH}
+_LANE_OF: Final[dict[str, int]] = {"interactive": LANE_INTERACTIVE, "batch": LANE_BATCH}
 _QUEUED: Final = JobState.QUEUED
 _NEVER: Final = float("inf")
 
@@ -196,12 +206,21 @@ class Job:
         "tenant_id",
     )
 
-    def __init__(self, request: Request, service_tokens: int, kv_blocks: int) -> None:
+    def __init__(
+        self,
+        request: Request,
+        service_tokens: int,
+        kv_blocks: int,
+        request_id: str | None = None,
+        tenant_id: str | None = None,
+    ) -> None:
+        """``request_id`` and ``tenant_id``, when given, are the request's (a caller that has
+        read them passes them: one lookup each fewer)."""
         self.request = request
         # The request's fields the scheduler reads again and again, copied once: compiled, a
-        # job's own field is a load, a Request's (an interpreted class) a lookup by name.
-        self.request_id = request.request_id
-        self.tenant_id = request.tenant_id
+        # job's own field is a load, a Request's (a msgspec struct) a lookup by name.
+        self.request_id = request.request_id if request_id is None else request_id
+        self.tenant_id = request.tenant_id if tenant_id is None else tenant_id
         self.arrival_ms = request.arrival_ms
         self.priority_class: PriorityClass = request.priority_class
         self.service_tokens = service_tokens

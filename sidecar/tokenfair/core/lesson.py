@@ -35,16 +35,17 @@ from typing import Final
 from tokenfair.config import Config
 from tokenfair.core.bucket import refill_all
 from tokenfair.core.jobs import (
+    LANE_BATCH,
+    LANE_INTERACTIVE,
     SHED_QUEUE_WAIT_SLO,
     SHED_TENANT_TOKEN_QUOTA,
     Decision,
     Job,
-    Lane,
 )
 from tokenfair.core.scheduler import Scheduler, TenantState, shed_kv
 
-_INTERACTIVE: Final = Lane.INTERACTIVE
-_BATCH: Final = Lane.BATCH
+_INTERACTIVE: Final = LANE_INTERACTIVE
+_BATCH: Final = LANE_BATCH
 
 
 class RequestCountScheduler(Scheduler):
@@ -78,7 +79,7 @@ class RequestCountScheduler(Scheduler):
                     return None
                 self._round_at = 0
             while self._round_at < len(order):
-                queue = self._queues[order[self._round_at].config.tenant_id]
+                queue = self._queues[order[self._round_at].tenant_id]
                 self._round_at += 1
                 if queue:
                     return queue.popleft()
@@ -95,11 +96,13 @@ class LessonDrrScheduler(Scheduler):
     gates_at_dispatch = True
 
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
-        self._queues: dict[str, tuple[deque[Job], deque[Job]]] = {}
+        # (`tuple[X, ...]`: compiled, a fixed-size tuple taken from a dict is unboxed, then
+        # built again at each index by a variable.)
+        self._queues: dict[str, tuple[deque[Job], ...]] = {}
         self._deficit: dict[str, float] = {}
         # The round in progress: its lane, the position in tenant order, whether the tenant
         # there has had its quantum for this visit, and whether the round dispatched anything.
-        self._round_lane: Lane | None = None
+        self._round_lane: int | None = None
         self._round_at = 0
         self._in_visit = False
         self._round_dispatched = False
@@ -179,7 +182,7 @@ class LessonDrrScheduler(Scheduler):
                 at = 0
                 in_visit = False
                 self._round_dispatched = False
-            elif lane is _BATCH and queued_count[0]:
+            elif lane == _BATCH and queued_count[0]:
                 # Interactive work arrived after a batch dispatch: the batch round ends.
                 lane = None
                 continue
@@ -189,7 +192,7 @@ class LessonDrrScheduler(Scheduler):
                 lane = None
                 continue
             tenant = order[at]
-            tenant_id = tenant.config.tenant_id
+            tenant_id = tenant.tenant_id
             queue = queues[tenant_id][lane]
             if not in_visit:
                 if not queue:
@@ -197,7 +200,7 @@ class LessonDrrScheduler(Scheduler):
                     at += 1
                     continue
                 # `tenant_quantum`, inline
-                deficits[tenant_id] += self.policy.base_quantum_tokens * tenant.config.weight
+                deficits[tenant_id] += self._base_quantum_tokens * tenant.weight
                 in_visit = True
             if queue:
                 job = queue[0]
@@ -213,23 +216,20 @@ class LessonDrrScheduler(Scheduler):
             in_visit = False
             at += 1
 
-    def _grant_boost(self, lane: Lane) -> None:
-        base = float(self.policy.base_quantum_tokens)
-        backlogged = [t for t in self.tenant_order if self._queues[t.config.tenant_id][lane]]
+    def _grant_boost(self, lane: int) -> None:
+        base = float(self._base_quantum_tokens)
+        backlogged = [t for t in self.tenant_order if self._queues[t.tenant_id][lane]]
         needed = min(
             (
-                (
-                    self._queues[t.config.tenant_id][lane][0].service_tokens
-                    - self._deficit[t.config.tenant_id]
-                )
-                / t.config.weight
+                (self._queues[t.tenant_id][lane][0].service_tokens - self._deficit[t.tenant_id])
+                / t.weight
                 for t in backlogged
             ),
             default=base,
         )
         boost = max(base, math.ceil(needed))
         for tenant in backlogged:
-            self._deficit[tenant.config.tenant_id] += boost * tenant.config.weight
+            self._deficit[tenant.tenant_id] += boost * tenant.weight
 
     def _dispatch_gate(self, job: Job, tenant: TenantState, now_ms: float) -> Decision | None:
         refill_all(self.tenant_order, now_ms)  # `self._refill_all`, one call fewer

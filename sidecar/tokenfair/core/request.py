@@ -6,10 +6,9 @@
 trace schema (``tokenfair.sim.records.TraceLine``) subclasses it with each field's rules, so a
 validated line *is* a request. mypyc cannot compile a ``Struct``: this module stays interpreted
 when the core is compiled (``tokenfair.native``); the compiled modules read its fields as
-attributes, as they read a dataclass's slots.
+attributes, as they read a dataclass's slots. No ``from __future__ import annotations``: msgspec
+would resolve each string annotation through a ``typing.ForwardRef`` compiled from source.
 """
-
-from __future__ import annotations
 
 import msgspec
 

@@ -33,6 +33,7 @@ from tokenfair.core.errors import DuplicateRequestError, UnknownTenantError
 from tokenfair.core.jobs import (
     ADMITTED,
     CANCELLED,
+    LANE_INTERACTIVE,
     SHED_KV_WATERMARK,
     SHED_QUEUE_TIMEOUT,
     STATUS_CLIENT_CLOSED,
@@ -64,7 +65,15 @@ no capacity is lent to tenants over their budget)."""
 class TenantState(HasBucket):
     """Per-tenant runtime state: budget (``bucket``), queue totals and the fairness counter."""
 
-    __slots__ = ("config", "queued", "queued_tokens", "served_tokens", "usage_ratio")
+    __slots__ = (
+        "config",
+        "queued",
+        "queued_tokens",
+        "served_tokens",
+        "tenant_id",
+        "usage_ratio",
+        "weight",
+    )
 
     def __init__(
         self, config: TenantConfig, now_ms: float, bucket_type: type[Bucket] = TokenBucket
@@ -75,6 +84,11 @@ class TenantState(HasBucket):
             )
         )
         self.config = config
+        # `config`'s fields read at every round, as fields (compiled, a load rather than a
+        # lookup by name): the id never changes (a reload gives the same tenant a new `config`,
+        # and `Scheduler._apply_tenants` copies its weight).
+        self.tenant_id = config.tenant_id
+        self.weight = config.weight
         self.queued = 0
         self.queued_tokens = 0
         self.served_tokens = 0  # S_i: service tokens dispatched, settled to actual usage
@@ -119,6 +133,7 @@ class Scheduler(ABC):
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
         self.config = config
         self.policy = config.policy
+        self._tenant_index = config.tenant_index  # read at every submission
         self._adopt_cost_model()
         self.tenants: dict[str, TenantState] = {}
         self.tenant_order: list[TenantState] = []
@@ -141,6 +156,7 @@ class Scheduler(ABC):
                 self.tenants[tenant_config.tenant_id] = state
             else:
                 state.config = tenant_config
+                state.weight = tenant_config.weight
                 state.bucket.retune(
                     tenant_config.burst_service_tokens,
                     tenant_config.sustained_service_tokens_per_second,
@@ -165,41 +181,64 @@ class Scheduler(ABC):
         """
         self.config = config
         self.policy = config.policy
+        self._tenant_index = config.tenant_index
         self._adopt_cost_model()
         self._apply_tenants(config.tenants, now_ms)
 
     def _adopt_cost_model(self) -> None:
         self.cost = CostModel.from_policy(self.policy)
-        # `submit` prices every request: the cost model's methods, bound once.
-        self._service_tokens = self.cost.service_tokens
-        self._kv_blocks = self.cost.kv_blocks
         self._total_kv_blocks = self.policy.total_kv_blocks
         # `wait_limit_ms` by lane (interactive, batch): read at every admission.
-        self._wait_limits = (self.policy.max_interactive_wait_ms, self.policy.max_batch_wait_ms)
+        # (`tuple[float, ...]`: compiled, a fixed-size tuple is built again at each index by a
+        # variable, such as a `Lane`.)
+        self._wait_limits: tuple[float, ...] = (
+            self.policy.max_interactive_wait_ms,
+            self.policy.max_batch_wait_ms,
+        )
         # `watermark` by lane, and the service rate: read at every admission of the policies.
-        self._watermarks = (self.policy.interactive_kv_watermark, self.policy.batch_kv_watermark)
+        self._watermarks: tuple[float, ...] = (
+            self.policy.interactive_kv_watermark,
+            self.policy.batch_kv_watermark,
+        )
         self._service_rate = self.cost.service_tokens_per_ms
+        # Read at every admission or dispatch (a `PolicyConfig`'s field is a lookup by name).
+        self._base_quantum_tokens = self.policy.base_quantum_tokens
+        self._max_queued_requests = self.policy.max_queued_requests
+        self._max_queued_per_tenant = self.policy.max_queued_requests_per_tenant
+        self._batch_min_share = self.policy.batch_min_share
         # `round(blocks / total_kv_blocks, 4)` by resident blocks: every dispatch records its
         # occupancy, and `round` to 4 places costs more than a lookup. Bounded (a cache of
         # 10^9 blocks would not be): a value past the bound is computed each time.
         self._rounded_occupancy: dict[int, float] = {}
 
     def tenant_quantum(self, tenant: TenantState) -> float:
-        return self.policy.base_quantum_tokens * tenant.config.weight
+        return self._base_quantum_tokens * tenant.weight
 
     # -- the contract -----------------------------------------------------------------------
 
     def submit(self, request: Request, now_ms: float) -> Decision | None:
+        # Each field of `request` (a msgspec struct: compiled, a lookup by name) is read once;
+        # the cost model's methods are called on it (a direct C call when compiled). The job
+        # keeps the tenant's own id string (`tenant.tenant_id`, the key of every per-tenant
+        # dict), not the request's equal copy: each later lookup by it is then an identity hit,
+        # with no hash to compute and no characters to compare.
         tenant_id = request.tenant_id
         tenant = self.tenants.get(tenant_id)
-        if tenant is None or tenant_id not in self.config.tenant_index:
+        if tenant is None or tenant_id not in self._tenant_index:
             raise UnknownTenantError(tenant_id)
         jobs = self.jobs
         request_id = request.request_id
         if request_id in jobs:
             raise DuplicateRequestError(request_id)
         prefill, decode = request.prefill_tokens, request.decode_tokens
-        job = Job(request, self._service_tokens(prefill, decode), self._kv_blocks(prefill, decode))
+        cost = self.cost
+        job = Job(
+            request,
+            cost.service_tokens(prefill, decode),
+            cost.kv_blocks(prefill, decode),
+            request_id,
+            tenant.tenant_id,
+        )
         refusal = self._admit(job, tenant, now_ms)
         if refusal is not None:
             job.state = JobState.REFUSED
@@ -471,18 +510,18 @@ class Scheduler(ABC):
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def watermark(self, lane: Lane) -> float:
+    def watermark(self, lane: int) -> float:
         policy = self.policy
         return (
             policy.interactive_kv_watermark
-            if lane is Lane.INTERACTIVE
+            if lane == LANE_INTERACTIVE
             else policy.batch_kv_watermark
         )
 
-    def wait_limit_ms(self, lane: Lane) -> float:
+    def wait_limit_ms(self, lane: int) -> float:
         policy = self.policy
         return (
-            policy.max_interactive_wait_ms if lane is Lane.INTERACTIVE else policy.max_batch_wait_ms
+            policy.max_interactive_wait_ms if lane == LANE_INTERACTIVE else policy.max_batch_wait_ms
         )
 
     def _unqueue(self, job: Job, tenant: TenantState) -> None:

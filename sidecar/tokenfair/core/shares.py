@@ -57,21 +57,10 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable
 from itertools import accumulate
-from typing import Protocol
 
+from tokenfair.core.drr import TenantQueue
 from tokenfair.core.jobs import UNITS_PER_TOKEN
 from tokenfair.core.jobs import to_units as _units
-
-
-class TurnState(Protocol):
-    """What the prediction reads of a tenant's DRR state (``drr.TenantQueue`` has it)."""
-
-    @property
-    def quantum(self) -> float: ...
-    @property
-    def deficit(self) -> float: ...
-    @property
-    def turn_open(self) -> bool: ...
 
 
 class LaneCompetition:
@@ -145,12 +134,12 @@ class LaneCompetition:
 def tokens_ahead(
     own_queued_tokens: float,
     cost_tokens: float,
-    own: TurnState,
+    own: TenantQueue,
     competing_quanta: float,
     backlogged_quanta: float,
     lane_queued_tokens: float,
     lane_credit_tokens: float,
-    front: TurnState | None,
+    front: TenantQueue | None,
     first_turn_tokens: float | None = None,
 ) -> tuple[float, int]:
     """Lane service before a new request of tenant ``i`` can start, from the tenants backlogged
@@ -170,7 +159,9 @@ def tokens_ahead(
     that joins ahead (``first_turn_tokens``: what is promised before its first turn) waits for
     that only; its first turn covers the request. Competing tenants that are not backlogged now
     take part in the later turns only if they send meanwhile: the caller adds that
-    (:meth:`TokenfairScheduler.predicted_wait_ms`). Returns ``(ahead, k - 1)``."""
+    (:meth:`TokenfairScheduler.predicted_wait_ms`). Returns ``(ahead, k - 1)``. ``own`` and
+    ``front`` are the tenants' round-robin queues (typed as such: compiled, their fields are
+    read directly)."""
     deficit = own.deficit
     needed = own_queued_tokens + cost_tokens - deficit
     if front is own and own.turn_open and needed <= 0:

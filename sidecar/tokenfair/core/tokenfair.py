@@ -53,6 +53,7 @@ the tenant's own predicted wait (for its turn or its budget) beyond the limit.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Final
 
@@ -60,13 +61,14 @@ from tokenfair.config import Config
 from tokenfair.core.bucket import ExactTokenBucket
 from tokenfair.core.drr import DeficitRoundRobin
 from tokenfair.core.jobs import (
+    LANE_BATCH,
+    LANE_INTERACTIVE,
     QUEUE_FULL,
     SHED_QUEUE_WAIT_SLO,
     SHED_TENANT_TOKEN_QUOTA,
     UNITS_PER_TOKEN,
     Decision,
     Job,
-    Lane,
 )
 from tokenfair.core.scheduler import Scheduler, TenantState, shed_kv
 from tokenfair.core.shares import (
@@ -77,8 +79,8 @@ from tokenfair.core.shares import (
     water_level,
 )
 
-_INTERACTIVE: Final = Lane.INTERACTIVE
-_BATCH: Final = Lane.BATCH
+_INTERACTIVE: Final = LANE_INTERACTIVE
+_BATCH: Final = LANE_BATCH
 _UNIT: Final = UNITS_PER_TOKEN
 
 SERVICE_MEMORY_LIMITS = 10.0
@@ -119,26 +121,31 @@ class TokenfairScheduler(Scheduler):
     bucket_type = ExactTokenBucket  # budgets in integer units, like the DRR state
 
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
-        self._lanes = (DeficitRoundRobin(), DeficitRoundRobin())
-        self._competition = (LaneCompetition(), LaneCompetition())
-        self._backlogged = (self._lanes[0].backlogged, self._lanes[1].backlogged)
+        # Per-lane state, indexed by a `Lane`, in tuples typed `tuple[X, ...]`: compiled, a
+        # fixed-size tuple is kept unboxed and built again at each index by a variable.
+        self._lanes: tuple[DeficitRoundRobin, ...] = (DeficitRoundRobin(), DeficitRoundRobin())
+        self._competition: tuple[LaneCompetition, ...] = (LaneCompetition(), LaneCompetition())
+        self._backlogged: tuple[Callable[[str], bool], ...] = (
+            self._lanes[0].backlogged,
+            self._lanes[1].backlogged,
+        )
         self._interactive_demand = DemandRate()  # time constant: maxBatchWaitMs
         # Per lane, over the lane's wait limit: admitted service, and the part of it that
         # joined ahead of the ring's tail.
-        self._lane_demand = (DemandRate(), DemandRate())
-        self._lane_lifted = (DemandRate(), DemandRate())
+        self._lane_demand: tuple[DemandRate, ...] = (DemandRate(), DemandRate())
+        self._lane_lifted: tuple[DemandRate, ...] = (DemandRate(), DemandRate())
         self._budgeted = DemandRate()  # dispatched within budget (`_lending_memory_ms`)
         # Resident requests -> when their KV is forecast to be freed (`kv_wait_ms`).
         self._kv_release_ms: dict[str, float] = {}
         self._residual = ResidualWork()
         # Recent service per lane, per tenant and in all (time constant: SERVICE_MEMORY_LIMITS).
-        self._served: tuple[dict[str, DemandRate], dict[str, DemandRate]] = ({}, {})
-        self._lane_served = (DemandRate(), DemandRate())
+        self._served: tuple[dict[str, DemandRate], ...] = ({}, {})
+        self._lane_served: tuple[DemandRate, ...] = (DemandRate(), DemandRate())
         # Per lane: each tenant's recent offered service (every arrival, admitted or not;
         # time constant SERVICE_MEMORY_LIMITS). The lane's max-min water level over it, as
         # (when computed, level), recomputed at most once per wait limit, is `_level`
         # (`_adopt_cost_model` starts it).
-        self._offered: tuple[dict[str, DemandRate], dict[str, DemandRate]] = ({}, {})
+        self._offered: tuple[dict[str, DemandRate], ...] = ({}, {})
         # The batch lane's minimum-share credit, in units times `_credit_spend` (exact: see
         # `_adopt_cost_model`; `_batch_credit` reads it in tokens).
         self._batch_credit_scaled = 0
@@ -155,7 +162,9 @@ class TokenfairScheduler(Scheduler):
         # Per lane, read on every request: the service memory (the wait limit and the
         # watermark are the base's `_wait_limits` and `_watermarks`); hot-path constants.
         policy = self.policy
-        self._memories_ms = tuple(limit * SERVICE_MEMORY_LIMITS for limit in self._wait_limits)
+        self._memories_ms: tuple[float, ...] = tuple(
+            limit * SERVICE_MEMORY_LIMITS for limit in self._wait_limits
+        )
         self._rate = policy.service_tokens_per_ms
         self._interactive_cap = self._rate * (1.0 - policy.batch_min_share)
         # The minimum share as the decimal it was written as, s = p / q (0.1 -> 1/10): an
@@ -196,7 +205,7 @@ class TokenfairScheduler(Scheduler):
 
     def _tenant_added(self, tenant: TenantState) -> None:
         quantum = self.tenant_quantum(tenant)
-        tenant_id = tenant.config.tenant_id
+        tenant_id = tenant.tenant_id
         for lane, competition in zip(self._lanes, self._competition, strict=True):
             lane.add_tenant(tenant_id, quantum)
             competition.quantum_changed(tenant_id, quantum)
@@ -206,7 +215,7 @@ class TokenfairScheduler(Scheduler):
     def predicted_wait_ms(
         self,
         tenant_id: str,
-        lane: Lane,
+        lane: int,
         cost_tokens: int,
         now_ms: float,
         join_rank: float | None = None,
@@ -243,7 +252,7 @@ class TokenfairScheduler(Scheduler):
             first_turn,
         )
         rate = self._rate
-        if lane is _INTERACTIVE:
+        if lane == _INTERACTIVE:
             if self.queued_count[1]:  # else no batch intrusion (`ahead + 0.0`)
                 ahead += self._batch_intrusion(ahead)
         else:
@@ -314,15 +323,15 @@ class TokenfairScheduler(Scheduler):
         served: none until the credit ``c + X * s / (1 - s)`` covers the cheapest batch head,
         else that credit plus one head — the front's of the batch ring, the one its round robin
         sends next, if dearer than the cheapest (a due head may cost more than the credit)."""
-        if not self.queued_count[Lane.BATCH]:
+        if not self.queued_count[_BATCH]:
             return 0.0
         cheapest_units = self._cheapest_batch_units
         if cheapest_units is None:
-            cheapest_units = self._cheapest_batch_units = self._lanes[Lane.BATCH].min_head_units()
+            cheapest_units = self._cheapest_batch_units = self._lanes[_BATCH].min_head_units()
             if cheapest_units is None:
                 return 0.0
         cheapest = cheapest_units / _UNIT
-        share = self.policy.batch_min_share
+        share = self._batch_min_share
         credit = (
             self._batch_credit_scaled / self._credit_spend / _UNIT
             + interactive_tokens * share / (1.0 - share)
@@ -332,7 +341,7 @@ class TokenfairScheduler(Scheduler):
         # Due: the batch lane sends the head its round robin picks, which is the front's
         # (usually), not the cheapest one.
         head = cheapest
-        active = self._lanes[Lane.BATCH].active
+        active = self._lanes[_BATCH].active
         if active:
             front = active[0].head()
             if front is not None and front.expected_tokens > head:
@@ -356,11 +365,7 @@ class TokenfairScheduler(Scheduler):
         service_tokens = job.service_tokens
         offered.add(service_tokens * tenant.usage_ratio, now_ms, self._memories_ms[lane])
         queued_all = self.queued_count[0] + self.queued_count[1]
-        policy = self.policy
-        if (
-            queued_all >= policy.max_queued_requests
-            or tenant.queued >= policy.max_queued_requests_per_tenant
-        ):
+        if queued_all >= self._max_queued_requests or tenant.queued >= self._max_queued_per_tenant:
             return self._refusal(
                 job,
                 QUEUE_FULL,
@@ -426,7 +431,7 @@ class TokenfairScheduler(Scheduler):
         competition.admitted(tenant_id, queue.quantum, now_ms)
         self._lane_demand[lane].add(expected_tokens, now_ms, wait_limit_ms)
         job.lifted = join_rank is not None
-        if lane is _INTERACTIVE:
+        if lane == _INTERACTIVE:
             self._interactive_demand.add(service_tokens, now_ms, self._wait_limits[1])
         return None
 
@@ -528,7 +533,7 @@ class TokenfairScheduler(Scheduler):
         position: how much longer than the limit a new request of the tenant would wait now, for
         its turn or (with budgets as caps) for its budget."""
         for decision in expired:
-            lane = Lane.of(decision.priority_class)
+            lane = _INTERACTIVE if decision.priority_class == "interactive" else _BATCH
             tenant_id = decision.tenant_id
             wait_ms = self.predicted_wait_ms(tenant_id, lane, decision.service_tokens, now_ms)
             tenant = self.tenants[tenant_id]
@@ -550,7 +555,7 @@ class TokenfairScheduler(Scheduler):
         if not drr.backlogged(tenant_id):
             self._competition[lane].drained(tenant_id)
         # Called before the totals drop the job: the batch lane empties if this is its last job.
-        if self.queued_count[Lane.BATCH] == int(lane is Lane.BATCH):
+        if self.queued_count[_BATCH] == int(lane == _BATCH):
             self._batch_credit_scaled = 0
             self._cheapest_batch_units = None
 
@@ -648,7 +653,7 @@ class TokenfairScheduler(Scheduler):
         served.add(tokens, now_ms, memory_ms)
         self._lane_served[lane].add(tokens, now_ms, memory_ms)
 
-    def fair_level(self, lane: Lane, now_ms: float) -> float:
+    def fair_level(self, lane: int, now_ms: float) -> float:
         """The lane's weighted max-min water level ``L``, in service tokens per ms per quantum
         token: each tenant ``j`` is owed ``min(offered_j, L * Q_j)`` of the lane's recent service
         rate, ``offered_j`` being its recent offered rate (every arrival, admitted or not).
@@ -681,7 +686,7 @@ class TokenfairScheduler(Scheduler):
         self._level[lane] = (now_ms, level)
         return level
 
-    def share_ratio(self, tenant_id: str, lane: Lane, now_ms: float) -> float | None:
+    def share_ratio(self, tenant_id: str, lane: int, now_ms: float) -> float | None:
         """The tenant's recent service per quantum over the lane's max-min water level (below 1:
         owed service), or over the lane's recent service per competing quantum while the offers
         fit the lane; None while the lane has served nothing lately."""
@@ -734,7 +739,7 @@ class TokenfairScheduler(Scheduler):
                     / self.policy.service_tokens_per_ms
                 )
             self._record_service(job, overrun, now_ms)
-            self._lanes[job.lane].settle_units(tenant.config.tenant_id, overrun_units)
+            self._lanes[job.lane].settle_units(tenant.tenant_id, overrun_units)
             self._residual.settled(overrun, self.policy.service_tokens_per_ms)
         if refund and not job.borrowed:  # a borrowed dispatch was never charged to the bucket
             tenant.bucket.refill(now_ms)

@@ -33,55 +33,25 @@ import dataclasses
 import json
 import math
 import operator
-from array import array
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Final, TextIO, TypeVar, cast, get_args
+from typing import Any, BinaryIO, Final, TextIO, TypeVar, cast, get_args
 
 import msgspec
 
 from tokenfair.config import PRIORITY_CLASSES, PriorityClass, shown
 from tokenfair.core import Decision, Request
-from tokenfair.core.cost import MAX_REQUEST_TOKENS, service_tokens
+from tokenfair.core.cost import service_tokens
+from tokenfair.sim.reading import IdHashes, validated_arrivals
+from tokenfair.sim.reading import TraceReading as TraceReading  # re-exported: part of the API
+from tokenfair.sim.schema import MAX_RECORD_MS as MAX_RECORD_MS
+from tokenfair.sim.schema import RecordLine as RecordLine
+from tokenfair.sim.schema import TraceLine as TraceLine
+from tokenfair.sim.schema import TraceRequest as TraceRequest
 
 # ---------------------------------------------------------------------------------------------
 # The request record schema: one definition, read by a compiled decoder (msgspec).
-
-TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_REQUEST_TOKENS)]
-NonNegativeMs = Annotated[float, msgspec.Meta(ge=0)]
-NonEmptyText = Annotated[str, msgspec.Meta(min_length=1)]
-
-
-class TraceRequest(Request, forbid_unknown_fields=True, frozen=True, gc=False):
-    """A request record's required fields with their rules (those of :class:`TraceLine`): a
-    line that has no other key decodes straight into one (:data:`_REQUEST_LINE_DECODER`),
-    validated, and it *is* a ``Request`` (a subclass), so the replay takes it as it is."""
-
-    request_id: NonEmptyText
-    tenant_id: NonEmptyText
-    arrival_ms: NonNegativeMs
-    prefill_tokens: TokenCount
-    decode_tokens: TokenCount
-    priority_class: PriorityClass
-
-
-class TraceLine(TraceRequest, frozen=True, omit_defaults=True):
-    """One request record as it is on the wire: **the** schema of a trace line (docs/records.md).
-
-    Required fields (those of :class:`TraceRequest`) have no default; the observed ones default
-    to ``None`` (absent and ``null`` mean the same). Integers must be JSON integers, booleans
-    are not numbers, ``arrival_ms`` and the observed times are finite numbers >= 0. Decoded by
-    :data:`_DECODER`, which also accepts (and skips undecoded) the outcome fields of a decision
-    record, so a sidecar's records replay as they are; any other key is an error. ``gc=False``
-    (inherited): a record holds no containers, so the cyclic collector need not track it.
-    """
-
-    actual_prefill_tokens: TokenCount | None = None
-    actual_decode_tokens: TokenCount | None = None
-    ttft_ms: NonNegativeMs | None = None
-    e2e_ms: NonNegativeMs | None = None
-
 
 _TRACE_FIELDS: Final = msgspec.structs.fields(TraceLine)
 REQUIRED_FIELDS: Final = tuple(f.name for f in _TRACE_FIELDS if f.required)
@@ -125,7 +95,7 @@ def _rule(info: msgspec.inspect.Type, declared: object) -> str | None:
     if isinstance(info, msgspec.inspect.IntType) and info.ge == 0:
         return "an integer >= 0" + ("" if info.le is None else f" and <= {info.le}")
     if isinstance(info, msgspec.inspect.FloatType) and info.ge == 0:
-        return "a number >= 0"
+        return "a number >= 0" + ("" if info.le is None else f" and <= {info.le:g}")
     if isinstance(info, msgspec.inspect.StrType) and info.min_length == 1:
         return "a non-empty string"
     if isinstance(info, msgspec.inspect.LiteralType):  # (its `values` are sorted)
@@ -247,6 +217,20 @@ def _int(where: str, name: str, value: object) -> int:
 def _ms(where: str, name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise TraceError(f"{where}: {name} must be a number >= 0 (got {value!r})")
+    return float(value)
+
+
+def _arrival_ms(where: str, value: object) -> float:
+    """``arrival_ms`` of a decision record: a number >= 0 and <= ``MAX_RECORD_MS``, as in a
+    request record (the other times of a decision may be infinite: ``Infinity`` in JSON)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0 <= value <= MAX_RECORD_MS
+    ):
+        raise TraceError(
+            f"{where}: arrival_ms must be a number >= 0 and <= {MAX_RECORD_MS:g} (got {value!r})"
+        )
     return float(value)
 
 
@@ -410,42 +394,9 @@ class TraceOutOfOrder(Exception):
     it (a streamed replay needs the order)."""
 
 
-@dataclass(slots=True)
-class TraceReading:
-    """What :func:`stream_validated` has read so far; ``complete`` once it has read the whole
-    file, every line valid (then the arrivals are the trace's)."""
-
-    records: int = 0
-    """The number of requests (set when the file has been read)."""
-    first_arrival_ms: float = math.nan
-    """The first line's ``arrival_ms`` (the smallest: the lines are in order)."""
-    last_arrival_ms: float = math.nan
-    """The latest line's ``arrival_ms`` (at the end: the largest)."""
-    observed_usage: bool = False
-    """Some line carries ``actual_prefill_tokens`` or ``actual_decode_tokens``."""
-    complete: bool = False
-
-
 Priced = Callable[[TraceLine], tuple[Request, int | None, int | None]]
 """How a line with recorded usage becomes an arrival: ``(request, actual service tokens,
 actual KV blocks)`` (the command prices the usage with the policy's cost model)."""
-
-
-class _IdHashes:
-    """The request ids read so far, 8 bytes each: their ``hash``, in 256 arrays by its low
-    byte. A set of the ids themselves would keep every id string alive for the whole replay
-    (~90 MB more at 1M requests); these arrays hold 8 MB. :meth:`repeated` is exact for
-    repeated ids and may also answer true for two ids with one hash (odds ~n²/2⁶⁵): the caller
-    then reads the file again to find the repeated id, or that there is none."""
-
-    __slots__ = ("buckets",)
-
-    def __init__(self) -> None:
-        self.buckets = [array("q") for _ in range(256)]
-
-    def repeated(self) -> bool:
-        """Two of the hashes are equal (checked one bucket at a time: a small set each)."""
-        return any(len(set(bucket)) != len(bucket) for bucket in self.buckets)
 
 
 def _repeated_id(where: str, request_id: str) -> TraceError:
@@ -463,6 +414,89 @@ def _first_repeated_id(path: str | Path, last_line: float) -> None:
         if record.request_id in seen:
             raise _repeated_id(f"{path}:{number}", record.request_id)
         seen.add(record.request_id)
+
+
+class _StreamHooks:
+    """The rules and words of :func:`stream_validated` that its compiled loop
+    (:func:`reading.validated_arrivals`) hands back: every line the fast decoder refuses, and
+    every error."""
+
+    __slots__ = ("handle", "ids", "known_tenants", "path", "priced", "reading")
+
+    def __init__(
+        self,
+        path: str | Path,
+        known_tenants: Collection[str],
+        reading: TraceReading,
+        priced: Priced,
+        ids: IdHashes,
+    ) -> None:
+        self.path = path
+        self.known_tenants = known_tenants
+        self.reading = reading
+        self.priced = priced
+        self.ids = ids
+        self.handle: BinaryIO | None = None
+
+    def open_file(self) -> BinaryIO:
+        # Closed by the reader's `with`, or by `__del__` if the reader is dropped first.
+        self.handle = Path(self.path).open("rb")  # noqa: SIM115
+        return self.handle
+
+    def __del__(self) -> None:
+        # The compiled reader runs no `finally` (nor `with` exit) when it is dropped before the
+        # end of the file (an error in the replay); its hooks go with it and close the file.
+        if self.handle is not None:
+            self.handle.close()
+
+    def hashes_repeated(self) -> bool:
+        """Two ids read so far share a hash (:meth:`IdHashes.repeated`)."""
+        return self.ids.repeated()
+
+    def refuse(self, error: Exception, number: int) -> Exception:
+        """``error`` (at line ``number``), unless an id repeats before it: then that error."""
+        if self.hashes_repeated():
+            _first_repeated_id(self.path, number)  # raises it, unless two ids only share a hash
+        return error
+
+    def other_line(self, line: bytes, number: int) -> tuple[Request, int | None, int | None] | None:
+        if not line.strip():
+            return None
+        try:
+            record = _DECODER.decode(line)
+        except msgspec.MsgspecError as exc:
+            raise self.refuse(_trace_error(line, f"{self.path}:{number}", exc), number) from None
+        if record.actual_prefill_tokens is not None or record.actual_decode_tokens is not None:
+            self.reading.observed_usage = True
+            return self.priced(record)
+        request = Request(
+            record.request_id, record.tenant_id, record.arrival_ms,
+            record.prefill_tokens, record.decode_tokens, record.priority_class,
+        )  # fmt: skip
+        return request, None, None
+
+    def tenant_error(self, request: Request, number: int) -> Exception:
+        return self.refuse(
+            TraceError(
+                f"{self.path}:{number}: tenant_id {request.tenant_id!r} is not in the "
+                f"tenants file (known: {', '.join(self.known_tenants)})"
+            ),
+            number,
+        )
+
+    def order_error(self, request: Request, number: int) -> Exception:
+        return self.refuse(TraceOutOfOrder(f"{self.path}:{number}: {request.request_id!r}"), number)
+
+    def read_error(self, error: OSError) -> Exception:
+        refusal = TraceError(f"{self.path}: cannot read ({error.strerror})")
+        refusal.__suppress_context__ = True  # `raise ... from None` (compiled code drops it)
+        return refusal
+
+    def at_end(self, count: int) -> None:
+        if self.hashes_repeated():
+            _first_repeated_id(self.path, math.inf)
+        if not count:
+            raise TraceError(f"{self.path}: no records")
 
 
 def stream_validated(
@@ -485,80 +519,21 @@ def stream_validated(
     ``(Request(...), None, None)`` (a plain request: the replay holds it while it is queued, not
     the line). ``reading`` is updated at each line and marked complete at the end.
 
-    Unique ids are checked through their hashes (:class:`_IdHashes`, 8 bytes a line): at the
-    end of the file, and before any other error is raised (so a repeated id earlier in the file
-    is the error reported, as :func:`iter_trace_lines` would). A repeated id is therefore
-    reported when the file has been read, not at its line: a consumer that must not act on a
-    trace with a bad line (write records, print a report) waits for the end.
+    Unique ids are checked through their hashes (:class:`~tokenfair.sim.reading.IdHashes`, 8
+    bytes a line): at the end of the file, and before any other error is raised (so a repeated
+    id earlier in the file is the error reported, as :func:`iter_trace_lines` would). A
+    repeated id is therefore reported when the file has been read, not at its line: a consumer
+    that must not act on a trace with a bad line (write records, print a report) waits for the
+    end.
+
+    The per-line loop is :func:`tokenfair.sim.reading.validated_arrivals` (compiled with the
+    core, docs/native.md); the rules and words it hands back are here (``_StreamHooks``).
+    Nothing is read before the first arrival is asked for.
     """
-    fast, full = _REQUEST_LINE_DECODER.decode, _DECODER.decode
-    ids = _IdHashes()
-    buckets = ids.buckets
-
-    def refuse(error: Exception, number: int) -> Exception:
-        """``error`` (at line ``number``), unless an id repeats before it: then that error."""
-        if ids.repeated():
-            _first_repeated_id(path, number)  # raises it, unless two ids only share a hash
-        return error
-
-    previous_ms, previous_id = -math.inf, ""
-    count = 0
-    try:
-        with Path(path).open("rb") as handle:
-            for number, line in enumerate(handle, start=1):
-                arrival: tuple[Request, int | None, int | None] | None = None
-                try:
-                    request: Request = fast(line)
-                except msgspec.MsgspecError:
-                    if not line.strip():
-                        continue
-                    try:
-                        record = full(line)
-                    except msgspec.MsgspecError as exc:
-                        raise refuse(_trace_error(line, f"{path}:{number}", exc), number) from None
-                    if (
-                        record.actual_prefill_tokens is not None
-                        or record.actual_decode_tokens is not None
-                    ):
-                        reading.observed_usage = True
-                        arrival = priced(record)
-                        request = arrival[0]
-                    else:
-                        request = Request(
-                            record.request_id, record.tenant_id, record.arrival_ms,
-                            record.prefill_tokens, record.decode_tokens, record.priority_class,
-                        )  # fmt: skip
-                request_id = request.request_id
-                digest = hash(request_id)
-                buckets[digest & 255].append(digest)
-                if request.tenant_id not in known_tenants:
-                    raise refuse(
-                        TraceError(
-                            f"{path}:{number}: tenant_id {request.tenant_id!r} is not in the "
-                            f"tenants file (known: {', '.join(known_tenants)})"
-                        ),
-                        number,
-                    )
-                arrival_ms = request.arrival_ms
-                if arrival_ms > previous_ms or (
-                    arrival_ms == previous_ms and request_id > previous_id
-                ):
-                    previous_ms, previous_id = arrival_ms, request_id
-                else:  # (an id equal to the one before at the same time is a repeated id)
-                    raise refuse(TraceOutOfOrder(f"{path}:{number}: {request_id!r}"), number)
-                if not count:
-                    reading.first_arrival_ms = arrival_ms
-                count += 1
-                reading.last_arrival_ms = arrival_ms
-                yield (request, None, None) if arrival is None else arrival
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read ({exc.strerror})") from None
-    if ids.repeated():
-        _first_repeated_id(path, math.inf)
-    if not count:
-        raise TraceError(f"{path}: no records")
-    reading.records = count
-    reading.complete = True
+    ids = IdHashes()
+    hooks = _StreamHooks(path, known_tenants, reading, priced, ids)
+    decode = _REQUEST_LINE_DECODER.decode
+    return validated_arrivals(decode, known_tenants, reading, ids, hooks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,35 +548,6 @@ def stream_validated(
 # as ``repr`` writes them, non-finite ones as ``Infinity``/``NaN``. :func:`plain_line` applies it
 # (the reference); :func:`encode_record_line` and :func:`encode_trace_line` are the fast path
 # (msgspec) and fall back to it for what msgspec writes otherwise, so both give the same bytes.
-
-
-class RecordLine(msgspec.Struct, omit_defaults=True, gc=False):
-    """A decision record line, **the** schema of one (docs/records.md): the fields of the core's
-    ``Decision`` in its order, then the request fields a live record adds (the sidecar's and
-    loadgen's; ``tokenfair simulate --records`` leaves them out). ``policy``, when given, is
-    written before them by the encoder. ``gc=False``: ``observed`` is a dict of floats, never
-    part of a cycle."""
-
-    request_id: str
-    tenant_id: str
-    priority_class: str
-    status_code: int
-    reason: str
-    gate: str
-    service_tokens: int
-    arrival_ms: float
-    kv_occupancy_ratio: float
-    queue_wait_ms: float
-    ttft_ms: float
-    dispatch_ms: float | None
-    retry_after_ms: float | None
-    actual_service_tokens: int | None
-    observed: dict[str, float]
-    prefill_tokens: int | None = None
-    decode_tokens: int | None = None
-    actual_prefill_tokens: int | None = None
-    actual_decode_tokens: int | None = None
-    e2e_ms: float | None = None
 
 
 RECORD_FIELDS: Final = msgspec.structs.fields(RecordLine)
@@ -857,7 +803,7 @@ def parse_decision(data: object, where: str) -> tuple[str, Decision]:
         reason=_text(where, "reason", data["reason"]),
         gate=_text(where, "gate", data["gate"]),
         service_tokens=_int(where, "service_tokens", data["service_tokens"]),
-        arrival_ms=_ms(where, "arrival_ms", data["arrival_ms"]),
+        arrival_ms=_arrival_ms(where, data["arrival_ms"]),
         kv_occupancy_ratio=_optional(where, data, "kv_occupancy_ratio", _ms, 0.0),
         queue_wait_ms=_optional(where, data, "queue_wait_ms", _ms, 0.0),
         ttft_ms=_optional(where, data, "ttft_ms", _ms, 0.0),

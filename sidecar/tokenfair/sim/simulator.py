@@ -110,28 +110,34 @@ def _replay(
     heappush, heappop = heapq.heappush, heapq.heappop
     clock_ms = 0.0
     sequence = 0
+    # The next arrival and its time, read once: a `Request`'s field is a lookup by name (a
+    # msgspec struct), and the loop compares the time at every event until it arrives.
     upcoming = next(arrivals, None)
+    upcoming_ms = 0.0 if upcoming is None else upcoming[0].arrival_ms
     last_ms, last_id = float("-inf"), ""
     while True:
         while releases and releases[0][0] <= clock_ms:
             scheduler.release_kv(heappop(releases)[2])
         while upcoming is not None:
-            request = upcoming[0]
-            arrival_ms = request.arrival_ms
+            arrival_ms = upcoming_ms
             if arrival_ms > clock_ms:
                 break
-            if arrival_ms < last_ms or (arrival_ms == last_ms and request.request_id <= last_id):
+            request = upcoming[0]
+            request_id = request.request_id
+            if arrival_ms < last_ms or (arrival_ms == last_ms and request_id <= last_id):
                 raise ValueError(
-                    f"arrivals out of (arrival_ms, request_id) order at {request.request_id!r} "
+                    f"arrivals out of (arrival_ms, request_id) order at {request_id!r} "
                     f"({arrival_ms} ms, after {last_id!r} at {last_ms} ms)"
                 )
-            last_ms, last_id = arrival_ms, request.request_id
+            last_ms, last_id = arrival_ms, request_id
             refusal = scheduler.submit(request, clock_ms)
             if refusal is None:
-                pending[request.request_id] = upcoming
+                pending[request_id] = upcoming
             else:
                 yield refusal, upcoming[1]
             upcoming = next(arrivals, None)
+            if upcoming is not None:
+                upcoming_ms = upcoming[0].arrival_ms
         if expires:
             if own_expiry:
                 # `expire`'s first step inline (the policy keeps the base's): call it only if
@@ -148,7 +154,7 @@ def _replay(
             queued = scheduler.queued_total
             events = []
             if upcoming is not None:
-                events.append(upcoming[0].arrival_ms)
+                events.append(upcoming_ms)
             if queued:
                 if releases:
                     events.append(releases[0][0])
@@ -171,7 +177,8 @@ def _replay(
         prefill_ms, execution_ms, kv_hold_ms = cost.run_ms(
             request.prefill_tokens, decision.service_tokens if used is None else used
         )
-        wait_ms = clock_ms - request.arrival_ms  # max(0, wait) as a conditional: the same value
+        wait_ms = clock_ms - decision.arrival_ms  # (the request's); max(0, wait) as a
+        # conditional: the same value
         decision.ttft_ms = round_hundredths((wait_ms if wait_ms > 0.0 else 0.0) + prefill_ms)
         sequence += 1
         heappush(releases, (clock_ms + kv_hold_ms, sequence, request_id))

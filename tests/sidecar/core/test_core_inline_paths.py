@@ -110,7 +110,7 @@ class ReferenceLessonDrr(LessonDrrScheduler):
         self._refill_all(job.request.arrival_ms)
         lane = job.lane
         reserved = self.resident_blocks + self.queued_blocks[Lane.INTERACTIVE]
-        if lane is Lane.BATCH:
+        if lane == Lane.BATCH:
             reserved += self.queued_blocks[Lane.BATCH]
         occupancy = (reserved + job.kv_blocks) / self.policy.total_kv_blocks
         if occupancy > self.watermark(lane):
@@ -128,7 +128,7 @@ class ReferenceLessonDrr(LessonDrrScheduler):
             )
         bucket = tenant.bucket
         # Lab quirk: only batch requests are held to their budget; everyone is debited.
-        if lane is Lane.BATCH and bucket.level < job.service_tokens:
+        if lane == Lane.BATCH and bucket.level < job.service_tokens:
             return self._refusal(
                 job,
                 SHED_TENANT_TOKEN_QUOTA,
@@ -152,7 +152,7 @@ class ReferenceLessonDrr(LessonDrrScheduler):
                 self._round_at = 0
                 self._in_visit = False
                 self._round_dispatched = False
-            elif lane is Lane.BATCH and self.queued_count[Lane.INTERACTIVE]:
+            elif lane == Lane.BATCH and self.queued_count[Lane.INTERACTIVE]:
                 # Interactive work arrived after a batch dispatch: the batch round ends.
                 self._round_lane = None
                 continue
@@ -196,7 +196,7 @@ class ReferenceTokenfair(TokenfairScheduler):
     def expire(self, now_ms: float) -> list[Decision]:
         return super().expire(now_ms)  # overridden: the simulator calls it at every event
 
-    def share_ratio(self, tenant_id: str, lane: Lane, now_ms: float) -> float | None:
+    def share_ratio(self, tenant_id: str, lane: int, now_ms: float) -> float | None:
         """The tenant's recent service per quantum over the lane's max-min water level (below 1:
         owed service), or over the lane's recent service per competing quantum while the offers
         fit the lane; None while the lane has served nothing lately."""

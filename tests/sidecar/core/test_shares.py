@@ -17,12 +17,13 @@ Behaviours under test:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tokenfair.core.drr import TenantQueue
+from tokenfair.core.jobs import to_units
 from tokenfair.core.shares import (
     DemandRate,
     LaneCompetition,
@@ -33,22 +34,23 @@ from tokenfair.core.shares import (
 from tokenfair.sim.fairness import water_fill
 
 
-@dataclass
-class Turn:
-    quantum: float
-    deficit: float = 0.0
-    turn_open: bool = False
+def turn(quantum: float, deficit: float = 0.0, turn_open: bool = False) -> TenantQueue:
+    """A tenant's DRR state (``drr.TenantQueue``, what the admission reads) with these values."""
+    queue = TenantQueue("t", quantum)
+    queue.deficit_units = to_units(deficit)
+    queue.turn_open = turn_open
+    return queue
 
 
 def test_alone_a_tenant_waits_for_its_own_queue_only() -> None:
-    own = Turn(1200.0)
+    own = turn(1200.0)
     # q = 2000 queued, nobody else competes (W = B = Q_i), the lane holds only its work; it still
     # needs ceil(2400 / 1200) = 2 quanta: one later turn, in which nobody else sends.
     assert tokens_ahead(2000, 400, own, 1200.0, 1200.0, 2000, 0.0, None) == (2000, 1)
 
 
 def test_the_others_take_one_quantum_per_quantum_it_still_needs() -> None:
-    own, front = Turn(1200.0), Turn(2400.0, deficit=500.0, turn_open=True)
+    own, front = turn(1200.0), turn(2400.0, deficit=500.0, turn_open=True)
     # k = ceil((2000 + 400 - 0) / 1200) = 2 quanta. W = B = 1200 + 2400 + 1200 (a third
     # tenant, backlogged). First turn of the others: credit 500 (the front's) + (W - Q_i = 3600)
     # - the front's quantum already granted (2400) = 1700, within the lane's 9000 - 2000 others'
@@ -57,27 +59,27 @@ def test_the_others_take_one_quantum_per_quantum_it_still_needs() -> None:
 
 
 def test_the_first_turn_is_capped_by_what_the_lane_holds() -> None:
-    own = Turn(1200.0)
+    own = turn(1200.0)
     # Ten other tenants compete (W - Q_i = 12000) but only 800 tokens of theirs are queued:
     # a tenant arriving later joins behind this one. k = 1: no further turns.
     assert tokens_ahead(0, 400, own, 13200.0, 2400.0, 800, 0.0, None) == (800, 0)
 
 
 def test_an_open_turn_that_covers_the_request_waits_for_nothing_else() -> None:
-    own = Turn(1200.0, deficit=900.0, turn_open=True)
+    own = turn(1200.0, deficit=900.0, turn_open=True)
     # It is the front, its turn is open and D = 900 covers its queued 400 and the new 400.
     assert tokens_ahead(400, 400, own, 6000.0, 6000.0, 5000, 900.0, own) == (400, 0)
 
 
 def test_a_debt_costs_more_quanta() -> None:
-    own = Turn(1200.0, deficit=-2400.0)
+    own = turn(1200.0, deficit=-2400.0)
     # k = ceil((0 + 400 + 2400) / 1200) = 3: the backlogged others (B - Q_i = 1200) get 2 more
     # turns; the idle competitor (W - B = 1200) is left to the caller's arrival estimate.
     assert tokens_ahead(0, 400, own, 3600.0, 2400.0, 1000, 0.0, None) == (1000 + 2 * 1200, 2)
 
 
 def test_joining_ahead_waits_only_for_what_is_promised_before_it() -> None:
-    own = Turn(1200.0)
+    own = turn(1200.0)
     # Its first turn will cover the request (the lift): k = 1 whatever the cost.
     ahead = tokens_ahead(0, 9000, own, 60000.0, 60000.0, 50000, 8000.0, None, first_turn_tokens=700)
     assert ahead == (700, 0)

@@ -13,6 +13,9 @@ Behaviours under test:
   hash reads the file again to make sure), whatever line the pass is at;
 * a line without observed or outcome keys is yielded as it was decoded (a ``Request``); one with
   them as a plain ``Request`` or the priced arrival, never as the wide line;
+* a pass dropped before the end of its file closes the file (no ``ResourceWarning``: the compiled
+  loop runs no ``finally`` then), and a file that cannot be read is one error, without the
+  ``OSError`` chained to it;
 * the tally given the reading reports what the tally given the known window reports, over real
   replays streamed from the file (arrivals spread out, all at one instant, a backlog that drains
   long after the last arrival), and over dispatches the tally sees before the reading has
@@ -22,8 +25,10 @@ Behaviours under test:
 
 from __future__ import annotations
 
+import gc
 import json
 import random
+import warnings
 from pathlib import Path
 
 import pytest
@@ -183,7 +188,7 @@ def test_ids_that_only_share_a_hash_are_not_refused(
     lines = random_lines(rng, 40)
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    monkeypatch.setattr(records._IdHashes, "repeated", lambda self: True)
+    monkeypatch.setattr(records._StreamHooks, "hashes_repeated", lambda self: True)
     got, reading = one_pass(path)
     assert isinstance(got, list)
     assert reading.complete
@@ -304,3 +309,26 @@ def test_a_dispatch_after_the_read_has_ended_is_counted_by_the_window() -> None:
     for request_id, dispatch_ms in (("a", 5.0), ("b", 25.0), ("c", 20.0)):
         tally.add(dispatched(request_id, 0.0, dispatch_ms), 1000)
     assert tally.report().dispatched_service_tokens == 2000
+
+
+def test_a_pass_dropped_before_the_end_closes_its_file(tmp_path: Path) -> None:
+    lines = random_lines(random.Random(3), 20)
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reading = TraceReading()
+        arrivals = stream_validated(path, KNOWN, reading, priced)
+        first = next(arrivals)
+        del arrivals  # as the command does when the replay raises (a repeated id met queued)
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+    assert first[0].request_id == lines[0]["request_id"]
+    assert reading == TraceReading(0, first[0].arrival_ms, first[0].arrival_ms)
+
+
+def test_a_file_that_cannot_be_read_is_one_error(tmp_path: Path) -> None:
+    for path in (tmp_path / "missing.jsonl", tmp_path):  # no such file; a folder
+        with pytest.raises(TraceError, match="cannot read") as refused:
+            list(stream_validated(path, KNOWN, TraceReading(), priced))
+        assert refused.value.__suppress_context__  # `from None`: no OSError chained above it
