@@ -447,6 +447,12 @@ def _run(args: argparse.Namespace, records: _RecordsFile | None) -> _Replayed:
                 if trace is not None:
                     trace.validate()
                 raise
+            finally:
+                # A replay that stopped leaves its reader mid-file: close it now (the compiled
+                # reader closes its file only when closed, or when it is freed).
+                close = getattr(replayed, "close", None)
+                if close is not None:
+                    close()
     if trace is not None:
         count = trace.count or 0
     report = {

@@ -214,8 +214,9 @@ class Job:
         request_id: str | None = None,
         tenant_id: str | None = None,
     ) -> None:
-        """``request_id`` and ``tenant_id``, when given, are the request's (a caller that has
-        read them passes them: one lookup each fewer)."""
+        """``request_id`` and ``tenant_id``, when given, equal the request's (a caller that has
+        read them passes them: one lookup each fewer; ``Scheduler.submit`` passes the tenant's
+        own id string, the key of the per-tenant dicts)."""
         self.request = request
         # The request's fields the scheduler reads again and again, copied once: compiled, a
         # job's own field is a load, a Request's (a msgspec struct) a lookup by name.

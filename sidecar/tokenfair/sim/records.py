@@ -2,8 +2,8 @@
 
 One JSON object per line. The schema is :class:`TraceLine`, written once and decoded by a
 compiled decoder (msgspec; ~0.7 µs a line, validated): required ``request_id`` (str),
-``tenant_id`` (str), ``arrival_ms`` (number >= 0), ``prefill_tokens`` and ``decode_tokens``
-(int >= 0), ``priority_class`` (``interactive|batch``); optional observed fields
+``tenant_id`` (str), ``arrival_ms`` (number >= 0 and <= 1e15), ``prefill_tokens`` and
+``decode_tokens`` (int >= 0), ``priority_class`` (``interactive|batch``); optional observed fields
 ``actual_prefill_tokens``, ``actual_decode_tokens`` (what the backend reported), ``ttft_ms`` and
 ``e2e_ms`` (observed times). Outcome fields of a decision record (``status_code``, ``reason``,
 ``queue_wait_ms``, …, see :data:`OUTCOME_FIELDS`) may be present and are skipped, so a
@@ -445,7 +445,10 @@ class _StreamHooks:
 
     def __del__(self) -> None:
         # The compiled reader runs no `finally` (nor `with` exit) when it is dropped before the
-        # end of the file (an error in the replay); its hooks go with it and close the file.
+        # end of the file (an error in the replay) rather than closed (`close()`, which the
+        # command calls): its hooks go with it and close the file when reference counting
+        # frees them (freed by the cyclic collector, the file's own finalizer may come first
+        # and warn, though the file is closed all the same).
         if self.handle is not None:
             self.handle.close()
 

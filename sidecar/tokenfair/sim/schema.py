@@ -17,10 +17,11 @@ from tokenfair.config import PriorityClass
 from tokenfair.core import Request
 from tokenfair.core.cost import MAX_REQUEST_TOKENS
 
-MAX_RECORD_MS: Final = 1e13
-"""The largest time a record may carry, in ms (about 317 years: a Unix timestamp in ms fits).
-Beyond ~1e16 ms a float no longer tells ``t`` from ``t + 1``, and the replay's and the
-report's arithmetic would break (a zero-length window); a record is refused first."""
+MAX_RECORD_MS: Final = 1e15
+"""The largest time a record may carry, in ms (about 31,700 years; a Unix timestamp in ms, ~1.8e12,
+fits with room). Past ~1e16 ms a double no longer tells ``t`` from ``t + 1``, and the replay's
+and the report's arithmetic break (a zero-length window); a record is refused first. At 1e15 a
+double still resolves 0.125 ms."""
 
 TokenCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_REQUEST_TOKENS)]
 NonNegativeMs = Annotated[float, msgspec.Meta(ge=0, le=MAX_RECORD_MS)]
@@ -45,9 +46,10 @@ class TraceLine(TraceRequest, frozen=True, omit_defaults=True):
 
     Required fields (those of :class:`TraceRequest`) have no default; the observed ones default
     to ``None`` (absent and ``null`` mean the same). Integers must be JSON integers, booleans
-    are not numbers, ``arrival_ms`` and the observed times are finite numbers >= 0. Decoded by
-    ``records._DECODER``, which also accepts (and skips undecoded) the outcome fields of a decision
-    record, so a sidecar's records replay as they are; any other key is an error. ``gc=False``
+    are not numbers, ``arrival_ms`` and the observed times are numbers >= 0 and at most
+    :data:`MAX_RECORD_MS`. Decoded by ``records._DECODER``, which also accepts (and skips
+    undecoded) the outcome fields of a decision record, so a sidecar's records replay as they
+    are; any other key is an error. ``gc=False``
     (inherited): a record holds no containers, so the cyclic collector need not track it.
     """
 

@@ -346,7 +346,7 @@ def test_trace_with_an_unknown_tenant(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("arrival_ms", -1, "arrival_ms must be a number >= 0 and <= 1e+13"),
+        ("arrival_ms", -1, "arrival_ms must be a number >= 0 and <= 1e+15"),
         ("decode_tokens", 1.5, "decode_tokens must be an integer >= 0"),
         ("priority_class", "realtime", "priority_class must be one of interactive, batch"),
         ("surprise", 1, "unknown field(s) surprise"),
@@ -436,7 +436,7 @@ def test_records_into_a_pipe_are_written_in_place(tmp_path: Path) -> None:
     trace.write_text("".join(json.dumps(row) + "\n" for row in lines), encoding="utf-8")
     # No reader: the command must not even open the pipe (it would wait for one).
     line = bad_run(tmp_path, "--trace", trace, "--tenants", tenants, "--records", fifo)
-    assert f"{trace}:101: arrival_ms must be a number >= 0 and <= 1e+13" in line
+    assert f"{trace}:101: arrival_ms must be a number >= 0 and <= 1e+15" in line
 
 
 def test_a_repeated_id_the_replay_meets_first_is_reported_as_the_reader_does(

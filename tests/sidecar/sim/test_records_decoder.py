@@ -84,9 +84,9 @@ def refusal(path: Path, known: dict[str, object] | None = None) -> str:
         ("request_id", "", "a non-empty string"),
         ("request_id", 7, "a non-empty string"),
         ("tenant_id", None, "a non-empty string"),
-        ("arrival_ms", -1, "a number >= 0 and <= 1e+13"),
-        ("arrival_ms", True, "a number >= 0 and <= 1e+13"),
-        ("arrival_ms", "5", "a number >= 0 and <= 1e+13"),
+        ("arrival_ms", -1, "a number >= 0 and <= 1e+15"),
+        ("arrival_ms", True, "a number >= 0 and <= 1e+15"),
+        ("arrival_ms", "5", "a number >= 0 and <= 1e+15"),
         ("prefill_tokens", 1.5, "an integer >= 0 and <= 2147483647"),
         ("prefill_tokens", -3, "an integer >= 0 and <= 2147483647"),
         ("decode_tokens", False, "an integer >= 0 and <= 2147483647"),
@@ -96,15 +96,24 @@ def refusal(path: Path, known: dict[str, object] | None = None) -> str:
         # A count the core would refuse to settle:
         ("actual_decode_tokens", 2**31, "an integer >= 0 and <= 2147483647"),
         ("prefill_tokens", 3 * 10**12, "an integer >= 0 and <= 2147483647"),
-        ("ttft_ms", -0.5, "a number >= 0 and <= 1e+13"),
-        ("e2e_ms", "late", "a number >= 0 and <= 1e+13"),
+        ("ttft_ms", -0.5, "a number >= 0 and <= 1e+15"),
+        ("e2e_ms", "late", "a number >= 0 and <= 1e+15"),
         # Past it, a float no longer tells t from t + 1 ms: the replay's arithmetic would break.
-        ("arrival_ms", 1e20, "a number >= 0 and <= 1e+13"),
+        ("arrival_ms", 1e20, "a number >= 0 and <= 1e+15"),
+        ("arrival_ms", math.nextafter(1e15, math.inf), "a number >= 0 and <= 1e+15"),
+        ("ttft_ms", 2e15, "a number >= 0 and <= 1e+15"),
     ],
 )
 def test_a_field_that_breaks_its_rule(tmp_path: Path, field: str, value: object, rule: str) -> None:
     path = trace_file(tmp_path, json.dumps(GOOD), line(**{field: value}))
     assert refusal(path) == f"{path}:2: {field} must be {rule} (got {value!r})"
+
+
+def test_the_largest_time_is_accepted(tmp_path: Path) -> None:
+    # MAX_RECORD_MS itself, on every time field a request record carries.
+    path = trace_file(tmp_path, line(arrival_ms=1e15, ttft_ms=1e15, e2e_ms=1e15, request_id="r1"))
+    (record,) = read_trace(path)
+    assert (record.request.arrival_ms, record.ttft_ms, record.e2e_ms) == (1e15, 1e15, 1e15)
 
 
 def test_every_unknown_key_is_named(tmp_path: Path) -> None:
