@@ -23,6 +23,7 @@ from tokenfair.config.fields import (
 from tokenfair.core.cost import CostModel
 from tokenfair.sim.records import TraceRecord, dump_trace
 from tokenfair.sim.scenarios import lesson_config
+from tokenfair.sim.schema import MAX_RECORD_MS
 from tokenfair.sim.tracegen import (
     ARRIVAL_PROCESSES,
     DEFAULT_BURST_OFF_MS,
@@ -250,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
         records = observe(requests, cost, noise, args.seed)
     else:
         records = [TraceRecord(r) for r in requests]
+    _check_times(records)
     with progress.bar(args, "trace write", total=len(records)) as bar:
         if args.out is None:
             dump_trace(sys.stdout, bar.iterate(records))
@@ -260,6 +262,23 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise WorkloadError(f"--out {args.out}: cannot write ({exc.strerror})") from None
     return 0
+
+
+def _check_times(records: Sequence[TraceRecord]) -> None:
+    """Refuse, before anything is written, a trace with a time past ``MAX_RECORD_MS`` (the
+    largest a record may carry: the reader would refuse the file)."""
+    for record in records:
+        for name, value in (
+            ("arrival_ms", record.request.arrival_ms),
+            ("ttft_ms", record.ttft_ms),
+            ("e2e_ms", record.e2e_ms),
+        ):
+            if value is not None and value > MAX_RECORD_MS:
+                raise WorkloadError(
+                    f"request {record.request.request_id}: {name} {value:g} is past "
+                    f"{MAX_RECORD_MS:g} ms, the largest time a record may carry "
+                    "(--window, --duration-ms, or the observed times' --set)"
+                )
 
 
 def build_spec(config: Config, args: argparse.Namespace) -> WorkloadSpec:

@@ -424,6 +424,24 @@ def test_windows_zero_rates_and_request_bounds(
     assert len({r["request_id"] for r in bounded}) == 250
 
 
+def test_a_time_past_the_largest_a_record_may_carry_is_refused_before_writing(
+    tenants_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "trace.jsonl"
+    flags = ["trace", "generate", "--tenants", str(tenants_file), "--requests", "3"]
+    code, _, err = run_cli([*flags, "--window", "2e15:", "--out", str(out)], capsys)
+    assert code == 2
+    assert "past 1e+15 ms, the largest time a record may carry" in err
+    assert not out.exists()
+    # Within it, the trace is written and replays.
+    code, _, err = run_cli([*flags, "--window", "9e14:", "--out", str(out)], capsys)
+    assert code == 0, err
+    assert len(out.read_text(encoding="utf-8").splitlines()) == 3
+    replay = ["simulate", "--trace", str(out), "--tenants", str(tenants_file), "--format", "json"]
+    code, _, err = run_cli(replay, capsys)
+    assert code == 0, err
+
+
 def test_observe_without_noise_is_the_cost_model(
     tenants_file: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
