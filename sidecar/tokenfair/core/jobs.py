@@ -162,7 +162,8 @@ LANE_BATCH: Final = 1
 """``Lane.BATCH`` as a plain ``int`` (see :data:`LANE_INTERACTIVE`)."""
 
 # Module constants: enum attribute lookups are measurable on the per-request path.
-_LANE_OF: Final[dict[str, int]] = {"interactive": LANE_INTERACTIVE, "batch": LANE_BATCH}
+LANE_OF: Final[dict[str, int]] = {"interactive": LANE_INTERACTIVE, "batch": LANE_BATCH}
+"""A priority class's lane, as ``Job.lane`` holds it (a plain ``int``)."""
 _QUEUED: Final = JobState.QUEUED
 _NEVER: Final = float("inf")
 
@@ -226,7 +227,7 @@ class Job:
         self.priority_class: PriorityClass = request.priority_class
         self.service_tokens = service_tokens
         self.kv_blocks = kv_blocks
-        self.lane = _LANE_OF[self.priority_class]
+        self.lane = LANE_OF[self.priority_class]
         self.state = _QUEUED
         self.deadline_ms = _NEVER
         self.deadline_seq = 0  # its place among equal deadlines (`deadlines.DeadlineQueue`)

@@ -63,6 +63,7 @@ from tokenfair.core.drr import DeficitRoundRobin
 from tokenfair.core.jobs import (
     LANE_BATCH,
     LANE_INTERACTIVE,
+    LANE_OF,
     QUEUE_FULL,
     SHED_QUEUE_WAIT_SLO,
     SHED_TENANT_TOKEN_QUOTA,
@@ -533,7 +534,7 @@ class TokenfairScheduler(Scheduler):
         position: how much longer than the limit a new request of the tenant would wait now, for
         its turn or (with budgets as caps) for its budget."""
         for decision in expired:
-            lane = _INTERACTIVE if decision.priority_class == "interactive" else _BATCH
+            lane = LANE_OF[decision.priority_class]
             tenant_id = decision.tenant_id
             wait_ms = self.predicted_wait_ms(tenant_id, lane, decision.service_tokens, now_ms)
             tenant = self.tenants[tenant_id]

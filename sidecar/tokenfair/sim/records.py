@@ -214,23 +214,12 @@ def _int(where: str, name: str, value: object) -> int:
     return value
 
 
-def _ms(where: str, name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        raise TraceError(f"{where}: {name} must be a number >= 0 (got {value!r})")
-    return float(value)
-
-
-def _arrival_ms(where: str, value: object) -> float:
-    """``arrival_ms`` of a decision record: a number >= 0 and <= ``MAX_RECORD_MS``, as in a
-    request record (the other times of a decision may be infinite: ``Infinity`` in JSON)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not 0 <= value <= MAX_RECORD_MS
-    ):
-        raise TraceError(
-            f"{where}: arrival_ms must be a number >= 0 and <= {MAX_RECORD_MS:g} (got {value!r})"
-        )
+def _ms(where: str, name: str, value: object, most: float = math.inf) -> float:
+    """A number >= 0 and <= ``most``: a decision record's ``arrival_ms`` is bounded as in a
+    request record (``MAX_RECORD_MS``); its other times may be infinite (``Infinity``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= most:
+        rule = "a number >= 0" + ("" if most == math.inf else f" and <= {most:g}")
+        raise TraceError(f"{where}: {name} must be {rule} (got {value!r})")
     return float(value)
 
 
@@ -806,7 +795,7 @@ def parse_decision(data: object, where: str) -> tuple[str, Decision]:
         reason=_text(where, "reason", data["reason"]),
         gate=_text(where, "gate", data["gate"]),
         service_tokens=_int(where, "service_tokens", data["service_tokens"]),
-        arrival_ms=_arrival_ms(where, data["arrival_ms"]),
+        arrival_ms=_ms(where, "arrival_ms", data["arrival_ms"], MAX_RECORD_MS),
         kv_occupancy_ratio=_optional(where, data, "kv_occupancy_ratio", _ms, 0.0),
         queue_wait_ms=_optional(where, data, "queue_wait_ms", _ms, 0.0),
         ttft_ms=_optional(where, data, "ttft_ms", _ms, 0.0),
