@@ -43,6 +43,7 @@ from types import ModuleType
 from typing import Final
 
 COMPILED: Final = (
+    "tokenfair.core.batching",
     "tokenfair.core.bucket",
     "tokenfair.core.cost",
     "tokenfair.core.deadlines",

@@ -30,7 +30,9 @@ from tokenfair.config.fields import (
     ConfigError,
     Parser,
     boolean,
+    integer_in,
     non_negative,
+    number_in,
     one_of,
     positive,
     positive_int,
@@ -52,6 +54,9 @@ _KINDS: Final = (CONFIG_KIND, TENANT_KIND, POLICY_KIND)
 
 PriorityClass = Literal["interactive", "batch"]
 PRIORITY_CLASSES: Final[tuple[PriorityClass, ...]] = ("interactive", "batch")
+
+MAX_BATCH_REQUESTS: Final = 65_536
+"""Largest ``maxBatchRequests`` (and ``batchThroughputGain``): far above any engine's batch."""
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -80,7 +85,18 @@ class PolicyConfig:
     base_quantum_tokens: int = 1200
     """DRR quantum per round for weight 1.0, in service tokens (quantum = base * weight)."""
     service_tokens_per_ms: float = 45.0
-    """Service rate of one model server, used to predict queue waits and execution time."""
+    """Service rate of one model server (its throughput at its full batch, ``X(S)``), used to
+    predict queue waits and execution time."""
+    max_batch_requests: int = 1
+    """Batching engine model (:mod:`tokenfair.core.batching`): the most requests the engine runs
+    at once, ``S`` (vLLM's ``--max-num-seqs``, or fewer if the sidecar may send fewer). 1 is
+    the lesson's serial server: one request at a time at ``serviceTokensPerMs``."""
+    batch_throughput_gain: float = 1.0
+    """Batching engine model: how many times the service tokens per ms of one request running
+    alone the engine delivers with ``S`` running, ``G = X(S) / X(1)`` in ``[1, S]``. 1: the
+    batch shares one throughput (each of ``c`` requests runs at ``R / c``); ``S``: throughput
+    grows linearly with the batch. ``tokenfair calibrate`` fits it from records taken under
+    load."""
     batch_min_share: float = 0.10
     """Share of service (0..0.5] the batch lane is guaranteed under interactive overload
     (``tokenfair`` policy only; the lesson's policies have strict priority)."""
@@ -188,6 +204,8 @@ POLICY_FIELDS: Final[dict[str, tuple[str, Parser]]] = {
     "decodeWeight": ("decode_weight", positive),
     "baseQuantumTokens": ("base_quantum_tokens", positive_int),
     "serviceTokensPerMs": ("service_tokens_per_ms", positive),
+    "maxBatchRequests": ("max_batch_requests", integer_in(1, MAX_BATCH_REQUESTS)),
+    "batchThroughputGain": ("batch_throughput_gain", number_in(1.0, MAX_BATCH_REQUESTS)),
     "batchMinShare": ("batch_min_share", share),
     "lendIdleCapacity": ("lend_idle_capacity", boolean),
     "maxQueuedRequests": ("max_queued_requests", positive_int),
@@ -240,6 +258,12 @@ def validate_policy(policy: PolicyConfig, where: str = "policy") -> PolicyConfig
             f"{where}.batchKvWatermark: watermarks must satisfy 0 < batchKvWatermark <= "
             f"interactiveKvWatermark <= 1 (got batch {policy.batch_kv_watermark}, "
             f"interactive {policy.interactive_kv_watermark})"
+        )
+    if policy.batch_throughput_gain > policy.max_batch_requests:
+        raise ConfigError(
+            f"{where}.batchThroughputGain: must be <= maxBatchRequests (a batch of S requests "
+            f"runs at most S times as fast as one; got {policy.batch_throughput_gain:g} > "
+            f"{policy.max_batch_requests})"
         )
     if policy.max_queued_requests_per_tenant > policy.max_queued_requests:
         raise ConfigError(

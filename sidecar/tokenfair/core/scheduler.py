@@ -126,6 +126,9 @@ class Scheduler(ABC):
     called."""
     tracks_kv_releases: ClassVar[bool] = False
     """``_kv_released`` is called when a request's KV is freed."""
+    tracks_completions: ClassVar[bool] = False
+    """``_finished`` is called when a dispatched request stops running (settled, or released
+    unsettled)."""
     bucket_type: ClassVar[type[TokenBucket] | type[ExactTokenBucket]] = TokenBucket
     """The tenants' budget buckets: the lesson's float :class:`TokenBucket` by default;
     ``tokenfair`` keeps its budgets in integer units (``ExactTokenBucket``)."""
@@ -433,6 +436,8 @@ class Scheduler(ABC):
             job.kv_blocks = kv_blocks
         job.state = _DONE
         self.running -= 1
+        if self.tracks_completions:
+            self._finished(job, now_ms)
         decision.actual_service_tokens = actual
         if release_kv:
             self.release_kv(request_id)
@@ -460,6 +465,8 @@ class Scheduler(ABC):
         if job.state is _DISPATCHED:
             job.state = _DONE
             self.running -= 1
+            if self.tracks_completions:
+                self._finished(job, None)
         self.resident_blocks -= job.kv_blocks
         self._kv_released(job)
         return True
@@ -589,6 +596,10 @@ class Scheduler(ABC):
 
     def _kv_released(self, job: Job) -> None:
         """Hook: a request's KV blocks were freed."""
+
+    def _finished(self, job: Job, now_ms: float | None) -> None:
+        """Hook (``tracks_completions``): a dispatched request stopped running at ``now_ms``
+        (None: taken off the books without settlement, time unknown)."""
 
     def _expired(self, decisions: list[Decision], now_ms: float) -> None:
         """Hook: :meth:`expire` refused these queued requests (in deadline order) just now;

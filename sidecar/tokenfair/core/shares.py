@@ -225,7 +225,9 @@ class ResidualWork:
 
     ``busy_until = max(busy_until, t) + expected / rate`` at each dispatch (``expected``: the
     estimate times the tenant's usage ratio), corrected by ``(actual - expected) / rate`` at
-    settlement; the residual wait is ``max(0, busy_until - t)``.
+    settlement, never past the end of the work the other running requests hold; the residual
+    wait is ``max(0, busy_until - t)``. A serial engine's (``maxBatchRequests`` 1); a batching
+    engine's running work is :class:`tokenfair.core.batching.RunningWork`.
     """
 
     __slots__ = ("_busy_until_ms",)
@@ -239,8 +241,18 @@ class ResidualWork:
             busy_until_ms = now_ms
         self._busy_until_ms = busy_until_ms + service_tokens / rate_per_ms
 
-    def settled(self, overrun_tokens: float, rate_per_ms: float) -> None:
-        self._busy_until_ms += overrun_tokens / rate_per_ms
+    def settled(
+        self, overrun_tokens: float, rate_per_ms: float, bound_ms: float = math.inf
+    ) -> None:
+        """A request ended having used ``overrun_tokens`` more than it was expected to (fewer
+        if negative): the engine is busy that much longer, but never past ``bound_ms`` (the
+        caller's bound: the end of the work the *other* running requests hold), since the
+        request itself is over. A reported usage, however large, thus delays no one beyond the
+        work actually running."""
+        busy_until_ms = self._busy_until_ms + overrun_tokens / rate_per_ms
+        if busy_until_ms > bound_ms:
+            busy_until_ms = bound_ms if bound_ms > self._busy_until_ms else self._busy_until_ms
+        self._busy_until_ms = busy_until_ms
 
     def wait_ms(self, now_ms: float) -> float:
         wait_ms = self._busy_until_ms - now_ms

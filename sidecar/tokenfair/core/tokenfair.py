@@ -58,6 +58,7 @@ from fractions import Fraction
 from typing import Final
 
 from tokenfair.config import Config
+from tokenfair.core.batching import BatchingCurve, RunningWork
 from tokenfair.core.bucket import ExactTokenBucket
 from tokenfair.core.drr import DeficitRoundRobin
 from tokenfair.core.jobs import (
@@ -70,6 +71,7 @@ from tokenfair.core.jobs import (
     UNITS_PER_TOKEN,
     Decision,
     Job,
+    JobState,
 )
 from tokenfair.core.scheduler import Scheduler, TenantState, shed_kv
 from tokenfair.core.shares import (
@@ -119,6 +121,7 @@ class TokenfairScheduler(Scheduler):
     charges_at_dispatch = True
     settles_every_request = True  # the expected cost (estimate x usage ratio) may differ
     tracks_kv_releases = True  # the KV forecast of `kv_wait_ms`
+    tracks_completions = True  # the work running on the engine (`_finished`)
     bucket_type = ExactTokenBucket  # budgets in integer units, like the DRR state
 
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
@@ -138,7 +141,10 @@ class TokenfairScheduler(Scheduler):
         self._budgeted = DemandRate()  # dispatched within budget (`_lending_memory_ms`)
         # Resident requests -> when their KV is forecast to be freed (`kv_wait_ms`).
         self._kv_release_ms: dict[str, float] = {}
-        self._residual = ResidualWork()
+        self._residual = ResidualWork()  # a serial engine's (maxBatchRequests 1)
+        # A batching engine's running requests (maxBatchRequests > 1; `_adopt_cost_model`).
+        self._engine: RunningWork | None = None
+        self._running_expected = 0.0  # expected service tokens of the requests running
         # Recent service per lane, per tenant and in all (time constant: SERVICE_MEMORY_LIMITS).
         self._served: tuple[dict[str, DemandRate], ...] = ({}, {})
         self._lane_served: tuple[DemandRate, ...] = (DemandRate(), DemandRate())
@@ -183,6 +189,13 @@ class TokenfairScheduler(Scheduler):
         self._lend = policy.lend_idle_capacity
         # `watermark * total_kv_blocks` per lane: `kv_wait_ms`'s bound, the same product.
         self._kv_limits = tuple(mark * policy.total_kv_blocks for mark in self._watermarks)
+        curve = BatchingCurve.from_policy(policy)
+        if curve.max_batch_requests == 1:
+            self._engine = None
+        elif self._engine is None:
+            self._engine = RunningWork(curve)
+        else:
+            self._engine.retune(curve, self._now_ms)
         # The water level is per quantum token and over the tenants of the old configuration:
         # computed again at the next admission that asks.
         self._level: list[tuple[float, float]] = [(-math.inf, math.inf), (-math.inf, math.inf)]
@@ -203,6 +216,22 @@ class TokenfairScheduler(Scheduler):
         looked (the state is ``_cheapest_batch_units``)."""
         units = self._cheapest_batch_units
         return None if units is None else units / _UNIT
+
+    def reconfigure(self, config: Config, now_ms: float) -> None:
+        """As the base's; a change of ``maxBatchRequests`` carries the requests running over to
+        the new engine model: into a new batching model as if started now, or into a serial
+        residual of their expected work."""
+        batching_before = self._engine is not None
+        self._now_ms = now_ms
+        super().reconfigure(config, now_ms)
+        engine = self._engine
+        if engine is not None and not batching_before:
+            for job in self.jobs.values():
+                if job.state is JobState.DISPATCHED:
+                    engine.start(job.request_id, job.expected_tokens, now_ms)
+        elif engine is None and batching_before:
+            self._residual = ResidualWork()
+            self._residual.dispatched(self._running_expected, self._rate, now_ms)
 
     def _tenant_added(self, tenant: TenantState) -> None:
         quantum = self.tenant_quantum(tenant)
@@ -270,7 +299,11 @@ class TokenfairScheduler(Scheduler):
                 # too. Without it a request admitted to an empty lane was predicted to start at
                 # once and waited ~0.8 s on average (bench_fairness, scenario 3).
                 ahead += expected_tokens
-        wait_ms = self._residual.wait_ms(now_ms) + ahead / rate
+        engine = self._engine
+        if engine is None:
+            wait_ms = self._residual.wait_ms(now_ms) + ahead / rate
+        else:
+            wait_ms = self._batch_wait_ms(engine, lane, ahead, expected_tokens, rate, now_ms)
         # The competing tenants idle now take part in the later turns only if they send
         # meanwhile: at most one quantum each per turn (the DRR bound), and at most what the
         # lane's recent admitted demand λ brings in during the wait itself, i.e. the wait T with
@@ -295,6 +328,45 @@ class TokenfairScheduler(Scheduler):
                 )
         return wait_ms
 
+    def _batch_wait_ms(
+        self,
+        engine: RunningWork,
+        lane: int,
+        ahead_tokens: float,
+        own_tokens: float,
+        rate: float,
+        now_ms: float,
+    ) -> float:
+        """The wait for a slot of a batching engine (docs/capacity.md): the requests the round
+        robin sends first (``ahead_tokens`` of work, ``n = ahead / s`` requests of the lane's
+        mean queued size ``s``, the request's own cost while the lane is empty) take the ``F``
+        free slots at once; the rest start as slots free, one every ``s / R`` at the full
+        batch, after the first end the engine forecasts when no slot is free now::
+
+            wait = 0                                          if n < F
+                 = (F > 0 ? 0 : first_end) + (ahead - F s) / rate   otherwise
+
+        So a request that finds a free slot and nothing of its lane ahead waits 0, however much
+        the engine is running; ``rate`` is the lane's share of ``R`` (as for a serial engine)."""
+        free_slots = self.policy.max_batch_requests - self.running
+        if free_slots < 0:
+            free_slots = 0
+        queued = self.queued_count[lane]
+        mean_tokens = self._lanes[lane].queued_units / _UNIT / queued if queued else own_tokens
+        started_now = free_slots * mean_tokens
+        if ahead_tokens < started_now:
+            return 0.0
+        first_ms = 0.0 if free_slots else engine.slot_wait_ms(now_ms)
+        return first_ms + (ahead_tokens - started_now) / rate
+
+    def _engine_wait_ms(self, now_ms: float) -> float:
+        """How long until the engine takes a request sent now: a serial engine's residual work,
+        a batching engine's wait for a slot."""
+        engine = self._engine
+        if engine is None:
+            return self._residual.wait_ms(now_ms)
+        return engine.slot_wait_ms(now_ms)
+
     def _join_rank(self, job: Job, now_ms: float) -> float | None:
         """A tenant that is not backlogged, owes nothing and has had less than its fair share
         lately (:meth:`share_ratio`) joins the ring ahead with ``job``, the least served first
@@ -312,7 +384,7 @@ class TokenfairScheduler(Scheduler):
         if ratio is None or ratio >= 1.0:
             return None
         if not self.kv_fits(job):
-            turn_ms = self._residual.wait_ms(now_ms) + (
+            turn_ms = self._engine_wait_ms(now_ms) + (
                 drr.tokens_before_joining_ahead(ratio) / self.policy.service_tokens_per_ms
             )
             if self.kv_wait_ms(job, now_ms) > turn_ms:
@@ -456,6 +528,19 @@ class TokenfairScheduler(Scheduler):
         jobs = self.jobs
         freed = 0
         last_ms = now_ms
+        engine = self._engine
+        if engine is not None:
+            # A batching engine frees a request's blocks when it ends: in the order the
+            # forecast ends them. O(r log r) in the running requests.
+            for in_ms, request_id in engine.departures(now_ms):
+                held = jobs.get(request_id)
+                if held is None:
+                    continue
+                freed += held.kv_blocks
+                last_ms = now_ms + in_ms
+                if freed >= excess:
+                    break
+            return max(0.0, last_ms - now_ms)
         for release_ms, request_id in sorted(
             (ms, rid) for rid, ms in self._kv_release_ms.items() if rid in jobs
         ):
@@ -506,9 +591,7 @@ class TokenfairScheduler(Scheduler):
             spare = rate - self._budgeted.rate(now_ms, self._lending_memory_ms())
             spare = max(spare, rate * MIN_LANE_RATE_FRACTION)
             queue = self._lanes[job.lane].queues[job.tenant_id]
-            borrow_wait_ms = (
-                elapsed_ms + self._residual.wait_ms(now_ms) + queue.queued_tokens / spare
-            )
+            borrow_wait_ms = elapsed_ms + self._engine_wait_ms(now_ms) + queue.queued_tokens / spare
             if borrow_wait_ms <= wait_limit_ms:
                 return None
             budget_wait_ms = max(budget_wait_ms, borrow_wait_ms)
@@ -625,8 +708,15 @@ class TokenfairScheduler(Scheduler):
     def _charge(self, job: Job, tenant: TenantState, now_ms: float) -> None:
         rate = self._rate
         expected_tokens = job.expected_tokens
-        self._kv_release_ms[job.request_id] = now_ms + self._kv_residency * expected_tokens / rate
-        self._residual.dispatched(expected_tokens, rate, now_ms)
+        self._running_expected += expected_tokens
+        engine = self._engine
+        if engine is None:
+            self._kv_release_ms[job.request_id] = (
+                now_ms + self._kv_residency * expected_tokens / rate
+            )
+            self._residual.dispatched(expected_tokens, rate, now_ms)
+        else:
+            engine.start(job.request_id, expected_tokens, now_ms)
         # `_record_service`, inline
         lane = job.lane
         memory_ms = self._memories_ms[lane]
@@ -644,7 +734,11 @@ class TokenfairScheduler(Scheduler):
             self._budgeted.add(expected_tokens, now_ms, self._lending_memory_ms())
         tenant.bucket.debit(job.service_tokens, now_ms)
 
-    def _record_service(self, job: Job, tokens: float, now_ms: float) -> None:
+    def _record_service(
+        self, job: Job, tokens: float, now_ms: float, lane_tokens: float | None = None
+    ) -> None:
+        """Add ``tokens`` to the tenant's recent service in its lane and ``lane_tokens``
+        (default: the same) to the lane's."""
         lane = job.lane
         memory_ms = self._memories_ms[lane]
         tenant_id = job.tenant_id
@@ -652,7 +746,18 @@ class TokenfairScheduler(Scheduler):
         if served is None:
             served = self._served[lane][tenant_id] = DemandRate()
         served.add(tokens, now_ms, memory_ms)
-        self._lane_served[lane].add(tokens, now_ms, memory_ms)
+        self._lane_served[lane].add(
+            tokens if lane_tokens is None else lane_tokens, now_ms, memory_ms
+        )
+
+    def _finished(self, job: Job, now_ms: float | None) -> None:
+        running_expected = self._running_expected - job.expected_tokens
+        # Exactly 0 when nothing runs (float residue of the sums otherwise).
+        self._running_expected = running_expected if self.running and running_expected > 0 else 0.0
+        engine = self._engine
+        if engine is not None:
+            engine.finish(job.request_id, self._now_ms if now_ms is None else now_ms,
+                          job.expected_tokens)  # fmt: skip
 
     def fair_level(self, lane: int, now_ms: float) -> float:
         """The lane's weighted max-min water level ``L``, in service tokens per ms per quantum
@@ -732,16 +837,31 @@ class TokenfairScheduler(Scheduler):
         overrun_units = (job.service_tokens - refund) * _UNIT - job.expected_units
         if overrun_units:
             overrun = overrun_units / _UNIT
+            rate = self._rate
             dispatch_ms = job.decision.dispatch_ms if job.decision is not None else None
-            if dispatch_ms is not None:  # the hold follows the actual usage
-                self._kv_release_ms[job.request_id] = dispatch_ms + (
-                    self.policy.kv_residency_factor
-                    * (job.service_tokens - refund)
-                    / self.policy.service_tokens_per_ms
-                )
-            self._record_service(job, overrun, now_ms)
+            # The debt is the tenant's: its deficit and its own recent service take the whole
+            # overrun. What others see — the lane's recent service, the work in flight — takes
+            # only what the engine can have done while the request ran (docs/fairness.md §5.4):
+            # a reported usage, however large, never makes the engine look busier than it was.
+            lane_overrun = overrun
+            if dispatch_ms is not None:
+                if self._engine is None:  # the hold follows the actual usage
+                    self._kv_release_ms[job.request_id] = dispatch_ms + (
+                        self.policy.kv_residency_factor * (job.service_tokens - refund) / rate
+                    )
+                possible = rate * (now_ms - dispatch_ms) - job.expected_tokens
+                # (+1e-6 token: a replay whose clock is the actual usage is never clamped by
+                # float noise, so its decisions stay those of the unclamped sum.)
+                if lane_overrun > possible + 1e-6:
+                    lane_overrun = possible if possible > 0.0 else 0.0
+            self._record_service(job, overrun, now_ms, lane_overrun)
             self._lanes[job.lane].settle_units(tenant.tenant_id, overrun_units)
-            self._residual.settled(overrun, self.policy.service_tokens_per_ms)
+            if self._engine is None:
+                # Within the work the other running requests still hold (+1 ns, so a replay
+                # whose clock is the actual usage is never clamped by float noise).
+                others = self._running_expected - job.expected_tokens
+                bound_ms = now_ms + (others if others > 0.0 else 0.0) / rate
+                self._residual.settled(overrun, rate, bound_ms + 1e-6)
         if refund and not job.borrowed:  # a borrowed dispatch was never charged to the bucket
             tenant.bucket.refill(now_ms)
             tenant.bucket.settle(refund)

@@ -160,13 +160,15 @@ def dispatch_and_settle(
         tenant.bucket.level,
         fair._lane_served[Lane.INTERACTIVE].rate(now_ms, 1.0),
     )
-    fair.complete(request_id, now_ms, actual)
+    # It ran as long as its estimate takes at the full service rate: long enough for the
+    # engine to have done any usage up to the estimate (the lane records no more than that).
+    fair.complete(request_id, now_ms + 600 / fair.policy.service_tokens_per_ms, actual)
     after = (
         queue.deficit,
         tenant.bucket.level,
         fair._lane_served[Lane.INTERACTIVE].rate(now_ms, 1.0),
     )
-    return before, after
+    return before, after  # (rates read at `now_ms`, as before: a decay would hide the change)
 
 
 def test_settling_at_the_estimate_changes_nothing_and_any_other_settlement_moves_the_ratio() -> (
