@@ -69,6 +69,7 @@ POLICY_COMPANY = {
     "batchKvWatermark": 0.01,
     "maxQueuedRequests": 10_000_000,
     "maxQueuedRequestsPerTenant": 1,
+    "maxBatchRequests": 65_536,
 }
 QUOTA_BASE = {"weight": 1.0, "burstServiceTokens": 1, "sustainedServiceTokensPerSecond": 1.0}
 
