@@ -145,6 +145,10 @@ class Scheduler(ABC):
         self.queued_tokens = [0, 0]
         self.queued_blocks = [0, 0]
         self.resident_blocks = 0
+        self.kv_correction_blocks = 0
+        """The engine's view of the KV cache minus the books (:meth:`observe_engine_kv`); 0
+        without a fresh report from the engine. KV gates read ``resident_blocks +
+        kv_correction_blocks``; the books (``resident_blocks``) never change by it."""
         self.running = 0
         self._deadlines = DeadlineQueue()
         self._apply_tenants(config.tenants, now_ms)
@@ -332,6 +336,30 @@ class Scheduler(ABC):
             observed=observed,
         )
 
+    def observe_engine_kv(self, used_blocks: int | None, waiting_requests: int = 0) -> None:
+        """The engine reported its KV cache just now: ``used_blocks`` in use, and
+        ``waiting_requests`` sent to it that it has not started (they hold no blocks yet, and
+        will). From now until the next report, KV gates see::
+
+            view = used + waiting * (resident / running) + (dispatched - released since)
+
+        — the engine's truth, plus the mean reservation of a request for each one waiting in
+        the engine, moved by the reservations booked and freed since (``kv_correction_blocks``
+        is ``view - resident`` at the report). So decode blocks count as the engine books them
+        (as they are generated) for the requests it reported on, and in full for the ones sent
+        since. ``None``: no fresh report (stale or missing metrics): the books alone."""
+        if used_blocks is None:
+            self.kv_correction_blocks = 0
+            return
+        running = self.running
+        pending = waiting_requests * self.resident_blocks // running if running else 0
+        self.kv_correction_blocks = used_blocks + pending - self.resident_blocks
+
+    @property
+    def kv_view_blocks(self) -> int:
+        """KV blocks the gates see in use: the books corrected by the engine's last report."""
+        return self.resident_blocks + self.kv_correction_blocks
+
     @property
     def queued_total(self) -> int:
         """Queued requests of both lanes (O(1))."""
@@ -359,12 +387,13 @@ class Scheduler(ABC):
                 refusal.queue_wait_ms = round_hundredths(max(0.0, now_ms - job.arrival_ms))
                 return refusal
         blocks = self.resident_blocks + kv_blocks
+        seen = blocks + self.kv_correction_blocks  # the occupancy it brings the cache to
         rounded = self._rounded_occupancy
-        occupancy = rounded.get(blocks)
+        occupancy = rounded.get(seen)
         if occupancy is None:
-            occupancy = round(blocks / self._total_kv_blocks, 4)
+            occupancy = round(seen / self._total_kv_blocks, 4)
             if len(rounded) < _ROUNDED_OCCUPANCY_BOUND:
-                rounded[blocks] = occupancy
+                rounded[seen] = occupancy
         self.resident_blocks = blocks
         self.running += 1
         tenant.served_tokens += service_tokens
@@ -449,9 +478,20 @@ class Scheduler(ABC):
         if job is None or job.state is not _DONE:
             raise ValueError(f"request {request_id!r} has no KV to release (not completed)")
         del self.jobs[request_id]
-        self.resident_blocks -= job.kv_blocks
+        self._free_blocks(job.kv_blocks)
         if self.tracks_kv_releases:
             self._kv_released(job)
+
+    def _free_blocks(self, blocks: int) -> None:
+        """Take ``blocks`` off the books; the engine's correction shrinks in proportion (the
+        request freed its share of what the books and the engine disagree on), so it is 0 when
+        nothing is held."""
+        before = self.resident_blocks
+        after = before - blocks
+        self.resident_blocks = after
+        correction = self.kv_correction_blocks
+        if correction:
+            self.kv_correction_blocks = int(correction * after / before) if after > 0 else 0
 
     def release_unsettled(self, request_id: str) -> bool:
         """Take a dispatched request off the books without settling it: its running slot (if
@@ -467,7 +507,7 @@ class Scheduler(ABC):
             self.running -= 1
             if self.tracks_completions:
                 self._finished(job, None)
-        self.resident_blocks -= job.kv_blocks
+        self._free_blocks(job.kv_blocks)
         self._kv_released(job)
         return True
 
@@ -546,7 +586,9 @@ class Scheduler(ABC):
         self._unqueue(job, tenant)
         job.state = JobState.CANCELLED if status == STATUS_CLIENT_CLOSED else JobState.REFUSED
         del self.jobs[job.request_id]
-        occupancy = (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks
+        occupancy = (
+            self.resident_blocks + self.kv_correction_blocks + job.kv_blocks
+        ) / self.policy.total_kv_blocks
         decision = job.outcome(status, reason, gate, round(occupancy, 4))
         decision.queue_wait_ms = round_hundredths(max(0.0, now_ms - job.arrival_ms))
         return decision
@@ -565,9 +607,9 @@ class Scheduler(ABC):
         return decision
 
     def kv_fits(self, job: Job) -> bool:
-        return (self.resident_blocks + job.kv_blocks) / self.policy.total_kv_blocks <= (
-            self.watermark(job.lane)
-        )
+        return (
+            self.resident_blocks + self.kv_correction_blocks + job.kv_blocks
+        ) / self.policy.total_kv_blocks <= (self.watermark(job.lane))
 
     # -- policy hooks -----------------------------------------------------------------------
 

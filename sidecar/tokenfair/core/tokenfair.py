@@ -458,7 +458,10 @@ class TokenfairScheduler(Scheduler):
         )
         elapsed_ms = now_ms - job.arrival_ms
         turn_wait_ms = self.predicted_wait_ms(tenant_id, lane, service_tokens, now_ms, join_rank)
-        if self.resident_blocks + job.kv_blocks - self._kv_limits[lane] > 0:
+        if (
+            self.resident_blocks + self.kv_correction_blocks + job.kv_blocks - self._kv_limits[lane]
+            > 0
+        ):
             kv_wait_ms = self.kv_wait_ms(job, now_ms)
         else:
             kv_wait_ms = 0.0  # it fits now (`kv_wait_ms`'s first test, inline)
@@ -510,7 +513,9 @@ class TokenfairScheduler(Scheduler):
 
     def _occupancy(self, job: Job) -> float:
         """The KV occupancy ``job`` attempts: resident blocks and its own, of the whole cache."""
-        return (self.resident_blocks + job.kv_blocks) / self._total_kv_blocks
+        return (
+            self.resident_blocks + self.kv_correction_blocks + job.kv_blocks
+        ) / self._total_kv_blocks
 
     def kv_wait_ms(self, job: Job, now_ms: float) -> float:
         """How long until the KV cache has room for ``job`` under its class watermark, if the
@@ -520,6 +525,7 @@ class TokenfairScheduler(Scheduler):
         and only for a request that does not fit now."""
         excess = (
             self.resident_blocks
+            + self.kv_correction_blocks
             + job.kv_blocks
             - (self.watermark(job.lane) * self.policy.total_kv_blocks)
         )
@@ -645,9 +651,9 @@ class TokenfairScheduler(Scheduler):
 
     def _eligible(self, job: Job) -> bool:
         # `kv_fits`, inline: this runs for every head a selection looks at.
-        if (self.resident_blocks + job.kv_blocks) / self._total_kv_blocks > (
-            self._watermarks[job.lane]
-        ):
+        if (
+            self.resident_blocks + self.kv_correction_blocks + job.kv_blocks
+        ) / self._total_kv_blocks > (self._watermarks[job.lane]):
             return False
         if self._lending:
             return True
