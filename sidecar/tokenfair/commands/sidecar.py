@@ -22,6 +22,7 @@ from tokenfair.server.accesslog import (
 from tokenfair.server.backends import BACKENDS
 from tokenfair.server.runner import serve
 from tokenfair.server.runtime_settings import (
+    ENGINE_METRICS_MODES,
     SECTION_FIELDS,
     SidecarSettings,
     check_settings,
@@ -111,6 +112,12 @@ def register(subparsers: Any) -> None:
         help="the access log line per request on stdout: json, text (logfmt) or off (json)",
     )
     parser.add_argument(
+        "--engine-metrics",
+        choices=ENGINE_METRICS_MODES,
+        help="read the upstream engine's KV cache and queue from its /metrics: auto (vLLM's, "
+        "else SGLang's names), vllm, sglang, custom or off (auto; openai backend only)",
+    )
+    parser.add_argument(
         "--tracing",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -144,6 +151,7 @@ _FLAGS = {
     "access_log": "accessLog",
     "tracing": "tracing",
     "tracing_endpoint": "tracingEndpoint",
+    "engine_metrics": "engineMetrics",
 }
 """Flag (its ``argparse`` dest) -> the ``sidecar:`` key it overrides. A flag's value is checked
 by the parser of that key (:data:`~tokenfair.server.runtime_settings.SECTION_FIELDS`), under

@@ -248,9 +248,11 @@ class ResidualWork:
         if negative): the engine is busy that much longer, but never past ``bound_ms`` (the
         caller's bound: the end of the work the *other* running requests hold), since the
         request itself is over. A reported usage, however large, thus delays no one beyond the
-        work actually running."""
+        work actually running. (Within 1e-6 ms of the bound the sum stands: a replay whose
+        clock is the actual usage lands on the bound give or take float noise, and its
+        decisions stay those of the unclamped sum.)"""
         busy_until_ms = self._busy_until_ms + overrun_tokens / rate_per_ms
-        if busy_until_ms > bound_ms:
+        if busy_until_ms > bound_ms + 1e-6:
             busy_until_ms = bound_ms if bound_ms > self._busy_until_ms else self._busy_until_ms
         self._busy_until_ms = busy_until_ms
 

@@ -863,11 +863,10 @@ class TokenfairScheduler(Scheduler):
             self._record_service(job, overrun, now_ms, lane_overrun)
             self._lanes[job.lane].settle_units(tenant.tenant_id, overrun_units)
             if self._engine is None:
-                # Within the work the other running requests still hold (+1 ns, so a replay
-                # whose clock is the actual usage is never clamped by float noise).
+                # Within the work the other running requests still hold.
                 others = self._running_expected - job.expected_tokens
                 bound_ms = now_ms + (others if others > 0.0 else 0.0) / rate
-                self._residual.settled(overrun, rate, bound_ms + 1e-6)
+                self._residual.settled(overrun, rate, bound_ms)
         if refund and not job.borrowed:  # a borrowed dispatch was never charged to the bucket
             tenant.bucket.refill(now_ms)
             tenant.bucket.settle(refund)

@@ -97,6 +97,7 @@ def create_app(
     app.cleanup_ctx.append(_pool_ctx)
     app.cleanup_ctx.append(_dispatcher_ctx)
     app.cleanup_ctx.append(_watcher_ctx)
+    app.cleanup_ctx.append(_engine_ctx)
     return app
 
 
@@ -209,6 +210,20 @@ async def _dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:
     dispatcher = app[SIDECAR].dispatcher
     dispatcher.drain()
     dispatcher.close()
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The poller of the upstream engine's own state (:mod:`~tokenfair.server.engine_state`),
+    when there is one to ask."""
+    engine = app[SIDECAR].engine
+    if engine is None:
+        yield
+        return
+    task = asyncio.create_task(engine.run(), name="tokenfair-engine-state")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _watcher_ctx(app: web.Application) -> AsyncIterator[None]:

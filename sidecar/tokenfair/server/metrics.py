@@ -54,7 +54,9 @@ thread, so nothing needs a lock. The rare ones (refusals, errors, invalid, reloa
 
 Read from the scheduler at scrape time (so always current, and free per request):
 ``tokenfair_queued_requests{lane}``, ``tokenfair_running_requests``,
-``tokenfair_kv_resident_blocks``, ``tokenfair_kv_occupancy_ratio``, ``tokenfair_draining``, and
+``tokenfair_kv_resident_blocks`` (the books: reserved blocks), ``tokenfair_kv_occupancy_ratio``
+(what the KV gates see: the books corrected by the engine's last report, see
+:mod:`~tokenfair.server.engine_state`), ``tokenfair_draining``, and
 ``tokenfair_config_info{version, sha256}`` (value 1).
 """
 
@@ -115,8 +117,9 @@ class _SchedulerCollector(Collector):
         )
         yield GaugeMetricFamily(
             "tokenfair_kv_occupancy_ratio",
-            "Reserved KV blocks over total KV blocks.",
-            scheduler.resident_blocks / scheduler.policy.total_kv_blocks,
+            "KV blocks in use as the gates see them (the books corrected by the engine's last "
+            "report, or the books alone) over total KV blocks.",
+            max(0, scheduler.kv_view_blocks) / scheduler.policy.total_kv_blocks,
         )
         yield GaugeMetricFamily("tokenfair_draining", "1 while draining.", 1.0 if draining else 0.0)
         info = GaugeMetricFamily(

@@ -410,6 +410,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         estimated, stream = _estimate_route(sidecar, request.path, body, stream)
     except EstimateError as exc:
         return _invalid(sidecar, 400, str(exc), "invalid_value", exc.param)
+    refused = sidecar.engine_refusal(request.path, body)  # what the engine would refuse
+    if refused is not None:
+        return _invalid(sidecar, refused.status, refused.message, refused.code, refused.param)
     core_request = Request(
         _request_id(sidecar, headers.get(REQUEST_ID_HEADER)),
         tenant.tenant_id,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from tokenfair.config.fields import (
     FieldTable,
     boolean,
     integer_in,
+    number_in,
     one_of,
     positive,
     positive_int,
@@ -139,6 +141,26 @@ class SidecarSettings:
     """The access log's format: ``json`` (one object per line), ``text`` (logfmt) or ``off``
     (see :mod:`~tokenfair.server.accesslog`). On by default: a request that leaves no
     line cannot be found afterwards, and a line costs ~10-20 µs of the event loop."""
+    engine_metrics: str = "auto"
+    """Read the upstream engine's own state (:mod:`~tokenfair.server.engine_state`): ``auto``
+    (vLLM's metric names, else SGLang's), ``vllm``, ``sglang``, ``custom`` (the
+    ``engine*Metric`` names below) or ``off``. Only backends with an upstream engine
+    (``openai``); KV gates fall back to the sidecar's books whenever the report is stale."""
+    engine_metrics_path: str = "/metrics"
+    """The engine's Prometheus page, appended to ``upstream_url``."""
+    engine_metrics_interval_s: float = 0.25
+    """How often the engine's metrics are read (vLLM updates its gauges every engine step)."""
+    engine_metrics_stale_s: float = 2.0
+    """A report older than this is dropped and KV gates use the books until the next one."""
+    engine_kv_usage_metric: str | None = None
+    """``custom``: the gauge of the fraction (0..1) of the engine's KV cache in use."""
+    engine_running_metric: str | None = None
+    """``custom``: the gauge of the requests the engine runs."""
+    engine_waiting_metric: str | None = None
+    """``custom``: the gauge of the requests the engine holds waiting."""
+    adopt_engine_kv_geometry: bool = True
+    """Take the engine's KV block size and block count (vLLM's ``vllm:cache_config_info``)
+    over the policy's ``kvBlockTokens`` and ``totalKvBlocks`` while the engine reports them."""
     tracing: bool = False
     """Export one OpenTelemetry span per request over OTLP/HTTP (needs the ``tracing`` extra;
     see :mod:`~tokenfair.server.tracing`). Off by default: it needs a collector."""
@@ -173,6 +195,24 @@ def _http_url(name: str, value: object) -> str:
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"{name}: must be an http:// or https:// URL (got {shown(value)})")
     return url
+
+
+ENGINE_METRICS_MODES: Final = ("auto", "vllm", "sglang", "custom", "off")
+_METRIC_NAME: Final = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]{0,199}$")
+
+
+def _metric_name(name: str, value: object) -> str:
+    text = string(name, value)
+    if not _METRIC_NAME.match(text):
+        raise ConfigError(f"{name}: must be a Prometheus metric name (got {shown(value)})")
+    return text
+
+
+def _path(name: str, value: object) -> str:
+    text = string(name, value)
+    if not text.startswith("/") or any(c in text for c in " \r\n\t?#"):
+        raise ConfigError(f"{name}: must be a path starting with / (got {shown(value)})")
+    return text
 
 
 MAX_MODEL_NAMES: Final = 64
@@ -220,6 +260,14 @@ SECTION_FIELDS: Final[FieldTable] = {
     "embeddingDimensions": ("embedding_dimensions", integer_in(1, MAX_EMBEDDING_DIMENSIONS)),
     "ietfRateLimitHeaders": ("ietf_ratelimit_headers", boolean),
     "accessLog": ("access_log", _access_log),
+    "engineMetrics": ("engine_metrics", one_of(ENGINE_METRICS_MODES)),
+    "engineMetricsPath": ("engine_metrics_path", _path),
+    "engineMetricsIntervalSeconds": ("engine_metrics_interval_s", number_in(0.01, 60.0)),
+    "engineMetricsStaleSeconds": ("engine_metrics_stale_s", number_in(0.05, 3600.0)),
+    "engineKvUsageMetric": ("engine_kv_usage_metric", _metric_name),
+    "engineRunningMetric": ("engine_running_metric", _metric_name),
+    "engineWaitingMetric": ("engine_waiting_metric", _metric_name),
+    "adoptEngineKvGeometry": ("adopt_engine_kv_geometry", boolean),
     "tracing": ("tracing", boolean),
     "tracingEndpoint": ("tracing_endpoint", _http_url),
 }
@@ -270,6 +318,11 @@ def check_settings(settings: SidecarSettings) -> SidecarSettings:
         raise ConfigError(
             f"defaultDecodeTokens ({settings.default_decode_tokens}) must be <= "
             f"maxDecodeTokens ({settings.max_decode_tokens})"
+        )
+    if settings.engine_metrics == "custom" and settings.engine_kv_usage_metric is None:
+        raise ConfigError(
+            "engineMetrics: custom needs engineKvUsageMetric (the gauge of the fraction of the "
+            "engine's KV cache in use)"
         )
     parse_address(settings.listen, "listen")
     parse_address(settings.admin_listen, "adminListen")

@@ -42,6 +42,16 @@ from tokenfair.server.accesslog import (
 from tokenfair.server.auth import Authenticator
 from tokenfair.server.backends import Backend, CostModelBackend
 from tokenfair.server.dispatcher import Dispatcher, ModelClock
+from tokenfair.server.engine_state import (
+    EngineCollector,
+    EngineLimits,
+    EngineMetricNames,
+    EngineReport,
+    EngineState,
+    LimitRefusal,
+    asked_max_tokens,
+    limit_refusal,
+)
 from tokenfair.server.errors import INTERNAL_ERROR
 from tokenfair.server.estimate import ESTIMATORS, PromptEstimator
 from tokenfair.server.metrics import LANE_NAMES, LaneSeries, Metrics
@@ -115,7 +125,10 @@ class Sidecar:
         self.policy_name = DEFAULT_POLICY
         self.clock = ModelClock(settings.time_scale)
         self.scheduler = make_scheduler(DEFAULT_POLICY, config, self.clock.now_ms())
-        max_in_flight = settings.max_in_flight or backend.default_max_in_flight
+        batch = config.policy.max_batch_requests
+        max_in_flight = settings.max_in_flight or (
+            batch if batch > 1 else backend.default_max_in_flight
+        )
         self.dispatcher = Dispatcher(self.scheduler, self.clock, max_in_flight)
         self.auth = Authenticator(config, settings.trusted_tenant_header)
         self.estimator: PromptEstimator = ESTIMATORS[settings.prompt_estimator]
@@ -144,6 +157,37 @@ class Sidecar:
         )
         self.tracer: RequestTracer | None = None
         """Set by the app's tracing context when tracing is on."""
+        self.engine: EngineState | None = None
+        """The poller of the upstream engine's own state (run by the app's engine context);
+        None when off, or the backend has no engine to ask."""
+        self._engine_geometry: tuple[int, int] | None = None
+        """(block tokens, blocks) the engine reported, adopted over the policy's."""
+        self._config_in_force = self.config
+        self.engine_limits = EngineLimits()
+        """What the engine said it serves (model context lengths, routes); empty until it says."""
+        """The config given to the scheduler before the engine's geometry (:meth:`_enforce`)."""
+        if settings.engine_metrics != "off" and type(backend).engine_get is not (
+            Backend.engine_get
+        ):
+            custom = None
+            if settings.engine_kv_usage_metric is not None:
+                custom = EngineMetricNames(
+                    kv_usage_ratio=(settings.engine_kv_usage_metric,),
+                    running=tuple(filter(None, (settings.engine_running_metric,))),
+                    waiting=tuple(filter(None, (settings.engine_waiting_metric,))),
+                )
+            self.engine = EngineState(
+                backend.engine_get,
+                engine=settings.engine_metrics,
+                custom=custom,
+                metrics_path=settings.engine_metrics_path,
+                interval_s=settings.engine_metrics_interval_s,
+                stale_s=settings.engine_metrics_stale_s,
+                on_report=self._engine_report,
+                on_stale=self._engine_stale,
+                on_limits=self._engine_limits,
+            )
+            self.metrics.registry.register(EngineCollector(self.engine))
 
     def _scrape_state(self) -> tuple[Scheduler, bool, str, str]:
         return self.scheduler, self.dispatcher.draining, self.config.version, self.config_sha256
@@ -165,7 +209,7 @@ class Sidecar:
             self.budget_store_notice = notice
             self.refuse_config(notice)
             return
-        self.scheduler.reconfigure(enforced, self.clock.now_ms())
+        self._enforce(enforced)
         if self.pool is not None:
             self.pool.adopt(enforced)
         if notice:
@@ -181,6 +225,57 @@ class Sidecar:
             log.warning("config reload: the sidecar: section changed; restart to apply it")
         log.info("config reloaded: version %r, sha256 %s", config.version, loaded.sha256[:12])
         self.dispatcher.pump()
+
+    # -- the engine's own state ---------------------------------------------------------------
+
+    def _enforce(self, config: Config) -> None:
+        """Give ``config`` to the scheduler, with the engine's KV geometry over the policy's
+        while the engine reports it (``adoptEngineKvGeometry``)."""
+        self._config_in_force = config
+        geometry = self._engine_geometry
+        if geometry is not None:
+            block_tokens, blocks = geometry
+            policy = dataclasses.replace(
+                config.policy, kv_block_tokens=block_tokens, total_kv_blocks=blocks
+            )
+            config = dataclasses.replace(config, policy=policy)
+        self.scheduler.reconfigure(config, self.clock.now_ms())
+
+    def _engine_report(self, report: EngineReport) -> None:
+        """A fresh report of the engine: its geometry adopted if it changed, its KV in use and
+        its waiting requests given to the KV gates, and a pump (the view may have room)."""
+        if (
+            self.settings.adopt_engine_kv_geometry
+            and report.block_size is not None
+            and report.num_blocks is not None
+            and (report.block_size, report.num_blocks) != self._engine_geometry
+        ):
+            policy = self._config_in_force.policy
+            log.info("engine KV geometry: %d blocks of %d tokens (the config says %d of %d); "
+                     "adopted", report.num_blocks, report.block_size, policy.total_kv_blocks,
+                     policy.kv_block_tokens)  # fmt: skip
+            self._engine_geometry = (report.block_size, report.num_blocks)
+            self._enforce(self._config_in_force)
+        scheduler = self.scheduler
+        used = round(report.kv_usage_ratio * scheduler.policy.total_kv_blocks)
+        scheduler.observe_engine_kv(used, int(report.waiting or 0))
+        if scheduler.queued_total:
+            self.dispatcher.pump()
+
+    def _engine_stale(self, problem: str) -> None:
+        """No fresh report: the KV gates use the books alone (the geometry stays adopted)."""
+        self.scheduler.observe_engine_kv(None)
+
+    def _engine_limits(self, limits: EngineLimits) -> None:
+        self.engine_limits = limits
+
+    def engine_refusal(self, path: str, body: dict[str, Any]) -> LimitRefusal | None:
+        """A request the engine would refuse for certain (:func:`~tokenfair.server.
+        engine_state.limit_refusal`), answered before admission; None otherwise."""
+        limits = self.engine_limits
+        if limits.routes is None and not limits.max_model_len:
+            return None
+        return limit_refusal(limits, path, body.get("model"), asked_max_tokens(body))
 
     def _enforceable(self, config: Config) -> tuple[Config | None, str]:
         """What of ``config`` this running sidecar enforces, and why it differs (or "").
@@ -576,6 +671,15 @@ class Sidecar:
                 "running_requests": books.running_requests,
                 "resident_kv_blocks": books.resident_kv_blocks,
             },
+            # What the KV gates see: the books corrected by the engine's last report (the
+            # books alone without a fresh one, "engine" says why).
+            "kv": {
+                "view_blocks": max(0, self.scheduler.kv_view_blocks),
+                "total_blocks": self.scheduler.policy.total_kv_blocks,
+                "block_tokens": self.scheduler.policy.kv_block_tokens,
+                "source": "engine" if self.engine is not None and self.engine.fresh else "books",
+            },
+            **({"engine": self.engine.status()} if self.engine is not None else {}),
             "tenants": tenants,
             **({"budget_store": self.pool.status()} if self.pool is not None else {}),
         }

@@ -276,7 +276,8 @@ def costmodel_sidecar(tmp_path: Path) -> Iterator[Sidecar]:
 
 @pytest.fixture
 def openai_sidecar(tmp_path: Path, faulty_upstream: str) -> Iterator[Sidecar]:
-    yield from _start(tmp_path, ["--backend", "openai", "--upstream", faulty_upstream])
+    yield from _start(tmp_path, ["--backend", "openai", "--upstream", faulty_upstream,
+                                 "--engine-metrics", "off"])  # fmt: skip
 
 
 # -- generated requests ----------------------------------------------------------------------------
@@ -499,7 +500,9 @@ def test_openai_sidecar_with_valid_requests_and_every_upstream_fault(
 def test_large_bodies_do_not_accumulate(tmp_path: Path, faulty_upstream: str, backend: str) -> None:
     """:data:`LARGE_BODIES` valid bodies of 1 MiB each, one after another (served, or refused
     by a gate): the RSS stays within :data:`RSS_GROWTH_BOUND_MIB` of its first reading."""
-    flags = [] if backend == "costmodel" else ["--backend", "openai", "--upstream", faulty_upstream]
+    flags = [] if backend == "costmodel" else [
+        "--backend", "openai", "--upstream", faulty_upstream, "--engine-metrics", "off"
+    ]  # fmt: skip
     for sidecar in _start(tmp_path, flags):
         for index in range(LARGE_BODIES):
             body = large_body("ok", MAX_BODY_BYTES - index)

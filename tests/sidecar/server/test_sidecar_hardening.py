@@ -214,6 +214,7 @@ async def sidecar_for(
         "max_in_flight": 1,
         "records_path": str(tmp_path / "records.jsonl"),
         "upstream_read_timeout_s": 10.0,
+        "engine_metrics": "off",  # the raw upstream is no engine: it serves no /metrics
         **settings,
     }
     return await start(aiohttp_client, keyed_config(), SidecarSettings(**options))

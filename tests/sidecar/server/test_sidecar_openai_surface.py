@@ -124,6 +124,7 @@ async def start_openai(
             upstream_url=str(server.make_url("")).rstrip("/"),
             upstream_api_key_file=str(key_file),
             records_path=str(tmp_path / "records.jsonl"),
+            engine_metrics="off",  # the fake upstream counts every request; it has no /metrics
             **settings,
         ),
     )

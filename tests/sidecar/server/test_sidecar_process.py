@@ -171,7 +171,7 @@ def start_sidecar(
     process = subprocess.Popen(
         [str(TOKENFAIR), "sidecar", "--config", str(config),
          "--listen", f"127.0.0.1:{proxy}", "--admin-listen", f"127.0.0.1:{admin}",
-         "--backend", "openai", "--upstream", upstream,
+         "--backend", "openai", "--upstream", upstream, "--engine-metrics", "off",
          *(() if "maxInFlight" in section else ("--max-in-flight", "1")),
          "--records", str(records), "--drain-grace", str(drain_grace_s), "--log-level", "WARNING"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -279,6 +279,15 @@ class Backend(ABC):
         """Answer ``GET /v1/models`` for an authenticated client (no admission: listing models
         does no model work). May raise :class:`UpstreamError` (the proxy answers 502/504)."""
 
+    async def engine_get(
+        self, path: str, timeout_s: float, limit_bytes: int
+    ) -> tuple[int, bytes] | None:
+        """``GET path`` from the engine behind this backend, with the backend's own connection
+        and credentials: ``(status, body)``, the body at most ``limit_bytes`` (more raises), the
+        whole exchange within ``timeout_s`` (``TimeoutError``). None: no engine to ask (the
+        default; :mod:`~tokenfair.server.engine_state` then never polls)."""
+        return None
+
     def kv_hold_ms(self, call: BackendCall) -> float:
         """Model ms after dispatch until the request's KV blocks are free (0: at completion)."""
         return 0.0

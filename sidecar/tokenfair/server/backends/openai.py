@@ -571,6 +571,31 @@ class OpenAIBackend(Backend):
             self._models_at_s = -MODELS_FRESH_S
         return web.Response(body=data, status=upstream.status, headers=out)
 
+    async def engine_get(
+        self, path: str, timeout_s: float, limit_bytes: int
+    ) -> tuple[int, bytes] | None:
+        """``GET path`` from the upstream (its metrics, model list, routes): only ``Accept`` and
+        the upstream's own key are sent; a compressed answer is decoded within
+        ``limit_bytes``."""
+        client = self._client
+        if client is None:
+            raise UpstreamError(502, "upstream_unavailable", "the upstream client is closed")
+        headers = [("Accept", "*/*"), ("Accept-Encoding", "identity")]
+        if self._api_key is not None:
+            headers.append(("Authorization", f"Bearer {self._api_key}"))
+        async with asyncio.timeout(timeout_s):
+            upstream = await client.request("GET", path, headers, b"")
+            try:
+                data = await upstream.read()
+            finally:
+                upstream.release()
+        if len(data) > limit_bytes:
+            raise UpstreamTooLargeError(f"GET {path}: {len(data)} bytes (at most {limit_bytes})")
+        coding = content_coding(upstream.headers)
+        if coding in _DECODED_CODINGS:
+            data = _decoded(BodyDecoder(coding), data, coding, f"GET {path}")
+        return upstream.status, data
+
     @staticmethod
     def _report_json_usage(call: BackendCall, data: bytes | None, status: int) -> None:
         try:

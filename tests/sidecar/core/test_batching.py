@@ -1,0 +1,201 @@
+"""The batching engine model (``core/batching.py``) and the tokenfair policy's use of it.
+
+Behaviours under test:
+
+- ``BatchingCurve``: ``X(1) = R / G`` and ``X(S) = R`` for every ``S`` and ``G``; ``G = 1`` is a
+  fixed throughput shared by the batch, ``G = S`` a throughput linear in the batch; out-of-range
+  coefficients are refused; ``S = 1`` is the serial server.
+- ``RunningWork``: processor sharing worked out by hand (equal requests end together; a short
+  one leaves first and the others speed up; a request sent beyond the batch waits for a slot);
+  the forecast's departures, remaining and attained service; ``expected_tokens`` is 0 when
+  nothing is held.
+- Admission with ``maxBatchRequests > 1``: a request that finds a free slot and nothing of its
+  lane ahead is predicted to wait 0 however much runs (a serial model predicted the running
+  work); with every slot busy it waits for the first forecast end.
+- ``observe_engine_kv``: the KV gates see the engine's report plus what was booked since; the
+  correction shrinks with the books and is 0 when nothing is held or without a report.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tokenfair.config import PolicyConfig, TenantConfig, build_config
+from tokenfair.core import Books, Request
+from tokenfair.core.batching import BatchingCurve, RunningWork
+from tokenfair.core.tokenfair import TokenfairScheduler
+
+
+def test_the_curve_passes_through_one_request_alone_and_the_full_batch() -> None:
+    for batch in (1, 2, 8, 64):
+        for gain in {1.0, math.sqrt(batch), float(batch)}:
+            curve = BatchingCurve.of(batch, 40.0, 40.0 / gain)
+            assert curve.throughput(1) == pytest.approx(40.0 / gain)
+            assert curve.throughput(batch) == pytest.approx(40.0)
+            assert curve.throughput(batch + 5) == pytest.approx(40.0)  # beyond S: it queues
+            speeds = [curve.request_speed(c) for c in range(1, batch + 1)]
+            assert speeds == sorted(speeds, reverse=True)  # a bigger batch never speeds one up
+
+
+def test_gain_one_shares_a_fixed_throughput_and_gain_s_scales_linearly() -> None:
+    shared = BatchingCurve.of(4, 20.0, 20.0)  # G = 1: a = 0, each of c runs at R / c
+    assert shared.per_request_ms == pytest.approx(0.0)
+    assert [shared.request_speed(c) for c in (1, 2, 4)] == pytest.approx([20.0, 10.0, 5.0])
+    linear = BatchingCurve.of(4, 20.0, 5.0)  # G = S: b = 0, every request at r1 = 5
+    assert linear.per_batched_request_ms == pytest.approx(0.0)
+    assert [linear.throughput(c) for c in (1, 2, 4)] == pytest.approx([5.0, 10.0, 20.0])
+    # In between (G = 2): 1 / r1 = a + b = 0.1, S / R = a + 4 b = 0.2 -> b = 1/30, a = 1/15.
+    middle = BatchingCurve.of(4, 20.0, 10.0)
+    assert middle.per_batched_request_ms == pytest.approx(1 / 30)
+    assert middle.per_request_ms == pytest.approx(1 / 15)
+    assert middle.throughput(2) == pytest.approx(2 / (1 / 15 + 2 / 30))  # 15 tokens per ms
+    assert middle.slowdown(4) == pytest.approx(10.0 / 5.0)
+
+
+@pytest.mark.parametrize(
+    ("batch", "single"), [(4, 4.9), (4, 20.5), (0, 1.0), (2, -1.0), (2, math.nan)]
+)
+def test_coefficients_out_of_range_are_refused(batch: int, single: float) -> None:
+    with pytest.raises(ValueError):  # noqa: PT011 - the message is checked below for one case
+        BatchingCurve.of(batch, 20.0, single)
+    with pytest.raises(ValueError, match=r"in \[R / S, R\] = \[5, 20\]"):
+        BatchingCurve.of(4, 20.0, 4.0)
+
+
+def test_processor_sharing_by_hand() -> None:
+    # S = 2, G = 1, R = 10: each of two runs at 5 tokens per ms.
+    work = RunningWork(BatchingCurve.of(2, 10.0, 10.0))
+    work.start("a", 100.0, 0.0)
+    work.start("b", 100.0, 0.0)
+    work.start("c", 50.0, 0.0)  # beyond the batch: waits for a slot
+    assert (work.running, work.waiting) == (2, 1)
+    # a and b end together at 100 / 5 = 20 ms.
+    assert work.next_departure_ms(0.0) == pytest.approx(20.0)
+    assert work.departures(0.0) == [(pytest.approx(20.0), "a"), (pytest.approx(20.0), "b")]
+    assert work.remaining_tokens("a", 10.0) == pytest.approx(50.0)
+    assert work.attained_tokens("b", 10.0) == pytest.approx(50.0)
+    assert work.remaining_tokens("c", 10.0) == pytest.approx(50.0)  # not started: all of it
+    work.finish("a", 20.0, 100.0)  # c takes a's slot at 20 ms
+    assert (work.running, work.waiting) == (2, 0)
+    work.finish("b", 20.0, 100.0)
+    # c alone runs at 10 per ms: its 50 tokens take 5 ms.
+    assert work.next_departure_ms(20.0) == pytest.approx(5.0)
+    work.finish("c", 25.0, 50.0)
+    assert work.running == 0
+    assert work.expected_tokens == 0.0
+    assert work.next_departure_ms(25.0) == math.inf
+
+
+def test_a_short_request_leaves_first_and_the_other_speeds_up() -> None:
+    # S = 2, G = 2, R = 10: alone 5 per ms; two at once 5 per ms each (b = 0: linear).
+    work = RunningWork(BatchingCurve.of(2, 10.0, 5.0))
+    work.start("long", 100.0, 0.0)
+    work.start("short", 20.0, 0.0)
+    assert work.departures(0.0) == [(pytest.approx(4.0), "short"), (pytest.approx(20.0), "long")]
+    # With G = 1 instead (each of two at 5, alone at 10): short ends at 20 / 5 = 4 ms, then
+    # long has 80 left at 10 per ms: 8 ms more.
+    shared = RunningWork(BatchingCurve.of(2, 10.0, 10.0))
+    shared.start("long", 100.0, 0.0)
+    shared.start("short", 20.0, 0.0)
+    assert shared.departures(0.0) == [
+        (pytest.approx(4.0), "short"),
+        (pytest.approx(12.0), "long"),
+    ]
+    shared.finish("short", 4.0, 20.0)
+    assert shared.next_departure_ms(4.0) == pytest.approx(8.0)
+    # A request that ends later than forecast is overdue: its next end is "now".
+    assert shared.next_departure_ms(30.0) == 0.0
+
+
+def tenants() -> list[TenantConfig]:
+    return [
+        TenantConfig("chat", 1.0, 10**9, 10**9, "interactive"),
+        TenantConfig("ide", 1.0, 10**9, 10**9, "interactive"),
+        TenantConfig("rag", 1.0, 10**9, 10**9, "batch"),
+    ]
+
+
+def scheduler(**policy: object) -> TokenfairScheduler:
+    return TokenfairScheduler(build_config(PolicyConfig(**policy), tenants()))  # type: ignore[arg-type]
+
+
+def run(fair: TokenfairScheduler, request_id: str, tenant: str, now_ms: float) -> None:
+    lane = "batch" if tenant == "rag" else "interactive"
+    assert fair.submit(Request(request_id, tenant, now_ms, 2000, 500, lane), now_ms) is None
+    decision = fair.next_dispatch(now_ms)
+    assert decision is not None
+    assert decision.request_id == request_id
+
+
+def test_a_free_slot_means_no_wait_however_much_runs() -> None:
+    # Three heavy batch requests run (4,000 service tokens each: 266 ms of a serial engine at
+    # 45 per ms). A new interactive request finds 5 of 8 slots free and nobody of its lane
+    # ahead: it waits 0. The serial model queued it behind all the running work.
+    batching = scheduler(max_batch_requests=8, batch_throughput_gain=4.0)
+    serial = scheduler()
+    for fair in (batching, serial):
+        for i in range(3):
+            run(fair, f"r{i}", "rag", 0.0)
+    assert batching.predicted_wait_ms("chat", 0, 600, 1.0) == 0.0
+    assert serial.predicted_wait_ms("chat", 0, 600, 1.0) == pytest.approx(3 * 4000 / 45 - 1.0)
+
+
+def test_with_every_slot_busy_a_request_waits_for_the_first_forecast_end() -> None:
+    # S = 2, G = 1 at R = 45: two requests of 4,000 tokens share 45 per ms; both end at
+    # 8,000 / 45 ms: the engine takes a request sent now then. Nothing of the interactive lane
+    # is queued, so a new request waits that long (more only by the lane's recent lifts, which
+    # the prediction divides in: both requests joined ahead).
+    fair = scheduler(max_batch_requests=2)
+    run(fair, "a", "chat", 0.0)
+    run(fair, "b", "ide", 0.0)
+    assert fair._engine_wait_ms(0.0) == pytest.approx(8000 / 45)
+    assert fair.predicted_wait_ms("chat", 0, 600, 0.0) >= 8000 / 45
+    # One ends (early: at 10 ms): a slot is free, the wait is 0 again.
+    fair.complete("a", 10.0, 100)
+    assert fair.predicted_wait_ms("chat", 0, 600, 10.0) == 0.0
+    fair.complete("b", 20.0)
+    assert fair.books() == Books(0, 0, 0, 0, 0)
+
+
+def test_the_gates_see_the_engines_report_and_what_was_booked_since() -> None:
+    fair = scheduler(total_kv_blocks=1000, kv_block_tokens=16, max_batch_requests=8)
+    run(fair, "a", "chat", 0.0)  # ceil(2500 / 16) = 157 blocks booked
+    run(fair, "b", "ide", 0.0)
+    assert fair.resident_blocks == 314
+    # The engine says 100 blocks are in use (decode has barely started) and 1 request of ours
+    # waits in its queue: the view is 100 + 1 * (314 / 2) = 257.
+    fair.observe_engine_kv(100, waiting_requests=1)
+    assert fair.kv_view_blocks == 257
+    run(fair, "c", "chat", 1.0)  # booked in full since the report
+    assert fair.kv_view_blocks == 257 + 157
+    assert fair.next_dispatch(1.0) is None
+    # A release frees its share of the disagreement: the correction shrinks with the books.
+    fair.complete("a", 5.0)
+    correction = fair.kv_correction_blocks
+    assert correction == int((257 - 314) * (471 - 157) / 471)
+    fair.complete("b", 6.0)
+    fair.complete("c", 7.0)
+    assert fair.kv_correction_blocks == 0  # nothing held: the view is the books, 0
+    assert fair.books() == Books(0, 0, 0, 0, 0)
+    run(fair, "d", "chat", 8.0)
+    fair.observe_engine_kv(500)
+    assert fair.kv_view_blocks == 500  # more than booked: the engine is the truth
+    fair.observe_engine_kv(None)  # stale: the books alone
+    assert fair.kv_view_blocks == fair.resident_blocks == 157
+
+
+def test_a_request_the_engine_has_room_for_dispatches_though_the_books_are_full() -> None:
+    # 400 blocks, interactive watermark 0.9 (360). Two requests book 157 each (314); a third
+    # would bring the books to 471 and waits. The engine reports 120 blocks in use: it starts.
+    fair = scheduler(total_kv_blocks=400, kv_block_tokens=16, max_batch_requests=8)
+    run(fair, "a", "chat", 0.0)
+    run(fair, "b", "ide", 0.0)
+    assert fair.submit(Request("c", "chat", 1.0, 2000, 500, "interactive"), 1.0) is None
+    assert fair.next_dispatch(1.0) is None
+    fair.observe_engine_kv(120)
+    decision = fair.next_dispatch(1.0)
+    assert decision is not None
+    assert decision.request_id == "c"
+    assert decision.kv_occupancy_ratio == round((120 + 157) / 400, 4)
