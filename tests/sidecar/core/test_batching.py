@@ -22,7 +22,7 @@ import math
 
 import pytest
 
-from tokenfair.config import PolicyConfig, TenantConfig, build_config
+from tokenfair.config import PolicyConfig, PriorityClass, TenantConfig, build_config
 from tokenfair.core import Books, Request
 from tokenfair.core.batching import BatchingCurve, RunningWork
 from tokenfair.core.tokenfair import TokenfairScheduler
@@ -64,6 +64,11 @@ def test_coefficients_out_of_range_are_refused(batch: int, single: float) -> Non
         BatchingCurve.of(4, 20.0, 4.0)
 
 
+def ends(work: RunningWork, now_ms: float) -> list[tuple[float, str]]:
+    """The forecast's departures, times rounded to 1e-9 ms (float noise aside)."""
+    return [(round(in_ms, 9), request_id) for in_ms, request_id in work.departures(now_ms)]
+
+
 def test_processor_sharing_by_hand() -> None:
     # S = 2, G = 1, R = 10: each of two runs at 5 tokens per ms.
     work = RunningWork(BatchingCurve.of(2, 10.0, 10.0))
@@ -73,7 +78,7 @@ def test_processor_sharing_by_hand() -> None:
     assert (work.running, work.waiting) == (2, 1)
     # a and b end together at 100 / 5 = 20 ms.
     assert work.next_departure_ms(0.0) == pytest.approx(20.0)
-    assert work.departures(0.0) == [(pytest.approx(20.0), "a"), (pytest.approx(20.0), "b")]
+    assert ends(work, 0.0) == [(20.0, "a"), (20.0, "b")]
     assert work.remaining_tokens("a", 10.0) == pytest.approx(50.0)
     assert work.attained_tokens("b", 10.0) == pytest.approx(50.0)
     assert work.remaining_tokens("c", 10.0) == pytest.approx(50.0)  # not started: all of it
@@ -93,16 +98,13 @@ def test_a_short_request_leaves_first_and_the_other_speeds_up() -> None:
     work = RunningWork(BatchingCurve.of(2, 10.0, 5.0))
     work.start("long", 100.0, 0.0)
     work.start("short", 20.0, 0.0)
-    assert work.departures(0.0) == [(pytest.approx(4.0), "short"), (pytest.approx(20.0), "long")]
+    assert ends(work, 0.0) == [(4.0, "short"), (20.0, "long")]
     # With G = 1 instead (each of two at 5, alone at 10): short ends at 20 / 5 = 4 ms, then
     # long has 80 left at 10 per ms: 8 ms more.
     shared = RunningWork(BatchingCurve.of(2, 10.0, 10.0))
     shared.start("long", 100.0, 0.0)
     shared.start("short", 20.0, 0.0)
-    assert shared.departures(0.0) == [
-        (pytest.approx(4.0), "short"),
-        (pytest.approx(12.0), "long"),
-    ]
+    assert ends(shared, 0.0) == [(4.0, "short"), (12.0, "long")]
     shared.finish("short", 4.0, 20.0)
     assert shared.next_departure_ms(4.0) == pytest.approx(8.0)
     # A request that ends later than forecast is overdue: its next end is "now".
@@ -122,7 +124,7 @@ def scheduler(**policy: object) -> TokenfairScheduler:
 
 
 def run(fair: TokenfairScheduler, request_id: str, tenant: str, now_ms: float) -> None:
-    lane = "batch" if tenant == "rag" else "interactive"
+    lane: PriorityClass = "batch" if tenant == "rag" else "interactive"
     assert fair.submit(Request(request_id, tenant, now_ms, 2000, 500, lane), now_ms) is None
     decision = fair.next_dispatch(now_ms)
     assert decision is not None
