@@ -1,0 +1,290 @@
+"""The engine in the loop: the sidecar reads the model server's own state, over real HTTP.
+
+Behaviours under test:
+
+- the metrics parser: vLLM's page (HELP/TYPE lines, labels, several series of one name summed,
+  the KV ratio averaged, ``vllm:cache_config_info``'s labels), SGLang's, custom names; a page
+  without the KV-usage metric gives no report; values out of range are clamped;
+- ``/v1/models``' ``max_model_len`` and ``/openapi.json``'s POST routes;
+- a live sidecar (``openai`` backend) in front of a fake engine (a real aiohttp server): it adopts
+  the engine's block size and block count, its KV gates see the engine's usage (``/status``
+  ``kv``, ``tokenfair_kv_occupancy_ratio``), a route the engine lacks is ``404
+  route_not_served`` and a ``max_tokens`` past the context ``400 context_length_exceeded``, both
+  before admission (nothing queued, charged or recorded as served); when the engine's metrics
+  stop answering, the gates fall back to the books visibly (``/status``, the
+  ``tokenfair_engine_metrics_fresh`` gauge) and come back when it answers again;
+- the settings: ``engineMetrics`` modes, custom names required for ``custom``, bounds by name.
+
+Timing: the poller runs every 20 ms against a loopback server; tests wait for the conditions
+(generous deadlines), never for a duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from sidecar_support import (
+    CHAT,
+    ZERO_BOOKS,
+    ClientFactory,
+    Clients,
+    books_when_settled,
+    keyed_config,
+    start,
+)
+
+from tokenfair.config import ConfigError, PolicyConfig
+from tokenfair.server.engine_state import (
+    ENGINES,
+    EngineMetricNames,
+    parse_engine_metrics,
+    parse_models,
+    parse_routes,
+)
+from tokenfair.server.runtime_settings import SidecarSettings, settings_from_section
+
+ServerFactory = Callable[..., Awaitable[TestServer]]
+
+VLLM_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_running{engine="1",model_name="tiny"} 1.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="tiny"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="tiny"} 0.75
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="32",cache_dtype="auto",num_gpu_blocks="2048",num_cpu_blocks="None"} 1.0
+vllm:prompt_tokens_total{engine="0",model_name="tiny"} 1234.0
+"""  # noqa: E501 - one exposition line, as vLLM writes it
+
+SGLANG_PAGE = """\
+sglang:token_usage{model_name="m"} 0.4
+sglang:num_running_reqs{model_name="m"} 7
+sglang:num_queue_reqs{model_name="m"} 5
+"""
+
+
+def test_vllms_page_is_read_summed_and_averaged() -> None:
+    report = parse_engine_metrics(VLLM_PAGE, ENGINES["vllm"])
+    assert report is not None
+    assert report.kv_usage_ratio == 0.5  # the two ranks' ratios averaged
+    assert (report.running, report.waiting) == (4.0, 2.0)  # summed over the ranks
+    assert (report.block_size, report.num_blocks) == (32, 2048)
+    assert parse_engine_metrics(VLLM_PAGE, ENGINES["sglang"]) is None  # no such names there
+
+
+def test_sglang_custom_missing_and_out_of_range() -> None:
+    report = parse_engine_metrics(SGLANG_PAGE, ENGINES["sglang"])
+    assert report is not None
+    assert (report.kv_usage_ratio, report.running, report.waiting) == (0.4, 7.0, 5.0)
+    assert report.block_size is None
+    custom = EngineMetricNames(kv_usage_ratio=("my_kv",), running=(), waiting=("my_queue",))
+    page = "my_kv 1.7\nmy_queue -3\nmy_kv_other 0.1\n"
+    custom_report = parse_engine_metrics(page, custom)
+    assert custom_report is not None
+    assert (custom_report.kv_usage_ratio, custom_report.waiting) == (1.0, 0.0)  # clamped
+    assert custom_report.running is None  # not named: not known
+    for broken in ("", "my_kv NaN\n", "my_kv abc\n", "# my_kv 0.5\n", "my_kv_x 0.5\n"):
+        assert parse_engine_metrics(broken, custom) is None, broken
+
+
+def test_models_and_routes() -> None:
+    models = {
+        "data": [
+            {"id": "tiny", "max_model_len": 4096},
+            {"id": "no-length"},
+            {"id": "bad", "max_model_len": True},
+            "garbage",
+        ]
+    }
+    assert parse_models(json.dumps(models).encode()) == {"tiny": 4096}
+    assert parse_models(b"not json") == {}
+    paths = {"/v1/chat/completions": {"post": {}}, "/v1/models": {"get": {}}, "/health": {}}
+    assert parse_routes(json.dumps({"paths": paths}).encode()) == {"/v1/chat/completions"}
+    assert parse_routes(b"[]") is None
+
+
+def test_settings_by_name() -> None:
+    settings = settings_from_section({"engineMetrics": "sglang", "engineMetricsPath": "/m"})
+    assert (settings.engine_metrics, settings.engine_metrics_path) == ("sglang", "/m")
+    refused = [
+        ({"engineMetrics": "prometheus"}, "sidecar.engineMetrics: must be one of auto"),
+        ({"engineMetricsPath": "metrics"}, "sidecar.engineMetricsPath: must be a path"),
+        ({"engineMetricsIntervalSeconds": 0}, "sidecar.engineMetricsIntervalSeconds: must be in"),
+        ({"engineKvUsageMetric": "kv usage"}, "sidecar.engineKvUsageMetric: must be a Prom"),
+        ({"engineMetrics": "custom"}, "engineMetrics: custom needs engineKvUsageMetric"),
+    ]
+    for section, message in refused:
+        with pytest.raises(ConfigError, match=message):
+            settings_from_section(section)
+
+
+class FakeEngine:
+    """A real aiohttp server standing in for vLLM: metrics, models, routes, completions."""
+
+    def __init__(self) -> None:
+        self.kv_usage = 0.0
+        self.metrics_status = 200
+        self.requests: list[str] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_status != 200:
+            return web.Response(status=self.metrics_status, text="down")
+        page = (
+            f'vllm:kv_cache_usage_perc{{model_name="tiny"}} {self.kv_usage}\n'
+            'vllm:num_requests_running{model_name="tiny"} 0\n'
+            'vllm:num_requests_waiting{model_name="tiny"} 0\n'
+            'vllm:cache_config_info{block_size="32",num_gpu_blocks="2000"} 1.0\n'
+        )
+        return web.Response(text=page, content_type="text/plain")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "tiny", "max_model_len": 4096}]})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        paths = {"/v1/chat/completions": {"post": {}}, "/v1/completions": {"post": {}}}
+        return web.json_response({"openapi": "3.1.0", "paths": paths})
+
+    async def chat(self, request: web.Request) -> web.Response:
+        self.requests.append(request.path)
+        usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+        message = {"role": "assistant", "content": "hi"}
+        choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        return web.json_response({"object": "chat.completion", "choices": [choice], "usage": usage})
+
+
+async def eventually(condition: Callable[[], Awaitable[bool]], budget_s: float = 20.0) -> None:
+    """Wait until ``condition()`` holds (polled; a generous deadline for a loaded machine)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget_s
+    while not await condition():
+        assert loop.time() < deadline, "the condition did not hold in time"
+        await asyncio.sleep(0.02)
+
+
+async def status_of(clients: Clients) -> dict[str, Any]:
+    response = await clients.admin.get("/status")
+    return dict(await response.json())
+
+
+async def start_engine_sidecar(
+    aiohttp_client: ClientFactory, aiohttp_server: ServerFactory, engine: FakeEngine
+) -> Clients:
+    server = await aiohttp_server(engine.app())
+    settings = SidecarSettings(
+        backend="openai",
+        upstream_url=str(server.make_url("")).rstrip("/"),
+        engine_metrics_interval_s=0.02,
+        engine_metrics_stale_s=0.2,
+    )
+    return await start(aiohttp_client, keyed_config(PolicyConfig()), settings)
+
+
+async def test_the_sidecar_sees_the_engines_kv_and_falls_back_to_the_books(
+    aiohttp_client: ClientFactory, aiohttp_server: ServerFactory
+) -> None:
+    engine = FakeEngine()
+    engine.kv_usage = 0.5
+    clients = await start_engine_sidecar(aiohttp_client, aiohttp_server, engine)
+
+    async def sees_the_engine() -> bool:
+        kv = (await status_of(clients))["kv"]
+        return bool(kv["source"] == "engine" and kv["view_blocks"] == 1000)
+
+    await eventually(sees_the_engine)
+    status = await status_of(clients)
+    # The engine's geometry, not the config's 1600 blocks of 16 tokens.
+    assert (status["kv"]["total_blocks"], status["kv"]["block_tokens"]) == (2000, 32)
+    assert status["engine"]["fresh"] is True
+    assert status["engine"]["max_model_len"] == {"tiny": 4096}
+    metrics = await (await clients.admin.get("/metrics")).text()
+    assert "tokenfair_engine_metrics_fresh 1.0" in metrics
+    assert "tokenfair_kv_occupancy_ratio 0.5" in metrics
+    assert "tokenfair_kv_resident_blocks 0.0" in metrics  # the books hold nothing
+
+    engine.metrics_status = 503  # the engine's metrics stop answering
+
+    async def falls_back() -> bool:
+        kv = (await status_of(clients))["kv"]
+        return bool(kv["source"] == "books" and kv["view_blocks"] == 0)
+
+    await eventually(falls_back)
+    status = await status_of(clients)
+    assert status["engine"]["problem"] == "GET /metrics: HTTP 503"
+    metrics = await (await clients.admin.get("/metrics")).text()
+    assert "tokenfair_engine_metrics_fresh 0.0" in metrics
+    engine.metrics_status = 200
+    await eventually(sees_the_engine)
+    # A request through it is served and settled as usual.
+    response = await clients.proxy.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+        headers={"Authorization": CHAT},
+    )
+    assert response.status == 200
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+
+
+async def test_what_the_engine_would_refuse_is_refused_before_admission(
+    aiohttp_client: ClientFactory, aiohttp_server: ServerFactory
+) -> None:
+    engine = FakeEngine()
+    clients = await start_engine_sidecar(aiohttp_client, aiohttp_server, engine)
+
+    async def limits_known() -> bool:
+        return bool((await status_of(clients))["engine"]["max_model_len"])
+
+    await eventually(limits_known)
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    too_long = await clients.proxy.post(
+        "/v1/chat/completions", json={**chat, "max_tokens": 5000}, headers={"Authorization": CHAT}
+    )
+    assert too_long.status == 400
+    error = (await too_long.json())["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
+    assert "4096" in error["message"]
+    embeddings = await clients.proxy.post(
+        "/v1/embeddings", json={"model": "tiny", "input": "hi"}, headers={"Authorization": CHAT}
+    )
+    assert embeddings.status == 404
+    assert (await embeddings.json())["error"]["code"] == "route_not_served"
+    assert engine.requests == []  # neither reached the engine
+    fits = await clients.proxy.post(
+        "/v1/chat/completions", json={**chat, "max_tokens": 4000}, headers={"Authorization": CHAT}
+    )
+    assert fits.status == 200  # the prompt's fit is the engine's to judge
+    assert engine.requests == ["/v1/chat/completions"]
+    assert clients.sidecar.tenant_counts["tenant_chat_pro"]["served"] == 1
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+
+
+async def test_the_costmodel_engine_is_never_polled(tmp_path: Path) -> None:
+    from tokenfair.core.cost import CostModel
+    from tokenfair.server import Sidecar, make_backend
+
+    settings = SidecarSettings()
+    backend = make_backend(settings, CostModel())
+    sidecar = Sidecar(settings, keyed_config(), backend)
+    assert sidecar.engine is None  # no engine to ask: no poller, books alone
