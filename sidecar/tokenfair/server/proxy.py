@@ -160,6 +160,7 @@ def _drain_aborted(sidecar: Sidecar, request_id: str) -> web.Response:
 def _refusal(sidecar: Sidecar, decision: Decision, mix: tuple[int, int]) -> web.Response:
     """The ``429`` of a gate (OpenAI's shape: :func:`rate_limit_response`); ``mix`` is the
     request's ``(usage tokens, service tokens)`` for the rate-limit headers."""
+    sidecar.stamp_retry_after(decision)  # the record says what the client is told
     observed = ", ".join(f"{k}={v:g}" for k, v in decision.observed.items())
     message = f"refused by the {decision.gate} gate: {decision.reason}"
     if observed:

@@ -334,6 +334,14 @@ class Sidecar:
 
     # -- outcomes ----------------------------------------------------------------------------
 
+    def stamp_retry_after(self, decision: Decision) -> None:
+        """Make a refusal's ``retry_after_ms`` the wait its client is told: a gate with no wait
+        to give or none left gets the fallback (:meth:`retry_after_ms`), in model ms, so that
+        the record says what the client got (a queue timeout recorded 0 while the client was
+        told 1 s)."""
+        if decision.retry_after_ms is None or decision.retry_after_ms <= 0:
+            decision.retry_after_ms = FALLBACK_RETRY_AFTER_S * 1000.0 / self.clock.time_scale
+
     def retry_after_s(self, decision: Decision | None) -> int:
         """Seconds (ceil, at least 1) from the gate's ``retry_after_ms`` in real time."""
         if decision is None or decision.retry_after_ms is None:

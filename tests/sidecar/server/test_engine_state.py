@@ -113,15 +113,21 @@ def test_models_and_routes() -> None:
     }
     assert parse_models(json.dumps(models).encode()) == {"tiny": 4096}
     assert parse_models(b"not json") == {}
-    paths = {"/v1/chat/completions": {"post": {}}, "/v1/models": {"get": {}}, "/health": {}}
-    assert parse_routes(json.dumps({"paths": paths}).encode()) == {"/v1/chat/completions"}
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": {"post": {}},
+        "/v1/models": {"get": {}},
+        "/health": {},
+    }
+    assert parse_routes(json.dumps({"paths": paths}).encode()) == frozenset(
+        {"/v1/chat/completions"}
+    )
     assert parse_routes(b"[]") is None
 
 
 def test_settings_by_name() -> None:
     settings = settings_from_section({"engineMetrics": "sglang", "engineMetricsPath": "/m"})
     assert (settings.engine_metrics, settings.engine_metrics_path) == ("sglang", "/m")
-    refused = [
+    refused: list[tuple[dict[str, object], str]] = [
         ({"engineMetrics": "prometheus"}, "sidecar.engineMetrics: must be one of auto"),
         ({"engineMetricsPath": "metrics"}, "sidecar.engineMetricsPath: must be a path"),
         ({"engineMetricsIntervalSeconds": 0}, "sidecar.engineMetricsIntervalSeconds: must be in"),
@@ -164,7 +170,10 @@ class FakeEngine:
         return web.json_response({"data": [{"id": "tiny", "max_model_len": 4096}]})
 
     async def openapi(self, request: web.Request) -> web.Response:
-        paths = {"/v1/chat/completions": {"post": {}}, "/v1/completions": {"post": {}}}
+        paths: dict[str, Any] = {
+            "/v1/chat/completions": {"post": {}},
+            "/v1/completions": {"post": {}},
+        }
         return web.json_response({"openapi": "3.1.0", "paths": paths})
 
     async def chat(self, request: web.Request) -> web.Response:

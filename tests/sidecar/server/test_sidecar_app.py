@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,7 @@ from sidecar_support import (
     completion_body,
     keyed_config,
     one_running_one_queued,
+    records_of,
     start,
     wait_for,
 )
@@ -293,7 +295,9 @@ async def test_queue_full_expiry_and_cancellation(aiohttp_client: ClientFactory)
     assert await books_when_settled(sidecar) == ZERO_BOOKS
 
 
-async def test_queued_request_past_its_wait_limit_gets_429(aiohttp_client: ClientFactory) -> None:
+async def test_queued_request_past_its_wait_limit_gets_429(
+    aiohttp_client: ClientFactory, tmp_path: Path
+) -> None:
     # Interactive requests may wait 1000 model ms (time_scale 1: real ms). The running one costs
     # 4000 + 4 * 4000 = 20000 service tokens (444 ms); the one behind it (1000 + 4 = 1004) is
     # admitted: it would start after those 444 ms. Then a reload cuts its tenant's burst to 500,
@@ -301,7 +305,10 @@ async def test_queued_request_past_its_wait_limit_gets_429(aiohttp_client: Clien
     # when its 1000 ms are up (the reload has 444 ms to land first, ample on a busy machine).
     policy = PolicyConfig(max_interactive_wait_ms=1000)
     config = keyed_config(policy)
-    clients = await start(aiohttp_client, config, SidecarSettings(time_scale=1.0, max_in_flight=1))
+    settings = SidecarSettings(
+        time_scale=1.0, max_in_flight=1, records_path=str(tmp_path / "records.jsonl")
+    )
+    clients = await start(aiohttp_client, config, settings)
     proxy, sidecar = clients.proxy, clients.sidecar
     long = asyncio.create_task(
         proxy.post(
@@ -326,6 +333,10 @@ async def test_queued_request_past_its_wait_limit_gets_429(aiohttp_client: Clien
     assert float(answer.headers["x-tokenfair-queue-wait-ms"]) >= 1000.0
     assert (await long).status == 200
     assert await books_when_settled(sidecar) == ZERO_BOOKS
+    # The record says the wait the client was told (time_scale 1: model ms are real ms).
+    (expired,) = [r for r in records_of(sidecar) if r["reason"] == "shed_queue_timeout"]
+    assert expired["retry_after_ms"] > 0
+    assert math.ceil(expired["retry_after_ms"]) == int(answer.headers["retry-after-ms"])
 
 
 async def test_status_and_metrics_report_books_and_counters(aiohttp_client: ClientFactory) -> None:
