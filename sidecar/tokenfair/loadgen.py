@@ -39,7 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -78,6 +80,43 @@ STATUS_NO_RESPONSE: Final = 0
 KV_GAUGE: Final = "tokenfair_kv_occupancy_ratio"
 """The sidecar's gauge of reserved KV blocks over total KV blocks (admin ``/metrics``)."""
 METRICS_PATH: Final = "/metrics"
+MODELS_PATH: Final = "/v1/models"
+FALLBACK_MODEL: Final = "tokenfair-costmodel"
+"""The model sent when ``--model`` is not given and the target lists none (the name the
+sidecar's cost-model engine serves by default)."""
+log = logging.getLogger("tokenfair.loadgen")
+
+
+class NoModelError(ValueError):
+    """The target listed no model to send (and ``--model`` was not given): the message says
+    why and names the flag."""
+
+
+async def first_model(
+    session: aiohttp.ClientSession, settings: LoadgenSettings, api_key: str
+) -> str:
+    """The first model ``GET /v1/models`` of the target lists (the sidecar relays its engine's
+    list, or names its cost-model engine's); :class:`NoModelError` saying why otherwise."""
+    base = settings.completions_url
+    url = base.with_path(base.path[: -len(COMPLETIONS_PATH)].rstrip("/") + MODELS_PATH)
+    try:
+        async with session.get(
+            url,
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=aiohttp.ClientTimeout(total=settings.request_timeout_s),
+        ) as response:
+            if response.status != 200:
+                raise NoModelError(f"--model not given and GET {url} answered "
+                                   f"HTTP {response.status}: pass --model NAME")  # fmt: skip
+            listing = await response.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
+        raise NoModelError(f"--model not given and GET {url} failed ({type(exc).__name__}: "
+                           f"{exc}): pass --model NAME") from None  # fmt: skip
+    entries = listing.get("data") if isinstance(listing, dict) else None
+    for entry in entries if isinstance(entries, list) else ():
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry["id"]:
+            return str(entry["id"])
+    raise NoModelError(f"--model not given and GET {url} lists no model: pass --model NAME")
 
 
 def prompt_for(prefill_tokens: int) -> str:
@@ -102,8 +141,11 @@ class LoadgenSettings:
     """Bound on the whole run, from its start."""
     request_timeout_s: float = 30.0
     """Bound on one request, from when it is sent to the end of its body."""
-    model: str = "tokenfair"
-    """``model`` field of every request body."""
+    model: str | None = None
+    """``model`` field of every request body; None: the first model the target lists
+    (``GET /v1/models`` with the first tenant's key, :func:`first_model`), as a real engine
+    answers a model it does not serve ``404`` (a target that lists none: a warning, and
+    :data:`FALLBACK_MODEL`)."""
     decode_weight: float = PolicyConfig().decode_weight
     """Converts tokens to service tokens for the report (the sidecar's ``decodeWeight``; the
     default is the policy's)."""
@@ -410,6 +452,14 @@ async def _replay(
 ) -> ReplayResult:
     connector = aiohttp.TCPConnector(limit=settings.concurrency_limit)
     async with aiohttp.ClientSession(connector=connector) as session:
+        if settings.model is None and requests:
+            first_key = keys[min(r.tenant_id for r in requests)]
+            try:
+                model = await first_model(session, settings, first_key)
+            except NoModelError as exc:
+                log.warning("%s; sending model %r", exc, FALLBACK_MODEL)
+                model = FALLBACK_MODEL
+            settings = dataclasses.replace(settings, model=model)
         run = _Run(session, settings, keys, on_done)
         observations = [
             Observation(r, scheduled_offset_ms=r.arrival_ms * settings.time_scale)

@@ -105,7 +105,11 @@ def register(subparsers: Any) -> None:
         type=flag_number,
         help="service tokens per decoded token, for the report (default: the scenario's, or 4)",
     )
-    parser.add_argument("--model", default="tokenfair", help="`model` of every request body")
+    parser.add_argument(
+        "--model",
+        help="`model` of every request body (default: the first model the target's GET "
+        "/v1/models lists)",
+    )
     parser.add_argument(
         "--admin",
         metavar="URL",

@@ -54,6 +54,7 @@ from tokenfair.loadgen import (
     CHARS_PER_TOKEN,
     CLIENT_TIMEOUT,
     CONNECTION_ERROR,
+    FALLBACK_MODEL,
     KV_GAUGE,
     NOT_SENT,
     QUEUE_WAIT_HEADER,
@@ -102,6 +103,17 @@ class Stub:
     kv_values: list[float] = field(default_factory=list)
     """Values of the KV gauge its ``/metrics`` serves, one per scrape, the last repeated."""
     scrapes: int = 0
+    models_listed: tuple[str, ...] = ("tiny-llama", "other")
+    models_asked: int = 0
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The target's model list (a sidecar relays its engine's), asked with a tenant's key."""
+        authorization = request.headers.get("Authorization", "")
+        if authorization.removeprefix("Bearer ") not in self.tenants_by_key:
+            return web.json_response({"error": {"code": "invalid_api_key"}}, status=401)
+        self.models_asked += 1
+        listed = [{"id": model, "object": "model"} for model in self.models_listed]
+        return web.json_response({"object": "list", "data": listed})
 
     async def metrics(self, request: web.Request) -> web.Response:
         if not self.kv_values:
@@ -175,6 +187,7 @@ async def stub_server(
         app = web.Application()
         app.router.add_post("/v1/completions", stub.completions)
         app.router.add_get("/metrics", stub.metrics)
+        app.router.add_get("/v1/models", stub.models)
         server = await aiohttp_server(app)
         return stub, f"http://127.0.0.1:{server.port}"
 
@@ -231,7 +244,25 @@ async def test_sends_in_timeline_order_never_early_with_each_tenants_key(
     assert bodies["r-2"]["max_tokens"] == 8
     assert len(bodies["r-2"]["prompt"]) == 40 * CHARS_PER_TOKEN
     assert "stream" not in bodies["r-2"]
+    # No --model: the target's first listed model, asked once, with a tenant's key.
+    assert {s.body["model"] for s in stub.seen} == {"tiny-llama"}
+    assert stub.models_asked == 1
     assert result.completed
+
+
+async def test_a_given_model_is_sent_as_is_and_a_target_listing_none_gets_a_warning(
+    stub_server: StubFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    stub, url = await stub_server(tenants_by_key=by_tenant(KEYS))
+    requests = [Request("r-0", "tenant_a", 0, 10, 5, "interactive")]
+    await replay(requests, KEYS, LoadgenSettings(target_url=url, model="mine"))
+    assert [s.body["model"] for s in stub.seen] == ["mine"]
+    assert stub.models_asked == 0
+    empty, empty_url = await stub_server(tenants_by_key=by_tenant(KEYS), models_listed=())
+    await replay(requests, KEYS, LoadgenSettings(target_url=empty_url))
+    assert [s.body["model"] for s in empty.seen] == [FALLBACK_MODEL]
+    assert "--model not given and GET" in caplog.text
+    assert "lists no model: pass --model NAME" in caplog.text
 
 
 async def test_noisy_neighbor_report_counts_and_shed_reasons(stub_server: StubFactory) -> None:
