@@ -59,9 +59,6 @@ COLLINEARITY_LIMIT = 1e-6
 SIGNIFICANCE = 2.0
 """A coefficient past its bound (``b < 0``, ``A < b``) by more than this many standard errors
 is reported as a problem; within them it is the bound itself, fitted quietly."""
-PEAK_MIN_MS = 0.1
-"""The default ``S`` is the most requests running at once for at least this long (model ms):
-records' times are rounded to 0.01 ms, and an overlap of a few hundredths is the rounding's."""
 MAX_STEPS = 100
 """Gauss-Newton steps before the fit is declared not to converge."""
 TOLERANCE = 1e-10
@@ -122,7 +119,10 @@ class BatchingFit:
     concurrency_min: float
     concurrency_max: float
     peak_concurrency: int
-    """The most runs at once in the records, held for at least :data:`PEAK_MIN_MS`."""
+    """The most requests a used record ran with, its time-averaged concurrency rounded: the
+    default ``S``. (Not the sweep's momentary peak: a record's end is stamped when its last
+    bytes are out, a little after the engine freed its slot for the next, and a sweep of live
+    records shows one more at every hand-over for a moment.)"""
     runs_swept: int
     """Records whose run counted towards the concurrency."""
     r_squared: float
@@ -361,6 +361,12 @@ def _initial(runs: Sequence[Run], profile: ConcurrencyProfile) -> tuple[float, f
     return base, slope, weight, spread
 
 
+def _busiest(runs: Sequence[Run], profile: ConcurrencyProfile) -> int:
+    """The most requests a run had running at once on average, rounded (at least 1)."""
+    spans = [run.span for run in runs if run.span is not None]
+    return max([1, *(round(mean) for mean in profile.means(spans))])
+
+
 def _relative(stderr: float, value: float) -> float:
     return stderr / abs(value) if value else math.inf
 
@@ -374,11 +380,7 @@ def fit_batching(
     """The batching engine that explains ``runs`` (module docstring). ``max_batch_requests``:
     the ``S`` to price (default: the profile's peak). Raises :class:`BatchingFitError`."""
     given = max_batch_requests is not None
-    batch = (
-        max_batch_requests
-        if max_batch_requests is not None
-        else max(profile.peak_held(PEAK_MIN_MS), 1)
-    )
+    batch = max_batch_requests if max_batch_requests is not None else _busiest(runs, profile)
     problems: list[str] = []
     unidentified: list[str] = []
     base, slope, weight, spread = _initial(runs, profile)
@@ -565,7 +567,7 @@ def _result(
         seen_concurrency=seen,
         concurrency_min=min(extras),
         concurrency_max=max(extras),
-        peak_concurrency=profile.peak_held(PEAK_MIN_MS),
+        peak_concurrency=_busiest(runs, profile),
         runs_swept=profile.runs,
         r_squared=r_squared,
         residual_rms_ms=rms_ms,

@@ -454,8 +454,9 @@ def calibrate(
     max_batch_requests: int | None = None,
 ) -> Calibration:
     """Fit the service model (and the prefill speed when TTFTs allow) to ``records``: the
-    serial server's when every record ran alone, else a batching engine's
-    (:mod:`tokenfair.sim.batchfit`) priced at ``max_batch_requests`` requests at once
+    serial server's when every record ran alone or ``max_batch_requests`` is 1 (a serial
+    engine that the sidecar keeps one request staged for shows two at once), else a batching
+    engine's (:mod:`tokenfair.sim.batchfit`) priced at ``max_batch_requests`` requests at once
     (default: the most the records show)."""
     outcomes = outcomes or {}
     samples, skipped, assumed_idle = samples_from_records(records, outcomes)
@@ -467,7 +468,7 @@ def calibrate(
     problems: list[str] = []
     batching: BatchingFit | None = None
     try:
-        if not loaded:
+        if not loaded or max_batch_requests == 1:
             service = fit_service(samples, min_records, max_relative_stderr)
             if max_batch_requests is not None and max_batch_requests > 1:
                 problems.append(

@@ -52,17 +52,6 @@ class ConcurrencyProfile:
         self.peak = max(counts, default=0)
         """The most runs at once."""
 
-    def peak_held(self, min_ms: float) -> int:
-        """The most runs at once for at least ``min_ms`` in a row (an overlap shorter than the
-        records' rounding is no concurrency: a request ending at 10.004 ms and another
-        starting at 10.0 are recorded as 10.01 and 10.0). 0 when nothing ran."""
-        times, counts = self._times, self._counts
-        best = 0
-        for k in range(len(times) - 1):
-            if counts[k] > best and times[k + 1] - times[k] >= min_ms:
-                best = counts[k]
-        return best
-
     def _integral(self, weight: Callable[[int], float]) -> list[float]:
         """Prefix integrals ``∫ weight(c) dt`` from the first instant to each ``times[k]``."""
         times, counts = self._times, self._counts

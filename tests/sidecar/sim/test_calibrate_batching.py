@@ -4,7 +4,8 @@ Behaviours under test:
 
 * the concurrency sweep (``sim/concurrency.py``), by hand: time-averaged and service-weighted
   concurrency of a run, the count at a dispatch (an end at that instant not counted, a start
-  counted), the peak held for a while (an overlap of the records' rounding is not one);
+  counted), the momentary peak (an overlap of the records' rounding is one; the default S, the
+  most a record ran with on average, rounded, is not moved by it);
 * records of the simulator's batching replay (S = 8, R = 45, G in {1, 4, 8}, decodeWeight 3,
   each request's work 10 % noisy) give R, G and w back within a few percent and within four
   of their own standard errors, S as the most requests the records show at once; the serial
@@ -70,10 +71,13 @@ def test_concurrency_profile_by_hand() -> None:
     # them at c = 2: c̃ = (5 * 1 + 2.5 * 2) / 7.5 = 4 / 3 (less than its time-average 1.5).
     means = profile.service_means([(0.0, 10.0)], lambda c: 1.0 / c if c else 0.0)
     assert means == [pytest.approx(4 / 3)]
-    # An overlap of 0.004 ms (a rounding) is no concurrency for the default S.
+    # An overlap of 0.004 ms (a rounding, or an end stamped after the next dispatch) is a
+    # momentary peak, but hardly moves a run's average.
     rounded = ConcurrencyProfile([(0.0, 10.004), (10.0, 20.0), (20.0, 30.0)])
     assert rounded.peak == 2
-    assert rounded.peak_held(0.1) == 1
+    assert rounded.means([(0.0, 10.004), (10.0, 20.0)]) == [
+        pytest.approx(1.0004, abs=1e-6), pytest.approx(1.0004, abs=1e-6),
+    ]  # fmt: skip
 
 
 # -- records of the simulator's batching replay -----------------------------------------------
@@ -298,6 +302,11 @@ def test_records_that_never_overlapped_keep_the_serial_fit() -> None:
     assert with_status.overrides() == probes.overrides()
     stated = calibrate(records, outcomes, max_batch_requests=8)
     assert stated.problems[0].startswith("every record ran alone: the throughput of 8 requests")
+    # A stated S of 1 asks for the serial fit whatever overlapped (a serial engine with one
+    # request staged beside the running one shows two at once).
+    overlapping, waits = lockstep([(2, 30)], 1 / 30, 1 / 30)
+    assert calibrate(overlapping, waits).batching is not None
+    assert calibrate(overlapping, waits, max_batch_requests=1).batching is None
 
 
 # -- the console script -----------------------------------------------------------------------
