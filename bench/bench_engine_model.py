@@ -17,7 +17,7 @@ included), nearest-rank percentiles (``sim/report.py``).
     # (S, G, decodeWeight of the "truth"), a trace through loadgen, then calibrate its records
     # and compare the replay under the calibrated policy with the live run
     .venv/bin/python bench/bench_engine_model.py --costmodel [--batch 8 --gain 4 \\
-        --time-scale 0.5 --duration-ms 60000 --seed 1]
+        --time-scale 1 --duration-ms 60000 --seed 1]
 
 ``compare(records, config)`` and ``format_comparison`` are the functions a later engine bench
 (``bench/bench_engine.py``, against a real vLLM) calls with its own records and calibration.
@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--decode-weight", type=float, default=4.0)
     parser.add_argument("--truth-set", action="append", default=[], metavar="KEY=VALUE",
                         help="another policy field of the live engine (repeatable)")  # fmt: skip
-    parser.add_argument("--time-scale", type=float, default=0.5)
+    parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--duration-ms", type=float, default=60_000.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--rate", action="append", default=[], metavar="[TENANT=]PER_S",

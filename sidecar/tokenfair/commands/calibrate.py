@@ -42,7 +42,7 @@ from tokenfair.sim.records import TraceError, TraceRecord, iter_trace_lines
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "calibrate",
-        help="fit the cost model (and a batching engine, from records under load) to observed "
+        help="fit the cost model (a batching engine's, from records under load) to observed "
         "request times",
         description=(
             "Fit the cost model execution_ms = (prefill + decodeWeight * decode) / "

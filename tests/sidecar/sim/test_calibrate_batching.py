@@ -15,7 +15,8 @@ Behaviours under test:
   concurrency (batchThroughputGain unidentified, and serviceTokensPerMs too when the stated S is
   not the concurrency seen), a significantly negative slope (refitted at G = S), throughput
   falling with concurrency (refitted at G = 1), a poor R²; too few records is refused;
-* records that never overlapped keep the serial fit, unchanged;
+* records that never overlapped keep the serial fit, unchanged, and so do any with a stated S
+  of 1;
 * end to end through the console script: sidecar-format records -> ``calibrate --format json``
   and the table -> the ``--set`` flags are accepted by ``tokenfair simulate``;
   ``--max-batch-requests`` out of range exits 2.
