@@ -33,7 +33,9 @@ COMMANDS: Final[dict[str, Command]] = {
     ),
     "trace": Command("trace", "make request traces"),
     "calibrate": Command(
-        "calibrate", "fit decodeWeight and serviceTokensPerMs to observed request times"
+        "calibrate",
+        "fit the cost model (a batching engine's, from records under load) to "
+        "observed request times",
     ),
     "report": Command(
         "report",

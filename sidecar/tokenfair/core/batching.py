@@ -48,6 +48,7 @@ import math
 from dataclasses import dataclass
 
 from tokenfair.config import PolicyConfig
+from tokenfair.core.cost import CostModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,14 @@ class BatchingCurve:
     def from_policy(cls, policy: PolicyConfig) -> BatchingCurve:
         rate = policy.service_tokens_per_ms
         return cls.of(policy.max_batch_requests, rate, rate / policy.batch_throughput_gain)
+
+    @classmethod
+    def from_cost(cls, cost: CostModel) -> BatchingCurve:
+        """The curve of a cost model (its policy's ``maxBatchRequests``,
+        ``serviceTokensPerMs`` and ``batchThroughputGain``): the engine the simulator replays
+        and the ``costmodel`` backend runs."""
+        rate = cost.service_tokens_per_ms
+        return cls.of(cost.max_batch_requests, rate, rate / cost.batch_throughput_gain)
 
     def request_speed(self, running: int) -> float:
         """``v(c)``: service tokens per ms of each of ``running`` requests (``c`` is taken in
@@ -222,6 +231,30 @@ class RunningWork:
         heap, tags = self._heap, self._tags
         while heap and tags.get(heap[0][2]) != heap[0][0]:
             heapq.heappop(heap)
+
+    def finish_first(self, now_ms: float) -> str:
+        """End the request the forecast ends first, at ``now_ms`` (a time the caller took from
+        :meth:`next_departure_ms`, or later), and return its id; ``KeyError`` if nothing runs.
+        The virtual clock is brought up to the request's tag if it is short of it: the time of
+        its end was computed by a division and an addition, and float noise must neither end it
+        early nor leave it running for an ulp more (an engine replayed on its own forecast, such
+        as the simulator's, ends exactly the requests the forecast says, in its order).
+        Requests tied with it are then overdue (:meth:`next_departure_ms` is 0)."""
+        self._advance(now_ms)
+        self._drop_stale()
+        if not self._heap:
+            raise KeyError("no request is running")
+        tag, _, request_id = heapq.heappop(self._heap)
+        if tag > self._virtual:
+            self._virtual = tag
+        del self._tags[request_id]
+        size = self._sizes.pop(request_id)
+        self.expected_tokens -= size
+        if self.expected_tokens < 0.0 or not (self._tags or self._waiting):
+            self.expected_tokens = 0.0  # float residue of the sums: exactly 0 when empty
+        self._admit_waiting()
+        self._drop_stale()
+        return request_id
 
     def remaining_tokens(self, request_id: str, now_ms: float) -> float:
         """Service tokens the request still needs by the forecast (0 when overdue; its whole

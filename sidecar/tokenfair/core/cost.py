@@ -11,6 +11,13 @@ policy's coefficients ``w`` (``decode_weight``), ``R`` (``service_tokens_per_ms`
     kv_blocks      = ceil((p + d) / B)         (exact, in integers)
     kv_hold_ms     = K * execution_ms          (KV stays resident that long after dispatch)
 
+That is the lesson's serial server (``maxBatchRequests`` 1, the default). The model also carries
+the policy's batching engine, ``S`` (``max_batch_requests``) and ``G``
+(``batch_throughput_gain``): with ``S > 1`` the engine runs up to ``S`` requests at once at the
+speeds of :class:`tokenfair.core.batching.BatchingCurve` (``BatchingCurve.from_cost``), so a
+request's run is no longer ``execution_ms`` but what the processor-sharing fluid of
+:class:`~tokenfair.core.batching.RunningWork` makes of it, and its KV is freed when it ends.
+
 :class:`CostModel` is these formulas, compiled once from a
 :class:`~tokenfair.config.PolicyConfig` (:meth:`CostModel.from_policy`; the scheduler holds its
 policy's as ``Scheduler.cost``): the scheduler prices each request with it, the simulator runs
@@ -59,6 +66,10 @@ class CostModel:
     prefill_tokens_per_ms: float = _DEFAULT_POLICY.prefill_tokens_per_ms
     kv_block_tokens: int = _DEFAULT_POLICY.kv_block_tokens
     kv_residency_factor: float = _DEFAULT_POLICY.kv_residency_factor
+    max_batch_requests: int = _DEFAULT_POLICY.max_batch_requests
+    """``S``: the most requests the engine runs at once (1: the serial server)."""
+    batch_throughput_gain: float = _DEFAULT_POLICY.batch_throughput_gain
+    """``G = X(S) / X(1)``: the batching engine's throughput gain (``S`` > 1 only)."""
     integral_decode_weight: int | None = field(init=False, repr=False, compare=False)
     """``decode_weight`` as an ``int`` when it is a whole number (the usual case): service
     tokens are then computed in integers, exactly; ``None`` otherwise."""
@@ -78,6 +89,8 @@ class CostModel:
             prefill_tokens_per_ms=policy.prefill_tokens_per_ms,
             kv_block_tokens=policy.kv_block_tokens,
             kv_residency_factor=policy.kv_residency_factor,
+            max_batch_requests=policy.max_batch_requests,
+            batch_throughput_gain=policy.batch_throughput_gain,
         )
 
     def service_tokens(self, prefill_tokens: int, decode_tokens: int) -> int:

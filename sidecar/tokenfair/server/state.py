@@ -40,7 +40,7 @@ from tokenfair.server.accesslog import (
     utc_timestamp,
 )
 from tokenfair.server.auth import Authenticator
-from tokenfair.server.backends import Backend, CostModelBackend
+from tokenfair.server.backends import Backend, CostModelBackend, default_max_in_flight
 from tokenfair.server.dispatcher import Dispatcher, ModelClock
 from tokenfair.server.engine_state import (
     EngineCollector,
@@ -125,10 +125,7 @@ class Sidecar:
         self.policy_name = DEFAULT_POLICY
         self.clock = ModelClock(settings.time_scale)
         self.scheduler = make_scheduler(DEFAULT_POLICY, config, self.clock.now_ms())
-        batch = config.policy.max_batch_requests
-        max_in_flight = settings.max_in_flight or (
-            batch if batch > 1 else backend.default_max_in_flight
-        )
+        max_in_flight = settings.max_in_flight or default_max_in_flight(backend, config.policy)
         self.dispatcher = Dispatcher(self.scheduler, self.clock, max_in_flight)
         self.auth = Authenticator(config, settings.trusted_tenant_header)
         self.estimator: PromptEstimator = ESTIMATORS[settings.prompt_estimator]
@@ -218,6 +215,8 @@ class Sidecar:
         self.auth = Authenticator(config, self.settings.trusted_tenant_header)
         if isinstance(self.backend, CostModelBackend):
             self.backend.retune(self.scheduler.cost)  # the policy's, as the scheduler prices
+        if not self.settings.max_in_flight:  # the default follows maxBatchRequests
+            self.dispatcher.max_in_flight = default_max_in_flight(self.backend, enforced.policy)
         self.config = config
         self.config_sha256 = loaded.sha256
         self.metrics.reloads.labels("applied").inc()

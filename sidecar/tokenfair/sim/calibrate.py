@@ -58,12 +58,14 @@ import math
 import statistics
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
 from tokenfair.config import PolicyConfig
 from tokenfair.core.jobs import STATUS_OK
+from tokenfair.sim.batchfit import BatchingFit, BatchingFitError, Run, fit_batching
+from tokenfair.sim.concurrency import ConcurrencyProfile
 from tokenfair.sim.records import TraceRecord
 
 DEFAULT_MIN_RECORDS: Final = 20
@@ -100,6 +102,9 @@ class Sample:
     execution_ms: float
     prefill_ms: float | None = None
     """TTFT minus queue wait, when the record has a TTFT of a first token."""
+    span: tuple[float, float] | None = None
+    """``(dispatch_ms, end_ms)`` of a live record (one with a ``status_code``: the sidecar's,
+    loadgen's); None for a probe, which ran alone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,13 +147,25 @@ class Calibration:
     assumed_idle_records: int
     """Usable records without ``queue_wait_ms`` (their wait taken as 0)."""
     skipped: Mapping[str, int] = field(default_factory=dict)
+    batching: BatchingFit | None = None
+    """The batching engine's fit, for records taken under load (None: every record ran
+    alone, the serial fit above)."""
+    problems: tuple[str, ...] = ()
+    """What the records could not determine or fit well, one message per problem."""
 
     def overrides(self) -> list[str]:
-        """``--set`` assignments that apply the fit (4 significant digits)."""
-        out = [
-            f"decodeWeight={_sig(self.service.decode_weight)}",
-            f"serviceTokensPerMs={_sig(self.service.service_tokens_per_ms)}",
-        ]
+        """``--set`` assignments that apply the fit (4 significant digits); a field the records
+        do not identify is left out."""
+        batching = self.batching
+        out = [f"decodeWeight={_sig(self.service.decode_weight)}"]
+        if batching is None:
+            out.append(f"serviceTokensPerMs={_sig(self.service.service_tokens_per_ms)}")
+        else:
+            if batching.service_tokens_per_ms is not None:
+                out.append(f"serviceTokensPerMs={_sig(batching.service_tokens_per_ms)}")
+            out.append(f"maxBatchRequests={batching.max_batch_requests}")
+            if batching.batch_throughput_gain is not None:
+                out.append(f"batchThroughputGain={_sig(batching.batch_throughput_gain)}")
         if self.prefill is not None:
             out.append(f"prefillTokensPerMs={_sig(self.prefill.prefill_tokens_per_ms)}")
         return out
@@ -160,8 +177,10 @@ class Calibration:
             "skipped": dict(self.skipped),
             "assumed_idle_records": self.assumed_idle_records,
             "service": asdict(self.service),
+            "batching": None if self.batching is None else asdict(self.batching),
             "prefill": None if self.prefill is None else asdict(self.prefill),
             "prefill_note": self.prefill_note,
+            "problems": list(self.problems),
             "set": self.overrides(),
         }
 
@@ -177,15 +196,17 @@ class Outcome:
     queue_wait_ms: float | None = None
     status_code: int | None = None
     send_lag_ms: float | None = None
+    dispatch_ms: float | None = None
+    """When the sidecar dispatched it (a record of a request that ran)."""
 
 
 def read_outcomes(
     path: str | Path, tap: Callable[[Iterable[str]], Iterable[str]] | None = None
 ) -> dict[str, Outcome]:
-    """``queue_wait_ms``, ``status_code`` and ``observed.send_lag_ms`` by request id, for the
-    records that carry any, from a trace already validated by ``read_trace`` (which drops
-    outcome fields). ``tap`` wraps the file's lines as they are read (the CLI's progress bar
-    counts them there)."""
+    """``queue_wait_ms``, ``status_code``, ``observed.send_lag_ms`` and ``dispatch_ms`` by
+    request id, for the records that carry any, from a trace already validated by
+    ``read_trace`` (which drops outcome fields). ``tap`` wraps the file's lines as they are
+    read (the CLI's progress bar counts them there)."""
     outcomes: dict[str, Outcome] = {}
     with Path(path).open(encoding="utf-8") as handle:
         lines: Iterable[str] = handle if tap is None else tap(handle)
@@ -200,6 +221,7 @@ def read_outcomes(
                 _number(wait),
                 status if isinstance(status, int) and not isinstance(status, bool) else None,
                 _number(lag),
+                _number(data.get("dispatch_ms")),
             )
             if outcome != Outcome():
                 outcomes[data["request_id"]] = outcome
@@ -244,8 +266,36 @@ def samples_from_records(
         prefill_ms = None
         if record.ttft_ms is not None and record.ttft_ms < NOT_STREAMED_RATIO * record.e2e_ms:
             prefill_ms = record.ttft_ms - wait_ms
-        samples.append(Sample(prefill, decode, execution_ms, prefill_ms))
+        span = _span(record, outcome)
+        samples.append(Sample(prefill, decode, execution_ms, prefill_ms, span))
     return samples, skipped, assumed_idle
+
+
+def _span(record: TraceRecord, outcome: Outcome) -> tuple[float, float] | None:
+    """The run ``(arrival + send lag + queue wait, arrival + e2e)`` of a live record that ran
+    (status 200, or dispatched and then cut), None otherwise."""
+    e2e_ms = record.e2e_ms
+    if outcome.status_code is None or e2e_ms is None:
+        return None
+    if outcome.status_code != STATUS_OK and outcome.dispatch_ms is None:
+        return None
+    arrival_ms = record.request.arrival_ms
+    start_ms = arrival_ms + (outcome.send_lag_ms or 0.0) + (outcome.queue_wait_ms or 0.0)
+    end_ms = arrival_ms + e2e_ms
+    return (start_ms, end_ms) if end_ms >= start_ms else None
+
+
+def run_spans(
+    records: Sequence[TraceRecord], outcomes: Mapping[str, Outcome]
+) -> list[tuple[float, float]]:
+    """The runs of every live record that ran, usable for the fit or not (a request without
+    reported usage, or cut short, held the engine all the same): the concurrency's sweep."""
+    spans = []
+    for record in records:
+        span = _span(record, outcomes.get(record.request.request_id, Outcome()))
+        if span is not None:
+            spans.append(span)
+    return spans
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,18 +451,48 @@ def calibrate(
     min_records: int = DEFAULT_MIN_RECORDS,
     max_relative_stderr: float = DEFAULT_MAX_RELATIVE_STDERR,
     prefill_floor_ms: float = DEFAULT_PREFILL_FLOOR_MS,
+    max_batch_requests: int | None = None,
 ) -> Calibration:
-    """Fit the service model (and the prefill speed when TTFTs allow) to ``records``."""
-    samples, skipped, assumed_idle = samples_from_records(records, outcomes or {})
+    """Fit the service model (and the prefill speed when TTFTs allow) to ``records``: the
+    serial server's when every record ran alone or ``max_batch_requests`` is 1 (a serial
+    engine that the sidecar keeps one request staged for shows two at once), else a batching
+    engine's (:mod:`tokenfair.sim.batchfit`) priced at ``max_batch_requests`` requests at once
+    (default: the most the records show)."""
+    outcomes = outcomes or {}
+    samples, skipped, assumed_idle = samples_from_records(records, outcomes)
+    profile = ConcurrencyProfile(run_spans(records, outcomes))
+    loaded = any(
+        sample.span is not None and profile.mean(*sample.span) > 1.0 + LOADED_MARGIN
+        for sample in samples
+    )
+    problems: list[str] = []
+    batching: BatchingFit | None = None
     try:
-        service = fit_service(samples, min_records, max_relative_stderr)
+        if not loaded or max_batch_requests == 1:
+            service = fit_service(samples, min_records, max_relative_stderr)
+            if max_batch_requests is not None and max_batch_requests > 1:
+                problems.append(
+                    f"every record ran alone: the throughput of {max_batch_requests} requests "
+                    "at once is not identified (serviceTokensPerMs is one request's speed "
+                    "alone); collect records taken under load"
+                )
+        else:
+            batching, service = _fit_loaded(
+                samples, profile, min_records, max_relative_stderr, max_batch_requests
+            )
+            problems.extend(batching.problems)
     except CalibrationError as exc:
         counts = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
         raise CalibrationError(
             f"{exc} ({len(records)} record(s) read, {len(samples)} usable"
             + (f"; skipped: {counts})" if counts else ")")
         ) from None
+    note = ""
+    if batching is not None:
+        samples, note = _prefill_alone(samples, profile, batching)
     prefill = fit_prefill(samples, prefill_floor_ms, min_records)
+    if note and isinstance(prefill, PrefillFit):
+        problems.append(note)
     return Calibration(
         service=service,
         prefill=prefill if isinstance(prefill, PrefillFit) else None,
@@ -420,4 +500,79 @@ def calibrate(
         records_read=len(records),
         assumed_idle_records=assumed_idle,
         skipped=dict(sorted(skipped.items())),
+        batching=batching,
+        problems=tuple(problems),
     )
+
+
+LOADED_MARGIN: Final = 1e-6
+"""A record whose time-averaged concurrency passes 1 by more than this ran beside others."""
+
+
+def _fit_loaded(
+    samples: Sequence[Sample],
+    profile: ConcurrencyProfile,
+    min_records: int,
+    max_relative_stderr: float,
+    max_batch_requests: int | None,
+) -> tuple[BatchingFit, ServiceFit]:
+    """The batching fit of records taken under load, and its :class:`ServiceFit` view (the
+    decode weight, the throughput at the full batch — or at the concurrency seen, when the
+    full batch's is not identified — and the fit's quality)."""
+    n = len(samples)
+    if n < max(min_records, 4):
+        raise CalibrationError(
+            f"only {n} usable record(s); at least {max(min_records, 4)} are needed"
+        )
+    for which, total in (
+        ("prompt", sum(s.prefill_tokens for s in samples)),
+        ("output", sum(s.decode_tokens for s in samples)),
+    ):
+        if total == 0:
+            raise CalibrationError(f"every usable record has an empty {which}; w cannot be fitted")
+    runs = [Run(s.prefill_tokens, s.decode_tokens, s.execution_ms, s.span) for s in samples]
+    try:
+        fit = fit_batching(runs, profile, max_batch_requests, max_relative_stderr)
+    except BatchingFitError as exc:
+        raise CalibrationError(str(exc)) from None
+    if fit.service_tokens_per_ms is not None and fit.service_tokens_per_ms_stderr is not None:
+        rate, rate_stderr = fit.service_tokens_per_ms, fit.service_tokens_per_ms_stderr
+    else:
+        rate = fit.throughput_at_seen_concurrency
+        rate_stderr = fit.throughput_at_seen_concurrency_stderr
+    service = ServiceFit(
+        decode_weight=fit.decode_weight,
+        decode_weight_stderr=fit.decode_weight_stderr,
+        service_tokens_per_ms=rate,
+        service_tokens_per_ms_stderr=rate_stderr,
+        ms_per_prefill_token=fit.ms_per_service_token,
+        ms_per_decode_token=fit.ms_per_service_token * fit.decode_weight,
+        r_squared=fit.r_squared,
+        residual_rms_ms=fit.residual_rms_ms,
+        residual_rms_relative=fit.residual_rms_relative,
+        records_used=fit.records_used,
+    )
+    return fit, service
+
+
+def _prefill_alone(
+    samples: Sequence[Sample], profile: ConcurrencyProfile, fit: BatchingFit
+) -> tuple[list[Sample], str]:
+    """The samples with their prefill times as if alone: each divided by the fitted slowdown
+    at its dispatch, ``v(1) / v(c)`` with ``c`` the requests running once it started (the
+    simulator's rule for the first token, inverted). Unchanged, with a note, when the
+    slowdown is not identified."""
+    if fit.slowdown(1) is None:
+        note = (
+            "prefillTokensPerMs is fitted from TTFTs taken under load without removing the "
+            "slowdown of the requests running beside (not identified without a spread of "
+            "concurrency): it underestimates the prefill speed alone"
+        )
+        return list(samples), note
+    out = []
+    for sample in samples:
+        if sample.prefill_ms is not None and sample.span is not None:
+            slowdown = fit.slowdown(profile.at(sample.span[0])) or 1.0
+            sample = replace(sample, prefill_ms=sample.prefill_ms / slowdown)
+        out.append(sample)
+    return out, ""

@@ -1,6 +1,7 @@
-"""Replay a trace through a policy on a virtual clock: one model server, serial, non-preemptive.
+"""Replay a trace through a policy on a virtual clock: one model server, serial and
+non-preemptive (the lesson's), or a batching engine (the policy's ``maxBatchRequests`` above 1).
 
-Event rules (the lesson's, so its policies decide exactly as its lab did):
+Event rules of the serial server (the lesson's, so its policies decide exactly as its lab did):
 
 * the clock only moves forward; KV blocks whose residency ended at or before the clock are freed
   first, then every arrival at or before the clock is submitted (in ``(arrival_ms, request_id)``
@@ -16,6 +17,30 @@ Event rules (the lesson's, so its policies decide exactly as its lab did):
 The times (``prefill_ms``, ``execution_ms``, the KV hold) are the scheduler's own cost model's
 (:class:`~tokenfair.core.cost.CostModel`, built from the policy): the formulas live there only.
 
+Event rules of a batching engine (``maxBatchRequests`` ``S > 1``; :mod:`tokenfair.core.batching`
+is the model, and the sidecar's ``costmodel`` engine runs the same one in real time):
+
+* the clock moves from event to event: an arrival, the end the engine forecasts next, the
+  scheduler's wake-up. At each, the requests that end then are settled first (in the order the
+  forecast ends them), then arrivals at or before the clock are submitted, then queued requests
+  past their deadline expire, then ``next_dispatch`` is called while fewer than ``S`` requests
+  run (the sidecar's dispatcher caps the requests in flight the same way);
+* the requests running share the engine as a processor-sharing fluid
+  (:class:`~tokenfair.core.batching.RunningWork`): each of ``c`` running advances at
+  ``v(c) = 1 / (a + b c)`` service tokens per ms, and a request ends when it has received its
+  *actual* service tokens when the trace records them (else its estimate); it is settled then,
+  with its actual usage and KV, and its KV is freed at once (an engine that batches frees a
+  sequence's blocks when it finishes: ``kvResidencyFactor``'s hold is the serial model's);
+* its first token comes ``prefill_ms(p) * v(1) / v(c)`` after its dispatch, ``c`` the requests
+  running once every dispatch of that instant has started (itself included): the prefill
+  slowed as much as the engine's per-request speed is then (``BatchingCurve.slowdown``), not
+  revised by later starts or ends. Its end is the fluid's (a first token forecast past it is
+  not moved: the two are separate estimates);
+* ``S = 1`` is the serial server above, replayed by the same loop as before, decision for
+  decision.
+
+Each event costs O(log n) (the engine's heap of forecast ends, the scheduler's own).
+
 :func:`replay` streams: it reads each arrival when the clock reaches it and yields each
 decision once final, holding only the requests queued or running (``tokenfair simulate`` feeds
 it straight from the trace file and folds the decisions into its report as they come).
@@ -26,11 +51,13 @@ from __future__ import annotations
 
 import gc
 import heapq
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TypeAlias
 
 from tokenfair.config import Config
 from tokenfair.core import Decision, Request, make_scheduler
+from tokenfair.core.batching import BatchingCurve, RunningWork
 from tokenfair.core.errors import SimulationStuckError
 from tokenfair.core.jobs import STATUS_OK
 from tokenfair.core.rounding import round_hundredths
@@ -92,10 +119,51 @@ def replay(
             gc.enable()
 
 
+def replay_timed(
+    config: Config,
+    arrivals: Iterable[Arrival],
+    policy: str,
+    scheduler: Scheduler | None = None,
+) -> Iterator[tuple[Decision, int | None, float | None]]:
+    """:func:`replay`, with each admitted request's end (the model ms its last token came)
+    as a third item; None for a request that did not run. For what a live run would have
+    recorded of the same trace (``e2e_ms = end - arrival``): the records ``tokenfair
+    calibrate`` fits. A serial server's request ends ``execution_ms`` of its actual service
+    tokens after its dispatch. ``scheduler`` (default: a new one of ``policy`` on
+    ``config``) is the one driven, for a caller that inspects it afterwards (its books)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        if scheduler is None:
+            scheduler = make_scheduler(policy, config)
+        if scheduler.cost.max_batch_requests > 1:
+            yield from _replay_batching(scheduler, iter(arrivals), policy)
+            return
+        cost = scheduler.cost
+        for decision, used in _replay(config, iter(arrivals), policy, scheduler):
+            dispatch_ms = decision.dispatch_ms
+            if dispatch_ms is None or decision.status_code != STATUS_OK:
+                yield decision, used, None
+                continue
+            served = decision.service_tokens if used is None else used
+            yield decision, used, dispatch_ms + cost.execution_ms(served)
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def _replay(
-    config: Config, arrivals: Iterator[Arrival], policy: str
+    config: Config,
+    arrivals: Iterator[Arrival],
+    policy: str,
+    scheduler: Scheduler | None = None,
 ) -> Iterator[tuple[Decision, int | None]]:
-    scheduler = make_scheduler(policy, config)
+    if scheduler is None:
+        scheduler = make_scheduler(policy, config)
+    if scheduler.cost.max_batch_requests > 1:
+        for outcome, usage, _ in _replay_batching(scheduler, arrivals, policy):
+            yield outcome, usage
+        return
     # The loop runs once per event. The scheduler's methods are called on it, not through
     # bound methods kept in locals: compiled, such a call is a direct C call with unboxed
     # arguments, where a bound method goes through Python's calling convention (the locals
@@ -185,3 +253,98 @@ def _replay(
         clock_ms += execution_ms
         scheduler.complete(request_id, clock_ms, used, actual_kv_blocks=used_kv, release_kv=False)
         yield decision, used
+
+
+def _replay_batching(
+    scheduler: Scheduler, arrivals: Iterator[Arrival], policy: str
+) -> Iterator[tuple[Decision, int | None, float | None]]:
+    """The replay of a batching engine (the module docstring's second set of rules): yields
+    each decision once final, with the request's recorded usage and, if it ran, its end."""
+    cost = scheduler.cost
+    engine = RunningWork(BatchingCurve.from_cost(cost))
+    curve = engine.curve
+    batch = curve.max_batch_requests
+    expires = scheduler.expires_queued
+    pending: dict[str, Arrival] = {}  # queued or running, by request id
+    pop_pending = pending.pop
+    running: dict[str, tuple[Decision, int | None, int | None]] = {}  # id -> what settles it
+    clock_ms = 0.0
+    due_ms = math.inf  # when the forecast's next end is due (the clock it was computed at)
+    upcoming = next(arrivals, None)
+    upcoming_ms = 0.0 if upcoming is None else upcoming[0].arrival_ms
+    last_ms, last_id = float("-inf"), ""
+    while True:
+        if due_ms <= clock_ms:
+            # The forecast's next end, and any tied with it (its tag was reached exactly).
+            while True:
+                request_id = engine.finish_first(clock_ms)
+                ended, used, used_kv = running.pop(request_id)
+                scheduler.complete(request_id, clock_ms, used, actual_kv_blocks=used_kv)
+                yield ended, used, clock_ms
+                if not running or engine.next_departure_ms(clock_ms) > 0.0:
+                    break
+            due_ms = math.inf
+        while upcoming is not None:
+            arrival_ms = upcoming_ms
+            if arrival_ms > clock_ms:
+                break
+            request = upcoming[0]
+            request_id = request.request_id
+            if arrival_ms < last_ms or (arrival_ms == last_ms and request_id <= last_id):
+                raise ValueError(
+                    f"arrivals out of (arrival_ms, request_id) order at {request_id!r} "
+                    f"({arrival_ms} ms, after {last_id!r} at {last_ms} ms)"
+                )
+            last_ms, last_id = arrival_ms, request_id
+            refusal = scheduler.submit(request, clock_ms)
+            if refusal is None:
+                pending[request_id] = upcoming
+            else:
+                yield refusal, upcoming[1], None
+            upcoming = next(arrivals, None)
+            if upcoming is not None:
+                upcoming_ms = upcoming[0].arrival_ms
+        if expires:
+            for expired in scheduler.expire(clock_ms):
+                yield expired, pop_pending(expired.request_id)[1], None
+        started: list[tuple[Decision, int]] = []  # (decision, prefill tokens)
+        while scheduler.running < batch:
+            decision = scheduler.next_dispatch(clock_ms)
+            if decision is None:
+                break
+            request_id = decision.request_id
+            request, used, used_kv = pop_pending(request_id)
+            if decision.status_code != STATUS_OK:
+                yield decision, used, None
+                continue
+            engine.start(request_id, decision.service_tokens if used is None else used, clock_ms)
+            started.append((decision, request.prefill_tokens))
+            running[request_id] = (decision, used, used_kv)
+        if started:
+            # The prefill is slowed by the concurrency once every dispatch of this instant has
+            # started (the same for each of them, whatever the order they were picked in).
+            slowdown = curve.slowdown(engine.running)
+            for admitted, prefill_tokens in started:
+                wait_ms = clock_ms - admitted.arrival_ms
+                admitted.ttft_ms = round_hundredths(
+                    (wait_ms if wait_ms > 0.0 else 0.0) + cost.prefill_ms(prefill_tokens) * slowdown
+                )
+        if started or (running and due_ms == math.inf):
+            # The forecast ends move whenever a request joins: read the next one again.
+            due_ms = clock_ms + engine.next_departure_ms(clock_ms) if running else math.inf
+        next_ms = due_ms
+        if upcoming is not None and upcoming_ms < next_ms:
+            next_ms = upcoming_ms
+        queued = scheduler.queued_total
+        if queued:
+            wakeup = scheduler.next_wakeup_ms(clock_ms)
+            if wakeup is not None and wakeup < next_ms:
+                next_ms = wakeup
+        if next_ms == math.inf:
+            if queued:
+                raise SimulationStuckError(
+                    f"{policy}: {queued} request(s) queued at {clock_ms} ms with no event left"
+                )
+            break
+        if next_ms > clock_ms:
+            clock_ms = next_ms

@@ -24,6 +24,7 @@ from tokenfair.server.backends.base import (
     BackendCall,
     StreamAbortedError,
     UpstreamError,
+    default_max_in_flight,
 )
 from tokenfair.server.backends.costmodel import CostModelBackend
 from tokenfair.server.backends.openai import OpenAIBackend
@@ -113,5 +114,6 @@ __all__ = [
     "OpenAIBackend",
     "StreamAbortedError",
     "UpstreamError",
+    "default_max_in_flight",
     "make_backend",
 ]

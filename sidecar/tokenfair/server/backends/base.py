@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Final
 
 from aiohttp import web
 
+from tokenfair.config import PolicyConfig
 from tokenfair.core import Decision
 from tokenfair.core.cost import MAX_REQUEST_TOKENS
 from tokenfair.server.estimate import Estimate
@@ -291,3 +292,13 @@ class Backend(ABC):
     def kv_hold_ms(self, call: BackendCall) -> float:
         """Model ms after dispatch until the request's KV blocks are free (0: at completion)."""
         return 0.0
+
+
+def default_max_in_flight(backend: Backend, policy: PolicyConfig) -> int:
+    """The requests the sidecar sends the backend at once when ``maxInFlight`` is not set: the
+    policy's ``maxBatchRequests`` when it models a batching engine (``S > 1``: the engine runs
+    ``S`` at once, and the rest wait in the sidecar's queue, where the fair share decides who
+    goes next — as the simulator replays it), else the backend's own default (the serial
+    ``costmodel`` engine's 2, the ``openai`` upstream's 64)."""
+    batch = policy.max_batch_requests
+    return batch if batch > 1 else backend.default_max_in_flight

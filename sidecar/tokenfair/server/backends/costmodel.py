@@ -1,22 +1,36 @@
 """``costmodel`` backend: an embedded, deterministic OpenAI-compatible engine on the cost model.
 
 For ``p`` prompt tokens (the estimate) and ``d`` decode tokens (``max_tokens`` or the default) it
-answers after the cost model's times, scaled by ``time_scale`` real seconds per model second:
-the first token after ``prefill_ms(p)``, the whole response after ``execution_ms(p + w*d)``.
-One engine, serial and non-preemptive (as the simulator models it): requests run one at a time
-in dispatch order. The engine keeps its own timeline: a request starts at
-``max(its dispatch, the previous request's end)`` — not when the event loop gets round to it — so
-timer overshoot and event-loop latency do not pile up into model time. The default in-flight
-limit is 2 — one running, one staged — so the engine never idles for the proxy's dispatch latency
-(at ``time_scale`` 0.25 a 2 ms slip per request would be 8 model ms).
-KV stays resident ``kv_hold_ms`` after dispatch. Text is
-``d`` words drawn deterministically from the prompt's CRC-32; ``usage`` reports ``p`` and ``d``.
+answers after the cost model's times, scaled by ``time_scale`` real seconds per model second.
 
-Streaming (``"stream": true``) sends the text in up to 16 SSE chunks, the first at the prefill
-time and the rest spread evenly until the execution time, then a usage chunk when
+**Serial** (the policy's ``maxBatchRequests`` 1, the default; as the simulator models it): the
+first token after ``prefill_ms(p)``, the whole response after ``execution_ms(p + w*d)``; one
+engine, non-preemptive: requests run one at a time in dispatch order. The engine keeps its own
+timeline: a request starts at ``max(its dispatch, the previous request's end)`` — not when the
+event loop gets round to it — so timer overshoot and event-loop latency do not pile up into
+model time. The default in-flight limit is 2 — one running, one staged — so the engine never
+idles for the proxy's dispatch latency (at ``time_scale`` 0.25 a 2 ms slip per request would be
+8 model ms). KV stays resident ``kv_hold_ms`` after dispatch.
+
+**Batching** (``maxBatchRequests`` ``S > 1``; the simulator's batching engine, in real time):
+up to ``S`` requests run at once as one processor-sharing fluid
+(:class:`~tokenfair.server.backends.batching.BatchingEngine`), each at ``v(c)`` of the policy's
+:class:`~tokenfair.core.batching.BatchingCurve`, so a request's end moves whenever another joins
+or leaves. Its first token comes ``prefill_ms(p) * v(1) / v(c)`` after its dispatch (``c`` the
+requests running then), its response ends when it has received ``p + w*d`` service tokens, and
+its KV is freed then (``kv_hold_ms`` 0). The sidecar's default in-flight limit is ``S``
+(:func:`~tokenfair.server.backends.base.default_max_in_flight`).
+
+Text is ``d`` words drawn deterministically from the prompt's CRC-32; ``usage`` reports ``p`` and
+``d``.
+
+Streaming (``"stream": true``) sends the text in up to 16 SSE chunks, the first at the first
+token's time and the rest spread evenly until the execution time (serial: in time; batching: in
+the request's attained service, the last at its end), then a usage chunk when
 ``stream_options.include_usage`` is set, then ``data: [DONE]``.
 
-Embeddings (``/v1/embeddings``) take the engine for ``execution_ms(p)`` (prefill only) and answer
+Embeddings (``/v1/embeddings``) take the engine for ``execution_ms(p)`` (prefill only; batching:
+``p`` service tokens in the fluid) and answer
 one deterministic fake vector per input (:func:`fake_embedding`: unit length, seeded by the
 input's CRC-32), of ``dimensions`` (or ``embedding_dimensions``) values, as floats or, with
 ``encoding_format: base64``, as little-endian float32 bytes in base64 (what the openai SDK asks
@@ -37,12 +51,15 @@ import sys
 import time
 import zlib
 from array import array
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Final
 
 from aiohttp import web
 
+from tokenfair.core.batching import BatchingCurve
 from tokenfair.core.cost import CostModel
 from tokenfair.server.backends.base import EMBEDDINGS_ROUTE, Backend, BackendCall
+from tokenfair.server.backends.batching import BatchingEngine
 from tokenfair.server.errors import error_response
 from tokenfair.server.runtime_settings import (
     DEFAULT_EMBEDDING_DIMENSIONS,
@@ -116,12 +133,25 @@ class CostModelBackend(Backend):
         self._created = int(time.time())
         self._engine = asyncio.Lock()
         self._free_at = 0.0  # loop time when the engine's last request ends (or ended)
+        self._batching: BatchingEngine | None = None  # maxBatchRequests > 1
+        if cost.max_batch_requests > 1:
+            self._batching = BatchingEngine(BatchingCurve.from_cost(cost), time_scale)
 
     def retune(self, cost: CostModel) -> None:
-        """Adopt a reloaded policy's cost model (takes effect for the next request)."""
+        """Adopt a reloaded policy's cost model (takes effect for the next request; a batching
+        engine's running requests go on at the new speeds from now, and a change between serial
+        and batching leaves the requests running where they started)."""
         self.cost = cost
+        if cost.max_batch_requests == 1:
+            self._batching = None
+        elif self._batching is None:
+            self._batching = BatchingEngine(BatchingCurve.from_cost(cost), self.time_scale)
+        else:
+            self._batching.retune(BatchingCurve.from_cost(cost))
 
     def kv_hold_ms(self, call: BackendCall) -> float:
+        if self._batching is not None:
+            return 0.0  # a batching engine frees a request's KV when it ends
         return self.cost.kv_hold_ms(self.cost.execution_ms(call.decision.service_tokens))
 
     def _real_s(self, model_ms: float) -> float:
@@ -145,8 +175,18 @@ class CostModelBackend(Backend):
         model = body.get("model")
         return model if isinstance(model, str) and model else self.served_model_names[0]
 
-    async def _run(self, call: BackendCall, execution_ms: float) -> None:
-        """Hold the serial engine for ``execution_ms`` model ms from the request's start."""
+    async def _run(self, call: BackendCall, execution_ms: float, service_tokens: int) -> None:
+        """Hold the serial engine for ``execution_ms`` model ms from the request's start (a
+        batching engine for ``service_tokens`` of its fluid)."""
+        batching = self._batching
+        if batching is not None:
+            request_id = call.decision.request_id
+            batching.start(request_id, service_tokens, call.dispatched_at_s)
+            try:
+                await batching.ended(request_id)
+            finally:
+                batching.leave(request_id)
+            return
         loop = asyncio.get_running_loop()
         async with self._engine:
             start = max(call.dispatched_at_s, self._free_at)
@@ -175,8 +215,9 @@ class CostModelBackend(Backend):
             )
         prompt = call.estimate.prefill_tokens
         cost = self.cost
-        execution_ms = cost.execution_ms(cost.service_tokens(prompt, 0))
-        await self._run(call, max(cost.prefill_ms(prompt), execution_ms))
+        service_tokens = cost.service_tokens(prompt, 0)
+        execution_ms = cost.execution_ms(service_tokens)
+        await self._run(call, max(cost.prefill_ms(prompt), execution_ms), service_tokens)
         call.prompt_tokens, call.completion_tokens = prompt, 0
         as_base64 = body.get("encoding_format") == "base64"
         data: list[dict[str, Any]] = []
@@ -215,33 +256,89 @@ class CostModelBackend(Backend):
             "total_tokens": prompt + decode,
         }
         loop = asyncio.get_running_loop()
+        batching = self._batching
+        if batching is not None:
+            return await self._respond_batching(
+                batching, call, words, usage, cost.service_tokens(prompt, decode), prefill_ms,
+                chat, model,
+            )  # fmt: skip
         async with self._engine:
             start = max(call.dispatched_at_s, self._free_at)
             first_at = start + self._real_s(prefill_ms)
             end = start + self._real_s(execution_ms)
             self._free_at = end
+            gap_s = (end - first_at) / max(1, min(MAX_STREAM_CHUNKS, decode))
+
+            async def first_token() -> None:
+                await self._sleep_until(loop, first_at)
+
+            async def chunk(index: int, chunks: int) -> None:
+                await self._sleep_until(loop, first_at + index * gap_s)
+
+            async def done(stream: bool) -> None:
+                if not stream:  # (a stream ends with its last chunk)
+                    await self._sleep_until(loop, end)
+
             try:
-                return await self._answer(call, loop, words, usage, first_at, end, chat, model)
+                return await self._answer(call, words, usage, chat, model,
+                                          first_token, chunk, done)  # fmt: skip
             except BaseException:
                 self._free_at = loop.time()  # cut short (client gone): the engine is free now
                 raise
 
-    async def _answer(
+    async def _respond_batching(
         self,
+        batching: BatchingEngine,
         call: BackendCall,
-        loop: asyncio.AbstractEventLoop,
         words: list[str],
         usage: dict[str, int],
-        first_at: float,
-        end: float,
+        service_tokens: int,
+        prefill_ms: float,
         chat: bool,
         model: str,
     ) -> web.StreamResponse:
+        """Run the request in the batching engine's fluid: the first token at the prefill
+        stretched by the slowdown at dispatch, the chunks after it paced by the service the
+        request has received, the end when the fluid ends it."""
+        loop = asyncio.get_running_loop()
+        request_id = call.decision.request_id
+        batching.start(request_id, service_tokens, call.dispatched_at_s)
+        try:
+            first_at = await batching.first_token_s(call.dispatched_at_s, prefill_ms)
+
+            async def first_token() -> None:
+                await self._sleep_until(loop, first_at)
+
+            async def chunk(index: int, chunks: int) -> None:
+                await batching.until_attained(request_id, service_tokens * index / chunks)
+
+            async def done(stream: bool) -> None:
+                await batching.ended(request_id)
+                await self._sleep_until(loop, first_at)
+
+            return await self._answer(call, words, usage, chat, model, first_token, chunk, done)
+        finally:
+            batching.leave(request_id)
+
+    async def _answer(
+        self,
+        call: BackendCall,
+        words: list[str],
+        usage: dict[str, int],
+        chat: bool,
+        model: str,
+        first_token: Callable[[], Awaitable[None]],
+        chunk: Callable[[int, int], Awaitable[None]],
+        done: Callable[[bool], Awaitable[None]],
+    ) -> web.StreamResponse:
+        """The answer, paced by the engine: ``first_token()`` returns at the first token,
+        ``chunk(i, n)`` when chunk ``i > 0`` of ``n`` is due, ``done(stream)`` when the response
+        may end (before a whole answer; after a stream's last chunk)."""
         decode = len(words)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{call.decision.request_id}"
         created = int(time.time())
         if not call.stream:
-            await self._sleep_until(loop, end)
+            await done(False)
             call.completion_tokens = decode
             text = " ".join(words)
             choice: dict[str, Any] = (
@@ -261,15 +358,14 @@ class CostModelBackend(Backend):
             call.first_byte()
             return web.json_response(body, headers=call.response_headers)
         response = web.StreamResponse(headers={**SSE_HEADERS, **call.response_headers})
-        await self._sleep_until(loop, first_at)
+        await first_token()
         await response.prepare(call.request)
         chunks = max(1, min(MAX_STREAM_CHUNKS, decode))
         per_chunk = -(-decode // chunks)
-        gap_s = (end - first_at) / chunks
         sent = 0
         for index in range(chunks):
             if index:
-                await self._sleep_until(loop, first_at + index * gap_s)
+                await chunk(index, chunks)
             piece = words[sent : sent + per_chunk]
             if not piece:
                 break
@@ -296,6 +392,7 @@ class CostModelBackend(Backend):
                 }))  # fmt: skip
             call.first_byte()
             call.completion_tokens = sent
+        await done(True)
         options = call.body.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage") is True:
             await call.write(response, sse({

@@ -1,0 +1,269 @@
+"""The simulator's replay of a batching engine (``maxBatchRequests`` S > 1).
+
+Behaviours under test (hand-worked processor sharing; ``R`` the throughput at the full batch,
+``G`` the gain, ``r1 = R / G`` one request's speed alone, ``v(c) = 1 / (a + b c)``):
+
+* two equal requests of ``s`` service tokens dispatched together on S = 2 end together: at
+  ``2 s / R`` when G = 1 (the batch shares one throughput), at ``s / r1`` when G = S (each runs
+  as if alone); a third waits for a slot and starts when they end, alone;
+* unequal requests: the short one ends first, then the long one speeds up to ``v(1)`` for its
+  rest (the fluid re-forecasts on every end);
+* a request ends after its *actual* service tokens when the trace records them, and is settled
+  with them;
+* the first token comes after the prefill stretched by ``v(1) / v(c)`` at the dispatch (the
+  same for every request dispatched at one instant);
+* a batching engine frees a request's KV when it ends (not ``kvResidencyFactor`` later): a
+  request held back for KV starts at that end;
+* ``S = 1`` replays as before (the serial server; ``replay_timed`` ends it ``execution_ms``
+  after its dispatch);
+* property: with S > 1 every admitted request starts within its class's wait limit, every
+  request gets exactly one decision, no more than S run at once, and the books are zero at
+  the end;
+* ``tokenfair simulate --set maxBatchRequests=...`` replays a trace file the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenfair.config import Config, PolicyConfig, PriorityClass, TenantConfig, build_config
+from tokenfair.core import POLICIES, Books, Decision, Lane, Request, make_scheduler
+from tokenfair.core.batching import BatchingCurve
+from tokenfair.core.cost import CostModel
+from tokenfair.sim.simulator import Arrival, replay_timed, simulate
+
+TOKENFAIR = str(Path(sys.executable).parent / "tokenfair")
+RATE = 10.0  # R, service tokens per ms
+PATIENT = PolicyConfig(
+    service_tokens_per_ms=RATE,
+    decode_weight=1.0,
+    max_interactive_wait_ms=1e6,
+    max_batch_wait_ms=1e6,
+)
+
+
+def config(batch: int, gain: float, **policy: Any) -> Config:
+    tenants = [
+        TenantConfig("a", 1.0, 10**9, 1e9, "interactive"),
+        TenantConfig("b", 1.0, 10**9, 1e9, "batch"),
+    ]
+    return build_config(
+        replace(PATIENT, max_batch_requests=batch, batch_throughput_gain=gain, **policy),
+        tenants,
+    )
+
+
+def request(n: int, prefill: int, decode: int, arrival_ms: float = 0.0) -> Request:
+    return Request(f"r{n}", "a", arrival_ms, prefill, decode, "interactive")
+
+
+def timed(
+    cfg: Config, arrivals: list[Arrival], policy: str = "tokenfair"
+) -> dict[str, tuple[Decision, float | None]]:
+    return {d.request_id: (d, end) for d, _, end in replay_timed(cfg, arrivals, policy)}
+
+
+def plain(*requests: Request) -> list[Arrival]:
+    return [(r, None, None) for r in requests]
+
+
+# 500 prompt + 500 output at decodeWeight 1: s = 1000 service tokens each.
+EQUAL = plain(request(0, 500, 500), request(1, 500, 500), request(2, 500, 500))
+PREFILL_MS = 500 / PolicyConfig().prefill_tokens_per_ms  # 10.4167 ms alone
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_two_equal_requests_at_gain_1_share_one_throughput(policy: str) -> None:
+    out = timed(config(2, 1.0), EQUAL, policy)
+    # Two at R / 2 each: both end at 2 s / R = 200 ms; the third waits for a slot, then runs
+    # alone at v(1) = R: 100 ms more.
+    assert [out[f"r{i}"][1] for i in range(3)] == [pytest.approx(200.0)] * 2 + [
+        pytest.approx(300.0)
+    ]
+    assert [out[f"r{i}"][0].dispatch_ms for i in range(3)] == [0.0, 0.0, pytest.approx(200.0)]
+    assert out["r2"][0].queue_wait_ms == 200.0
+    # The prefill runs at v(1) / v(2) = 2 times its time alone for the pair, 1 for the third.
+    assert out["r0"][0].ttft_ms == out["r1"][0].ttft_ms == round(2 * PREFILL_MS, 2)
+    assert out["r2"][0].ttft_ms == round(200.0 + PREFILL_MS, 2)
+
+
+def test_two_equal_requests_at_gain_s_each_run_as_if_alone() -> None:
+    out = timed(config(2, 2.0), EQUAL)
+    # r1 = R / G = 5 tokens/ms whatever runs beside: s / r1 = 200 ms each, the third 200 more.
+    assert [out[f"r{i}"][1] for i in range(3)] == [
+        pytest.approx(200.0),
+        pytest.approx(200.0),
+        pytest.approx(400.0),
+    ]
+    assert out["r0"][0].ttft_ms == round(PREFILL_MS, 2)  # no slowdown at G = S
+    assert out["r2"][0].dispatch_ms == pytest.approx(200.0)
+
+
+def test_a_short_request_ends_first_and_the_long_one_speeds_up() -> None:
+    # S = 2, G = 1, R = 10: 1000 and 500 service tokens from t = 0, each at 5/ms; the short one
+    # ends at 100 ms (500 done of the long one), the long one then runs alone at 10/ms: its
+    # other 500 take 50 ms more.
+    out = timed(config(2, 1.0), plain(request(0, 500, 500), request(1, 250, 250)))
+    assert out["r1"][1] == pytest.approx(100.0)
+    assert out["r0"][1] == pytest.approx(150.0)
+    # The same with a gain between: S = 2, G = 1.5 (r1 = 6.667, v(2) = 5): ends at 100, then
+    # 500 tokens at r1: 75 ms.
+    out = timed(config(2, 1.5), plain(request(0, 500, 500), request(1, 250, 250)))
+    assert out["r1"][1] == pytest.approx(100.0)
+    assert out["r0"][1] == pytest.approx(175.0)
+
+
+def test_a_request_ends_after_its_actual_usage_and_is_settled_with_it() -> None:
+    # Estimated 1000 tokens each; r0 really used 300, r1 1500. S = 2, G = 1: both at 5/ms;
+    # r0 ends at 60 ms (r1 has 300), r1 runs its other 1200 alone at 10/ms: 180 ms.
+    arrivals: list[Arrival] = [
+        (request(0, 500, 500), 300, None),
+        (request(1, 500, 500), 1500, None),
+    ]
+    out = timed(config(2, 1.0), arrivals)
+    assert out["r0"][1] == pytest.approx(60.0)
+    assert out["r1"][1] == pytest.approx(180.0)
+    assert out["r0"][0].actual_service_tokens == 300
+    assert out["r1"][0].actual_service_tokens == 1500
+
+
+def test_kv_is_freed_when_a_request_ends() -> None:
+    # 100 blocks of 16 tokens; each request holds ceil(1000 / 16) = 63 blocks, so a second one
+    # does not fit beside the first (126 > 0.9 * 100) and waits for its KV. It starts when the
+    # first ends (100 ms alone at R), not kvResidencyFactor (5.5) times later as the serial
+    # model holds it.
+    cfg = config(4, 1.0, total_kv_blocks=100, kv_block_tokens=16)
+    out = timed(cfg, plain(request(0, 500, 500), request(1, 500, 500, 1.0)))
+    assert out["r0"][1] == pytest.approx(100.0)
+    assert out["r1"][0].dispatch_ms == pytest.approx(100.0)
+    assert out["r1"][1] == pytest.approx(200.0)
+    serial = timed(replace(cfg, policy=replace(cfg.policy, max_batch_requests=1)), plain(
+        request(0, 500, 500), request(1, 500, 500, 1.0)))  # fmt: skip
+    assert serial["r1"][0].dispatch_ms == pytest.approx(550.0)  # 5.5 x 100 ms
+
+
+def test_a_serial_server_replays_as_before() -> None:
+    cfg = config(1, 1.0)
+    out = timed(cfg, EQUAL)
+    assert [out[f"r{i}"][1] for i in range(3)] == [100.0, 200.0, 300.0]
+    assert [d.dispatch_ms for d in simulate(cfg, [a[0] for a in EQUAL], "tokenfair")] == [
+        0.0,
+        100.0,
+        200.0,
+    ]
+
+
+# -- property ------------------------------------------------------------------------------
+
+CLASSES: tuple[PriorityClass, ...] = ("interactive", "interactive", "batch", "batch")
+
+
+@st.composite
+def batching_configs(draw: st.DrawFn) -> Config:
+    batch = draw(st.integers(2, 8))
+    gain = draw(st.sampled_from([1.0, 1.5, float(batch) / 2, float(batch)]))
+    tenants = [
+        TenantConfig(
+            f"t{i}",
+            draw(st.sampled_from([0.5, 1.0, 2.0])),
+            draw(st.integers(2_000, 60_000)),
+            float(draw(st.integers(1_000, 200_000))),
+            priority_class,
+        )
+        for i, priority_class in enumerate(CLASSES)
+    ]
+    policy = PolicyConfig(
+        max_batch_requests=batch,
+        batch_throughput_gain=max(1.0, gain),
+        lend_idle_capacity=draw(st.booleans()),
+    )
+    return build_config(policy, tenants)
+
+
+@st.composite
+def batching_traces(draw: st.DrawFn) -> list[Arrival]:
+    count = draw(st.integers(1, 60))
+    arrival_ms = 0.0
+    arrivals: list[Arrival] = []
+    for i in range(count):
+        arrival_ms += draw(st.sampled_from([0.0, 0.5, 3.0, 20.0, 80.0, 400.0]))
+        tenant = draw(st.integers(0, len(CLASSES) - 1))
+        prefill, decode = draw(st.integers(0, 4_000)), draw(st.integers(0, 600))
+        used = draw(st.one_of(st.none(), st.integers(0, 20_000)))
+        request = Request(f"r{i:03d}", f"t{tenant}", arrival_ms, prefill, decode, CLASSES[tenant])
+        arrivals.append((request, used, None))
+    return arrivals
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@settings(max_examples=60, deadline=None)
+@given(cfg=batching_configs(), arrivals=batching_traces())
+def test_batching_replay_keeps_wait_limits_slots_and_books(
+    policy: str, cfg: Config, arrivals: list[Arrival]
+) -> None:
+    scheduler = make_scheduler(policy, cfg)
+    out = list(replay_timed(cfg, arrivals, policy, scheduler))
+    ids = [d.request_id for d, _, _ in out]
+    assert sorted(ids) == sorted(a[0].request_id for a in arrivals)  # one decision each
+    assert scheduler.books() == Books(0, 0, 0, 0, 0)
+    admitted = [(d, end) for d, _, end in out if d.admitted]
+    # Never more than S at once: sweep the [dispatch, end) intervals.
+    events = sorted(
+        [(end, -1) for d, end in admitted if end is not None]
+        + [(d.dispatch_ms, 1) for d, _ in admitted if d.dispatch_ms is not None]
+    )
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    assert peak <= cfg.policy.max_batch_requests
+    for decision, end in admitted:
+        assert decision.dispatch_ms is not None
+        assert end is not None
+        assert end >= decision.dispatch_ms
+        if policy == "tokenfair":
+            limit_ms = scheduler.wait_limit_ms(Lane.of(decision.priority_class))
+            assert decision.queue_wait_ms <= limit_ms
+
+
+def test_every_service_ends_at_the_speed_of_the_curve() -> None:
+    # A lone request of s tokens takes s / r1 with r1 = R / G: 2000 tokens at S = 8, G = 4,
+    # R = 10 -> r1 = 2.5, 800 ms.
+    out = timed(config(8, 4.0), plain(request(0, 1000, 1000)))
+    assert out["r0"][1] == pytest.approx(
+        2000 / BatchingCurve.of(8, RATE, RATE / 4).request_speed(1)
+    )
+    assert out["r0"][1] == pytest.approx(800.0)
+    assert CostModel.from_policy(config(8, 4.0).policy).max_batch_requests == 8
+
+
+def test_simulate_command_replays_a_batching_engine(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    subprocess.run(
+        [TOKENFAIR, "trace", "generate", "--duration-ms", "20000", "--seed", "3",
+         "--out", str(trace)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    tenants = Path(__file__).parents[3] / "examples" / "sidecar-standalone.yaml"
+    reports = {}
+    for batch in ("1", "8"):
+        done = subprocess.run(
+            [TOKENFAIR, "simulate", "--trace", str(trace), "--tenants", str(tenants),
+             "--policy", "tokenfair", "--format", "json", "--no-progress",
+             "--set", f"maxBatchRequests={batch}", "--set", "batchThroughputGain=4"
+             if batch == "8" else "batchThroughputGain=1"],
+            check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        reports[batch] = json.loads(done.stdout)["comparison"]["tokenfair"]
+    assert reports["1"]["total_requests"] == reports["8"]["total_requests"] > 100
+    # Not the same replay: eight requests share the engine, each slower than alone.
+    assert reports["1"]["interactive_p50_ttft_ms"] != reports["8"]["interactive_p50_ttft_ms"]
