@@ -855,7 +855,9 @@ class TokenfairScheduler(Scheduler):
                     self._kv_release_ms[job.request_id] = dispatch_ms + (
                         self.policy.kv_residency_factor * (job.service_tokens - refund) / rate
                     )
-                possible = rate * (now_ms - dispatch_ms) - job.expected_tokens
+                # One request runs at most at one request's speed alone, X(1) = R / G.
+                alone = rate / self.policy.batch_throughput_gain
+                possible = alone * (now_ms - dispatch_ms) - job.expected_tokens
                 # (+1e-6 token: a replay whose clock is the actual usage is never clamped by
                 # float noise, so its decisions stay those of the unclamped sum.)
                 if lane_overrun > possible + 1e-6:
