@@ -65,6 +65,7 @@ from tokenfair.config import Config, TenantConfig
 from tokenfair.config.budget_store import BudgetStoreConfig, split_budgets
 from tokenfair.core import Scheduler
 from tokenfair.core.bucket import LeasedBucket
+from tokenfair.server.exposition import counter_chunks, label_value, number
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -118,6 +119,11 @@ class TenantLease:
     leased_tokens: int = 0
     """Service tokens granted by the store since start (a counter)."""
     returned_tokens: int = 0
+    label: str = ""
+    """``tenant="<id>"``, escaped for the metrics text (made once)."""
+
+    def __post_init__(self) -> None:
+        self.label = f'tenant="{label_value(self.tenant_id)}"'
 
 
 @dataclass(slots=True)
@@ -387,7 +393,12 @@ class BudgetPool:
             await self.client.aclose()
 
     def status(self) -> dict[str, object]:
-        """The ``budget_store`` section of ``/status``."""
+        """The ``budget_store`` section of ``/status`` (the admin handler streams it:
+        :meth:`status_head`, then :meth:`tenant_statuses`)."""
+        return {**self.status_head(), "tenants": dict(self.tenant_statuses())}
+
+    def status_head(self) -> dict[str, object]:
+        """The ``budget_store`` section of ``/status`` but its ``tenants``."""
         return {
             "kind": "redis",
             "shared": self.shared,
@@ -398,16 +409,21 @@ class BudgetPool:
             "store_calls": self.store_calls,
             "store_errors": self.store_errors,
             "last_error": self.last_error,
-            "tenants": {
-                tenant_id: {
+        }
+
+    def tenant_statuses(self) -> Iterator[tuple[str, object]]:
+        """Each tenant's lease, read lazily (over a copy of the tenants: a reload during a
+        scrape shows in the next one)."""
+        for tenant_id, lease in list(self.leases.items()):
+            yield (
+                tenant_id,
+                {
                     "lease_balance_service_tokens": round(self._level(tenant_id), 3),
                     "chunk_service_tokens": lease.chunk_tokens,
                     "leased_service_tokens": lease.leased_tokens,
                     "returned_service_tokens": lease.returned_tokens,
-                }
-                for tenant_id, lease in self.leases.items()
-            },
-        }
+                },
+            )
 
     def _level(self, tenant_id: str) -> float:
         state = self.scheduler.tenants.get(tenant_id)
@@ -416,13 +432,20 @@ class BudgetPool:
     def collector(self) -> Collector:
         return _PoolCollector(self)
 
+    def tenant_families(self) -> Iterator[str]:
+        """``tokenfair_budget_store_leased_service_tokens_total`` and
+        ``..._returned_service_tokens_total`` per tenant, in chunks
+        (``Metrics.add_tenant_families``)."""
+        leases = list(self.leases.values())
+        for name, documentation, lines in _LEASE_FAMILIES:
+            yield from counter_chunks(name, documentation, leases, lines)
+
 
 class _PoolCollector(Collector):
     """``tokenfair_budget_store_up`` (1 shared, 0 fallen back to the split),
-    ``tokenfair_budget_store_fallbacks_total``, ``tokenfair_budget_store_calls_total``,
-    ``tokenfair_budget_store_errors_total`` and per tenant
-    ``tokenfair_budget_store_leased_service_tokens_total`` /
-    ``..._returned_service_tokens_total``."""
+    ``tokenfair_budget_store_fallbacks_total``, ``tokenfair_budget_store_calls_total`` and
+    ``tokenfair_budget_store_errors_total``; the per-tenant families are
+    :meth:`BudgetPool.tenant_families`'."""
 
     def __init__(self, pool: BudgetPool) -> None:
         self._pool = pool
@@ -443,21 +466,26 @@ class _PoolCollector(Collector):
         yield CounterMetricFamily(
             "tokenfair_budget_store_errors", "Store calls failed.", pool.store_errors
         )
-        leased = CounterMetricFamily(
-            "tokenfair_budget_store_leased_service_tokens",
-            "Service tokens leased from the pool's buckets.",
-            labels=["tenant"],
-        )
-        returned = CounterMetricFamily(
-            "tokenfair_budget_store_returned_service_tokens",
-            "Service tokens returned to the pool's buckets.",
-            labels=["tenant"],
-        )
-        for tenant_id, lease in pool.leases.items():
-            leased.add_metric([tenant_id], lease.leased_tokens)
-            returned.add_metric([tenant_id], lease.returned_tokens)
-        yield leased
-        yield returned
+
+
+_LEASE_FAMILIES: Final = (
+    (
+        "tokenfair_budget_store_leased_service_tokens",
+        "Service tokens leased from the pool's buckets.",
+        lambda lease: (
+            f"tokenfair_budget_store_leased_service_tokens_total{{{lease.label}}} "
+            f"{number(lease.leased_tokens)}\n"
+        ),
+    ),
+    (
+        "tokenfair_budget_store_returned_service_tokens",
+        "Service tokens returned to the pool's buckets.",
+        lambda lease: (
+            f"tokenfair_budget_store_returned_service_tokens_total{{{lease.label}}} "
+            f"{number(lease.returned_tokens)}\n"
+        ),
+    ),
+)
 
 
 def connect(store: BudgetStoreConfig) -> Any:
