@@ -148,6 +148,15 @@ class Sidecar:
     def _scrape_state(self) -> tuple[Scheduler, bool, str, str]:
         return self.scheduler, self.dispatcher.draining, self.config.version, self.config_sha256
 
+    def reopen_logs(self) -> None:
+        """Reopen the files the sidecar appends to, at their paths: the records file
+        (:meth:`RecordWriter.reopen <tokenfair.server.record_writer.RecordWriter.reopen>`;
+        the access log goes to stdout, which the process does not own). For ``SIGHUP`` after
+        log rotation. Never raises."""
+        writer = self.record_writer
+        if writer is not None:
+            writer.reopen()
+
     def next_request_id(self) -> str:
         """Unique per process, and across restarts appending to one records file."""
         self._next_id += 1
