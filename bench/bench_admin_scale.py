@@ -7,9 +7,10 @@ One ``tokenfair sidecar`` (cost-model backend that answers at once, access log o
 * **neighbour p99 under scrapes** — one tenant sends requests one after another (5 ms apart)
   for ``--window`` seconds, in three kinds of phase, interleaved over ``--rounds`` rounds:
   ``quiet`` (no scrapes: the baseline), ``metrics`` (``GET /metrics`` every second, the body
-  read to the end) and ``status`` (``GET /status`` every second). Target: p99 with scrapes
-  <= 2x the quiet p99 (before issue 28 a scrape held the event loop ~3.5 s, and a request
-  could wait ~4.5 s).
+  read to the end, by a child process: reading 11 MB in the client's own loop would delay the
+  neighbour's client, not the sidecar) and ``status`` (``GET /status`` every second). Target:
+  p99 with scrapes <= 2x the quiet p99 (before issue 28 a scrape held the event loop ~3.5 s,
+  and a request could wait ~4.5 s).
 * **401 cost** — a second sidecar with the lesson's 3 tenants; both get 16 connections of
   requests with a bad key, for ``--window`` seconds each, alternately; the figure is the
   sidecar's CPU time (``utime + stime`` from ``/proc``) per 401, median over the rounds.
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -162,24 +164,34 @@ async def warm(session: aiohttp.ClientSession, sidecar: Sidecar) -> None:
     await asyncio.gather(*(worker() for _ in range(32)))
 
 
+def scrape_loop(url: str, window_s: float) -> None:
+    """The scraper (a child process, so that reading ~11 MB a second does not share the
+    neighbour's client loop): ``GET url`` every second for ``window_s``, the body read to the
+    end; prints ``[[seconds, bytes], ...]``."""
+    made: list[tuple[float, int]] = []
+    end = time.perf_counter() + window_s
+    while time.perf_counter() < end:
+        started = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=30) as response:
+            size = len(response.read())
+        made.append((time.perf_counter() - started, size))
+        time.sleep(max(0.0, 1.0 - (time.perf_counter() - started)))
+    print(json.dumps(made))
+
+
 async def neighbour(
     session: aiohttp.ClientSession, sidecar: Sidecar, window_s: float, scrape: str | None
 ) -> tuple[list[float], list[tuple[float, int]]]:
     """Latencies (s) of one tenant's requests over ``window_s``, and the (seconds, bytes) of
-    each scrape of ``scrape`` made every second meanwhile."""
+    each scrape of ``scrape`` made every second meanwhile by a child process."""
     latencies: list[float] = []
-    scrapes: list[tuple[float, int]] = []
+    scraper = None
+    if scrape is not None:
+        scraper = subprocess.Popen(
+            [sys.executable, __file__, "--scrape", f"{sidecar.admin}{scrape}", str(window_s)],
+            stdout=subprocess.PIPE,
+        )
     end = time.perf_counter() + window_s
-
-    async def scraper() -> None:
-        while time.perf_counter() < end:
-            started = time.perf_counter()
-            async with session.get(f"{sidecar.admin}{scrape}") as response:
-                size = len(await response.read())
-            scrapes.append((time.perf_counter() - started, size))
-            await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - started)))
-
-    task = asyncio.create_task(scraper()) if scrape else None
     key = key_of(TENANTS - 1)
     while time.perf_counter() < end:
         started = time.perf_counter()
@@ -188,9 +200,10 @@ async def neighbour(
         if status != 200:
             raise SystemExit(f"bench_admin_scale: the neighbour's request answered {status}")
         await asyncio.sleep(NEIGHBOUR_GAP_S)
-    if task is not None:
-        await task
-    return latencies, scrapes
+    if scraper is None:
+        return latencies, []
+    output, _ = await asyncio.to_thread(scraper.communicate)
+    return latencies, [(float(s), int(n)) for s, n in json.loads(output)]
 
 
 async def bad_keys(session: aiohttp.ClientSession, sidecar: Sidecar, window_s: float) -> float:
@@ -250,7 +263,9 @@ async def run(tmp: Path, window_s: float, rounds: int) -> int:
         missed += not ok
         scraped = (
             f"{statistics.median(s for s, _ in made):.3f}, {max(s for s, _ in made):.3f}, "
-            f"{made[-1][1] / 1e6:.1f}" if made else "-"
+            f"{made[-1][1] / 1e6:.1f}"
+            if made
+            else "-"
         )
         print(f"{phase:<10} {len(latencies):>8} {statistics.median(latencies) * 1e3:>8.2f} "
               f"{p99(latencies) * 1e3:>8.2f} {max(latencies) * 1e3:>8.2f} {ratio:>11.2f} "
@@ -270,7 +285,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--window", type=float, default=10.0, help="seconds per phase (10)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds (3)")
+    parser.add_argument("--scrape", nargs=2, metavar=("URL", "SECONDS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.scrape:  # the scraper's child process
+        scrape_loop(args.scrape[0], float(args.scrape[1]))
+        return 0
     os.sched_setaffinity(0, {BENCH_CORE})
     with tempfile.TemporaryDirectory(prefix="bench-admin-") as tmp:
         return asyncio.run(run(Path(tmp), args.window, args.rounds))
@@ -278,5 +297,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
