@@ -69,7 +69,7 @@ KINDS: dict[str, Callable[[Path], None]] = {
     "huge": huge,
     "binary": binary,
 }
-RECORD_RULES = {
+RECORD_RULES: dict[str, str | tuple[str, ...]] = {
     "deep": "JSON nested too deeply (a record is one flat JSON object)",
     "zero": "must be a regular file (it is a character device)",
     "fifo": "must be a regular file (it is a FIFO)",

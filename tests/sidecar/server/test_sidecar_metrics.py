@@ -99,6 +99,7 @@ def test_series_render_like_prometheus_client() -> None:
     assert ours.lane_series("a", "batch") is ours.lane_series("a", "batch")
     ours_text = ours.render()
     reference_text = generate_latest(reference).decode()
+
     # Every line the reference writes, ours writes (a _created stamp's value aside; the
     # histograms carry none, as before).
     def without_created_values(text: str) -> list[str]:

@@ -45,6 +45,7 @@ from tokenfair.config import (
     api_key_digest,
     config_to_document,
     document,
+    files,
 )
 from tokenfair.core import Decision
 from tokenfair.server import LoadedFile, load_sidecar_file
@@ -304,7 +305,7 @@ def test_an_unreadable_file_is_retried_every_tick_until_it_reads(
     failed: list[str] = []
     watcher = ConfigWatcher(path, "", applied_version(applied), refused.append, failed.append)
     readable = False
-    real_read = document.read_regular
+    real_read = files.read_regular
 
     def read_regular(file: str | Path, max_bytes: int) -> bytes:
         if Path(file) == path and not readable:
