@@ -41,16 +41,20 @@ async def stream(
     request: web.Request, content_type: str, chunks: Iterator[str] | Iterator[bytes]
 ) -> web.StreamResponse:
     """Write ``chunks`` as they come (chunked transfer encoding), yielding to the event loop
-    after each: the proxy's requests run between two chunks. ``HEAD`` gets the head alone."""
+    after each: the proxy's requests run between two chunks. ``HEAD`` gets the head alone; a
+    client that leaves mid-way ends the rendering quietly."""
     if request.method == "HEAD":
         return web.Response(headers={"Content-Type": content_type})
     response = web.StreamResponse(headers={"Content-Type": content_type})
     await response.prepare(request)
-    for chunk in chunks:
-        if chunk:
-            await response.write(chunk.encode() if isinstance(chunk, str) else chunk)
-        await asyncio.sleep(0)
-    await response.write_eof()
+    try:
+        for chunk in chunks:
+            if chunk:
+                await response.write(chunk.encode() if isinstance(chunk, str) else chunk)
+            await asyncio.sleep(0)
+        await response.write_eof()
+    except ConnectionResetError:  # the scraper went away: nothing left to do, nothing to log
+        pass
     return response
 
 

@@ -6,7 +6,8 @@ same whatever the tenant count (issue 28, row 4).
   chunk's worth of series (``/metrics``) or tenants (``/status``) — counted, not timed — and a
   proxied request sent while a scrape is being written is answered before the scrape's last
   series is read. Both documents stay whole and valid (the text parses, every series is there;
-  the JSON parses, every tenant is there).
+  the JSON parses, every tenant is there); ``HEAD`` gets the head alone, and a scraper that
+  leaves mid-way ends the rendering with nothing logged.
 * API keys are looked up by digest: every tenant's key finds its tenant among 10,000, a bad
   key finds none, and no lookup compares the presented digest with each known one.
 
@@ -19,16 +20,27 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
+from loopback_support import free_ports
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
-from sidecar_support import PATIENT_POLICY, ClientFactory, Clients, completion_body, start
+from sidecar_support import (
+    PATIENT_POLICY,
+    ClientFactory,
+    Clients,
+    completion_body,
+    start,
+)
 
 from tokenfair.config import Config, api_key_digest, build_config
+from tokenfair.server import create_admin_app
 from tokenfair.server.auth import Authenticator
 from tokenfair.server.exposition import COUNTER_CHUNK
 from tokenfair.server.metrics import LaneSeries
@@ -187,6 +199,40 @@ async def test_status_and_metrics_stay_whole_with_a_budget_store_section(
         if sample.name == "tokenfair_budget_store_leased_service_tokens_total"
     ]
     assert {sample.labels["tenant"] for sample in leased} == set(status["tenants"])
+
+
+async def test_a_scraper_that_leaves_mid_scrape_ends_it_quietly(
+    aiohttp_client: ClientFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On an admin listener set up as ``runner.py`` sets it up (no handler cancellation: the
+    handler meets the closed socket at its next write), a scraper that leaves after the first
+    chunk ends the rendering with nothing logged, and the next scrape is whole."""
+    clients = await start(aiohttp_client, many_tenants(2_000))
+    for n in range(2_000):
+        clients.sidecar.metrics.lane_series(f"tenant-{n:05d}", "batch").admitted += 1
+    runner = web.AppRunner(create_admin_app(clients.sidecar), access_log=None)
+    await runner.setup()
+    (port,) = free_ports(1)
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        for path in ("/metrics", "/status"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: admin\r\n\r\n".encode())
+            await writer.drain()
+            await reader.read(1_000)  # the head and the first chunk, then gone
+            writer.transport.abort()
+            for _ in range(100):  # the handler meets the closed socket at its next chunk
+                await asyncio.sleep(0)
+        # A whole scrape afterwards (hundreds of turns of the loop more).
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{port}/metrics") as response,
+        ):
+            assert response.status == 200
+            assert 'tenant="tenant-01999"' in await response.text()
+    finally:
+        await runner.cleanup()
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 @pytest.fixture
