@@ -26,6 +26,7 @@ from tokenfair.config.fields import (
     positive,
     shown,
 )
+from tokenfair.config.files import InputFileError, open_regular
 from tokenfair.sim.batchfit import BatchingFit
 from tokenfair.sim.calibrate import (
     DEFAULT_MAX_RELATIVE_STDERR,
@@ -98,12 +99,12 @@ def register(subparsers: Any) -> None:
 
 
 def _line_count(path: Path) -> int | None:
-    """Lines of ``path`` (the bar's total; blank lines included), or None if unreadable (the
-    reader then says why)."""
+    """Lines of ``path`` (the bar's total; blank lines included), or None if unreadable or no
+    regular file (the reader then says why)."""
     try:
-        with path.open("rb") as handle:
+        with open_regular(path) as handle:
             return sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 20), b""))
-    except OSError:
+    except (OSError, InputFileError):
         return None
 
 

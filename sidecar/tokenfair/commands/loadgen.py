@@ -31,8 +31,9 @@ import yaml
 
 from tokenfair.commands import add_format_flag, progress
 from tokenfair.commands.simulate import EXPERIMENT, format_table
-from tokenfair.config import PolicyConfig
+from tokenfair.config import MAX_DOCUMENT_BYTES, PolicyConfig
 from tokenfair.config.fields import flag_number, positive, positive_int
+from tokenfair.config.files import InputFileError, read_regular
 from tokenfair.core import Request
 from tokenfair.loadgen import (
     KV_GAUGE,
@@ -133,11 +134,17 @@ def load_keys(path: Path | None, pairs: Sequence[str]) -> dict[str, str]:
     keys: dict[str, str] = {}
     if path is not None:
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            data = yaml.safe_load(read_regular(path, MAX_DOCUMENT_BYTES).decode("utf-8"))
+        except InputFileError as exc:
+            raise ValueError(f"--keys {exc}") from None
         except OSError as exc:
             raise ValueError(f"--keys {path}: cannot read ({exc.strerror})") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--keys {path}: not UTF-8 text ({exc.reason})") from None
         except yaml.YAMLError as exc:
             raise ValueError(f"--keys {path}: invalid YAML: {exc}") from None
+        except RecursionError:
+            raise ValueError(f"--keys {path}: invalid YAML: nested too deeply") from None
         if not isinstance(data, dict):
             raise ValueError(f"--keys {path}: must be a YAML mapping tenant_id: api_key")
         for tenant, key in data.items():

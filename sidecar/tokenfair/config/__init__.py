@@ -9,7 +9,9 @@ Modules:
   ratios, booleans, strings, choices) and the table-driven reader every section and the
   ``tokenfair sidecar`` flags use, :class:`ConfigError` and :func:`shown`;
 * :mod:`tokenfair.config.budget_store` — the ``budgetStore:`` section (pool-wide budgets) and
-  the split of a tenant's budgets over ``n`` replicas.
+  the split of a tenant's budgets over ``n`` replicas;
+* :mod:`tokenfair.config.files` — every file a user names is opened there, and only if it is a
+  regular file (never a FIFO, a device, a directory), reads bounded in size.
 
 The names below are the contract's public surface; import them from here.
 """
@@ -39,6 +41,7 @@ from tokenfair.config.document import (
     parse_documents,
     parse_policy,
     parse_tenant,
+    read_config_file,
     replace_policy,
 )
 from tokenfair.config.fields import SHOWN_CHARS, ConfigError, shown
@@ -68,6 +71,7 @@ __all__ = [
     "parse_documents",
     "parse_policy",
     "parse_tenant",
+    "read_config_file",
     "replace_policy",
     "shown",
 ]

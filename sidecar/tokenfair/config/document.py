@@ -42,6 +42,7 @@ from tokenfair.config.fields import (
     shown,
     unknown_keys,
 )
+from tokenfair.config.files import InputFileError, read_regular
 
 if TYPE_CHECKING:  # budget_store imports this module; its parser is imported where it is used
     from tokenfair.config.budget_store import BudgetStoreConfig
@@ -433,11 +434,24 @@ def _manifest_name(where: str, doc: Mapping[str, object]) -> str:
 def load_config(path: str | Path) -> Config:
     """Load a YAML file (one or many documents) into a :class:`Config`."""
     source = str(path)
+    data = read_config_file(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot read ({exc.strerror})") from None
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
     return loads_config(text, source)
+
+
+def read_config_file(path: str | Path) -> bytes:
+    """The bytes of a config file: a regular file (not a FIFO, a device, a directory) of at
+    most :data:`MAX_DOCUMENT_BYTES` (:mod:`tokenfair.config.files`); :class:`ConfigError`
+    naming the file and the rule otherwise."""
+    try:
+        return read_regular(path, MAX_DOCUMENT_BYTES)
+    except InputFileError as exc:
+        raise ConfigError(str(exc)) from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
 
 
 def loads_config(text: str, source: str = "<config>") -> Config:
@@ -457,11 +471,7 @@ def load_tenants_file(path: str | Path) -> Config:
     ignored: a replay has no listeners or backend. Everything else follows
     :func:`parse_documents`' rules, unknown fields included."""
     source = str(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{source}: cannot read ({exc.strerror})") from None
-    documents = load_documents(document_text(data, source), source)
+    documents = load_documents(document_text(read_config_file(path), source), source)
     return parse_documents([_without_sidecar_section(d, source) for d in documents], source)
 
 
@@ -483,7 +493,9 @@ GZIP_MAGIC: Final = b"\x1f\x8b"
 MAX_DOCUMENT_BYTES: Final = 16 * 1024 * 1024
 """Largest config document after decompression (16 MiB, about 75,000 tenants; the operator
 publishes at most 1 MiB compressed, ~5 MB of JSON): a gzip bomb in a mounted or served
-document is refused by size instead of filling the sidecar's memory."""
+document is refused by size instead of filling the sidecar's memory. A config *file* is bound
+by it too (:func:`read_config_file`): a 100 MB file is refused before it is read, not parsed
+for minutes."""
 
 
 def document_text(data: bytes, source: str = "<config>") -> str:

@@ -11,17 +11,24 @@
     most :data:`MAX_BATCH_INPUTS` (2048) prompts; the number of IDs is bounded by the body's
     ``max_json_values``. A bad element is named in the message (``prompt[1][2]: ...``);
   - each ``messages[i]``: its ``content`` (a string, or a list of parts whose ``text`` is
-    counted), its ``name``, and its ``tool_calls`` / ``function_call`` (function names and
-    arguments: counted as their compact JSON, the text a server renders into the prompt), plus
+    counted, and :data:`IMAGE_TOKENS` (1,445) for each image part: a 400 KB base64 image was
+    ~4 tokens, the message's framing, while a server charges it hundreds to thousands), its
+    ``name``, and its ``tool_calls`` / ``function_call`` (function names and arguments:
+    counted as their compact JSON, the text a server renders into the prompt), plus
     :data:`MESSAGE_OVERHEAD_TOKENS` (4) of chat framing per message;
   - ``tools``, ``functions`` (their names, descriptions and JSON-schema parameters),
     ``response_format`` (a JSON schema) and ``tool_choice``: counted as their compact JSON
     (servers render tool and schema definitions into the prompt as JSON text).
 
   It is an estimate; settlement corrects it with the usage the backend reports.
-* **decode tokens** — ``max_completion_tokens`` or else ``max_tokens`` (an integer ``>= 1`` and
-  ``<= max_decode_tokens``), or ``default_decode_tokens`` when neither is set, **per generated
-  sequence**: ``decode = per_choice * max(n, best_of)``. ``n`` (choices returned) and
+* **decode tokens** — the larger of ``max_completion_tokens`` and ``max_tokens`` (each, when
+  set, an integer ``>= 1`` and ``<= max_decode_tokens``), or ``default_decode_tokens`` when
+  neither is set, **per generated sequence**. The larger, because servers differ on which one
+  rules: vLLM's chat endpoint takes ``max_completion_tokens`` when set, its legacy completions
+  endpoint knows only ``max_tokens`` (``max_completion_tokens`` is an ignored extra field
+  there), so ``max_tokens`` 8000 with ``max_completion_tokens`` 1 generates up to 8000; a
+  reservation must cover what runs, and settlement returns what did not.
+  ``decode = per_choice * max(n, best_of)``. ``n`` (choices returned) and
   ``best_of`` (sequences generated, the best ``n`` returned: legacy completions) are integers in
   ``1..MAX_CHOICES`` (128, OpenAI's limit for ``n``), with ``best_of >= n``. The prompt is
   charged **once**, whatever ``n`` and ``best_of``: vLLM (and OpenAI's usage) prefill a prompt
@@ -67,6 +74,16 @@ MAX_EMBEDDING_DIMENSIONS: Final = 16384
 """Largest ``dimensions`` accepted for an embedding (OpenAI's largest model has 3,072)."""
 EMBEDDING_ENCODINGS: Final = ("float", "base64")
 """``encoding_format`` values of an embeddings request (OpenAI's; the SDK asks for base64)."""
+IMAGE_TOKENS: Final = 1445
+"""Prompt tokens charged per image part: OpenAI's most for one image at ``detail`` ``high`` or
+``auto`` (scaled into 2048 x 2048, its short side to 768: at most 2 x 4 tiles of 512 px, 170
+tokens each, plus 85). The sidecar does not decode images; settlement corrects the estimate
+with the usage the server reports (vLLM's models differ: 576 for LLaVA-1.5, thousands for
+dynamic-resolution ones)."""
+IMAGE_PART_TYPES: Final = frozenset({"image_url", "input_image", "image_embeds", "image_pil"})
+"""Content part types that carry an image (OpenAI's ``image_url``, its Responses API's
+``input_image``, vLLM's ``image_embeds`` and ``image_pil``); a part with an ``image_url`` key
+counts too."""
 STRUCTURED_PROMPT_FIELDS: Final = ("tools", "functions", "response_format", "tool_choice")
 """Top-level fields whose text a server renders into the prompt (counted as compact JSON)."""
 MAX_JSON_DEPTH: Final = 64
@@ -205,13 +222,16 @@ def check_json_shape(body: object, max_depth: int, max_values: int) -> None:
         level = children
 
 
-def _text_chars(param: str, content: object) -> int:
+def _content(param: str, content: object) -> tuple[int, int]:
+    """``(characters of text, image parts)`` of a message's ``content``: a string, or a list
+    of parts (strings, ``{"type": "text", "text": ...}``, image parts: see
+    :data:`IMAGE_PART_TYPES`; other parts count nothing)."""
     if content is None:
-        return 0
+        return 0, 0
     if isinstance(content, str):
-        return len(content)
+        return len(content), 0
     if isinstance(content, list):
-        chars = 0
+        chars = images = 0
         for part in content:
             if isinstance(part, str):
                 chars += len(part)
@@ -219,9 +239,11 @@ def _text_chars(param: str, content: object) -> int:
                 text = part.get("text")
                 if isinstance(text, str):
                     chars += len(text)
+                elif part.get("type") in IMAGE_PART_TYPES or "image_url" in part:
+                    images += 1
             else:
                 raise EstimateError(param, f"{param}: must be a string or a list of parts")
-        return chars
+        return chars, images
     raise EstimateError(
         param, f"{param}: must be a string or a list (got {type(content).__name__})"
     )
@@ -249,8 +271,9 @@ def _structured_chars(body: Mapping[str, object]) -> int:
     return chars
 
 
-def _message_chars(i: int, message: Mapping[str, object]) -> int:
-    chars = _text_chars(f"messages[{i}].content", message.get("content"))
+def _message_chars(i: int, message: Mapping[str, object]) -> tuple[int, int]:
+    """``(characters, image parts)`` of ``messages[i]``."""
+    chars, images = _content(f"messages[{i}].content", message.get("content"))
     name = message.get("name")
     if name is not None:
         if not isinstance(name, str):
@@ -270,12 +293,13 @@ def _message_chars(i: int, message: Mapping[str, object]) -> int:
                 f"messages[{i}].function_call", f"messages[{i}].function_call: must be an object"
             )
         chars += _json_chars(function_call)
-    return chars
+    return chars, images
 
 
 def chars4(body: Mapping[str, object]) -> int:
     """``ceil(chars / 4)`` over every text the model reads, plus 4 framing tokens per chat
-    message (see the module docstring for what counts)."""
+    message and :data:`IMAGE_TOKENS` per image part (see the module docstring for what
+    counts)."""
     structured = _structured_chars(body)
     messages = body.get("messages")
     if messages is not None:
@@ -285,7 +309,8 @@ def chars4(body: Mapping[str, object]) -> int:
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping):
                 raise EstimateError(f"messages[{i}]", f"messages[{i}]: must be an object")
-            tokens += math.ceil(_message_chars(i, message) / CHARS_PER_TOKEN)
+            chars, images = _message_chars(i, message)
+            tokens += math.ceil(chars / CHARS_PER_TOKEN) + images * IMAGE_TOKENS
             tokens += MESSAGE_OVERHEAD_TOKENS
         return tokens
     chars, token_ids, _ = _inputs(body.get("prompt"))
@@ -401,7 +426,9 @@ def sequences(body: Mapping[str, object]) -> int:
 
 
 def decode_tokens(body: Mapping[str, object], default: int, cap: int) -> int:
-    """Decode tokens of one sequence (see the module docstring)."""
+    """Decode tokens of one sequence: the larger of ``max_completion_tokens`` and
+    ``max_tokens`` where both are set, each checked (see the module docstring)."""
+    larger = 0
     for param in ("max_completion_tokens", "max_tokens"):
         value = body.get(param)
         if value is None:
@@ -410,8 +437,8 @@ def decode_tokens(body: Mapping[str, object], default: int, cap: int) -> int:
             raise EstimateError(param, f"{param}: must be an integer >= 1 (got {_shown(value)})")
         if value > cap:
             raise EstimateError(param, f"{param}: must be <= {cap} (got {value})")
-        return value
-    return default
+        larger = max(larger, value)
+    return larger or default
 
 
 def estimate(

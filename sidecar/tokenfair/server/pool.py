@@ -11,7 +11,22 @@ leased by one Lua script, atomically (:data:`LEASE_SCRIPT`): ``level = min(burst
 ``min(take, floor(level))`` if ``level >= min_take``, else nothing. ``now`` is the caller's
 wall clock in model milliseconds (a clock behind ``at_ms`` refills nothing), so every sidecar
 refills the same bucket on one time line, and tests inject a clock. A missing key is a full
-bucket; keys expire once they would be full anyway (``burst / sustained`` + 60 s).
+bucket; keys expire once they would be full anyway (``burst / sustained`` + 60 s, the key's
+*lifetime*).
+
+**Garbage in the store is repaired per key, never believed.** A legal bucket is a hash whose
+``level`` is a number in ``[0, burst]`` and whose ``at_ms`` is a number at most a lifetime
+ahead of ``now``. The script resets, to an *empty* bucket refilling from ``now`` (so the
+tenant is served again one chunk's refill later, ``c / sustained``), a key that is not a hash
+(deleted first), a ``level`` that is no number, NaN or negative (a level of -1e300 was a
+lock-out that outlived the key: the old answer put the next ask ~1e300 ms away), and an
+``at_ms`` that is no number, NaN or further ahead than a lifetime (1e300 stopped every
+refill); a ``level`` above the burst is capped as before. Each repair is counted
+(``tokenfair_budget_store_repaired_keys_total``, ``/status``' ``repaired_keys``) and logged
+with the key. On the sidecar's side an answer is believed only in range (a grant within what
+was asked, a finite level, taken as within ``[0, burst]``), and a call that fails or answers
+out of range costs its tenant one ``probeIntervalMs`` without leases; the pool falls back only
+when the connection fails or every call of a pass fails (the store, not a key).
 
 **Per tenant, per pass** (chunk ``c = ceil(sustained * leaseMs / 1000)``, at most half the
 burst):
@@ -65,6 +80,7 @@ from tokenfair.config import Config, TenantConfig
 from tokenfair.config.budget_store import BudgetStoreConfig, split_budgets
 from tokenfair.core import Scheduler
 from tokenfair.core.bucket import LeasedBucket
+from tokenfair.server.exposition import counter_chunks, label_value, number
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -75,14 +91,33 @@ local rate = tonumber(ARGV[3])
 local give = tonumber(ARGV[4])
 local take = tonumber(ARGV[5])
 local min_take = tonumber(ARGV[6])
-local state = redis.call('HMGET', KEYS[1], 'level', 'at_ms')
-local level = tonumber(state[1])
-local at = tonumber(state[2])
-if level == nil or at == nil then
+local ttl_ms = math.min(math.ceil(burst / rate), 86400000) + 60000
+local repaired = 0
+local level, at
+local kind = redis.call('TYPE', KEYS[1])['ok']
+if kind == 'none' then
   level = burst
   at = now
-elseif now > at then
-  level = math.min(burst, level + (now - at) * rate)
+elseif kind ~= 'hash' then
+  redis.call('DEL', KEYS[1])
+  level = 0
+  at = now
+  repaired = 1
+else
+  local state = redis.call('HMGET', KEYS[1], 'level', 'at_ms')
+  level = tonumber(state[1])
+  at = tonumber(state[2])
+  if level == nil or level ~= level or level < 0 then
+    level = 0
+    repaired = 1
+  end
+  if at == nil or at ~= at or at > now + ttl_ms then
+    at = now
+    repaired = 1
+  end
+end
+if now > at then
+  level = level + (now - at) * rate
   at = now
 end
 level = math.min(burst, level + give)
@@ -93,11 +128,13 @@ if take > 0 and level >= min_take then
 end
 redis.call('HSET', KEYS[1], 'level', string.format('%.17g', level),
            'at_ms', string.format('%.17g', at))
-redis.call('PEXPIRE', KEYS[1], math.min(math.ceil(burst / rate), 86400000) + 60000)
-return {granted, string.format('%.17g', level)}
+redis.call('PEXPIRE', KEYS[1], ttl_ms)
+return {granted, string.format('%.17g', level), repaired}
 """
 """KEYS: the tenant's bucket. ARGV: now_ms, burst, sustained per ms, give, take, min_take.
-Returns ``{granted, level after}`` (the level as a string: Redis truncates Lua floats)."""
+Returns ``{granted, level after, repaired}`` (the level as a string: Redis truncates Lua
+floats; ``repaired`` 1 when the key held garbage, see :data:`LEASE_SCRIPT`'s rules in the
+module docstring)."""
 
 PASS_INTERVAL_S: Final = 0.02
 """Real seconds between passes when nothing wakes the task sooner (a shortfall does)."""
@@ -118,6 +155,11 @@ class TenantLease:
     leased_tokens: int = 0
     """Service tokens granted by the store since start (a counter)."""
     returned_tokens: int = 0
+    label: str = ""
+    """``tenant="<id>"``, escaped for the metrics text (made once)."""
+
+    def __post_init__(self) -> None:
+        self.label = f'tenant="{label_value(self.tenant_id)}"'
 
 
 @dataclass(slots=True)
@@ -159,6 +201,8 @@ class BudgetPool:
         self.store_calls = 0
         """Commands sent to the store (a counter): one per tenant per pass that needs one."""
         self.store_errors = 0
+        self.repaired_keys = 0
+        """Tenant keys the lease script found holding garbage and reset (a counter)."""
         self.last_error = ""
         self.changed_at_ms = self.wall_ms()
         self.next_probe_ms = -math.inf
@@ -244,21 +288,55 @@ class BudgetPool:
         except Exception as exc:
             self._fall_back(now_ms, exc)
             return
+        failed = [reply for reply in replies if isinstance(reply, Exception)]
+        if failed and len(failed) == len(replies):
+            # Every call failed: the store, not a key (out of memory, read-only, no script).
+            self._fall_back(now_ms, failed[0])
+            return
         granted_any = False
         for call, reply in zip(calls, replies, strict=True):
-            granted = int(reply[0])
-            store_level = float(reply[1])
-            call.lease.leased_tokens += granted
-            if granted:
-                call.bucket.grant(granted)
-                granted_any = True
-            if call.take:
-                # Ask next once the store could hold a chunk (a call before would be refused).
-                rate_per_ms = call.config.sustained_service_tokens_per_second / 1000.0
-                missing = call.lease.chunk_tokens - store_level
-                call.lease.retry_at_ms = now_ms + max(0.0, missing) / rate_per_ms
+            granted_any |= self._settle_call(call, reply, now_ms)
         if granted_any:
             self.on_tokens()
+
+    def _settle_call(self, call: _Call, reply: Any, now_ms: float) -> bool:
+        """Apply one tenant's answer; True if it granted tokens. A failed call, or an answer
+        out of range (a store of another version, a script changed under us), costs that
+        tenant one ``probeIntervalMs`` without leases, never the pool its sharing: the tokens
+        it gave back count as returned (a lost return errs on the budget's side)."""
+        lease = call.lease
+        try:
+            if isinstance(reply, Exception):
+                raise reply
+            granted = int(reply[0])
+            store_level = float(reply[1])
+            repaired = len(reply) > 2 and int(reply[2]) == 1
+            if not (0 <= granted <= call.take and math.isfinite(store_level)):
+                raise ValueError(f"lease answer out of range: {reply[:2]!r}")
+        except Exception as exc:
+            self._failed(exc)
+            lease.retry_at_ms = now_ms + self.store.probe_interval_ms
+            log.warning("budget store: tenant %s: lease call failed (%s); retrying in %g ms",
+                        lease.tenant_id, self.last_error, self.store.probe_interval_ms)  # fmt: skip
+            return False
+        if repaired:
+            self.repaired_keys += 1
+            log.warning("budget store: key %s held garbage (not a bucket, or a level or time "
+                        "out of range): reset to an empty bucket refilling from now",
+                        lease.key)  # fmt: skip
+        lease.leased_tokens += granted
+        if granted:
+            call.bucket.grant(granted)
+        if call.take:
+            # Ask next once the store could hold a chunk (a call before would be refused);
+            # the store's level is at most the burst and at least 0, so this is at most a
+            # chunk's refill time away.
+            rate_per_ms = call.config.sustained_service_tokens_per_second / 1000.0
+            missing = lease.chunk_tokens - min(
+                max(store_level, 0.0), call.config.burst_service_tokens
+            )
+            lease.retry_at_ms = now_ms + max(0.0, missing) / rate_per_ms
+        return granted > 0
 
     def _plan(self, now_ms: float) -> list[_Call]:
         calls: list[_Call] = []
@@ -310,7 +388,9 @@ class BudgetPool:
                 call.min_take,
             )
         self.store_calls += len(calls)
-        return list(await pipe.execute())
+        # A failed command comes back as its exception, in its place: one tenant's failure is
+        # that tenant's (a lost connection still raises, for the whole pass).
+        return list(await pipe.execute(raise_on_error=False))
 
     async def _ping(self) -> None:
         self.store_calls += 1
@@ -387,7 +467,12 @@ class BudgetPool:
             await self.client.aclose()
 
     def status(self) -> dict[str, object]:
-        """The ``budget_store`` section of ``/status``."""
+        """The ``budget_store`` section of ``/status`` (the admin handler streams it:
+        :meth:`status_head`, then :meth:`tenant_statuses`)."""
+        return {**self.status_head(), "tenants": dict(self.tenant_statuses())}
+
+    def status_head(self) -> dict[str, object]:
+        """The ``budget_store`` section of ``/status`` but its ``tenants``."""
         return {
             "kind": "redis",
             "shared": self.shared,
@@ -397,17 +482,23 @@ class BudgetPool:
             "fallbacks": self.fallbacks,
             "store_calls": self.store_calls,
             "store_errors": self.store_errors,
+            "repaired_keys": self.repaired_keys,
             "last_error": self.last_error,
-            "tenants": {
-                tenant_id: {
+        }
+
+    def tenant_statuses(self) -> Iterator[tuple[str, object]]:
+        """Each tenant's lease, read lazily (over a copy of the tenants: a reload during a
+        scrape shows in the next one)."""
+        for tenant_id, lease in list(self.leases.items()):
+            yield (
+                tenant_id,
+                {
                     "lease_balance_service_tokens": round(self._level(tenant_id), 3),
                     "chunk_service_tokens": lease.chunk_tokens,
                     "leased_service_tokens": lease.leased_tokens,
                     "returned_service_tokens": lease.returned_tokens,
-                }
-                for tenant_id, lease in self.leases.items()
-            },
-        }
+                },
+            )
 
     def _level(self, tenant_id: str) -> float:
         state = self.scheduler.tenants.get(tenant_id)
@@ -416,13 +507,21 @@ class BudgetPool:
     def collector(self) -> Collector:
         return _PoolCollector(self)
 
+    def tenant_families(self) -> Iterator[str]:
+        """``tokenfair_budget_store_leased_service_tokens_total`` and
+        ``..._returned_service_tokens_total`` per tenant, in chunks
+        (``Metrics.add_tenant_families``)."""
+        leases = list(self.leases.values())
+        for name, documentation, lines in _LEASE_FAMILIES:
+            yield from counter_chunks(name, documentation, leases, lines)
+
 
 class _PoolCollector(Collector):
     """``tokenfair_budget_store_up`` (1 shared, 0 fallen back to the split),
-    ``tokenfair_budget_store_fallbacks_total``, ``tokenfair_budget_store_calls_total``,
-    ``tokenfair_budget_store_errors_total`` and per tenant
-    ``tokenfair_budget_store_leased_service_tokens_total`` /
-    ``..._returned_service_tokens_total``."""
+    ``tokenfair_budget_store_fallbacks_total``, ``tokenfair_budget_store_calls_total`` and
+    ``tokenfair_budget_store_errors_total``, ``tokenfair_budget_store_repaired_keys_total``;
+    the per-tenant families are
+    :meth:`BudgetPool.tenant_families`'."""
 
     def __init__(self, pool: BudgetPool) -> None:
         self._pool = pool
@@ -443,21 +542,31 @@ class _PoolCollector(Collector):
         yield CounterMetricFamily(
             "tokenfair_budget_store_errors", "Store calls failed.", pool.store_errors
         )
-        leased = CounterMetricFamily(
-            "tokenfair_budget_store_leased_service_tokens",
-            "Service tokens leased from the pool's buckets.",
-            labels=["tenant"],
+        yield CounterMetricFamily(
+            "tokenfair_budget_store_repaired_keys",
+            "Tenant keys found holding garbage and reset to an empty bucket.",
+            pool.repaired_keys,
         )
-        returned = CounterMetricFamily(
-            "tokenfair_budget_store_returned_service_tokens",
-            "Service tokens returned to the pool's buckets.",
-            labels=["tenant"],
-        )
-        for tenant_id, lease in pool.leases.items():
-            leased.add_metric([tenant_id], lease.leased_tokens)
-            returned.add_metric([tenant_id], lease.returned_tokens)
-        yield leased
-        yield returned
+
+
+_LEASE_FAMILIES: Final = (
+    (
+        "tokenfair_budget_store_leased_service_tokens",
+        "Service tokens leased from the pool's buckets.",
+        lambda lease: (
+            f"tokenfair_budget_store_leased_service_tokens_total{{{lease.label}}} "
+            f"{number(lease.leased_tokens)}\n"
+        ),
+    ),
+    (
+        "tokenfair_budget_store_returned_service_tokens",
+        "Service tokens returned to the pool's buckets.",
+        lambda lease: (
+            f"tokenfair_budget_store_returned_service_tokens_total{{{lease.label}}} "
+            f"{number(lease.returned_tokens)}\n"
+        ),
+    ),
+)
 
 
 def connect(store: BudgetStoreConfig) -> Any:

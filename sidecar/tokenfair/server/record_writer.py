@@ -19,6 +19,11 @@ retry succeeds (every :data:`RETRY_INTERVAL_S`); records that arrive while that 
 dropped and counted (``tokenfair_records_dropped_total``). A line cut by a partial write is
 completed first, so the file never holds half a record followed by another. The failure is
 logged once when it starts and once when writing works again.
+
+The path must name a regular file (or nothing yet: it is created); a FIFO, a device or a
+directory is refused at start (:mod:`tokenfair.config.files`). :meth:`RecordWriter.reopen`
+opens it anew after log rotation (the sidecar calls it on ``SIGHUP``:
+:meth:`Sidecar.reopen_logs <tokenfair.server.state.Sidecar.reopen_logs>`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
 
+from tokenfair.config.files import open_regular
 from tokenfair.core import Decision, Request
 from tokenfair.sim.records import (
     RecordLine,
@@ -156,9 +162,10 @@ class RecordWriter:
         on_dropped: Callable[[int], object] | None = None,
     ) -> None:
         # Unbuffered: a failed or partial write(2) is seen here, not hidden in a buffer.
-        # Held open for the app's lifetime; the cleanup context closes it.
-        file = Path(path).open("ab", buffering=0)  # noqa: SIM115
-        self._init(file, str(path), max_pending, retry_interval_s, on_dropped)
+        # Held open for the app's lifetime; the cleanup context closes it. A regular file
+        # only: a FIFO would block the open (and every write) until a reader came.
+        file = open_regular(path, append=True)
+        self._init(file, str(path), max_pending, retry_interval_s, on_dropped, path)
 
     @classmethod
     def to_file(
@@ -172,7 +179,7 @@ class RecordWriter:
     ) -> RecordWriter:
         """A writer on an open binary file (``write`` returning the bytes written)."""
         writer = cls.__new__(cls)
-        writer._init(file, name, max_pending, retry_interval_s, on_dropped)
+        writer._init(file, name, max_pending, retry_interval_s, on_dropped, None)
         return writer
 
     def _init(
@@ -182,9 +189,12 @@ class RecordWriter:
         max_pending: int,
         retry_interval_s: float,
         on_dropped: Callable[[int], object] | None,
+        path: str | Path | None,
     ) -> None:
         self._file = file
         self.name = name
+        self.path = path
+        """Where :meth:`reopen` opens the file again (None: a file handed to :meth:`to_file`)."""
         self.max_pending = max_pending or MAX_PENDING_RECORDS
         self.retry_interval_s = retry_interval_s or RETRY_INTERVAL_S
         self._on_dropped = on_dropped
@@ -268,6 +278,35 @@ class RecordWriter:
         self.dropped += count
         if self._on_dropped is not None:
             self._on_dropped(count)
+
+    def reopen(self) -> bool:
+        """Open the records path anew, for log rotation: after ``logrotate`` renamed the file
+        (and before its ``postrotate`` SIGHUP), records go on into a new file at the path, the
+        renamed one keeping what was written to it. What is queued is written to the old file
+        first; the rest of a line a failed write cut there is dropped (its head is in the old
+        file) and counted. If the path cannot be opened (no longer a regular file, no
+        permission), the writer keeps the file it has, and says so. True if reopened; a
+        writer on a file it did not open (:meth:`to_file`) has nothing to reopen. Never
+        raises."""
+        if self.path is None or self._file.closed:
+            return False
+        self.flush()
+        try:
+            fresh = open_regular(self.path, append=True)
+        except (OSError, ValueError) as exc:
+            log.error("records file %s: cannot reopen (%s); still writing to the file it had",
+                      self.name, exc)  # fmt: skip
+            return False
+        if self._partial:
+            self._partial = b""
+            self._drop(1)
+        old, self._file = self._file, fresh
+        try:
+            old.close()
+        except OSError as exc:  # its last bytes were written (or kept) above
+            log.warning("records file %s: closing the old file failed (%s)", self.name, exc)
+        log.info("records file %s reopened", self.name)
+        return True
 
     def close(self) -> None:
         if self._scheduled is not None:

@@ -23,7 +23,10 @@ Every ``reload_interval_s`` the file's ``(mtime_ns, ctime_ns, size, inode)`` is 
 last one read successfully; on a change its bytes are hashed, and a new SHA-256 is parsed. A valid
 document is applied (``scheduler.reconfigure``: queued and running requests stay); an invalid one
 is refused (``refuse``: logged, counted in ``tokenfair_config_reloads_total{result="invalid"}``)
-and the last good config stays. A vanished or unreadable file is an invalid change. The
+and the last good config stays. A vanished or unreadable file is an invalid change, and so is
+a path that names no regular file (a FIFO, a device such as ``/dev/zero``, a directory) or a
+file over ``MAX_DOCUMENT_BYTES``: both are refused without being read
+(:mod:`tokenfair.config.files`), so no path can block the event loop or fill memory. The
 ``sidecar:`` section is not reloaded (restart).
 
 The watcher survives anything: an unexpected exception while reading, parsing or applying is
@@ -43,9 +46,10 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
-from tokenfair.config import ConfigError
+from tokenfair.config import ConfigError, read_config_file
+from tokenfair.config.files import InputFileError, read_regular
 from tokenfair.server.remote import (
     GENERATION_FILE,
     RemoteFeed,
@@ -57,6 +61,8 @@ from tokenfair.server.runtime_settings import LoadedFile, loads_sidecar_file
 log = logging.getLogger("tokenfair.sidecar")
 
 Report = Callable[[str], None]
+MAX_GENERATION_BYTES: Final = 4096
+"""Largest generation file read (a number)."""
 
 
 class ConfigWatcher:
@@ -93,9 +99,9 @@ class ConfigWatcher:
         read again on the next tick (it changed since it was loaded)."""
         try:
             before = self._file_generation()
-            digest = hashlib.sha256(self.path.read_bytes()).hexdigest()
+            digest = hashlib.sha256(read_config_file(self.path)).hexdigest()
             after = self._file_generation()
-        except (OSError, RuntimeError):
+        except (ConfigError, OSError, RuntimeError):
             return 0
         if before != after or digest != self.last_sha256:
             self.last_seen = None
@@ -106,9 +112,11 @@ class ConfigWatcher:
         """The generation file's number; None without one (OSError, RuntimeError: unreadable
         or not a number)."""
         try:
-            text = self.generation_path.read_text(encoding="ascii")
+            text = read_regular(self.generation_path, MAX_GENERATION_BYTES).decode("ascii")
         except FileNotFoundError:
             return None
+        except InputFileError as exc:
+            raise RuntimeError(str(exc)) from None
         except UnicodeDecodeError:
             raise RuntimeError(f"{self.generation_path}: not a number") from None
         return parse_generation(text)
@@ -193,10 +201,13 @@ class ConfigWatcher:
             return
         try:
             before = self._file_generation()
-            data = path.read_bytes()
+            data = read_config_file(path)
             after = self._file_generation()
         except OSError as exc:  # not marked as seen: read again on the next tick
             self._report(f"{path}: cannot read ({os.strerror(exc.errno or 0)})", self.refuse)
+            return
+        except ConfigError as exc:  # no regular file, too large: as unreadable
+            self._report(str(exc), self.refuse)
             return
         except RuntimeError as exc:  # a generation file that is not a number
             self.last_seen = seen

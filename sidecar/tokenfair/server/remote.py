@@ -53,6 +53,7 @@ from typing import Final
 import aiohttp
 
 from tokenfair.config import MAX_DOCUMENT_BYTES
+from tokenfair.config.files import InputFileError, read_regular
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -64,6 +65,10 @@ DEFAULT_TOKEN_FILE: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token
 VERSION_HEADER: Final = "X-Tokenfair-Config-Version"
 GENERATION_HEADER: Final = "X-Tokenfair-Config-Generation"
 GENERATION_FILE: Final = "generation"
+MAX_TOKEN_BYTES: Final = 64 * 1024
+"""Largest ServiceAccount token read (a projected token is ~1 KB)."""
+MAX_CA_BUNDLE_BYTES: Final = 1024 * 1024
+"""Largest CA bundle read (a few certificates: a few KB)."""
 """The generation's file beside the mounted ``config.yaml`` (a data key of the ConfigMap and
 Secret the operator publishes; the kubelet swaps both files at once)."""
 WAIT_S: Final = 30
@@ -164,9 +169,12 @@ class RemoteFeed:
 
     def _token(self) -> str:
         try:
-            return self.source.token_file.read_text().strip()
+            token = read_regular(self.source.token_file, MAX_TOKEN_BYTES)
+        except InputFileError as exc:
+            raise RuntimeError(str(exc)) from None
         except OSError as exc:
             raise RuntimeError(f"{self.source.token_file}: cannot read ({exc.strerror})") from None
+        return token.decode(errors="replace").strip()
 
     def _ssl(self) -> ssl.SSLContext | bool:
         """The context verifying the server: from the CA file as it is now (re-read each poll,
@@ -175,7 +183,9 @@ class RemoteFeed:
         if path is None:
             return True
         try:
-            bundle = path.read_bytes()
+            bundle = read_regular(path, MAX_CA_BUNDLE_BYTES)
+        except InputFileError as exc:
+            raise RuntimeError(f"the CA bundle {exc}") from None
         except OSError as exc:
             raise RuntimeError(f"{path}: cannot read the CA bundle ({exc.strerror})") from None
         if self._trust is None or self._trust[0] != bundle:

@@ -26,6 +26,7 @@ from tokenfair.config import (
     document_text,
     load_documents,
     parse_documents,
+    read_config_file,
     shown,
 )
 from tokenfair.config.fields import (
@@ -39,6 +40,7 @@ from tokenfair.config.fields import (
     read_fields,
     string,
 )
+from tokenfair.config.files import InputFileError, open_regular
 from tokenfair.server.accesslog import ACCESS_LOG_FORMATS
 from tokenfair.server.estimate import (
     MAX_EMBEDDING_DIMENSIONS,
@@ -379,8 +381,10 @@ def read_upstream_api_key(path: str, named_by: str = "upstreamApiKeyFile") -> st
     file and ``named_by`` (never its content) if it cannot be read, is empty, is over 4 KiB or
     holds anything but visible ASCII (the key goes into a header line)."""
     try:
-        with open(path, "rb") as file:
+        with open_regular(path) as file:
             data = file.read(MAX_API_KEY_BYTES + 1)
+    except InputFileError as exc:
+        raise ConfigError(f"{named_by}: {exc}") from None
     except OSError as exc:
         raise ConfigError(f"{named_by}: cannot read {path} ({exc.strerror or exc})") from None
     if len(data) > MAX_API_KEY_BYTES:
@@ -397,8 +401,6 @@ def read_upstream_api_key(path: str, named_by: str = "upstreamApiKeyFile") -> st
 
 
 def load_sidecar_file(path: str | Path) -> LoadedFile:
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
-    return loads_sidecar_file(data, str(path))
+    """The config file at ``path``: a regular file of at most ``MAX_DOCUMENT_BYTES``
+    (``read_config_file``: a FIFO, a device or a directory is refused by name, never read)."""
+    return loads_sidecar_file(read_config_file(path), str(path))

@@ -20,7 +20,6 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Final
 
-from tokenfair import native
 from tokenfair.config import Config, PriorityClass
 from tokenfair.config.budget_store import split_budgets
 from tokenfair.core import (
@@ -141,6 +140,7 @@ class Sidecar:
                 on_tokens=self.dispatcher.pump,
             )
             self.metrics.registry.register(self.pool.collector())
+            self.metrics.add_tenant_families(self.pool.tenant_families)
         self.budget_store_notice = ""
         """Why the budgets enforced differ from the document's until a restart ("" if not):
         a reload added, removed or moved the budget store (:meth:`_enforceable`)."""
@@ -188,6 +188,15 @@ class Sidecar:
 
     def _scrape_state(self) -> tuple[Scheduler, bool, str, str]:
         return self.scheduler, self.dispatcher.draining, self.config.version, self.config_sha256
+
+    def reopen_logs(self) -> None:
+        """Reopen the files the sidecar appends to, at their paths: the records file
+        (:meth:`RecordWriter.reopen <tokenfair.server.record_writer.RecordWriter.reopen>`;
+        the access log goes to stdout, which the process does not own). For ``SIGHUP`` after
+        log rotation. Never raises."""
+        writer = self.record_writer
+        if writer is not None:
+            writer.reopen()
 
     def next_request_id(self) -> str:
         """Unique per process, and across restarts appending to one records file."""
@@ -451,8 +460,6 @@ class Sidecar:
     ) -> None:
         tenant = request.tenant_id
         series = self._series(tenant, request.priority_class)
-        lane = series.lane
-        metrics = self.metrics
         counts = self.tenant_counts.get(tenant)
         if counts is None:
             counts = self.tenant_counts[tenant] = Counter()
@@ -463,13 +470,13 @@ class Sidecar:
             # Never dispatched: refused at admission (429, or 400 never admissible), shed from
             # the queue (429) or taken out of it by a drain (503 draining). A dispatched
             # request's 400, 429 or 503 is the upstream's answer, not a refusal.
-            metrics.refused.labels(tenant, lane, reason).inc()
+            series.count_refused(reason)
             counts["refused"] += 1
         elif reason.startswith("upstream_") or reason == INTERNAL_ERROR or status_code >= 500:
             # Upstream faults (502, 504, a stream cut after its 200, usage not believed on a
             # 200, the upstream's own 5xx), the sidecar's own failures (500 internal_error, or
             # a 200 it could not settle) and requests the drain cut (503 drain_aborted).
-            metrics.backend_errors.labels(tenant, lane, reason).inc()
+            series.count_backend_error(reason)
             counts["backend_errors"] += 1
         else:
             counts["served"] += 1
@@ -640,53 +647,3 @@ class Sidecar:
                 self.metrics.records_dropped.inc()
             except Exception:
                 log.exception("counting a dropped record failed")
-
-    def status(self) -> dict[str, object]:
-        """The ``/status`` document: config, books, per-tenant state and counters."""
-        scheduler = self.scheduler
-        now_ms = self.clock.now_ms()
-        books = scheduler.books()
-        config: dict[str, object] = {"version": self.config.version, "sha256": self.config_sha256}
-        if self.budget_store_notice:
-            config["restart_needed"] = self.budget_store_notice
-        tenants: dict[str, object] = {}
-        for tenant_id, state in scheduler.tenants.items():
-            tenants[tenant_id] = {
-                "priority_class": state.config.priority_class,
-                "weight": state.config.weight,
-                "queued_requests": state.queued,
-                "queued_service_tokens": state.queued_tokens,
-                "served_service_tokens": state.served_tokens,
-                "bucket_service_tokens": round(state.bucket.refill(now_ms), 3),
-                "burst_service_tokens": state.bucket.burst,
-                "counts": dict(self.tenant_counts.get(tenant_id, {})),
-            }
-        return {
-            "policy": self.policy_name,
-            "backend": self.backend.name,
-            # which scheduling core this process runs (docs/native.md): "compiled" or
-            # "interpreted", the same decisions either way
-            "core": "compiled" if native.status().active else "interpreted",
-            "config": config,
-            "draining": self.dispatcher.draining,
-            "max_in_flight": self.dispatcher.max_in_flight,
-            "time_scale": self.settings.time_scale,
-            "books": {
-                "queued_requests": books.queued_requests,
-                "queued_service_tokens": books.queued_service_tokens,
-                "queued_kv_blocks": books.queued_kv_blocks,
-                "running_requests": books.running_requests,
-                "resident_kv_blocks": books.resident_kv_blocks,
-            },
-            # What the KV gates see: the books corrected by the engine's last report (the
-            # books alone without a fresh one, "engine" says why).
-            "kv": {
-                "view_blocks": max(0, self.scheduler.kv_view_blocks),
-                "total_blocks": self.scheduler.policy.total_kv_blocks,
-                "block_tokens": self.scheduler.policy.kv_block_tokens,
-                "source": "engine" if self.engine is not None and self.engine.fresh else "books",
-            },
-            **({"engine": self.engine.status()} if self.engine is not None else {}),
-            "tenants": tenants,
-            **({"budget_store": self.pool.status()} if self.pool is not None else {}),
-        }

@@ -66,7 +66,7 @@ from tokenfair.config import PolicyConfig
 from tokenfair.core.jobs import STATUS_OK
 from tokenfair.sim.batchfit import BatchingFit, BatchingFitError, Run, fit_batching
 from tokenfair.sim.concurrency import ConcurrencyProfile
-from tokenfair.sim.records import TraceRecord
+from tokenfair.sim.records import TraceRecord, open_lines
 
 DEFAULT_MIN_RECORDS: Final = 20
 DEFAULT_PREFILL_FLOOR_MS: Final = PolicyConfig().prefill_floor_ms
@@ -201,15 +201,16 @@ class Outcome:
 
 
 def read_outcomes(
-    path: str | Path, tap: Callable[[Iterable[str]], Iterable[str]] | None = None
+    path: str | Path, tap: Callable[[Iterable[bytes]], Iterable[bytes]] | None = None
 ) -> dict[str, Outcome]:
     """``queue_wait_ms``, ``status_code``, ``observed.send_lag_ms`` and ``dispatch_ms`` by
     request id, for the records that carry any, from a trace already validated by
-    ``read_trace`` (which drops outcome fields). ``tap`` wraps the file's lines as they are
-    read (the CLI's progress bar counts them there)."""
+    ``read_trace`` (which drops outcome fields; the lines are read as it reads them:
+    ``records.open_lines``). ``tap`` wraps the file's lines as they are read (the CLI's
+    progress bar counts them there)."""
     outcomes: dict[str, Outcome] = {}
-    with Path(path).open(encoding="utf-8") as handle:
-        lines: Iterable[str] = handle if tap is None else tap(handle)
+    with open_lines(path) as handle:
+        lines: Iterable[bytes] = handle if tap is None else tap(handle)
         for line in lines:
             if not line.strip():
                 continue

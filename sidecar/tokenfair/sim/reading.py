@@ -20,8 +20,9 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Callable, Container, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import BinaryIO, Final, Protocol
+from typing import Final, Protocol
 
 import msgspec
 
@@ -83,9 +84,10 @@ class ReadHooks(Protocol):
     number). The ``*_error`` methods return the exception to raise (after checking, as the
     caller's rules say, whether a repeated id earlier in the file is the error to report)."""
 
-    def open_file(self) -> BinaryIO:
-        """The trace, opened for reading; the hooks close it when they are freed, should the
-        reader be dropped before its end (a compiled generator runs no ``finally`` then)."""
+    def open_file(self) -> AbstractContextManager[Iterator[bytes]]:
+        """The trace's lines, opened for reading (each bounded in length: ``records.open_lines``);
+        the hooks close the file when they are freed, should the reader be dropped before its
+        end (a compiled generator runs no ``finally`` then)."""
 
     def other_line(self, line: bytes, number: int) -> Arrival | None:
         """A line the fast decoder refused: its arrival, None for a blank line; raises the

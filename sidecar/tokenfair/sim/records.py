@@ -30,6 +30,7 @@ records are read back into ``Decision`` objects by :func:`read_decisions` (``tok
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import operator
@@ -41,6 +42,7 @@ from typing import Any, BinaryIO, Final, TextIO, TypeVar, cast, get_args
 import msgspec
 
 from tokenfair.config import PRIORITY_CLASSES, PriorityClass, shown
+from tokenfair.config.files import InputFileError, open_regular
 from tokenfair.core import Decision, Request
 from tokenfair.core.cost import service_tokens
 from tokenfair.sim.reading import IdHashes, validated_arrivals
@@ -86,6 +88,51 @@ class TraceError(ValueError):
     """A trace line broke the schema; the message names the file, line and field."""
 
 
+MAX_LINE_BYTES: Final = 1 << 20
+"""Longest line read from a records file (1 MiB; a record is a few hundred bytes). A line is
+read at most this far (plus its newline): a longer one — a 100 MB one-line file, a file with
+no newline at all — is refused at its first MiB, never held whole (:func:`too_long`)."""
+
+
+class RecordLines:
+    """A records file's lines, as bytes, each read with ``readline(MAX_LINE_BYTES + 1)``: a
+    longer line comes in pieces, the first of which its reader refuses (:func:`too_long`).
+    ``with`` gives the lines (a C-level iterator: ``iter(partial(readline, n), b"")``, ~70 ns a
+    line over a plain file iteration); :meth:`close` closes the file."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self.handle = handle
+
+    def __enter__(self) -> Iterator[bytes]:
+        return iter(functools.partial(self.handle.readline, MAX_LINE_BYTES + 1), b"")
+
+    def __exit__(self, *exc: object) -> None:
+        self.handle.close()
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def open_lines(path: str | Path) -> RecordLines:
+    """The lines of the records file ``path``, which must be a regular file (a FIFO, a device
+    such as ``/dev/zero``, a directory: :class:`TraceError` naming it and the rule, without
+    reading it; :mod:`tokenfair.config.files`); ``OSError`` if it cannot be opened."""
+    try:
+        return RecordLines(open_regular(path))
+    except InputFileError as exc:
+        raise TraceError(str(exc)) from None
+
+
+def too_long(line: bytes, where: str) -> TraceError | None:
+    """The error of a line :class:`RecordLines` cut short (over :data:`MAX_LINE_BYTES`), or
+    None. Checked only on lines the decoder refused: a cut line is no whole JSON value."""
+    if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+        return TraceError(f"{where}: a line longer than {MAX_LINE_BYTES} bytes (1 MiB)")
+    return None
+
+
 def _rule(info: msgspec.inspect.Type, declared: object) -> str | None:
     """The rule a field's type states, as the error messages word it (None: not described).
     ``declared`` is the annotation itself: a ``Literal``'s values in the order written."""
@@ -110,6 +157,7 @@ _FIELD_RULES: Final[dict[str, str | None]] = {
     for field, declared in zip(_SCHEMA.fields, _TRACE_FIELDS, strict=True)
 }
 _AT_FIELD: Final = " - at `$."
+NESTED_TOO_DEEPLY: Final = "JSON nested too deeply (a record is one flat JSON object)"
 
 
 def _trace_error(line: bytes, where: str, exc: msgspec.MsgspecError) -> TraceError:
@@ -118,12 +166,17 @@ def _trace_error(line: bytes, where: str, exc: msgspec.MsgspecError) -> TraceErr
     Only the error path pays for this: the line is decoded again with ``json`` to name every
     unknown or missing key at once and to show the offending value.
     """
+    cut = too_long(line, where)
+    if cut is not None:
+        return cut
     if not isinstance(exc, msgspec.ValidationError):  # (a ValidationError is a DecodeError)
         return TraceError(f"{where}: invalid JSON ({exc})")
     try:
         data = json.loads(line)
     except ValueError:  # the two JSON grammars differ at the edges (NaN, huge numbers)
         return TraceError(f"{where}: invalid JSON ({exc})")
+    except RecursionError:  # `[[[…` 200,000 deep: msgspec refuses the array at once, json recurses
+        return TraceError(f"{where}: {NESTED_TOO_DEEPLY}")
     if not isinstance(data, dict):
         return TraceError(f"{where}: a record must be a JSON object")
     unknown = sorted(set(data) - _TRACE_ACCEPTED)
@@ -280,8 +333,8 @@ def _decoded_lines(path: str | Path, decoder: msgspec.json.Decoder[_T]) -> Itera
     line the decoder refuses raises :class:`TraceError` naming ``path:line``, field and rule."""
     decode = decoder.decode
     try:
-        with Path(path).open("rb") as handle:
-            for number, line in enumerate(handle, start=1):
+        with open_lines(path) as lines:
+            for number, line in enumerate(lines, start=1):
                 try:
                     decoded = decode(line)
                 except msgspec.MsgspecError as exc:
@@ -425,11 +478,11 @@ class _StreamHooks:
         self.reading = reading
         self.priced = priced
         self.ids = ids
-        self.handle: BinaryIO | None = None
+        self.handle: RecordLines | None = None
 
-    def open_file(self) -> BinaryIO:
+    def open_file(self) -> RecordLines:
         # Closed by the reader's `with`, or by `__del__` if the reader is dropped first.
-        self.handle = Path(self.path).open("rb")  # noqa: SIM115
+        self.handle = open_lines(self.path)
         return self.handle
 
     def __del__(self) -> None:
@@ -816,15 +869,21 @@ def read_decisions(path: str | Path) -> dict[str, list[Decision]]:
     results: dict[str, list[Decision]] = {}
     seen: dict[str, set[str]] = {}
     try:
-        with Path(path).open(encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
+        with open_lines(path) as lines:
+            for number, raw in enumerate(lines, start=1):
+                where = f"{path}:{number}"
+                cut = too_long(raw, where)
+                if cut is not None:
+                    raise cut
+                line = raw.decode("utf-8")
                 if not line.strip():
                     continue
-                where = f"{path}:{number}"
                 try:
                     data = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise TraceError(f"{where}: invalid JSON ({exc.msg})") from None
+                except RecursionError:
+                    raise TraceError(f"{where}: {NESTED_TOO_DEEPLY}") from None
                 policy, decision = parse_decision(data, where)
                 ids = seen.setdefault(policy, set())
                 if decision.request_id in ids:

@@ -516,14 +516,19 @@ def test_a_write_that_fails_leaves_no_file_aside(tmp_path: Path) -> None:
 def test_records_in_place_when_no_file_aside_can_be_made(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # A folder that refuses the new name (here: every os.open of the command refuses): the
-    # records are written in place, the trace validated before FILE is truncated.
+    # A folder that refuses the new name (here: every os.open for writing refuses; the reads
+    # open their files with os.open too): the records are written in place, the trace
+    # validated before FILE is truncated.
     from tokenfair.cli import main
 
-    def refuse(*args: object, **kwargs: object) -> int:
-        raise PermissionError(13, "Permission denied")
+    real_open = os.open
 
-    monkeypatch.setattr(os, "open", refuse)  # the command's only os.open is the file aside
+    def refuse(path: str, flags: int, *args: int, **kwargs: object) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR):  # the command's only one: the file aside
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refuse)
     lines = backlog()
     lines[7] = {**lines[7], "decode_tokens": -1}
     trace, tenants = write_trace(tmp_path, lines)

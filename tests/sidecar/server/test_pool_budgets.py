@@ -17,6 +17,11 @@ Behaviours under test:
 * a store killed (or stopped) mid-run falls back to the split within one call's timeout, says
   so in ``/status`` and the metrics, and rejoins when it is back; over HTTP no request gets a
   5xx and the books end at zero;
+* garbage in a tenant's key (a level of -1e300, -inf, NaN or no number, a time of 1e300 or
+  NaN, a key of the wrong type) is repaired by the lease script to an empty bucket: the tenant
+  is served again within a chunk's refill, the pool never falls back for it, the repair is
+  counted; an answer out of range (as a store of another version could give) delays the
+  tenant's next ask by at most a chunk's refill, so it recovers once the key is gone;
 * the operator renders a policy with a store with whole budgets and the store section (key
   prefix per namespace and policy, the Ready sidecars as the fallback's replicas), and refuses
   a bad store by field.
@@ -393,6 +398,94 @@ async def test_a_killed_store_falls_back_to_the_split_and_rejoins(
     before = hot.served
     await run_window(group, clock, 2_000.0, active=1)
     assert hot.served - before >= 0.95 * RATE * 2
+
+
+GARBAGE = {
+    "a level of -1e300": {"level": "-1e300", "at_ms": "1000000"},
+    "a level of -inf": {"level": "-inf", "at_ms": "1000000"},
+    "a level of NaN": {"level": "nan", "at_ms": "1000000"},
+    "a level that is no number": {"level": "lots", "at_ms": "1000000"},
+    "no level at all": {"at_ms": "1000000"},
+    "a time of 1e300": {"level": "100", "at_ms": "1e300"},
+    "a time of NaN": {"level": "100", "at_ms": "nan"},
+    "a string, not a hash": "not a bucket",
+    "a list, not a hash": ["not", "a", "bucket"],
+}
+
+
+async def write_garbage(url: str, garbage: Any, key: str = "tokenfair:t") -> None:
+    client = redis_asyncio.Redis.from_url(url, decode_responses=True)
+    try:
+        await client.delete(key)
+        if isinstance(garbage, dict):
+            await client.hset(key, mapping=garbage)
+        elif isinstance(garbage, list):
+            await client.rpush(key, *garbage)
+        else:
+            await client.set(key, garbage)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("garbage", GARBAGE.values(), ids=GARBAGE.keys())
+async def test_garbage_in_a_tenants_key_is_repaired_not_believed(
+    replicas: Callable[..., list[Replica]], redis_server: RedisServer, garbage: Any
+) -> None:
+    """One garbage value locked a tenant out (a level of -1e300: for good, even after the key
+    was deleted) or made the whole pool fall back (a key of the wrong type). Now the key is
+    reset to an empty bucket at the first call: the tenant is served again within a chunk's
+    refill (3,000 / 30 per ms = 100 ms, asked for at the next pass), the pool stays shared,
+    and the repair is counted."""
+    clock = FakeClock()
+    (replica,) = replicas(1, clock, lease_ms=100.0)  # chunk 3,000
+    await write_garbage(redis_server.url, garbage)
+    await run_window([replica], clock, 200.0, active=1)
+    assert replica.served > 0
+    assert replica.pool.shared
+    assert replica.pool.fallbacks == 0
+    assert replica.pool.store_errors == 0
+    assert replica.pool.repaired_keys == 1
+    assert replica.pool.status()["repaired_keys"] == 1
+    level = await store_level(redis_server.url)
+    assert level is not None
+    assert 0 <= level <= BURST
+    # From then on the tenant is served its rate: 1 s at 30,000/s.
+    before = replica.served
+    await run_window([replica], clock, 1_000.0, active=1)
+    assert replica.served - before >= 0.9 * RATE
+
+
+async def test_a_tenant_recovers_once_the_garbage_is_gone(
+    replicas: Callable[..., list[Replica]], redis_server: RedisServer
+) -> None:
+    """Whatever a store answered once (here a level far below zero, as a store of another
+    version could), the sidecar asks again within a chunk's refill time: deleting the key
+    lets the tenant lease at the next pass after that."""
+    clock = FakeClock()
+    (replica,) = replicas(1, clock, lease_ms=100.0)
+    client = redis_asyncio.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        # A script that answers as the old one did for a level of -1e300.
+        lying = "return {0, '-1e300'}"
+        original = replica.pool._execute
+
+        async def lied_to(calls: Any, now_ms: float) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for _ in calls:
+                pipe.eval(lying, 0)
+            replica.pool.store_calls += len(calls)
+            return list(await pipe.execute())
+
+        replica.pool._execute = lied_to  # type: ignore[method-assign]
+        await run_window([replica], clock, 50.0, active=1)
+        assert replica.served == 0
+        replica.pool._execute = original  # type: ignore[method-assign]
+        await client.delete("tokenfair:t")
+    finally:
+        await client.aclose()
+    await run_window([replica], clock, 200.0, active=1)
+    assert replica.served > 0
+    assert replica.pool.fallbacks == 0
 
 
 async def test_a_stopped_store_falls_back_within_its_timeout(

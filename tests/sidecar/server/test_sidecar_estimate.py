@@ -6,22 +6,27 @@ their bounds are 400s naming the param; the text of ``tools``, ``functions``,
 ``function_call`` counts as prompt characters (compact JSON); malformed ones are 400s naming
 them; token-ID prompts count one token per ID, bounded (IDs in ``0..2**31-1``, batches of at
 most 2048); an embeddings ``input`` costs its prompt tokens only (decode 0), every input
-counted; a body nested over ``max_json_depth`` or holding over ``max_json_values`` values is a 400
+counted; an image part costs a bounded ``IMAGE_TOKENS`` whatever its base64's length; decode is
+the larger of ``max_tokens`` and ``max_completion_tokens``; a body nested over
+``max_json_depth`` or holding over ``max_json_values`` values is a 400
 ``body_too_complex`` naming the rule, with the books untouched, over real HTTP on loopback.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
-from sidecar_support import CHAT, ZERO_BOOKS, ClientFactory, keyed_config, start
+from sidecar_support import CHAT, ZERO_BOOKS, ClientFactory, keyed_config, records_of, start
 
 from tokenfair.server.estimate import (
+    IMAGE_TOKENS,
     MAX_BATCH_INPUTS,
     MAX_CHOICES,
     MAX_TOKEN_ID,
@@ -359,6 +364,74 @@ async def test_n_is_charged_through_the_sidecar(aiohttp_client: ClientFactory) -
     )
     assert bad.status == 400
     assert (await bad.json())["error"]["param"] == "n"
+
+
+IMAGE_400_KB = "data:image/png;base64," + base64.b64encode(bytes(300_000)).decode()
+
+
+def image_chat(*parts: dict[str, Any]) -> dict[str, Any]:
+    return {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": list(parts)}]}
+
+
+def test_image_parts_cost_a_bounded_count_each_not_their_base64() -> None:
+    """A 400 KB base64 image was ~4 prompt tokens (the message's framing); each image part now
+    costs IMAGE_TOKENS (OpenAI's most for one image: 8 tiles of 170 + 85), whatever its
+    encoding's length, and text parts still count their characters."""
+    assert IMAGE_TOKENS == 8 * 170 + 85
+    image = {"type": "image_url", "image_url": {"url": IMAGE_400_KB, "detail": "high"}}
+    text = {"type": "text", "text": "x" * 40}
+    assert chars4(image_chat(text)) == 10 + 4
+    assert chars4(image_chat(text, image)) == 10 + IMAGE_TOKENS + 4
+    assert chars4(image_chat(image, text, image)) == 10 + 2 * IMAGE_TOKENS + 4
+    small = {"type": "image_url", "image_url": {"url": "https://example.invalid/cat.png"}}
+    assert chars4(image_chat(small)) == IMAGE_TOKENS + 4  # a URL costs what the image does
+    untyped = {"image_url": {"url": IMAGE_400_KB}}
+    assert chars4(image_chat(untyped)) == IMAGE_TOKENS + 4
+    for kind in ("input_image", "image_embeds", "image_pil"):
+        assert chars4(image_chat({"type": kind, kind: "..."})) == IMAGE_TOKENS + 4
+    assert chars4(image_chat({"type": "refusal", "refusal": "no"})) == 4  # not an image
+
+
+@pytest.mark.parametrize(
+    ("limits", "decode"),
+    [
+        ({"max_tokens": 8000, "max_completion_tokens": 1}, 8000),
+        ({"max_tokens": 1, "max_completion_tokens": 8000}, 8000),
+        ({"max_tokens": 300}, 300),
+        ({"max_completion_tokens": 300}, 300),
+        ({}, 256),
+    ],
+)
+def test_decode_is_the_larger_of_the_two_limits(limits: dict[str, int], decode: int) -> None:
+    """vLLM's legacy completions endpoint knows only max_tokens (max_completion_tokens is an
+    ignored extra field), its chat endpoint prefers max_completion_tokens: the reservation
+    covers whichever a server runs."""
+    body = {"model": "m", "prompt": "x" * 40, **limits}
+    assert estimate(body, chars4, 256, 8192).decode_tokens == decode
+
+
+def test_both_limits_are_checked_when_both_are_set() -> None:
+    body = {"model": "m", "prompt": "x", "max_completion_tokens": 5}
+    for bad, rule in ((0, "integer >= 1"), (9000, "<= 8192"), ("7", "integer >= 1")):
+        with pytest.raises(EstimateError, match=rule) as refused:
+            estimate({**body, "max_tokens": bad}, chars4, 256, 8192)
+        assert refused.value.param == "max_tokens"
+
+
+async def test_max_tokens_under_max_completion_tokens_is_reserved_in_full(
+    aiohttp_client: ClientFactory, tmp_path: Path
+) -> None:
+    """/v1/completions with max_tokens 8000 and max_completion_tokens 1 reserved 1 decode
+    token while vLLM generates up to 8000: now 8000 (the request's record says so)."""
+    settings = SidecarSettings(time_scale=0.001, records_path=str(tmp_path / "records.jsonl"))
+    clients = await start(aiohttp_client, keyed_config(), settings)
+    body = {"model": "m", "prompt": "x" * 40, "max_tokens": 8000, "max_completion_tokens": 1}
+    headers = {"Authorization": CHAT}
+    response = await clients.proxy.post("/v1/completions", json=body, headers=headers)
+    assert response.status == 200
+    (record,) = records_of(clients.sidecar)
+    assert record["decode_tokens"] == 8000
+    assert record["service_tokens"] == 10 + 4 * 8000  # the estimate charged at admission
 
 
 def test_token_ids_count_exactly_and_are_bounded() -> None:

@@ -63,7 +63,17 @@ def test_series_render_like_prometheus_client() -> None:
         "Prompt tokens the backend reported (usage.prompt_tokens) for requests that ran.",
         ["tenant", "lane"], registry=reference,
     )  # fmt: skip
-    for tenant, lane in (("a", "interactive"), ("b", "batch"), ("a", "batch")):
+    refused = Counter(
+        "tokenfair_refused_requests", "Requests refused, by reason.",
+        ["tenant", "lane", "reason"], registry=reference,
+    )  # fmt: skip
+    errors = Counter(
+        "tokenfair_backend_errors", "Requests the backend failed.",
+        ["tenant", "lane", "code"], registry=reference,
+    )  # fmt: skip
+    # A tenant id is any non-empty string: the label text escapes it as prometheus_client does.
+    odd = 'we"ird\\te\nnant'
+    for tenant, lane in (("a", "interactive"), ("b", "batch"), ("a", "batch"), (odd, "batch")):
         series = ours.lane_series(tenant, lane)
         for value in VALUES_S:
             series.queue_wait.observe(value)
@@ -77,9 +87,31 @@ def test_series_render_like_prometheus_client() -> None:
             e2e.labels(tenant, lane).observe(value * 30)
             admitted.labels(tenant, lane).inc()
             prompt.labels(tenant, lane).inc(7)
+        if tenant != "b":
+            for reason in ("queue_full", "shed_queue_wait_slo", "queue_full"):
+                series.count_refused(reason)
+                refused.labels(tenant, lane, reason).inc()
+            series.count_backend_error("upstream_error")
+            errors.labels(tenant, lane, "upstream_error").inc()
+    series = ours.lane_series("b", "batch")
+    series.admitted += 2_500_000  # past a million: Go's exponent form (2.500011e+06)
+    admitted.labels("b", "batch").inc(2_500_000)
     assert ours.lane_series("a", "batch") is ours.lane_series("a", "batch")
-    ours_text = generate_latest(ours.registry).decode()
+    ours_text = ours.render()
     reference_text = generate_latest(reference).decode()
+
+    # Every line the reference writes, ours writes (a _created stamp's value aside; the
+    # histograms carry none, as before).
+    def without_created_values(text: str) -> list[str]:
+        return [
+            line.rpartition(" ")[0] if "_created{" in line else line
+            for line in text.splitlines()
+            if "_seconds_created" not in line
+        ]
+
+    ours_lines = without_created_values(ours_text)
+    for line in without_created_values(reference_text):
+        assert line in ours_lines, line
     for prefix in (
         "tokenfair_queue_wait_seconds_bucket",
         "tokenfair_queue_wait_seconds_count",
@@ -91,6 +123,10 @@ def test_series_render_like_prometheus_client() -> None:
         *(f"tokenfair_time_to_first_token_seconds_{s}" for s in ("bucket", "count", "sum")),
         *(f"tokenfair_e2e_request_latency_seconds_{s}" for s in ("bucket", "count", "sum")),
         "tokenfair_prompt_tokens_total",
+        "tokenfair_refused_requests_total",
+        "tokenfair_backend_errors_total",
+        "# HELP tokenfair_refused_requests_created ",
+        "# TYPE tokenfair_refused_requests_created ",
         "# HELP tokenfair_e2e_request_latency_seconds ",
         "# HELP tokenfair_prompt_tokens_total ",
         "# HELP tokenfair_queue_wait_seconds ",
@@ -102,7 +138,7 @@ def test_series_render_like_prometheus_client() -> None:
         assert expected, prefix
         assert _samples(ours_text, prefix) == expected, prefix
     # Every tenant/lane pair has a _created sample, as prometheus_client's counters do.
-    assert len(_samples(ours_text, "tokenfair_admitted_requests_created")) == 3
+    assert len(_samples(ours_text, "tokenfair_admitted_requests_created")) == 4
 
 
 # -- request records: the direct encoder writes exactly what json writes ---------------------

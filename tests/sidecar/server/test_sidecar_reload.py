@@ -44,6 +44,8 @@ from tokenfair.config import (
     PolicyConfig,
     api_key_digest,
     config_to_document,
+    document,
+    files,
 )
 from tokenfair.core import Decision
 from tokenfair.server import LoadedFile, load_sidecar_file
@@ -303,14 +305,14 @@ def test_an_unreadable_file_is_retried_every_tick_until_it_reads(
     failed: list[str] = []
     watcher = ConfigWatcher(path, "", applied_version(applied), refused.append, failed.append)
     readable = False
-    real_read = Path.read_bytes
+    real_read = files.read_regular
 
-    def read_bytes(self: Path) -> bytes:
-        if self == path and not readable:
+    def read_regular(file: str | Path, max_bytes: int) -> bytes:
+        if Path(file) == path and not readable:
             raise PermissionError(13, "Permission denied")
-        return real_read(self)
+        return real_read(file, max_bytes)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(document, "read_regular", read_regular)
     write_config(path, {**config_to_document(keyed_config()), "version": "test-2"})
     for _ in range(3):
         watcher.tick()

@@ -328,7 +328,10 @@ def test_a_pass_dropped_before_the_end_closes_its_file(tmp_path: Path) -> None:
 
 
 def test_a_file_that_cannot_be_read_is_one_error(tmp_path: Path) -> None:
-    for path in (tmp_path / "missing.jsonl", tmp_path):  # no such file; a folder
-        with pytest.raises(TraceError, match="cannot read") as refused:
+    for path, rule in (
+        (tmp_path / "missing.jsonl", "cannot read"),
+        (tmp_path, r"must be a regular file \(it is a directory\)"),
+    ):
+        with pytest.raises(TraceError, match=rule) as refused:
             list(stream_validated(path, KNOWN, TraceReading(), priced))
         assert refused.value.__suppress_context__  # `from None`: no OSError chained above it

@@ -1,0 +1,114 @@
+"""The ``/status`` document: config, books, per-tenant state and outcome counts.
+
+``{"policy", "backend", "core", "config", "draining", "max_in_flight", "time_scale", "books",
+"kv", "engine" (with an engine to read),
+"tenants": {<tenant id>: {...}}, "budget_store": {..., "tenants": {...}}}`` (``budget_store``
+only with a store). At 10,000 tenants the document is ~2 MB, so :func:`status_chunks` writes it
+:data:`STATUS_CHUNK` tenants at a time for the admin handler to stream, yielding to the event
+loop between chunks. Each tenant's entry is read at once (its queue, bucket and counts agree);
+the books and the head are read first, so entries may be a few chunks newer than the books.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from typing import Any, Final
+
+from tokenfair import native
+from tokenfair.core.scheduler import TenantState
+from tokenfair.server.state import Sidecar
+
+STATUS_CHUNK: Final = 100
+"""Tenants' entries encoded between two yields to the event loop (~1 ms)."""
+
+
+def status_head(sidecar: Sidecar) -> dict[str, object]:
+    """Everything but the per-tenant entries."""
+    books = sidecar.scheduler.books()
+    engine = sidecar.engine
+    config: dict[str, object] = {"version": sidecar.config.version, "sha256": sidecar.config_sha256}
+    if sidecar.budget_store_notice:
+        config["restart_needed"] = sidecar.budget_store_notice
+    return {
+        "policy": sidecar.policy_name,
+        "backend": sidecar.backend.name,
+        # which scheduling core this process runs (docs/native.md): "compiled" or
+        # "interpreted", the same decisions either way
+        "core": "compiled" if native.status().active else "interpreted",
+        "config": config,
+        "draining": sidecar.dispatcher.draining,
+        "max_in_flight": sidecar.dispatcher.max_in_flight,
+        "time_scale": sidecar.settings.time_scale,
+        "books": {
+            "queued_requests": books.queued_requests,
+            "queued_service_tokens": books.queued_service_tokens,
+            "queued_kv_blocks": books.queued_kv_blocks,
+            "running_requests": books.running_requests,
+            "resident_kv_blocks": books.resident_kv_blocks,
+        },
+        # What the KV gates see: the books corrected by the engine's last report (the books
+        # alone without a fresh one; "engine" says why).
+        "kv": {
+            "view_blocks": max(0, sidecar.scheduler.kv_view_blocks),
+            "total_blocks": sidecar.scheduler.policy.total_kv_blocks,
+            "block_tokens": sidecar.scheduler.policy.kv_block_tokens,
+            "source": "engine" if engine is not None and engine.fresh else "books",
+        },
+        **({"engine": engine.status()} if engine is not None else {}),
+    }
+
+
+def tenant_entry(sidecar: Sidecar, tenant_id: str, state: TenantState, now_ms: float) -> Any:
+    return {
+        "priority_class": state.config.priority_class,
+        "weight": state.config.weight,
+        "queued_requests": state.queued,
+        "queued_service_tokens": state.queued_tokens,
+        "served_service_tokens": state.served_tokens,
+        "bucket_service_tokens": round(state.bucket.refill(now_ms), 3),
+        "burst_service_tokens": state.bucket.burst,
+        "counts": dict(sidecar.tenant_counts.get(tenant_id, {})),
+    }
+
+
+def status_document(sidecar: Sidecar) -> dict[str, object]:
+    """The whole document at once (tests and tools; the admin handler streams it)."""
+    document: dict[str, object] = json.loads("".join(status_chunks(sidecar)))
+    return document
+
+
+def status_chunks(sidecar: Sidecar) -> Iterator[str]:
+    """The document as JSON text, in chunks of at most :data:`STATUS_CHUNK` tenants."""
+    yield json.dumps(status_head(sidecar))[:-1] + ', "tenants": '
+    yield from mapping_chunks(_tenant_entries(sidecar))
+    pool = sidecar.pool
+    if pool is not None:
+        yield ', "budget_store": ' + json.dumps(pool.status_head())[:-1] + ', "tenants": '
+        yield from mapping_chunks(pool.tenant_statuses())
+        yield "}"
+    yield "}"
+
+
+def _tenant_entries(sidecar: Sidecar) -> Iterator[tuple[str, object]]:
+    tenants = list(sidecar.scheduler.tenants.items())  # added during the scrape: the next one
+    for start in range(0, len(tenants), STATUS_CHUNK):
+        now_ms = sidecar.clock.now_ms()  # per chunk: the clock moves while the loop runs
+        for tenant_id, state in tenants[start : start + STATUS_CHUNK]:
+            yield tenant_id, tenant_entry(sidecar, tenant_id, state, now_ms)
+
+
+def mapping_chunks(entries: Iterable[tuple[str, object]]) -> Iterator[str]:
+    """A JSON object of ``entries``' pairs, encoded :data:`STATUS_CHUNK` pairs at a time (the
+    pairs are read lazily: each chunk's as it is encoded)."""
+    yield "{"
+    first = True
+    part: dict[str, object] = {}
+    for name, value in entries:
+        part[name] = value
+        if len(part) == STATUS_CHUNK:
+            yield ("" if first else ", ") + json.dumps(part)[1:-1]
+            first, part = False, {}
+    if part:
+        yield ("" if first else ", ") + json.dumps(part)[1:-1]
+    yield "}"
