@@ -239,3 +239,15 @@ async def client_socket(port: int) -> tuple[asyncio.StreamReader, asyncio.Stream
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
     return await asyncio.open_connection(sock=sock, limit=512)
+
+
+TCP_CLOSED_STATES = frozenset({7, 8})
+"""Linux's ``TCP_CLOSE`` (after a reset) and ``TCP_CLOSE_WAIT`` (after the peer's end)."""
+
+
+def connection_cut(sock: socket.socket) -> bool:
+    """Whether the peer has reset or ended this connection, seen in the socket's TCP state
+    (``TCP_INFO``, Linux): neither reading (a client that never reads stays one; a reset is not
+    seen by ``recv`` while bytes wait in the socket) nor writing."""
+    state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+    return state in TCP_CLOSED_STATES

@@ -41,6 +41,8 @@ from tokenfair.server.accesslog import (
 )
 from tokenfair.server.auth import Authenticator
 from tokenfair.server.backends import Backend, CostModelBackend
+from tokenfair.server.backends.base import UsageBounds
+from tokenfair.server.connections import ConnectionCap
 from tokenfair.server.dispatcher import Dispatcher, ModelClock
 from tokenfair.server.errors import INTERNAL_ERROR
 from tokenfair.server.estimate import ESTIMATORS, PromptEstimator
@@ -144,6 +146,12 @@ class Sidecar:
         )
         self.tracer: RequestTracer | None = None
         """Set by the app's tracing context when tracing is on."""
+        self.usage_bounds = UsageBounds(settings.model_context_tokens)
+        """The bounds reported usage is checked against (the one place that holds the model's
+        context window: a later, better source of it updates this object)."""
+        self.connections: ConnectionCap | None = None
+        """The proxy listener's connection cap (set by ``runner.serve``; None in a test server
+        without one)."""
 
     def _scrape_state(self) -> tuple[Scheduler, bool, str, str]:
         return self.scheduler, self.dispatcher.draining, self.config.version, self.config_sha256
@@ -578,4 +586,5 @@ class Sidecar:
             },
             "tenants": tenants,
             **({"budget_store": self.pool.status()} if self.pool is not None else {}),
+            **({"connections": self.connections.status()} if self.connections is not None else {}),
         }

@@ -55,6 +55,7 @@ from raw_upstream_support import (
     chat,
     chunk,
     client_socket,
+    connection_cut,
     json_response,
     metrics_text,
     post,
@@ -782,6 +783,71 @@ async def test_a_client_that_stops_reading_near_the_end_is_cut_at_write_eof(
     else:
         response = await post(clients, chat("m"))
         assert response.status == 200
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+
+
+NON_READERS = 40
+
+
+@pytest.mark.parametrize("backend", ["openai", "costmodel"])
+async def test_clients_that_never_read_a_whole_answer_are_cut_at_the_write_timeout(
+    aiohttp_client: ClientFactory,
+    upstream: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    backend: str,
+) -> None:
+    """40 clients ask for a large non-streamed answer (1 MiB of JSON; embeddings of the
+    costmodel engine) and never read it: each answer is written in its handler under the write
+    timeout, so each client is cut (its connection reset, the answer no longer held) and
+    recorded ``499 client_write_timeout`` — settled at the usage, the work was done — and the
+    next request is served. The 0.5 s timeout is what the test waits for, not a speed."""
+    if backend == "openai":
+        big = b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":'
+        big += b'"assistant","content":"' + b"w" * (1 << 20) + b'"}}],"usage":{"prompt_tokens"'
+        big += b':11,"completion_tokens":5}}'
+        raw = await upstream(
+            {"big": reply(json_response(big)), "ok": reply(json_response(OK_JSON))}
+        )
+        clients = await sidecar_for(
+            aiohttp_client, raw, tmp_path, client_write_timeout_s=0.5, max_in_flight=64
+        )
+        path, body, settled = "/v1/chat/completions", chat("big"), 11 + 4 * 5
+    else:
+        settings = SidecarSettings(
+            time_scale=0.001,
+            max_in_flight=64,
+            records_path=str(tmp_path / "records.jsonl"),
+            client_write_timeout_s=0.5,
+        )
+        clients = await start(aiohttp_client, keyed_config(), settings)
+        # 4 inputs of 16,384 floats: ~1.3 MB of JSON; prompt tokens ceil(4 chars / 4) + 4 inputs.
+        body = {"model": "m", "input": ["x", "y", "z", "w"], "dimensions": 16384}
+        path, settled = "/v1/embeddings", 1 + 4
+    small_send_buffers(clients, monkeypatch)
+    port = clients.proxy.port
+    assert port is not None
+    request = request_bytes(json.dumps(body).encode(), target=path)
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(NON_READERS):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            await asyncio.get_running_loop().sock_sendall(sock, request)
+            socks.append(sock)
+        # ... and never read. Every client is cut once the sidecar gave up on it.
+        assert await wait_for(lambda: all(connection_cut(sock) for sock in socks), budget_s=60.0)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert await wait_for(lambda: len(records_of(clients.sidecar)) == NON_READERS)
+    rows = records_of(clients.sidecar)
+    assert {(r["status_code"], r["reason"]) for r in rows} == {(499, "client_write_timeout")}
+    assert {r["actual_service_tokens"] for r in rows} == {settled}
+    if backend == "openai":
+        await assert_next_request_served(clients)
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
 
 
