@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import ipaddress
 import logging
 import socket
 import struct
+import termios
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
@@ -64,6 +66,23 @@ _CAP_BODY: Final = (
 CAP_ANSWER: Final = _CAP_RESPONSE % (len(_CAP_BODY), _CAP_BODY)
 """What a connection refused (or evicted before it sent anything) is sent before it is closed."""
 _LINGER_RESET: Final = struct.pack("ii", 1, 0)
+
+
+_INT: Final = struct.Struct("i")
+
+
+def unacknowledged_bytes(transport: asyncio.WriteTransport) -> int:
+    """Bytes written to a connection that its peer has not taken yet: the transport's buffer
+    plus the kernel's send queue (``SIOCOUTQ``: sent or not, not yet acknowledged; 0 where the
+    kernel does not say). It shrinks exactly when the peer takes bytes — the transport's buffer
+    alone does not: with a send queue of megabytes, a slow reader takes a long time to make
+    room enough for the kernel to ask the transport for more."""
+    size = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError, ValueError):
+            size += _INT.unpack(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0]
+    return size
 
 
 def reset(transport: asyncio.Transport) -> None:
@@ -89,20 +108,24 @@ class ConnectionLimits:
 
 
 def peer_of(transport: asyncio.BaseTransport) -> str:
-    """The peer a connection's share is counted against: its IPv4 address; for IPv6 its /64
+    """The peer a connection's share is counted against (:func:`peer_key` of its address)."""
+    return peer_key(transport.get_extra_info("peername"))
+
+
+def peer_key(peername: object) -> str:
+    """The peer of a socket address (``getpeername()``): the IPv4 address; for IPv6 its /64
     (one host's share: a host is given a whole /64), an IPv4-mapped address as the IPv4 one;
-    anything else (a Unix socket) as the text of its address."""
-    peername = transport.get_extra_info("peername")
+    anything else (a Unix socket) as the text of the address."""
     host = peername[0] if isinstance(peername, tuple) and peername else str(peername or "")
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
-        return host
+        return str(host)
     if isinstance(address, ipaddress.IPv6Address):
         if address.ipv4_mapped is not None:
             return str(address.ipv4_mapped)
         return f"{ipaddress.IPv6Network((address, 64), strict=False).network_address}/64"
-    return host
+    return str(address)
 
 
 class ConnectionCap:
@@ -299,19 +322,21 @@ class CappedConnection(asyncio.Protocol):
 
     def stalled_since(self, now: float) -> float:
         """Loop time since when the client has taken no bytes while its writing is paused or
-        its connection is closing with bytes unsent (``now``: not stalled, or first seen so)."""
+        its connection is closing with bytes unsent (``now``: not stalled, or first seen so).
+        Taking bytes is seen as :func:`unacknowledged_bytes` shrinking between two looks (no
+        bytes are added while writing is paused or the connection is closing)."""
         transport = self._transport
         if transport is None:
             return now
-        buffered = transport.get_write_buffer_size()
-        waiting = buffered > 0 and (self._paused or transport.is_closing())
         since = self._stalled_since
-        if not waiting:
-            since = None
-        elif since is None or buffered < self._buffered:
+        if transport.get_write_buffer_size() == 0 or not (self._paused or transport.is_closing()):
+            self._stalled_since = None
+            return now
+        unacknowledged = unacknowledged_bytes(transport)
+        if since is None or unacknowledged < self._buffered:
             since = now  # the client took bytes since the last look (or this is the first)
-        self._stalled_since, self._buffered = since, buffered
-        return now if since is None else since
+        self._stalled_since, self._buffered = since, unacknowledged
+        return since
 
     def abort_stalled(self, timeout_s: float) -> None:
         transport = self._transport
@@ -337,6 +362,8 @@ __all__ = [
     "ConnectionCap",
     "ConnectionLimits",
     "mark_authenticated",
+    "peer_key",
     "peer_of",
     "reset",
+    "unacknowledged_bytes",
 ]

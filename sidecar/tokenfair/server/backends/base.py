@@ -30,7 +30,7 @@ from aiohttp import web
 
 from tokenfair.core import Decision
 from tokenfair.core.cost import MAX_REQUEST_TOKENS
-from tokenfair.server.connections import reset
+from tokenfair.server.connections import reset, unacknowledged_bytes
 from tokenfair.server.estimate import Estimate, prompts, sequences
 
 log = logging.getLogger("tokenfair.sidecar")
@@ -67,7 +67,7 @@ CLIENT_MESSAGES: Final = {
 """What a tenant reads in a 502/504: no upstream host, port or errno (those go to the log)."""
 WRITE_CHECKS_PER_TIMEOUT: Final = 4
 """While a write to the client waits, the client's progress is looked at this many times per
-``client_write_timeout_s`` (the transport's buffer shrinking: the client took bytes)."""
+``client_write_timeout_s`` (the bytes it has not acknowledged shrinking: it took some)."""
 
 
 class UpstreamError(Exception):
@@ -223,7 +223,7 @@ class BackendCall:
     _progress_at: float = field(default=0.0, init=False, repr=False)
     """Loop time of the last look that saw the client take bytes."""
     _buffered: int = field(default=0, init=False, repr=False)
-    """The transport's write buffer at the last look."""
+    """The bytes the client had not acknowledged at the last look."""
     _appended: int = field(default=0, init=False, repr=False)
     """Bytes handed to writes since the last look."""
     _watchdog: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
@@ -299,12 +299,14 @@ class BackendCall:
     async def _bounded(self, operation: Awaitable[None], size: int) -> None:
         """Await ``operation`` (a write of ``size`` bytes to the client). While it waits, a
         timer looks at the client's connection :data:`WRITE_CHECKS_PER_TIMEOUT` times per
-        ``client_write_timeout_s``: the client made progress if the transport's buffer is
-        smaller than at the last look plus what was written since. A write that has waited
-        ``client_write_timeout_s`` since it began, or since progress was last seen, aborts the
-        client's connection (the write then raises), so a client that stops reading cannot hold
-        its in-flight slot, while one that reads slowly is never cut. One timer per call, armed
-        by a write and re-armed only while a write waits (not per write)."""
+        ``client_write_timeout_s``: the client made progress if the bytes it has not
+        acknowledged (the transport's buffer and the kernel's send queue:
+        :func:`~tokenfair.server.connections.unacknowledged_bytes`) are fewer than at the last
+        look plus what was written since. A write that has waited ``client_write_timeout_s``
+        since it began, or since progress was last seen, resets the client's connection (the
+        write then raises), so a client that stops reading cannot hold its in-flight slot,
+        while one that reads slowly is never cut. One timer per call, armed by a write and
+        re-armed only while a write waits (not per write)."""
         timeout_s = self.client_write_timeout_s
         if timeout_s is None:
             await operation
@@ -313,7 +315,7 @@ class BackendCall:
         now = loop.time()
         if self._watchdog is None:
             transport = self.request.transport
-            self._buffered = 0 if transport is None else transport.get_write_buffer_size()
+            self._buffered = 0 if transport is None else unacknowledged_bytes(transport)
             self._appended = 0
             interval_s = timeout_s / WRITE_CHECKS_PER_TIMEOUT
             self._watchdog = loop.call_at(now + interval_s, self._check_write, timeout_s)
@@ -334,7 +336,7 @@ class BackendCall:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
-        buffered = transport.get_write_buffer_size()
+        buffered = unacknowledged_bytes(transport)
         if buffered < self._buffered + self._appended:
             self._progress_at = now  # the client took bytes since the last look
         self._buffered, self._appended = buffered, 0
