@@ -21,20 +21,24 @@ out. With ``max_unauthenticated_connections >= max_client_connections`` rule 3 n
 (the cap is reached first) and there is no reserve.
 
 **Write timeout on every connection.** Every ``client_write_timeout_s / 4`` one sweep looks at
-each open connection whose writing is paused (its send buffer is over the transport's high-water
-mark: the client is not taking what it is sent) or that is closing with bytes still unsent. Such
-a connection that has taken no bytes (its buffer never smaller than at the last look) since a
-look ``client_write_timeout_s + client_write_timeout_s / 4`` ago is aborted: within 1.5 times the
-write timeout. This covers what no handler bounds — the answers aiohttp writes after a handler
+each open connection that has bytes waiting for its client — in the transport's buffer or in
+the kernel's send queue: :func:`unacknowledged_bytes` — and at how many bytes the client has
+acknowledged (Linux's ``tcpi_bytes_acked``). A connection whose client has taken no byte since
+a look ``client_write_timeout_s + client_write_timeout_s / 4`` ago is reset (``SO_LINGER`` 0,
+so the kernel drops what it held for it too: :func:`reset`), within 1.5 times the write
+timeout. This covers what no handler bounds — the answers aiohttp writes after a handler
 (refusals, ``404``\\ s, the answers of requests pipelined behind one another by a client that
-never reads) and a connection closed with unsent bytes — while a request's own answer is cut a
-little earlier, at the write timeout, by :class:`~tokenfair.server.backends.base.BackendCall`
-(which records it ``499 client_write_timeout``). Idle and slow-header connections are aiohttp's
-keep-alive timer's (``client_idle_timeout_s``), request bodies the proxy's
-(``client_body_timeout_s``): every state of a connection has its timeout.
+never reads), an answer the kernel took whole but the client never read, a connection closed
+with bytes unsent — while a request's own answer is cut a little earlier, at the write timeout,
+by :class:`~tokenfair.server.backends.base.BackendCall` (which records it ``499
+client_write_timeout``). Where the kernel does not count acknowledged bytes, only a paused
+write or a closing connection is judged, by its unacknowledged bytes shrinking. Idle and
+slow-header connections are aiohttp's keep-alive timer's (``client_idle_timeout_s``), request
+bodies the proxy's (``client_body_timeout_s``): every state of a connection has its timeout.
 
-The sweep costs O(open connections) every quarter of the write timeout (4,096 connections are
-~1 ms every 7.5 s by default); a connection costs O(1) to open, authenticate and close.
+The sweep costs two system calls per open connection every quarter of the write timeout (4,096
+connections are a few ms every 7.5 s by default); a connection costs O(1) to open, authenticate
+and close.
 """
 
 from __future__ import annotations
@@ -83,6 +87,29 @@ def unacknowledged_bytes(transport: asyncio.WriteTransport) -> int:
         with contextlib.suppress(OSError, ValueError):
             size += _INT.unpack(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0]
     return size
+
+
+_TCP_INFO: Final = getattr(socket, "TCP_INFO", None)
+_BYTES_ACKED: Final = struct.Struct("Q")
+_BYTES_ACKED_OFFSET: Final = 120
+"""Where ``tcpi_bytes_acked`` (Linux 4.1 and later) lies in ``struct tcp_info``."""
+
+
+def acknowledged_bytes(transport: asyncio.BaseTransport) -> int | None:
+    """Bytes the peer has acknowledged since the connection opened (Linux's
+    ``tcpi_bytes_acked``: it grows exactly when the peer takes bytes, whatever is written
+    meanwhile); None where the kernel does not say."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or _TCP_INFO is None:
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 256)
+    except (OSError, ValueError):
+        return None
+    if len(info) < _BYTES_ACKED_OFFSET + _BYTES_ACKED.size:
+        return None
+    acked: int = _BYTES_ACKED.unpack_from(info, _BYTES_ACKED_OFFSET)[0]
+    return acked
 
 
 def reset(transport: asyncio.Transport) -> None:
@@ -251,9 +278,9 @@ class CappedConnection(asyncio.Protocol):
     let it in, and keeps what the write-timeout sweep looks at."""
 
     __slots__ = (
-        "_buffered",
         "_cap",
         "_inner",
+        "_mark",
         "_paused",
         "_received",
         "_stalled_since",
@@ -269,7 +296,9 @@ class CappedConnection(asyncio.Protocol):
         self._received = False
         self._paused = False
         self._stalled_since: float | None = None
-        self._buffered = 0
+        self._mark = 0
+        """At the last look: the bytes the client had acknowledged (or, where the kernel does
+        not count them, the bytes it had not)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -321,22 +350,35 @@ class CappedConnection(asyncio.Protocol):
             transport.close()
 
     def stalled_since(self, now: float) -> float:
-        """Loop time since when the client has taken no bytes while its writing is paused or
-        its connection is closing with bytes unsent (``now``: not stalled, or first seen so).
-        Taking bytes is seen as :func:`unacknowledged_bytes` shrinking between two looks (no
-        bytes are added while writing is paused or the connection is closing)."""
+        """Loop time since when the client has taken no bytes while bytes wait for it (``now``:
+        none wait, or this is the first look that finds them waiting).
+
+        Where the kernel counts the bytes the client acknowledged (:func:`acknowledged_bytes`),
+        bytes wait whenever :func:`unacknowledged_bytes` is not 0 — in the transport's buffer
+        or in the kernel's send queue, the handler done or not, the connection open or
+        closing — and the client took some if that count grew since the last look. Elsewhere
+        only a write that is paused, or a closing connection with bytes in the transport, is
+        judged, by the unacknowledged bytes shrinking (nothing is added to them meanwhile)."""
         transport = self._transport
         if transport is None:
             return now
-        since = self._stalled_since
-        if transport.get_write_buffer_size() == 0 or not (self._paused or transport.is_closing()):
-            self._stalled_since = None
-            return now
+        acked = acknowledged_bytes(transport)
         unacknowledged = unacknowledged_bytes(transport)
-        if since is None or unacknowledged < self._buffered:
-            since = now  # the client took bytes since the last look (or this is the first)
-        self._stalled_since, self._buffered = since, unacknowledged
-        return since
+        if acked is None:
+            waiting = transport.get_write_buffer_size() > 0 and (
+                self._paused or transport.is_closing()
+            )
+            progress, mark = unacknowledged < self._mark, unacknowledged
+        else:
+            waiting = unacknowledged > 0
+            progress, mark = acked > self._mark, acked
+        since = self._stalled_since
+        if not waiting:
+            since = None
+        elif since is None or progress:
+            since = now
+        self._stalled_since, self._mark = since, mark
+        return now if since is None else since
 
     def abort_stalled(self, timeout_s: float) -> None:
         transport = self._transport
@@ -361,6 +403,7 @@ __all__ = [
     "CappedConnection",
     "ConnectionCap",
     "ConnectionLimits",
+    "acknowledged_bytes",
     "mark_authenticated",
     "peer_key",
     "peer_of",
