@@ -87,19 +87,21 @@ def _tune_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
-MMAP_THRESHOLD_BYTES: Final = 128 * 1024
+MMAP_THRESHOLD_BYTES: Final = 1 << 20
 """Allocations from this size up are their own memory mappings, returned to the system when
-freed (glibc's ``M_MMAP_THRESHOLD``, pinned at its default)."""
+freed (glibc's ``M_MMAP_THRESHOLD``, pinned): 1 MiB, above the 256 KiB buffer asyncio reads
+every socket into, which would otherwise be mapped and unmapped at every read."""
 _M_MMAP_THRESHOLD: Final = -3
 
 
 def _tune_malloc() -> None:
-    """Pin glibc's mmap threshold (elsewhere: nothing). By default glibc raises it up to 32 MiB
-    each time a mapped block is freed, after which blocks of that size come from the heap and
-    stay with the process when freed: answers of megabytes held by clients that did not read
-    them (until the write timeout cut those clients) kept the RSS at its peak for good
-    (``bench/bench_hostile_clients.py``). Pinned, such blocks go back to the system when freed;
-    blocks under 128 KiB — nearly all a request allocates — are unaffected."""
+    """Pin glibc's mmap threshold at :data:`MMAP_THRESHOLD_BYTES` (elsewhere: nothing). By
+    default glibc raises it, up to 32 MiB, each time a mapped block is freed, after which
+    blocks of that size come from the heap and stay with the process when freed: answers of
+    megabytes held by clients that did not read them (until the write timeout cut those
+    clients) kept the RSS at its peak for good (``bench/bench_hostile_clients.py``). Pinned,
+    such blocks go back to the system when freed; what a request allocates under 1 MiB is
+    unaffected."""
     if platform.libc_ver()[0] != "glibc":
         return
     try:

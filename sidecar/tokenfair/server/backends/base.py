@@ -65,6 +65,9 @@ CLIENT_MESSAGES: Final = {
     "sidecar's log has the details under this request's x-request-id",
 }
 """What a tenant reads in a 502/504: no upstream host, port or errno (those go to the log)."""
+HEAD_ALLOWANCE_BYTES: Final = 8192
+"""Room kept for a whole answer's status line and headers when :meth:`BackendCall.send` tells
+whether the answer fits under the transport's high-water mark."""
 WRITE_CHECKS_PER_TIMEOUT: Final = 4
 """While a write to the client waits, the client's progress is looked at this many times per
 ``client_write_timeout_s`` (the bytes it has not acknowledged shrinking: it took some)."""
@@ -288,6 +291,15 @@ class BackendCall:
         await response.prepare(self.request)
         body = response.body if isinstance(response, web.Response) else None
         size = len(body) if isinstance(body, bytes | bytearray) else 0
+        transport = self.request.transport
+        if transport is not None and (
+            transport.get_write_buffer_size() + size + HEAD_ALLOWANCE_BYTES
+            <= transport.get_write_buffer_limits()[1]
+        ):
+            # Head and body fit under the transport's high-water mark: the write cannot wait
+            # (nothing to time, no timer to arm); what the kernel holds is the sweep's.
+            await response.write_eof()
+            return
         await self._bounded(response.write_eof(), size)
 
     async def write_eof(self, response: web.StreamResponse) -> None:
