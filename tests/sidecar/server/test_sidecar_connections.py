@@ -1,13 +1,14 @@
 """The proxy listener's connection cap (``tokenfair.server.connections``) on real sockets over
 loopback, in front of a tiny protocol standing in for aiohttp's handler: it marks its connection
-authenticated when a client sends ``auth``, and answers ``big`` with 8 MiB.
+authenticated when a client sends ``auth``, and answers ``big`` with 8 MiB, ``small`` with 32 KiB.
 
 Behaviours: a peer's unauthenticated connections over its share are refused (``503``, closed)
 and evict nobody; when the unauthenticated share is full, a new connection evicts the oldest
 anonymous one (told ``503`` if it sent nothing, reset otherwise), never an authenticated one;
 the cap itself refuses whatever the kind; peers are IPv4 addresses and IPv6 /64s; the write
-sweep resets a connection that takes nothing of what it is sent within 1.5 write timeouts, and
-never one that keeps reading, however slowly. Timeouts here (0.2 s) are what the tests wait
+sweep resets a connection that takes nothing of what it is sent within 1.5 write timeouts —
+a paused write, or a small answer the kernel holds for an idle connection — and never one
+that keeps reading, however slowly. Timeouts here (0.2 s) are what the tests wait
 for, not speeds they need: every wait is a poll with a generous deadline.
 """
 
@@ -49,6 +50,8 @@ class Handler(asyncio.Protocol):
             mark_authenticated(self.transport)
         elif data.startswith(b"big"):
             self.transport.write(bytes(8 << 20))
+        elif data.startswith(b"small"):
+            self.transport.write(bytes(32 << 10))  # under the transport's high-water mark
 
 
 @dataclass
@@ -190,6 +193,19 @@ async def test_a_connection_that_takes_nothing_is_reset_by_the_sweep(
     await wait_for(lambda: connection_cut(sock), budget_s=30.0)
     assert listener.cap.status()["write_timeouts"] == 1
     await wait_for(lambda: listener.cap.open == 0)
+
+
+async def test_a_small_answer_nobody_reads_is_reset_by_the_sweep(
+    listen: Callable[..., asyncio.Future[Listener]],
+) -> None:
+    """32 KiB never read: the write never pauses (under the high-water mark) and the connection
+    stays open, idle; the bytes wait in the kernel (and the transport), unacknowledged, and the
+    sweep resets the connection all the same."""
+    listener = await listen()
+    sock = await listener.connect(rcvbuf=4096)
+    await asyncio.get_running_loop().sock_sendall(sock, b"small")
+    await wait_for(lambda: connection_cut(sock), budget_s=30.0)
+    assert listener.cap.status()["write_timeouts"] == 1
 
 
 async def test_a_slow_reader_is_never_reset_by_the_sweep(
