@@ -416,12 +416,20 @@ class Dispatcher:
         return len(tasks)
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until nothing runs on the backend; False if ``timeout_s`` passed first."""
+        """Wait until nothing runs on the backend and every handler has ended (a whole answer,
+        settled before it is written, may still be on its way to its client); False if
+        ``timeout_s`` passed first."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
             return False
-        return True
+        tasks = [task for task in self.handlers if not task.done()]
+        if not tasks:
+            return True
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
+        return not pending
 
     def close(self) -> None:
         """Stop the timers and release every KV reservation still held (shutdown)."""

@@ -19,6 +19,9 @@ and each move has one place that makes it::
   client (the proxy, in a ``finally``). It settles a request still RUNNING, decides the one
   outcome and counts and records it — exactly once (a second call is logged and changes
   nothing) and without raising, whatever the backend, the core or the accounting raise.
+  A whole (non-streamed) answer is settled before it is written to the client
+  (:meth:`Lifecycle.settle_run`: the backend's work is over, its slot and KV go to the next
+  request) and recorded by ``complete`` once the client has it, or has not taken it.
 
 A request's end is ``complete`` at every layer: :meth:`Lifecycle.complete` settles through
 :meth:`Dispatcher.complete <tokenfair.server.dispatcher.Dispatcher.complete>`, which calls the
@@ -131,6 +134,11 @@ class Lifecycle:
     """Its one outcome, once :meth:`complete` decided it."""
     admission_ms: float | None = None
     """Model time admission decided (set by :func:`begin`; the span's admission event)."""
+    run_usage: Usage = NO_USAGE
+    """The usage settled for the record (SETTLED by :meth:`settle_run`)."""
+    usage_reason: str | None = None
+    """Why the run was not booked as its answer reported (``upstream_bad_usage``,
+    ``internal_error``): the outcome's reason where the client met an ``admitted`` answer."""
 
     # -- moves (each from one phase only: anything else is a bug, LifecycleError) -----------
 
@@ -199,21 +207,32 @@ class Lifecycle:
             log.error("request %s: completed twice; the second completion (%s) changes nothing",
                       self.request.request_id, met)  # fmt: skip
             return self.outcome
+        self.settle_run(sidecar, call, first_byte_ms)
         reason = met.reason
-        usage = NO_USAGE
-        if self.phase is Phase.RUNNING:
-            try:
-                usage, reason = self._complete_run(sidecar, call, reason, first_byte_ms)
-            except Exception:  # a bug: logged; released at its estimate below
-                log.exception("request %s: settlement failed", self.request.request_id)
-                usage = NO_USAGE
-                reason = INTERNAL_ERROR if reason == ADMITTED else reason
-            if self.phase is Phase.RUNNING:  # the settlement raised before the slot was freed
-                self._release_unsettled(sidecar)
-                reason = INTERNAL_ERROR if reason == ADMITTED else reason
+        if reason == ADMITTED and self.usage_reason is not None:
+            reason = self.usage_reason
         outcome = self.outcome = self.outcome_of(Outcome(met.status_code, reason))
-        self._record_outcome(sidecar, outcome, usage, call)
+        self._record_outcome(sidecar, outcome, self.run_usage, call)
         return outcome
+
+    def settle_run(
+        self, sidecar: Sidecar, call: BackendCall | None, first_byte_ms: float | None = None
+    ) -> None:
+        """RUNNING → SETTLED (nothing otherwise): book the usage ``call`` reports and release
+        the running slot and (at its hold time) the KV. :meth:`complete` does it for a request
+        still running; the proxy does it first for a whole answer, whose backend work is over
+        before the answer is written to the client (the slot is not held while a client reads).
+        Keeps the usage and any :attr:`usage_reason` for the record. Never raises."""
+        if self.phase is not Phase.RUNNING:
+            return
+        try:
+            self.run_usage, self.usage_reason = self._complete_run(sidecar, call, first_byte_ms)
+        except Exception:  # a bug: logged; released at its estimate below
+            log.exception("request %s: settlement failed", self.request.request_id)
+            self.run_usage, self.usage_reason = NO_USAGE, INTERNAL_ERROR
+        if self.phase is Phase.RUNNING:  # the settlement raised before the slot was freed
+            self._release_unsettled(sidecar)
+            self.usage_reason = INTERNAL_ERROR
 
     def _release_unsettled(self, sidecar: Sidecar) -> None:
         """The last resort when settling raised: the slot and KV are taken off the books
@@ -232,21 +251,18 @@ class Lifecycle:
                           self.request.request_id)  # fmt: skip
 
     def _complete_run(
-        self,
-        sidecar: Sidecar,
-        call: BackendCall | None,
-        reason: str,
-        first_byte_ms: float | None,
-    ) -> tuple[Usage, str]:
-        """Settle a RUNNING request: its usage for the record and its reason (changed when the
-        usage was not booked as reported)."""
+        self, sidecar: Sidecar, call: BackendCall | None, first_byte_ms: float | None
+    ) -> tuple[Usage, str | None]:
+        """Settle a RUNNING request: its usage for the record, and why it was not booked as
+        reported (None if it was)."""
         dispatcher = sidecar.dispatcher
         if call is None:  # dispatched but no backend call made (its client left, or a failure)
             dispatcher.complete(self, 0, 0.0)
-            return NO_USAGE, reason
+            return NO_USAGE, None
         request = self.request
         prompt, completion = call.prompt_tokens, call.completion_tokens
         actual: int | None = None
+        reason: str | None = None
         if prompt is not None or completion is not None:  # a missing count stands in as estimated
             try:
                 actual = sidecar.scheduler.cost.service_tokens(
@@ -257,7 +273,7 @@ class Lifecycle:
                 log.exception("request %s: usage not computable; settling at the estimate",
                               request.request_id)  # fmt: skip
                 prompt = completion = None
-                reason = BAD_USAGE if reason == ADMITTED else reason
+                reason = BAD_USAGE
         try:
             kv_hold_ms = sidecar.backend.kv_hold_ms(call)
         except Exception:
@@ -267,8 +283,7 @@ class Lifecycle:
         if settlement is not Settlement.AS_REPORTED:
             # Not booked as reported: settled at the estimate (or released unsettled), recorded so.
             prompt = completion = None
-            if reason == ADMITTED:
-                reason = BAD_USAGE if settlement is Settlement.AT_ESTIMATE else INTERNAL_ERROR
+            reason = BAD_USAGE if settlement is Settlement.AT_ESTIMATE else INTERNAL_ERROR
         usage = Usage(
             prompt, completion, first_byte_ms, sidecar.clock.now_ms() - request.arrival_ms
         )

@@ -16,18 +16,14 @@ from aiohttp import web
 
 from tokenfair.server.backends import UpstreamError
 from tokenfair.server.errors import error_response
-from tokenfair.server.proxy import SIDECAR
+from tokenfair.server.proxy import SIDECAR, authenticate_request
 
 log = logging.getLogger("tokenfair.sidecar")
 
 
 async def list_models(request: web.Request) -> web.StreamResponse:
     sidecar = request.app[SIDECAR]
-    headers = request.headers
-    trusted_header = sidecar.settings.trusted_tenant_header
-    tenant = sidecar.auth.authenticate(
-        headers.get("Authorization"), headers.get(trusted_header) if trusted_header else None
-    )
+    tenant = authenticate_request(sidecar, request)
     if tenant is None:
         sidecar.metrics.invalid.labels("401").inc()
         return error_response(

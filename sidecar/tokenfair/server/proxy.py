@@ -56,9 +56,16 @@ refusal at the door, the wait until expiry for ``shed_queue_timeout``).
 
 Outcomes recorded for a request whose answer started and then ended otherwise: ``502
 upstream_aborted`` (the upstream broke a stream: the client's connection is aborted, so it sees
-an incomplete transfer), ``499 client_write_timeout`` (the client stopped reading a stream),
-``200 upstream_bad_usage`` (the reported usage was not believable: settled at the estimate),
-``503 drain_aborted`` (still running when the drain grace ran out: cut by the sidecar).
+an incomplete transfer), ``499 client_write_timeout`` (the client stopped reading its answer,
+streamed or whole: every answer is written under ``client_write_timeout_s``),
+``200 upstream_bad_usage`` (the reported usage was not a usage at all: settled at the estimate;
+or it was over the request's bounds: settled at the bounds, see
+:class:`~tokenfair.server.backends.base.UsageBounds`), ``503 drain_aborted`` (still running
+when the drain grace ran out: cut by the sidecar). A stream whose client leaves once it was sent
+the stream's end (``[DONE]``, or the usage event it asked for) is a ``200`` settled at the
+reported usage, whatever the upstream still had to send. A whole answer is settled before it is
+written (:meth:`~tokenfair.server.lifecycle.Lifecycle.settle_run`) and recorded once the client
+took it, or was cut.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ import json
 import logging
 import re
 import sys
+import zlib
 from typing import Any, Final
 
 from aiohttp import compression_utils, web
@@ -79,6 +87,7 @@ from tokenfair.core.jobs import ADMITTED, STATUS_CLIENT_CLOSED
 from tokenfair.core.scheduler import OVER_KV_CAPACITY, STATUS_NEVER_ADMISSIBLE
 from tokenfair.server.backends import BackendCall, StreamAbortedError, UpstreamError
 from tokenfair.server.backends.base import EMBEDDINGS_ROUTE
+from tokenfair.server.connections import mark_authenticated
 from tokenfair.server.errors import INTERNAL_ERROR, error_response, rate_limit_response
 from tokenfair.server.estimate import (
     BodyShapeError,
@@ -202,42 +211,61 @@ class BodyTooLargeError(ValueError):
     """A request body decodes to more than ``max_body_bytes``."""
 
 
+MAX_CODING_MEMBERS: Final = 1024
+"""Most gzip members (or deflate streams) one request body may concatenate (aiohttp's bound)."""
+
+
 def decode_body(raw: bytes, coding: str, limit: int) -> bytes:
-    """``raw`` decoded as ``coding`` (one of :data:`DECODED_REQUEST_CODINGS`, lower case) by
-    aiohttp's own decompressors, exactly as aiohttp would have decoded it (concatenated members,
-    a raw deflate stream recognised by its first byte), and at most ``limit`` bytes of it: never
-    more is decoded, so a few compressed bytes cannot expand into gigabytes.
-    :class:`BodyTooLargeError` past ``limit``; ``ValueError`` if it does not decode."""
+    """``raw`` decoded as ``coding`` (one of :data:`DECODED_REQUEST_CODINGS`, lower case), and at
+    most ``limit`` bytes of it: never more is decoded, so a few compressed bytes cannot expand
+    into gigabytes. :class:`BodyTooLargeError` past ``limit``; ``ValueError`` if it does not
+    decode, including a body cut short (a gzip member without its trailer, a deflate stream
+    without its end). ``gzip`` and ``deflate`` take what aiohttp takes — concatenated members
+    (at most :data:`MAX_CODING_MEMBERS`), a raw deflate stream recognised by its first byte —
+    but are decoded here (:func:`inflate`), since aiohttp does not see a gzip body's end
+    missing; ``br`` and ``zstd`` by aiohttp's own decompressors."""
     if coding in ("", "identity"):
         return raw
-    decompressor: (
-        compression_utils.ZLibDecompressor
-        | compression_utils.BrotliDecompressor
-        | compression_utils.ZSTDDecompressor
-    )
+    if coding in ("gzip", "x-gzip", "deflate"):
+        # RFC 1950: a zlib stream's first byte has compression method 8 in its low bits.
+        raw_deflate = coding == "deflate" and bool(raw) and raw[0] & 0x0F != 8
+        wbits = 31 if coding != "deflate" else -15 if raw_deflate else 15
+        return inflate(raw, wbits, coding, limit)
+    decompressor: compression_utils.BrotliDecompressor | compression_utils.ZSTDDecompressor
     if coding == "br":
         decompressor = compression_utils.BrotliDecompressor()
-    elif coding == "zstd":
+    else:
         decompressor = compression_utils.ZSTDDecompressor()
-    else:  # RFC 1950: a zlib stream's first byte has compression method 8 in its low bits
-        raw_deflate = coding == "deflate" and bool(raw) and raw[0] & 0x0F != 8
-        decompressor = compression_utils.ZLibDecompressor(
-            encoding=coding, suppress_deflate_header=raw_deflate
-        )
     try:
         body = decompressor.decompress_sync(raw, max_length=limit + 1)
     except Exception as exc:
         raise ValueError(f"not a valid {coding} body: {exc}") from None
     if len(body) > limit:
         raise BodyTooLargeError(f"decodes to over {limit} bytes")
-    if (  # the check aiohttp makes (a gzip member's end is checked by zlib itself)
-        isinstance(decompressor, compression_utils.ZLibDecompressor)
-        and coding == "deflate"
-        and raw
-        and not decompressor.eof
-    ):
-        raise ValueError("the deflate body is cut short")
     return body
+
+
+def inflate(raw: bytes, wbits: int, coding: str, limit: int) -> bytes:
+    """``raw`` as one or more concatenated zlib-family streams (``wbits``: 31 gzip, 15 zlib,
+    -15 raw deflate), each of which must reach its end (a gzip member its trailer): at most
+    ``limit`` bytes out (:class:`BodyTooLargeError` past it), ``ValueError`` for a body that is
+    corrupt, cut short or of over :data:`MAX_CODING_MEMBERS` members."""
+    out = bytearray()
+    data = raw
+    for _member in range(MAX_CODING_MEMBERS):
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out += inflater.decompress(data, limit + 1 - len(out))
+        except zlib.error as exc:
+            raise ValueError(f"not a valid {coding} body: {exc}") from None
+        if len(out) > limit or inflater.unconsumed_tail:
+            raise BodyTooLargeError(f"decodes to over {limit} bytes")
+        if not inflater.eof:
+            raise ValueError(f"the {coding} body is cut short (its end is missing)")
+        data = inflater.unused_data
+        if not data:
+            return bytes(out)
+    raise ValueError(f"the {coding} body has over {MAX_CODING_MEMBERS} members")
 
 
 async def _answer_and_close(request: web.Request, response: web.Response) -> web.Response:
@@ -272,12 +300,18 @@ def _unauthenticated(sidecar: Sidecar) -> web.Response:
     )  # fmt: skip
 
 
-def _authenticate(sidecar: Sidecar, request: web.Request) -> TenantConfig | None:
+def authenticate_request(sidecar: Sidecar, request: web.Request) -> TenantConfig | None:
+    """The request's tenant (its key, or the trusted tenant header), or None (``401``). A
+    connection that carried a tenant's request leaves the listener's unauthenticated share
+    (:func:`~tokenfair.server.connections.mark_authenticated`)."""
     headers = request.headers
     trusted_header = sidecar.settings.trusted_tenant_header
-    return sidecar.auth.authenticate(
+    tenant = sidecar.auth.authenticate(
         headers.get("Authorization"), headers.get(trusted_header) if trusted_header else None
     )
+    if tenant is not None:
+        mark_authenticated(request.transport)
+    return tenant
 
 
 async def expect_continue(request: web.Request) -> web.Response | None:
@@ -295,7 +329,7 @@ async def expect_continue(request: web.Request) -> web.Response | None:
         )  # fmt: skip
     elif sidecar.dispatcher.draining:
         response = _draining(sidecar)
-    elif _authenticate(sidecar, request) is None:
+    elif authenticate_request(sidecar, request) is None:
         response = _unauthenticated(sidecar)
     elif (request.content_length or 0) > sidecar.settings.max_body_bytes:
         response = _invalid(
@@ -317,7 +351,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if sidecar.dispatcher.draining:
         return _draining(sidecar)
     headers = request.headers
-    tenant = _authenticate(sidecar, request)
+    tenant = authenticate_request(sidecar, request)
     if tenant is None:
         return _unauthenticated(sidecar)
     priority: PriorityClass = tenant.priority_class
@@ -502,9 +536,11 @@ async def _serve(
         headers = sidecar.ratelimit_headers(core_request.tenant_id, _usage_mix(sidecar, estimated))
         headers[REQUEST_ID_HEADER] = core_request.request_id
         headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
+        path = request.path
+        max_prompt_tokens, max_completion_tokens = sidecar.usage_bounds.of_request(path, body)
         call = BackendCall(
             request=request,
-            path=request.path,
+            path=path,
             body=body,
             raw_body=raw,
             stream=stream,
@@ -514,15 +550,18 @@ async def _serve(
             on_first_byte=lambda: first_byte_ms.append(clock.now_ms() - core_request.arrival_ms),
             dispatched_at_s=lifecycle.dispatched_at_s,
             client_write_timeout_s=sidecar.settings.client_write_timeout_s,
+            max_prompt_tokens=max_prompt_tokens,
+            max_completion_tokens=max_completion_tokens,
         )
         try:
             response = await sidecar.backend.respond(call)
         except UpstreamError as exc:
             met = Outcome(exc.status, exc.code)
             log.warning("request %s: %s", core_request.request_id, exc.detail)
-            if exc.status == 502 and call.prompt_tokens is None:
+            if exc.status == 502 and call.prompt_tokens is None and not call.upstream_answered:
                 # Refused or reset before any answer: no work to charge. (A timeout may have
-                # run on the upstream, so it settles at the estimate.)
+                # run on the upstream, and an answer cut after its head did: they settle at
+                # the usage seen, else at the estimate.)
                 call.prompt_tokens = call.completion_tokens = 0
             return error_response(exc.status, exc.client_message, exc.code, headers=headers)
         except StreamAbortedError as exc:
@@ -531,11 +570,19 @@ async def _serve(
             met = Outcome(502, exc.code)
             _abort_client(request)
             return exc.response
+        if not response.prepared:
+            # A whole answer: the backend's work is over, so the request is settled now (its
+            # slot and KV free for the next one), and the answer is written here, bounded by
+            # the write timeout like a stream, not left to aiohttp to write unbounded.
+            lifecycle.settle_run(sidecar, call, first_byte_ms[0] if first_byte_ms else None)
+            await call.send(response)
         met = Outcome(response.status, call.usage_error or ADMITTED)
         return response
     except asyncio.CancelledError:
         if call is not None and call.client_write_timed_out:
             met = Outcome(STATUS_CLIENT_CLOSED, CLIENT_WRITE_TIMEOUT)
+        elif call is not None and call.answer_complete:  # the client left with the whole answer
+            met = Outcome(200, call.usage_error or ADMITTED)
         elif sidecar.dispatcher.aborting:  # cut by the drain, not by its client
             met = Outcome(503, DRAIN_ABORTED)
             writer = request.writer
@@ -552,6 +599,8 @@ async def _serve(
             # handler's cancellation arrived: the client's outcome, not the sidecar's failure.
             if call is not None and call.client_write_timed_out:
                 met = Outcome(STATUS_CLIENT_CLOSED, CLIENT_WRITE_TIMEOUT)
+            elif call is not None and call.answer_complete:
+                met = Outcome(200, call.usage_error or ADMITTED)
             return web.Response(status=STATUS_CLIENT_CLOSED)  # never sent: no connection
         log.exception("request %s failed in the sidecar", core_request.request_id)
         met = Outcome(500, INTERNAL_ERROR)

@@ -15,25 +15,37 @@ Drain sequence on SIGTERM (or SIGINT):
    worst: a handler that ignores its cancellation costs aiohttp's two waits of
    :data:`RUNNER_SHUTDOWN_S`), then the process exits.
 
+SIGHUP (what logrotate's ``postrotate`` sends) never stops the sidecar: it calls the sidecar's
+``reopen_logs()`` (the records file is reopened at its path) where the sidecar has one, and is
+otherwise logged and ignored; a failure to reopen is logged, and the sidecar serves on.
+
 The proxy listener is bounded (the admin listener serves a few scrapers and is not):
 
 * ``client_idle_timeout_s`` — aiohttp's keep-alive timeout. Its timer starts when a connection
   opens and again after every response, and closes the connection if no request's head has
   arrived by then: idle connections and slow-header ("slowloris") connections alike.
 * ``client_body_timeout_s`` and ``client_write_timeout_s`` — in the proxy handler (the body
-  read) and the backends (stream writes to a client that does not read).
-* ``max_client_connections`` — :class:`ConnectionCap` wraps aiohttp's protocol factory: one
-  connection over the cap is answered ``503`` and closed before anything is parsed, so a flood
-  of connections costs a few bytes each, never a handler.
+  read) and the backends and the proxy (every answer a request gets, streamed or whole, to a
+  client that does not read); and for every connection, whatever it is doing, the
+  write-timeout sweep of :mod:`~tokenfair.server.connections` (answers aiohttp writes
+  itself, pipelined requests' answers, connections closed with bytes unsent).
+* ``max_client_connections``, ``max_unauthenticated_connections`` and
+  ``max_unauthenticated_connections_per_peer`` — :class:`~tokenfair.server.connections.
+  ConnectionCap` wraps aiohttp's protocol factory: a connection over the cap, or over its
+  peer's share of unauthenticated connections, is answered ``503`` and closed before anything is
+  parsed (a flood costs a few bytes per connection, never a handler); anonymous connections
+  hold at most their own share, evicting the oldest of them, and the rest of the cap is kept
+  for tenants' connections.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
+import platform
 import signal
-from collections.abc import Callable
 from typing import Final
 
 from aiohttp import web
@@ -42,7 +54,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from tokenfair import native
 from tokenfair.server.admin import create_admin_app
 from tokenfair.server.app import SIDECAR
+from tokenfair.server.connections import ConnectionCap, ConnectionLimits
 from tokenfair.server.runtime_settings import SidecarSettings, parse_address
+from tokenfair.server.state import Sidecar
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -73,6 +87,43 @@ def _tune_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
+MMAP_THRESHOLD_BYTES: Final = 1 << 20
+"""Allocations from this size up are their own memory mappings, returned to the system when
+freed (glibc's ``M_MMAP_THRESHOLD``, pinned)."""
+TRIM_THRESHOLD_BYTES: Final = 1 << 20
+"""Free memory at the top of the heap beyond this is returned to the system (glibc's
+``M_TRIM_THRESHOLD``)."""
+_M_TRIM_THRESHOLD: Final = -1
+_M_MMAP_THRESHOLD: Final = -3
+
+
+def _tune_malloc() -> None:
+    """Pin glibc's mmap and trim thresholds at 1 MiB (elsewhere: nothing).
+
+    By default glibc raises its mmap threshold, up to 32 MiB, each time a mapped block is
+    freed, after which blocks of that size come from the heap and stay with the process when
+    freed: answers of megabytes held by clients that did not read them (until the write
+    timeout cut those clients) kept the RSS at its peak for good
+    (``bench/bench_hostile_clients.py``). Pinned, blocks of 1 MiB and more go back to the
+    system when freed. The trim threshold at the same size keeps the heap from being shrunk
+    and grown again around the 256 KiB buffer asyncio reads every socket into: with glibc's
+    defaults each read cost an ``mmap``, an ``mremap`` and a ``munmap`` (~20 µs on this
+    project's test machine), with the thresholds pinned at 128 KiB two ``brk``; at 1 MiB, none
+    (~3 µs)."""
+    if platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        libc = ctypes.CDLL(None)
+        pinned = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and libc.mallopt(
+            _M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES
+        )
+    except (OSError, AttributeError):
+        pinned = False
+    if not pinned:
+        log.warning("could not pin malloc's thresholds (mallopt); large answers freed may "
+                    "stay in the process's memory")  # fmt: skip
+
+
 class MalformedRequestLogFilter(logging.Filter):
     """Turns aiohttp's ``ERROR`` + traceback for a request it could not parse (bad framing,
     bad header bytes: anyone can send them, and the client got its ``400``) into one ``INFO``
@@ -100,77 +151,29 @@ def quiet_malformed_requests() -> None:
         server_log.addFilter(MalformedRequestLogFilter())
 
 
-_CAP_RESPONSE: Final = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-    b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-)
-_CAP_BODY: Final = (
-    b'{"error":{"message":"too many open connections to the sidecar; retry","type":'
-    b'"service_unavailable","param":null,"code":"too_many_connections"}}'
-)
+def connection_limits(settings: SidecarSettings) -> ConnectionLimits:
+    """The proxy listener's bounds from the settings."""
+    return ConnectionLimits(
+        max_connections=settings.max_client_connections,
+        max_unauthenticated=settings.max_unauthenticated_connections,
+        max_unauthenticated_per_peer=settings.max_unauthenticated_connections_per_peer,
+        write_timeout_s=settings.client_write_timeout_s,
+    )
 
 
-class ConnectionCap:
-    """A protocol factory around aiohttp's (``runner.server``) that keeps at most ``limit``
-    connections open: one more is answered ``503`` at once and closed (its request, if any,
-    is never read). ``on_refused`` counts those."""
-
-    def __init__(
-        self,
-        factory: Callable[[], asyncio.Protocol],
-        limit: int,
-        on_refused: Callable[[], object],
-    ) -> None:
-        self.factory = factory
-        self.limit = limit
-        self.on_refused = on_refused
-        self.open = 0
-
-    def __call__(self) -> asyncio.Protocol:
-        return _CappedConnection(self)
-
-
-class _CappedConnection(asyncio.Protocol):
-    """Delegates to aiohttp's handler if the connection is within the cap."""
-
-    __slots__ = ("_cap", "_inner")
-
-    def __init__(self, cap: ConnectionCap) -> None:
-        self._cap = cap
-        self._inner: asyncio.Protocol | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        cap = self._cap
-        if cap.open >= cap.limit:
-            cap.on_refused()
-            assert isinstance(transport, asyncio.Transport)
-            transport.write(_CAP_RESPONSE % (len(_CAP_BODY), _CAP_BODY))
-            transport.close()
-            return
-        cap.open += 1
-        self._inner = cap.factory()
-        self._inner.connection_made(transport)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        inner, self._inner = self._inner, None
-        if inner is not None:
-            self._cap.open -= 1
-            inner.connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        if self._inner is not None:
-            self._inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received() if self._inner is not None else None
-
-    def pause_writing(self) -> None:
-        if self._inner is not None:
-            self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        if self._inner is not None:
-            self._inner.resume_writing()
+def reopen_logs(sidecar: Sidecar) -> None:
+    """SIGHUP: the sidecar's ``reopen_logs()`` if it has one, else logged and ignored. Never
+    raises (a signal handler that raised would end in the loop's exception handler)."""
+    reopen = getattr(sidecar, "reopen_logs", None)
+    if not callable(reopen):
+        log.info("SIGHUP: nothing to reopen; ignored")
+        return
+    try:
+        reopen()
+    except Exception:
+        log.exception("SIGHUP: reopening the logs failed; the sidecar serves on")
+    else:
+        log.info("SIGHUP: logs reopened")
 
 
 async def serve(settings: SidecarSettings, app: web.Application) -> None:
@@ -194,16 +197,20 @@ async def serve(settings: SidecarSettings, app: web.Application) -> None:
     await proxy_runner.setup()
     await admin_runner.setup()
     loop = asyncio.get_running_loop()
+    # From now until the end of the drain and the cleanup: never SIGHUP's default (death).
+    loop.add_signal_handler(signal.SIGHUP, reopen_logs, sidecar)
     listener: asyncio.Server | None = None
+    cap: ConnectionCap | None = None
     try:
         host, port = parse_address(settings.listen, "listen")
         server = proxy_runner.server
         assert server is not None  # set up above
         # The proxy listener is served here rather than by a web.TCPSite: the cap wraps the
         # protocol factory that a TCPSite would hand to create_server.
-        cap = ConnectionCap(
-            server, settings.max_client_connections, sidecar.metrics.refused_connections.inc
-        )
+        cap = ConnectionCap(server, connection_limits(settings),
+                            sidecar.metrics.refused_connections.inc)  # fmt: skip
+        cap.start()
+        sidecar.connections = cap
         listener = await loop.create_server(cap, host, port, backlog=1024)
         admin_host, admin_port = parse_address(settings.admin_listen, "adminListen")
         await web.TCPSite(admin_runner, admin_host, admin_port).start()
@@ -218,6 +225,7 @@ async def serve(settings: SidecarSettings, app: web.Application) -> None:
             flush=True,
         )
         _tune_gc()
+        _tune_malloc()
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
@@ -231,7 +239,10 @@ async def serve(settings: SidecarSettings, app: web.Application) -> None:
             aborted = await sidecar.dispatcher.abort_handlers(SHUTDOWN_AFTER_GRACE_S)
             log.warning("drain: %d request(s) cut (recorded 503 drain_aborted)", aborted)
     finally:
+        if cap is not None:
+            cap.close()
         if listener is not None:
             listener.close()  # no new connections; the runner closes the open ones
         await proxy_runner.cleanup()
         await admin_runner.cleanup()
+        loop.remove_signal_handler(signal.SIGHUP)

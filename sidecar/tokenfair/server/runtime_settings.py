@@ -41,6 +41,7 @@ from tokenfair.config.fields import (
     string,
 )
 from tokenfair.config.files import InputFileError, open_regular
+from tokenfair.core.cost import MAX_REQUEST_TOKENS as MAX_USAGE_TOKENS
 from tokenfair.server.accesslog import ACCESS_LOG_FORMATS
 from tokenfair.server.estimate import (
     MAX_EMBEDDING_DIMENSIONS,
@@ -50,6 +51,10 @@ from tokenfair.server.estimate import (
 from tokenfair.server.upstream import parse_origin
 
 DEFAULT_SERVED_MODEL_NAMES: Final = ("tokenfair-costmodel",)
+DEFAULT_MODEL_CONTEXT_TOKENS: Final = 131_072
+"""The default of :attr:`SidecarSettings.model_context_tokens`: 128 Ki tokens, the context
+window of most served models (Llama 3.1 and later, Qwen 2.5 with YaRN, Mistral Large, DeepSeek
+V3)."""
 DEFAULT_EMBEDDING_DIMENSIONS: Final = 384
 
 
@@ -123,12 +128,30 @@ class SidecarSettings:
     """Open connections on the proxy listener; one more is answered ``503`` and closed at once.
     Every queued request holds one, so keep it above ``maxInFlight`` plus the queue you expect
     (and the process's file limit above it)."""
+    max_unauthenticated_connections: int = 1024
+    """Of ``max_client_connections``, how many may be held by connections that have not yet
+    carried a request with a valid key (new, idle-before-their-first-request, or only refused
+    ones). When they are all taken, a new connection takes the place of the oldest of them (which
+    is closed), so a flood of anonymous sockets cannot keep a tenant's new connection out; the
+    rest of the cap (3,072 by default) is a reserve only authenticated connections reach (see
+    :mod:`~tokenfair.server.connections`)."""
+    max_unauthenticated_connections_per_peer: int = 256
+    """Of ``max_unauthenticated_connections``, how many one peer may hold (an IPv4 address, or an
+    IPv6 /64: what one host can take); one more from it is answered ``503`` and closed, evicting
+    nobody. A gateway's connections authenticate with their first request, so this bounds only
+    the connections it has opened and not yet used."""
     upstream_api_key_file: str | None = None
     """A file holding the API key the ``openai`` upstream expects (vLLM's ``--api-key``), e.g. a
     mounted Secret; sent as ``Authorization: Bearer <key>`` on every upstream request (the
     client's own ``Authorization`` carries the tenant's key and is never forwarded). Read once
     at start (surrounding whitespace stripped): an unreadable or empty file stops the start.
     None: ``$TOKENFAIR_UPSTREAM_API_KEY_FILE`` if set, else no key. Never logged or shown."""
+    model_context_tokens: int = DEFAULT_MODEL_CONTEXT_TOKENS
+    """The model's context window in tokens (vLLM's ``max_model_len``; default 131,072): the most
+    prompt tokens one prompt may report and, for a request that sets no ``max_tokens``, the most
+    completion tokens one sequence may. A reported usage over the request's bounds
+    (:class:`~tokenfair.server.backends.base.UsageBounds`) is recorded
+    ``upstream_bad_usage`` and settled at the bounds. Set it to your model's context."""
     served_model_names: tuple[str, ...] = DEFAULT_SERVED_MODEL_NAMES
     """What ``GET /v1/models`` lists with the ``costmodel`` engine (the ``openai`` backend
     relays the upstream's list). The default is the name the engine answers with when a
@@ -257,7 +280,13 @@ SECTION_FIELDS: Final[FieldTable] = {
     "clientBodyTimeoutSeconds": ("client_body_timeout_s", positive),
     "clientWriteTimeoutSeconds": ("client_write_timeout_s", positive),
     "maxClientConnections": ("max_client_connections", positive_int),
+    "maxUnauthenticatedConnections": ("max_unauthenticated_connections", positive_int),
+    "maxUnauthenticatedConnectionsPerPeer": (
+        "max_unauthenticated_connections_per_peer",
+        positive_int,
+    ),
     "upstreamApiKeyFile": ("upstream_api_key_file", string),
+    "modelContextTokens": ("model_context_tokens", integer_in(1, MAX_USAGE_TOKENS)),
     "servedModelNames": ("served_model_names", _model_names),
     "embeddingDimensions": ("embedding_dimensions", integer_in(1, MAX_EMBEDDING_DIMENSIONS)),
     "ietfRateLimitHeaders": ("ietf_ratelimit_headers", boolean),

@@ -40,6 +40,8 @@ from tokenfair.server.accesslog import (
 )
 from tokenfair.server.auth import Authenticator
 from tokenfair.server.backends import Backend, CostModelBackend, default_max_in_flight
+from tokenfair.server.backends.base import UsageBounds
+from tokenfair.server.connections import ConnectionCap
 from tokenfair.server.dispatcher import Dispatcher, ModelClock
 from tokenfair.server.engine_state import (
     EngineCollector,
@@ -154,6 +156,12 @@ class Sidecar:
         )
         self.tracer: RequestTracer | None = None
         """Set by the app's tracing context when tracing is on."""
+        self.usage_bounds = UsageBounds(settings.model_context_tokens)
+        """The bounds reported usage is checked against (the one place that holds the model's
+        context window: a later, better source of it updates this object)."""
+        self.connections: ConnectionCap | None = None
+        """The proxy listener's connection cap (set by ``runner.serve``; None in a test server
+        without one)."""
         self.engine: EngineState | None = None
         """The poller of the upstream engine's own state (run by the app's engine context);
         None when off, or the backend has no engine to ask."""
@@ -275,7 +283,11 @@ class Sidecar:
         self.scheduler.observe_engine_kv(None)
 
     def _engine_limits(self, limits: EngineLimits) -> None:
+        """What the engine serves: its routes and context lengths, and the usage a report may
+        claim follows the longest context it serves (its ``max_model_len``)."""
         self.engine_limits = limits
+        if limits.max_model_len:
+            self.usage_bounds.context_tokens = max(limits.max_model_len.values())
 
     def engine_refusal(self, path: str, body: dict[str, Any]) -> LimitRefusal | None:
         """A request the engine would refuse for certain (:func:`~tokenfair.server.

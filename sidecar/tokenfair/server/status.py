@@ -27,6 +27,7 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
     """Everything but the per-tenant entries."""
     books = sidecar.scheduler.books()
     engine = sidecar.engine
+    connections = sidecar.connections
     config: dict[str, object] = {"version": sidecar.config.version, "sha256": sidecar.config_sha256}
     if sidecar.budget_store_notice:
         config["restart_needed"] = sidecar.budget_store_notice
@@ -56,6 +57,7 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
             "source": "engine" if engine is not None and engine.fresh else "books",
         },
         **({"engine": engine.status()} if engine is not None else {}),
+        **({"connections": connections.status()} if connections is not None else {}),
     }
 
 

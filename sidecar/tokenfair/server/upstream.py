@@ -14,16 +14,22 @@ What it does, and nothing else:
   then ``read()`` (the whole body, at most ``max_body_bytes``, default
   :data:`MAX_BUFFERED_BODY_BYTES`) or ``next_chunk()`` (the bytes received since the last call;
   ``b""`` at the end).
-* Bounds: a response head over :data:`MAX_RESPONSE_HEAD_BYTES` (64 KiB), or a body read whole
-  over ``max_body_bytes`` (8 MiB), raises :class:`UpstreamTooLargeError` and drops the
-  connection at once (nothing more of it is kept in memory).
+* Bounds: a response head over :data:`MAX_RESPONSE_HEAD_BYTES` (64 KiB), trailers (the header
+  lines after a chunked body's last chunk) over as much again, or a body read whole over
+  ``max_body_bytes`` (8 MiB), raises :class:`UpstreamTooLargeError` and drops the connection at
+  once (nothing more of it is kept in memory). Trailers are counted and dropped: they never
+  join the response's ``headers`` (a client would get them as response headers).
 * Bodies framed by ``Content-Length``, chunked encoding, or the end of the connection;
   ``1xx`` interim responses are skipped.
 * Keep-alive: a connection goes back to the pool only when its response was read to the end and
   the upstream did not ask to close it; the pool reuses the most recently used one first and
-  drops connections idle for over :data:`IDLE_KEEPALIVE_S`, and keeps at most
-  :data:`MAX_IDLE_CONNECTIONS` idle. There is no limit on open connections here: the sidecar's
-  ``maxInFlight`` bounds the requests that can hold one.
+  drops connections idle for over :data:`IDLE_KEEPALIVE_S` (or the upstream's own
+  ``Keep-Alive: timeout`` less :data:`KEEPALIVE_MARGIN_S`), and keeps at most
+  :data:`MAX_IDLE_CONNECTIONS` idle. Before reuse, an idle connection's socket is polled: an
+  upstream that closed (or reset) it while it idled is seen there even when the event loop has
+  not read it yet, and the connection is dropped instead of carrying a request that would fail.
+  There is no limit on open connections here: the sidecar's ``maxInFlight`` bounds the requests
+  that can hold one.
 * Timeouts: connecting longer than ``connect_timeout_s`` raises :class:`TimeoutError`; so does
   ``read_timeout_s`` without a byte from the upstream while a response is awaited (one timer per
   request, re-armed only when it fires early — not per read). The clock stops while the reader
@@ -33,7 +39,9 @@ What it does, and nothing else:
   whole stream.
 * Failures (refused, reset, closed early, malformed response) raise :class:`UpstreamClosedError`.
   ``close()`` on a response that is not finished closes its connection (the upstream sees the
-  client leave and can stop generating). No request is ever retried: a POST may have run.
+  client leave and can stop generating). A request is sent again, once, on a new connection
+  only when its write on a pooled one failed at once (the socket refused it: not a byte left
+  this host); never once a byte went out, since a POST may have run.
 * ``https://`` upstreams use the system's trust store (``SSL_CERT_FILE`` honoured).
 """
 
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import select
 import ssl
 from collections import deque
 from collections.abc import Iterable
@@ -69,6 +78,22 @@ hundred bytes (nginx refuses request heads over 32 KiB by default, Node.js over 
 
 _PATH_RE: Final = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@%/]*")
 """The characters of a URL path (RFC 3986 ``pchar`` and ``/``)."""
+
+
+KEEPALIVE_MARGIN_S: Final = 1.0
+"""An upstream that announces ``Keep-Alive: timeout=N`` has its idle connections reused for at
+most ``N`` minus this (and never longer than :data:`IDLE_KEEPALIVE_S`)."""
+_KEEPALIVE_TIMEOUT: Final = re.compile(r"(?:^|[\s,;])timeout\s*=\s*([0-9]+(?:\.[0-9]+)?)", re.I)
+
+
+def keepalive_limit_s(value: str) -> float:
+    """How long a connection may idle before reuse, given a response's ``Keep-Alive`` header
+    (``timeout=5, max=100``): ``timeout`` minus :data:`KEEPALIVE_MARGIN_S`, at most
+    :data:`IDLE_KEEPALIVE_S`, at least 0 (not reused); :data:`IDLE_KEEPALIVE_S` without one."""
+    match = _KEEPALIVE_TIMEOUT.search(value)
+    if match is None:
+        return IDLE_KEEPALIVE_S
+    return max(0.0, min(IDLE_KEEPALIVE_S, float(match.group(1)) - KEEPALIVE_MARGIN_S))
 
 
 class UpstreamClosedError(ConnectionError):
@@ -143,6 +168,12 @@ class UpstreamResponse:
         connection.raise_error()
         return connection.take()
 
+    def received(self) -> bytes:
+        """The body bytes received and not yet taken, without waiting (what there is of a body
+        whose :meth:`read` failed; empty after a body over ``max_body_bytes``)."""
+        connection = self._connection
+        return b"".join(connection.chunks) if connection is not None else b""
+
     async def next_chunk(self) -> bytes:
         """The body bytes received since the last call (waits for some); ``b""`` at the end."""
         connection = self._live()
@@ -183,6 +214,9 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.idle_limit_s = IDLE_KEEPALIVE_S
+        """How long it may stay idle in the pool and still be reused (the upstream's own
+        ``Keep-Alive: timeout`` can shorten it)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -192,6 +226,10 @@ class _Connection(asyncio.Protocol):
         self.head_done = False
         self.head_fed = 0  # bytes of reads that did not complete a head (all head bytes)
         self.header_bytes = 0  # header lines seen, of every head of the exchange
+        self.after_chunk_header = False  # no body since the last chunk's size line
+        self.body_seen = False  # on_body ran during the current feed
+        self.trailer_fed = 0  # bytes of feeds that ended among a last chunk's trailers
+        self.trailer_bytes = 0  # trailer lines seen
         self.complete = False
         self.keep_alive = False
         self.until_eof = False
@@ -207,12 +245,34 @@ class _Connection(asyncio.Protocol):
 
     # -- the exchange ---------------------------------------------------------------------------
 
-    def send(self, data: bytes) -> None:
-        assert self.transport is not None
+    def send(self, data: bytes) -> bool:
+        """Start the exchange by writing the request. False if the write failed at once (the
+        socket's send raised: nothing of the request left this host, so it never reached the
+        upstream); the connection is then broken."""
+        transport = self.transport
+        assert transport is not None
         self.active = True
         self.last_read = self.loop.time()
         self.timer = self.loop.call_at(self.last_read + self.client.read_timeout_s, self._on_timer)
-        self.transport.write(data)
+        transport.write(data)
+        # asyncio's write sends at once when nothing is buffered, and closes the transport on
+        # the spot if that send fails: closing now means no byte was sent.
+        return not transport.is_closing()
+
+    def reusable_now(self) -> bool:
+        """Whether this idle connection can carry a request: open, and nothing readable on its
+        socket. The event loop may not have read yet what the upstream sent while it idled (a
+        busy loop), and an idle connection must be silent: an end of stream (the upstream
+        closed it), a reset or any bytes all mean it cannot be used."""
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
+            return False
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return True
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+        return not poller.poll(0)  # POLLHUP and POLLERR are reported whatever was asked
 
     async def wait(self) -> None:
         waiter = self.loop.create_future()
@@ -301,17 +361,27 @@ class _Connection(asyncio.Protocol):
             return
         self.last_read = self.loop.time()
         head_pending = not self.head_done
+        self.body_seen = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._broken("the upstream switched protocols")
         except httptools.HttpParserError as exc:
             self._broken(f"malformed upstream response ({exc})")
-        if head_pending and not self.head_done and self.error is None:
+        if self.error is not None or self.complete:
+            return
+        if head_pending and not self.head_done:
             # The parser holds a header's bytes until the header ends: count what it was fed.
             self.head_fed += len(data)
             if self.head_fed > MAX_RESPONSE_HEAD_BYTES:
                 self._too_large(f"response head over {MAX_RESPONSE_HEAD_BYTES} bytes")
+        elif self.after_chunk_header and not self.body_seen:
+            # Fed nothing but framing since a chunk's size line: the last chunk's trailers
+            # (a chunk with data would have given body bytes), which the parser also holds
+            # until each line ends. Bounded like a head; counted from the last body bytes.
+            self.trailer_fed += len(data)
+            if self.trailer_fed > MAX_RESPONSE_HEAD_BYTES:
+                self._too_large(f"response trailers over {MAX_RESPONSE_HEAD_BYTES} bytes")
 
     def _too_large(self, message: str) -> None:
         self._fail(UpstreamTooLargeError(f"the upstream's {message}"))
@@ -350,8 +420,20 @@ class _Connection(asyncio.Protocol):
             raise UpstreamClosedError("the upstream sent more than one response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head_done:  # a trailer (after a chunked body): bounded, never a header
+            self.trailer_bytes += len(name) + len(value) + 4
+            if self.trailer_bytes > MAX_RESPONSE_HEAD_BYTES and self.error is None:
+                self._too_large(f"response trailers over {MAX_RESPONSE_HEAD_BYTES} bytes")
+            return
         self.header_bytes += len(name) + len(value) + 4  # ": " and CRLF
         self.headers.append((name.decode("latin-1"), value.decode("utf-8", "replace")))
+
+    def on_chunk_header(self) -> None:
+        self.after_chunk_header = True
+
+    def on_chunk_complete(self) -> None:
+        self.after_chunk_header = False
+        self.trailer_fed = 0
 
     def on_headers_complete(self) -> None:
         if self.header_bytes > MAX_RESPONSE_HEAD_BYTES:  # a head that came whole in one read
@@ -370,12 +452,16 @@ class _Connection(asyncio.Protocol):
                 lower == "transfer-encoding" and "chunked" in value.lower()
             ):
                 framed = True
-                break
+            elif lower == "keep-alive":
+                self.idle_limit_s = keepalive_limit_s(value)
         self.until_eof = not framed and status not in (204, 304)
         self.head_done = True
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        self.body_seen = True
+        self.after_chunk_header = False
+        self.trailer_fed = 0
         if self.error is not None:  # refused (e.g. its head too large): nothing more is kept
             return
         self.chunks.append(body)
@@ -440,9 +526,18 @@ class UpstreamClient:
                 raise ValueError(f"header {name}: CR or LF in its value")
             parts += (name, ": ", value, "\r\n")
         parts += ("Content-Length: ", str(len(body)), "\r\n\r\n")
-        head = "".join(parts).encode("utf-8", "surrogateescape")
-        connection = self._reuse() or await self._connect()
-        connection.send(head + body)
+        data = "".join(parts).encode("utf-8", "surrogateescape") + body
+        connection = self._reuse()
+        if connection is not None and not connection.send(data):
+            # The pooled connection's write failed at once (the upstream had reset it): nothing
+            # was sent, so the request goes on a new connection. Never after a byte went out.
+            connection.release()
+            connection = None
+        if connection is None:
+            connection = await self._connect()
+            if not connection.send(data):
+                connection.release()
+                raise UpstreamClosedError("the upstream closed a new connection before the request")
         try:
             while not connection.head_done:
                 connection.raise_error()
@@ -461,11 +556,12 @@ class UpstreamClient:
             connection = idle.pop()
             if connection.closed:
                 continue
-            if now - connection.idle_since <= IDLE_KEEPALIVE_S:
+            if now - connection.idle_since > connection.idle_limit_s:
+                connection.release()  # too old to trust
+                continue
+            if connection.reusable_now():
                 return connection
-            connection.release()  # too old to trust (and every one before it is older)
-            while idle:
-                idle.pop().release()
+            connection.release()  # closed or reset by the upstream, not yet seen by the loop
         return None
 
     async def _connect(self) -> _Connection:

@@ -30,21 +30,42 @@ writes exactly one record per request.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import gzip
 import json
 import os
 import socket
 import zlib
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from raw_upstream_support import (
+    CONTENT_CHUNKS,
+    DONE,
+    ESTIMATE_SERVICE_TOKENS,
+    OK_JSON,
+    USAGE_CHUNK,
+    RawUpstream,
+    Received,
+    Reply,
+    assert_next_request_served,
+    chat,
+    chunk,
+    client_socket,
+    connection_cut,
+    json_response,
+    metrics_text,
+    post,
+    raw_exchange,
+    reply,
+    request_bytes,
+    sidecar_for,
+    sse_response,
+    usage_json,
+)
 from sidecar_support import (
     CHAT,
     ZERO_BOOKS,
@@ -65,190 +86,6 @@ from tokenfair.server.lifecycle import Lifecycle, Phase, Settlement
 from tokenfair.server.proxy import HAS_BROTLI, HAS_ZSTD
 from tokenfair.server.record_writer import RecordWriter
 from tokenfair.server.runtime_settings import SidecarSettings
-
-USAGE_CHUNK = b'data: {"id":"c","object":"chat.completion.chunk","choices":[],'
-USAGE_CHUNK += b'"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}\n\n'
-CONTENT_CHUNKS = [
-    b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"index":0,'
-    b'"delta":{"content":"w%d "},"finish_reason":null}]}\n\n' % i
-    for i in range(3)
-]
-DONE = b"data: [DONE]\n\n"
-OK_JSON = (
-    b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant",'
-    b'"content":"hi"},"finish_reason":"stop"}],"usage":{"prompt_tokens":11,'
-    b'"completion_tokens":5,"total_tokens":16}}'
-)
-
-
-# -- the raw upstream ------------------------------------------------------------------------------
-
-
-@dataclass
-class Received:
-    """One request as the upstream read it."""
-
-    head: bytes
-    body: bytes
-
-    @property
-    def headers(self) -> dict[str, str]:
-        lines = self.head.decode("latin-1").split("\r\n")[1:]
-        return {
-            name.strip().lower(): value.strip()
-            for name, _, value in (line.partition(":") for line in lines if line)
-        }
-
-    @property
-    def json(self) -> dict[str, Any]:
-        payload: dict[str, Any] = json.loads(self.body)
-        return payload
-
-
-Reply = Callable[[asyncio.StreamWriter, Received], Awaitable[None]]
-
-
-@dataclass
-class RawUpstream:
-    """Answers each request with ``replies[model]`` (exact bytes), then closes the connection.
-    A reply that meets the client gone ends quietly and sets ``client_gone``."""
-
-    replies: dict[str, Reply]
-    received: list[Received] = field(default_factory=list)
-    client_gone: asyncio.Event = field(default_factory=asyncio.Event)
-    errors: list[BaseException] = field(default_factory=list)
-    url: str = ""
-    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.tasks.add(task)
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            length = 0
-            for line in head.split(b"\r\n")[1:]:
-                name, _, value = line.partition(b":")
-                if name.strip().lower() == b"content-length":
-                    length = int(value)
-            seen = Received(head, await reader.readexactly(length))
-            self.received.append(seen)
-            await self.replies[seen.json["model"]](writer, seen)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            self.client_gone.set()
-        except asyncio.CancelledError:
-            pass  # the fixture stopped the server: a quiet end
-        except Exception as exc:
-            self.errors.append(exc)
-        finally:
-            self.tasks.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
-
-@pytest.fixture
-async def upstream() -> AsyncIterator[Callable[[dict[str, Reply]], Awaitable[RawUpstream]]]:
-    servers: list[tuple[asyncio.Server, RawUpstream]] = []
-
-    async def make(replies: dict[str, Reply]) -> RawUpstream:
-        raw = RawUpstream(replies)
-        server = await asyncio.start_server(raw.serve, "127.0.0.1", 0)
-        raw.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        servers.append((server, raw))
-        return raw
-
-    yield make
-    for server, raw in servers:
-        server.close()
-        for task in list(raw.tasks):
-            task.cancel()
-        await asyncio.gather(*raw.tasks, return_exceptions=True)
-        assert not raw.errors, raw.errors
-
-
-def reply(data: bytes) -> Reply:
-    async def write(writer: asyncio.StreamWriter, _: Received) -> None:
-        writer.write(data)
-        await writer.drain()
-
-    return write
-
-
-def json_response(body: bytes, *headers: str) -> bytes:
-    extra = "".join(f"{header}\r\n" for header in headers)
-    return (
-        f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n{extra}"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
-
-
-def chunk(data: bytes) -> bytes:
-    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
-
-
-def sse_response(*events: bytes, headers: tuple[str, ...] = (), end: bool = True) -> bytes:
-    extra = "".join(f"{header}\r\n" for header in headers)
-    head = (
-        "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-        f"{extra}Transfer-Encoding: chunked\r\n\r\n"
-    ).encode()
-    return head + b"".join(chunk(event) for event in events) + (b"0\r\n\r\n" if end else b"")
-
-
-def usage_json(usage: bytes) -> bytes:
-    return b'{"id":"x","object":"chat.completion","choices":[],"usage":' + usage + b"}"
-
-
-# -- the sidecar in front of it --------------------------------------------------------------------
-
-
-async def sidecar_for(
-    aiohttp_client: ClientFactory, raw: RawUpstream, tmp_path: Path, **settings: Any
-) -> Clients:
-    """The openai backend in front of ``raw``, one request in flight at a time (so a leaked
-    slot shows as the next request never being served), request records on."""
-    options: dict[str, Any] = {
-        "backend": "openai",
-        "upstream_url": raw.url,
-        "max_in_flight": 1,
-        "records_path": str(tmp_path / "records.jsonl"),
-        "upstream_read_timeout_s": 10.0,
-        "engine_metrics": "off",  # the raw upstream is no engine: it serves no /metrics
-        **settings,
-    }
-    return await start(aiohttp_client, keyed_config(), SidecarSettings(**options))
-
-
-async def metrics_text(clients: Clients) -> str:
-    return await (await clients.admin.get("/metrics")).text()
-
-
-def chat(model: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "model": model,
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 50,
-        **extra,
-    }
-
-
-# "hi": ceil(2 / 4) + 4 = 5 prompt tokens; 50 decode tokens at weight 4: 5 + 200 = 205.
-ESTIMATE_SERVICE_TOKENS = 205
-
-
-async def post(clients: Clients, body: dict[str, Any], **headers: str) -> aiohttp.ClientResponse:
-    return await clients.proxy.post(
-        "/v1/chat/completions", json=body, headers={"Authorization": CHAT, **headers}
-    )
-
-
-async def assert_next_request_served(clients: Clients) -> None:
-    """With one request in flight at most, a leaked slot would queue this one forever."""
-    response = await post(clients, chat("ok"))
-    assert response.status == 200
-    assert (await response.json())["usage"]["completion_tokens"] == 5
-
 
 # -- reported usage --------------------------------------------------------------------------------
 
@@ -644,31 +481,6 @@ async def test_request_content_encoding(
 # -- headers and messages --------------------------------------------------------------------------
 
 
-async def raw_exchange(port: int, request: bytes) -> tuple[bytes, bytes]:
-    """Send raw request bytes; the response head and body (read to the connection's end)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(request)
-        data = await reader.read()
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
-    head, _, body = data.partition(b"\r\n\r\n")
-    return head, body
-
-
-def request_bytes(
-    body: bytes, *headers: str, authorization: bytes = CHAT.encode(), target: str = ""
-) -> bytes:
-    extra = "".join(f"{header}\r\n" for header in headers).encode()
-    return (
-        f"POST {target or '/v1/chat/completions'} HTTP/1.1\r\nHost: sidecar\r\n".encode()
-        + b"Authorization: " + authorization + b"\r\n" + extra
-        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
-    )  # fmt: skip
-
-
 async def test_hop_by_hop_and_connection_named_headers_are_stripped_both_ways(
     aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path
 ) -> None:
@@ -895,15 +707,6 @@ def small_send_buffers(
     monkeypatch.setattr(backend, "respond", small)
 
 
-async def client_socket(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A connection to the sidecar with a 4 KiB receive buffer, read through a 512-byte limit."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-    return await asyncio.open_connection(sock=sock, limit=512)
-
-
 def dechunk(body: bytes) -> bytes:
     """A chunked transfer's data; AssertionError unless it ends with its last chunk."""
     data = b""
@@ -980,6 +783,71 @@ async def test_a_client_that_stops_reading_near_the_end_is_cut_at_write_eof(
     else:
         response = await post(clients, chat("m"))
         assert response.status == 200
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+
+
+NON_READERS = 40
+
+
+@pytest.mark.parametrize("backend", ["openai", "costmodel"])
+async def test_clients_that_never_read_a_whole_answer_are_cut_at_the_write_timeout(
+    aiohttp_client: ClientFactory,
+    upstream: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    backend: str,
+) -> None:
+    """40 clients ask for a large non-streamed answer (1 MiB of JSON; embeddings of the
+    costmodel engine) and never read it: each answer is written in its handler under the write
+    timeout, so each client is cut (its connection reset, the answer no longer held) and
+    recorded ``499 client_write_timeout`` — settled at the usage, the work was done — and the
+    next request is served. The 0.5 s timeout is what the test waits for, not a speed."""
+    if backend == "openai":
+        big = b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":'
+        big += b'"assistant","content":"' + b"w" * (1 << 20) + b'"}}],"usage":{"prompt_tokens"'
+        big += b':11,"completion_tokens":5}}'
+        raw = await upstream(
+            {"big": reply(json_response(big)), "ok": reply(json_response(OK_JSON))}
+        )
+        clients = await sidecar_for(
+            aiohttp_client, raw, tmp_path, client_write_timeout_s=0.5, max_in_flight=64
+        )
+        path, body, settled = "/v1/chat/completions", chat("big"), 11 + 4 * 5
+    else:
+        settings = SidecarSettings(
+            time_scale=0.001,
+            max_in_flight=64,
+            records_path=str(tmp_path / "records.jsonl"),
+            client_write_timeout_s=0.5,
+        )
+        clients = await start(aiohttp_client, keyed_config(), settings)
+        # 4 inputs of 16,384 floats: ~1.3 MB of JSON; prompt tokens ceil(4 chars / 4) + 4 inputs.
+        body = {"model": "m", "input": ["x", "y", "z", "w"], "dimensions": 16384}
+        path, settled = "/v1/embeddings", 1 + 4
+    small_send_buffers(clients, monkeypatch)
+    port = clients.proxy.port
+    assert port is not None
+    request = request_bytes(json.dumps(body).encode(), target=path)
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(NON_READERS):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            await asyncio.get_running_loop().sock_sendall(sock, request)
+            socks.append(sock)
+        # ... and never read. Every client is cut once the sidecar gave up on it.
+        assert await wait_for(lambda: all(connection_cut(sock) for sock in socks), budget_s=60.0)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert await wait_for(lambda: len(records_of(clients.sidecar)) == NON_READERS)
+    rows = records_of(clients.sidecar)
+    assert {(r["status_code"], r["reason"]) for r in rows} == {(499, "client_write_timeout")}
+    assert {r["actual_service_tokens"] for r in rows} == {settled}
+    if backend == "openai":
+        await assert_next_request_served(clients)
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
 
 

@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ import pytest
 import yaml
 from aiohttp import web
 from loopback_support import free_ports
+from raw_upstream_support import connection_cut
 from sidecar_support import CHAT, keyed_config
 
 from tokenfair.config import PolicyConfig, config_to_document
@@ -519,3 +521,132 @@ async def test_idle_and_slow_header_connections_are_closed(stub: Stub, tmp_path:
                 assert "tokenfair_refused_connections_total 0.0" in await response.text()
         finally:
             stop(sidecar)
+
+
+# -- signals and hostile connections (issue 28) ---------------------------------------------------
+
+
+async def test_sighup_never_stops_the_sidecar(stub: Stub, tmp_path: Path) -> None:
+    """SIGHUP (what logrotate's ``postrotate`` sends) mid-stream: the sidecar lives on, the
+    stream under way ends whole, its record is written, and new requests are served."""
+    async with aiohttp.ClientSession() as session:
+        sidecar = await _running(tmp_path, stub.url, session)
+        try:
+            url = f"{sidecar.proxy}/v1/chat/completions"
+            headers = {"Authorization": CHAT}
+            async with session.post(
+                url, json=chat("slowstream", stream=True), headers=headers
+            ) as streaming:
+                assert streaming.status == 200
+                await streaming.content.readany()  # under way: 50 events 20 ms apart
+                sidecar.process.send_signal(signal.SIGHUP)
+                sidecar.process.send_signal(signal.SIGHUP)  # twice: a handler, not a one-off
+                body = await streaming.read()
+            assert body.endswith(b"data: [DONE]\n\n")
+            async with session.post(url, json=chat("ok"), headers=headers) as response:
+                assert response.status == 200
+            assert sidecar.process.poll() is None
+            assert await sidecar.settled_books(session) == ZERO_BOOKS
+            stop(sidecar)
+            assert sidecar.process.returncode == 0  # drained on SIGTERM as ever
+            lines = [json.loads(line) for line in sidecar.records.read_text().splitlines()]
+            assert [(r["status_code"], r["reason"]) for r in lines] == [(200, "admitted")] * 2
+        finally:
+            stop(sidecar)
+
+
+async def test_a_pipelining_client_that_never_reads_is_cut(stub: Stub, tmp_path: Path) -> None:
+    """A client pipelines request after request (404s of long paths: answers aiohttp writes
+    itself, after its handler) and reads none of the answers: once they fill its connection,
+    the sidecar cuts it within 1.5 write timeouts (the 0.5 s here is what the test waits for,
+    not a speed it needs), and a tenant is served meanwhile and after."""
+    limits = {"clientWriteTimeoutSeconds": 0.5, "clientIdleTimeoutSeconds": 60}
+    async with aiohttp.ClientSession() as session:
+        sidecar = await _running(tmp_path, stub.url, session, sidecar=limits)
+        try:
+            host, port = sidecar.proxy.removeprefix("http://").rsplit(":", 1)
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            sock.setblocking(False)
+            request = b"GET /" + b"x" * 8000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+            cut = False
+            deadline = time.monotonic() + 120  # a failure, not a speed: cut in ~1 s
+            try:
+                while time.monotonic() < deadline and not cut:
+                    try:
+                        sock.send(request)
+                    except BlockingIOError:
+                        await asyncio.sleep(0.05)  # the sidecar is not reading: it may be stuck
+                    except OSError:
+                        cut = True
+                    cut = cut or connection_cut(sock)
+            finally:
+                sock.close()
+            assert cut, "the sidecar never cut a client that reads nothing"
+            async with session.post(
+                f"{sidecar.proxy}/v1/chat/completions",
+                json=chat("ok"),
+                headers={"Authorization": CHAT},
+            ) as response:
+                assert response.status == 200
+            status = await sidecar.status(session)
+            assert status["connections"]["write_timeouts"] >= 1
+        finally:
+            stop(sidecar)
+
+
+FLOOD_PEERS = 20
+FLOOD_PER_PEER = 50
+"""1,000 anonymous sockets, from 127.0.0.2 to 127.0.0.21 (the bench opens 5,000)."""
+
+
+async def test_anonymous_sockets_cannot_keep_a_tenant_out(stub: Stub, tmp_path: Path) -> None:
+    """1,000 anonymous sockets from 20 peers — idle, or trickling a request head — against a cap
+    of 300 connections, 150 of them for anonymous ones, 40 per peer: the flood gets at most its
+    share, the rest is refused or evicted, and a tenant is served all along, on a keep-alive
+    connection it held before and on new connections (each anonymous until its head arrives).
+    Deadlines are generous: the test checks who is served, not how fast."""
+    limits = {
+        "maxClientConnections": 300,
+        "maxUnauthenticatedConnections": 150,
+        "maxUnauthenticatedConnectionsPerPeer": 40,
+        "clientIdleTimeoutSeconds": 120,
+    }
+    async with contextlib.AsyncExitStack() as stack:
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        sidecar = await _running(tmp_path, stub.url, session, sidecar=limits)
+        stack.callback(stop, sidecar)
+        host, port = sidecar.proxy.removeprefix("http://").rsplit(":", 1)
+        url = f"{sidecar.proxy}/v1/chat/completions"
+        headers = {"Authorization": CHAT}
+        async with session.post(url, json=chat("ok"), headers=headers) as response:
+            assert response.status == 200  # the tenant's keep-alive connection, authenticated
+
+        flood: list[asyncio.StreamWriter] = []
+
+        def close_flood() -> None:
+            for writer in flood:
+                writer.close()
+
+        stack.callback(close_flood)
+        for index in range(FLOOD_PEERS * FLOOD_PER_PEER):
+            peer = f"127.0.0.{2 + index % FLOOD_PEERS}"
+            _, writer = await asyncio.open_connection(host, int(port), local_addr=(peer, 0))
+            if index % 2:
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # never ends
+            flood.append(writer)
+        connections = (await sidecar.status(session))["connections"]
+        assert connections["unauthenticated"] <= 150, connections
+        assert connections["refused"] + connections["evicted"] >= 1000 - 150, connections
+
+        # The connection held before the flood is served.
+        async with session.post(url, json=chat("ok"), headers=headers) as response:
+            assert response.status == 200
+        # And so are new connections, each opened into the flood.
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+            for _ in range(20):
+                async with asyncio.timeout(60):
+                    async with fresh.post(url, json=chat("ok"), headers=headers) as response:
+                        assert response.status == 200
+        assert await sidecar.settled_books(session) == ZERO_BOOKS

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import socket
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +33,7 @@ from tokenfair.server.upstream import (
     UpstreamClosedError,
     UpstreamResponse,
     UpstreamTooLargeError,
+    keepalive_limit_s,
     parse_origin,
 )
 
@@ -1251,3 +1254,148 @@ def test_usage_from_sse_without_a_usable_usage(tail: bytes) -> None:
 def test_usage_from_sse_skips_a_cut_usage_for_an_earlier_whole_one() -> None:
     tail = sse(b'{"choices":[],' + USAGE + b"}") + b'data: {"choices":[],"usage":{"prompt_to'
     assert usage_from_sse(tail) == USAGE_DICT
+
+
+# -- trailers --------------------------------------------------------------------------------------
+
+
+async def test_trailers_never_become_response_headers(
+    serve: ServerFactory, clients: ClientFactory
+) -> None:
+    """Trailers that arrive with the head (one segment) are dropped, not read as headers."""
+    answer = CHUNKED_HEAD + chunk(b"data") + b"0\r\nX-Trailer: sneaked\r\nSet-Cookie: a=b\r\n\r\n"
+    server = await serve(answer_each(answer))
+    client = clients(server.url())
+    response = await client.request("POST", "/", [], b"")
+    body = await response.read()
+    names = {name.lower() for name, _ in response.headers}
+    response.release()
+    assert body == b"data"
+    assert "x-trailer" not in names
+    assert "set-cookie" not in names
+    assert client.idle_connections == 1  # a response with trailers is still whole
+
+
+@pytest.mark.parametrize("shape", ["many-lines", "one-long-line"])
+async def test_trailers_over_the_head_limit_are_refused_and_dropped(
+    serve: ServerFactory, clients: ClientFactory, shape: str
+) -> None:
+    """Trailers are bounded like a head: past 64 KiB of them (many small lines, or one line
+    that never ends) the response fails ``UpstreamTooLargeError`` and the connection is dropped
+    while the trailers still come; nothing of them is kept."""
+
+    async def script(peer: Peer) -> None:
+        await peer.read_request()
+        await peer.send(CHUNKED_HEAD + chunk(b"data") + b"0\r\n")
+        for index in range(1 << 12):  # 4 MiB of trailers at most: far past the bound
+            if shape == "many-lines":
+                piece = b"X-T%d: %s\r\n" % (index, b"v" * 1000)
+            else:
+                piece = b"X-Long: " + b"v" * 1024 if index == 0 else b"v" * 1024
+            await peer.send(piece)
+        await peer.until_client_gone()
+
+    server = await serve(script)
+    client = clients(server.url())
+    response = await client.request("POST", "/", [], b"")
+    with pytest.raises(UpstreamTooLargeError, match="trailers"):
+        await response.read()
+    response.release()
+    await gone(server.peers[0])
+    assert client.idle_connections == 0
+
+
+# -- stale keep-alive connections ------------------------------------------------------------------
+
+
+class ClosingUpstream:
+    """A threaded server (outside the event loop) that answers each connection's first request
+    keep-alive, then closes the connection at once, and says so: ``closed`` is set after the
+    close, so the FIN is on its way before the event loop can run again."""
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+        self.requests = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            with sock:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    more = sock.recv(65536)
+                    if not more:
+                        break
+                    data += more
+                if data:
+                    self.requests += 1
+                    sock.sendall(ok())
+            self.closed.set()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() under way
+        self._listener.close()
+        self._thread.join(WAIT_S)
+
+
+@pytest.fixture
+def closing_upstream() -> Iterator[ClosingUpstream]:
+    server = ClosingUpstream()
+    yield server
+    server.stop()
+
+
+async def test_a_connection_the_upstream_closed_unseen_by_the_loop_is_not_used(
+    closing_upstream: ClosingUpstream, clients: ClientFactory
+) -> None:
+    """The upstream closes a keep-alive connection right after answering, and the event loop is
+    busy (the blocking wait below stands for it) while the close arrives: the pooled connection
+    looks open to the loop, but its socket already holds the end. The next request must go on a
+    new connection, not fail (a POST that fails there may not be sent again)."""
+    client = clients(f"http://127.0.0.1:{closing_upstream.port}")
+    response = await client.request("POST", "/", [], b"")
+    assert await response.read() == b"ok"
+    response.release()
+    # Without yielding to the loop: the server has closed the connection once this returns.
+    assert closing_upstream.closed.wait(WAIT_S)
+    closing_upstream.closed.clear()
+    response = await client.request("POST", "/", [], b"")
+    assert await response.read() == b"ok"
+    response.release()
+    assert closing_upstream.requests == 2  # each request reached the upstream once
+
+
+@pytest.mark.parametrize(
+    ("value", "limit_s"),
+    [
+        ("timeout=5, max=100", 4.0),
+        ("timeout=2", 1.0),
+        ("max=3, timeout=1", 0.0),
+        ("timeout=0.5", 0.0),
+        ("timeout=600", IDLE_KEEPALIVE_S),
+        ("max=100", IDLE_KEEPALIVE_S),
+        ("garbage", IDLE_KEEPALIVE_S),
+    ],
+)
+def test_keepalive_timeout_of_the_upstream_shortens_reuse(value: str, limit_s: float) -> None:
+    assert keepalive_limit_s(value) == limit_s
+
+
+async def test_an_upstream_keepalive_timeout_of_one_second_is_never_raced(
+    serve: ServerFactory, clients: ClientFactory
+) -> None:
+    """``Keep-Alive: timeout=1``: the upstream may close an idle connection after 1 s, so it is
+    not reused (1 s less the 1 s margin): every request gets a connection of its own."""
+    server = await serve(answer_each(ok(b"ok", "Keep-Alive: timeout=1")))
+    client = clients(server.url())
+    for _ in range(2):
+        assert await fetch(client) == b"ok"
+    assert server.accepted == 2

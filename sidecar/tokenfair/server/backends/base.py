@@ -6,13 +6,15 @@ itself (a ``web.Response``, or a prepared ``web.StreamResponse`` for SSE). A str
 breaks after it started raises :class:`StreamAbortedError` carrying the started response: the
 proxy then cuts the client's connection, so the client sees an incomplete transfer rather than a
 clean end. While it runs it fills in ``call.prompt_tokens`` / ``call.completion_tokens`` (the
-usage to settle; :meth:`BackendCall.report_usage` checks reported values) and calls
-``call.first_byte()`` when the first body bytes go out (TTFT). Stream bytes go out through
-:meth:`BackendCall.write` and a stream ends with :meth:`BackendCall.write_eof` (never a bare
-``response.write``/``write_eof``: both wait for the client to take the bytes), which cut a client
-that takes nothing for ``client_write_timeout_s`` while they wait. It may be cancelled at any
-await (the client went away); it must then free what it holds (an upstream connection) and
-re-raise.
+usage to settle; :meth:`BackendCall.report_usage` checks reported values against the request's
+bounds, :class:`UsageBounds`) and calls ``call.first_byte()`` when the first body bytes go out
+(TTFT). Stream bytes go out through :meth:`BackendCall.write` and a stream ends with
+:meth:`BackendCall.write_eof` (never a bare ``response.write``/``write_eof``: both wait for the
+client to take the bytes), which cut a client that takes nothing for ``client_write_timeout_s``
+while they wait; a whole answer (a ``web.Response``) is returned unsent, and the proxy writes it
+under the same bound (:meth:`BackendCall.send`). It may be cancelled at any await (the client
+went away); it must then free what it holds (an upstream connection) and re-raise, having set
+``call.answer_complete`` if the client already had the whole answer (a stream's ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from aiohttp import web
 from tokenfair.config import PolicyConfig
 from tokenfair.core import Decision
 from tokenfair.core.cost import MAX_REQUEST_TOKENS
-from tokenfair.server.estimate import Estimate
+from tokenfair.server.connections import reset, unacknowledged_bytes
+from tokenfair.server.estimate import Estimate, prompts, sequences
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -41,10 +44,11 @@ ROUTES: Final = ("/v1/completions", "/v1/chat/completions", EMBEDDINGS_ROUTE)
 prefill-only cost: :func:`~tokenfair.server.estimate.estimate_embeddings`)."""
 
 MAX_USAGE_TOKENS: Final = MAX_REQUEST_TOKENS
-"""Largest ``usage.prompt_tokens`` / ``usage.completion_tokens`` believed (a signed 32-bit int:
-orders of magnitude above any context window). A reported value that is not an integer in
+"""Largest ``usage.prompt_tokens`` / ``usage.completion_tokens`` that is a usage at all (a signed
+32-bit int: no server counts further). A reported value that is not an integer in
 ``[0, MAX_USAGE_TOKENS]`` is a protocol error: the request settles at its estimate and its record
-says ``upstream_bad_usage``."""
+says ``upstream_bad_usage``. An integer in that range but over the request's own bound
+(:class:`UsageBounds`) settles at the bound, also recorded ``upstream_bad_usage``."""
 BAD_USAGE: Final = "upstream_bad_usage"
 UPSTREAM_ABORTED: Final = "upstream_aborted"
 UPSTREAM_TOO_LARGE: Final = "upstream_too_large"
@@ -62,9 +66,12 @@ CLIENT_MESSAGES: Final = {
     "sidecar's log has the details under this request's x-request-id",
 }
 """What a tenant reads in a 502/504: no upstream host, port or errno (those go to the log)."""
+HEAD_ALLOWANCE_BYTES: Final = 8192
+"""Room kept for a whole answer's status line and headers when :meth:`BackendCall.send` tells
+whether the answer fits under the transport's high-water mark."""
 WRITE_CHECKS_PER_TIMEOUT: Final = 4
 """While a write to the client waits, the client's progress is looked at this many times per
-``client_write_timeout_s`` (the transport's buffer shrinking: the client took bytes)."""
+``client_write_timeout_s`` (the bytes it has not acknowledged shrinking: it took some)."""
 
 
 class UpstreamError(Exception):
@@ -98,6 +105,59 @@ class StreamAbortedError(Exception):
 
 class UsageError(ValueError):
     """The backend's reported usage is not believable (see :data:`MAX_USAGE_TOKENS`)."""
+
+
+def embedding_inputs(value: object) -> list[object]:
+    """The inputs of an embeddings ``input`` (checked by the estimate): a string or a list of
+    token IDs is one input, a list of strings or of lists one input each."""
+    if isinstance(value, list) and value and isinstance(value[0], str | list):
+        return value
+    return [value]
+
+
+def _given_tokens(body: Mapping[str, Any], name: str) -> int | None:
+    """``body[name]`` if it is an integer (not a boolean), else None (absent; the estimate has
+    refused a bad value of the field it read, but not of the other one)."""
+    value = body.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(slots=True)
+class UsageBounds:
+    """The most usage a request's answer may report, from the request itself and the model's
+    context window. The sidecar holds one (``Sidecar.usage_bounds``) and reads it for every
+    request, so a later source of the context (the engine's ``max_model_len``) changes
+    :attr:`context_tokens` in one place.
+
+    For ``c`` = :attr:`context_tokens`, ``p`` prompts (a legacy completions batch; an embeddings
+    batch's inputs; 1 otherwise) and ``s`` = ``max(n, best_of)`` sequences per prompt:
+
+    * prompt tokens <= ``c * p`` (no prompt holds more than the context);
+    * completion tokens <= ``m * s * p``, ``m`` being the larger of ``max_tokens`` and
+      ``max_completion_tokens`` where either is given (the larger: a server that honours the
+      other one still generates at most that many), else ``c`` (a server's default runs to the
+      end of the context); for ``/v1/embeddings`` 0.
+
+    Both are at most :data:`MAX_USAGE_TOKENS`. A count over its bound is settled at the bound
+    (:meth:`BackendCall.report_usage`): the tenant did use at least that much, and no more can
+    be believed."""
+
+    context_tokens: int
+    """The model's context window in tokens (``SidecarSettings.model_context_tokens``)."""
+
+    def of_request(self, path: str, body: Mapping[str, Any]) -> tuple[int, int]:
+        """``(prompt bound, completion bound)`` of a request on ``path`` whose ``body`` passed
+        the estimate (its ``n``, ``best_of`` and batch are valid)."""
+        context = self.context_tokens
+        if path == EMBEDDINGS_ROUTE:
+            inputs = len(embedding_inputs(body.get("input")))
+            return min(MAX_USAGE_TOKENS, context * inputs), 0
+        batch = prompts(body)
+        asked = [given for name in ("max_tokens", "max_completion_tokens")
+                 if (given := _given_tokens(body, name)) is not None]  # fmt: skip
+        per_sequence = max(asked) if asked else context
+        completion = per_sequence * sequences(body) * batch
+        return min(MAX_USAGE_TOKENS, context * batch), min(MAX_USAGE_TOKENS, completion)
 
 
 def _describe(value: object) -> str:
@@ -140,10 +200,23 @@ class BackendCall:
     client_write_timeout_s: float | None = None
     """How long a write to the client may wait while the client takes nothing (see
     :meth:`write`); None: unbounded."""
+    max_prompt_tokens: int = MAX_USAGE_TOKENS
+    """The most prompt tokens the answer may report (:meth:`UsageBounds.of_request`)."""
+    max_completion_tokens: int = MAX_USAGE_TOKENS
+    """The most completion tokens the answer may report (:meth:`UsageBounds.of_request`)."""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     usage_error: str | None = None
-    """Why the reported usage was not believed (then the request settles at its estimate)."""
+    """Why the reported usage was not believed as reported (then the request settles at its
+    estimate, or at its bounds: :meth:`report_usage`)."""
+    upstream_answered: bool = False
+    """The upstream's response head arrived: it ran the request, so a failure after this point
+    settles at what ran (the usage seen, else the estimate), never at zero."""
+    answer_complete: bool = False
+    """The client was sent the whole answer (a stream's ``[DONE]``, or the usage event it asked
+    for): if it leaves now, it met a complete ``200`` (recorded so, and settled at the usage) —
+    unless it was cut for not reading (:attr:`client_write_timed_out`): then it never took the
+    end."""
     first_byte_sent: bool = field(default=False)
     client_write_timed_out: bool = field(default=False)
     """Set when a write waited ``client_write_timeout_s`` without the client taking a byte and
@@ -154,7 +227,7 @@ class BackendCall:
     _progress_at: float = field(default=0.0, init=False, repr=False)
     """Loop time of the last look that saw the client take bytes."""
     _buffered: int = field(default=0, init=False, repr=False)
-    """The transport's write buffer at the last look."""
+    """The bytes the client had not acknowledged at the last look."""
     _appended: int = field(default=0, init=False, repr=False)
     """Bytes handed to writes since the last look."""
     _watchdog: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
@@ -166,8 +239,10 @@ class BackendCall:
 
     def report_usage(self, usage: Mapping[str, Any] | None) -> None:
         """Take the backend's reported usage (a ``usage`` object, or None: not reported). A value
-        that is not believable leaves both counts unknown (settled at the estimate) and sets
-        :attr:`usage_error`."""
+        that is not a usage at all (:func:`usage_tokens`) leaves both counts unknown (settled at
+        the estimate); a count over the request's bound (:attr:`max_prompt_tokens`,
+        :attr:`max_completion_tokens`) is taken at the bound. Either sets :attr:`usage_error`
+        (``upstream_bad_usage``) and logs the tenant and the request."""
         if usage is None:
             self.prompt_tokens = self.completion_tokens = None
             return
@@ -177,12 +252,29 @@ class BackendCall:
         except UsageError as exc:
             self.bad_usage(str(exc))
             return
+        over: list[str] = []
+        if prompt is not None and prompt > self.max_prompt_tokens:
+            over.append(f"usage.prompt_tokens {prompt} > the request's bound "
+                        f"{self.max_prompt_tokens}")  # fmt: skip
+            prompt = self.max_prompt_tokens
+        if completion is not None and completion > self.max_completion_tokens:
+            over.append(f"usage.completion_tokens {completion} > the request's bound "
+                        f"{self.max_completion_tokens}")  # fmt: skip
+            completion = self.max_completion_tokens
         self.prompt_tokens, self.completion_tokens = prompt, completion
+        if over:
+            decision = self.decision
+            log.warning("request %s of tenant %s: the backend reported more usage than the "
+                        "request allows, settling at the bound: %s", decision.request_id,
+                        decision.tenant_id, "; ".join(over))  # fmt: skip
+            self.usage_error = BAD_USAGE
 
     def bad_usage(self, detail: str) -> None:
         """The backend reported usage that cannot be believed: settle at the estimate."""
-        log.warning("request %s: the backend's usage is a protocol error, settling at the "
-                    "estimate: %s", self.decision.request_id, detail)  # fmt: skip
+        decision = self.decision
+        log.warning("request %s of tenant %s: the backend's usage is a protocol error, settling "
+                    "at the estimate: %s", decision.request_id, decision.tenant_id,
+                    detail)  # fmt: skip
         self.prompt_tokens = self.completion_tokens = None
         self.usage_error = BAD_USAGE
 
@@ -191,6 +283,25 @@ class BackendCall:
     async def write(self, response: web.StreamResponse, data: bytes) -> None:
         """``response.write(data)``, bounded: see :meth:`_bounded`."""
         await self._bounded(response.write(data), len(data))
+
+    async def send(self, response: web.StreamResponse) -> None:
+        """Send a whole answer the backend returned unsent (a ``web.Response``), bounded like
+        :meth:`write`: its status, headers and body go out now, in the handler, and a client
+        that takes none of it for ``client_write_timeout_s`` is cut (the answer is not left to
+        aiohttp to write, unbounded, after the handler)."""
+        await response.prepare(self.request)
+        body = response.body if isinstance(response, web.Response) else None
+        size = len(body) if isinstance(body, bytes | bytearray) else 0
+        transport = self.request.transport
+        if transport is not None and (
+            transport.get_write_buffer_size() + size + HEAD_ALLOWANCE_BYTES
+            <= transport.get_write_buffer_limits()[1]
+        ):
+            # Head and body fit under the transport's high-water mark: the write cannot wait
+            # (nothing to time, no timer to arm); what the kernel holds is the sweep's.
+            await response.write_eof()
+            return
+        await self._bounded(response.write_eof(), size)
 
     async def write_eof(self, response: web.StreamResponse) -> None:
         """``response.write_eof()``, bounded like :meth:`write`: it too waits until the client
@@ -201,12 +312,14 @@ class BackendCall:
     async def _bounded(self, operation: Awaitable[None], size: int) -> None:
         """Await ``operation`` (a write of ``size`` bytes to the client). While it waits, a
         timer looks at the client's connection :data:`WRITE_CHECKS_PER_TIMEOUT` times per
-        ``client_write_timeout_s``: the client made progress if the transport's buffer is
-        smaller than at the last look plus what was written since. A write that has waited
-        ``client_write_timeout_s`` since it began, or since progress was last seen, aborts the
-        client's connection (the write then raises), so a client that stops reading cannot hold
-        its in-flight slot, while one that reads slowly is never cut. One timer per call, armed
-        by a write and re-armed only while a write waits (not per write)."""
+        ``client_write_timeout_s``: the client made progress if the bytes it has not
+        acknowledged (the transport's buffer and the kernel's send queue:
+        :func:`~tokenfair.server.connections.unacknowledged_bytes`) are fewer than at the last
+        look plus what was written since. A write that has waited ``client_write_timeout_s``
+        since it began, or since progress was last seen, resets the client's connection (the
+        write then raises), so a client that stops reading cannot hold its in-flight slot,
+        while one that reads slowly is never cut. One timer per call, armed by a write and
+        re-armed only while a write waits (not per write)."""
         timeout_s = self.client_write_timeout_s
         if timeout_s is None:
             await operation
@@ -215,7 +328,7 @@ class BackendCall:
         now = loop.time()
         if self._watchdog is None:
             transport = self.request.transport
-            self._buffered = 0 if transport is None else transport.get_write_buffer_size()
+            self._buffered = 0 if transport is None else unacknowledged_bytes(transport)
             self._appended = 0
             interval_s = timeout_s / WRITE_CHECKS_PER_TIMEOUT
             self._watchdog = loop.call_at(now + interval_s, self._check_write, timeout_s)
@@ -236,7 +349,7 @@ class BackendCall:
             return
         loop = asyncio.get_running_loop()
         now = loop.time()
-        buffered = transport.get_write_buffer_size()
+        buffered = unacknowledged_bytes(transport)
         if buffered < self._buffered + self._appended:
             self._progress_at = now  # the client took bytes since the last look
         self._buffered, self._appended = buffered, 0
@@ -248,9 +361,9 @@ class BackendCall:
             )
             return
         self.client_write_timed_out = True
-        log.warning("request %s: the client took nothing for %g s; aborting its connection",
+        log.warning("request %s: the client took nothing for %g s; resetting its connection",
                     self.decision.request_id, timeout_s)  # fmt: skip
-        transport.abort()
+        reset(transport)
 
     def close(self) -> None:
         """Stop the write timer (the proxy calls this once the request is over)."""

@@ -58,7 +58,12 @@ from aiohttp import web
 
 from tokenfair.core.batching import BatchingCurve
 from tokenfair.core.cost import CostModel
-from tokenfair.server.backends.base import EMBEDDINGS_ROUTE, Backend, BackendCall
+from tokenfair.server.backends.base import (
+    EMBEDDINGS_ROUTE,
+    Backend,
+    BackendCall,
+    embedding_inputs,
+)
 from tokenfair.server.backends.batching import BatchingEngine
 from tokenfair.server.errors import error_response
 from tokenfair.server.runtime_settings import (
@@ -90,14 +95,6 @@ def _seed_text(body: dict[str, Any]) -> str:
 MAX_FAKE_EMBEDDING_VALUES: Final = 1 << 18
 """Most values (inputs times dimensions) of one fake embeddings answer: 262,144 floats are ~5 MiB
 of JSON, built on the event loop."""
-
-
-def embedding_inputs(value: object) -> list[object]:
-    """The inputs of an embeddings ``input`` (checked by the estimate): a string or a list of
-    token IDs is one input, a list of strings or of lists one input each."""
-    if isinstance(value, list) and value and isinstance(value[0], str | list):
-        return value
-    return [value]
 
 
 def fake_embedding(item: object, dimensions: int) -> array[float]:
@@ -404,5 +401,6 @@ class CostModelBackend(Backend):
                     "usage": usage,
                 }))  # fmt: skip
         await call.write(response, b"data: [DONE]\n\n")
+        call.answer_complete = True  # the client has it all; only the transfer's end is left
         await call.write_eof(response)
         return response

@@ -262,10 +262,9 @@ MAX_HELD_EVENT_BYTES: Final = 1 << 16
 """An SSE event longer than this (64 KiB) is passed through unexamined rather than held."""
 
 
-def _is_usage_event(event: bytes) -> bool:
-    """Whether an SSE event's data (its ``data:`` lines' values joined with LF, as a client
-    reads them) is a JSON object with ``"choices": []`` and a ``"usage"`` object: the event
-    that ``include_usage`` adds."""
+def _event_data(event: bytes) -> bytes | None:
+    """An SSE event's data: its ``data:`` lines' values joined with LF, as a client reads them
+    (None: the event has no data line)."""
     values: list[bytes] = []
     for line in _LINE_SPLIT.split(event):
         if line.startswith(b"data:"):
@@ -273,10 +272,17 @@ def _is_usage_event(event: bytes) -> bool:
             values.append(value[1:] if value.startswith(b" ") else value)
         elif line == b"data":
             values.append(b"")
-    if not values:
+    return b"\n".join(values) if values else None
+
+
+def _is_usage_event(event: bytes) -> bool:
+    """Whether an SSE event's data is a JSON object with ``"choices": []`` and a ``"usage"``
+    object: the event that ``include_usage`` adds."""
+    data = _event_data(event)
+    if data is None:
         return False
     try:
-        payload = json.loads(b"\n".join(values))
+        payload = json.loads(data)
     except (ValueError, RecursionError):
         return False
     return (
@@ -284,6 +290,37 @@ def _is_usage_event(event: bytes) -> bool:
         and payload.get("choices") == []
         and isinstance(payload.get("usage"), dict)
     )
+
+
+END_PROBE_BYTES: Final = 64
+"""The last bytes written to a streaming client that are kept to see whether they end with the
+stream's last event (``data: [DONE]`` is 14 bytes and its line ends)."""
+
+
+def _last_event(data: bytes) -> bytes | None:
+    """The last whole SSE event in ``data`` (ended by a blank line), without its line ends;
+    None if ``data`` does not end with a whole event."""
+    body = data.rstrip(b"\r\n")
+    if _EVENT_END.search(data, len(body)) is None:
+        return None  # the last event has not ended (no blank line after it yet)
+    start = 0
+    for match in _EVENT_END.finditer(body):
+        start = match.end()
+    return body[start:]
+
+
+def client_has_end(sent_end: bytes, sent_tail: bytes | bytearray, *, asked_usage: bool) -> bool:
+    """Whether a streaming client has its stream's end: the last event it was sent
+    (``sent_end``: its last bytes) is ``data: [DONE]``, or, for a client that asked for usage
+    (``sent_tail`` is then the last bytes it was sent), the usage event ``include_usage``
+    adds, which servers send last before ``[DONE]``."""
+    event = _last_event(sent_end)
+    if event is not None and _event_data(event) == b"[DONE]":
+        return True
+    if not asked_usage:
+        return False
+    event = _last_event(bytes(sent_tail))
+    return event is not None and _is_usage_event(event)
 
 
 def _leading_line_ends(event: bytes) -> int:
@@ -500,6 +537,7 @@ class OpenAIBackend(Backend):
             )
         except (TimeoutError, UpstreamClosedError) as exc:
             raise _upstream_failure(exc, "request") from None
+        call.upstream_answered = True
         try:
             coding = content_coding(upstream.headers)
             decoder = BodyDecoder(coding) if coding in _DECODED_CODINGS else None
@@ -512,6 +550,7 @@ class OpenAIBackend(Backend):
             try:
                 data = await upstream.read()
             except (TimeoutError, UpstreamClosedError) as exc:
+                self._report_cut_usage(call, upstream, readable=coding is None)
                 raise _upstream_failure(exc, "response") from None
             if decoder is not None:
                 data = _decoded(decoder, data, coding, "response")
@@ -597,6 +636,25 @@ class OpenAIBackend(Backend):
         return upstream.status, data
 
     @staticmethod
+    def _report_cut_usage(call: BackendCall, upstream: UpstreamResponse, *, readable: bool) -> None:
+        """A whole answer cut after its head (closed, timed out, too large): the upstream ran
+        the request, so it settles at the usage in the part received (a whole ``usage`` object
+        in it, read only from an unencoded body), else at the estimate; an error status at
+        zero, as a whole error answer without usage."""
+        if upstream.status >= 400:
+            call.prompt_tokens = call.completion_tokens = 0
+            return
+        if not readable:
+            return
+        try:
+            usage = usage_from_json(upstream.received())
+        except UsageError as exc:
+            call.bad_usage(str(exc))
+            return
+        if usage is not None:
+            call.report_usage(usage)
+
+    @staticmethod
     def _report_json_usage(call: BackendCall, data: bytes | None, status: int) -> None:
         try:
             usage = None if data is None else usage_from_json(data)
@@ -622,35 +680,52 @@ class OpenAIBackend(Backend):
         is, its usage unread)."""
         response = web.StreamResponse(status=upstream.status, headers=headers)
         # The last bytes relayed (at least TAIL_BYTES once that many went by), trimmed only when
-        # twice that size: an append per chunk, a copy every TAIL_BYTES.
+        # twice that size: an append per chunk, a copy every TAIL_BYTES. A piece is added once
+        # the client has been sent what it became, so without the usage filter the tail is what
+        # the client has.
         tail = bytearray()
         usage_filter = UsageEventFilter() if injected and not opaque else None
         started = False
+        sent_end = b""  # the last bytes the client was sent: is its stream's end among them?
         try:
             while chunk := await upstream.next_chunk():
                 for piece in decoder.feed(chunk) if decoder is not None else (chunk,):
+                    out = piece if usage_filter is None else usage_filter.feed(piece)
+                    if out:
+                        if not started:
+                            await response.prepare(call.request)
+                            started = True
+                            await call.write(response, out)
+                            call.first_byte()
+                        else:
+                            await call.write(response, out)
+                        sent_end = (sent_end + out[-END_PROBE_BYTES:])[-END_PROBE_BYTES:]
                     if not opaque:
                         tail += piece
                         if len(tail) > 2 * TAIL_BYTES:
                             del tail[:-TAIL_BYTES]
-                    out = piece if usage_filter is None else usage_filter.feed(piece)
-                    if not out:
-                        continue
-                    if not started:
-                        await response.prepare(call.request)
-                        started = True
-                        await call.write(response, out)
-                        call.first_byte()
-                    else:
-                        await call.write(response, out)
             if decoder is not None and not decoder.complete:
                 raise UpstreamClosedError(f"the upstream's {decoder.coding} stream was cut short")
+        except asyncio.CancelledError:
+            # The client left. If it had its stream's end, it met a whole answer: a 200,
+            # settled at the usage (the upstream's own end, awaited here, changes nothing).
+            if not opaque and client_has_end(sent_end, tail, asked_usage=usage_filter is None):
+                call.answer_complete = True
+                self._report_stream_usage(call, tail)
+            raise
         except (TimeoutError, UpstreamClosedError, zlib.error) as exc:
             if not started:
                 raise _upstream_failure(exc, "stream") from None
+            self._report_stream_usage(call, tail)
+            if not opaque and client_has_end(sent_end, tail, asked_usage=usage_filter is None):
+                # The client has its stream's end: the answer is whole, and ends cleanly.
+                log.info("upstream stream of %s broke after its end was relayed (%s); ending "
+                         "the client's stream", call.decision.request_id, exc)  # fmt: skip
+                call.answer_complete = True
+                await self._end_stream(call, response)
+                return response
             log.warning("upstream stream of %s broke after it started: %s",
                         call.decision.request_id, exc)  # fmt: skip
-            self._report_stream_usage(call, tail)
             raise StreamAbortedError(response, str(exc)) from None
         rest = usage_filter.flush() if usage_filter is not None else b""
         if not started:
@@ -658,6 +733,12 @@ class OpenAIBackend(Backend):
         if rest:
             await call.write(response, rest)
         self._report_stream_usage(call, tail)
+        await self._end_stream(call, response)
+        return response
+
+    @staticmethod
+    async def _end_stream(call: BackendCall, response: web.StreamResponse) -> None:
+        """End the client's stream (its last chunk), bounded by the write timeout."""
         try:
             await call.write_eof(response)
         except ConnectionResetError:
@@ -665,7 +746,6 @@ class OpenAIBackend(Backend):
                 raise
             # The client left after the last chunk: nothing to tell it.
             log.info("client of %s left before the end of its stream", call.decision.request_id)
-        return response
 
     @staticmethod
     def _report_stream_usage(call: BackendCall, tail: bytearray) -> None:
