@@ -25,7 +25,7 @@ VLLM_COMPILE := $(BIN)/uv pip compile --quiet --python-version 3.11 \
 	--python-platform x86_64-manylinux_2_28 --generate-hashes \
 	--override requirements/vllm-overrides.txt --excludes requirements/vllm-excludes.txt
 
-.PHONY: vllm vllm-lock
+.PHONY: vllm vllm-lock bench-vllm
 
 vllm: $(VLLM_DIR) ## install vLLM's CPU build and make the tiny model (cached by pins; ~2 min cold)
 	@echo "vllm: $(VLLM_DIR)"
@@ -54,3 +54,6 @@ vllm-lock: $(STAMP)
 	UV_CUSTOM_COMPILE_COMMAND='make lock' $(VLLM_COMPILE) $(LOCK_FLAGS) -o $(VLLM_LOCK) requirements/vllm.in
 
 lock: vllm-lock
+
+bench-vllm: $(STAMP) vllm ## the real engine's throughput at concurrency 1, 4 and 16 (starts it; ~3-5 min)
+	$(BIN)/python bench/bench_vllm_throughput.py

@@ -45,7 +45,7 @@ LOCK_FILE = REPO_ROOT / "requirements" / "vllm.txt"
 MODEL_SCRIPT = REPO_ROOT / "hack" / "vllm" / "make_tiny_model.py"
 REQUIRE_ENV = "TOKENFAIR_REQUIRE_VLLM"
 HOW_TO_GET = "run `make vllm` (docs/engine.md)"
-# Measured 85-205 s on a 2-core machine shared with other test runs (three processes each
+# Measured 85-283 s on a 2-core machine shared with other test runs (three processes each
 # import torch and vLLM; the first start after `make vllm` also writes their bytecode).
 START_TIMEOUT_S = 600.0
 LOG_NAME = "vllm"
@@ -242,9 +242,7 @@ def server_command(install: VllmInstall, port: int, settings: VllmSettings) -> l
     return command
 
 
-def server_environment(
-    install: VllmInstall, workdir: Path, settings: VllmSettings
-) -> dict[str, str]:
+def server_environment(workdir: Path, settings: VllmSettings) -> dict[str, str]:
     """The engine's environment: offline, no usage statistics, caches in ``workdir``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_"))}
     env.update(
@@ -261,7 +259,6 @@ def server_environment(
         VLLM_CONFIG_ROOT=str(workdir / "vllm-config"),
         PYTHONUNBUFFERED="1",
     )
-    env.pop("CUDA_VISIBLE_DEVICES", None)
     return env
 
 
@@ -273,7 +270,7 @@ def start_server(install: VllmInstall, workdir: Path, settings: VllmSettings,
     (port,) = free_ports(1)
     process = start_process(
         LOG_NAME, server_command(install, port, settings), workdir,
-        env=server_environment(install, workdir, settings),
+        env=server_environment(workdir, settings),
     )  # fmt: skip
     stack.callback(stop_process, process)
     base_url = f"http://127.0.0.1:{port}"
@@ -393,7 +390,7 @@ def pytest_runtest_makereport(item: pytest.Item) -> Generator[None, Any, None]:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, Any, None]:
     """Stop the engine right after the last test that uses it (its module's fixtures torn down
-    first), not at the end of the session: the rest of the suite gets its core and ~3.6 GB."""
+    first), not at the end of the session: the rest of the suite gets its core and ~3 GB."""
     yield
     if _last_user and item is _last_user[0]:
         _running.close()
