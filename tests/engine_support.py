@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
 import sys
 import time
 import urllib.request
@@ -40,7 +41,7 @@ SIDECAR_LOG = "sidecar"
 T = TypeVar("T")
 
 
-def wait_until(read: Callable[[], T], done: Callable[[T], bool], what: str,
+def wait_until(read: Callable[[], T], done: Callable[[T], bool],
                timeout_s: float = WAIT_TIMEOUT_S) -> T:  # fmt: skip
     """Poll ``read()`` until ``done`` holds for its value; return that value. After
     ``timeout_s`` return the last value read (the caller's assertion then says what differs)."""
@@ -75,9 +76,7 @@ def engine_tokens_after(vllm: VllmServer, before: EngineTokens,
                         expected: EngineTokens) -> EngineTokens:  # fmt: skip
     """The counters' growth since ``before``, once it reaches ``expected`` (or as it is after
     :data:`WAIT_TIMEOUT_S`)."""
-    return wait_until(
-        lambda: EngineTokens.read(vllm) - before, lambda d: d == expected, "engine counters"
-    )
+    return wait_until(lambda: EngineTokens.read(vllm) - before, lambda d: d == expected)
 
 
 @dataclass
@@ -103,7 +102,7 @@ class EngineSidecar:
         def matching(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             return [r for r in records if r["request_id"].endswith(f"-{client_request_id}")]
 
-        records = wait_until(self.records, lambda rs: len(matching(rs)) == 1, "a record")
+        records = wait_until(self.records, lambda rs: len(matching(rs)) == 1)
         found = matching(records)
         assert len(found) == 1, f"{len(found)} records of {client_request_id}\n{self.log_tail()}"
         return found[0]
@@ -137,7 +136,7 @@ def engine_document(vllm: VllmServer, **policy: Any) -> dict[str, Any]:
     return document
 
 
-def wait_ready(admin: str, process: Any, workdir: Path) -> None:
+def wait_ready(admin: str, process: subprocess.Popen[bytes], workdir: Path) -> None:
     """Poll the admin ``/readyz`` until 200; raise with the log if the sidecar exits first."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     deadline = time.monotonic() + READY_TIMEOUT_S

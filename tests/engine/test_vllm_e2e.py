@@ -92,7 +92,7 @@ def test_config_describes_the_engine(vllm: VllmServer, sidecar: EngineSidecar,
     assert (vllm.block_size_tokens, vllm.kv_blocks) == (32, 512)
     # Nothing else booked (an earlier test's request is settled), then one request: its booked
     # KV is in the engine's blocks, ceil((prompt + max_tokens) / 32) of 512.
-    books = wait_until(sidecar.status, lambda s: s["books"]["resident_kv_blocks"] == 0, "books")
+    books = wait_until(sidecar.status, lambda s: s["books"]["resident_kv_blocks"] == 0)
     assert books["books"]["resident_kv_blocks"] == 0
     prompt = "x " * 100  # the sidecar's estimate: ceil(200 characters / 4) = 50 tokens
     client.completions.create(
