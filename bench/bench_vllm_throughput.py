@@ -28,6 +28,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,6 @@ from vllm_support import (
     read_facts,
     running_vllm,
     sample,
-    temporary_workdir,
 )
 
 DECODE_WEIGHT: Final = 4.0
@@ -212,8 +212,11 @@ def main() -> int:
     if isinstance(install, str):
         print(f"bench_vllm_throughput: {install}", file=sys.stderr)
         return 2
-    with running_vllm(install, temporary_workdir()) as server:
-        print(f"vLLM healthy in {server.startup_seconds:.1f} s (log {server.log_path})")
+    with (
+        tempfile.TemporaryDirectory(prefix="tokenfair-vllm-") as workdir,
+        running_vllm(install, Path(workdir)) as server,
+    ):
+        print(f"vLLM healthy in {server.startup_seconds:.1f} s")
         asyncio.run(measure(server, args))
     return 0
 

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -413,8 +412,3 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
         server = _running.enter_context(running_vllm(install, workdir))
         _started.append(server)
         yield server
-
-
-def temporary_workdir() -> Path:
-    """A fresh folder for a server started outside pytest (benchmarks)."""
-    return Path(tempfile.mkdtemp(prefix="tokenfair-vllm-"))
