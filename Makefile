@@ -95,3 +95,5 @@ clean: ## remove the virtualenv and caches of this checkout (not the build cache
 # The node (kubelet, containerd, CNI) and the real image for the `node` tests.
 -include hack/node.mk
 -include hack/kind.mk
+# vLLM's CPU build and a tiny model for the `vllm` tests (the real engine behind the sidecar).
+-include hack/vllm.mk

@@ -361,10 +361,13 @@ def _json_object(raw: bytes) -> dict[str, Any]:
 # --- starting and stopping -------------------------------------------------------------------
 
 
-def start_process(name: str, cmd: list[str], workdir: Path) -> subprocess.Popen[bytes]:
+def start_process(
+    name: str, cmd: list[str], workdir: Path, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in its own process group (so it can be stopped as a whole), output to
-    ``workdir/<name>.log``. Where util-linux's ``setpriv`` exists the child also gets SIGKILL if
-    pytest dies without tearing down (kill -9, a second Ctrl-C): no orphans even then."""
+    ``workdir/<name>.log``, with ``env`` (default: pytest's environment). Where util-linux's
+    ``setpriv`` exists the child also gets SIGKILL if pytest dies without tearing down (kill -9,
+    a second Ctrl-C): no orphans even then."""
     if setpriv := shutil.which("setpriv"):
         cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]
     with (workdir / f"{name}.log").open("wb") as log:
@@ -374,6 +377,7 @@ def start_process(name: str, cmd: list[str], workdir: Path) -> subprocess.Popen[
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=env,
         )
 
 

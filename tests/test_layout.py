@@ -60,7 +60,7 @@ FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
 FORBIDDEN_IMPORTS["native"] = ("tokenfair.config", *FORBIDDEN_IMPORTS["config"])
 # Support modules at tests/ (not tests themselves) and repository-wide tests that stay at the top.
 TOP_LEVEL_TESTS = {"test_layout.py", "test_lock.py"}
-TEST_FOLDERS = {"sidecar", "operator", "deploy", "harness"}
+TEST_FOLDERS = {"sidecar", "operator", "deploy", "harness", "engine"}
 
 
 def _package_modules() -> list[tuple[str, Path]]:

