@@ -10,7 +10,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-pytest_plugins = ["kubecluster", "kubenode", "operator_support", "raw_upstream_support", "vllm_support"]
+pytest_plugins = [
+    "kubecluster",
+    "kubenode",
+    "operator_support",
+    "raw_upstream_support",
+    "vllm_support",
+]
 
 REQUIRE_PROMTOOL_ENV = "TOKENFAIR_REQUIRE_PROMTOOL"
 
