@@ -59,6 +59,7 @@ import kopf
 from . import runtime, startup, webhooks
 from .indexes import Indexes, policy_entry, quota_entry, sidecar_entry
 from .inject import POLICY_LABEL
+from .listing import linear_index_prepopulation
 from .model import GROUP, POLICY_PLURAL, QUOTA_PLURAL, VERSION, PolicyView, QuotaView, SidecarView
 from .passes import news, run_pass, sidecars_moved
 from .reconcile import PolicyKey
@@ -68,6 +69,10 @@ ADMIT_QUOTA_ID: Final = "admit-quota"
 ADMIT_POLICY_ID: Final = "admit-policy"
 INJECT_ID: Final = "inject-sidecar"
 """The admission handlers' ids (:func:`register_webhooks`): Kopf serves each at ``/<id>``."""
+
+# Before Kopf lists anything: its index pre-population, quadratic in the objects listed, made
+# linear (.listing).
+linear_index_prepopulation()
 
 
 @kopf.on.startup()
@@ -146,7 +151,9 @@ async def quota_event(
     **_: Any,
 ) -> None:
     """A quota listed, created, changed (spec: a new generation) or deleted -> a pass of its
-    policy. Our own status writes bring no new generation, so they trigger nothing."""
+    policy. Our own status writes bring no new generation, so they trigger nothing. Kopf calls
+    no handler before its listing is over: the first call says so (:mod:`.listing`)."""
+    runtime.listing(memo).mark_complete()
     if news(memo, type, body):
         await run_pass((namespace or "", str(spec.get("policyName", ""))), memo, logger)
 
@@ -164,6 +171,7 @@ async def policy_event(
 ) -> None:
     """A policy listed, created, changed or deleted -> its pass (a deleted one marks its
     quotas ``PolicyNotFound``; no finalizer: deletion never waits for us)."""
+    runtime.listing(memo).mark_complete()
     if news(memo, type, body):
         await run_pass((namespace or "", name or ""), memo, logger)
 
@@ -179,6 +187,7 @@ async def sidecar_changed(
 ) -> None:
     """A sidecar Pod came, went or changed readiness: re-divide budgets if the count moved;
     report a labelled Pod that runs without the sidecar (or no longer does)."""
+    runtime.listing(memo).mark_complete()
     key = (namespace or "", labels[POLICY_LABEL])
     if sidecars_moved(key, memo):
         await run_pass(key, memo, logger)

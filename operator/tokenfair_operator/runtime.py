@@ -20,6 +20,7 @@ import kopf
 
 from .indexes import Indexes
 from .leader import LeaderElector
+from .listing import Listing
 from .reconcile import Reconciler
 from .settings import OperatorConfig
 
@@ -35,6 +36,9 @@ ELECTOR: Final = "elector"
 GENERATIONS: Final = "generations"
 """By object uid, the (generation, being deleted) its last event had (:func:`.passes.news`);
 one dict, created by the startup hook, shared by every object's copy of the memo."""
+LISTING: Final = "listing"
+"""Whether Kopf's initial listing is over (:class:`.listing.Listing`); one object, created by
+the startup hook, shared by every object's copy of the memo."""
 KEEPER: Final = "cert_keeper"
 TRUST: Final = "trust_publisher"
 
@@ -55,6 +59,18 @@ def indexes(memo: kopf.Memo) -> Indexes:
 def reconciler(memo: kopf.Memo) -> Reconciler:
     found = memo[RECONCILER]
     assert isinstance(found, Reconciler)
+    return found
+
+
+def listing(memo: kopf.Memo) -> Listing:
+    """The shared :data:`LISTING` record. Fails if the startup hook did not create it (one made
+    here would land in one object's copy of the memo, as :func:`generations` explains)."""
+    found = memo.get(LISTING)
+    if not isinstance(found, Listing):
+        raise RuntimeError(
+            f"memo[{LISTING!r}] is missing: the startup hook creates it, shared by every "
+            "object's copy of the memo"
+        )
     return found
 
 

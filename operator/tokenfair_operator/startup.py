@@ -13,7 +13,8 @@ as the startup hook read them from the environment, once per process (so a retri
 its Lease identity), not the copy :func:`.cert_bootstrap.own_certificates` returns with the
 own certificate's file paths (only Kopf's webhook server and the TLS port get that one);
 ``memo[runtime.GENERATIONS]`` the one generations record every object's copy of the memo
-shares.
+shares, ``memo[runtime.LISTING]`` likewise the one record of whether Kopf's initial listing is
+over (:mod:`.listing`: no resync pass before).
 
 A start that fails part way (an API error, a port already bound) stops what it had started
 before the error goes to Kopf, which runs the hook again a minute later: no elector, loop or
@@ -33,6 +34,7 @@ from .cert_bootstrap import own_certificates
 from .indexes import Indexes
 from .kube import KubeApi, api_client
 from .leader import LeaderElector
+from .listing import Listing
 from .periodic import Periodic
 from .reconcile import Reconciler
 from .resync import resync_round
@@ -72,6 +74,7 @@ async def _start(
     memo[runtime.INDEXES] = indexes
     # Created here, in the operator's memo: each object's handlers get a shallow copy of it.
     memo[runtime.GENERATIONS] = {}
+    memo[runtime.LISTING] = Listing()  # complete once Kopf calls a handler (.listing)
     memo[runtime.PERIODIC] = periodic = Periodic()  # in the memo at once: stop() finds its loops
     # Every write asks, right before it is sent, whether this replica leads now (.leader).
     memo[runtime.RECONCILER] = Reconciler(KubeApi(api, may_write=lambda: runtime.leads(memo)))
