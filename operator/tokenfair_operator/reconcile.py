@@ -85,6 +85,7 @@ PolicyKey = tuple[str, str]
 Snapshot = tuple[Iterable[PolicyView], Iterable[QuotaView], Iterable[SidecarView]]
 """A policy's objects as the indexes hold them: policies, quotas, sidecar Pods."""
 T = TypeVar("T")
+V = TypeVar("V", bound=ObjectView)
 
 IO_CONCURRENCY: Final = 16
 """Threads of the reconciler's blocking calls next to the status writer's (key Secret reads
@@ -137,8 +138,8 @@ class Reconciler:
     """Per policy: how many passes were requested (a ticket number)."""
     _served: dict[PolicyKey, int] = field(default_factory=dict)
     """Per policy: the highest ticket a started pass serves."""
-    _written: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
-    """Per object uid: the resourceVersion we last wrote a status over, and that status."""
+    _written: dict[str, Written] = field(default_factory=dict)
+    """Per object uid: the statuses we wrote that the watch may not have brought back yet."""
     _keys: dict[tuple[str, str], KeyLookup] = field(default_factory=dict)
     """(namespace, Secret name) -> the digests (or problem) read from that key Secret last."""
     _seeded: set[PolicyKey] = field(default_factory=set)
@@ -488,6 +489,9 @@ class Reconciler:
                 generation,
             )
             self.documents.publish(key, document)
+        # Over our own last write when the watch has not brought it back yet (back-to-back
+        # passes: the first one's write): the same status, not a rewrite at a stale version.
+        policy = self._effective(policy)
         status = policy_status(policy, rendering, now=now, unprotected=unprotected)
         await self._write(key, POLICY_PLURAL, policy, status)
         _warn_if_new(policy, status, SIDECARS_INJECTED)
@@ -513,27 +517,29 @@ class Reconciler:
         for quota in quotas:
             effective = self._effective(quota)
             status = status_of(effective)
-            if differs(dict(quota.status), status) and self._written.get(quota.uid) != (
-                quota.resource_version,
-                status,
-            ):
+            if differs(dict(quota.status), status) and not self._wrote(quota, status):
                 writes.append(
                     StatusWrite(key, QUOTA_PLURAL, quota, status, effective.status, logger)
                 )
         self.statuses.submit(key, writes)
 
-    def _effective(self, quota: QuotaView) -> QuotaView:
-        """``quota`` with the status we queued, are writing or wrote over its very
+    def _wrote(self, view: ObjectView, status: Mapping[str, Any]) -> bool:
+        """We wrote ``status`` last over ``view`` (or over what our writes made of it)."""
+        written = self._written.get(view.uid)
+        return written is not None and written.holds(view) and written.status == status
+
+    def _effective(self, view: V) -> V:
+        """``view`` with the status we queued, are writing or wrote over its very
         resourceVersion (the watch has not brought it back yet)."""
-        queued = self.statuses.queued(quota.uid)
-        if queued is not None and queued.view.resource_version == quota.resource_version:
+        queued = self.statuses.queued(view.uid)
+        if queued is not None and queued.view.resource_version == view.resource_version:
             ours: Mapping[str, Any] | None = queued.status
         else:
-            written = self._written.get(quota.uid)
-            ours = written[1] if written and written[0] == quota.resource_version else None
+            written = self._written.get(view.uid)
+            ours = written.status if written is not None and written.holds(view) else None
         if ours is None:
-            return quota
-        return dataclasses.replace(quota, status={**quota.status, **ours})
+            return view
+        return dataclasses.replace(view, status={**view.status, **ours})
 
     async def _flush(self, write: StatusWrite) -> None:
         """One queued status write (the :class:`StatusWriter` calls it): a 409 asks for another
@@ -657,22 +663,28 @@ class Reconciler:
         """Write ``status`` if it differs from the snapshot's, conditional on the snapshot's
         resourceVersion (a stale snapshot is a 409, never a lost update). A status we wrote
         over this very snapshot already is not written again: the watch has not brought our
-        own write back yet, and writing it again would only earn a 409. A Warning Event goes
-        with a refusal that ``previous`` (default: the snapshot's status) did not have."""
+        own write back yet, and writing it again would only earn a 409. A snapshot our own
+        writes have passed (the watch lags them) is written over the resourceVersion our last
+        write got instead: what we wrote is all that changed since (anyone else's write makes
+        it a 409 as before), so back-to-back passes (a bulk apply: each pass a new tenant count
+        in the policy's status) do not each lose a race with the previous one's write. A
+        Warning Event goes with a refusal that ``previous`` (default: the snapshot's status)
+        did not have."""
         if not differs(dict(view.status), status):
             return
-        if self._written.get(view.uid) == (view.resource_version, status):
-            return
-        await self._call(
-            self.api.patch_status,
-            plural,
-            view.namespace,
-            view.name,
-            status,
-            view.resource_version,
+        written = self._written.get(view.uid)
+        if written is not None and written.holds(view):
+            if written.status == status:
+                return
+            version = written.now or view.resource_version
+            versions = written.versions | {version}
+        else:
+            version, versions = view.resource_version, frozenset({view.resource_version})
+        answered = await self._call(
+            self.api.patch_status, plural, view.namespace, view.name, status, version
         )
         if view.uid in self._members.get(key, ()):  # not an object deleted meanwhile
-            self._written[view.uid] = (view.resource_version, status)
+            self._written[view.uid] = Written(versions, status, answered or "")
         refusal = ready_reason(status["conditions"])
         before = view.status if previous is None else previous
         if refusal is not None and refusal != ready_reason(before.get("conditions", [])):
@@ -723,6 +735,23 @@ async def _bounded(calls: Iterable[Awaitable[T]], limit: int) -> list[T]:
         if isinstance(result, BaseException):
             raise result
     return cast(list[T], results)
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """Our status writes over one object that the watch may not have brought back yet."""
+
+    versions: frozenset[str]
+    """resourceVersions the watch may still show the object at: the snapshot's that the first
+    of these writes was made over, and each later write's."""
+    status: dict[str, Any]
+    """The status written last."""
+    now: str
+    """The resourceVersion the API server gave the object with that write ("": unknown)."""
+
+    def holds(self, view: ObjectView) -> bool:
+        """``view`` predates our last write (a version our writes were made over)."""
+        return view.resource_version in self.versions
 
 
 @dataclass(frozen=True, slots=True)

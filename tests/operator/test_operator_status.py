@@ -56,7 +56,7 @@ from tokenfair_operator import (
 from tokenfair_operator.kube import NotLeader
 from tokenfair_operator.model import SidecarView
 from tokenfair_operator.passes import news
-from tokenfair_operator.reconcile import Reconciler
+from tokenfair_operator.reconcile import Reconciler, Written
 from tokenfair_operator.resync import prune_generations
 from tokenfair_operator.status import differs, orphan_verdict
 
@@ -350,6 +350,51 @@ async def test_a_lagging_watch_makes_no_second_write() -> None:
         await reconciler.close()
 
 
+class VersionedApi(FakeApi):
+    """:class:`FakeApi` whose status writes are conditional as the API server's: every object
+    has a resourceVersion (1 at first), a write over any other is a 409, a write returns the
+    new one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.versions: dict[str, int] = {}
+
+    def patch_status(
+        self, plural: str, namespace: str, name: str, status: Any, resource_version: str = ""
+    ) -> str:
+        current = self.versions.setdefault(name, 1)
+        if resource_version and resource_version != str(current):
+            raise ApiException(status=409, reason="Conflict")
+        super().patch_status(plural, namespace, name, status, resource_version)
+        self.versions[name] = current + 1
+        return str(current + 1)
+
+
+async def test_back_to_back_passes_write_over_their_own_last_write() -> None:
+    """Quotas arriving one after another (a bulk apply), each pass over a snapshot in which
+    the watch has not brought the policy's status back yet (the policy as listed, version 1):
+    each pass writes its new tenant count over the version the previous pass's write got, so
+    none loses a race (a 409, a retried pass) against our own last write."""
+    api = VersionedApi()
+    reconciler = Reconciler(api)  # type: ignore[arg-type]
+    listed = dataclasses.replace(policy(), resource_version="1")
+    arrived: list[QuotaView] = []
+    try:
+        for i in range(1, 4):
+            arrived.append(keyed_quota(i))
+            await reconciler.reconcile(POOL, [listed], list(arrived), LOG)
+        writes = [(rv, s["tenants"]) for p, _, rv, s in api.writes if p == "schedulingpolicies"]
+        assert writes == [("1", 1), ("2", 2), ("3", 3)]
+        # The watch catches up with the first write only: the chain still holds.
+        caught_up = dataclasses.replace(listed, resource_version="2", status=api.writes[0][3])
+        arrived.append(keyed_quota(4))
+        await reconciler.reconcile(POOL, [caught_up], list(arrived), LOG)
+        last = [(rv, s["tenants"]) for p, _, rv, s in api.writes if p == "schedulingpolicies"]
+        assert last[-1] == ("4", 4)
+    finally:
+        await reconciler.close()
+
+
 async def test_not_leader_drops_every_queued_write() -> None:
     api = FakeApi()
     api.gate.clear()
@@ -629,7 +674,9 @@ def test_a_quota_moved_to_another_policy_keeps_what_that_policy_wrote() -> None:
     other = ("ns", "other")
     reconciler._remember(POOL, frozenset({"u1", "u2"}))
     reconciler._remember(other, frozenset({"u1"}))  # u1 moved to `other`, which wrote it
-    reconciler._written.update({"u1": ("7", {}), "u2": ("3", {})})
+    reconciler._written.update(
+        {"u1": Written(frozenset({"7"}), {}, "8"), "u2": Written(frozenset({"3"}), {}, "4")}
+    )
     reconciler._remember(POOL, frozenset())
     assert set(reconciler._written) == {"u1"}
     reconciler._remember(other, frozenset())
