@@ -74,6 +74,7 @@ from .model import (
     object_reference,
     secret_name,
 )
+from .prefetch import KeyPrefetch
 from .render import KeyLookup, Rendering, render_config
 from .rollout import rollout_changed, rollout_status
 from .selector import ready_sidecars
@@ -161,6 +162,8 @@ class Reconciler:
     status_writes_per_second: float = STATUS_WRITES_PER_SECOND
     statuses: StatusWriter = field(init=False)
     """The quotas' status writes, after the passes (:class:`StatusWriter`)."""
+    prefetch: KeyPrefetch = field(init=False)
+    """Key Secrets read during Kopf's initial listing, for the first pass (:mod:`.prefetch`)."""
     _snapshots: dict[PolicyKey, Callable[[], Snapshot]] = field(default_factory=dict)
     """Per policy: where :meth:`request` reads the world, for a pass after a conflict."""
     _conflicts: dict[PolicyKey, int] = field(default_factory=dict)
@@ -189,6 +192,20 @@ class Reconciler:
             self._flush,
             concurrency=self.status_concurrency,
             per_second=self.status_writes_per_second,
+        )
+        self.prefetch = KeyPrefetch(self._read_many)
+
+    def prefetch_keys(self, quotas: Iterable[QuotaView]) -> None:
+        """During Kopf's initial listing, on the leader (the caller's checks): read in the
+        background the key Secrets of ``quotas`` that no stored status shows published at
+        their generation (:mod:`.prefetch`; the published ones are seeded from the stored
+        document, :meth:`_seed_keys`)."""
+        self.prefetch.ask(
+            (q.namespace, q.key_secret)
+            for q in quotas
+            if q.key_secret is not None
+            and not published_at(q)
+            and not isinstance(self._keys.get((q.namespace, q.key_secret)), tuple)
         )
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -257,6 +274,7 @@ class Reconciler:
         self._term += 1
         self.documents.clear()
         self.statuses.clear()
+        self.prefetch.clear()
         self._keys.clear()
         self._seeded.clear()
         self._key_refs.clear()
@@ -268,28 +286,24 @@ class Reconciler:
         later is picked up by the next pass): a pass over 10,000 keyed quotas makes no reads
         when nothing is new. Read in chunks of :data:`READ_CHUNK`, pipelined, at most
         :data:`READ_CONNECTIONS` chunks at a time (:meth:`.KubeApi.key_hashes_many`)."""
+        term = self._term
         if only_unknown:
             secrets = {s for s in secrets if not isinstance(self._keys.get(s), tuple)}
+            if secrets and len(self.prefetch):  # read during the listing (.prefetch)?
+                claimed = await self.prefetch.claim(secrets)
+                if term != self._term:
+                    return False
+                self._keys.update((s, f) for s, f in claimed.items() if s in self._key_users)
+                secrets = {s for s in secrets if not isinstance(self._keys.get(s), tuple)}
         if not secrets:
             return False
         wanted = sorted(secrets)
-        term = self._term
         # A pass's reads of new Secrets may come from the API server's watch cache as it is
         # (a moment behind at most). The resync's re-read bounds how late a revoked key is
         # dropped: it reads at the resourceVersion of etcd now (:meth:`_fresh_versions`), so a
         # lagging watch cache cannot stretch that bound (a quorum read where none is known).
         versions = await self._fresh_versions(wanted) if not only_unknown else {}
-        chunks = [wanted[i : i + READ_CHUNK] for i in range(0, len(wanted), READ_CHUNK)]
-        # A chunk holds one namespace's Secrets only (each has its resourceVersion).
-        chunks = [c for chunk in chunks for c in _by_namespace(chunk)]
-        found_chunks = await _bounded(
-            (
-                self._call(self.api.key_hashes_many, chunk, versions.get(chunk[0][0], "0"))
-                for chunk in chunks
-            ),
-            READ_CONNECTIONS,
-        )
-        found = [lookup for chunk in found_chunks for lookup in chunk]
+        found = await self._read_many(wanted, versions)
         if term != self._term:  # stepped down meanwhile: a later term reads afresh
             return False
         # Only Secrets some policy's last pass referenced are kept: a quota deleted while its
@@ -298,6 +312,25 @@ class Reconciler:
         changed = any(self._keys.get(s) != f for s, f in kept)
         self._keys.update(kept)
         return changed
+
+    async def _read_many(
+        self, wanted: list[tuple[str, str]], versions: Mapping[str, str] | None = None
+    ) -> list[KeyLookup]:
+        """Key Secrets ``wanted`` (sorted), read in chunks of :data:`READ_CHUNK` (one
+        namespace each), pipelined, :data:`READ_CONNECTIONS` chunks at a time, each namespace
+        at its resourceVersion in ``versions`` (default ``"0"``: the watch cache as it is)."""
+        at = versions or {}
+        chunks = [wanted[i : i + READ_CHUNK] for i in range(0, len(wanted), READ_CHUNK)]
+        # A chunk holds one namespace's Secrets only (each has its resourceVersion).
+        chunks = [c for chunk in chunks for c in _by_namespace(chunk)]
+        found_chunks = await _bounded(
+            (
+                self._call(self.api.key_hashes_many, chunk, at.get(chunk[0][0], "0"))
+                for chunk in chunks
+            ),
+            READ_CONNECTIONS,
+        )
+        return [lookup for chunk in found_chunks for lookup in chunk]
 
     async def _fresh_versions(self, secrets: list[tuple[str, str]]) -> dict[str, str]:
         """Per namespace of ``secrets`` (sorted): the resourceVersion its reads are made at,
@@ -478,7 +511,10 @@ class Reconciler:
         if term != self._term:  # the cache was emptied under us
             raise NotLeader(f"stepped down during the pass of {key[0]}/{key[1]}")
         lookups = {q.name: self._keys[(q.namespace, str(q.key_secret))] for q in keyed}
-        rendering = render_config(policy, members, lookups, self._replicas[key])
+        # In a thread, pure: at 10,000 tenants ~0.5 s of CPU (more on a loaded machine), which
+        # on the loop would hold Kopf's events, the Lease's renewals and the webhooks that long.
+        replicas = self._replicas[key]
+        rendering = await self._call(render_config, policy, members, lookups, replicas)
         if rendering.version:
             generation = await self._publish(policy, rendering, logger)
             # Served only once stored: a sidecar never runs what the API server refused.
@@ -601,7 +637,10 @@ class Reconciler:
         retries = list(self._retries.values())
         for task in retries:
             task.cancel()
-        await asyncio.gather(*retries, return_exceptions=True)
+        prefetching = self.prefetch.clear()
+        await asyncio.gather(
+            *retries, *([prefetching] if prefetching else []), return_exceptions=True
+        )
         await self.statuses.close()
 
     async def write_usage(self, quotas: Iterable[QuotaView], scrapes: Iterable[str]) -> None:

@@ -44,6 +44,9 @@ def resync_round(memo: kopf.Memo, logger: kopf.Logger, indexes: Indexes) -> Peri
                     logger.info(f"resync of {key[0]}/{key[1]}: conflict, retried next round")
                 else:
                     logger.exception(f"resync of {key[0]}/{key[1]} failed, retried next round")
+        # Every policy passed since the listing: what was read for it and no pass took (its
+        # quota went meanwhile) is dropped (.prefetch).
+        runtime.reconciler(memo).prefetch.drop_unclaimed()
 
     return resync
 

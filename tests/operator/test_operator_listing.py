@@ -5,15 +5,19 @@ resync round called as Kopf calls them):
 
 - Kopf's index pre-population as the operator runs it (:func:`.listing.linear_index_prepopulation`,
   applied when the handlers are imported): 2,000 objects listed, one toggle each, each worker
-  dropping its toggle and waiting for the set as Kopf's workers do; the waiters are woken once,
-  when the last toggle goes, and none is released before (Kopf 1.45 woke every waiter at every
-  toggle made or dropped: 4,000 wake-ups of up to 2,000 waiters here, quadratic in the objects);
+  dropping its toggle and waiting for the set as Kopf's workers do; none is released before the
+  last toggle goes, then each is woken about once (Kopf 1.45 woke every waiter at every toggle
+  made or dropped: 4,000 wake-ups of up to 2,000 waiters here, quadratic in the objects), at
+  most ``RELEASE_BATCH`` per loop iteration (Kopf woke all 2,000 in one: with 10,000 objects
+  the loop held ~6 s, and the Lease's renewal starved);
 - the other waits on such sets behave as before: a set of ``any`` (Kopf's pause) wakes its
   waiters when a toggle of it is turned on or off, or dropped;
 - the resync round (also a new leader's first pass) makes no pass and forgets no recorded
   generation while the listing is not over; once an event handler was called (Kopf calls none
   before every index is complete), it passes every policy;
-- every event handler marks the listing over before anything else.
+- every event handler marks the listing over before anything else, and asks for its policy's
+  pass without waiting for it: 1,000 events during a pass bring one more pass; a failed pass
+  does not stop the next.
 
 The process-level proof (``kopf run`` over 2,000 quotas: the first document holds every tenant)
 is ``test_operator_run_scale.py``; the figures are ``bench/bench_operator_run.py``'s.
@@ -22,6 +26,7 @@ is ``test_operator_run_scale.py``; the figures are ``bench/bench_operator_run.py
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import logging
 from typing import Any, cast
@@ -30,10 +35,11 @@ import kopf
 import pytest
 from kopf._cogs.aiokits import aiotoggles
 
-from tokenfair_operator import handlers, listing, resync, runtime
+from tokenfair_operator import handlers, listing, passes, resync, runtime
 from tokenfair_operator.indexes import Indexes
 from tokenfair_operator.listing import Listing
 from tokenfair_operator.model import PolicyView, QuotaView
+from tokenfair_operator.passes import PASSES, EventPasses, event_passes
 from tokenfair_operator.reconcile import Reconciler
 
 OBJECTS = 2_000
@@ -48,44 +54,62 @@ SPEC: dict[str, Any] = {
 
 
 def counted(toggle_set: aiotoggles.ToggleSet) -> list[int]:
-    """Counts the set's ``notify_all`` calls (each wakes every waiter of the set)."""
-    calls = [0]
+    """Counts the waiters the set's condition is asked to wake (``notify(n)``: n;
+    ``notify_all``: every waiter)."""
+    woken = [0]
     condition = toggle_set._condition
-    notify_all = condition.notify_all
+    notify, notify_all = condition.notify, condition.notify_all
 
-    def counting() -> None:
-        calls[0] += 1
+    def counting(n: int = 1) -> None:
+        woken[0] += n
+        notify(n)
+
+    def counting_all() -> None:
+        woken[0] += len(condition._waiters)  # type: ignore[attr-defined]
         notify_all()
 
-    condition.notify_all = counting  # type: ignore[method-assign]
-    return calls
+    condition.notify = counting  # type: ignore[method-assign]
+    condition.notify_all = counting_all  # type: ignore[method-assign]
+    return woken
 
 
-async def test_kopf_wakes_the_listing_waiters_once_when_the_last_object_is_indexed() -> None:
+async def test_kopf_wakes_the_listing_waiters_once_in_batches_when_the_last_is_indexed() -> None:
     assert getattr(aiotoggles.ToggleSet, listing.PATCHED)  # importing the handlers applied it
     operator_indexed = aiotoggles.ToggleSet(all)  # as Kopf's orchestrator makes it
     resource_listed = await operator_indexed.make_toggle(name="tenantquotas")
-    notified = counted(operator_indexed)
-    released: list[int] = []
+    woken = counted(operator_indexed)
+    iteration = [0]
 
-    async def worker(i: int, toggle: aiotoggles.Toggle) -> None:  # kopf's processing.py
+    async def ticker() -> None:  # one step per loop iteration: counts them
+        while True:
+            iteration[0] += 1
+            await asyncio.sleep(0)
+
+    released: list[int] = []  # the iteration each worker went on in
+
+    async def worker(toggle: aiotoggles.Toggle) -> None:  # kopf's processing.py
         await operator_indexed.drop_toggle(toggle)  # indexed
         await operator_indexed.wait_for(True)  # every other object and resource too
-        released.append(i)
+        released.append(iteration[0])
 
     workers = []
     for i in range(OBJECTS):  # kopf's queueing.watcher: a toggle per listed object
         toggle = await operator_indexed.make_toggle(name=f"object-{i}")
-        workers.append(asyncio.create_task(worker(i, toggle)))
+        workers.append(asyncio.create_task(worker(toggle)))
+    ticking = asyncio.create_task(ticker())
     for _ in range(3):
         await asyncio.sleep(0)  # every worker indexed and waiting
     assert released == []
-    assert notified == [0]  # Kopf 1.45: 2 x 2,000 notifications of every waiter so far
+    assert woken == [0]  # Kopf 1.45: every waiter woken at each of 4,000 toggles made, dropped
 
     await operator_indexed.drop_toggle(resource_listed)  # the listing is over
     await asyncio.gather(*workers)
-    assert sorted(released) == list(range(OBJECTS))
-    assert notified == [1]
+    ticking.cancel()
+    assert len(released) == OBJECTS
+    assert woken[0] <= OBJECTS + listing.RELEASE_BATCH  # each waiter about once
+    per_iteration = collections.Counter(released)
+    assert max(per_iteration.values()) <= listing.RELEASE_BATCH  # never all at once
+    assert len(per_iteration) >= OBJECTS // listing.RELEASE_BATCH
 
 
 async def test_other_waits_on_a_toggle_set_are_woken_as_before() -> None:
@@ -124,26 +148,27 @@ def operator_memo() -> kopf.Memo:
         cast(Any, {POOL: [policy()]}), cast(Any, {POOL: [quota()]}), cast(Any, {})
     )
     memo[runtime.RECONCILER] = Reconciler(cast(Any, None))  # no key Secret: no API call
+    memo[PASSES] = EventPasses(memo)
     return memo
 
 
 async def test_no_resync_pass_before_the_listing_is_over(monkeypatch: pytest.MonkeyPatch) -> None:
-    passes: list[tuple[str, str]] = []
+    made: list[tuple[str, str]] = []
 
     async def recorded(key: tuple[str, str], memo: kopf.Memo, logger: kopf.Logger) -> None:
-        passes.append(key)
+        made.append(key)
 
     monkeypatch.setattr(resync, "run_pass", recorded)
     memo = operator_memo()
     resync_round = resync.resync_round(memo, LOG, runtime.indexes(memo))
 
     await resync_round()  # Kopf still listing: the indexes may hold part of the objects
-    assert passes == []
+    assert made == []
     assert runtime.generations(memo) == {"gone": (1, False)}  # nothing pruned from half a view
 
-    runtime.listing(memo).mark_complete()  # the first event handler's call
+    runtime.listing(memo).mark_complete(lambda: 2)  # the first event handler's call
     await resync_round()
-    assert passes == [POOL]
+    assert made == [POOL]
     assert runtime.generations(memo) == {}
     await runtime.reconciler(memo).close()
 
@@ -152,13 +177,13 @@ async def test_no_resync_pass_before_the_listing_is_over(monkeypatch: pytest.Mon
 async def test_every_event_handler_marks_the_listing_over(
     handler: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    passes: list[tuple[str, str]] = []
+    asked: list[tuple[str, str]] = []
 
     async def recorded(key: tuple[str, str], memo: kopf.Memo, logger: kopf.Logger) -> None:
         assert runtime.listing(memo).is_complete  # marked before the pass is asked for
-        passes.append(key)
+        asked.append(key)
 
-    monkeypatch.setattr(handlers, "run_pass", recorded)
+    monkeypatch.setattr(passes, "run_pass", recorded)
     monkeypatch.setattr(handlers, "sidecars_moved", lambda key, memo: True)
     memo = operator_memo()
     raw = {"metadata": {"uid": "u", "generation": 1, "name": "pool", "namespace": "ns"}}
@@ -174,5 +199,43 @@ async def test_every_event_handler_marks_the_listing_over(
     }
     await getattr(handlers, handler)(**kwargs)
     assert runtime.listing(memo).is_complete
-    assert passes == [POOL]
+    await event_passes(memo).drain()
+    assert asked == [POOL]
+    await runtime.reconciler(memo).close()
+
+
+async def test_events_ask_for_passes_without_waiting_for_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A handler returns at once (Kopf then indexes its object's next events); 1,000 events
+    arriving while a pass runs bring one more pass, not 1,000; a failed pass is logged and
+    the next event's pass runs."""
+    held = asyncio.Event()
+    started: list[tuple[str, str]] = []
+
+    async def held_pass(key: tuple[str, str], memo: kopf.Memo, logger: kopf.Logger) -> None:
+        started.append(key)
+        if len(started) == 1:
+            await held.wait()
+        if len(started) == 3:
+            raise RuntimeError("a pass failed")
+
+    monkeypatch.setattr(passes, "run_pass", held_pass)
+    memo = operator_memo()
+    queue = event_passes(memo)
+    queue.ask(POOL, LOG)
+    await asyncio.sleep(0)
+    assert started == [POOL]  # running, held
+    for _ in range(1_000):
+        queue.ask(POOL, LOG)  # returns at once
+    assert started == [POOL]
+    held.set()
+    await queue.drain()
+    assert started == [POOL, POOL]
+    queue.ask(POOL, LOG)  # this one fails
+    await queue.drain()
+    queue.ask(POOL, LOG)
+    await queue.drain()
+    assert started == [POOL] * 4
+    await queue.close()
     await runtime.reconciler(memo).close()

@@ -395,6 +395,42 @@ async def test_back_to_back_passes_write_over_their_own_last_write() -> None:
         await reconciler.close()
 
 
+async def test_key_secrets_read_during_the_listing_serve_the_first_pass() -> None:
+    """Key Secrets of quotas indexed during Kopf's listing are read in the background
+    (:mod:`.prefetch`); the first pass takes them and reads only the others; a quota already
+    published at its generation is not read (its digests come from the stored document); what
+    no pass took is dropped at the resync; stepping down forgets it all."""
+    api = FakeApi()
+    reconciler = Reconciler(api)  # type: ignore[arg-type]
+    published = dataclasses.replace(
+        keyed_quota(9),
+        status={
+            "configVersion": "v",
+            "conditions": [{"type": "ConfigPublished", "status": "True", "observedGeneration": 1}],
+        },
+    )
+    listed = [keyed_quota(i) for i in range(1, 6)]
+    try:
+        reconciler.prefetch_keys([*listed, published, keyed_quota(8)])
+        await reconciler.prefetch.claim(())  # the background read is over
+        assert sorted(api.key_reads) == ["key-1", "key-2", "key-3", "key-4", "key-5", "key-8"]
+        api.key_reads.clear()
+
+        await reconciler.reconcile(POOL, [policy()], [*listed, keyed_quota(6)], LOG)
+
+        assert api.key_reads == ["key-6"]  # the rest came from the listing's reads
+        document = reconciler.documents.get(POOL)
+        assert document is not None
+        assert len(reconciler.prefetch) == 1  # key-8: its quota went before any pass
+        reconciler.prefetch.drop_unclaimed()
+        assert len(reconciler.prefetch) == 0
+        reconciler.prefetch_keys([keyed_quota(7)])
+        reconciler.step_down()
+        assert len(reconciler.prefetch) == 0
+    finally:
+        await reconciler.close()
+
+
 async def test_not_leader_drops_every_queued_write() -> None:
     api = FakeApi()
     api.gate.clear()
