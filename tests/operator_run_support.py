@@ -111,6 +111,7 @@ def create_in_parallel(cluster: KubeCluster, calls: Sequence[tuple[str, dict[str
     :data:`CREATE_THREADS` at once, each thread over one keep-alive connection (as kubectl: a
     TLS handshake per object would cost the machine more than the API server's work)."""
     local = threading.local()
+    opened: list[http.client.HTTPSConnection] = []
     url = urllib.parse.urlsplit(cluster.server)
     context = ssl.create_default_context(cafile=str(cluster.ca_file))
     headers = {
@@ -128,6 +129,7 @@ def create_in_parallel(cluster: KubeCluster, calls: Sequence[tuple[str, dict[str
                 connection = local.connection = http.client.HTTPSConnection(
                     url.hostname or "127.0.0.1", url.port, context=context, timeout=60
                 )
+                opened.append(connection)
             try:
                 connection.request("POST", path, data, headers)
                 answer = connection.getresponse()
@@ -146,6 +148,8 @@ def create_in_parallel(cluster: KubeCluster, calls: Sequence[tuple[str, dict[str
         list(pool.map(create, calls))
     finally:  # interrupted: the calls not started yet are dropped, not made
         pool.shutdown(wait=True, cancel_futures=True)
+        for connection in opened:
+            connection.close()
 
 
 def key_secrets(ns: str, count: int) -> list[tuple[str, dict[str, Any]]]:

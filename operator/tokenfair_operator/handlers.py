@@ -9,7 +9,9 @@ starts the rest (:mod:`.startup`).
 Triggers, each reconciling one whole policy (:mod:`.passes`, :mod:`.reconcile`), all Kopf
 *event* handlers: Kopf keeps no per-object state (no diff-base or progress annotations, no
 finalizer), so several replicas can watch the same objects, and the reconciler is level-based
-anyway:
+anyway. A handler asks for its policy's pass and returns (the pass runs in the background,
+:class:`.passes.EventPasses`), and no pass runs before Kopf's initial listing is over
+(:mod:`.listing`: the first handler call says it is):
 
 * a TenantQuota listed, created, at a new generation (its spec changed) or deleted -> its
   policy; our own status writes bring no new generation and trigger nothing;

@@ -1,5 +1,5 @@
 """The initial listing: no pass before Kopf's indexes hold every object, and a listing that
-costs O(n) in Kopf rather than O(n²).
+costs O(n) in Kopf rather than O(n²), in steps that leave the event loop to everything else.
 
 **When the view is complete** (:class:`Listing`). At start Kopf lists every watched resource
 and feeds each listed object to its index; a pass made meanwhile reads an index that holds
@@ -27,7 +27,17 @@ and with events arriving meanwhile several minutes (issue 33). The replacement m
 only when the set's state (``is_on()``) changes, which is all a waiter of the set waits for
 (``ToggleSet.wait_for``'s predicate reads the set's state only; a ``Toggle``'s own ``turn_to``
 still notifies as before, and making or dropping a toggle changes no other toggle's state):
-the same readiness, n + 1 wake-ups.
+the same readiness, about n wake-ups.
+
+**Gentle on the event loop.** Linear is not enough: Kopf's watcher dispatched the whole listing
+in one loop step (nothing in it suspends), and the n waiters, woken together, each handled its
+object's event in the same loop step (~6 s for 10,000), then ended together at Kopf's idle
+timeout 5 s later (~4 s more). Nothing else ran meanwhile: the Lease's renewals starved and the
+leader stepped down in the middle of its first pass (webhooks and long-polls waited too). So
+``make_toggle`` pauses the watcher every :data:`RELEASE_BATCH` toggles, and a change of the
+set's state wakes :data:`RELEASE_BATCH` waiters, then as many every :data:`RELEASE_SPACING_S`
+(a task of the set's: ``_notify_if_changed``); a waiter of the other state, woken by a batch,
+waits again at the back, after every waiter there was, so each is reached.
 """
 
 from __future__ import annotations

@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -765,8 +766,12 @@ async def _bounded(calls: Iterable[Awaitable[T]], limit: int) -> list[T]:
     gate = asyncio.Semaphore(limit)
 
     async def one(call: Awaitable[T]) -> T:
-        async with gate:
-            return await call
+        try:
+            async with gate:
+                return await call
+        finally:  # cancelled before its turn: never started, closed (no "never awaited")
+            if inspect.iscoroutine(call):
+                call.close()
 
     pending = [one(call) for call in calls]
     results = await asyncio.gather(*pending, return_exceptions=True)
