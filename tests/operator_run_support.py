@@ -101,7 +101,7 @@ def quota_spec(i: int, keyed: bool) -> dict[str, Any]:
 
 
 def create_policy(cluster: KubeCluster, ns: str) -> None:
-    body = {"apiVersion": "tokenfair.io/v1alpha1", "kind": "SchedulingPolicy"}
+    body: dict[str, Any] = {"apiVersion": "tokenfair.io/v1alpha1", "kind": "SchedulingPolicy"}
     body |= {"metadata": {"name": POLICY}, "spec": {}}
     cluster.expect(201, "POST", f"{API}/namespaces/{ns}/schedulingpolicies", body)
 

@@ -65,7 +65,7 @@ def counted(toggle_set: aiotoggles.ToggleSet) -> list[int]:
         notify(n)
 
     def counting_all() -> None:
-        woken[0] += len(condition._waiters)  # type: ignore[attr-defined]
+        woken[0] += len(condition._waiters)
         notify_all()
 
     condition.notify = counting  # type: ignore[method-assign]

@@ -59,7 +59,7 @@ def operator_log(tmp_path: Path) -> Iterator[Path]:
 def policy_ready(cluster: KubeCluster, ns: str, tenants: int) -> bool:
     policy = get(cluster, f"{API}/namespaces/{ns}/schedulingpolicies/{POLICY}")
     status = (policy or {}).get("status", {})
-    return status.get("tenants") == tenants and condition(policy)["status"] == "True"
+    return bool(status.get("tenants") == tenants and condition(policy)["status"] == "True")
 
 
 def every_quota_ready(cluster: KubeCluster, ns: str) -> bool:

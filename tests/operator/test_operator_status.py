@@ -250,7 +250,8 @@ class FakeApi:
 
     def patch_status(
         self, plural: str, namespace: str, name: str, status: Any, resource_version: str = ""
-    ) -> None:
+    ) -> str:
+        """Records the write; returns "" (no resourceVersion: see :class:`VersionedApi`)."""
         if plural == "tenantquotas":
             assert self.gate.wait(10), "the test never opened the gate"
         if not self.leading:
@@ -259,6 +260,7 @@ class FakeApi:
             self.conflicts.discard(name)
             raise ApiException(status=409, reason="Conflict")
         self.writes.append((plural, name, resource_version, status))
+        return ""
 
     def quota_writes(self) -> list[tuple[str, str]]:
         return [(name, rv) for plural, name, rv, _ in self.writes if plural == "tenantquotas"]
