@@ -58,6 +58,7 @@ ROOT: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the control plane and the chart's operator, as tested
 
 import kubecluster  # noqa: E402
+from bench_operator_scale import cpu_s, load  # noqa: E402
 from operator_run_support import (  # noqa: E402
     API,
     POLICY,
@@ -79,16 +80,6 @@ POLL_S: Final = 0.2
 STATUS_POLL_S: Final = 2.0
 """Every quota's status is read in one LIST of up to 10,000 objects: not too often, so the
 polling does not load the API server the operator shares."""
-
-
-def load() -> str:
-    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclasses.dataclass

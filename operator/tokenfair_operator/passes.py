@@ -156,12 +156,5 @@ class EventPasses:
 
 
 def event_passes(memo: kopf.Memo) -> EventPasses:
-    """The shared :class:`EventPasses` (:data:`PASSES`); fails if the startup hook did not
-    create it (one made in an object's copy of the memo would run passes of its own)."""
-    found = memo.get(PASSES)
-    if not isinstance(found, EventPasses):
-        raise RuntimeError(
-            f"memo[{PASSES!r}] is missing: the startup hook creates it, shared by every "
-            "object's copy of the memo"
-        )
-    return found
+    """The shared :class:`EventPasses` (:data:`PASSES`, :func:`.runtime.shared`)."""
+    return runtime.shared(memo, PASSES, EventPasses)

@@ -14,7 +14,7 @@ records for the whole operator lives in a value the startup hook created (the ge
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, TypeVar
 
 import kopf
 
@@ -62,16 +62,25 @@ def reconciler(memo: kopf.Memo) -> Reconciler:
     return found
 
 
-def listing(memo: kopf.Memo) -> Listing:
-    """The shared :data:`LISTING` record. Fails if the startup hook did not create it (one made
-    here would land in one object's copy of the memo, as :func:`generations` explains)."""
-    found = memo.get(LISTING)
-    if not isinstance(found, Listing):
+S = TypeVar("S")
+
+
+def shared(memo: kopf.Memo, key: str, kind: type[S]) -> S:
+    """The ``kind`` the startup hook put under ``key``, shared by every object's copy of the
+    memo. Fails if it is missing: one made here would land in one object's copy of the memo and
+    be seen by no one else."""
+    found = memo.get(key)
+    if not isinstance(found, kind):
         raise RuntimeError(
-            f"memo[{LISTING!r}] is missing: the startup hook creates it, shared by every "
+            f"memo[{key!r}] is missing: the startup hook creates it, shared by every "
             "object's copy of the memo"
         )
     return found
+
+
+def listing(memo: kopf.Memo) -> Listing:
+    """The shared :data:`LISTING` record (:func:`shared`)."""
+    return shared(memo, LISTING, Listing)
 
 
 def leads(memo: kopf.Memo) -> bool:
@@ -84,12 +93,6 @@ Generations = dict[str, tuple[int, bool]]
 
 
 def generations(memo: kopf.Memo) -> Generations:
-    """The shared record of :data:`GENERATIONS`. Fails if the startup hook did not create it:
-    one made here would land in one object's copy of the memo and be seen by no one else."""
-    found = memo.get(GENERATIONS)
-    if not isinstance(found, dict):
-        raise RuntimeError(
-            f"memo[{GENERATIONS!r}] is missing: the startup hook creates it, shared by every "
-            "object's copy of the memo"
-        )
+    """The shared record of :data:`GENERATIONS` (:func:`shared`)."""
+    found: Generations = shared(memo, GENERATIONS, dict)
     return found

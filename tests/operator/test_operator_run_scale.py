@@ -67,6 +67,17 @@ def every_quota_ready(cluster: KubeCluster, ns: str) -> bool:
     return len(items) == QUOTAS and all(condition(q).get("status") == "True" for q in items)
 
 
+def published_whole(cluster: KubeCluster, ns: str, recorder: DocumentRecorder) -> list[int]:
+    """Wait for a document holding every tenant and the policy ``Ready`` with all of them; the
+    tenant counts of the documents stored so far."""
+    published = recorder.wait(
+        lambda docs: bool(docs) and docs[-1].tenants == QUOTAS, PUBLISH_WAIT_S
+    )
+    assert published, f"documents stored: {recorder.tenant_counts()}"
+    wait_for("the policy Ready", lambda: policy_ready(cluster, ns, QUOTAS), STATUS_WAIT_S)
+    return recorder.tenant_counts()
+
+
 def test_quotas_present_before_the_start_are_published_whole(
     kube_cluster: KubeCluster,
     kube_namespace: str,
@@ -81,13 +92,9 @@ def test_quotas_present_before_the_start_are_published_whole(
         DocumentRecorder(kube_cluster, ns) as recorder,
         chart_operator(operator_kubeconfig, ns, operator_log, TOKENFAIR_RESYNC_SECONDS=RESYNC_S),
     ):
-        published = recorder.wait(
-            lambda docs: bool(docs) and docs[-1].tenants == QUOTAS, PUBLISH_WAIT_S
-        )
-        assert published, f"documents stored: {recorder.tenant_counts()}"
-        wait_for("the policy Ready", lambda: policy_ready(kube_cluster, ns, QUOTAS), STATUS_WAIT_S)
+        published_whole(kube_cluster, ns, recorder)
         wait_for("every quota Ready", lambda: every_quota_ready(kube_cluster, ns), STATUS_WAIT_S)
-        counts = recorder.tenant_counts()
+        counts = recorder.tenant_counts()  # every document stored until now
     assert recorder.errors == []
     assert counts[0] == QUOTAS, f"a document from a half-listed view: {counts}"
     assert never_fewer(counts), counts
@@ -114,12 +121,7 @@ def test_a_bulk_apply_into_the_running_operator_never_publishes_fewer_tenants(
 
         wait_for("the operator's first pass", policy_seen, PUBLISH_WAIT_S)
         create_in_parallel(kube_cluster, quotas(ns, QUOTAS))
-        published = recorder.wait(
-            lambda docs: bool(docs) and docs[-1].tenants == QUOTAS, PUBLISH_WAIT_S
-        )
-        assert published, f"documents stored: {recorder.tenant_counts()}"
-        wait_for("the policy Ready", lambda: policy_ready(kube_cluster, ns, QUOTAS), STATUS_WAIT_S)
-        counts = recorder.tenant_counts()
+        counts = published_whole(kube_cluster, ns, recorder)
     assert recorder.errors == []
     assert never_fewer(counts), counts
     assert counts[-1] == QUOTAS
