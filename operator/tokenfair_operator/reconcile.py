@@ -669,13 +669,16 @@ class Reconciler:
         self, key: PolicyKey, policy: PolicyView, ready: int, scrapes: Iterable[str]
     ) -> None:
         """Write how many of ``ready`` sidecars run the version published last (from their
-        metrics ``scrapes``) into the policy's status, only when it changed (:mod:`.rollout`)."""
+        metrics ``scrapes``) into the policy's status, only when it changed (:mod:`.rollout`),
+        and not while a pass of the policy runs: it writes the policy's status over the version
+        it read (the next round writes this; the pass's write would lose to this one)."""
         document = self.documents.get(key)
         version = document.version if document else str(policy.status.get("configVersion", ""))
         fresh = rollout_status(ready, scrapes, version)
         self.metrics.sidecars.labels(*key, "current").set(fresh["sidecarsCurrent"])
         self.metrics.sidecars.labels(*key, "stale").set(ready - fresh["sidecarsCurrent"])
-        if rollout_changed(policy.status, fresh):
+        passing = key in self._locks and self._locks[key].locked()
+        if rollout_changed(policy.status, fresh) and not passing:
             await self._call(
                 self.api.patch_status, POLICY_PLURAL, policy.namespace, policy.name, fresh
             )

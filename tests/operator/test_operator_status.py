@@ -433,6 +433,24 @@ async def test_key_secrets_read_during_the_listing_serve_the_first_pass() -> Non
         await reconciler.close()
 
 
+async def test_the_rollout_is_not_written_while_a_pass_of_its_policy_runs() -> None:
+    """The usage loop's rollout write would move the policy's resourceVersion under a running
+    pass, whose own status write would then lose (409, a retried pass): it waits for the next
+    round instead."""
+    api = FakeApi()
+    reconciler = Reconciler(api)  # type: ignore[arg-type]
+    try:
+        async with reconciler._lock(POOL):  # a pass of the policy runs
+            await reconciler.write_rollout(POOL, policy(), 0, [])
+        assert api.writes == []
+        await reconciler.write_rollout(POOL, policy(), 0, [])
+        assert [(p, s["sidecars"]) for p, _, _, s in api.writes] == [
+            ("schedulingpolicies", "0/0 @ -")
+        ]
+    finally:
+        await reconciler.close()
+
+
 async def test_not_leader_drops_every_queued_write() -> None:
     api = FakeApi()
     api.gate.clear()
