@@ -275,7 +275,7 @@ def report(run: Run, timeout_s: float) -> None:
         mark = ""
         if target.startswith("<"):
             mark = verdict(value, PUBLISHED_TARGET_S if "published" in what else READY_TARGET_S)
-        print(f"{head}  {what:<46} {seconds(value, timeout_s):>10}  {target:<8} {mark}")
+        print(f"{head}  {what:<46} {seconds(value, timeout_s):>10}  {target:<8} {mark}".rstrip())
     if run.apply_s is not None:
         print(f"{head}  {'creating the quotas took':<46} {run.apply_s:>8.2f} s")
     monotone = never_fewer(run.counts)
