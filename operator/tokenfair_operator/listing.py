@@ -178,7 +178,8 @@ def _state(toggle_set: aiotoggles.ToggleSet) -> _Waiting:
 
 def _notify_if_changed(toggle_set: aiotoggles.ToggleSet, before: bool) -> None:
     """With the set's condition held: if the set's state is no longer ``before``, wake its
-    waiters, :data:`RELEASE_BATCH` now and as many in each loop iteration after."""
+    waiters, :data:`RELEASE_BATCH` now and as many every :data:`RELEASE_SPACING_S` after (as
+    many in all as there are waiters: one woken for the other state waits again at the back)."""
     if toggle_set.is_on() == before:
         return
     state = _state(toggle_set)
