@@ -58,6 +58,18 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float = WAIT_S
         time.sleep(0.1)
 
 
+def log_shows(log_path: Path, text: str, timeout_s: float = WAIT_S) -> str:
+    """The operator's log once it holds ``text`` (its whole text). An operator logs what it
+    did after the API server answered, so a test that saw the effect through the API may
+    read the log before the line is there: wait for it, never read it once."""
+
+    def holding() -> str | None:
+        found = log_path.read_text(errors="replace")
+        return found if text in found else None
+
+    return wait_for(f"{text!r} in {log_path.name}", holding, timeout_s)
+
+
 def shipped_rbac_kubeconfig(cluster: KubeCluster, path: Path) -> Path:
     """The shipped ServiceAccount, ClusterRole and ClusterRoleBinding applied as they are, and a
     kubeconfig at ``path`` holding a token of that ServiceAccount."""

@@ -52,6 +52,14 @@ class Indexes:
         """What one pass of policy ``key`` reads, as the indexes hold it now."""
         return self.policies.get(key, ()), self.quotas.get(key, ()), self.sidecars.get(key, ())
 
+    def size(self) -> int:
+        """Objects the three indexes hold (O(policies): each entry's store knows its size)."""
+        return sum(
+            len(index[key])
+            for index in (self.policies, self.quotas, self.sidecars)
+            for key in index
+        )
+
     def ready_sidecars(self, key: PolicyKey) -> int:
         """Ready sidecars of policy ``key`` that its ``spec.selector`` matches."""
         return ready_sidecars(self.policies.get(key, ()), self.sidecars.get(key, ()))

@@ -426,16 +426,17 @@ class KubeApi:
 
     def patch_status(
         self, plural: str, namespace: str, name: str, status: Any, resource_version: str = ""
-    ) -> None:
+    ) -> str:
         """Merge-patch ``status`` of a custom object, conditional on ``resource_version`` when
         given (the API server answers 409 if the object changed since); a vanished object is
-        not an error."""
+        not an error. Returns the object's resourceVersion after the write ("" if gone)."""
         body: dict[str, Any] = {"status": status}
         if resource_version:
             body["metadata"] = {"resourceVersion": resource_version}
         self._guard(f"status of {plural} {namespace}/{name}")
         path = f"/apis/{GROUP}/{VERSION}/namespaces/{namespace}/{plural}/{name}/status"
-        self._raw("PATCH", path, body=body, content_type=MERGE_PATCH)  # a 404 is returned
+        _, answer = self._raw("PATCH", path, body=body, content_type=MERGE_PATCH)  # 404: {}
+        return str(answer.get("metadata", {}).get("resourceVersion", ""))
 
     def _verbs(self, kind: str) -> tuple[Any, Any, Any]:
         core = self._core

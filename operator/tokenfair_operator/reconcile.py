@@ -51,6 +51,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import inspect
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -74,6 +75,7 @@ from .model import (
     object_reference,
     secret_name,
 )
+from .prefetch import KeyPrefetch
 from .render import KeyLookup, Rendering, render_config
 from .rollout import rollout_changed, rollout_status
 from .selector import ready_sidecars
@@ -85,6 +87,7 @@ PolicyKey = tuple[str, str]
 Snapshot = tuple[Iterable[PolicyView], Iterable[QuotaView], Iterable[SidecarView]]
 """A policy's objects as the indexes hold them: policies, quotas, sidecar Pods."""
 T = TypeVar("T")
+V = TypeVar("V", bound=ObjectView)
 
 IO_CONCURRENCY: Final = 16
 """Threads of the reconciler's blocking calls next to the status writer's (key Secret reads
@@ -112,6 +115,8 @@ STATUS_CONCURRENCY: Final = 16
 STATUS_WRITES_PER_SECOND: Final = 200.0
 """Pace of the background status writes: 10,000 new quotas' statuses take 50 s, leaving the
 API server (~400 such writes per second on 2 cores) to everyone else, the next pass included."""
+QUEUE_CHUNK: Final = 250
+"""Quota statuses computed in one loop step by a pass (:meth:`Reconciler._queue_quotas`)."""
 CONFLICT_DELAY_S: Final = 1.0
 """After a status write's 409, the policy's pass runs again this much later (the watch has
 then brought the newer object)."""
@@ -137,8 +142,8 @@ class Reconciler:
     """Per policy: how many passes were requested (a ticket number)."""
     _served: dict[PolicyKey, int] = field(default_factory=dict)
     """Per policy: the highest ticket a started pass serves."""
-    _written: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
-    """Per object uid: the resourceVersion we last wrote a status over, and that status."""
+    _written: dict[str, Written] = field(default_factory=dict)
+    """Per object uid: the statuses we wrote that the watch may not have brought back yet."""
     _keys: dict[tuple[str, str], KeyLookup] = field(default_factory=dict)
     """(namespace, Secret name) -> the digests (or problem) read from that key Secret last."""
     _seeded: set[PolicyKey] = field(default_factory=set)
@@ -160,6 +165,8 @@ class Reconciler:
     status_writes_per_second: float = STATUS_WRITES_PER_SECOND
     statuses: StatusWriter = field(init=False)
     """The quotas' status writes, after the passes (:class:`StatusWriter`)."""
+    prefetch: KeyPrefetch = field(init=False)
+    """Key Secrets read during Kopf's initial listing, for the first pass (:mod:`.prefetch`)."""
     _snapshots: dict[PolicyKey, Callable[[], Snapshot]] = field(default_factory=dict)
     """Per policy: where :meth:`request` reads the world, for a pass after a conflict."""
     _conflicts: dict[PolicyKey, int] = field(default_factory=dict)
@@ -188,6 +195,20 @@ class Reconciler:
             self._flush,
             concurrency=self.status_concurrency,
             per_second=self.status_writes_per_second,
+        )
+        self.prefetch = KeyPrefetch(self._read_many)
+
+    def prefetch_keys(self, quotas: Iterable[QuotaView]) -> None:
+        """During Kopf's initial listing, on the leader (the caller's checks): read in the
+        background the key Secrets of ``quotas`` that no stored status shows published at
+        their generation (:mod:`.prefetch`; the published ones are seeded from the stored
+        document, :meth:`_seed_keys`)."""
+        self.prefetch.ask(
+            (q.namespace, q.key_secret)
+            for q in quotas
+            if q.key_secret is not None
+            and not published_at(q)
+            and not isinstance(self._keys.get((q.namespace, q.key_secret)), tuple)
         )
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
@@ -256,6 +277,7 @@ class Reconciler:
         self._term += 1
         self.documents.clear()
         self.statuses.clear()
+        self.prefetch.clear()
         self._keys.clear()
         self._seeded.clear()
         self._key_refs.clear()
@@ -267,28 +289,24 @@ class Reconciler:
         later is picked up by the next pass): a pass over 10,000 keyed quotas makes no reads
         when nothing is new. Read in chunks of :data:`READ_CHUNK`, pipelined, at most
         :data:`READ_CONNECTIONS` chunks at a time (:meth:`.KubeApi.key_hashes_many`)."""
+        term = self._term
         if only_unknown:
             secrets = {s for s in secrets if not isinstance(self._keys.get(s), tuple)}
+            if secrets and len(self.prefetch):  # read during the listing (.prefetch)?
+                claimed = await self.prefetch.claim(secrets)
+                if term != self._term:
+                    return False
+                self._keys.update((s, f) for s, f in claimed.items() if s in self._key_users)
+                secrets = {s for s in secrets if not isinstance(self._keys.get(s), tuple)}
         if not secrets:
             return False
         wanted = sorted(secrets)
-        term = self._term
         # A pass's reads of new Secrets may come from the API server's watch cache as it is
         # (a moment behind at most). The resync's re-read bounds how late a revoked key is
         # dropped: it reads at the resourceVersion of etcd now (:meth:`_fresh_versions`), so a
         # lagging watch cache cannot stretch that bound (a quorum read where none is known).
         versions = await self._fresh_versions(wanted) if not only_unknown else {}
-        chunks = [wanted[i : i + READ_CHUNK] for i in range(0, len(wanted), READ_CHUNK)]
-        # A chunk holds one namespace's Secrets only (each has its resourceVersion).
-        chunks = [c for chunk in chunks for c in _by_namespace(chunk)]
-        found_chunks = await _bounded(
-            (
-                self._call(self.api.key_hashes_many, chunk, versions.get(chunk[0][0], "0"))
-                for chunk in chunks
-            ),
-            READ_CONNECTIONS,
-        )
-        found = [lookup for chunk in found_chunks for lookup in chunk]
+        found = await self._read_many(wanted, versions)
         if term != self._term:  # stepped down meanwhile: a later term reads afresh
             return False
         # Only Secrets some policy's last pass referenced are kept: a quota deleted while its
@@ -297,6 +315,25 @@ class Reconciler:
         changed = any(self._keys.get(s) != f for s, f in kept)
         self._keys.update(kept)
         return changed
+
+    async def _read_many(
+        self, wanted: list[tuple[str, str]], versions: Mapping[str, str] | None = None
+    ) -> list[KeyLookup]:
+        """Key Secrets ``wanted`` (sorted), read in chunks of :data:`READ_CHUNK` (one
+        namespace each), pipelined, :data:`READ_CONNECTIONS` chunks at a time, each namespace
+        at its resourceVersion in ``versions`` (default ``"0"``: the watch cache as it is)."""
+        at = versions or {}
+        chunks = [wanted[i : i + READ_CHUNK] for i in range(0, len(wanted), READ_CHUNK)]
+        # A chunk holds one namespace's Secrets only (each has its resourceVersion).
+        chunks = [c for chunk in chunks for c in _by_namespace(chunk)]
+        found_chunks = await _bounded(
+            (
+                self._call(self.api.key_hashes_many, chunk, at.get(chunk[0][0], "0"))
+                for chunk in chunks
+            ),
+            READ_CONNECTIONS,
+        )
+        return [lookup for chunk in found_chunks for lookup in chunk]
 
     async def _fresh_versions(self, secrets: list[tuple[str, str]]) -> dict[str, str]:
         """Per namespace of ``secrets`` (sorted): the resourceVersion its reads are made at,
@@ -464,7 +501,7 @@ class Reconciler:
         if not live:
             self.documents.withdraw(key)
             self._refer(key, ())
-            self._queue_quotas(key, members, lambda q: quota_status_orphan(q, now), logger)
+            await self._queue_quotas(key, members, lambda q: quota_status_orphan(q, now), logger)
             if not members and not labelled:
                 self._forget(key)
             return
@@ -477,7 +514,10 @@ class Reconciler:
         if term != self._term:  # the cache was emptied under us
             raise NotLeader(f"stepped down during the pass of {key[0]}/{key[1]}")
         lookups = {q.name: self._keys[(q.namespace, str(q.key_secret))] for q in keyed}
-        rendering = render_config(policy, members, lookups, self._replicas[key])
+        # In a thread, pure: at 10,000 tenants ~0.5 s of CPU (more on a loaded machine), which
+        # on the loop would hold Kopf's events, the Lease's renewals and the webhooks that long.
+        replicas = self._replicas[key]
+        rendering = await self._call(render_config, policy, members, lookups, replicas)
         if rendering.version:
             generation = await self._publish(policy, rendering, logger)
             # Served only once stored: a sidecar never runs what the API server refused.
@@ -488,17 +528,20 @@ class Reconciler:
                 generation,
             )
             self.documents.publish(key, document)
+        # Over our own last write when the watch has not brought it back yet (back-to-back
+        # passes: the first one's write): the same status, not a rewrite at a stale version.
+        policy = self._effective(policy)
         status = policy_status(policy, rendering, now=now, unprotected=unprotected)
         await self._write(key, POLICY_PLURAL, policy, status)
         _warn_if_new(policy, status, SIDECARS_INJECTED)
-        self._queue_quotas(
+        await self._queue_quotas(
             key,
             members,
             lambda q: quota_status(q, rendering.verdicts[q.name], rendering, now=now),
             logger,
         )
 
-    def _queue_quotas(
+    async def _queue_quotas(
         self,
         key: PolicyKey,
         quotas: Iterable[QuotaView],
@@ -508,32 +551,39 @@ class Reconciler:
         """Hand the statuses of ``quotas`` that differ from the stored ones to the writer (in
         place of whatever of policy ``key`` it still holds). Each is computed over our own
         write when the snapshot predates it (:meth:`_effective`), so that a lagging watch
-        makes no new status (a new first ``configVersion``, a new ``lastTransitionTime``)."""
+        makes no new status (a new first ``configVersion``, a new ``lastTransitionTime``).
+        The loop is let go every :data:`QUEUE_CHUNK` quotas: 10,000 statuses are ~1 s of CPU
+        on the 2-core test machine (several seconds when it is loaded), which in one step
+        would hold Kopf's events and the Lease's renewals that long."""
         writes = []
-        for quota in quotas:
+        for done, quota in enumerate(quotas, 1):
+            if done % QUEUE_CHUNK == 0:
+                await asyncio.sleep(0)
             effective = self._effective(quota)
             status = status_of(effective)
-            if differs(dict(quota.status), status) and self._written.get(quota.uid) != (
-                quota.resource_version,
-                status,
-            ):
+            if differs(dict(quota.status), status) and not self._wrote(quota, status):
                 writes.append(
                     StatusWrite(key, QUOTA_PLURAL, quota, status, effective.status, logger)
                 )
         self.statuses.submit(key, writes)
 
-    def _effective(self, quota: QuotaView) -> QuotaView:
-        """``quota`` with the status we queued, are writing or wrote over its very
+    def _wrote(self, view: ObjectView, status: Mapping[str, Any]) -> bool:
+        """We wrote ``status`` last over ``view`` (or over what our writes made of it)."""
+        written = self._written.get(view.uid)
+        return written is not None and written.holds(view) and written.status == status
+
+    def _effective(self, view: V) -> V:
+        """``view`` with the status we queued, are writing or wrote over its very
         resourceVersion (the watch has not brought it back yet)."""
-        queued = self.statuses.queued(quota.uid)
-        if queued is not None and queued.view.resource_version == quota.resource_version:
+        queued = self.statuses.queued(view.uid)
+        if queued is not None and queued.view.resource_version == view.resource_version:
             ours: Mapping[str, Any] | None = queued.status
         else:
-            written = self._written.get(quota.uid)
-            ours = written[1] if written and written[0] == quota.resource_version else None
+            written = self._written.get(view.uid)
+            ours = written.status if written is not None and written.holds(view) else None
         if ours is None:
-            return quota
-        return dataclasses.replace(quota, status={**quota.status, **ours})
+            return view
+        return dataclasses.replace(view, status={**view.status, **ours})
 
     async def _flush(self, write: StatusWrite) -> None:
         """One queued status write (the :class:`StatusWriter` calls it): a 409 asks for another
@@ -595,7 +645,10 @@ class Reconciler:
         retries = list(self._retries.values())
         for task in retries:
             task.cancel()
-        await asyncio.gather(*retries, return_exceptions=True)
+        prefetching = self.prefetch.clear()
+        await asyncio.gather(
+            *retries, *([prefetching] if prefetching else []), return_exceptions=True
+        )
         await self.statuses.close()
 
     async def write_usage(self, quotas: Iterable[QuotaView], scrapes: Iterable[str]) -> None:
@@ -616,13 +669,16 @@ class Reconciler:
         self, key: PolicyKey, policy: PolicyView, ready: int, scrapes: Iterable[str]
     ) -> None:
         """Write how many of ``ready`` sidecars run the version published last (from their
-        metrics ``scrapes``) into the policy's status, only when it changed (:mod:`.rollout`)."""
+        metrics ``scrapes``) into the policy's status, only when it changed (:mod:`.rollout`),
+        and not while a pass of the policy runs: it writes the policy's status over the version
+        it read (the next round writes this; the pass's write would lose to this one)."""
         document = self.documents.get(key)
         version = document.version if document else str(policy.status.get("configVersion", ""))
         fresh = rollout_status(ready, scrapes, version)
         self.metrics.sidecars.labels(*key, "current").set(fresh["sidecarsCurrent"])
         self.metrics.sidecars.labels(*key, "stale").set(ready - fresh["sidecarsCurrent"])
-        if rollout_changed(policy.status, fresh):
+        passing = key in self._locks and self._locks[key].locked()
+        if rollout_changed(policy.status, fresh) and not passing:
             await self._call(
                 self.api.patch_status, POLICY_PLURAL, policy.namespace, policy.name, fresh
             )
@@ -657,22 +713,28 @@ class Reconciler:
         """Write ``status`` if it differs from the snapshot's, conditional on the snapshot's
         resourceVersion (a stale snapshot is a 409, never a lost update). A status we wrote
         over this very snapshot already is not written again: the watch has not brought our
-        own write back yet, and writing it again would only earn a 409. A Warning Event goes
-        with a refusal that ``previous`` (default: the snapshot's status) did not have."""
+        own write back yet, and writing it again would only earn a 409. A snapshot our own
+        writes have passed (the watch lags them) is written over the resourceVersion our last
+        write got instead: what we wrote is all that changed since (anyone else's write makes
+        it a 409 as before), so back-to-back passes (a bulk apply: each pass a new tenant count
+        in the policy's status) do not each lose a race with the previous one's write. A
+        Warning Event goes with a refusal that ``previous`` (default: the snapshot's status)
+        did not have."""
         if not differs(dict(view.status), status):
             return
-        if self._written.get(view.uid) == (view.resource_version, status):
-            return
-        await self._call(
-            self.api.patch_status,
-            plural,
-            view.namespace,
-            view.name,
-            status,
-            view.resource_version,
+        written = self._written.get(view.uid)
+        if written is not None and written.holds(view):
+            if written.status == status:
+                return
+            version = written.now or view.resource_version
+            versions = written.versions | {version}
+        else:
+            version, versions = view.resource_version, frozenset({view.resource_version})
+        answered = await self._call(
+            self.api.patch_status, plural, view.namespace, view.name, status, version
         )
         if view.uid in self._members.get(key, ()):  # not an object deleted meanwhile
-            self._written[view.uid] = (view.resource_version, status)
+            self._written[view.uid] = Written(versions, status, answered or "")
         refusal = ready_reason(status["conditions"])
         before = view.status if previous is None else previous
         if refusal is not None and refusal != ready_reason(before.get("conditions", [])):
@@ -714,8 +776,12 @@ async def _bounded(calls: Iterable[Awaitable[T]], limit: int) -> list[T]:
     gate = asyncio.Semaphore(limit)
 
     async def one(call: Awaitable[T]) -> T:
-        async with gate:
-            return await call
+        try:
+            async with gate:
+                return await call
+        finally:  # cancelled before its turn: never started, closed (no "never awaited")
+            if inspect.iscoroutine(call):
+                call.close()
 
     pending = [one(call) for call in calls]
     results = await asyncio.gather(*pending, return_exceptions=True)
@@ -723,6 +789,23 @@ async def _bounded(calls: Iterable[Awaitable[T]], limit: int) -> list[T]:
         if isinstance(result, BaseException):
             raise result
     return cast(list[T], results)
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """Our status writes over one object that the watch may not have brought back yet."""
+
+    versions: frozenset[str]
+    """resourceVersions the watch may still show the object at: the snapshot's that the first
+    of these writes was made over, and each later write's."""
+    status: dict[str, Any]
+    """The status written last."""
+    now: str
+    """The resourceVersion the API server gave the object with that write ("": unknown)."""
+
+    def holds(self, view: ObjectView) -> bool:
+        """``view`` predates our last write (a version our writes were made over)."""
+        return view.resource_version in self.versions
 
 
 @dataclass(frozen=True, slots=True)

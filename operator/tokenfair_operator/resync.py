@@ -2,7 +2,10 @@
 is named by a quota, then its key Secrets read again and a second pass if one changed. It picks
 up what no watch reports (a key Secret's content) and repairs anything a failed pass left
 behind (a quota of a vanished policy included). It also forgets the generations recorded of
-objects gone from the indexes (:func:`prune_generations`)."""
+objects gone from the indexes (:func:`prune_generations`). Nothing before Kopf's initial
+listing is over (:mod:`.listing`): a pass over a half-filled index would publish a document
+without the tenants not listed yet (a new leader elected while its replica still lists, or the
+loop's first round during a long listing)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,11 @@ def resync_round(memo: kopf.Memo, logger: kopf.Logger, indexes: Indexes) -> Peri
     failing skips only itself."""
 
     async def resync() -> None:
+        if not runtime.listing(memo).is_complete:
+            # Kopf is still listing: the indexes hold part of the objects, and a pass would
+            # publish a document without the rest. The handlers pass once it is over.
+            logger.debug("resync skipped: the initial listing is not over")
+            return
         prune_generations(memo, indexes.policies, indexes.quotas)
         if not runtime.leads(memo):
             return
@@ -36,6 +44,9 @@ def resync_round(memo: kopf.Memo, logger: kopf.Logger, indexes: Indexes) -> Peri
                     logger.info(f"resync of {key[0]}/{key[1]}: conflict, retried next round")
                 else:
                     logger.exception(f"resync of {key[0]}/{key[1]} failed, retried next round")
+        # Every policy passed since the listing: what was read for it and no pass took (its
+        # quota went meanwhile) is dropped (.prefetch).
+        runtime.reconciler(memo).prefetch.drop_unclaimed()
 
     return resync
 

@@ -14,12 +14,13 @@ records for the whole operator lives in a value the startup hook created (the ge
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, TypeVar
 
 import kopf
 
 from .indexes import Indexes
 from .leader import LeaderElector
+from .listing import Listing
 from .reconcile import Reconciler
 from .settings import OperatorConfig
 
@@ -35,6 +36,9 @@ ELECTOR: Final = "elector"
 GENERATIONS: Final = "generations"
 """By object uid, the (generation, being deleted) its last event had (:func:`.passes.news`);
 one dict, created by the startup hook, shared by every object's copy of the memo."""
+LISTING: Final = "listing"
+"""Whether Kopf's initial listing is over (:class:`.listing.Listing`); one object, created by
+the startup hook, shared by every object's copy of the memo."""
 KEEPER: Final = "cert_keeper"
 TRUST: Final = "trust_publisher"
 
@@ -58,6 +62,27 @@ def reconciler(memo: kopf.Memo) -> Reconciler:
     return found
 
 
+S = TypeVar("S")
+
+
+def shared(memo: kopf.Memo, key: str, kind: type[S]) -> S:
+    """The ``kind`` the startup hook put under ``key``, shared by every object's copy of the
+    memo. Fails if it is missing: one made here would land in one object's copy of the memo and
+    be seen by no one else."""
+    found = memo.get(key)
+    if not isinstance(found, kind):
+        raise RuntimeError(
+            f"memo[{key!r}] is missing: the startup hook creates it, shared by every "
+            "object's copy of the memo"
+        )
+    return found
+
+
+def listing(memo: kopf.Memo) -> Listing:
+    """The shared :data:`LISTING` record (:func:`shared`)."""
+    return shared(memo, LISTING, Listing)
+
+
 def leads(memo: kopf.Memo) -> bool:
     """Whether this replica may reconcile and write: always without leader election."""
     elector = memo.get(ELECTOR)
@@ -68,12 +93,6 @@ Generations = dict[str, tuple[int, bool]]
 
 
 def generations(memo: kopf.Memo) -> Generations:
-    """The shared record of :data:`GENERATIONS`. Fails if the startup hook did not create it:
-    one made here would land in one object's copy of the memo and be seen by no one else."""
-    found = memo.get(GENERATIONS)
-    if not isinstance(found, dict):
-        raise RuntimeError(
-            f"memo[{GENERATIONS!r}] is missing: the startup hook creates it, shared by every "
-            "object's copy of the memo"
-        )
+    """The shared record of :data:`GENERATIONS` (:func:`shared`)."""
+    found: Generations = shared(memo, GENERATIONS, dict)
     return found

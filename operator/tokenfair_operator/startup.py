@@ -13,7 +13,9 @@ as the startup hook read them from the environment, once per process (so a retri
 its Lease identity), not the copy :func:`.cert_bootstrap.own_certificates` returns with the
 own certificate's file paths (only Kopf's webhook server and the TLS port get that one);
 ``memo[runtime.GENERATIONS]`` the one generations record every object's copy of the memo
-shares.
+shares, ``memo[runtime.LISTING]`` likewise the one record of whether Kopf's initial listing is
+over (:mod:`.listing`: no resync pass before), and ``memo[passes.PASSES]`` the passes the
+event handlers ask for, run in the background (:class:`.passes.EventPasses`).
 
 A start that fails part way (an API error, a port already bound) stops what it had started
 before the error goes to Kopf, which runs the hook again a minute later: no elector, loop or
@@ -33,6 +35,8 @@ from .cert_bootstrap import own_certificates
 from .indexes import Indexes
 from .kube import KubeApi, api_client
 from .leader import LeaderElector
+from .listing import Listing
+from .passes import PASSES, EventPasses
 from .periodic import Periodic
 from .reconcile import Reconciler
 from .resync import resync_round
@@ -72,6 +76,8 @@ async def _start(
     memo[runtime.INDEXES] = indexes
     # Created here, in the operator's memo: each object's handlers get a shallow copy of it.
     memo[runtime.GENERATIONS] = {}
+    memo[runtime.LISTING] = Listing()  # complete once Kopf calls a handler (.listing)
+    memo[PASSES] = EventPasses(memo)  # the passes the handlers ask for (.passes)
     memo[runtime.PERIODIC] = periodic = Periodic()  # in the memo at once: stop() finds its loops
     # Every write asks, right before it is sent, whether this replica leads now (.leader).
     memo[runtime.RECONCILER] = Reconciler(KubeApi(api, may_write=lambda: runtime.leads(memo)))
@@ -93,6 +99,9 @@ async def stop(memo: kopf.Memo) -> None:
     """Stop what :func:`start` started (whatever of it did start); idempotent. The loops and
     the server leave the memo; a stopped elector stays there, telling every writer that this
     replica does not lead (:func:`.runtime.leads`), until a retried start replaces it."""
+    passes = memo.get(PASSES)
+    if isinstance(passes, EventPasses):
+        await passes.close()  # the passes events asked for: the next leader's pass redoes them
     periodic = memo.pop(runtime.PERIODIC, None)
     if isinstance(periodic, Periodic):
         await periodic.stop()

@@ -22,8 +22,8 @@ def usage_round(
     """One usage round, for :class:`.Periodic`; a scrape waits ``scrape_timeout_s`` at most."""
 
     async def scrape() -> None:
-        if not runtime.leads(memo):
-            return
+        if not runtime.leads(memo) or not runtime.listing(memo).is_complete:
+            return  # (a rollout written while Kopf lists would only race the first pass)
         policies, sidecars, quotas = indexes.policies, indexes.sidecars, indexes.quotas
         for key in sorted({*sidecars, *policies}):
             live = [p for p in policies.get(key, ()) if not p.deleting]

@@ -98,6 +98,10 @@ def apply_lesson(cluster: KubeCluster, ns: str) -> Config:
     return wait_for("3 tenants published", lambda: _with_tenants(published(cluster, ns), 3))
 
 
+def _at_version(config: Config | None, version: str) -> Config | None:
+    return config if config is not None and config.version == version else None
+
+
 def _with_tenants(config: Config | None, count: int) -> Config | None:
     return config if config is not None and len(config.tenants) == count else None
 
@@ -188,9 +192,11 @@ def test_lesson_tenants_are_published(
     assert sorted(config.tenants, key=lambda t: t.tenant_id) == sorted(
         LESSON_TENANTS, key=lambda t: t.tenant_id
     )
-    secret_config = published(kube_cluster, ns, "secrets")
-    assert secret_config is not None
-    assert secret_config.version == config.version
+    # The Secret is written right after the ConfigMap: wait for it, never read it once.
+    wait_for(
+        "the Secret to hold the ConfigMap's version",
+        lambda: _at_version(published(kube_cluster, ns, "secrets"), config.version),
+    )
     # Statuses are written in the background after the publish, so wait for them to catch up.
     policy = wait_for(
         "the policy's status to name the published version",

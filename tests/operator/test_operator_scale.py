@@ -183,10 +183,10 @@ class HeldStatusWrites(KubeApi):
 
     def patch_status(
         self, plural: str, namespace: str, name: str, status: Any, resource_version: str = ""
-    ) -> None:
+    ) -> str:
         if plural == QUOTA_PLURAL:
             assert self.release.wait(SCALE_WAIT_S), "quota status writes never released"
-        super().patch_status(plural, namespace, name, status, resource_version)
+        return super().patch_status(plural, namespace, name, status, resource_version)
 
 
 async def test_the_first_pass_publishes_before_the_quota_statuses_are_written(

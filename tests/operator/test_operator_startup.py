@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import errno
+import inspect
 import logging
 import os
 import socket
@@ -42,7 +43,12 @@ from tokenfair_operator.leader import LeaderElector
 from tokenfair_operator.passes import news
 from tokenfair_operator.resync import prune_generations
 from tokenfair_operator.serve import start_server
-from tokenfair_operator.settings import OperatorConfig
+from tokenfair_operator.settings import (
+    KOPF_OBJECTS_LOGGER,
+    OperatorConfig,
+    QuietSuccesses,
+    configure_kopf,
+)
 
 ELECTION_TASK = "tokenfair-leader-election"
 CONFIGURE = cast(Callable[..., Awaitable[None]], handlers.configure)
@@ -297,6 +303,49 @@ def test_the_index_handlers_carry_the_names_the_indexes_are_read_by() -> None:
         h.id for h in registry._indexing.get_all_handlers() if h.fn.__module__ == handlers.__name__
     }
     assert ours == {POLICIES, QUOTAS, SIDECARS}
+
+
+def test_kopf_runs_every_handler_of_ours_on_the_loop_and_keeps_no_diff() -> None:
+    """Kopf runs a plain function in its thread pool (a hop per event: 10,000 per 10,000
+    listed quotas), so the index and event handlers are coroutines; and with event handlers
+    only, the diff-base is never used, so it builds nothing (:class:`.settings.NoDiffBase`): a
+    change handler (``on.create``/``update``/``field``...) would see no diff, so none may be
+    registered."""
+    registry = kopf.get_default_registry()
+    ours = [
+        h
+        for h in [*registry._indexing.get_all_handlers(), *registry._watching.get_all_handlers()]
+        if h.fn.__module__ == handlers.__name__
+    ]
+    assert len(ours) == 6
+    assert all(inspect.iscoroutinefunction(h.fn) for h in ours), [h.id for h in ours]
+    assert registry._changing.get_all_handlers() == []
+    settings = kopf.OperatorSettings()
+    configure_kopf(settings, OperatorConfig())
+    body = kopf.Body(cast(Any, {"metadata": {"uid": "u"}, "spec": {"weight": 1}}))
+    assert settings.persistence.diffbase_storage.build(body=body) == {}
+
+
+def test_kopf_logs_no_line_per_event_for_handlers_that_succeeded() -> None:
+    """Kopf logs "Handler '<id>' succeeded." at every watch event (20,000 lines for 10,000
+    quotas and their status writes): dropped for our event handlers, nothing else."""
+    registry = kopf.get_default_registry()
+    ours = {
+        h.id for h in registry._watching.get_all_handlers() if h.fn.__module__ == handlers.__name__
+    }
+    assert ours == set(handlers.EVENT_HANDLERS)
+    objects = logging.getLogger(KOPF_OBJECTS_LOGGER)
+    quiet = [f for f in objects.filters if isinstance(f, QuietSuccesses)]
+    assert len(quiet) == 1  # installed once, by importing the handlers
+
+    def shown(message: str) -> bool:
+        record = objects.makeRecord(objects.name, logging.INFO, "", 0, message, (), None)
+        return objects.filter(record)
+
+    assert not shown("Handler 'quota_event' succeeded.")
+    assert shown("Handler 'quota_event' failed with an exception and will ignore it: boom")
+    assert shown("Handler 'some_other' succeeded.")
+    assert shown("published config version 0123456789abcdef (generation 1) to ConfigMap x")
 
 
 # --- the generations record ----------------------------------------------------------------

@@ -56,7 +56,7 @@ from tokenfair_operator import (
 from tokenfair_operator.kube import NotLeader
 from tokenfair_operator.model import SidecarView
 from tokenfair_operator.passes import news
-from tokenfair_operator.reconcile import Reconciler
+from tokenfair_operator.reconcile import Reconciler, Written
 from tokenfair_operator.resync import prune_generations
 from tokenfair_operator.status import differs, orphan_verdict
 
@@ -250,7 +250,8 @@ class FakeApi:
 
     def patch_status(
         self, plural: str, namespace: str, name: str, status: Any, resource_version: str = ""
-    ) -> None:
+    ) -> str:
+        """Records the write; returns "" (no resourceVersion: see :class:`VersionedApi`)."""
         if plural == "tenantquotas":
             assert self.gate.wait(10), "the test never opened the gate"
         if not self.leading:
@@ -259,6 +260,7 @@ class FakeApi:
             self.conflicts.discard(name)
             raise ApiException(status=409, reason="Conflict")
         self.writes.append((plural, name, resource_version, status))
+        return ""
 
     def quota_writes(self) -> list[tuple[str, str]]:
         return [(name, rv) for plural, name, rv, _ in self.writes if plural == "tenantquotas"]
@@ -346,6 +348,105 @@ async def test_a_lagging_watch_makes_no_second_write() -> None:
         await reconciler.reconcile(POOL, [policy()], caught_up, LOG)
         await reconciler.drain()
         assert api.quota_writes()[before:] == []
+    finally:
+        await reconciler.close()
+
+
+class VersionedApi(FakeApi):
+    """:class:`FakeApi` whose status writes are conditional as the API server's: every object
+    has a resourceVersion (1 at first), a write over any other is a 409, a write returns the
+    new one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.versions: dict[str, int] = {}
+
+    def patch_status(
+        self, plural: str, namespace: str, name: str, status: Any, resource_version: str = ""
+    ) -> str:
+        current = self.versions.setdefault(name, 1)
+        if resource_version and resource_version != str(current):
+            raise ApiException(status=409, reason="Conflict")
+        super().patch_status(plural, namespace, name, status, resource_version)
+        self.versions[name] = current + 1
+        return str(current + 1)
+
+
+async def test_back_to_back_passes_write_over_their_own_last_write() -> None:
+    """Quotas arriving one after another (a bulk apply), each pass over a snapshot in which
+    the watch has not brought the policy's status back yet (the policy as listed, version 1):
+    each pass writes its new tenant count over the version the previous pass's write got, so
+    none loses a race (a 409, a retried pass) against our own last write."""
+    api = VersionedApi()
+    reconciler = Reconciler(api)  # type: ignore[arg-type]
+    listed = dataclasses.replace(policy(), resource_version="1")
+    arrived: list[QuotaView] = []
+    try:
+        for i in range(1, 4):
+            arrived.append(keyed_quota(i))
+            await reconciler.reconcile(POOL, [listed], list(arrived), LOG)
+        writes = [(rv, s["tenants"]) for p, _, rv, s in api.writes if p == "schedulingpolicies"]
+        assert writes == [("1", 1), ("2", 2), ("3", 3)]
+        # The watch catches up with the first write only: the chain still holds.
+        caught_up = dataclasses.replace(listed, resource_version="2", status=api.writes[0][3])
+        arrived.append(keyed_quota(4))
+        await reconciler.reconcile(POOL, [caught_up], list(arrived), LOG)
+        last = [(rv, s["tenants"]) for p, _, rv, s in api.writes if p == "schedulingpolicies"]
+        assert last[-1] == ("4", 4)
+    finally:
+        await reconciler.close()
+
+
+async def test_key_secrets_read_during_the_listing_serve_the_first_pass() -> None:
+    """Key Secrets of quotas indexed during Kopf's listing are read in the background
+    (:mod:`.prefetch`); the first pass takes them and reads only the others; a quota already
+    published at its generation is not read (its digests come from the stored document); what
+    no pass took is dropped at the resync; stepping down forgets it all."""
+    api = FakeApi()
+    reconciler = Reconciler(api)  # type: ignore[arg-type]
+    published = dataclasses.replace(
+        keyed_quota(9),
+        status={
+            "configVersion": "v",
+            "conditions": [{"type": "ConfigPublished", "status": "True", "observedGeneration": 1}],
+        },
+    )
+    listed = [keyed_quota(i) for i in range(1, 6)]
+    try:
+        reconciler.prefetch_keys([*listed, published, keyed_quota(8)])
+        await reconciler.prefetch.claim(())  # the background read is over
+        assert sorted(api.key_reads) == ["key-1", "key-2", "key-3", "key-4", "key-5", "key-8"]
+        api.key_reads.clear()
+
+        await reconciler.reconcile(POOL, [policy()], [*listed, keyed_quota(6)], LOG)
+
+        assert api.key_reads == ["key-6"]  # the rest came from the listing's reads
+        document = reconciler.documents.get(POOL)
+        assert document is not None
+        assert len(reconciler.prefetch) == 1  # key-8: its quota went before any pass
+        reconciler.prefetch.drop_unclaimed()
+        assert len(reconciler.prefetch) == 0
+        reconciler.prefetch_keys([keyed_quota(7)])
+        reconciler.step_down()
+        assert len(reconciler.prefetch) == 0
+    finally:
+        await reconciler.close()
+
+
+async def test_the_rollout_is_not_written_while_a_pass_of_its_policy_runs() -> None:
+    """The usage loop's rollout write would move the policy's resourceVersion under a running
+    pass, whose own status write would then lose (409, a retried pass): it waits for the next
+    round instead."""
+    api = FakeApi()
+    reconciler = Reconciler(api)  # type: ignore[arg-type]
+    try:
+        async with reconciler._lock(POOL):  # a pass of the policy runs
+            await reconciler.write_rollout(POOL, policy(), 0, [])
+        assert api.writes == []
+        await reconciler.write_rollout(POOL, policy(), 0, [])
+        assert [(p, s["sidecars"]) for p, _, _, s in api.writes] == [
+            ("schedulingpolicies", "0/0 @ -")
+        ]
     finally:
         await reconciler.close()
 
@@ -629,7 +730,9 @@ def test_a_quota_moved_to_another_policy_keeps_what_that_policy_wrote() -> None:
     other = ("ns", "other")
     reconciler._remember(POOL, frozenset({"u1", "u2"}))
     reconciler._remember(other, frozenset({"u1"}))  # u1 moved to `other`, which wrote it
-    reconciler._written.update({"u1": ("7", {}), "u2": ("3", {})})
+    reconciler._written.update(
+        {"u1": Written(frozenset({"7"}), {}, "8"), "u2": Written(frozenset({"3"}), {}, "4")}
+    )
     reconciler._remember(POOL, frozenset())
     assert set(reconciler._written) == {"u1"}
     reconciler._remember(other, frozenset())
