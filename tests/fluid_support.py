@@ -55,18 +55,24 @@ def gps_oracle(
     rate_tokens_per_ms: float,
     counted_from_ms: float = -math.inf,
     counted_to_ms: float = math.inf,
+    until_ms: float = math.inf,
 ) -> tuple[list[float], list[float]]:
     """Per tenant: (fluid service of its requests arrived in the counted interval, its fluid
-    service in all)."""
+    service in all), delivered up to ``until_ms``."""
     segments = [
         (start, start + size / rate_tokens_per_ms)
         for _, _, size, _, start in requests
         if math.isfinite(start) and size > 0
     ]
     instants = sorted(
-        {r[0] for r in requests}
-        | {r[3] for r in requests if math.isfinite(r[3])}
-        | {t for segment in segments for t in segment}
+        t
+        for t in (
+            {r[0] for r in requests}
+            | {r[3] for r in requests if math.isfinite(r[3])}
+            | {t for segment in segments for t in segment}
+            | ({until_ms} if math.isfinite(until_ms) else set())
+        )
+        if t <= until_ms
     )
     tenants = len(weights)
     queues: list[list[_Waiting]] = [[] for _ in range(tenants)]
@@ -108,3 +114,14 @@ def gps_oracle(
     ]
     total = [math.fsum(w.served for w in done[t] + queues[t]) for t in range(tenants)]
     return counted, total
+
+
+def delivered(requests: Sequence[Request], tenants: int, rate_tokens_per_ms: float,
+              until_ms: float) -> list[float]:  # fmt: skip
+    """Per tenant: what the lane's segments delivered up to ``until_ms``."""
+    totals = [0.0] * tenants
+    for _, tenant, size, _, start in requests:
+        if math.isfinite(start) and size > 0:
+            end = start + size / rate_tokens_per_ms
+            totals[tenant] += max(0.0, min(end, until_ms) - start) * rate_tokens_per_ms
+    return totals
