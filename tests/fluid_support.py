@@ -81,7 +81,7 @@ def gps_oracle(
     next_arrival = 0
     for index, now in enumerate(instants):
         for tenant in range(tenants):  # leave first: demand that leaves at `now` is gone
-            kept = []
+            kept: list[_Waiting] = []
             for waiting in queues[tenant]:
                 (done[tenant] if waiting.leave_ms <= now else kept).append(waiting)
             queues[tenant] = kept
@@ -89,8 +89,8 @@ def gps_oracle(
             arrival, tenant, size, leave, _ = requests[by_arrival[next_arrival]]
             next_arrival += 1
             if size > 0 and leave > now:
-                counted = counted_from_ms <= arrival <= counted_to_ms
-                queues[tenant].append(_Waiting(size, leave, counted))
+                in_window = counted_from_ms <= arrival <= counted_to_ms
+                queues[tenant].append(_Waiting(size, leave, in_window))
         if index + 1 == len(instants):
             break
         until = instants[index + 1]

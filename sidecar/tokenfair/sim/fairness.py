@@ -1,4 +1,5 @@
-"""Fairness of a run, per tenant: the service it got against its weighted max-min fair share.
+"""Fairness of a run, per tenant: the service it got against a fluid fair-share reference and
+against its windowed weighted max-min share.
 
 Pure functions over decision records (``core/jobs.py``'s :class:`Decision`); no I/O. Used by
 ``tokenfair simulate`` (under each policy's block, and ``fairness`` in its JSON report) and
@@ -22,8 +23,22 @@ end is the end of the last dispatch, ``max(dispatch_ms + s / serviceTokensPerMs)
 
 Every per-tenant count (requests, refusals, expiries) is over the same arrivals.
 
-**Fair share**, per lane (``priority_class``; a tenant's lane and weight come from the config, a
-tenant absent from it has weight 1 and the lane of its last decision)::
+**Fluid reference**, per lane (the lane of each decision; weights as below): what a weighted
+max-min fluid server (``sim/fluid.py``) would have given each tenant's requests that arrived in
+the window, run over every decision, with the lane's own service as its capacity (a segment of
+``s / serviceTokensPerMs`` ms from each served request's ``dispatch_ms``). A request's ``s``
+is demand from its arrival: a served one (status 200 at gate ``dispatch``) until the fluid
+server has served it, a cancelled one (499) until ``arrival + queue_wait_ms``, any other until
+``arrival + its class's wait limit`` (``maxInteractiveWaitMs``, ``maxBatchWaitMs``)::
+
+    served_over_fluid = served / fluid reference     (None when the reference is 0; the
+                                                      reference summed over lanes)
+
+Per lane, Jain's index over ``received / reference`` of the lane's tenants with a reference > 0
+(their served tokens in that lane), and the tenant with the lowest such ratio.
+
+**Windowed share**, per lane (``priority_class``; a tenant's lane and weight come from the config,
+a tenant absent from it has weight 1 and the lane of its last decision)::
 
     fair_share = water_fill(capacity = Σ served of the lane,
                             demands  = offered per tenant, weights = tenant weight)
@@ -35,7 +50,8 @@ for one that got less.
 
 **Jain's index** per lane over ``served_over_fair`` of the lane's tenants with ``offered > 0``
 (and a fair share, i.e. when the lane served anything): ``(Σx)² / (n · Σx²)``, 1.0 when every
-tenant got the same fraction of its share, ``1/n`` when one tenant got everything.
+tenant got the same fraction of its share, ``1/n`` when one tenant got everything. Which
+reference answers which question: docs/report.md.
 
 **Utilisation** over the window, by *dispatch* time, in actual tokens::
 

@@ -274,7 +274,8 @@ def test_fluid_reference_of_the_hand_built_decisions() -> None:
     assert report.fluid_jain_by_lane["interactive"] == pytest.approx(16 / 17)
     worst = report.fluid_worst_by_lane["interactive"]
     assert worst is not None
-    assert (worst.tenant_id, worst.served_over_fluid) == ("A", pytest.approx(0.8))
+    assert worst.tenant_id == "A"
+    assert worst.served_over_fluid == pytest.approx(0.8)
     # Batch: C alone gets all 650 the lane served (c1 300 from 60, refused at dispatch, is
     # served first by the fluid server, then c2 and 100 of c3's 400).
     assert c.fluid_reference_service_tokens == pytest.approx(650)
@@ -596,6 +597,20 @@ def test_report_on_live_sidecar_records(tmp_path: Path, capsys: pytest.CaptureFi
     assert ide["fair_share_service_tokens"] == pytest.approx(1960 / 3, abs=0.01)
     assert chat["served_over_fair"] == pytest.approx(1300 / (1960 * 2 / 3), abs=1e-4)
     assert ide["served_over_fair"] == pytest.approx(660 / (1960 / 3), abs=1e-4)
+    # Against the fluid reference (serviceTokensPerMs 45): the lane served c1 over [0, 13.3]
+    # while only chat waited, i1 over [60, 74.7] while only ide waited (arrived at 50), c2 over
+    # [120, 135.6] while only chat waited (i2 came at 150); nothing after. So chat's reference is
+    # its 1300 and ide's its 660: both exactly served, Jain 1 (windowed: 0.995 and 1.010).
+    assert chat["fluid_reference_service_tokens"] == pytest.approx(1300)
+    assert ide["fluid_reference_service_tokens"] == pytest.approx(660)
+    assert (chat["served_over_fluid"], ide["served_over_fluid"]) == (1.0, 1.0)
+    assert batch["fluid_reference_service_tokens"] == pytest.approx(4000)  # b1, alone
+    assert fairness["fluid_jain_by_lane"] == {"interactive": 1.0, "batch": 1.0}
+    assert fairness["fluid_worst_by_lane"]["batch"] == {
+        "tenant_id": "batch",
+        "served_over_fluid": 1.0,
+    }
+    assert fairness["fluid_unused_service_tokens_by_lane"] == {"interactive": 0.0, "batch": 0.0}
     # i2 (502 after dispatch) expired; i3 (cancelled) and b2 (drained) did not.
     assert (chat["admitted_then_expired"], ide["admitted_then_expired"]) == (0, 1)
     assert batch["admitted_then_expired"] == 0
