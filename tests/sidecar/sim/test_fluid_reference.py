@@ -186,13 +186,14 @@ def test_only_requests_of_the_counted_window_are_counted() -> None:
 
 @st.composite
 def lanes(draw: st.DrawFn) -> tuple[list[Request], list[float], float]:
-    """Requests of up to four tenants; the served ones run one at a time (in a random order,
-    each no earlier than its arrival, with random idle gaps); each refused one waits a random
-    time (0: no demand at all)."""
-    tenants = draw(st.integers(1, 4))
+    """Requests of up to twelve tenants (more than eight backlogged at once: the fluid server's
+    finish tags go into a heap; fewer, a scan); the served ones run one at a time (in a random
+    order, each no earlier than its arrival, with random idle gaps); each refused one waits a
+    random time (0: no demand at all)."""
+    tenants = draw(st.integers(1, 12))
     weights = [draw(st.sampled_from([0.5, 1.0, 1.5, 2.0, 4.0])) for _ in range(tenants)]
     rate = draw(st.sampled_from([1.0, 2.5, 45.0]))
-    count = draw(st.integers(1, 14))
+    count = draw(st.integers(1, 30))
     drawn = [
         (
             float(draw(st.integers(0, 300))),
@@ -242,6 +243,27 @@ def test_the_fluid_server_gives_what_an_independent_gps_oracle_gives(
     counted = (float(min(window)), float(max(window)))
     result = run(requests, weights, rate, counted)
     expected_counted, expected_total = gps_oracle(requests, weights, rate, *counted)
+    scale = sum(r[2] for r in requests)
+    close(result.total_reference_tokens, expected_total, scale)
+    close(result.reference_tokens, expected_counted, scale)
+
+
+@pytest.mark.parametrize("tenants", [9, 12, 20])
+def test_many_backlogged_tenants_then_few_match_the_oracle(tenants: int) -> None:
+    # Every tenant waits from 0 (more than eight at once: the heap), with its own request sizes,
+    # weights 1..4; the lane serves them in turn, the light ones drain first, and the last few
+    # tenants share the end (a scan again).
+    requests: list[Request] = []
+    free_ms = 0.0
+    for tenant in range(tenants):
+        for k in range(3):
+            size = 50.0 * (tenant + 1) + 10 * k
+            requests.append((0.0, tenant, size, INF, free_ms))
+            free_ms += size / 45.0
+        requests.append((float(tenant), tenant, 100.0, 200.0 + tenant, INF))  # refused
+    weights = [1.0 + tenant % 4 for tenant in range(tenants)]
+    result = run(requests, weights, 45.0)
+    expected_counted, expected_total = gps_oracle(requests, weights, 45.0)
     scale = sum(r[2] for r in requests)
     close(result.total_reference_tokens, expected_total, scale)
     close(result.reference_tokens, expected_counted, scale)
