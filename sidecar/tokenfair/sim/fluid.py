@@ -57,6 +57,11 @@ from dataclasses import dataclass
 from typing import Final
 
 _NEVER: Final = math.inf
+_SCAN_MAX: Final = 8
+"""Above this many backlogged tenants, the next finish is kept in a heap (see ``_heaped``)."""
+_SCAN_MIN: Final = 4
+"""At this many or fewer, back to a scan (apart from ``_SCAN_MAX``: no switching back and forth
+at every arrival)."""
 
 
 class FluidRequest:
@@ -97,20 +102,25 @@ class _FluidTenant:
 
     __slots__ = (
         "busy",
+        "busy_position",
         "counted_tokens",
         "done_tokens",
         "finish_v",
         "head",
         "head_counted",
+        "index",
         "queue",
         "queue_next",
         "received_tokens",
         "weight",
     )
 
-    def __init__(self, weight: float) -> None:
+    def __init__(self, weight: float, index: int) -> None:
         self.weight = weight
+        self.index = index
         self.busy = False
+        self.busy_position = 0
+        """Its place in the lane's list of backlogged tenants, while it is in it."""
         self.head: FluidRequest | None = None
         self.head_counted = False
         self.queue: list[FluidRequest] = []
@@ -143,8 +153,10 @@ class FluidLane:
     """
 
     __slots__ = (
+        "_busy",
         "_deadlines",
         "_finishes",
+        "_heaped",
         "_heappop",
         "_heappush",
         "_heapreplace",
@@ -180,6 +192,13 @@ class FluidLane:
         self.unused_tokens = 0.0
         """Capacity offered while no tenant was backlogged (0 when the capacity is the service of
         requests that are all part of the demand, see the module docstring)."""
+        self._busy: list[_FluidTenant] = []
+        """The backlogged tenants, in no order."""
+        self._heaped = False
+        """Whether the finish tags are in ``_finishes``: only while more than ``_SCAN_MAX``
+        tenants are backlogged (back to a scan of ``_busy`` at ``_SCAN_MIN``): a lane of a few
+        backlogged tenants finds its next finish faster by looking at each than by keeping a
+        heap, whose every push is a call, a tuple and a boxed float."""
         self._finishes: list[tuple[float, int]] = []  # (a head's finish tag, tenant)
         self._deadlines: list[tuple[float, int]] = []  # (a head's leave_ms, tenant)
         # Held here: compiled, ``heapq.heappush`` is a lookup on the module at every call (a
@@ -203,8 +222,9 @@ class FluidLane:
                 f"fluid reference: weight of tenant {len(self._tenants)} must be a finite "
                 f"number > 0 (got {weight!r})"
             )
-        self._tenants.append(_FluidTenant(float(weight)))
-        return len(self._tenants) - 1
+        index = len(self._tenants)
+        self._tenants.append(_FluidTenant(float(weight), index))
+        return index
 
     def set_rate(self, rate_tokens_per_ms: float) -> None:
         """The capacity from now on, in service tokens per ms (finite, >= 0)."""
@@ -230,7 +250,15 @@ class FluidLane:
         state.busy = True
         self.busy_tenants += 1
         self.weight_sum += state.weight
+        state.busy_position = len(self._busy)
+        self._busy.append(state)
         self._start_head(request.tenant, state, request, False)
+        if not self._heaped and len(self._busy) > _SCAN_MAX:
+            finishes = self._finishes
+            finishes.clear()
+            finishes.extend((t.finish_v, t.index) for t in self._busy)
+            heapq.heapify(finishes)
+            self._heaped = True
 
     def advance(self, to_ms: float) -> None:
         """Run the fluid server until ``to_ms`` (no earlier than the current time)."""
@@ -309,7 +337,7 @@ class FluidLane:
         state.finish_v = finish_v
         if replace_top:
             self._heapreplace(self._finishes, (finish_v, tenant))
-        else:
+        elif self._heaped:
             self._heappush(self._finishes, (finish_v, tenant))
         leave_ms = request.leave_ms
         if leave_ms < _NEVER:
@@ -339,6 +367,11 @@ class FluidLane:
         state.head = None
         state.busy = False
         self.busy_tenants -= 1
+        busy = self._busy
+        last = busy.pop()
+        if last is not state:  # fill its place with the last one
+            busy[state.busy_position] = last
+            last.busy_position = state.busy_position
         if self.busy_tenants == 0:
             # No tag is outstanding: restart the virtual time (it never grows with the run)
             # and the weight sum (no rounding carried over from the last busy period).
@@ -346,12 +379,22 @@ class FluidLane:
             self.virtual = 0.0
             self._finishes.clear()
             self._deadlines.clear()
+            self._heaped = False
         else:
+            if self._heaped and len(busy) <= _SCAN_MIN:
+                self._finishes.clear()
+                self._heaped = False
             self.weight_sum -= state.weight
             if not self.weight_sum > 0:  # rounding, with weights of very different sizes
                 self.weight_sum = math.fsum(t.weight for t in self._tenants if t.busy)
 
     def _next_finish_v(self) -> float:
+        if not self._heaped:
+            soonest = _NEVER
+            for state in self._busy:
+                if state.finish_v < soonest:
+                    soonest = state.finish_v
+            return soonest
         finishes = self._finishes
         tenants = self._tenants
         while finishes:
@@ -374,7 +417,20 @@ class FluidLane:
         return _NEVER
 
     def _finish_heads(self) -> None:
-        """Every head whose finish tag the virtual time has reached is served in full."""
+        """Every head whose finish tag the virtual time has reached is served in full (a head
+        left for later by a switch from the heap to a scan is served at the next event, no
+        time later)."""
+        if not self._heaped:
+            virtual = self.virtual
+            for state in [t for t in self._busy if t.finish_v <= virtual]:
+                head = state.head
+                if head is None:
+                    continue
+                state.done_tokens += head.size_tokens
+                if state.head_counted:
+                    state.counted_tokens += head.size_tokens
+                self._next_head(state.index, state, False)
+            return
         finishes = self._finishes
         tenants = self._tenants
         while finishes and finishes[0][0] <= self.virtual:
