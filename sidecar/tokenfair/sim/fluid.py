@@ -24,8 +24,11 @@ its finish tag ``F = V0 + r / w_i``; if ``leave_ms`` comes first it leaves with
 ``r - w_i * (F - V)`` served. Between two events — an arrival, a change of ``C``, a head served
 in full, a head leaving — ``C`` and ``B`` are constant, so the next event is the smaller of the
 next input and ``now + (F_min - V) * W / C``: the whole run is event-driven, each request
-costing one arrival, one head start and one head end, each O(log tenants) (two heaps, of
-finish tags and of the heads' leave times; stale entries are skipped). A request that becomes
+costing one arrival, one head start and one head end, each O(log tenants) (the finish tags in
+a heap while more than ``_SCAN_MAX`` tenants are backlogged, a look at each of them otherwise;
+the heads' leave times in a heap; stale entries are skipped). Measured compiled, ~2,400
+instructions and ~80 bytes a request of a replay (``tokenfair simulate`` of 200k requests:
++5-8 % instructions). A request that becomes
 head at or after its own ``leave_ms`` leaves unserved (the same service, 0, as leaving behind
 the head: its tenant was backlogged either way).
 
