@@ -7,12 +7,12 @@ its imports), so a mistake in the scheduler cannot hide in its own yardstick.
 
 **The fluid server of one lane.** Tenants ``i`` with weights ``w_i > 0``. Demand comes as
 *requests* (:class:`FluidRequest`: ``arrival_ms``, ``tenant``, ``size_tokens``, ``leave_ms``,
-``start_ms``); at ``arrival_ms`` the request's
-``size_tokens`` join its tenant's fluid backlog, behind the tenant's earlier requests (FIFO
-within a tenant), and whatever of it is still unserved at ``leave_ms`` leaves unserved
-(``leave_ms = inf``: it stays until served). The server's capacity is a rate ``C(t)`` (service
-tokens per ms), given from outside: here, what the lane actually served at ``t``. At every
-instant the backlogged tenants ``B(t)`` share ``C(t)`` in proportion to their weights::
+``start_ms``); at ``arrival_ms`` the request's ``size_tokens`` join its tenant's fluid backlog,
+behind the tenant's earlier requests (FIFO within a tenant), and whatever of it is still
+unserved at ``leave_ms`` leaves unserved (``leave_ms = inf``: it stays until served). The
+server's capacity is a rate ``C(t)`` (service tokens per ms), given from outside: here, what the
+lane actually served at ``t``. At every instant the backlogged tenants ``B(t)`` share ``C(t)``
+in proportion to their weights::
 
     rate_i(t) = C(t) * w_i / W(t)        for i in B(t),   W(t) = Σ_{j in B(t)} w_j
 
@@ -24,13 +24,12 @@ its finish tag ``F = V0 + r / w_i``; if ``leave_ms`` comes first it leaves with
 ``r - w_i * (F - V)`` served. Between two events — an arrival, a change of ``C``, a head served
 in full, a head leaving — ``C`` and ``B`` are constant, so the next event is the smaller of the
 next input and ``now + (F_min - V) * W / C``: the whole run is event-driven, each request
-costing one arrival, one head start and one head end, each O(log tenants) (the finish tags in
-a heap while more than ``_SCAN_MAX`` tenants are backlogged, a look at each of them otherwise;
-the heads' leave times in a heap; stale entries are skipped). Measured compiled, ~2,400
-instructions and ~80 bytes a request of a replay (``tokenfair simulate`` of 200k requests:
-+5-8 % instructions). A request that becomes
-head at or after its own ``leave_ms`` leaves unserved (the same service, 0, as leaving behind
-the head: its tenant was backlogged either way).
+costing one arrival, one head start and one head end, each O(log tenants) (the finish tags in a
+heap while more than ``_SCAN_MAX`` tenants are backlogged, a look at each of them otherwise; the
+heads' leave times in a heap; stale entries are skipped). Measured compiled, ~2,400 instructions
+and ~80 bytes a request of a replay (``tokenfair simulate`` of 200k requests: +5-8 %
+instructions). A request that becomes head at or after its own ``leave_ms`` leaves unserved (the
+same service, 0, as leaving behind the head: its tenant was backlogged either way).
 
 Whenever ``W`` falls to 0 the virtual time restarts at 0 (no tag is outstanding), so it never
 grows with the length of a run; a served head's service is its size exactly (``V`` is set to
