@@ -20,11 +20,19 @@ sizes are actual service tokens where known, else the estimate):
 * **demand served** of a tenant = service tokens of its requests that arrived in the window and
   were dispatched / service tokens of those offered;
 * **utilisation** = service tokens dispatched in the window / (C * window);
-* **admitted-then-expired** = requests that passed admission and were refused later (from the
-  queue, ``shed_queue_timeout``, or at dispatch) / requests that passed admission;
-* **Jain per lane** = ``(sum x)^2 / (n * sum x^2)`` over ``x = served / fair share`` of the lane's
-  tenants, the fair share being the weighted max-min share (``water_fill``) of what the lane
-  served, given each tenant's offered tokens as its demand;
+* **admitted-then-expired, per lane** = requests of the lane that passed admission and were
+  refused later (from the queue, ``shed_queue_timeout``, or at dispatch) / requests of the lane
+  that passed admission;
+* **Jain per lane, fluid reference** (scenarios 3 and 9) = ``(sum x)^2 / (n * sum x^2)`` over
+  ``x = served / fluid reference`` of the lane's tenants (docs/report.md: what a weighted
+  max-min fluid server would have given each tenant out of the lane's own service, moment by
+  moment), counted over the arrivals of ``[0, window - maxBatchWaitMs]`` (:func:`settled`: the
+  end of a finite trace is a drain, not load); the same over the whole window and the lowest
+  ``x`` of a tenant are printed beside it;
+* **Jain per lane, windowed share** = the same over ``x = served / fair share``, the fair share
+  being the weighted max-min share (``water_fill``) of what the lane served over the window,
+  given each tenant's offered tokens as its demand (information: the reference the targets were
+  first stated in);
 * **refusals while idle** (computed here): refusals (status 429) decided at a time ``t`` when no
   dispatched request was executing, i.e. ``t`` in no ``[dispatch_ms, dispatch_ms + size / C)``.
   ``t`` is the arrival for a refusal at admission, ``arrival + queue_wait_ms`` (rounded to
@@ -53,8 +61,9 @@ Scenarios (rates in units of C; Poisson = exponential gaps, constant = evenly sp
    Zipf rates (s = 1) over the ranks summing to 1.5 C, each tenant Poisson; log-normal lengths
    (sigma 0.6; medians interactive 200/50, batch 2000/300), clamped so no request's KV passes
    the batch watermark.
-   Jain >= 0.97 in each lane; interactive p99 TTFT <= maxInteractiveWaitMs + the largest
-   interactive prefill time; expired <= 0.02.
+   Jain against the fluid reference >= 0.95 in each lane at every seed (>= 0.97 mean over the
+   seeds of ``--seeds``); interactive p99 TTFT <= maxInteractiveWaitMs + the largest
+   interactive prefill time; expired <= 0.02 per lane.
 4. KV-heavy neighbour — interactive: a small tenant (200+50) Poisson 1.0 C next to a tenant
    flooding constant 1.0 C of 12000+200 requests (763 KV blocks, 48 % of the cache each).
    Utilisation >= 0.97, refusals while idle with KV room = 0, expired <= 0.02.
@@ -69,17 +78,27 @@ Scenarios (rates in units of C; Poisson = exponential gaps, constant = evenly sp
    ``PolicyConfig.lend_idle_capacity``, "not available" on a core without it).
 8. no regression — the lesson fixture (``scenarios.SCENARIOS["noisy-neighbor"]``): 60/60 admitted,
    interactive p99 TTFT <= 358.97 ms.
+9. many tenants, heavy-tailed sizes — scenario 3's tenants, weights and rates (its own random
+   streams), log-normal lengths of sigma 1.0 (same medians), prompts <= 8000 tokens, outputs
+   <= 2000, arrival rates from the clamped lengths' mean. Targets as scenario 3.
+
+Every scenario's admitted-then-expired is per lane (<= 0.02 in each lane offered requests).
 
 Seeded (``--seed``): every tenant draws from its own ``random.Random`` seeded with the seed, the
-scenario and the tenant, so the output is the same on every run.
+scenario and the tenant, so the output is the same on every run. ``--seeds 1-32`` runs the
+scenarios (3 and 9 by default) at every seed and prints a line per seed, then each figure's
+mean, minimum and maximum beside its targets: the mean's (``Row.mean_target``) and every
+seed's.
 
 The core under test is whichever ``tokenfair`` Python imports; ``--core-path DIR`` runs
 the bench again with ``DIR`` first on ``PYTHONPATH`` (for instance a ``git worktree`` of the
-commit before a change). ``fairness.py`` is always loaded by path from this bench's checkout, so
-an older core is measured by the current definitions.
+commit before a change). ``fairness.py`` is always loaded by path from this bench's checkout
+(and ``fluid.py`` when that core has none), so an older core is measured by the current
+definitions.
 
     .venv/bin/python bench/bench_fairness.py                  # every scenario, 60 s windows
     .venv/bin/python bench/bench_fairness.py --quick          # 15 s windows (smoke run)
+    .venv/bin/python bench/bench_fairness.py --seeds 1-32     # scenarios 3 and 9, 32 seeds
     .venv/bin/python bench/bench_fairness.py --scenarios 1,4 --seed 7 --strict
     .venv/bin/python bench/bench_fairness.py --core-path OTHER_CHECKOUT   # another core
 
@@ -105,7 +124,14 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from bench_core import core_kind
 
-from tokenfair.config import Config, PolicyConfig, PriorityClass, TenantConfig, build_config
+from tokenfair.config import (
+    PRIORITY_CLASSES,
+    Config,
+    PolicyConfig,
+    PriorityClass,
+    TenantConfig,
+    build_config,
+)
 from tokenfair.core import Decision, Request
 from tokenfair.core.cost import CostModel
 from tokenfair.core.jobs import STATUS_SHED
@@ -123,8 +149,11 @@ UNLIMITED: Final = 10**9
 """Burst and sustained rate of a non-binding budget."""
 INTERACTIVE_SIZE: Final = (200, 50)
 LOGNORMAL_SIGMA: Final = 0.6
+HEAVY_SIGMA: Final = 1.0
+"""The log-normal sigma of scenario 9's prompt and output lengths (heavy tails)."""
 CHECKOUT: Final = Path(__file__).resolve().parent.parent
 FAIRNESS_FILE: Final = CHECKOUT / "sidecar" / "tokenfair" / "sim" / "fairness.py"
+FLUID_FILE: Final = CHECKOUT / "sidecar" / "tokenfair" / "sim" / "fluid.py"
 CORE_ENV: Final = "TOKENFAIR_BENCH_CORE"
 """Set when the bench re-ran itself for ``--core-path`` (so it does so once)."""
 
@@ -255,6 +284,10 @@ class Row:
     target: Target | None = None
     reference: float | None = None
     spec: str = ".3f"
+    mean_target: Target | None = None
+    """A target for the mean over seeds (``--seeds``), beside ``target`` at every seed."""
+    short: str = ""
+    """Its column heading in the ``--seeds`` table (shown there when it has one)."""
 
     @property
     def passed(self) -> bool | None:
@@ -360,14 +393,123 @@ def refusals_while_idle(run: Run, workload: Workload) -> tuple[int, int]:
     return idle, idle_with_room
 
 
-def expired_row(new: Run, old: Run) -> Row:
-    """Admitted-then-expired, with its target (<= 0.02 in every scenario)."""
-    return Row(
-        "admitted-then-expired",
-        new.report.admitted_then_expired_ratio,
-        Target("<=", 0.02),
-        old.report.admitted_then_expired_ratio,
+def lane_expired(run: Run, lane: str) -> float | None:
+    """Admitted-then-expired of one lane: its tenants' expired / admitted requests."""
+    tenants = [t for t in run.report.tenants.values() if t.priority_class == lane]
+    admitted = sum(t.admitted_requests for t in tenants)
+    expired = sum(t.admitted_then_expired for t in tenants)
+    return expired / admitted if admitted else None
+
+
+def expired_rows(new: Run, old: Run) -> list[Row]:
+    """Admitted-then-expired per lane that was offered any request, with its target (<= 0.02
+    in every scenario, at every seed)."""
+    rows = []
+    for lane in PRIORITY_CLASSES:
+        offered = sum(
+            t.offered_requests for t in new.report.tenants.values() if t.priority_class == lane
+        )
+        if offered:
+            rows.append(
+                Row(
+                    f"admitted-then-expired, {lane}",
+                    lane_expired(new, lane),
+                    Target("<=", 0.02),
+                    lane_expired(old, lane),
+                    short=f"exp {lane[:5]}",
+                )
+            )
+    return rows
+
+
+def settled(run: Run, workload: Workload, window_ms: float) -> FairnessReport:
+    """The run's fairness over the arrivals of ``[0, window - maxBatchWaitMs]``: what the fluid
+    targets are measured on. A request that arrives within one wait limit of the end of the
+    trace meets a server that drains and stops, not continuing load: the lane serves whatever
+    it admitted at full speed while the fluid server, whose capacity stops with it, splits the
+    drain with every tenant still waiting, so a light tenant served last reads as served many
+    times its share (6.8 times at seed 3 of scenario 3, Jain 0.67 over the whole window and 0.96
+    without its last 3.5 s). Every request still competes: only the counting stops early."""
+    from tokenfair.sim.fairness import fairness_report
+
+    settle_ms = workload.config.policy.max_batch_wait_ms
+    return fairness_report(
+        run.decisions,
+        workload.config,
+        actual_service_tokens=workload.actual,
+        window_ms=(0.0, max(window_ms - settle_ms, window_ms / 2)),
     )
+
+
+def fluid_rows(
+    new: FairnessReport,
+    old: FairnessReport,
+    new_whole: FairnessReport,
+    old_whole: FairnessReport,
+) -> list[Row]:
+    """Per lane: Jain against the fluid reference over the settled window (:func:`settled`;
+    >= 0.95 at every seed, >= 0.97 on average over the seeds of ``--seeds``), the lowest
+    served/fluid of a tenant there, the same Jain over the whole window and Jain against the
+    windowed max-min share (information: the reference the targets were first stated in)."""
+    rows = []
+    for lane in PRIORITY_CLASSES:
+        rows.append(
+            Row(
+                f"Jain {lane}, fluid reference",
+                new.fluid_jain_by_lane.get(lane),
+                Target(">=", 0.95),
+                old.fluid_jain_by_lane.get(lane),
+                mean_target=Target(">=", 0.97),
+                short=f"Jfl {lane[:5]}",
+            )
+        )
+    for lane in PRIORITY_CLASSES:
+        worst, worst_old = new.fluid_worst_by_lane.get(lane), old.fluid_worst_by_lane.get(lane)
+        rows.append(
+            Row(
+                f"worst served/fluid, {lane}",
+                None if worst is None else worst.served_over_fluid,
+                None,
+                None if worst_old is None else worst_old.served_over_fluid,
+                short=f"min {lane[:5]}",
+            )
+        )
+    for lane in PRIORITY_CLASSES:
+        rows.append(
+            Row(
+                f"Jain {lane}, fluid, whole window",
+                new_whole.fluid_jain_by_lane.get(lane),
+                None,
+                old_whole.fluid_jain_by_lane.get(lane),
+                short=f"Jfw {lane[:5]}",
+            )
+        )
+    for lane in PRIORITY_CLASSES:
+        rows.append(
+            Row(
+                f"Jain {lane}, windowed share",
+                new_whole.jain_by_lane[lane],
+                None,
+                old_whole.jain_by_lane[lane],
+                short=f"Jwin {lane[:5]}",
+            )
+        )
+    return rows
+
+
+def worst_note(report: FairnessReport, label: str) -> str:
+    """Which tenant is the worst of each lane against the fluid reference."""
+    parts = []
+    for lane in PRIORITY_CLASSES:
+        worst = report.fluid_worst_by_lane.get(lane)
+        if worst is not None:
+            tenant = report.tenants[worst.tenant_id]
+            parts.append(
+                f"{lane} {worst.tenant_id} (weight {tenant.weight:g}, "
+                f"{tenant.served_service_tokens}/{tenant.fluid_reference_service_tokens:.0f} "
+                "tokens)"
+            )
+    return f"worst against the fluid reference, {label}: {'; '.join(parts) or 'none'}"
 
 
 def offered_note(workload: Workload, window_ms: float) -> str:
@@ -405,7 +547,7 @@ def flood(seed: int, window_ms: float) -> Block:
         Row("B demand served", new.demand_served("B"), Target(">=", 0.97), old.demand_served("B")),
         Row("A demand served", new.demand_served("A"), None, old.demand_served("A")),
         Row("utilisation", new.report.utilisation, Target(">=", 0.98), old.report.utilisation),
-        expired_row(new, old),
+        *expired_rows(new, old),
     ]
     return block
 
@@ -435,7 +577,7 @@ def weighted_flood(seed: int, window_ms: float) -> Block:
             "weight-1 demand served", new.demand_served("flood1"), None, old.demand_served("flood1")
         ),
         Row("utilisation", new.report.utilisation, Target(">=", 0.98), old.report.utilisation),
-        expired_row(new, old),
+        *expired_rows(new, old),
     ]
     return block
 
@@ -509,19 +651,75 @@ def started_alone_rows(run: Run, window_ms: float, lane: str) -> list[Row]:
     ]
 
 
+@dataclass(frozen=True)
+class ZipfSizes:
+    """How the 100-tenant Zipf scenarios size their requests: log-normal prompt and output
+    lengths of the given medians (by lane) and ``sigma``, each clamped."""
+
+    sigma: float
+    medians: dict[PriorityClass, tuple[float, float]]
+    """(prompt, output) median tokens by lane."""
+    max_prompt_tokens: int | None
+    """None: ``token_limit - output`` (scenario 3, within the batch KV watermark)."""
+    max_output_tokens: int | None
+    """None: ``token_limit // 4`` (scenario 3)."""
+    stream: str
+    """The name in the seeds of its random streams (each scenario draws its own)."""
+    clamped_mean: bool
+    """Set the arrival rates from the clamped lengths' mean (else the unclamped log-normal
+    mean, as scenario 3 always did: its workload stays the one its figures were measured on)."""
+
+
+NARROW_SIZES: Final = ZipfSizes(
+    LOGNORMAL_SIGMA,
+    {"interactive": (200.0, 50.0), "batch": (2000.0, 300.0)},
+    None,
+    None,
+    "many",
+    clamped_mean=False,
+)
+HEAVY_SIZES: Final = ZipfSizes(
+    HEAVY_SIGMA,
+    {"interactive": (200.0, 50.0), "batch": (2000.0, 300.0)},
+    8000,
+    2000,
+    "many-heavy",
+    clamped_mean=True,
+)
+
+
+def clamped_lognormal_mean(median: float, sigma: float, cap: float) -> float:
+    """``E[min(X, cap)]`` for ``X`` log-normal of that median and ``sigma``:
+    ``exp(mu + sigma^2/2) * Phi((ln cap - mu - sigma^2) / sigma) + cap * (1 - Phi((ln cap -
+    mu) / sigma))``, ``mu = ln median``."""
+
+    def phi(x: float) -> float:
+        return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+    mu, log_cap = math.log(median), math.log(cap)
+    below = math.exp(mu + sigma * sigma / 2.0) * phi((log_cap - mu - sigma * sigma) / sigma)
+    return below + cap * (1.0 - phi((log_cap - mu) / sigma))
+
+
 def many_tenants(seed: int, window_ms: float) -> Block:
+    return zipf_tenants(seed, window_ms, NARROW_SIZES, "3", "many tenants")
+
+
+def many_tenants_heavy_tails(seed: int, window_ms: float) -> Block:
+    return zipf_tenants(seed, window_ms, HEAVY_SIZES, "9", "many tenants, heavy-tailed sizes")
+
+
+def zipf_tenants(seed: int, window_ms: float, sizing: ZipfSizes, number: str, title: str) -> Block:
     count, total_load = 100, 1.5
     shares = zipf_shares(count, 1.0)
-    rng = rng_for(seed, "many")
+    rng = rng_for(seed, sizing.stream)
     policy = PolicyConfig()
     cost = CostModel.from_policy(policy)
     # No request's KV may pass the batch watermark: p + d <= blocks * block_tokens.
     kv_limit = math.floor(policy.batch_kv_watermark * policy.total_kv_blocks + 1e-9)
     token_limit = kv_limit * policy.kv_block_tokens
-    sizes: dict[PriorityClass, tuple[float, float]] = {
-        "interactive": (200.0, 50.0),
-        "batch": (2000.0, 300.0),
-    }
+    max_output = sizing.max_output_tokens or token_limit // 4
+    sigma = sizing.sigma
     tenants: list[TenantConfig] = []
     for rank in range(1, count + 1):
         # Alternate ranks, so both lanes hold heavy and light tenants and both are contended.
@@ -534,17 +732,24 @@ def many_tenants(seed: int, window_ms: float) -> Block:
     lane_load: dict[str, float] = {"interactive": 0.0, "batch": 0.0}
     largest_prefill_ms = 0.0
     for rank, t in enumerate(tenants, start=1):
-        median_p, median_d = sizes[t.priority_class]
-        mean_cost = lognormal_mean(median_p, LOGNORMAL_SIGMA) + policy.decode_weight * (
-            lognormal_mean(median_d, LOGNORMAL_SIGMA)
-        )
+        median_p, median_d = sizing.medians[t.priority_class]
+        if sizing.clamped_mean:
+            max_prompt = sizing.max_prompt_tokens or token_limit - max_output
+            mean_cost = clamped_lognormal_mean(median_p, sigma, max_prompt) + (
+                policy.decode_weight * clamped_lognormal_mean(median_d, sigma, max_output)
+            )
+        else:
+            mean_cost = lognormal_mean(median_p, sigma) + policy.decode_weight * (
+                lognormal_mean(median_d, sigma)
+            )
         load = total_load * shares[rank - 1]
         lane_load[t.priority_class] += load
-        trng = rng_for(seed, "many", t.tenant_id)
+        trng = rng_for(seed, sizing.stream, t.tenant_id)
         times = poisson_arrivals(trng, load * w.capacity / mean_cost, window_ms)
         for i, at_ms in enumerate(times):
-            decode = min(lognormal_tokens(trng, median_d, LOGNORMAL_SIGMA), token_limit // 4)
-            prefill = min(lognormal_tokens(trng, median_p, LOGNORMAL_SIGMA), token_limit - decode)
+            decode = min(lognormal_tokens(trng, median_d, sigma), max_output)
+            prefill_cap = sizing.max_prompt_tokens or token_limit - decode
+            prefill = min(lognormal_tokens(trng, median_p, sigma), prefill_cap)
             w.requests.append(
                 Request(
                     f"{t.tenant_id}-{i:06d}", t.tenant_id, at_ms, prefill, decode, t.priority_class
@@ -553,17 +758,23 @@ def many_tenants(seed: int, window_ms: float) -> Block:
             if t.priority_class == "interactive":
                 largest_prefill_ms = max(largest_prefill_ms, cost.prefill_ms(prefill))
     new, old = both(w, window_ms)
+    new_settled, old_settled = settled(new, w, window_ms), settled(old, w, window_ms)
     ttft_bound = policy.max_interactive_wait_ms + largest_prefill_ms
+    if sizing.max_prompt_tokens is None:
+        clamp = f"prefill + decode clamped to {token_limit} tokens (the batch KV watermark)"
+    else:
+        clamp = (
+            f"prompts clamped to {sizing.max_prompt_tokens} tokens, outputs to "
+            f"{sizing.max_output_tokens}; arrival rates from the clamped lengths' mean"
+        )
     block = Block(
-        "3",
-        "many tenants",
+        number,
+        title,
         [
             "50 interactive + 50 batch tenants (odd and even Zipf ranks), weights 1/2/4; Poisson "
-            "at Zipf(s=1) rates, 1.5 C "
-            "in all",
-            f"log-normal sizes (sigma {LOGNORMAL_SIGMA:g}): medians interactive 200+50, batch "
-            "2000+300",
-            f"prefill + decode clamped to {token_limit} tokens (the batch KV watermark)",
+            "at Zipf(s=1) rates, 1.5 C in all",
+            f"log-normal sizes (sigma {sigma:g}): medians interactive 200+50, batch 2000+300",
+            clamp,
         ],
     )
     block.notes += [
@@ -571,20 +782,12 @@ def many_tenants(seed: int, window_ms: float) -> Block:
         f"Zipf load by lane: interactive {lane_load['interactive']:.2f} C, batch "
         f"{lane_load['batch']:.2f} C; largest interactive prefill {largest_prefill_ms:.2f} ms",
         *refusal_notes(new, old),
+        f"fluid figures over arrivals in [0, {new_settled.window_ms[1] / 1000:g} s] (the "
+        "last wait limit left out: bench/README.md), the others over the whole window",
+        worst_note(new_settled, "tokenfair"),
     ]
     block.rows += [
-        Row(
-            "Jain interactive",
-            new.report.jain_by_lane["interactive"],
-            Target(">=", 0.97),
-            old.report.jain_by_lane["interactive"],
-        ),
-        Row(
-            "Jain batch",
-            new.report.jain_by_lane["batch"],
-            Target(">=", 0.97),
-            old.report.jain_by_lane["batch"],
-        ),
+        *fluid_rows(new_settled, old_settled, new.report, old.report),
         Row(
             "Jain batch, served/fair capped at 1",
             jain_capped(new, "batch"),
@@ -605,9 +808,10 @@ def many_tenants(seed: int, window_ms: float) -> Block:
             Target("<=", round(ttft_bound, 2)),
             float(summarize(old.decisions)["interactive_p99_ttft_ms"]),
             ".2f",
+            short="p99 ms",
         ),
         Row("utilisation", new.report.utilisation, None, old.report.utilisation),
-        expired_row(new, old),
+        *expired_rows(new, old),
     ]
     return block
 
@@ -656,7 +860,7 @@ def kv_heavy(seed: int, window_ms: float) -> Block:
             None,
             old.demand_served("kvheavy"),
         ),
-        expired_row(new, old),
+        *expired_rows(new, old),
     ]
     return block
 
@@ -673,7 +877,7 @@ def over_share(seed: int, window_ms: float) -> Block:
     )
     block.notes += [offered_note(w, window_ms), *refusal_notes(new, old)]
     block.rows += [
-        expired_row(new, old),
+        *expired_rows(new, old),
         Row("A demand served", new.demand_served("A"), None, old.demand_served("A")),
         Row("B demand served", new.demand_served("B"), None, old.demand_served("B")),
         Row("utilisation", new.report.utilisation, None, old.report.utilisation),
@@ -705,7 +909,7 @@ def batch_min_share(seed: int, window_ms: float) -> Block:
     )
     block.notes += [offered_note(w, window_ms), *refusal_notes(new, old)]
     block.rows += [
-        expired_row(new, old),
+        *expired_rows(new, old),
         Row(f"batch share (batchMinShare {min_share:g})", batch_share(new), None, batch_share(old)),
         Row("utilisation", new.report.utilisation, None, old.report.utilisation),
     ]
@@ -748,7 +952,7 @@ def under_declarer(seed: int, window_ms: float) -> Block:
     block.rows += [
         Row("liar share of actual service", liar_share(new), Target("<=", 0.55), liar_share(old)),
         Row("utilisation", new.report.utilisation, None, old.report.utilisation),
-        expired_row(new, old),
+        *expired_rows(new, old),
     ]
     return block
 
@@ -828,6 +1032,9 @@ def over_share_and_min_share(seed: int, window_ms: float) -> Block:
     return Block("5", "over-share and batch minimum share", notes, rows)
 
 
+SEEDS_SCENARIOS: Final = ("3", "9")
+"""What ``--seeds`` runs unless ``--scenarios`` says otherwise: the targets over many seeds."""
+
 SUITE: Final[dict[str, Callable[[int, float], Block]]] = {
     "1": flood,
     "2": weighted_flood,
@@ -837,6 +1044,7 @@ SUITE: Final[dict[str, Callable[[int, float], Block]]] = {
     "6": under_declarer,
     "7": idle_capacity,
     "8": no_regression,
+    "9": many_tenants_heavy_tails,
 }
 
 
@@ -888,21 +1096,32 @@ def rerun_with_core(core: Path, argv: Sequence[str]) -> None:
     os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv], env)
 
 
+def load_by_path(name: str, path: Path) -> None:
+    """Import module ``name`` from the file ``path`` (this bench's checkout)."""
+    if not path.is_file():
+        raise SystemExit(f"bench_fairness: {path.relative_to(CHECKOUT)} is missing")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"bench_fairness: cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+
+
 def load_fairness() -> Path:
-    """Import ``fairness.py`` of this bench's checkout, whatever core the rest comes from.
+    """Import ``fairness.py`` of this bench's checkout, whatever core the rest comes from, and
+    the fluid reference it imports (``fluid.py``, which imports nothing of ours) from there too
+    when that core has none.
 
     A core older than the module has none; loading it by path keeps one home for the rules.
     """
     if "tokenfair.sim.fairness" in sys.modules:
         return Path(str(sys.modules["tokenfair.sim.fairness"].__file__))
-    if not FAIRNESS_FILE.is_file():
-        raise SystemExit(f"bench_fairness: {FAIRNESS_FILE.relative_to(CHECKOUT)} is missing")
-    spec = importlib.util.spec_from_file_location("tokenfair.sim.fairness", FAIRNESS_FILE)
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"bench_fairness: cannot import {FAIRNESS_FILE}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    try:
+        importlib.import_module("tokenfair.sim.fluid")
+    except ModuleNotFoundError:
+        load_by_path("tokenfair.sim.fluid", FLUID_FILE)
+    load_by_path("tokenfair.sim.fairness", FAIRNESS_FILE)
     return FAIRNESS_FILE
 
 
@@ -923,12 +1142,137 @@ def parse_scenarios(text: str) -> list[str]:
     return chosen
 
 
+def parse_seeds(text: str) -> list[int]:
+    """``1-32``, ``20261130,1-7`` ...: the seeds, in order, each once."""
+    seeds: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            if "-" in part[1:]:
+                first, _, last = part.partition("-")
+                chosen = list(range(int(first), int(last) + 1))
+            else:
+                chosen = [int(part)]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected seeds such as 1-32 or 20261130,1-7 (got {text!r})"
+            ) from None
+        if not chosen:
+            raise argparse.ArgumentTypeError(f"an empty range of seeds: {part!r}")
+        seeds += [seed for seed in chosen if seed not in seeds]
+    return seeds
+
+
+@dataclass(frozen=True)
+class SeedOutcome:
+    """One figure over the seeds of ``--seeds``: its targets and which seeds missed them."""
+
+    number: str
+    row: Row
+    targets: list[Target | None]
+    """Each seed's (a bound can depend on the seed's workload, as the p99 TTFT's does)."""
+    values: list[float | None]
+    references: list[float | None]
+    missed_seeds: list[int]
+    mean: float | None
+    mean_met: bool | None
+
+    @property
+    def passed(self) -> bool:
+        return not self.missed_seeds and self.mean_met is not False
+
+
+def seed_outcomes(number: str, seeds: list[int], blocks: list[Block]) -> list[SeedOutcome]:
+    outcomes = []
+    for index, row in enumerate(blocks[0].rows):
+        rows = [block.rows[index] for block in blocks]
+        values = [r.value for r in rows]
+        known = [v for v in values if v is not None]
+        mean = math.fsum(known) / len(known) if known else None
+        mean_met = None
+        if row.mean_target is not None:
+            mean_met = mean is not None and len(known) == len(values) and row.mean_target.met(mean)
+        missed = [seed for seed, r in zip(seeds, rows, strict=True) if r.passed is False]
+        outcomes.append(
+            SeedOutcome(
+                number,
+                row,
+                [r.target for r in rows],
+                values,
+                [r.reference for r in rows],
+                missed,
+                mean,
+                mean_met,
+            )
+        )
+    return outcomes
+
+
+def render_seeds(
+    block: Block, seeds: list[int], outcomes: list[SeedOutcome], seconds: float
+) -> str:
+    """One line per seed (the figures with a column heading), then each figure's mean, minimum
+    and maximum over the seeds beside its targets: the mean's, and every seed's."""
+    shown = [(i, o) for i, o in enumerate(outcomes) if o.row.short]
+    lines = [f"{block.number}. {block.title}: {len(seeds)} seeds  [{seconds:.1f} s]"]
+    lines.append(f"   {'seed':>9}" + "".join(f"{o.row.short:>12}" for _, o in shown))
+    for position, seed in enumerate(seeds):
+        cells = "".join(f"{fmt(o.values[position], o.row.spec):>12}" for _, o in shown)
+        lines.append(f"   {seed:>9}{cells}")
+    lines.append(
+        f"   {'figure':<38}{'mean':>8}{'min':>8}{'max':>8}{'mean target':>16}"
+        f"{'every seed':>17}  {'lesson DRR mean':>15}"
+    )
+    for outcome in outcomes:
+        row = outcome.row
+        known = [v for v in outcome.values if v is not None]
+        low = min(known) if known else None
+        high = max(known) if known else None
+        mean_target = "-"
+        if row.mean_target is not None:
+            mean_target = f"{row.mean_target} {'PASS' if outcome.mean_met else 'FAIL'}"
+        every = "-"
+        if row.target is not None:
+            bound = str(row.target) if len(set(outcome.targets)) == 1 else "per seed"
+            every = f"{bound} " + (
+                "PASS" if not outcome.missed_seeds else f"FAIL x{len(outcome.missed_seeds)}"
+            )
+        references = [v for v in outcome.references if v is not None]
+        reference = fmt(math.fsum(references) / len(references), row.spec) if references else "-"
+        lines.append(
+            f"   {row.figure:<38}{fmt(outcome.mean, row.spec):>8}{fmt(low, row.spec):>8}"
+            f"{fmt(high, row.spec):>8}{mean_target:>16}{every:>17}  {reference:>15}"
+        )
+    return "\n".join(lines)
+
+
+def run_seeds(scenarios: list[str], seeds: list[int], window_ms: float) -> list[SeedOutcome]:
+    """Each scenario at each seed; its table. The figures of one scenario are the same rows
+    at every seed (a block's rows do not depend on the seed)."""
+    outcomes: list[SeedOutcome] = []
+    for key in scenarios:
+        started = time.perf_counter()
+        blocks = [SUITE[key](seed, window_ms) for seed in seeds]
+        mine = seed_outcomes(blocks[0].number, seeds, blocks)
+        print()
+        print(render_seeds(blocks[0], seeds, mine, time.perf_counter() - started))
+        outcomes += mine
+    return outcomes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         epilog="Scenarios, formulas and targets: the module docstring and bench/README.md.",
     )
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"default {DEFAULT_SEED}")
+    parser.add_argument(
+        "--seeds",
+        type=parse_seeds,
+        metavar="LIST",
+        help="run each scenario at every seed of LIST (e.g. 1-32 or 20261130,1-7) and print "
+        "a line per seed and each figure's mean, minimum and maximum beside its targets "
+        f"(default scenarios then: {','.join(SEEDS_SCENARIOS)})",
+    )
     parser.add_argument(
         "--window",
         type=positive_seconds,
@@ -940,9 +1284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--scenarios",
         type=parse_scenarios,
-        default=list(SUITE),
         metavar="LIST",
-        help=f"comma-separated subset of {','.join(SUITE)} (default: all)",
+        help=f"comma-separated subset of {','.join(SUITE)} (default: all; with --seeds "
+        f"{','.join(SEEDS_SCENARIOS)})",
     )
     parser.add_argument(
         "--strict", action="store_true", help="exit with 1 when a target is not met"
@@ -964,15 +1308,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     import tokenfair.core as core_package
 
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    seeds_text = f"seed {args.seed}" if args.seeds is None else f"{len(args.seeds)} seeds"
     print(
-        f"python {sys.version.split()[0]}, load average {load}, seed {args.seed}, "
+        f"python {sys.version.split()[0]}, load average {load}, {seeds_text}, "
         f"window {window_ms / 1000:g} s"
     )
     print(f"core: {Path(str(core_package.__file__)).parent}, {core_kind()}")
     print(f"fairness: {fairness_file}")
     started = time.perf_counter()
+    if args.seeds is not None:
+        outcomes = run_seeds(args.scenarios or list(SEEDS_SCENARIOS), args.seeds, window_ms)
+        targeted = [o for o in outcomes if o.row.target is not None or o.row.mean_target]
+        missed = [o for o in targeted if not o.passed]
+        print()
+        for outcome in missed:
+            where = ", ".join(map(str, outcome.missed_seeds)) or "-"
+            mean = "" if outcome.mean_met is not False else f"; mean {fmt(outcome.mean, '.3f')}"
+            print(f"not met: {outcome.number}. {outcome.row.figure}: seeds {where}{mean}")
+        print(
+            f"summary: {len(targeted) - len(missed)} of {len(targeted)} figures met their "
+            f"targets at every seed (and on average), {len(missed)} not "
+            f"({time.perf_counter() - started:.1f} s)"
+        )
+        return 1 if args.strict and missed else 0
     results: list[tuple[str, Row]] = []
-    for key in args.scenarios:
+    for key in args.scenarios or list(SUITE):
         scenario_started = time.perf_counter()
         block = SUITE[key](args.seed, window_ms)
         print()

@@ -55,13 +55,16 @@ COMPILED: Final = (
     "tokenfair.core.shares",
     "tokenfair.core.tokenfair",
     "tokenfair.sim.fairness",
+    "tokenfair.sim.fluid",
+    "tokenfair.sim.fluid_window",
     "tokenfair.sim.fold",
     "tokenfair.sim.reading",
     "tokenfair.sim.report",
     "tokenfair.sim.simulator",
 )
 """The modules built as extensions: the core's per-request path, the replay loop and the report
-tallies it feeds (with the report's water-filling and output). Package
+tallies it feeds (with the report's water-filling, fluid reference and output), and the live
+fluid-reference window (a sidecar's per-decision path once wired). Package
 ``__init__`` modules stay interpreted (they hold no hot code, and the finder needs them)."""
 
 HASHED: Final = (
@@ -71,6 +74,8 @@ HASHED: Final = (
     "core",
     "sim/__init__.py",
     "sim/fairness.py",
+    "sim/fluid.py",
+    "sim/fluid_window.py",
     "sim/fold.py",
     "sim/reading.py",
     "sim/report.py",

@@ -39,7 +39,7 @@ COMMANDS: Final[dict[str, Command]] = {
     ),
     "report": Command(
         "report",
-        "per-tenant fairness of recorded decisions: served vs weighted max-min fair share",
+        "per-tenant fairness of recorded decisions: served vs a fluid fair-share reference",
     ),
     "sidecar": Command(
         "sidecar", "run the admission and fair-scheduling proxy in front of one model server"

@@ -2,8 +2,8 @@
 
 Reads decision records (``records.read_decisions``: the sidecar's records file, ``tokenfair
 loadgen --records`` or ``tokenfair simulate --records``), groups them by ``policy`` and prints,
-per group, each tenant's served service tokens against its weighted max-min fair share
-(``fairness.py``; definitions in docs/report.md).
+per group, each tenant's served service tokens against its fluid fair-share reference and its
+windowed weighted max-min share (``fairness.py``, ``fluid.py``; definitions in docs/report.md).
 """
 
 from __future__ import annotations
@@ -26,14 +26,17 @@ DEFAULT_RATE = PolicyConfig().service_tokens_per_ms
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "report",
-        help="per-tenant fairness of recorded decisions: served vs weighted max-min fair share",
+        help="per-tenant fairness of recorded decisions: served vs a fluid fair-share reference",
         description=(
             "Read decision records (a sidecar's records file, loadgen --records or simulate "
             "--records; grouped by their 'policy' field) and report, per tenant, the service "
-            "tokens offered and served, its weighted max-min fair share of what its lane served "
-            "and served/fair, Jain's index per lane, utilisation, refusals by reason and the "
-            "admitted requests that expired later. Sizes are actual service tokens where a "
-            "record has them (actual_service_tokens), else the estimate. See docs/report.md."
+            "tokens offered and served, its fluid reference (what a weighted max-min fluid "
+            "server would have given it out of its lane's own service, moment by moment) and "
+            "served/fluid, its windowed max-min share of what its lane served and served/fair, "
+            "Jain's index per lane against each and the worst tenant, utilisation, refusals by "
+            "reason and the admitted requests that expired later. Sizes are actual service "
+            "tokens where a record has them (actual_service_tokens), else the estimate. See "
+            "docs/report.md."
         ),
     )
     parser.add_argument(
@@ -54,8 +57,8 @@ def register(subparsers: Any) -> None:
         "--plot",
         type=Path,
         metavar="FILE.png",
-        help="write a PNG of TTFT, admitted and refused service and served vs fair share per "
-        "tenant, one column per policy",
+        help="write a PNG of TTFT, admitted and refused service and served vs fluid reference "
+        "and windowed share per tenant, one column per policy",
     )
     parser.add_argument(
         "--window",

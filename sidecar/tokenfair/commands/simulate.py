@@ -55,13 +55,14 @@ def register(subparsers: Any) -> None:
         description=(
             "Replay a built-in scenario or a recorded trace on a virtual clock (one serial model "
             "server, the lesson's cost model) and report admissions, sheds and TTFT per policy, "
-            "then each tenant's served service tokens against its weighted max-min fair share "
-            "over the arrival window (docs/report.md). The JSON report keeps the lesson's "
-            "'comparison' block and adds 'fairness' by policy beside it. A trace whose lines "
-            "are in (arrival_ms, request_id) order is streamed once per policy, the first "
-            "replay validating it as it reads (memory follows the backlog, not the file); "
-            "otherwise it is validated, then held sorted in memory (docs/records.md). Nothing "
-            "is written (report, --records, --plot) unless the whole trace is valid."
+            "then each tenant's served service tokens against its fluid fair-share reference "
+            "and its weighted max-min share over the arrival window (docs/report.md). The JSON "
+            "report keeps the lesson's 'comparison' block and adds 'fairness' by policy beside "
+            "it. A trace whose lines are in (arrival_ms, request_id) order is streamed once per "
+            "policy, the first replay validating it as it reads (memory follows the backlog, "
+            "not the file); otherwise it is validated, then held sorted in memory "
+            "(docs/records.md). Nothing is written (report, --records, --plot) unless the whole "
+            "trace is valid."
         ),
     )
     source = parser.add_mutually_exclusive_group(required=True)
@@ -94,8 +95,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--plot",
         type=Path,
-        help="write a PNG of TTFT, admitted and refused service and served vs fair share per "
-        "tenant, one column per policy",
+        help="write a PNG of TTFT, admitted and refused service and served vs fluid reference "
+        "and windowed share per tenant, one column per policy",
     )
     progress.add_flag(parser)
     parser.set_defaults(func=run)

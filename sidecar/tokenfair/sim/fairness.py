@@ -1,4 +1,5 @@
-"""Fairness of a run, per tenant: the service it got against its weighted max-min fair share.
+"""Fairness of a run, per tenant: the service it got against a fluid fair-share reference and
+against its windowed weighted max-min share.
 
 Pure functions over decision records (``core/jobs.py``'s :class:`Decision`); no I/O. Used by
 ``tokenfair simulate`` (under each policy's block, and ``fairness`` in its JSON report) and
@@ -22,8 +23,22 @@ end is the end of the last dispatch, ``max(dispatch_ms + s / serviceTokensPerMs)
 
 Every per-tenant count (requests, refusals, expiries) is over the same arrivals.
 
-**Fair share**, per lane (``priority_class``; a tenant's lane and weight come from the config, a
-tenant absent from it has weight 1 and the lane of its last decision)::
+**Fluid reference**, per lane (the lane of each decision; weights as below): what a weighted
+max-min fluid server (``sim/fluid.py``) would have given each tenant's requests that arrived in
+the window, run over every decision, with the lane's own service as its capacity (a segment of
+``s / serviceTokensPerMs`` ms from each served request's ``dispatch_ms``). A request's ``s``
+is demand from its arrival: a served one (status 200 at gate ``dispatch``) until the fluid
+server has served it, a cancelled one (499) until ``arrival + queue_wait_ms``, any other until
+``arrival + its class's wait limit`` (``maxInteractiveWaitMs``, ``maxBatchWaitMs``)::
+
+    served_over_fluid = served / fluid reference     (None when the reference is 0; the
+                                                      reference summed over lanes)
+
+Per lane, Jain's index over ``received / reference`` of the lane's tenants with a reference > 0
+(their served tokens in that lane), and the tenant with the lowest such ratio.
+
+**Windowed share**, per lane (``priority_class``; a tenant's lane and weight come from the config,
+a tenant absent from it has weight 1 and the lane of its last decision)::
 
     fair_share = water_fill(capacity = Σ served of the lane,
                             demands  = offered per tenant, weights = tenant weight)
@@ -35,7 +50,8 @@ for one that got less.
 
 **Jain's index** per lane over ``served_over_fair`` of the lane's tenants with ``offered > 0``
 (and a fair share, i.e. when the lane served anything): ``(Σx)² / (n · Σx²)``, 1.0 when every
-tenant got the same fraction of its share, ``1/n`` when one tenant got everything.
+tenant got the same fraction of its share, ``1/n`` when one tenant got everything. Which
+reference answers which question: docs/report.md.
 
 **Utilisation** over the window, by *dispatch* time, in actual tokens::
 
@@ -59,17 +75,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Final
 
 from tokenfair.config import PRIORITY_CLASSES, Config
 from tokenfair.core import Decision
 from tokenfair.core.jobs import ADMITTED, STATUS_CLIENT_CLOSED, STATUS_OK, STATUS_SHED
+from tokenfair.sim.fluid import FluidRequest, fluid_reference
 from tokenfair.sim.reading import TraceReading
 
 DEFAULT_WEIGHT: Final = 1.0
 """Weight of a tenant the config does not know (e.g. ``tokenfair report`` without --tenants)."""
+_NEVER: Final = math.inf
 EMPTY_WINDOW_MS: Final = 1.0
 """Length of the window when the decisions give none (every request arrived and ran at once)."""
 
@@ -163,6 +181,19 @@ class TenantFairness:
     request dispatched and answered with an error status under reason ``admitted``)."""
     admitted_then_expired: int
     """Admitted, then refused from the queue (429) or at dispatch (not 200, not 499)."""
+    fluid_reference_service_tokens: float = 0.0
+    """What the fluid GPS server would have given its requests that arrived in the window, out
+    of its lane's actual service curve (``sim/fluid.py``)."""
+    served_over_fluid: float | None = None
+    """``served / fluid reference``; None when the reference is 0."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaneWorst:
+    """The tenant of a lane with the lowest ``served / fluid reference``."""
+
+    tenant_id: str
+    served_over_fluid: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +215,14 @@ class FairnessReport:
     """The numerator of ``utilisation``."""
     service_tokens_per_ms: float = 0.0
     """The rate ``utilisation`` is measured against (the policy's ``serviceTokensPerMs``)."""
+    fluid_jain_by_lane: dict[str, float | None] = field(default_factory=dict)
+    """``interactive`` and ``batch``: Jain over ``served_over_fluid`` of the lane's tenants with
+    a fluid reference > 0; None when there is none."""
+    fluid_worst_by_lane: dict[str, LaneWorst | None] = field(default_factory=dict)
+    """Per lane, the tenant with the lowest ``served_over_fluid`` (None: no reference)."""
+    fluid_unused_by_lane: dict[str, float] = field(default_factory=dict)
+    """Per lane, service the fluid server had nobody backlogged for (0 for consistent records;
+    see ``sim/fluid.py``)."""
 
 
 def request_size(decision: Decision, actual_service_tokens: Mapping[str, int]) -> int:
@@ -236,6 +275,18 @@ def _check_window(window_ms: tuple[float, float]) -> tuple[float, float]:
     return (start_ms, end_ms)
 
 
+class _LaneFluid:
+    """One lane's fluid inputs while the decisions are read: its requests, and each tenant's
+    index among them (in the order first seen)."""
+
+    __slots__ = ("index", "requests", "tenant_ids")
+
+    def __init__(self) -> None:
+        self.requests: list[FluidRequest] = []
+        self.index: dict[str, int] = {}
+        self.tenant_ids: list[str] = []
+
+
 @dataclass(slots=True)
 class _Tally:
     """Per-tenant running sums while the decisions are read."""
@@ -248,10 +299,25 @@ class _Tally:
     served_tokens: int = 0
     expired: int = 0
     refused: dict[str, int] | None = None
+    fluid_class: str = ""
+    """The lane of ``fluid_lane`` (the lane of the tenant's last decision, so far)."""
+    fluid_lane: _LaneFluid | None = None
+    fluid_slot: int = 0
+    """The tenant's index in ``fluid_lane``."""
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator else None
+
+
+@dataclass(frozen=True, slots=True)
+class _FluidFigures:
+    """The fluid reference of every lane, read back per tenant and per lane."""
+
+    reference_by_tenant: dict[str, float]
+    jain_by_lane: dict[str, float | None]
+    worst_by_lane: dict[str, LaneWorst | None]
+    unused_by_lane: dict[str, float]
 
 
 def fairness_report(
@@ -344,6 +410,9 @@ class FairnessTally:
         self._tallies: dict[str, _Tally] = {
             t.tenant_id: _Tally(t.priority_class) for t in config.tenants
         }
+        self._fluid: dict[str, _LaneFluid] = {}
+        self._interactive_wait_ms = config.policy.max_interactive_wait_ms
+        self._batch_wait_ms = config.policy.max_batch_wait_ms
 
     def _dispatch_past_end(self, dispatch_ms: float, size: int) -> None:
         """A dispatch after ``_end_ms`` while a trace is being read: once it has been read, the
@@ -403,6 +472,7 @@ class FairnessTally:
                 self._dispatch_past_end(dispatch_ms, size)
             if self._open_end:
                 self._last_end_ms = max(self._last_end_ms, dispatch_ms + size / self._rate)
+        self._add_fluid(decision, size, tally)
         if not self._arrival_from_ms <= decision.arrival_ms <= self._arrival_to_ms:
             return
         tally.offered_requests += 1
@@ -421,6 +491,77 @@ class FairnessTally:
         key = _refusal_key(decision)
         tally.refused[key] = tally.refused.get(key, 0) + 1
 
+    def _add_fluid(self, decision: Decision, size: int, tally: _Tally) -> None:
+        """The decision as fluid demand of its lane (every decision, in the window or not: the
+        requests outside it compete too). How long a request's demand stays
+        (docs/report.md, *fluid reference*): one the lane served, until the fluid server has
+        served it, and its service segment starts at its dispatch; one the client cancelled
+        (499), until it left; any other refusal, until its class's wait limit after arrival."""
+        priority_class = decision.priority_class
+        lane = tally.fluid_lane
+        if lane is None or tally.fluid_class != priority_class:
+            lane = self._fluid.get(priority_class)
+            if lane is None:
+                lane = self._fluid[priority_class] = _LaneFluid()
+            tenant_id = decision.tenant_id
+            slot = lane.index.get(tenant_id)
+            if slot is None:
+                slot = lane.index[tenant_id] = len(lane.tenant_ids)
+                lane.tenant_ids.append(tenant_id)
+            tally.fluid_lane, tally.fluid_class, tally.fluid_slot = lane, priority_class, slot
+        slot = tally.fluid_slot
+        arrival_ms = decision.arrival_ms
+        status = decision.status_code
+        if status == STATUS_OK and decision.gate == "dispatch":
+            dispatch_ms = decision.dispatch_ms
+            # Served, but with no dispatch recorded (loadgen): demand, and no service to share.
+            start_ms = _NEVER if dispatch_ms is None else dispatch_ms
+            lane.requests.append(FluidRequest(arrival_ms, slot, size, _NEVER, start_ms))
+            return
+        if status == STATUS_CLIENT_CLOSED:
+            leave_ms = arrival_ms + decision.queue_wait_ms
+        elif priority_class == "interactive":
+            leave_ms = arrival_ms + self._interactive_wait_ms
+        else:
+            leave_ms = arrival_ms + self._batch_wait_ms
+        lane.requests.append(FluidRequest(arrival_ms, slot, size, leave_ms, _NEVER))
+
+    def _fluid_figures(self, weights: Mapping[str, float]) -> _FluidFigures:
+        """Run each lane's fluid server over every decision; the reference of the requests that
+        arrived in the window, per tenant (summed over lanes), and per lane Jain's index over
+        ``received / reference`` of its tenants with a reference > 0, the worst of them, and
+        the capacity the fluid server had nobody for."""
+        reference: dict[str, float] = {}
+        jain_by_lane: dict[str, float | None] = {}
+        worst_by_lane: dict[str, LaneWorst | None] = {}
+        unused_by_lane: dict[str, float] = {}
+        for lane_name in PRIORITY_CLASSES:
+            lane = self._fluid.get(lane_name)
+            ratios: list[float] = []
+            worst: LaneWorst | None = None
+            if lane is not None and lane.requests:
+                result = fluid_reference(
+                    lane.requests,
+                    [weights.get(t, DEFAULT_WEIGHT) for t in lane.tenant_ids],
+                    self._rate,
+                    self._arrival_from_ms,
+                    self._arrival_to_ms,
+                )
+                unused_by_lane[lane_name] = result.unused_tokens
+                for slot, tenant_id in enumerate(lane.tenant_ids):
+                    tokens = result.reference_tokens[slot]
+                    reference[tenant_id] = reference.get(tenant_id, 0.0) + tokens
+                    if tokens > 0:
+                        ratio = result.received_tokens[slot] / tokens
+                        ratios.append(ratio)
+                        if worst is None or ratio < worst.served_over_fluid:
+                            worst = LaneWorst(tenant_id, ratio)
+            else:
+                unused_by_lane[lane_name] = 0.0
+            jain_by_lane[lane_name] = jain_index(ratios)
+            worst_by_lane[lane_name] = worst
+        return _FluidFigures(reference, jain_by_lane, worst_by_lane, unused_by_lane)
+
     def report(self) -> FairnessReport:
         """The report of the decisions added so far (``ValueError`` while a trace it was given
         as its window is still being read)."""
@@ -438,6 +579,7 @@ class FairnessTally:
             )
             for tenant_id in tallies
         }
+        fluid = self._fluid_figures(weights)
         tenants: dict[str, TenantFairness] = {}
         jain_by_lane: dict[str, float | None] = {}
         for lane in PRIORITY_CLASSES:
@@ -467,6 +609,10 @@ class FairnessTally:
                     demand_served=_ratio(tally.served_tokens, tally.offered_tokens),
                     refused_by_reason=dict(sorted((tally.refused or {}).items())),
                     admitted_then_expired=tally.expired,
+                    fluid_reference_service_tokens=fluid.reference_by_tenant.get(tenant_id, 0.0),
+                    served_over_fluid=_ratio(
+                        tally.served_tokens, fluid.reference_by_tenant.get(tenant_id, 0.0)
+                    ),
                 )
             jain_by_lane[lane] = jain_index(ratios)
         admitted = sum(t.admitted_requests for t in tenants.values())
@@ -481,6 +627,9 @@ class FairnessTally:
             admitted_then_expired_ratio=_ratio(expired, admitted),
             dispatched_service_tokens=self._dispatched_tokens,
             service_tokens_per_ms=self._rate,
+            fluid_jain_by_lane=fluid.jain_by_lane,
+            fluid_worst_by_lane=fluid.worst_by_lane,
+            fluid_unused_by_lane=fluid.unused_by_lane,
         )
 
 
@@ -489,7 +638,7 @@ def _round(value: float | None, places: int) -> float | None:
 
 
 def fairness_to_json(report: FairnessReport) -> dict[str, object]:
-    """The report as JSON-ready data; ratios rounded to 4 places, fair shares to 2."""
+    """The report as JSON-ready data; ratios rounded to 4 places, service tokens to 2."""
     return {
         "window_ms": list(report.window_ms),
         "service_tokens_per_ms": report.service_tokens_per_ms,
@@ -498,6 +647,19 @@ def fairness_to_json(report: FairnessReport) -> dict[str, object]:
         "admitted_requests": report.admitted_requests,
         "admitted_then_expired": report.admitted_then_expired,
         "admitted_then_expired_ratio": _round(report.admitted_then_expired_ratio, 4),
+        "fluid_jain_by_lane": {lane: _round(j, 4) for lane, j in report.fluid_jain_by_lane.items()},
+        "fluid_worst_by_lane": {
+            lane: None
+            if worst is None
+            else {
+                "tenant_id": worst.tenant_id,
+                "served_over_fluid": round(worst.served_over_fluid, 4),
+            }
+            for lane, worst in report.fluid_worst_by_lane.items()
+        },
+        "fluid_unused_service_tokens_by_lane": {
+            lane: round(tokens, 2) for lane, tokens in report.fluid_unused_by_lane.items()
+        },
         "jain_by_lane": {lane: _round(j, 4) for lane, j in report.jain_by_lane.items()},
         "tenants": {
             tenant_id: {
@@ -508,6 +670,8 @@ def fairness_to_json(report: FairnessReport) -> dict[str, object]:
                 "admitted_requests": t.admitted_requests,
                 "served_requests": t.served_requests,
                 "served_service_tokens": t.served_service_tokens,
+                "fluid_reference_service_tokens": round(t.fluid_reference_service_tokens, 2),
+                "served_over_fluid": _round(t.served_over_fluid, 4),
                 "fair_share_service_tokens": round(t.fair_share_service_tokens, 2),
                 "served_over_fair": _round(t.served_over_fair, 4),
                 "demand_served": _round(t.demand_served, 4),
@@ -523,9 +687,19 @@ def _optional(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _worst(worst: LaneWorst | None) -> str:
+    return "-" if worst is None else f"{worst.tenant_id} {worst.served_over_fluid:.4f}"
+
+
 def format_fairness(report: FairnessReport) -> str:
     """A fixed-width text table, indented two spaces (it sits under a policy's block)."""
     start_ms, end_ms = report.window_ms
+    fluid_jain = ", ".join(
+        f"{lane} {_optional(value, '.4f')}" for lane, value in report.fluid_jain_by_lane.items()
+    )
+    worst = ", ".join(
+        f"{lane} {_worst(value)}" for lane, value in report.fluid_worst_by_lane.items()
+    )
     jain = ", ".join(
         f"{lane} {_optional(value, '.4f')}" for lane, value in report.jain_by_lane.items()
     )
@@ -533,10 +707,12 @@ def format_fairness(report: FairnessReport) -> str:
     lines = [
         f"  fairness over {start_ms:.2f}..{end_ms:.2f} ms: utilisation "
         f"{report.utilisation:.4f}; admitted then expired {report.admitted_then_expired}/"
-        f"{report.admitted_requests} ({expired_ratio}); Jain {jain}",
+        f"{report.admitted_requests} ({expired_ratio})",
+        f"  Jain vs fluid reference: {fluid_jain}; worst served/fluid: {worst}",
+        f"  Jain vs windowed max-min share: {jain}",
         f"  {'tenant':<22}{'lane':<12}{'weight':>7}{'served/offered req':>20}"
-        f"{'served tok':>13}{'offered tok':>13}{'fair share':>13}{'served/fair':>13}"
-        f"{'demand':>9}{'expired':>9}  refused",
+        f"{'served tok':>13}{'offered tok':>13}{'fluid ref':>13}{'served/fluid':>13}"
+        f"{'fair share':>13}{'served/fair':>13}{'demand':>9}{'expired':>9}  refused",
     ]
     for tenant_id, t in report.tenants.items():
         refused = " ".join(f"{reason}={n}" for reason, n in t.refused_by_reason.items())
@@ -544,6 +720,8 @@ def format_fairness(report: FairnessReport) -> str:
         lines.append(
             f"  {tenant_id:<22}{t.priority_class:<12}{t.weight:>7g}{requests:>20}"
             f"{t.served_service_tokens:>13}{t.offered_service_tokens:>13}"
+            f"{t.fluid_reference_service_tokens:>13.1f}"
+            f"{_optional(t.served_over_fluid, '.4f'):>13}"
             f"{t.fair_share_service_tokens:>13.1f}{_optional(t.served_over_fair, '.4f'):>13}"
             f"{_optional(t.demand_served, '.1%'):>9}{t.admitted_then_expired:>9}  "
             f"{refused or '-'}"

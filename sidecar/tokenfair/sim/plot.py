@@ -6,8 +6,9 @@ The figure (one PNG) has a title, one column per policy (or recorded run) and up
 2. each tenant's admitted service tokens, with its refused ones (429s, sheds, expiries, client
    errors: every decision that was not served) stacked on top, hatched, and ``admitted/submitted``
    written above the bar;
-3. with a fairness report: each tenant's served service tokens beside its weighted max-min fair
-   share (an outlined bar), Jain's index per lane in the panel's title.
+3. with a fairness report: each tenant's served service tokens beside its fluid fair-share
+   reference (an outlined bar) and its windowed max-min share (a dashed outline), Jain's index
+   per lane against each in the panel's title.
 
 Every panel of a row shares its axes with the others (a policy is compared at a glance, not by
 reading tick labels). Each tenant keeps one colour, marker and line style in every panel, and one
@@ -55,6 +56,8 @@ class PlotSummary:
     ttft_xlims: tuple[tuple[float, float], ...]
     service_ylims: tuple[tuple[float, float], ...]
     fairness_ylims: tuple[tuple[float, float], ...]
+    fairness_titles: tuple[str, ...] = ()
+    """Each fairness panel's title (Jain per lane against each reference)."""
 
 
 def _styles(tenants: Sequence[str], colormap: Any) -> dict[str, TenantStyle]:
@@ -161,6 +164,7 @@ def plot_report(
         fairness_ylims=tuple(
             _limits(axes[2][c].get_ylim()) for c in range(columns) if with_fairness
         ),
+        fairness_titles=tuple(axes[2][c].get_title() for c in range(columns) if with_fairness),
     )
     try:
         figure.savefig(
@@ -274,46 +278,62 @@ def _service_panel(
 def _fairness_panel(
     axis: Axes, report: FairnessReport, tenants: Sequence[str], styles: Mapping[str, TenantStyle]
 ) -> float:
-    """Served (solid, the tenant's colour) vs fair-share (outlined) service tokens per tenant,
-    in the tenants' order of the other rows; Jain per lane in the title. Returns the highest
-    bar's top."""
+    """Per tenant, in the tenants' order of the other rows: served (solid, the tenant's
+    colour), its fluid reference (outlined) and its windowed max-min share (dashed outline)
+    in service tokens; Jain per lane against each in the title. Returns the highest bar's
+    top."""
     positions = range(len(tenants))
     rows = [report.tenants.get(t) for t in tenants]
     served = [0 if r is None else r.served_service_tokens for r in rows]
-    fair = [0 if r is None else r.fair_share_service_tokens for r in rows]
+    fluid = [0.0 if r is None else r.fluid_reference_service_tokens for r in rows]
+    fair = [0.0 if r is None else r.fair_share_service_tokens for r in rows]
+    width = _BAR_WIDTH * 2 / 3
     axis.bar(
-        [p - _BAR_WIDTH / 2 for p in positions],
+        [p - width for p in positions],
         served,
-        _BAR_WIDTH,
+        width,
         color=[styles[t].color for t in tenants],
         edgecolor="black",
         linewidth=0.5,
         label="served",
     )
+    axis.bar(positions, fluid, width, color="none", edgecolor="black", linewidth=1.0)
     axis.bar(
-        [p + _BAR_WIDTH / 2 for p in positions],
+        [p + width for p in positions],
         fair,
-        _BAR_WIDTH,
+        width,
         color="none",
-        edgecolor="black",
+        edgecolor="gray",
         linewidth=1.0,
-        label="max-min fair share",
+        linestyle="--",
     )
     # Lane and weight are in the figure's legend.
     axis.set_xticks(list(positions), tenants, rotation=20, fontsize=7, ha="right")
-    jain = ", ".join(
-        f"{lane} {'-' if value is None else format(value, '.3f')}"
-        for lane, value in report.jain_by_lane.items()
-    )
-    axis.set_title(f"served (solid) vs fair share (outline); Jain {jain}", fontsize=8)
+    axis.set_title(_fairness_title(report), fontsize=8)
     from matplotlib.patches import Patch
 
     axis.legend(
         handles=[
             Patch(facecolor="lightgray", edgecolor="black", label="served (tenant's colour)"),
-            Patch(facecolor="none", edgecolor="black", label="max-min fair share"),
+            Patch(facecolor="none", edgecolor="black", label="fluid reference"),
+            Patch(facecolor="none", edgecolor="gray", linestyle="--", label="windowed share"),
         ],
         fontsize=7,
         loc="upper right",
     )
-    return float(max([*served, *fair], default=0))
+    return float(max([*served, *fluid, *fair], default=0))
+
+
+def _fairness_title(report: FairnessReport) -> str:
+    """Jain per lane against the fluid reference, then against the windowed share."""
+
+    def by_lane(values: Mapping[str, float | None]) -> str:
+        return ", ".join(
+            f"{lane} {'-' if value is None else format(value, '.3f')}"
+            for lane, value in values.items()
+        )
+
+    return (
+        f"Jain vs fluid reference: {by_lane(report.fluid_jain_by_lane)}; "
+        f"vs windowed share: {by_lane(report.jain_by_lane)}"
+    )

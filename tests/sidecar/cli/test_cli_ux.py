@@ -14,7 +14,8 @@ Behaviours under test:
   iterable itself) and a shown one is updated every ``UPDATE_EVERY`` items, not per item;
 * ``--plot``: the PNG has a title, a legend naming every tenant (one with no admitted request
   too) read back from the figure and from the PNG's text, panels of a row share their limits;
-  refused service is drawn (hatched bars);
+  refused service is drawn (hatched bars); the fairness row gives Jain per lane against the fluid
+  reference and against the windowed share;
 * ``simulate --tenants`` and ``trace generate --tenants`` read the sidecar's own config file
   (``examples/sidecar-standalone.yaml``) as it is; a ``sidecar:`` section that is not a mapping
   is still an error naming it, and a misspelled policy field is still refused;
@@ -47,7 +48,10 @@ from repo_paths import REPO_ROOT
 from tokenfair.cli import build_parser
 from tokenfair.commands import progress
 from tokenfair.core import Decision
+from tokenfair.sim.fairness import fairness_report
 from tokenfair.sim.plot import plot_report
+from tokenfair.sim.scenarios import SCENARIOS
+from tokenfair.sim.simulator import simulate
 
 REPO = REPO_ROOT
 EXAMPLE = REPO / "examples" / "sidecar-standalone.yaml"
@@ -363,6 +367,26 @@ def test_plot_shows_every_tenant_on_shared_axes(tmp_path: Path) -> None:
     text = png_text(picture)
     assert text["Title"] == "two policies"
     assert text["Description"] == "tenants: a, b, batch, quiet"
+
+
+def test_plot_fairness_row_shows_both_references(tmp_path: Path) -> None:
+    config, requests = SCENARIOS["starvation"]()
+    decisions = simulate(config, requests, "service_token_drr_with_admission")
+    report = fairness_report(decisions, config)
+    summary = plot_report({"lesson": decisions}, tmp_path / "plot.png", {"lesson": report})
+    fluid, windowed = report.fluid_jain_by_lane, report.jain_by_lane
+    assert fluid["interactive"] is not None
+    assert windowed["interactive"] is not None
+    assert summary.fairness_titles == (
+        f"Jain vs fluid reference: interactive {fluid['interactive']:.3f}, batch 1.000; "
+        f"vs windowed share: interactive {windowed['interactive']:.3f}, batch 1.000",
+    )
+    # The row's shared axis reaches the highest of served, fluid and windowed bars.
+    highest = max(
+        max(t.served_service_tokens, t.fluid_reference_service_tokens, t.fair_share_service_tokens)
+        for t in report.tenants.values()
+    )
+    assert summary.fairness_ylims[0][1] >= highest
 
 
 def test_simulate_plot_names_every_tenant(tmp_path: Path) -> None:

@@ -257,6 +257,32 @@ def test_fairness_report_on_hand_built_decisions() -> None:
     assert report.utilisation == pytest.approx(0.65)
 
 
+def test_fluid_reference_of_the_hand_built_decisions() -> None:
+    report = fairness_report(DECISIONS, CONFIG, actual_service_tokens=ACTUAL)
+    a, b, c = report.tenants["A"], report.tenants["B"], report.tenants["C"]
+    # Interactive lane at 10 tokens/ms while a1 [0, 8], a2 [10, 22] and b1 [30, 50] run: 400.
+    # Demand: a1 80 and b1 200 at 0, a2 120 at 10, a3 50 at 20 (refused: until 20 + 420),
+    # b2 200 at 40 (expired: until 440), b3 at 50 (cancelled after 0 ms: no demand).
+    # A (weight 2) gets 20/3 a ms and B 10/3 while both wait:
+    #   [0, 8]    A 53.33 of a1, B 26.67;       [10, 14] A the rest of a1 (26.67), B 40;
+    #   [14, 22]  A 53.33 of a2, B 66.67;       [30, 40] A the rest of a2 (66.67), B 100;
+    #   [40, 47.5] A a3 (50), B 125;            [47.5, 50] B alone, 150 (50 of b1 short).
+    assert a.fluid_reference_service_tokens == pytest.approx(250)
+    assert b.fluid_reference_service_tokens == pytest.approx(150)
+    assert a.served_over_fluid == pytest.approx(200 / 250)
+    assert b.served_over_fluid == pytest.approx(200 / 150)
+    assert report.fluid_jain_by_lane["interactive"] == pytest.approx(16 / 17)
+    worst = report.fluid_worst_by_lane["interactive"]
+    assert worst is not None
+    assert worst.tenant_id == "A"
+    assert worst.served_over_fluid == pytest.approx(0.8)
+    # Batch: C alone gets all 650 the lane served (c1 300 from 60, refused at dispatch, is
+    # served first by the fluid server, then c2 and 100 of c3's 400).
+    assert c.fluid_reference_service_tokens == pytest.approx(650)
+    assert c.served_over_fluid == pytest.approx(1.0)
+    assert report.fluid_unused_by_lane == {"interactive": pytest.approx(0), "batch": 0.0}
+
+
 def test_fairness_report_over_an_explicit_window() -> None:
     report = fairness_report(DECISIONS, CONFIG, actual_service_tokens=ACTUAL, window_ms=(0, 45))
     # Arrivals in [0, 45]: a1-a3, b1, b2. C has none: zeros, no ratio, no batch Jain.
@@ -319,9 +345,18 @@ def test_format_fairness_has_one_row_per_tenant() -> None:
     lines = text.splitlines()
     assert lines[0].startswith("  fairness over 0.00..100.00 ms: utilisation 0.6500;")
     assert "admitted then expired 2/8 (25.00%)" in lines[0]
-    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert lines[1] == (
+        "  Jain vs fluid reference: interactive 0.9412, batch 1.0000; worst served/fluid: "
+        "interactive A 0.8000, batch C 1.0000"
+    )
+    assert lines[2] == "  Jain vs windowed max-min share: interactive 0.9412, batch 1.0000"
+    rows = {line.split()[0]: line.split() for line in lines[4:]}
     assert set(rows) == {"A", "B", "C"}
-    assert rows["B"][3:9] == ["1/3", "200", "500", "150.0", "1.3333", "40.0%"]
+    # served/offered, served, offered, fluid reference, served/fluid, windowed share,
+    # served/windowed share, demand served (the fluid figures: test_fluid_reference_of_...).
+    assert rows["B"][3:11] == [
+        "1/3", "200", "500", "150.0", "1.3333", "150.0", "1.3333", "40.0%"
+    ]  # fmt: skip
     assert rows["B"][-2:] == ["cancelled=1", "shed_queue_timeout=1"]
 
 
@@ -562,6 +597,20 @@ def test_report_on_live_sidecar_records(tmp_path: Path, capsys: pytest.CaptureFi
     assert ide["fair_share_service_tokens"] == pytest.approx(1960 / 3, abs=0.01)
     assert chat["served_over_fair"] == pytest.approx(1300 / (1960 * 2 / 3), abs=1e-4)
     assert ide["served_over_fair"] == pytest.approx(660 / (1960 / 3), abs=1e-4)
+    # Against the fluid reference (serviceTokensPerMs 45): the lane served c1 over [0, 13.3]
+    # while only chat waited, i1 over [60, 74.7] while only ide waited (arrived at 50), c2 over
+    # [120, 135.6] while only chat waited (i2 came at 150); nothing after. So chat's reference is
+    # its 1300 and ide's its 660: both exactly served, Jain 1 (windowed: 0.995 and 1.010).
+    assert chat["fluid_reference_service_tokens"] == pytest.approx(1300)
+    assert ide["fluid_reference_service_tokens"] == pytest.approx(660)
+    assert (chat["served_over_fluid"], ide["served_over_fluid"]) == (1.0, 1.0)
+    assert batch["fluid_reference_service_tokens"] == pytest.approx(4000)  # b1, alone
+    assert fairness["fluid_jain_by_lane"] == {"interactive": 1.0, "batch": 1.0}
+    assert fairness["fluid_worst_by_lane"]["batch"] == {
+        "tenant_id": "batch",
+        "served_over_fluid": 1.0,
+    }
+    assert fairness["fluid_unused_service_tokens_by_lane"] == {"interactive": 0.0, "batch": 0.0}
     # i2 (502 after dispatch) expired; i3 (cancelled) and b2 (drained) did not.
     assert (chat["admitted_then_expired"], ide["admitted_then_expired"]) == (0, 1)
     assert batch["admitted_then_expired"] == 0
