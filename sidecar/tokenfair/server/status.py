@@ -41,6 +41,9 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
         "draining": sidecar.dispatcher.draining,
         "max_in_flight": sidecar.dispatcher.max_in_flight,
         "time_scale": sidecar.settings.time_scale,
+        # The time base of the request records (model ms since the sidecar started), now: a
+        # reader lines records up with other clocks by it.
+        "clock_ms": round(sidecar.clock.now_ms(), 3),
         "books": {
             "queued_requests": books.queued_requests,
             "queued_service_tokens": books.queued_service_tokens,

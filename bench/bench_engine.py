@@ -1,0 +1,447 @@
+"""tokenfair in front of a real engine: vLLM's CPU build (``make vllm``), direct vs through the
+sidecar in one run, every figure of issue 27 printed beside its target.
+
+Not part of the test suite (minutes of real time on a real engine). One engine, the suite's
+(tests/vllm_support.py: the tiny model, block size 32, 512 blocks, 16 requests a batch), and
+four phases of the same length on it:
+
+1. **calibrate** — a mixed workload (two interactive tenants, one batch tenant) at about half
+   the engine's capacity through the sidecar with a starting policy; ``tokenfair calibrate`` on
+   its records fits ``serviceTokensPerMs``, ``batchThroughputGain``, ``maxBatchRequests``,
+   ``decodeWeight`` and the prefill speed. The flood rate of the next phases comes from it.
+2. **direct** — the flood trace (the batch tenant at ``--flood`` x the calibrated capacity,
+   the interactive tenants at a fixed rate well under their share) sent straight to vLLM by
+   ``tokenfair loadgen``, streamed: every client's TTFT.
+3. **calibrated** — the same trace through the sidecar with the calibrated policy (the
+   defaults a user runs: access log on, metrics on, records on, engine metrics ``auto``). A
+   sampler reads the engine's ``/metrics`` and the sidecar's ``/status`` every 100 ms.
+4. **hand-set** — the same trace through the sidecar with the lesson's coefficients (serial,
+   ``serviceTokensPerMs`` 45), the policy a user had before calibrating.
+
+Then the simulator replays the flood trace's requests (same arrivals, same recorded usage) under
+the calibrated policy and compares its interactive TTFT with phase 3's
+(``bench_engine_model.compare``).
+
+Targets (issue 27):
+
+* records match clients: no stream a client read to its end (status 200) recorded otherwise;
+  the records' prompt and completion tokens equal the growth of vLLM's
+  ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total`` over the phase;
+* interactive TTFT p99 through the sidecar <= 1/10 of direct; the interactive tenants served
+  >= 97 % of what they sent; admitted-then-expired <= 2 %; the flood refused at the door
+  (refusals from the queue a small part of its refusals);
+* no refusal for capacity (``shed_queue_wait_slo``, ``shed_queue_timeout``, ``shed_kv_watermark``,
+  ``queue_full``) while the engine had a free slot, nothing waiting and KV below the watermark,
+  by the engine's metrics sampled nearest the decision: 0;
+* calibrated: serves at least as many service tokens as hand-set, at an interactive p99 no
+  worse than hand-set's;
+* the sidecar's KV view (``/status`` ``kv``) within 5 points of the engine's
+  ``vllm:kv_cache_usage_perc`` at the p95 of the paired samples;
+* the simulator's interactive p50 / p99 TTFT within 25 % of the live run's.
+
+    make vllm && .venv/bin/python bench/bench_engine.py                   # ~10-15 min
+    .venv/bin/python bench/bench_engine.py --duration-ms 90000 --keep /tmp/engine-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_engine_model import compare, format_comparison
+from engine_support import EngineSidecar, sidecar_in_front_of
+from sidecar_support import KEYS
+from vllm_support import (
+    VllmServer,
+    VllmSettings,
+    find_install,
+    parse_samples,
+    running_vllm,
+)
+
+from tokenfair.config import PolicyConfig, apply_overrides
+from tokenfair.config.document import replace_policy
+from tokenfair.sim.calibrate import calibrate, read_outcomes
+from tokenfair.sim.records import read_trace
+from tokenfair.sim.report import percentile
+
+TOKENFAIR: Final = Path(sys.executable).with_name("tokenfair")
+INTERACTIVE: Final = ("tenant_chat_pro", "tenant_ide_assist")
+BATCH: Final = "tenant_batch_rag"
+CAPACITY_REASONS: Final = frozenset(
+    {"shed_queue_wait_slo", "shed_queue_timeout", "shed_kv_watermark", "queue_full"}
+)
+SAMPLE_S: Final = 0.1
+# The workload's shapes (prompt tokens as the sidecar estimates them: loadgen sends 4 characters
+# a token; the engine's tokenizer counts its own, which the records carry).
+INTERACTIVE_PROMPT: Final = 200
+INTERACTIVE_OUTPUT: Final = 32
+BATCH_PROMPT: Final = 800
+BATCH_OUTPUT: Final = 160
+# The wait limits for this engine: a request alone takes a few hundred ms on 2 CPU cores.
+WAITS: Final = {"max_interactive_wait_ms": 1500.0, "max_batch_wait_ms": 15000.0}
+
+
+@dataclass
+class Sampler:
+    """The engine's KV use, running and waiting, and the sidecar's KV view, every 100 ms."""
+
+    engine: VllmServer
+    sidecar: EngineSidecar
+    samples: list[dict[str, float]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                engine = parse_samples(self.engine.get("/metrics", 5.0)[1].decode())
+                status = self.sidecar.status()
+            except OSError:
+                continue
+            read_s = (started + time.monotonic()) / 2
+            kv = status["kv"]
+            self.samples.append(
+                {
+                    "clock_ms": float(status["clock_ms"]),
+                    "at_s": read_s,
+                    "engine_kv": _one(engine, "vllm:kv_cache_usage_perc"),
+                    "engine_running": _one(engine, "vllm:num_requests_running"),
+                    "engine_waiting": _one(engine, "vllm:num_requests_waiting"),
+                    "sidecar_kv": kv["view_blocks"] / kv["total_blocks"],
+                    "sidecar_kv_source_engine": 1.0 if kv["source"] == "engine" else 0.0,
+                }
+            )
+            self._stop.wait(max(0.0, SAMPLE_S - (time.monotonic() - started)))
+
+
+def _one(samples: dict[str, float], name: str) -> float:
+    return sum(v for k, v in samples.items() if k.partition("{")[0] == name)
+
+
+def engine_tokens(engine: VllmServer) -> tuple[float, float]:
+    samples = parse_samples(engine.get("/metrics")[1].decode())
+    return _one(samples, "vllm:prompt_tokens_total"), _one(samples, "vllm:generation_tokens_total")
+
+
+def wait_counters(engine: VllmServer, before: tuple[float, float], expected: tuple[float, float],
+                  timeout_s: float = 30.0) -> tuple[float, float]:  # fmt: skip
+    """The counters' growth since ``before``, once it reaches ``expected`` (or after the
+    timeout: vLLM updates them just after a response is sent)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = engine_tokens(engine)
+        grown = (now[0] - before[0], now[1] - before[1])
+        if grown == expected or time.monotonic() > deadline:
+            return grown
+        time.sleep(0.2)
+
+
+def generate_trace(path: Path, duration_ms: float, seed: int, batch_rps: float,
+                   interactive_rps: float) -> None:  # fmt: skip
+    keys = ["--rate", f"{BATCH}={batch_rps:.3f}"]
+    for tenant in INTERACTIVE:
+        keys += ["--rate", f"{tenant}={interactive_rps:.3f}",
+                 "--prompt-tokens", f"{tenant}={INTERACTIVE_PROMPT}",
+                 "--output-tokens", f"{tenant}={INTERACTIVE_OUTPUT}"]  # fmt: skip
+    subprocess.run(
+        [str(TOKENFAIR), "trace", "generate", "--duration-ms", f"{duration_ms:g}",
+         "--seed", str(seed), "--prompt-tokens", f"{BATCH}={BATCH_PROMPT}",
+         "--output-tokens", f"{BATCH}={BATCH_OUTPUT}", *keys, "--out", str(path),
+         "--no-progress"],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+
+
+def loadgen(
+    target: str, trace: Path, records: Path, model: str | None, keys: Path
+) -> dict[str, Any]:
+    command = [str(TOKENFAIR), "loadgen", "--target", target, "--trace", str(trace),
+               "--keys", str(keys), "--stream", "--records", str(records), "--format", "json",
+               "--no-progress", "--request-timeout", "600"]  # fmt: skip
+    if model is not None:
+        command += ["--model", model]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode not in (0, 1):
+        raise SystemExit(f"loadgen failed ({done.returncode}): {done.stderr[-2000:]}")
+    report: dict[str, Any] = json.loads(done.stdout)
+    return report
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def interactive_ttfts(client_records: list[dict[str, Any]]) -> list[float]:
+    return sorted(
+        r["ttft_ms"] for r in client_records
+        if r["tenant_id"] in INTERACTIVE and r["status_code"] == 200
+    )  # fmt: skip
+
+
+def p(values: Sequence[float], q: float) -> float:
+    return percentile(sorted(values), q) if values else math.nan
+
+
+def line(name: str, value: str, target: str, ok: bool | None) -> str:
+    verdict = "" if ok is None else ("ok" if ok else "MISSED")
+    return f"  {name:<58} {value:>22}   target {target:<14} {verdict}"
+
+
+@dataclass
+class Phase:
+    """One run of the flood trace through the sidecar."""
+
+    name: str
+    client: list[dict[str, Any]]
+    records: list[dict[str, Any]]
+    report: dict[str, Any]
+    tokens: tuple[float, float]
+    samples: list[dict[str, float]]
+    records_path: Path
+
+
+def through_sidecar(engine: VllmServer, work: Path, name: str, trace: Path, keys: Path,
+                    policy: dict[str, Any]) -> Phase:  # fmt: skip
+    folder = work / name
+    folder.mkdir()
+    with sidecar_in_front_of(engine, folder, **policy) as sidecar:
+        before = engine_tokens(engine)
+        sampler = Sampler(engine, sidecar)
+        sampler.start()
+        report = loadgen(sidecar.proxy, trace, folder / "client.jsonl", None, keys)
+        sampler.stop()
+        records = sidecar.records()
+        expected = (
+            sum(r.get("actual_prefill_tokens") or 0 for r in records if r["status_code"] == 200),
+            sum(r.get("actual_decode_tokens") or 0 for r in records if r["status_code"] == 200),
+        )
+        tokens = wait_counters(engine, before, expected)
+    return Phase(name, read_lines(folder / "client.jsonl"), records, report, tokens,
+                 sampler.samples, sidecar.records_path)  # fmt: skip
+
+
+def capacity_refusals_with_room(phase: Phase, batch: int, policy: PolicyConfig) -> int:
+    """Refusals for capacity decided while the engine, by the sample nearest the decision, had
+    a free slot, nothing waiting and KV below the request's watermark."""
+    samples = sorted(phase.samples, key=lambda s: s["clock_ms"])
+    if not samples:
+        return 0
+    times = [s["clock_ms"] for s in samples]
+    count = 0
+    for record in phase.records:
+        if record["reason"] not in CAPACITY_REASONS:
+            continue
+        decided_ms = record["arrival_ms"] + (record.get("queue_wait_ms") or 0.0)
+        index = min(bisect.bisect_left(times, decided_ms), len(times) - 1)
+        if index and abs(times[index - 1] - decided_ms) < abs(times[index] - decided_ms):
+            index -= 1
+        sample = samples[index]
+        watermark = (
+            policy.interactive_kv_watermark
+            if record["priority_class"] == "interactive"
+            else policy.batch_kv_watermark
+        )
+        if (
+            sample["engine_running"] < batch
+            and sample["engine_waiting"] == 0
+            and sample["engine_kv"] < watermark
+        ):
+            count += 1
+    return count
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--duration-ms", type=float, default=60_000.0, help="each phase (60 s)")
+    parser.add_argument("--seed", type=int, default=20261206)
+    parser.add_argument("--flood", type=float, default=1.5, help="batch load x capacity (1.5)")
+    parser.add_argument("--interactive-rps", type=float, default=0.4,
+                        help="each interactive tenant's requests per second (0.4)")  # fmt: skip
+    parser.add_argument("--keep", metavar="DIR", help="copy every phase's files there")
+    args = parser.parse_args(argv)
+    install = find_install()
+    if isinstance(install, str):
+        raise SystemExit(install)
+    settings = VllmSettings()
+    with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
+        work = Path(tmp)
+        keys = work / "keys.yaml"
+        keys.write_text(yaml.safe_dump(KEYS))
+        with running_vllm(install, work, settings) as engine:
+            print(f"engine: vLLM {engine.model}, {engine.kv_blocks} blocks of "
+                  f"{engine.block_size_tokens} tokens, max-num-seqs {settings.max_num_seqs}, "
+                  f"started in {engine.startup_seconds:.0f} s")  # fmt: skip
+            batch = settings.max_num_seqs
+            start_policy = {"max_batch_requests": batch, "batch_throughput_gain": 4.0,
+                            "service_tokens_per_ms": 6.0, **WAITS}  # fmt: skip
+            # 1. calibrate
+            calibration_trace = work / "calibration-trace.jsonl"
+            generate_trace(calibration_trace, args.duration_ms, args.seed, 1.0, 1.0)
+            warm = through_sidecar(engine, work, "calibrate", calibration_trace, keys,
+                                   start_policy)  # fmt: skip
+            fit = calibrate(read_trace(warm.records_path), read_outcomes(warm.records_path),
+                            max_batch_requests=batch)  # fmt: skip
+            overrides = fit.overrides()
+            print("calibrated from records under load: " + " ".join(overrides))
+            calibrated = apply_overrides(
+                replace_policy(_config_of(engine), **WAITS), overrides
+            ).policy
+            capacity = calibrated.service_tokens_per_ms  # service tokens per ms at the full batch
+            batch_cost = BATCH_PROMPT + calibrated.decode_weight * BATCH_OUTPUT
+            batch_rps = args.flood * capacity * 1000.0 / batch_cost
+            flood_trace = work / "flood-trace.jsonl"
+            generate_trace(flood_trace, args.duration_ms, args.seed + 1, batch_rps,
+                           args.interactive_rps)  # fmt: skip
+            print(f"flood: {BATCH} at {batch_rps:.2f} requests/s ({args.flood:g} x "
+                  f"{capacity:.2f} service tokens per ms), interactive tenants at "
+                  f"{args.interactive_rps:g}/s each")  # fmt: skip
+            # 2. direct
+            direct_client = work / "direct.jsonl"
+            loadgen(engine.base_url, flood_trace, direct_client, engine.model, keys)
+            direct = read_lines(direct_client)
+            # 3. calibrated, 4. hand-set
+            calibrated_fields = {
+                "service_tokens_per_ms": calibrated.service_tokens_per_ms,
+                "max_batch_requests": calibrated.max_batch_requests,
+                "batch_throughput_gain": calibrated.batch_throughput_gain,
+                "decode_weight": calibrated.decode_weight,
+                "prefill_tokens_per_ms": calibrated.prefill_tokens_per_ms,
+                **WAITS,
+            }
+            fitted = through_sidecar(engine, work, "calibrated", flood_trace, keys,
+                                     calibrated_fields)  # fmt: skip
+            hand = through_sidecar(engine, work, "hand-set", flood_trace, keys, dict(WAITS))
+            comparison = compare(fitted.records_path, apply_overrides(
+                replace_policy(_config_of(engine), **WAITS), overrides))  # fmt: skip
+            if args.keep:
+                _keep(work, Path(args.keep))
+        print_report(args, direct, fitted, hand, comparison, calibrated)
+    return 0
+
+
+def _config_of(engine: VllmServer) -> Any:
+    from engine_support import engine_document
+
+    from tokenfair.config import parse_documents
+
+    document = engine_document(engine)
+    document.pop("sidecar", None)
+    return parse_documents([document])
+
+
+def _keep(work: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in work.rglob("*.jsonl"):
+        target = dest / path.relative_to(work)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+
+
+def print_report(args: argparse.Namespace, direct: list[dict[str, Any]], fitted: Phase,
+                 hand: Phase, comparison: Any, calibrated: PolicyConfig) -> None:  # fmt: skip
+    print()
+    print("records match clients (calibrated phase):")
+    # The sidecar's record id is <prefix>-<n>-<the client's x-request-id>.
+    by_client: dict[str, list[dict[str, Any]]] = {}
+    for record in fitted.records:
+        by_client.setdefault(record["request_id"].split("-", 2)[-1], []).append(record)
+    mismatched = 0
+    for client in fitted.client:
+        if client["status_code"] != 200:
+            continue
+        matches = by_client.get(client["request_id"], [])
+        if len(matches) != 1 or matches[0]["status_code"] != 200:
+            mismatched += 1
+    print(line("streams read to the end recorded as anything but 200", str(mismatched), "0",
+               mismatched == 0))  # fmt: skip
+    served = [r for r in fitted.records if r["status_code"] == 200]
+    recorded = (sum(r.get("actual_prefill_tokens") or 0 for r in served),
+                sum(r.get("actual_decode_tokens") or 0 for r in served))  # fmt: skip
+    print(line("records' prompt / completion tokens vs vLLM's counters",
+               f"{recorded[0]:.0f}/{recorded[1]:.0f} vs {fitted.tokens[0]:.0f}/"
+               f"{fitted.tokens[1]:.0f}", "equal", recorded == fitted.tokens))  # fmt: skip
+    print()
+    print("a batch flood beside interactive tenants:")
+    direct_ttft = interactive_ttfts(direct)
+    fitted_ttft = interactive_ttfts(fitted.client)
+    hand_ttft = interactive_ttfts(hand.client)
+    ratio = p(fitted_ttft, 0.99) / p(direct_ttft, 0.99)
+    print(line("interactive TTFT p50 / p99, direct (ms)",
+               f"{p(direct_ttft, 0.5):.0f} / {p(direct_ttft, 0.99):.0f}", "-", None))  # fmt: skip
+    print(line("interactive TTFT p50 / p99, through the sidecar (ms)",
+               f"{p(fitted_ttft, 0.5):.0f} / {p(fitted_ttft, 0.99):.0f}", "-", None))  # fmt: skip
+    print(line("interactive TTFT p99, sidecar / direct", f"{ratio:.3f}", "<= 0.1",
+               ratio <= 0.1))  # fmt: skip
+    sent = [c for c in fitted.client if c["tenant_id"] in INTERACTIVE]
+    ok = [c for c in sent if c["status_code"] == 200]
+    share = len(ok) / len(sent) if sent else math.nan
+    print(line("interactive requests served (of those sent)", f"{len(ok)}/{len(sent)} "
+               f"= {share:.3f}", ">= 0.97", share >= 0.97))  # fmt: skip
+    admitted = [r for r in fitted.records if r["gate"] != "admission"]
+    expired = [r for r in admitted if r["reason"] == "shed_queue_timeout"]
+    expired_share = len(expired) / len(admitted) if admitted else 0.0
+    print(line("admitted then expired", f"{len(expired)}/{len(admitted)} = {expired_share:.3f}",
+               "<= 0.02", expired_share <= 0.02))  # fmt: skip
+    flood_refused = [
+        r for r in fitted.records if r["tenant_id"] == BATCH and r["status_code"] != 200
+    ]
+    late = [r for r in flood_refused if r["gate"] != "admission"]
+    late_share = len(late) / len(flood_refused) if flood_refused else 0.0
+    print(line("flood refusals decided after waiting (of its refusals)",
+               f"{len(late)}/{len(flood_refused)} = {late_share:.3f}", "<= 0.02",
+               late_share <= 0.02))  # fmt: skip
+    room = capacity_refusals_with_room(fitted, calibrated.max_batch_requests, calibrated)
+    print(line("capacity refusals while the engine had a slot and KV", str(room), "0",
+               room == 0))  # fmt: skip
+    print()
+    print("calibrated vs hand-set (the lesson's coefficients):")
+    served_fitted = sum(r["service_tokens"] for r in fitted.records if r["status_code"] == 200)
+    served_hand = sum(r["service_tokens"] for r in hand.records if r["status_code"] == 200)
+    print(line("service tokens served, calibrated / hand-set", f"{served_fitted} / "
+               f"{served_hand}", ">= 1", served_fitted >= served_hand))  # fmt: skip
+    print(line("interactive TTFT p99, calibrated / hand-set (ms)",
+               f"{p(fitted_ttft, 0.99):.0f} / {p(hand_ttft, 0.99):.0f}", "no worse",
+               p(fitted_ttft, 0.99) <= p(hand_ttft, 0.99) * 1.1))  # fmt: skip
+    print()
+    print("the sidecar's KV view against the engine's (calibrated phase):")
+    diffs = sorted(abs(s["sidecar_kv"] - s["engine_kv"]) for s in fitted.samples)
+    fresh = statistics.fmean(s["sidecar_kv_source_engine"] for s in fitted.samples)
+    print(line("|view - engine| p50 / p95 / max (points)", f"{100 * p(diffs, 0.5):.1f} / "
+               f"{100 * p(diffs, 0.95):.1f} / {100 * max(diffs):.1f}", "p95 <= 5",
+               p(diffs, 0.95) <= 0.05))  # fmt: skip
+    print(line("samples with a fresh engine report", f"{fresh:.3f} of {len(fitted.samples)}",
+               "-", None))  # fmt: skip
+    print()
+    print(format_comparison(comparison, "the simulator's replay of the calibrated phase"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
