@@ -155,6 +155,14 @@ def process(cmd: list[str], log: Path, env: Mapping[str, str]) -> Iterator[Path]
 
 
 def assert_never_refused(log_text: str) -> None:
-    """The chart's RBAC was enough: the API server refused the operator nothing."""
-    assert "Forbidden" not in log_text, log_text[-4000:]
-    assert " 403" not in log_text, log_text[-4000:]
+    """The chart's RBAC was enough: the API server refused the operator nothing. A write into a
+    namespace being deleted is refused with 403 too (``NamespaceTerminating``: the namespace of
+    an earlier test, which an operator watching every namespace still sees go); that is no
+    permission missing, so those lines are left out."""
+    lines = [
+        line for line in log_text.splitlines()
+        if "NamespaceTerminating" not in line and "is being terminated" not in line
+    ]  # fmt: skip
+    kept = "\n".join(lines)
+    assert "Forbidden" not in kept, kept[-4000:]
+    assert " 403" not in kept, kept[-4000:]
