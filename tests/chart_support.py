@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -154,15 +155,35 @@ def process(cmd: list[str], log: Path, env: Mapping[str, str]) -> Iterator[Path]
         print(f"--- {log.name} (tail) ---\n{log.read_text(errors='replace')[-4000:]}")
 
 
+# A log record starts with a timestamp (Kopf's and the operator's text format: ``[2026-12-06
+# 04:52:04,123]`` or ``2026-12-06T04:52:04``) or is one JSON object; any other line (a traceback,
+# a response body) continues the record before it.
+_RECORD_START = re.compile(r"\[?\d{4}-\d\d-\d\d[ T]|\{")
+
+
+def log_records(log_text: str) -> list[str]:
+    """``log_text`` split into records: each record's lines joined, continuation lines (those
+    not starting a record, see ``_RECORD_START``) kept with the record they continue."""
+    records: list[str] = []
+    for line in log_text.splitlines():
+        if records and not _RECORD_START.match(line):
+            records[-1] += "\n" + line
+        else:
+            records.append(line)
+    return records
+
+
 def assert_never_refused(log_text: str) -> None:
     """The chart's RBAC was enough: the API server refused the operator nothing. A write into a
     namespace being deleted is refused with 403 too (``NamespaceTerminating``: the namespace of
     an earlier test, which an operator watching every namespace still sees go); that is no
-    permission missing, so those lines are left out."""
-    lines = [
-        line for line in log_text.splitlines()
-        if "NamespaceTerminating" not in line and "is being terminated" not in line
-    ]  # fmt: skip
-    kept = "\n".join(lines)
+    permission missing, so such a record is left out — the whole record, traceback included,
+    and only if it names no permission (an RBAC refusal says ``User "…" cannot …``)."""
+    kept = "\n".join(
+        record
+        for record in log_records(log_text)
+        if " cannot " in record
+        or ("NamespaceTerminating" not in record and "is being terminated" not in record)
+    )
     assert "Forbidden" not in kept, kept[-4000:]
     assert " 403" not in kept, kept[-4000:]
