@@ -78,8 +78,8 @@ DEFAULT_TOP_TENANTS: Final = 10
 MAX_TOP_TENANTS: Final = 100
 """At most 2 lanes x (100 + ``other``) per-tenant series, whatever the number of tenants."""
 REFRESH_INTERVAL_S: Final = 5.0
-"""Real seconds between two refreshes: below the usual 15-30 s scrape interval, and ~1 ms of
-event loop per 1,000 tenants each time."""
+"""Real seconds between two refreshes: below the usual 15-30 s scrape interval; each costs
+~0.4 ms of event loop per 1,000 tenants (compiled core)."""
 
 FairnessKey = tuple[float, float, float, tuple[tuple[str, float, str], ...]]
 
