@@ -130,6 +130,18 @@ def register(subparsers: Any) -> None:
         help="the OTLP/HTTP traces URL, e.g. http://otel-collector:4318/v1/traces (default: "
         "the OTEL_EXPORTER_OTLP_* variables)",
     )
+    parser.add_argument(
+        "--fairness-window",
+        type=flag_number,
+        metavar="SECONDS",
+        help="sliding window of the live fairness signal, tokenfair_fluid_* metrics (300)",
+    )
+    parser.add_argument(
+        "--fairness-top-tenants",
+        type=flag_number,
+        metavar="N",
+        help="tenants per lane named in tokenfair_fluid_served_ratio, the rest as other (10)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (INFO)")
     parser.set_defaults(func=run)
 
@@ -152,6 +164,8 @@ _FLAGS = {
     "tracing": "tracing",
     "tracing_endpoint": "tracingEndpoint",
     "engine_metrics": "engineMetrics",
+    "fairness_window": "fairnessWindowSeconds",
+    "fairness_top_tenants": "fairnessTopTenants",
 }
 """Flag (its ``argparse`` dest) -> the ``sidecar:`` key it overrides. A flag's value is checked
 by the parser of that key (:data:`~tokenfair.server.runtime_settings.SECTION_FIELDS`), under

@@ -5,7 +5,8 @@ reverse, each only if its setup ran): the tracer provider (with tracing on: torn
 the spans of the requests the drain ends are exported), the backend (the ``openai`` backend's
 connection pool to its upstream, :class:`~tokenfair.server.upstream.UpstreamClient`), the
 records file, the budget store's lease task (teardown returns the leases), the dispatcher (its
-timers; teardown drains the queue and releases every reservation), and the config watcher task.
+timers; teardown drains the queue and releases every reservation), the config watcher task, the
+engine poller and the fairness signal's refresh task.
 
 The proxy app's one middleware, :func:`observe_requests`, counts the requests in flight and
 gives each request a :class:`~tokenfair.server.accesslog.RequestScope` (its route and
@@ -98,6 +99,7 @@ def create_app(
     app.cleanup_ctx.append(_dispatcher_ctx)
     app.cleanup_ctx.append(_watcher_ctx)
     app.cleanup_ctx.append(_engine_ctx)
+    app.cleanup_ctx.append(_fairness_ctx)
     return app
 
 
@@ -220,6 +222,15 @@ async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     task = asyncio.create_task(engine.run(), name="tokenfair-engine-state")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def _fairness_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The live fairness signal's refresh (:mod:`~tokenfair.server.fairness_signal`)."""
+    task = asyncio.create_task(app[SIDECAR].fairness.run(), name="tokenfair-fairness-signal")
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):

@@ -73,15 +73,21 @@ Read from the scheduler at scrape time (so always current, and free per request)
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from operator import attrgetter
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from tokenfair.core import Lane, Scheduler
@@ -93,6 +99,9 @@ from tokenfair.server.exposition import (
     label_value,
     number,
 )
+
+if TYPE_CHECKING:
+    from tokenfair.server.fairness_signal import FairnessSignal
 
 LANE_NAMES: Final = {Lane.INTERACTIVE: "interactive", Lane.BATCH: "batch"}
 LATENCY_BUCKETS_S: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -461,3 +470,75 @@ class Metrics:
                 ttft = self.ttft[lane] = LatencyHistogram()
             series = self.series[(tenant, lane)] = LaneSeries(tenant, lane, ttft)
         return series
+
+
+# -- The live fairness signal (server/fairness_signal.py) -----------------------------------------
+# Kept apart from the per-request series above: nothing here is touched per request. The figures
+# are the signal's last refresh (every few seconds), so a scrape only copies a few numbers.
+
+
+class FluidFairnessCollector(Collector):
+    """``tokenfair_fluid_*``: the fluid fair-share reference per lane over a sliding window
+    (:mod:`~tokenfair.server.fairness_signal`; docs/observability.md#fairness):
+
+    * ``tokenfair_fluid_jain{lane}`` — Jain's index over ``served / fluid reference`` of the
+      lane's tenants with a reference in the window (absent while no tenant has one);
+    * ``tokenfair_fluid_worst_ratio{lane}`` — the lowest such ratio;
+    * ``tokenfair_fluid_served_ratio{lane, tenant}`` — ``served / fluid reference`` of the
+      ``fairnessTopTenants`` tenants that received the most in the window, and of
+      ``tenant="other"`` (the rest summed): at most ``2 x (fairnessTopTenants + 1)`` series;
+    * ``tokenfair_fluid_window_seconds`` — the window's length (model seconds: it grows to
+      ``fairnessWindowSeconds`` after start or a reload);
+    * ``tokenfair_fluid_late_requests_total`` — requests that ended after the fluid server had
+      passed their arrival (they joined it late)."""
+
+    def __init__(self, signal: FairnessSignal) -> None:
+        self._signal = signal
+
+    def collect(self) -> Iterator[Metric]:
+        signal = self._signal
+        latest = signal.latest
+        jain = GaugeMetricFamily(
+            "tokenfair_fluid_jain",
+            "Jain's index over served / fluid fair-share reference of the lane's tenants, over "
+            "the fairness window.",
+            labels=["lane"],
+        )
+        worst = GaugeMetricFamily(
+            "tokenfair_fluid_worst_ratio",
+            "The lowest served / fluid fair-share reference of the lane's tenants, over the "
+            "fairness window.",
+            labels=["lane"],
+        )
+        served = GaugeMetricFamily(
+            "tokenfair_fluid_served_ratio",
+            "Served / fluid fair-share reference over the fairness window, for the tenants that "
+            "received the most (the rest summed as tenant other).",
+            labels=["lane", "tenant"],
+        )
+        window_s = 0.0
+        if latest is not None and math.isfinite(latest.end_ms):
+            window_s = (latest.end_ms - latest.start_ms) / 1000.0
+            for lane, figures in latest.lanes.items():
+                if figures.jain is not None:
+                    jain.add_metric([lane], figures.jain)
+                ratio = None if figures.worst is None else figures.worst.served_over_fluid
+                if ratio is not None:
+                    worst.add_metric([lane], ratio)
+                for row in figures.tenants:
+                    ratio = row.served_over_fluid
+                    if ratio is not None:
+                        served.add_metric([lane, row.tenant_id], ratio)
+        yield jain
+        yield worst
+        yield served
+        yield GaugeMetricFamily(
+            "tokenfair_fluid_window_seconds",
+            "Length of the fairness window the tokenfair_fluid_* figures cover (model seconds).",
+            window_s,
+        )
+        yield CounterMetricFamily(
+            "tokenfair_fluid_late_requests",
+            "Requests that ended after the fluid reference had passed their arrival.",
+            signal.late_requests,
+        )

@@ -42,6 +42,7 @@ from tokenfair.config.fields import (
 )
 from tokenfair.config.files import InputFileError, open_regular
 from tokenfair.core.cost import MAX_REQUEST_TOKENS as MAX_USAGE_TOKENS
+from tokenfair.server import fairness_signal as fairness
 from tokenfair.server.accesslog import ACCESS_LOG_FORMATS
 from tokenfair.server.estimate import (
     MAX_EMBEDDING_DIMENSIONS,
@@ -193,6 +194,15 @@ class SidecarSettings:
     """The OTLP/HTTP traces URL, e.g. ``http://otel-collector:4318/v1/traces``; None: the
     OpenTelemetry SDK's variables (``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ...), else its
     default (``http://localhost:4318/v1/traces``)."""
+    fairness_window_s: float = fairness.DEFAULT_WINDOW_S
+    """The sliding window of the live fairness signal (``tokenfair_fluid_*``,
+    :mod:`~tokenfair.server.fairness_signal`), in model seconds, 1 to 86,400. Default 300 (5
+    minutes): enough requests of every active tenant that one long generation does not read
+    as unfairness, short enough that an unfair split shows within minutes."""
+    fairness_top_tenants: int = fairness.DEFAULT_TOP_TENANTS
+    """Tenants per lane named in ``tokenfair_fluid_served_ratio`` (those that received the
+    most in the window; the rest are summed as ``other``), 0 to 100. Default 10: the series
+    stay bounded at any number of tenants."""
 
 
 def _address(name: str, value: object) -> str:
@@ -301,6 +311,11 @@ SECTION_FIELDS: Final[FieldTable] = {
     "adoptEngineKvGeometry": ("adopt_engine_kv_geometry", boolean),
     "tracing": ("tracing", boolean),
     "tracingEndpoint": ("tracing_endpoint", _http_url),
+    "fairnessWindowSeconds": (
+        "fairness_window_s",
+        number_in(fairness.MIN_WINDOW_S, fairness.MAX_WINDOW_S),
+    ),
+    "fairnessTopTenants": ("fairness_top_tenants", integer_in(0, fairness.MAX_TOP_TENANTS)),
 }
 """``sidecar:`` key -> (attribute, parser): the parsers are :mod:`tokenfair.config.fields`'
 (one rule each; an integer setting takes ``2`` and ``2.0``, never ``2.5`` or ``true``), and

@@ -55,7 +55,8 @@ from tokenfair.server.engine_state import (
 )
 from tokenfair.server.errors import INTERNAL_ERROR
 from tokenfair.server.estimate import ESTIMATORS, PromptEstimator
-from tokenfair.server.metrics import LANE_NAMES, LaneSeries, Metrics
+from tokenfair.server.fairness_signal import FairnessSignal
+from tokenfair.server.metrics import LANE_NAMES, FluidFairnessCollector, LaneSeries, Metrics
 from tokenfair.server.pool import BudgetPool
 from tokenfair.server.record_writer import (
     NO_USAGE,
@@ -131,6 +132,15 @@ class Sidecar:
         self.auth = Authenticator(config, settings.trusted_tenant_header)
         self.estimator: PromptEstimator = ESTIMATORS[settings.prompt_estimator]
         self.metrics = Metrics(self._scrape_state)
+        self.fairness = FairnessSignal(
+            config,
+            now_ms=self.clock.now_ms,
+            window_s=settings.fairness_window_s,
+            top_tenants=settings.fairness_top_tenants,
+        )
+        """The live fluid-reference fairness (``tokenfair_fluid_*``), fed by :meth:`completed`
+        and refreshed by the proxy app's task."""
+        self.metrics.registry.register(FluidFairnessCollector(self.fairness))
         self.pool: BudgetPool | None = None
         """Pool-wide budgets through the config's ``budgetStore``; None without one."""
         if config.budget_store is not None:
@@ -236,6 +246,7 @@ class Sidecar:
             self.dispatcher.max_in_flight = default_max_in_flight(self.backend, enforced.policy)
         self.config = config
         self.config_sha256 = loaded.sha256
+        self.fairness.reconfigure(config)
         self.metrics.reloads.labels("applied").inc()
         if loaded.section != self.section:
             log.warning("config reload: the sidecar: section changed; restart to apply it")
@@ -445,8 +456,8 @@ class Sidecar:
         usage: Usage | None = None,
         facts: RequestFacts | None = None,
     ) -> None:
-        """Count, measure and record one request's outcome, then log and trace it (called once
-        per request, by :meth:`Lifecycle.complete
+        """Count, measure and record one request's outcome, then log and trace it and give it to
+        the fairness signal (called once per request, by :meth:`Lifecycle.complete
         <tokenfair.server.lifecycle.Lifecycle.complete>`). A failure while counting (a bug,
         logged) does not stop the record, nor a failure of either the log line or the span."""
         if usage is None:
@@ -460,6 +471,7 @@ class Sidecar:
         self.observe(request, decision, status_code=status_code, reason=reason,
                      actual_service_tokens=actual_service_tokens, usage=usage,
                      facts=facts)  # fmt: skip
+        self.fairness.completed(decision, status_code)  # never raises
 
     def _count(
         self,

@@ -1,7 +1,7 @@
 """The ``/status`` document: config, books, per-tenant state and outcome counts.
 
 ``{"policy", "backend", "core", "config", "draining", "max_in_flight", "time_scale", "books",
-"kv", "engine" (with an engine to read),
+"kv", "fairness", "engine" (with an engine to read),
 "tenants": {<tenant id>: {...}}, "budget_store": {..., "tenants": {...}}}`` (``budget_store``
 only with a store). At 10,000 tenants the document is ~2 MB, so :func:`status_chunks` writes it
 :data:`STATUS_CHUNK` tenants at a time for the admin handler to stream, yielding to the event
@@ -59,6 +59,9 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
             "block_tokens": sidecar.scheduler.policy.kv_block_tokens,
             "source": "engine" if engine is not None and engine.fresh else "books",
         },
+        # The live fluid-reference fairness per lane (server/fairness_signal.py): its last
+        # refresh, the same figures as the tokenfair_fluid_* metrics.
+        "fairness": sidecar.fairness.status(),
         **({"engine": engine.status()} if engine is not None else {}),
         **({"connections": connections.status()} if connections is not None else {}),
     }
