@@ -396,6 +396,11 @@ class TokenfairScheduler(Scheduler):
             first_ms = engine.slot_wait_ms(now_ms)
         return first_ms + (ahead_tokens - started_now) / rate
 
+    @property
+    def batch_running(self) -> int:
+        """Batch requests dispatched and not ended: what :meth:`batch_slots` bounds."""
+        return self._batch_running
+
     def batch_slots(self, now_ms: float) -> int:
         """The most batch requests the dispatcher lets run at once on a batching engine: the
         slots the **interactive reserve** leaves the batch lane (docs/capacity.md). With ``S =
