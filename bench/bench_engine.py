@@ -32,7 +32,8 @@ Targets (issue 27):
   (refusals from the queue a small part of its refusals);
 * no refusal for capacity (``shed_queue_wait_slo``, ``shed_queue_timeout``, ``shed_kv_watermark``,
   ``queue_full``) while the engine had a free slot, nothing waiting and KV below the watermark,
-  by the engine's metrics sampled nearest the decision: 0;
+  by the engine's metrics sampled nearest the decision — for a batch request, a slot its lane
+  may take (``/status`` ``slots``: the interactive reserve is not its room): 0;
 * calibrated: serves at least as many service tokens as hand-set, at an interactive p99 no
   worse than hand-set's;
 * the sidecar's KV view (``/status`` ``kv``) within 5 points of the engine's
@@ -128,6 +129,7 @@ class Sampler:
                 continue
             read_s = (started + time.monotonic()) / 2
             kv = status["kv"]
+            slots = status.get("slots", {})
             self.samples.append(
                 {
                     "clock_ms": float(status["clock_ms"]),
@@ -137,6 +139,9 @@ class Sampler:
                     "engine_waiting": _one(engine, "vllm:num_requests_waiting"),
                     "sidecar_kv": kv["view_blocks"] / kv["total_blocks"],
                     "sidecar_kv_source_engine": 1.0 if kv["source"] == "engine" else 0.0,
+                    # The batch lane's slots (the interactive reserve: docs/capacity.md).
+                    "batch_slots": float(slots.get("batch", math.inf)),
+                    "batch_running": float(slots.get("batch_running", 0)),
                 }
             )
             self._stop.wait(max(0.0, SAMPLE_S - (time.monotonic() - started)))
@@ -250,7 +255,9 @@ def through_sidecar(engine: VllmServer, work: Path, name: str, trace: Path, keys
 
 def capacity_refusals_with_room(phase: Phase, batch: int, policy: PolicyConfig) -> int:
     """Refusals for capacity decided while the engine, by the sample nearest the decision, had
-    a free slot, nothing waiting and KV below the request's watermark."""
+    a free slot, nothing waiting and KV below the request's watermark — for a batch request, a
+    slot its lane may take: the sidecar's batch lane below its ``batch_slots`` (``/status``
+    ``slots``; the rest is the interactive reserve, docs/capacity.md)."""
     samples = sorted(phase.samples, key=lambda s: s["clock_ms"])
     if not samples:
         return 0
@@ -269,10 +276,15 @@ def capacity_refusals_with_room(phase: Phase, batch: int, policy: PolicyConfig) 
             if record["priority_class"] == "interactive"
             else policy.batch_kv_watermark
         )
+        lane_room = (
+            record["priority_class"] == "interactive"
+            or sample["batch_running"] < sample["batch_slots"]
+        )
         if (
             sample["engine_running"] < batch
             and sample["engine_waiting"] == 0
             and sample["engine_kv"] < watermark
+            and lane_room
         ):
             count += 1
     return count

@@ -35,7 +35,12 @@ dispatch earns the batch lane ``cost * s / (1 - s)`` credit; when the credit cov
 batch head, batch runs next even though interactive work waits (credit resets when the batch lane
 empties, so an idle lane banks nothing). Under sustained interactive overload batch therefore gets
 ``s`` of the service, and none of the interactive burst when its work is short. Inside a lane:
-weighted DRR over tenants (:mod:`tokenfair.core.drr`), FIFO inside a tenant.
+weighted DRR over tenants (:mod:`tokenfair.core.drr`), FIFO inside a tenant. On a batching
+engine (``maxBatchRequests`` ``S > 1``) the batch lane starts nothing while it holds
+:meth:`TokenfairScheduler.batch_slots` of the ``S`` slots: the rest are the **interactive
+reserve**, so an interactive arrival beside a batch flood finds a slot free and waits 0, and the
+batch lane's waits are priced at the throughput of its slots, ``X(batch_slots)``
+(docs/capacity.md).
 
 Settlement charges ``actual - estimate`` to the tenant's bucket and ``actual - expected`` (the
 estimate times its usage ratio, what the round robin charged) to its DRR deficit, so the round
@@ -145,6 +150,9 @@ class TokenfairScheduler(Scheduler):
         # A batching engine's running requests (maxBatchRequests > 1; `_adopt_cost_model`).
         self._engine: RunningWork | None = None
         self._running_expected = 0.0  # expected service tokens of the requests running
+        self._batch_running = 0  # batch requests dispatched and not ended (`batch_slots`)
+        self._batch_floor_slots = 1  # max(1, ceil(batchMinShare * S)) (`_adopt_cost_model`)
+        self._interactive_tenants = False  # the configuration has an interactive tenant
         # Recent service per lane, per tenant and in all (time constant: SERVICE_MEMORY_LIMITS).
         self._served: tuple[dict[str, DemandRate], ...] = ({}, {})
         self._lane_served: tuple[DemandRate, ...] = (DemandRate(), DemandRate())
@@ -182,6 +190,12 @@ class TokenfairScheduler(Scheduler):
         # floor, less than a unit).
         share = Fraction(repr(float(policy.batch_min_share)))
         spend = share.denominator - share.numerator
+        # The batch lane's least slots of a batching engine, ceil(s * S) exactly (`batch_slots`).
+        batch_floor = -(-share.numerator * policy.max_batch_requests // share.denominator)
+        self._batch_floor_slots = batch_floor if batch_floor > 1 else 1
+        self._interactive_tenants = any(
+            tenant.priority_class == "interactive" for tenant in self.config.tenants
+        )
         self._batch_credit_scaled = self._batch_credit_scaled * spend // self._credit_spend
         self._credit_earn = share.numerator
         self._credit_spend = spend
@@ -290,6 +304,12 @@ class TokenfairScheduler(Scheduler):
             demand = self._interactive_demand.rate(now_ms, self._wait_limits[1])
             interactive_cap = self._interactive_cap
             lane_rate = rate - (interactive_cap if interactive_cap < demand else demand)
+            if self._engine is not None:
+                # A batching engine: the lane drains at most at the throughput of the slots
+                # it may hold, X(batch_slots) (docs/capacity.md, the interactive reserve).
+                slots_rate = self._engine.curve.throughput(self.batch_slots(now_ms))
+                if slots_rate < lane_rate:
+                    lane_rate = slots_rate
             floor = rate * MIN_LANE_RATE_FRACTION
             rate = floor if floor > lane_rate else lane_rate
             if self.queued_count[0]:
@@ -347,8 +367,18 @@ class TokenfairScheduler(Scheduler):
                  = (F > 0 ? 0 : first_end) + (ahead - F s) / rate   otherwise
 
         So a request that finds a free slot and nothing of its lane ahead waits 0, however much
-        the engine is running; ``rate`` is the lane's share of ``R`` (as for a serial engine)."""
+        the engine is running; ``rate`` is the lane's share of ``R`` (as for a serial engine),
+        for the batch lane at most ``X(batch_slots)``. The batch lane's free slots are those
+        the interactive reserve leaves it, ``F = min(S - running, batch_slots -
+        batch_running)``, and while it holds all of them its ``first_end`` is the engine's
+        next forecast end, whoever's (a lower bound of its own next end)."""
         free_slots = self.policy.max_batch_requests - self.running
+        lane_full = False  # the batch lane holds every slot the reserve leaves it
+        if lane == _BATCH:
+            batch_free = self.batch_slots(now_ms) - self._batch_running
+            if batch_free < free_slots:
+                free_slots = batch_free
+                lane_full = free_slots <= 0
         if free_slots < 0:
             free_slots = 0
         queued = self.queued_count[lane]
@@ -356,8 +386,45 @@ class TokenfairScheduler(Scheduler):
         started_now = free_slots * mean_tokens
         if ahead_tokens < started_now:
             return 0.0
-        first_ms = 0.0 if free_slots else engine.slot_wait_ms(now_ms)
+        if free_slots:
+            first_ms = 0.0
+        elif lane_full:
+            first_ms = engine.next_departure_ms(now_ms)
+            if first_ms == math.inf:  # nothing forecast to run: no end to wait for
+                first_ms = 0.0
+        else:
+            first_ms = engine.slot_wait_ms(now_ms)
         return first_ms + (ahead_tokens - started_now) / rate
+
+    @property
+    def batch_running(self) -> int:
+        """Batch requests dispatched and not ended: what :meth:`batch_slots` bounds."""
+        return self._batch_running
+
+    def batch_slots(self, now_ms: float) -> int:
+        """The most batch requests the dispatcher lets run at once on a batching engine: the
+        slots the **interactive reserve** leaves the batch lane (docs/capacity.md). With ``S =
+        maxBatchRequests``, ``s = batchMinShare`` and ``rho`` the interactive lane's recent
+        admitted demand as a fraction of ``R`` (the rate the batch lane's prediction reads:
+        time constant ``maxBatchWaitMs``; at most 1)::
+
+            reserve     = min(S - floor, 1 + round(rho * S))   with an interactive tenant
+                        = 0                                    without (nothing to keep it for)
+            floor       = max(1, ceil(s * S))                  the batch lane's least slots
+            batch_slots = S - reserve
+
+        ``rho * S`` is the interactive lane's mean concurrency at the full batch (Little's law:
+        its share of the throughput, of the ``S`` slots that carry it), rounded half up to a
+        whole slot, and the one more is the free slot its next arrival starts in at once. The
+        batch lane always keeps its minimum share's slots, and at least one. ``S = 1`` (a
+        serial engine): 1, no reserve."""
+        batch = self.policy.max_batch_requests
+        if batch == 1 or not self._interactive_tenants:
+            return batch
+        load = self._interactive_demand.rate(now_ms, self._wait_limits[1]) / self._rate
+        reserve = 1 + math.floor((load if load < 1.0 else 1.0) * batch + 0.5)
+        most = batch - self._batch_floor_slots
+        return batch - (reserve if reserve < most else most)
 
     def _engine_wait_ms(self, now_ms: float) -> float:
         """How long until the engine takes a request sent now: a serial engine's residual work,
@@ -699,7 +766,11 @@ class TokenfairScheduler(Scheduler):
                 if batch_waiting:
                     self._batch_credit_scaled += job.expected_units * self._credit_earn
                 return job
-        if batch_waiting:
+        # A batching engine's batch lane starts nothing while it holds the slots the
+        # interactive reserve leaves it (`batch_slots`); a serial engine has no reserve.
+        if batch_waiting and (
+            self._engine is None or self._batch_running < self.batch_slots(self._now_ms)
+        ):
             job = batch.pick(eligible)
             if job is not None:
                 if interactive_waiting:
@@ -715,6 +786,8 @@ class TokenfairScheduler(Scheduler):
         rate = self._rate
         expected_tokens = job.expected_tokens
         self._running_expected += expected_tokens
+        if job.lane == _BATCH:
+            self._batch_running += 1
         engine = self._engine
         if engine is None:
             self._kv_release_ms[job.request_id] = (
@@ -760,6 +833,8 @@ class TokenfairScheduler(Scheduler):
         running_expected = self._running_expected - job.expected_tokens
         # Exactly 0 when nothing runs (float residue of the sums otherwise).
         self._running_expected = running_expected if self.running and running_expected > 0 else 0.0
+        if job.lane == _BATCH:
+            self._batch_running -= 1
         engine = self._engine
         if engine is not None:
             engine.finish(job.request_id, self._now_ms if now_ms is None else now_ms,

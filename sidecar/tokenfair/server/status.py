@@ -1,7 +1,7 @@
 """The ``/status`` document: config, books, per-tenant state and outcome counts.
 
 ``{"policy", "backend", "core", "config", "draining", "max_in_flight", "time_scale", "books",
-"kv", "fairness", "engine" (with an engine to read),
+"kv", "fairness", "engine" (with an engine to read), "slots" (``tokenfair`` on a batching engine),
 "tenants": {<tenant id>: {...}}, "budget_store": {..., "tenants": {...}}}`` (``budget_store``
 only with a store). At 10,000 tenants the document is ~2 MB, so :func:`status_chunks` writes it
 :data:`STATUS_CHUNK` tenants at a time for the admin handler to stream, yielding to the event
@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from tokenfair import native
 from tokenfair.core.scheduler import TenantState
+from tokenfair.core.tokenfair import TokenfairScheduler
 from tokenfair.server.state import Sidecar
 
 STATUS_CHUNK: Final = 100
@@ -64,6 +65,24 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
         "fairness": sidecar.fairness.status(),
         **({"engine": engine.status()} if engine is not None else {}),
         **({"connections": connections.status()} if connections is not None else {}),
+        **slots_status(sidecar),
+    }
+
+
+def slots_status(sidecar: Sidecar) -> dict[str, object]:
+    """``{"slots": {"engine", "batch", "batch_running"}}`` with the ``tokenfair`` policy on a
+    batching engine (``maxBatchRequests`` above 1): the engine's slots, the most the batch lane
+    may hold now (the interactive reserve: docs/capacity.md) and how many it holds; else empty."""
+    scheduler = sidecar.scheduler
+    batch = scheduler.policy.max_batch_requests
+    if batch == 1 or not isinstance(scheduler, TokenfairScheduler):
+        return {}
+    return {
+        "slots": {
+            "engine": batch,
+            "batch": scheduler.batch_slots(sidecar.clock.now_ms()),
+            "batch_running": scheduler.batch_running,
+        }
     }
 
 

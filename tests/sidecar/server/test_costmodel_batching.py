@@ -4,7 +4,8 @@ Behaviours under test (model time at ``time_scale`` 1: a model ms is a real ms; 
 and orderings are asserted — a slow machine makes things later, never earlier):
 
 * the default in-flight limit is S (the sidecar's dispatcher sends S at once), follows a reload
-  that changes S, and a set ``maxInFlight`` stands;
+  that changes S, and a set ``maxInFlight`` stands; ``/status`` shows the batch lane's slots
+  (the interactive reserve) on a batching engine only;
 * two equal requests run at once and share the engine: at G = 1 each ends after ``2 s / R`` (a
   serial engine ends the first at ``s / R``), and their first tokens come after the prefill
   stretched by ``v(1) / v(2) = 2``;
@@ -95,6 +96,19 @@ async def test_in_flight_defaults_to_the_batch_and_follows_a_reload(
         aiohttp_client, keyed_config(batching_policy(4, 2.0)), settings(tmp_path, max_in_flight=3)
     )
     assert (await (await pinned.admin.get("/status")).json())["max_in_flight"] == 3
+
+
+async def test_status_shows_the_batch_lanes_slots(
+    aiohttp_client: ClientFactory, tmp_path: Path
+) -> None:
+    # S = 4 with the lesson's interactive tenants and no demand yet: the interactive reserve
+    # is the one free slot (docs/capacity.md), the batch lane may hold 3 and holds none.
+    clients = await start(aiohttp_client, keyed_config(batching_policy(4, 2.0)), settings(tmp_path))
+    status = await (await clients.admin.get("/status")).json()
+    assert status["slots"] == {"engine": 4, "batch": 3, "batch_running": 0}
+    # A serial engine has no reserve to show.
+    clients.sidecar.apply_config(LoadedFile(replace(keyed_config(), version="test-2"), {}, "2"))
+    assert "slots" not in await (await clients.admin.get("/status")).json()
 
 
 async def test_two_requests_share_the_engine_and_a_third_waits_for_a_slot(
