@@ -693,7 +693,7 @@ def _instructions(tmp: Path, procs: Processes) -> int:
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *argv],
             tmp / f"callgrind-{name}.log",
         )
-        wait_http(f"http://{listen}/", timeout_s=180.0)
+        wait_http(f"http://{listen}/", timeout_s=900.0)
         run_wrk(url, stage.chat_lua, CALLGRIND_CONNECTIONS, 3.0)
         subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True,
                        capture_output=True)  # fmt: skip
