@@ -117,14 +117,13 @@ async def observe_requests(request: web.Request, handler: Handler) -> web.Stream
     the handler is done (answered before admission), write its access-log line and span."""
     sidecar = request.app[SIDECAR]
     metrics = sidecar.metrics
-    headers = request.headers
     scope = RequestScope(
-        bounded(request.method) or "",
-        bounded(request.path) or "",
-        sidecar.clock.now_ms(),
-        headers.get("traceparent"),
-        headers.get("tracestate"),
+        bounded(request.method) or "", bounded(request.path) or "", sidecar.clock.now_ms()
     )
+    if sidecar.tracer is not None:  # tracing off costs nothing here
+        headers = request.headers
+        scope.traceparent = headers.get("traceparent")
+        scope.tracestate = headers.get("tracestate")
     token = CURRENT_SCOPE.set(scope)
     metrics.in_flight += 1
     status: int = 500
