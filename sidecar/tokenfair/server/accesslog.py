@@ -223,15 +223,15 @@ def json_line(fields: Mapping[str, Any]) -> str:
 
 def served_json_line(
     time: str,
-    request_id: str | None,
-    tenant: str | None,
-    priority_class: str | None,
-    method: str | None,
+    request_id: str,
+    tenant: str,
+    priority_class: str,
+    method: str,
     route: str | None,
     model: str | None,
     status: int,
-    reason: str | None,
-    gate: str | None,
+    reason: str,
+    gate: str,
     prompt_tokens_estimated: int,
     completion_tokens_estimated: int,
     service_tokens_estimated: int,
@@ -244,21 +244,21 @@ def served_json_line(
 ) -> str:
     """The line of a request that reached admission (its :data:`SERVED_FIELDS`, in order):
     :func:`json_line` of those fields, written out in one f-string (the hot path: one a
-    request; the fields that are always integers formatted in place)."""
+    request; each field formatted by the one rule its type needs)."""
     return (
-        f'{{"time":{_string(time)},"request_id":{_json_text(request_id)},'
-        f'"tenant":{_json_text(tenant)},"priority_class":{_json_text(priority_class)},'
-        f'"method":{_json_text(method)},"route":{_json_text(route)},'
+        f'{{"time":{_string(time)},"request_id":{_string(request_id)},'
+        f'"tenant":{_string(tenant)},"priority_class":{_string(priority_class)},'
+        f'"method":{_string(method)},"route":{_json_text(route)},'
         f'"model":{_json_text(model)},"status":{status:d},'
-        f'"reason":{_json_text(reason)},"gate":{_json_text(gate)},'
+        f'"reason":{_string(reason)},"gate":{_string(gate)},'
         f'"prompt_tokens_estimated":{prompt_tokens_estimated:d},'
         f'"completion_tokens_estimated":{completion_tokens_estimated:d},'
         f'"service_tokens_estimated":{service_tokens_estimated:d},'
         f'"prompt_tokens":{_json_value(prompt_tokens)},'
         f'"completion_tokens":{_json_value(completion_tokens)},'
         f'"service_tokens_settled":{service_tokens_settled:d},'
-        f'"queue_wait_ms":{_json_value(queue_wait_ms)},"ttft_ms":{_json_value(ttft_ms)},'
-        f'"e2e_ms":{_json_value(e2e_ms)}}}'
+        f'"queue_wait_ms":{_json_float(queue_wait_ms)},"ttft_ms":{_json_value(ttft_ms)},'
+        f'"e2e_ms":{_json_float(e2e_ms)}}}'
     )
 
 
