@@ -196,8 +196,8 @@ def _config_yaml(*, overload: bool) -> str:
 
     Normal: KV, budget, wait limits and queue bounds far beyond anything a 10 s run reaches, so
     every request is admitted and dispatched at once. Overload: a budget of 2000 service tokens
-    per second (a chat request costs 11 + 4 * 16 = 75, so ~27 requests/s are admitted) and a
-    queue bound of 8: nearly every request is refused ``429`` at once.
+    per second (a chat request with its ~1 KB prompt costs a few hundred, so a few requests/s
+    are admitted) and a queue bound of 8: nearly every request is refused ``429`` at once.
     """
     import hashlib
 
