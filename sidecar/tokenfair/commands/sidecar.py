@@ -199,7 +199,9 @@ def run(args: argparse.Namespace) -> int:
     )
     loaded = load_sidecar_file(args.config)
     settings = settings_for(args, loaded.section)
-    writer = configure_access_logger(settings.access_log)
+    writer = configure_access_logger(
+        settings.access_log, flush_interval_s=settings.access_log_flush_s
+    )
     backend = make_backend(settings, CostModel.from_policy(loaded.config.policy))
     app = create_app(
         settings,
@@ -208,11 +210,12 @@ def run(args: argparse.Namespace) -> int:
         config_path=args.config,
         config_sha256=loaded.sha256,
         section=loaded.section,
+        access_writer=writer,
     )
     try:
         asyncio.run(serve(settings, app))
     finally:
         if writer is not None:
             sys.stdout.flush()  # the ready line first, then the last access lines
-            writer.wait_written(FLUSH_AT_EXIT_S)
+            writer.close(FLUSH_AT_EXIT_S)
     return 0

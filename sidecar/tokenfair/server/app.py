@@ -1,8 +1,9 @@
 """App factories: the proxy app (tenants' traffic) and the admin app, sharing one :class:`Sidecar`.
 
 Long-lived resources live in the proxy app's ``cleanup_ctx`` (set up in this order, torn down in
-reverse, each only if its setup ran): the tracer provider (with tracing on: torn down last, so
-the spans of the requests the drain ends are exported), the backend (the ``openai`` backend's
+reverse, each only if its setup ran): the access log's buffer (handed to its writer last), the
+tracer provider (with tracing on: torn down next to last, so the spans of the requests the drain
+ends are exported), the backend (the ``openai`` backend's
 connection pool to its upstream, :class:`~tokenfair.server.upstream.UpstreamClient`), the
 records file, the budget store's lease task (teardown returns the leases), the dispatcher (its
 timers; teardown drains the queue and releases every reservation), the config watcher task, the
@@ -28,7 +29,7 @@ from aiohttp.typedefs import Handler
 
 from tokenfair.config import Config
 from tokenfair.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED
-from tokenfair.server.accesslog import CURRENT_SCOPE, RequestScope, bounded
+from tokenfair.server.accesslog import CURRENT_SCOPE, LineWriter, RequestScope, bounded
 from tokenfair.server.admin import create_admin_app
 from tokenfair.server.backends import MODELS_ROUTE, ROUTES, Backend
 from tokenfair.server.errors import INTERNAL_ERROR
@@ -63,12 +64,15 @@ def create_app(
     config_sha256: str = "",
     section: object = None,
     tracer_provider: TracerProvider | None = None,
+    access_writer: LineWriter | None = None,
 ) -> web.Application:
     """The proxy app; ``app[SIDECAR]`` is its state (pass it to :func:`create_admin_app`).
     With ``config_path``, that file is watched and reloaded. With ``settings.tracing``, spans
     go to ``tracer_provider`` (the caller's: not shut down here) or, by default, to an OTLP
     exporter; :class:`~tokenfair.config.ConfigError` at once if the ``tracing`` extra
-    is not installed."""
+    is not installed. Access lines go to ``access_writer`` (``tokenfair sidecar``'s stdout;
+    its buffer is handed over at teardown) or, without one, to the ``tokenfair.access``
+    logger."""
     if settings.tracing and tracer_provider is None:
         check_tracing_available()
     sidecar = Sidecar(
@@ -78,6 +82,7 @@ def create_app(
         config_sha256=config_sha256,
         config_path=config_path,
         section=section,
+        access_writer=access_writer,
     )
     # auto_decompress off: the proxy decodes request bodies itself (proxy.decode_body), so that a
     # coding aiohttp cannot decode is the proxy's 415, not aiohttp's plain-text 400.
@@ -92,6 +97,7 @@ def create_app(
         app.router.add_post(route, completions, expect_handler=expect_continue)
     app.router.add_get(MODELS_ROUTE, list_models, allow_head=False)
     app.router.add_route("*", "/{tail:.*}", not_found, expect_handler=expect_not_found)
+    app.cleanup_ctx.append(_access_log_ctx)
     app.cleanup_ctx.append(_tracing_ctx)
     app.cleanup_ctx.append(_backend_ctx)
     app.cleanup_ctx.append(_records_ctx)
@@ -113,14 +119,13 @@ async def observe_requests(request: web.Request, handler: Handler) -> web.Stream
     the handler is done (answered before admission), write its access-log line and span."""
     sidecar = request.app[SIDECAR]
     metrics = sidecar.metrics
-    headers = request.headers
     scope = RequestScope(
-        bounded(request.method) or "",
-        bounded(request.path) or "",
-        sidecar.clock.now_ms(),
-        headers.get("traceparent"),
-        headers.get("tracestate"),
+        bounded(request.method) or "", bounded(request.path) or "", sidecar.clock.now_ms()
     )
+    if sidecar.tracer is not None:  # tracing off costs nothing here
+        headers = request.headers
+        scope.traceparent = headers.get("traceparent")
+        scope.tracestate = headers.get("tracestate")
     token = CURRENT_SCOPE.set(scope)
     metrics.in_flight += 1
     status: int = 500
@@ -153,6 +158,15 @@ def _error_code(response: web.StreamResponse) -> str | None:
     except (ValueError, KeyError, TypeError):
         return None
     return code if isinstance(code, str) else None
+
+
+async def _access_log_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Torn down last: the buffered access lines (the drain's included) go to the writer's
+    thread (``tokenfair sidecar`` waits for them to be written before it exits)."""
+    yield
+    access = app[SIDECAR].access_log
+    if access is not None and access.writer is not None:
+        access.writer.flush()
 
 
 async def _tracing_ctx(app: web.Application) -> AsyncIterator[None]:

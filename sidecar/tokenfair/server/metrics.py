@@ -400,6 +400,9 @@ _SERIES_FAMILIES: Final = (
 )
 """Every per-tenant family, in the order a scrape writes them."""
 
+CounterChild = Counter
+"""A labelled child of a ``prometheus_client`` counter (``Counter.labels(...)``)."""
+
 TenantFamilies = Callable[[], Iterator[str]]
 """A source of per-tenant families for :meth:`Metrics.add_tenant_families`: a generator of
 text chunks, each bounded in work (:func:`~tokenfair.server.exposition.family_chunks`)."""
@@ -417,6 +420,9 @@ class Metrics:
             ["status"],
             registry=registry,
         )
+        self._invalid_children: dict[int, CounterChild] = {}
+        """``invalid``'s child per status, made at its first request (a label check and a
+        lookup each time otherwise)."""
         self.reloads = Counter(
             "tokenfair_config_reloads", "Config reload attempts.", ["result"], registry=registry
         )
@@ -439,6 +445,13 @@ class Metrics:
         registry.register(_LaneCollector(self))
         registry.register(_SchedulerCollector(state))
         ProcessCollector(registry=registry)  # process_*: from /proc (Linux), at scrape time
+
+    def count_invalid(self, status: int) -> None:
+        """One more request rejected before admission with ``status``."""
+        child = self._invalid_children.get(status)
+        if child is None:
+            child = self._invalid_children[status] = self.invalid.labels(str(status))
+        child.inc()
 
     def add_tenant_families(self, source: TenantFamilies) -> None:
         """Render ``source``'s families in every scrape, after this module's."""

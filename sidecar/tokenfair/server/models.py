@@ -25,7 +25,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
     sidecar = request.app[SIDECAR]
     tenant = authenticate_request(sidecar, request)
     if tenant is None:
-        sidecar.metrics.invalid.labels("401").inc()
+        sidecar.metrics.count_invalid(401)
         return error_response(
             401, "missing or unknown API key (Authorization: Bearer <key>)", "invalid_api_key"
         )

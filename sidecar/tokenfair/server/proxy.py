@@ -142,7 +142,7 @@ log = logging.getLogger("tokenfair.sidecar")
 
 def _invalid(sidecar: Sidecar, status: int, message: str, code: str, param: str | None = None
              ) -> web.Response:  # fmt: skip
-    sidecar.metrics.invalid.labels(str(status)).inc()
+    sidecar.metrics.count_invalid(status)
     return error_response(status, message, code, param=param)
 
 

@@ -43,7 +43,7 @@ from tokenfair.config.fields import (
 from tokenfair.config.files import InputFileError, open_regular
 from tokenfair.core.cost import MAX_REQUEST_TOKENS as MAX_USAGE_TOKENS
 from tokenfair.server import fairness_signal as fairness
-from tokenfair.server.accesslog import ACCESS_LOG_FORMATS
+from tokenfair.server.accesslog import ACCESS_LOG_FORMATS, DEFAULT_FLUSH_INTERVAL_S
 from tokenfair.server.estimate import (
     MAX_EMBEDDING_DIMENSIONS,
     MAX_JSON_DEPTH,
@@ -166,7 +166,11 @@ class SidecarSettings:
     access_log: str = "json"
     """The access log's format: ``json`` (one object per line), ``text`` (logfmt) or ``off``
     (see :mod:`~tokenfair.server.accesslog`). On by default: a request that leaves no
-    line cannot be found afterwards, and a line costs ~10-20 µs of the event loop."""
+    line cannot be found afterwards, and a line costs ~8 % of a request's work
+    (``bench_sidecar.py --instructions``)."""
+    access_log_flush_s: float = DEFAULT_FLUSH_INTERVAL_S
+    """The longest an access line waits in the buffer before it goes to the writer thread
+    (0.1 s; sooner once ~64 KiB are buffered, and at exit)."""
     engine_metrics: str = "auto"
     """Read the upstream engine's own state (:mod:`~tokenfair.server.engine_state`): ``auto``
     (vLLM's metric names, else SGLang's), ``vllm``, ``sglang``, ``custom`` (the
@@ -301,6 +305,7 @@ SECTION_FIELDS: Final[FieldTable] = {
     "embeddingDimensions": ("embedding_dimensions", integer_in(1, MAX_EMBEDDING_DIMENSIONS)),
     "ietfRateLimitHeaders": ("ietf_ratelimit_headers", boolean),
     "accessLog": ("access_log", _access_log),
+    "accessLogFlushSeconds": ("access_log_flush_s", number_in(0.001, 60.0)),
     "engineMetrics": ("engine_metrics", one_of(ENGINE_METRICS_MODES)),
     "engineMetricsPath": ("engine_metrics_path", _path),
     "engineMetricsIntervalSeconds": ("engine_metrics_interval_s", number_in(0.01, 60.0)),

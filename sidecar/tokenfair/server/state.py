@@ -32,11 +32,14 @@ from tokenfair.core import (
 )
 from tokenfair.server.accesslog import (
     CURRENT_SCOPE,
+    NO_FACTS,
+    SERVED_FIELDS,
     AccessLog,
+    LineWriter,
     RequestFacts,
     RequestScope,
+    UtcTimestamps,
     bounded,
-    utc_timestamp,
 )
 from tokenfair.server.auth import Authenticator
 from tokenfair.server.backends import Backend, CostModelBackend, default_max_in_flight
@@ -112,6 +115,7 @@ class Sidecar:
         config_sha256: str = "",
         config_path: Path | None = None,
         section: object = None,
+        access_writer: LineWriter | None = None,
     ) -> None:
         if settings.prompt_estimator not in ESTIMATORS:
             raise ValueError(
@@ -162,8 +166,9 @@ class Sidecar:
         self._id_prefix = secrets.token_hex(4)
         self._next_id = 0
         self.access_log: AccessLog | None = (
-            None if settings.access_log == "off" else AccessLog(settings.access_log)
+            None if settings.access_log == "off" else AccessLog(settings.access_log, access_writer)
         )
+        self._timestamps = UtcTimestamps()
         self.tracer: RequestTracer | None = None
         """Set by the app's tracing context when tracing is on."""
         self.usage_bounds = UsageBounds(settings.model_context_tokens)
@@ -547,12 +552,12 @@ class Sidecar:
         if (access is None or not access.enabled()) and tracer is None:
             return
         try:
-            facts = facts or RequestFacts()
-            now_ms = self.clock.now_ms()
-            scale = self.clock.time_scale
-            ran = decision.dispatch_ms is not None
+            facts = facts or NO_FACTS
+            clock = self.clock
+            now_ms = clock.now_ms()
+            scale = clock.time_scale
             settled = 0
-            if ran:
+            if decision.dispatch_ms is not None:  # it ran
                 settled = (
                     decision.service_tokens
                     if actual_service_tokens is None
@@ -561,37 +566,37 @@ class Sidecar:
             e2e_model_ms = usage.e2e_ms if usage.e2e_ms is not None else now_ms - request.arrival_ms
             ttft_ms = usage.ttft_ms
             now_s = time.time()
-            fields: dict[str, Any] = {
-                "time": utc_timestamp(now_s),
-                "request_id": request.request_id,
-                "tenant": request.tenant_id,
-                "priority_class": request.priority_class,
-                "method": scope.method if scope is not None else "POST",
-                "route": bounded(facts.route) or (scope.route if scope is not None else None),
-                "model": bounded(facts.model),
-                "status": status_code,
-                "reason": reason,
-                "gate": decision.gate,
-                "prompt_tokens_estimated": request.prefill_tokens,
-                "completion_tokens_estimated": request.decode_tokens,
-                "service_tokens_estimated": decision.service_tokens,
-                "prompt_tokens": usage.prompt_tokens,
-                "completion_tokens": usage.completion_tokens,
-                "service_tokens_settled": settled,
-                "queue_wait_ms": round(decision.queue_wait_ms * scale, 3),
-                "ttft_ms": None if ttft_ms is None else round(ttft_ms * scale, 3),
-                "e2e_ms": round(e2e_model_ms * scale, 3),
-            }
+            values = (
+                self._timestamps(now_s),
+                request.request_id,
+                request.tenant_id,
+                request.priority_class,
+                scope.method if scope is not None else "POST",
+                bounded(facts.route) or (scope.route if scope is not None else None),
+                bounded(facts.model),
+                status_code,
+                reason,
+                decision.gate,
+                request.prefill_tokens,
+                request.decode_tokens,
+                decision.service_tokens,
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                settled,
+                round(decision.queue_wait_ms * scale, 3),
+                None if ttft_ms is None else round(ttft_ms * scale, 3),
+                round(e2e_model_ms * scale, 3),
+            )
         except Exception:
             log.exception("request %s: building its access log line failed", request.request_id)
             return
         if access is not None:
-            access.emit(fields)
+            access.emit_served(values)
         if tracer is not None:
             try:
                 now_ns = int(now_s * 1e9)
                 tracer.request_span(
-                    fields, request, decision, facts,
+                    dict(zip(SERVED_FIELDS, values, strict=True)), request, decision, facts,
                     start_ms=request.arrival_ms if scope is None else scope.arrival_ms,
                     now_ms=now_ms, now_ns=now_ns, time_scale=scale, scope=scope,
                 )  # fmt: skip
@@ -609,7 +614,7 @@ class Sidecar:
             now_ms = self.clock.now_ms()
             now_s = time.time()
             fields: dict[str, Any] = {
-                "time": utc_timestamp(now_s),
+                "time": self._timestamps(now_s),
                 "request_id": None,
                 "tenant": None,
                 "priority_class": None,
