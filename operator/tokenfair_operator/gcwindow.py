@@ -6,23 +6,24 @@ for are over (:class:`StartupCollection`).
 promoted into the oldest generation since the last one than a quarter of those that survived it
 (``long_lived_pending > long_lived_total / 4``), and a full collection traverses every object
 the collector tracks. Listing 10,000 TenantQuotas grows the heap from ~80,000 objects (the
-imports) to ~860,000 (the raw bodies, Kopf's per-object workers, loggers and memories, the
-index entries, the rendered document): 11 full collections, each over the whole heap so far,
-3.0 s of the operator's ~10 s of CPU until the document was published, in pauses of up to 0.7 s
-of CPU that the loaded 2-core machine stretched to 1.8-4.8 s of wall time, the loop stopped
-meanwhile (one pause made the leader miss its Lease renewal and step down in the middle of its
-first pass). Measured with ``gc.callbacks`` on the operator as ``kopf run`` runs it, issue 33.
+imports) to ~860,000 (the raw bodies, Kopf's per-object workers, loggers and memories, the index
+entries, the rendered document): 11 full collections, each over the whole heap so far, 2.6-3.1 s
+of the operator's 8.6-10.6 s of CPU until the document was published (against a stand-in API
+server, to isolate the operator's CPU), in pauses of up to 0.7 s of CPU that the loaded 2-core
+machine stretched to 1.8-4.8 s of wall time, the loop stopped meanwhile (one pause made the
+leader miss its Lease renewal and step down in the middle of its first pass). Measured with
+``gc.callbacks`` on the operator as ``kopf run`` runs it, issue 33.
 
 **How.** While the window is open, the survivors of every full collection are moved to the
 permanent generation (``gc.freeze()``, from a ``gc.callbacks`` entry), the imports' objects
 first (:meth:`StartupCollection.open`): the next full collection traverses only the objects
-promoted since, so each stays small and their sum is linear in the heap's growth (measured: 17
-full collections, 0.56 s of CPU, none over 0.06 s of CPU). Young collections (generations 0 and
-1) run as always: short-lived cycles are still freed at once, and objects without cycles are
-freed by their reference counts whatever their generation. The cost: a cycle that becomes
-garbage after it was frozen waits until the window closes, when ``gc.unfreeze()`` returns every
-frozen object to the oldest generation and the collector works as it always did (its next full
-collection traverses the whole heap once, after the document is published).
+promoted since, so each stays small and their sum is linear in the heap's growth (measured:
+16-17 full collections, 0.4-0.6 s of CPU, none over 0.06 s of CPU). Young collections
+(generations 0 and 1) run as always: short-lived cycles are still freed at once, and objects
+without cycles are freed by their reference counts whatever their generation. The cost: a cycle
+that becomes garbage after it was frozen waits until the window closes, when ``gc.unfreeze()``
+returns every frozen object to the oldest generation and the collector works as it always did
+(its next full collection traverses the whole heap once, after the document is published).
 
 **When it closes** (:meth:`StartupCollection.close`): once the listing is over and no pass asked
 for by an event runs any more (:class:`.passes.EventPasses`, which also covers a standby: its

@@ -36,8 +36,8 @@ GATHER: Final = 250
 """A round starts once this many Secrets are asked for (one read chunk,
 :data:`.reconcile.READ_CHUNK`), :data:`GATHER_S` after the last round, or at once when a pass
 claims them. Kopf indexes one object at a time: a round started whenever the last one ended took
-the few Secrets asked for meanwhile (~7 on average, 1,367 rounds for 10,000 quotas, each a
-hand-off to a thread and back: ~2 s of the loop under load)."""
+the few Secrets asked for meanwhile (~7 on average: 1,367 rounds for 10,000 quotas, each a
+hand-off to a thread and back, 2.2 s of the loop's wall time in a profile under load)."""
 GATHER_S: Final = 0.2
 """The longest a round waits for :data:`GATHER` Secrets to be asked for."""
 
