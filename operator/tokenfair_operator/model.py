@@ -7,7 +7,6 @@ a Kopf body and tests build them directly.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, Self
@@ -39,8 +38,20 @@ def secret_name(policy_name: str) -> str:
 
 
 def _plain(value: Mapping[str, Any] | None) -> dict[str, Any]:
-    """A deep plain-dict copy, so a snapshot never aliases a live Kopf body."""
-    return copy.deepcopy(dict(value or {}))
+    """A deep plain-dict copy, so a snapshot never aliases a live Kopf body. A body is decoded
+    JSON (mappings, lists, scalars): copied as such, ~3x faster than ``copy.deepcopy`` (which
+    keeps a memo of every object it met), once per indexed object and watch event."""
+    return {str(k): _json_copy(v) for k, v in (value or {}).items()}
+
+
+def _json_copy(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _json_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_copy(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_json_copy(v) for v in value)
+    return value
 
 
 @dataclass(frozen=True, slots=True)

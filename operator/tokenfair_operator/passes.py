@@ -139,6 +139,8 @@ class EventPasses:
                 await asyncio.sleep(min(loop.time() - started, MAX_SPACING_S))
         finally:
             self._running.pop(key, None)
+            # The start-up passes are over: the collector back to its usual work (.gcwindow).
+            runtime.close_gc_window_if_settled(self.memo, bool(self._running))
 
     async def drain(self) -> None:
         """Return once no pass is running or asked for (tests)."""

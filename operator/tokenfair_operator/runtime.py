@@ -18,6 +18,7 @@ from typing import Final, TypeVar
 
 import kopf
 
+from .gcwindow import StartupCollection
 from .indexes import Indexes
 from .leader import LeaderElector
 from .listing import Listing
@@ -39,6 +40,9 @@ one dict, created by the startup hook, shared by every object's copy of the memo
 LISTING: Final = "listing"
 """Whether Kopf's initial listing is over (:class:`.listing.Listing`); one object, created by
 the startup hook, shared by every object's copy of the memo."""
+GC_WINDOW: Final = "gc_window"
+"""The start-up garbage collection window (:class:`.gcwindow.StartupCollection`): opened by the
+startup hook, closed once the listing and the passes it asked for are over."""
 KEEPER: Final = "cert_keeper"
 TRUST: Final = "trust_publisher"
 
@@ -96,3 +100,14 @@ def generations(memo: kopf.Memo) -> Generations:
     """The shared record of :data:`GENERATIONS` (:func:`shared`)."""
     found: Generations = shared(memo, GENERATIONS, dict)
     return found
+
+
+def close_gc_window_if_settled(memo: kopf.Memo, passes_running: bool) -> None:
+    """Close the start-up garbage collection window (:data:`GC_WINDOW`) once Kopf's listing
+    is over and no pass asked for by an event runs (``passes_running`` False)."""
+    window = memo.get(GC_WINDOW)
+    if not isinstance(window, StartupCollection) or not window.is_open or passes_running:
+        return
+    found = memo.get(LISTING)
+    if isinstance(found, Listing) and found.is_complete:
+        window.close()

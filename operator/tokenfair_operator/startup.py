@@ -32,6 +32,7 @@ from aiohttp import web
 
 from . import runtime
 from .cert_bootstrap import own_certificates
+from .gcwindow import StartupCollection
 from .indexes import Indexes
 from .kube import KubeApi, api_client
 from .leader import LeaderElector
@@ -71,6 +72,12 @@ async def _start(
     memo: kopf.Memo,
     logger: kopf.Logger,
 ) -> None:
+    # Full collections freeze their survivors until the listing and its passes are over (the
+    # heap grows by every listed object meanwhile, .gcwindow); closed by stop() at the latest.
+    window = memo.get(runtime.GC_WINDOW)
+    if not isinstance(window, StartupCollection):
+        window = memo[runtime.GC_WINDOW] = StartupCollection()
+    window.open()
     api = api_client()
     memo[runtime.CONFIG] = config
     memo[runtime.INDEXES] = indexes
@@ -114,6 +121,9 @@ async def stop(memo: kopf.Memo) -> None:
     reconciler = memo.get(runtime.RECONCILER)
     if isinstance(reconciler, Reconciler):
         await reconciler.close()  # queued status writes: the next leader's pass writes them
+    window = memo.get(runtime.GC_WINDOW)
+    if isinstance(window, StartupCollection):
+        window.close("stopping")
 
 
 async def _elect(

@@ -47,6 +47,7 @@ from tokenfair_operator import (
     QuotaView,
     conditions_for,
     policy_status,
+    prefetch,
     quota_status,
     reconcile,
     render_config,
@@ -57,6 +58,7 @@ from tokenfair_operator.kube import NotLeader
 from tokenfair_operator.model import SidecarView
 from tokenfair_operator.passes import news
 from tokenfair_operator.reconcile import Reconciler, Written
+from tokenfair_operator.render import KeyLookup
 from tokenfair_operator.resync import prune_generations
 from tokenfair_operator.status import differs, orphan_verdict
 
@@ -766,3 +768,28 @@ def test_generations_of_objects_no_index_holds_are_forgotten() -> None:
 
     assert set(memo[runtime.GENERATIONS]) == {"pu", "uid-1"}
     assert all(c[runtime.GENERATIONS] is memo[runtime.GENERATIONS] for c in copies.values())
+
+
+async def test_the_listing_s_key_reads_gather_a_chunk_per_round() -> None:
+    """Kopf indexes one quota at a time: the background read waits for a chunk's worth of
+    Secrets (``prefetch.GATHER``) before a round, rather than a round (a hand-off to a thread and
+    back) per few Secrets; a pass claiming them reads the rest at once."""
+    rounds: list[int] = []
+
+    async def read(secrets: list[tuple[str, str]]) -> list[KeyLookup]:
+        rounds.append(len(secrets))
+        await asyncio.sleep(0)
+        return [("digest",) for _ in secrets]
+
+    gathering = prefetch.KeyPrefetch(read)  # time never ends a wait here
+    wanted = [("ns", f"key-{i}") for i in range(prefetch.GATHER + 50)]
+    for secret in wanted:  # as Kopf indexes them, the loop turning between two
+        gathering.ask([secret])
+        await asyncio.sleep(0)
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert len(rounds) == 1  # one round, once GATHER were asked for (a few more came meanwhile)
+    assert rounds[0] >= prefetch.GATHER
+    claimed = await gathering.claim(wanted)  # the rest waited for more, or for a pass
+    assert len(rounds) == 2
+    assert sum(rounds) == len(wanted) == len(claimed)
