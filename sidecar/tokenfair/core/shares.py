@@ -219,6 +219,17 @@ class DemandRate:
             return self._value
         return self._value * math.exp(-elapsed_ms / tau_ms)
 
+    def ms_until_below(self, rate: float, now_ms: float, tau_ms: float) -> float:
+        """How long until :meth:`rate` falls below ``rate`` with nothing added:
+        ``tau * ln(rate(now) / rate)`` (0 if it is below already; infinite for a ``rate`` of
+        0 or less, which a decay never goes below)."""
+        if rate <= 0.0:
+            return math.inf
+        current = self.rate(now_ms, tau_ms)
+        if current < rate:
+            return 0.0
+        return tau_ms * math.log(current / rate)
+
 
 class ResidualWork:
     """Dispatched work not yet done, as a fluid served at ``rate`` service tokens per ms.

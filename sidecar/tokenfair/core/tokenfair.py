@@ -426,6 +426,29 @@ class TokenfairScheduler(Scheduler):
         most = batch - self._batch_floor_slots
         return batch - (reserve if reserve < most else most)
 
+    def _batch_slots_grow_ms(self, now_ms: float) -> float | None:
+        """When :meth:`batch_slots` next exceeds the batch requests running, with nothing
+        admitted meanwhile; None if it does now or never will by time alone.
+
+        With ``k = S - batch_running``, the batch lane may start one more once ``reserve < k``.
+        Held back now, the floor's cap ``S - floor`` is at least ``k``, and it does not move
+        with time: only ``1 + round(rho * S) < k`` can come, i.e. ``rho * S < k - 1.5``, when
+        the interactive demand rate falls below ``(k - 1.5) * R / S`` (never for ``k < 2``;
+        :meth:`DemandRate.ms_until_below`). Returned a little after that instant (``1e-9 tau``,
+        and at least one ulp past ``now_ms``), so the rounding in :meth:`batch_slots` has moved
+        when the caller looks."""
+        if self._batch_running < self.batch_slots(now_ms):
+            return None
+        batch = self.policy.max_batch_requests
+        k = batch - self._batch_running
+        tau_ms = self._wait_limits[1]
+        wait_ms = self._interactive_demand.ms_until_below(
+            (k - 1.5) * self._rate / batch, now_ms, tau_ms
+        )
+        if wait_ms == math.inf:
+            return None
+        return max(now_ms + wait_ms + 1e-9 * tau_ms, math.nextafter(now_ms, math.inf))
+
     def _engine_wait_ms(self, now_ms: float) -> float:
         """How long until the engine takes a request sent now: a serial engine's residual work,
         a batching engine's wait for a slot."""
@@ -950,6 +973,13 @@ class TokenfairScheduler(Scheduler):
 
     def next_wakeup_ms(self, now_ms: float) -> float | None:
         wakeup = super().next_wakeup_ms(now_ms)
+        # Batch work held back by the interactive reserve starts when the reserve shrinks, as
+        # the interactive demand fades: time alone moves it, so the dispatcher must wake then
+        # (not only at an arrival, an end or the work's own deadline, where it would expire).
+        if self._engine is not None and self.queued_count[_BATCH]:
+            grows_ms = self._batch_slots_grow_ms(now_ms)
+            if grows_ms is not None and (wakeup is None or grows_ms < wakeup):
+                wakeup = grows_ms
         if self.policy.lend_idle_capacity:
             return wakeup  # a head short of budget borrows when nothing else can start
         for lane in self._lanes:

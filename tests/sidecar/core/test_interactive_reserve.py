@@ -13,6 +13,9 @@ Behaviours under test:
   admitted and dispatched at once (the flood held every slot before, and it was refused).
 - The batch lane's predicted wait drains its queue at ``X(batch_slots)``, not at ``X(S)``,
   and waits for the engine's next end while it holds every slot it may.
+- Batch work held back by the reserve is woken for when the reserve shrinks as the interactive
+  demand fades (``next_wakeup_ms``): a dispatcher that sleeps until its next wake-up starts it
+  then, instead of finding it at its deadline and expiring it.
 """
 
 from __future__ import annotations
@@ -206,3 +209,32 @@ def test_the_batch_lanes_wait_is_priced_at_the_throughput_of_its_slots() -> None
     alone = scheduler(max_batch_requests=4, batch_throughput_gain=4.0, service_tokens_per_ms=40.0)
     assert flood(alone, 3, 2000, 500) == ["b0", "b1", "b2"]
     assert alone.predicted_wait_ms("rag", LANE_BATCH, 4000, 100.0) == pytest.approx(300.0)
+
+
+def test_batch_work_held_by_the_reserve_starts_when_the_reserve_shrinks() -> None:
+    # Heavy interactive demand on record at 0 ms (all of it ended): the reserve keeps 7 of the
+    # 8 slots. Three batch requests of 10,000 service tokens arrive; one starts, two wait.
+    fair = scheduler(max_batch_requests=8)
+    admit_interactive(fair, 40, 2000, 500)
+    assert fair.batch_slots(0.0) == 1
+    for i in range(3):
+        assert fair.submit(request(f"b{i}", "rag", 0.0, 2000, 2000), 0.0) is None
+    assert fill(fair, 0.0) == ["b0"]
+    # The dispatcher's loop: sleep until the next wake-up, expire what is due, dispatch.
+    now_ms, started, expired = 0.0, [], []
+    while fair.books().queued_requests:
+        wake_ms = fair.next_wakeup_ms(now_ms)
+        assert wake_ms is not None
+        assert wake_ms > now_ms
+        slots_before = fair.batch_slots(now_ms)
+        now_ms = wake_ms
+        expired += [decision.request_id for decision in fair.expire(now_ms)]
+        newly = fill(fair, now_ms)
+        if newly:
+            # Woken the moment the reserve shrank (and not merely at some later time).
+            assert fair.batch_slots(now_ms) > slots_before
+            assert fair.batch_slots(now_ms - 1e-3) == slots_before
+        started += newly
+    assert expired == []
+    assert started == ["b1", "b2"]
+    assert now_ms < fair.policy.max_batch_wait_ms  # before the first deadline
