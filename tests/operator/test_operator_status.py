@@ -781,7 +781,8 @@ async def test_the_listing_s_key_reads_gather_a_chunk_per_round() -> None:
         await asyncio.sleep(0)
         return [("digest",) for _ in secrets]
 
-    gathering = prefetch.KeyPrefetch(read)  # time never ends a wait here
+    # No gathering wait ends by time here (a loaded machine may stall the loop past GATHER_S).
+    gathering = prefetch.KeyPrefetch(read, gather_s=3600.0)
     wanted = [("ns", f"key-{i}") for i in range(prefetch.GATHER + 50)]
     for secret in wanted:  # as Kopf indexes them, the loop turning between two
         gathering.ask([secret])

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import signal
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -216,6 +217,10 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(serve(settings, app))
     finally:
         if writer is not None:
+            # The loop's SIGHUP handler (reopen the logs) went with the loop: a logrotate's
+            # SIGHUP now would end the process before the last access lines are out.
+            if hasattr(signal, "SIGHUP"):
+                signal.signal(signal.SIGHUP, signal.SIG_IGN)
             sys.stdout.flush()  # the ready line first, then the last access lines
             writer.close(FLUSH_AT_EXIT_S)
     return 0

@@ -48,7 +48,19 @@ from tokenfair.sim.fairness import jain_index
 from tokenfair.sim.fluid import FluidLane, FluidRequest
 
 OTHER: Final = "other"
-"""The name every tenant not among the top ones is summed under (and every unknown tenant)."""
+"""The name every tenant not among the top ones is summed under (and every unknown tenant);
+``other~`` (``~`` added until no tenant has it) if a tenant of the config is named ``other``,
+so a metric never carries two series of one name (:func:`rest_name`)."""
+
+
+def rest_name(tenant_ids: set[str]) -> str:
+    """:data:`OTHER`, with ``~`` added while a tenant of ``tenant_ids`` has that name."""
+    name = OTHER
+    while name in tenant_ids:
+        name += "~"
+    return name
+
+
 DEFAULT_WINDOW_MS: Final = 300_000.0
 DEFAULT_BUCKETS: Final = 10
 DEFAULT_TOP_TENANTS: Final = 10
@@ -170,9 +182,10 @@ class FluidWindow:
         self._names: dict[str, list[str]] = {}
         self._index: dict[str, dict[str, int]] = {}
         self._lanes: dict[str, _Lane] = {}
+        rest = rest_name({t.tenant_id for t in config.tenants})
         for lane in PRIORITY_CLASSES:
             members = [t for t in config.tenants if t.priority_class == lane]
-            self._names[lane] = [t.tenant_id for t in members] + [OTHER]
+            self._names[lane] = [t.tenant_id for t in members] + [rest]
             self._index[lane] = {t.tenant_id: i for i, t in enumerate(members)}
             self._lanes[lane] = _Lane([t.weight for t in members] + [1.0])
         self._pending: list[_Event] = []
@@ -334,7 +347,7 @@ class FluidWindow:
         rest = [i for i in active if i not in shown]
         rest.append(last)
         other = TenantWindow(
-            OTHER, math.fsum(received[i] for i in rest), math.fsum(reference[i] for i in rest)
+            names[last], math.fsum(received[i] for i in rest), math.fsum(reference[i] for i in rest)
         )
         rows = [TenantWindow(names[i], received[i], reference[i]) for i in top]
         if other.received_tokens or other.reference_tokens:

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from tokenfair.config import Config, PolicyConfig, TenantConfig
 from tokenfair.core import Decision
 from tokenfair.sim.fairness import fairness_report
-from tokenfair.sim.fluid_window import OTHER, FluidWindow
+from tokenfair.sim.fluid_window import OTHER, FluidWindow, rest_name
 from tokenfair.sim.scenarios import SCENARIOS
 from tokenfair.sim.simulator import simulate
 
@@ -220,6 +220,27 @@ def test_only_the_top_tenants_are_named_and_the_rest_is_other() -> None:
     assert lane.jain is not None
     assert lane.worst is not None
     assert lane.worst.tenant_id not in names[:-1]  # a tenant summed into `other`
+
+
+def test_a_tenant_named_other_keeps_its_own_row() -> None:
+    # Tenants "other", "a" and "b", the top one named: the rest is summed under "other~", so
+    # no two rows (and no two metric series) share a name.
+    config = Config(
+        PolicyConfig(service_tokens_per_ms=10.0),
+        tuple(TenantConfig(name, 1.0, 10**9, 10**9, "batch") for name in ("other", "a", "b")),
+    )
+    window = FluidWindow(config, window_ms=1e6, buckets=1, top_tenants=1, settle_ms=0.0)
+    for k, name in enumerate(("other", "a", "b")):
+        window.observe(
+            Decision(f"r{k}", name, "batch", 200, "admitted", "dispatch", 100, 0.0,
+                     dispatch_ms=10.0 * k),
+            100 + 50 * k,
+        )  # fmt: skip
+    window.advance(INF)
+    names = [row.tenant_id for row in window.snapshot().lanes["batch"].tenants]
+    assert names == ["b", "other~"]
+    assert rest_name({"other", "other~"}) == "other~~"
+    assert rest_name({"a"}) == OTHER
 
 
 def test_pending_decisions_stay_bounded_and_late_ones_are_counted() -> None:
