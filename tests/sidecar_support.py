@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp.test_utils import TestClient
 
 from tokenfair.config import (
@@ -85,6 +87,23 @@ async def books_when_settled(sidecar: Sidecar, budget_s: float = 5.0) -> Books:
         if books == ZERO_BOOKS or loop.time() > deadline:
             return books
         await asyncio.sleep(0.005)
+
+
+async def until_ready(
+    process: subprocess.Popen[bytes], admin: str, session: aiohttp.ClientSession
+) -> None:
+    """Wait until a ``tokenfair sidecar`` child answers ``admin``'s ``/readyz`` with 200 (its
+    stderr in the failure if it exits first; an ``AssertionError`` after ~30 s of tries)."""
+    for _ in range(600):
+        assert process.poll() is None, process.stderr.read().decode()  # type: ignore[union-attr]
+        try:
+            async with session.get(f"{admin}/readyz") as response:
+                if response.status == 200:
+                    return
+        except aiohttp.ClientConnectionError:
+            pass
+        await asyncio.sleep(0.05)
+    raise AssertionError("the sidecar did not become ready")
 
 
 def completion_body(prompt_tokens: int, max_tokens: int, **extra: Any) -> dict[str, Any]:

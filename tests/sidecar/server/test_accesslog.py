@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -35,7 +34,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from loopback_support import free_ports
 from repo_paths import REPO_ROOT
-from sidecar_support import CHAT, ClientFactory, completion_body, keyed_config, start, wait_for
+from sidecar_support import (
+    CHAT,
+    ClientFactory,
+    completion_body,
+    keyed_config,
+    start,
+    until_ready,
+    wait_for,
+)
 
 from tokenfair.config import config_to_document
 from tokenfair.server.accesslog import (
@@ -263,15 +270,7 @@ async def test_a_sidecar_stopped_by_sigterm_writes_every_line_first(tmp_path: Pa
     try:
         ids = []
         async with aiohttp.ClientSession() as session:
-            for _ in range(600):
-                try:
-                    async with session.get(f"http://127.0.0.1:{admin}/readyz") as ready:
-                        if ready.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                assert process.poll() is None, process.stderr.read().decode()  # type: ignore[union-attr]
-                await asyncio.sleep(0.05)
+            await until_ready(process, f"http://127.0.0.1:{admin}", session)
             for _ in range(20):
                 async with session.post(
                     f"http://127.0.0.1:{proxy}/v1/completions",

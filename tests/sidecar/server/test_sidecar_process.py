@@ -36,7 +36,7 @@ import yaml
 from aiohttp import web
 from loopback_support import free_ports
 from raw_upstream_support import connection_cut
-from sidecar_support import CHAT, keyed_config
+from sidecar_support import CHAT, keyed_config, until_ready
 
 from tokenfair.config import PolicyConfig, config_to_document
 from tokenfair.sim.records import read_trace
@@ -184,19 +184,6 @@ def start_sidecar(
     )
 
 
-async def until_ready(sidecar: SidecarProcess, session: aiohttp.ClientSession) -> None:
-    for _ in range(300):
-        assert sidecar.process.poll() is None, sidecar.process.stderr.read().decode()  # type: ignore[union-attr]
-        try:
-            async with session.get(f"{sidecar.admin}/readyz") as response:
-                if response.status == 200:
-                    return
-        except aiohttp.ClientConnectionError:
-            pass
-        await asyncio.sleep(0.05)
-    raise AssertionError("the sidecar did not become ready")
-
-
 def stop(sidecar: SidecarProcess) -> None:
     if sidecar.process.poll() is None:
         sidecar.process.send_signal(signal.SIGTERM)
@@ -214,7 +201,7 @@ async def _running(tmp_path: Path, upstream: str, session: aiohttp.ClientSession
                    ) -> SidecarProcess:  # fmt: skip
     sidecar = start_sidecar(tmp_path, upstream, **options)
     try:
-        await until_ready(sidecar, session)
+        await until_ready(sidecar.process, sidecar.admin, session)
     except BaseException:
         stop(sidecar)
         raise
