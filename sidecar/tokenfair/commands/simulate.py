@@ -483,6 +483,11 @@ def format_table(
             f"{name}: admitted {summary['admitted_requests']}/{summary['total_requests']}, "
             f"shed {summary['shed_429_requests']} {summary['shed_reasons'] or ''}".rstrip()
         )
+        if "would_refuse_requests" in summary:  # shadow mode: served, but enforcement would not
+            lines.append(
+                f"  shadow mode: would refuse {summary['would_refuse_requests']} "
+                f"{summary['would_refuse_reasons']} (served)"
+            )
         peak_kv = summary["peak_kv_occupancy_ratio"]  # None: not measured (a live run)
         lines.append(
             f"  interactive TTFT p50 {summary['interactive_p50_ttft_ms']:.2f} ms, "

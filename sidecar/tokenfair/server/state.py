@@ -509,6 +509,9 @@ class Sidecar:
             counts["backend_errors"] += 1
         else:
             counts["served"] += 1
+        if decision.would_refuse:
+            series.count_would_refuse(decision.reason)
+            counts["would_refuse"] += 1
         if decision.dispatch_ms is not None:
             counts["admitted"] += 1
             settled = (
