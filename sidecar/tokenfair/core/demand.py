@@ -99,7 +99,12 @@ class DemandGauge:
         return self._offered_tokens[lane]
 
     def ratio(self, lane: int, queued_tokens: int, now_ms: float) -> float:
-        """The lane's demand over capacity now, given its queued service tokens."""
-        backlog = queued_tokens + self._running[lane]
+        """The lane's demand over capacity now, given its queued service tokens (the running
+        ones are this gauge's, from :meth:`started` and :meth:`ended`)."""
+        return self.ratio_of_backlog(lane, queued_tokens + self._running[lane], now_ms)
+
+    def ratio_of_backlog(self, lane: int, backlog_tokens: int, now_ms: float) -> float:
+        """The lane's demand over capacity now, given its queued and running service tokens
+        (a caller that reads both off the scheduler: the sidecar, at a scrape)."""
         offered = self.offered_tokens(lane, now_ms)
-        return max(backlog, offered) / (self.rate_per_ms * self._windows_ms[lane])
+        return max(backlog_tokens, offered) / (self.rate_per_ms * self._windows_ms[lane])

@@ -394,4 +394,6 @@ def begin(sidecar: Sidecar, request: Request) -> Lifecycle:
     admission_ms = sidecar.clock.now_ms()  # before submit: it may dispatch at once
     lifecycle = sidecar.dispatcher.submit(request)
     lifecycle.admission_ms = admission_ms
+    refused = lifecycle.phase is Phase.REFUSED or lifecycle.phase is Phase.BESIDE
+    sidecar.admission(request, lifecycle.decision if refused else None)
     return lifecycle

@@ -157,6 +157,26 @@ class _SchedulerCollector(Collector):
         yield info
 
 
+class DemandCollector(Collector):
+    """``tokenfair_demand_ratio{lane}``: the scaling signal (:mod:`tokenfair.core.demand`;
+    docs/observability.md#the-scaling-signal), read at scrape time: O(requests held) for the
+    running ones, O(1) amortised for the window."""
+
+    def __init__(self, ratios: Callable[[], dict[Lane, float]]) -> None:
+        self._ratios = ratios
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "tokenfair_demand_ratio",
+            "Demand over capacity in service tokens: max(queued + running, offered in the last "
+            "wait limit) / (serviceTokensPerMs * wait limit). Above 1: more replicas needed.",
+            labels=["lane"],
+        )
+        for lane, ratio in self._ratios().items():
+            family.add_metric([LANE_NAMES[lane]], ratio)
+        yield family
+
+
 class LatencyHistogram:
     """A histogram over :data:`LATENCY_BUCKETS_S`, or over :data:`E2E_BUCKETS_S` with ``e2e``
     (Prometheus semantics: a value lands in every bucket whose upper bound ``le`` is >= it)."""
