@@ -78,6 +78,12 @@ async def run_sequence(
         await response.read()
         statuses.append(response.status)
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+    status = await (await clients.admin.get("/status")).json()
+    assert status["enforcement"] == enforcement
+    # (two refusals for the budget and one over the burst)
+    assert status["tenants"]["tenant_chat_pro"]["counts"].get("would_refuse", 0) == (
+        3 if enforcement == "Shadow" else 0
+    )
     metrics = await (await clients.admin.get("/metrics")).text()
     return statuses, records_of(clients.sidecar), metrics
 
