@@ -123,6 +123,12 @@ def replay_pool(
     signal)`` of the pool every ``sample_every_ms`` (default: at every autoscaler tick)."""
     if (fixed is None) == (autoscaler is None):
         raise ValueError("replay_pool: give exactly one of fixed and autoscaler")
+    if config.policy.max_batch_requests != 1:
+        raise ValueError(
+            "--autoscale: the pool is modelled as serial servers (maxBatchRequests 1; got "
+            f"{config.policy.max_batch_requests}): replay with --set maxBatchRequests=1 and "
+            "serviceTokensPerMs at the engine's full-batch throughput"
+        )
     replicas = fixed if fixed is not None else autoscaler.min_replicas  # type: ignore[union-attr]
     if replicas < 1:
         raise ValueError(f"replicas: must be >= 1 (got {replicas})")

@@ -133,6 +133,8 @@ def test_the_cli_reports_both_runs_and_names_bad_flags() -> None:
         (["--autoscale", "1:2", "--slo-miss-budget", "1"], "--slo-miss-budget: must be in"),
         (["--autoscale", "1:2", "--policy", "tokenfair", "--policy", "tokenfair"],
          "--autoscale: give one --policy"),
+        (["--autoscale", "1:2", "--set", "maxBatchRequests=4"],
+         "--autoscale: the pool is modelled as serial servers (maxBatchRequests 1"),
     ]:  # fmt: skip
         done = run_cli("--scenario", "load-step", *flags)
         assert done.returncode != 0
