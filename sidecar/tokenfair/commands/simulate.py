@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from tokenfair.commands import add_format_flag, progress
+from tokenfair.commands import add_format_flag, progress, simulate_pool
 from tokenfair.config import Config, apply_overrides, load_tenants_file
 from tokenfair.core import (
     DEFAULT_POLICY,
@@ -99,6 +99,7 @@ def register(subparsers: Any) -> None:
         "and windowed share per tenant, one column per policy",
     )
     progress.add_flag(parser)
+    simulate_pool.add_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -351,6 +352,10 @@ def fold(
 
 
 def run(args: argparse.Namespace) -> int:
+    simulate_pool.check_arguments(args)
+    if args.replicas is not None:
+        config, pool_arrivals = _pool_workload(args)
+        return simulate_pool.run_pool(args, config, pool_arrivals, args.policy or [DEFAULT_POLICY])
     records = _RecordsFile(args.records) if args.records else None
     committed = False
     try:
@@ -464,6 +469,27 @@ def _run(args: argparse.Namespace, records: _RecordsFile | None) -> _Replayed:
     }
     title = f"tokenfair simulate {source}: {count} requests"
     return _Replayed(report, comparison, fairness, results, title)
+
+
+def _pool_workload(args: argparse.Namespace) -> tuple[Config, list[Arrival]]:
+    """The workload of a pool replay, held sorted in memory (it is routed before it runs)."""
+    if args.scenario:
+        if args.tenants:
+            config = load_tenants_file(args.tenants)
+            _, requests = SCENARIOS[args.scenario]()
+        else:
+            config, requests = SCENARIOS[args.scenario]()
+        config = apply_overrides(config, args.overrides)
+        arrivals = _unique([(r, None, None) for r in requests])
+        arrivals.sort(key=lambda a: (a[0].arrival_ms, a[0].request_id))
+        return config, arrivals
+    if not args.tenants:
+        raise ValueError("--trace needs --tenants FILE.yaml (the quotas to replay against)")
+    config = apply_overrides(load_tenants_file(args.tenants), args.overrides)
+    trace = _Trace(args.trace, config, validate_first=False)
+    trace.hold_sorted()
+    held, _ = trace.arrivals()
+    return config, list(held)
 
 
 def _unique(arrivals: list[Arrival]) -> list[Arrival]:

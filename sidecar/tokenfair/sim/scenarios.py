@@ -8,10 +8,14 @@ document-extraction requests (3200 prompt + 350 output tokens, one every 10 ms f
 ``starvation``: the interactive tenants keep the server over-full for 20 s (about 1.3x its
 capacity) while batch work queues; with strict priority batch would wait forever, with
 ``batchMinShare`` it gets that share of service.
+
+``pool-skewed`` and ``pool-weights`` are for ``tokenfair simulate --replicas 4`` (docs/fairness.md
+§9): a tenant pinned to one replica against a flooder on all, and 4:1 weights spread over all.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Final
 
@@ -69,7 +73,50 @@ def starvation(duration_ms: int = 20_000) -> tuple[Config, list[Request]]:
     return config, requests
 
 
+def _poisson(rng: random.Random, tenant_id: str, gap_ms: float, duration_ms: int) -> list[Request]:
+    """Chats of 280+90 tokens arriving at exponential gaps of mean ``gap_ms`` (3 digits)."""
+    requests: list[Request] = []
+    at_ms = 0.0
+    while True:
+        at_ms += rng.expovariate(1.0 / gap_ms)
+        if at_ms >= duration_ms:
+            return requests
+        number = len(requests)
+        requests.append(
+            Request(f"{tenant_id}-{number:05d}", tenant_id, round(at_ms, 3), 280, 90, "interactive")
+        )
+
+
+def pool_skewed(duration_ms: int = 20_000) -> tuple[Config, list[Request]]:
+    """For a pool of 4 (``--replicas 4 --routing skewed``): ``tenant_pinned`` (the first
+    tenant, so the default ``--pinned``) offers about one replica's capacity, ``tenant_flood``
+    about 4.7 replicas'; budgets never bind. Seeded: the same requests every run."""
+    rng = random.Random(30)
+    tenants = (
+        TenantConfig("tenant_pinned", 1.0, 10**9, 10**7, "interactive"),
+        TenantConfig("tenant_flood", 1.0, 10**9, 10**7, "interactive"),
+    )
+    requests = _poisson(rng, "tenant_pinned", 10.0, duration_ms)
+    requests += _poisson(rng, "tenant_flood", 3.0, duration_ms)
+    return build_config(PolicyConfig(), tenants), requests
+
+
+def pool_weights(duration_ms: int = 20_000) -> tuple[Config, list[Request]]:
+    """For a pool of 4: ``tenant_heavy`` (weight 4) and ``tenant_light`` (weight 1) each offer
+    about 4.7 replicas' capacity; budgets never bind. Seeded."""
+    rng = random.Random(31)
+    tenants = (
+        TenantConfig("tenant_heavy", 4.0, 10**9, 10**7, "interactive"),
+        TenantConfig("tenant_light", 1.0, 10**9, 10**7, "interactive"),
+    )
+    requests = _poisson(rng, "tenant_heavy", 3.0, duration_ms)
+    requests += _poisson(rng, "tenant_light", 3.0, duration_ms)
+    return build_config(PolicyConfig(), tenants), requests
+
+
 SCENARIOS: Final[dict[str, Callable[[], tuple[Config, list[Request]]]]] = {
     "noisy-neighbor": noisy_neighbor,
     "starvation": starvation,
+    "pool-skewed": pool_skewed,
+    "pool-weights": pool_weights,
 }
