@@ -30,6 +30,7 @@ from tokenfair.core import (
     Scheduler,
     make_scheduler,
 )
+from tokenfair.core.tokenfair import TokenfairScheduler
 from tokenfair.server.accesslog import (
     CURRENT_SCOPE,
     NO_FACTS,
@@ -61,6 +62,7 @@ from tokenfair.server.estimate import ESTIMATORS, PromptEstimator
 from tokenfair.server.fairness_signal import FairnessSignal
 from tokenfair.server.metrics import LANE_NAMES, FluidFairnessCollector, LaneSeries, Metrics
 from tokenfair.server.pool import BudgetPool
+from tokenfair.server.pool_fairness import PoolFairness
 from tokenfair.server.record_writer import (
     NO_USAGE,
     RecordWriter,
@@ -157,6 +159,17 @@ class Sidecar:
             )
             self.metrics.registry.register(self.pool.collector())
             self.metrics.add_tenant_families(self.pool.tenant_families)
+        self.pool_fairness: PoolFairness | None = None
+        """Pool-wide fair shares through the same store (``budgetStore.fairness``); None
+        without a store, with ``fairness: false``, or under a policy that is not tokenfair."""
+        if (
+            self.pool is not None
+            and config.budget_store is not None
+            and config.budget_store.fairness
+            and isinstance(self.scheduler, TokenfairScheduler)
+        ):
+            self.pool_fairness = PoolFairness(config.budget_store, self.scheduler, self.pool.client)
+            self.metrics.registry.register(self.pool_fairness.collector())
         self.budget_store_notice = ""
         """Why the budgets enforced differ from the document's until a restart ("" if not):
         a reload added, removed or moved the budget store (:meth:`_enforceable`)."""
@@ -241,6 +254,8 @@ class Sidecar:
         self._enforce(enforced)
         if self.pool is not None:
             self.pool.adopt(enforced)
+        if self.pool_fairness is not None and enforced.budget_store is not None:
+            self.pool_fairness.adopt(enforced.budget_store)
         if notice:
             log.warning("config reload: %s", notice)
         self.budget_store_notice = notice
