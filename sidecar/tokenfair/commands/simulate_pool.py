@@ -159,9 +159,12 @@ def pool_figures(config: Config, outcome: PoolReplay, summary: dict[str, Any]) -
             "of_max_min": round(served / share, 4) if share > 0 else None,
             "replicas": [r for r in range(replicas) if outcome.offered[r].get(tenant_id)],
         }
+    ratios = [row["of_max_min"] for row in rows.values() if row["of_max_min"] is not None]
+    jain = sum(ratios) ** 2 / (len(ratios) * sum(r * r for r in ratios)) if ratios else None
     dispatched = sum(row["admitted"] for row in summary["tenants"].values())
     return {
         "tenants": rows,
+        "jain_of_max_min": None if jain is None else round(jain, 4),
         "store_calls": outcome.store_calls,
         "requests": outcome.requests,
         "admitted_requests": dispatched,
@@ -183,7 +186,8 @@ def format_pool(pool: dict[str, Any]) -> str:
     for name, run in pool["runs"].items():
         lines.append(
             f"{name}: store calls {run['store_calls']} for {run['requests']} requests "
-            f"({run['store_calls_per_request']:g} per request)"
+            f"({run['store_calls_per_request']:g} per request); Jain index of the tenants' "
+            f"service / max-min share {run['jain_of_max_min']}"
         )
         lines.append(
             f"  {'tenant':<22}{'weight':>7}{'served':>12}{'max-min':>12}{'of max-min':>12}"

@@ -89,7 +89,8 @@ class BudgetStoreConfig:
     each sidecar is fair on its own traffic only, as without a store."""
     fairness_sync_ms: float = 500.0
     """A sidecar sends its batch of service counters (and reads the others') at least this
-    often while it has service to send or two tenants of a lane to order (real ms)."""
+    often while it has service to send or two tenants of a lane to order (model ms, like
+    ``lease_ms``: real ms at the sidecar's default ``--time-scale 1``)."""
     fairness_lease_tokens: int = 20_000
     """... and as soon as it gave this many service tokens since its last batch: the ``L`` of
     the pool-wide bound (docs/fairness.md §9.2; smaller: a tighter bound, more store calls,

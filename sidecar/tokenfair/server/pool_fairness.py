@@ -118,8 +118,10 @@ last, the keys' lifetime in ms. Answers ``{totals of lane 1, totals of lane 2, r
 class PoolFairness:
     """The counters' task of one sidecar. All methods run on the event loop's thread.
 
-    ``client`` is a ``redis.asyncio.Redis`` (the budget pool's); ``monotonic_ms`` a real clock in
-    milliseconds (injected by tests)."""
+    ``client`` is a ``redis.asyncio.Redis`` (the budget pool's); ``monotonic_ms`` the clock of
+    ``fairnessSyncMs`` (the sidecar's model milliseconds, like ``leaseMs``), ``real_ms`` the
+    clock of ``probeIntervalMs`` (real milliseconds); both default to the real monotonic clock
+    and are injected by tests."""
 
     def __init__(
         self,
@@ -128,10 +130,12 @@ class PoolFairness:
         client: Any,
         *,
         monotonic_ms: Callable[[], float] | None = None,
+        real_ms: Callable[[], float] | None = None,
     ) -> None:
         self.store = store
         self.client = client
         self.monotonic_ms = monotonic_ms or (lambda: time.monotonic() * 1000.0)
+        self.real_ms = real_ms or monotonic_ms or (lambda: time.monotonic() * 1000.0)
         self.service = PoolService()
         scheduler.share_pool_service(self.service)
         self.keys = [f"{store.key_prefix}:fair:{lane}" for lane in LANE_KEYS]
@@ -163,9 +167,10 @@ class PoolFairness:
         """One pass: probe the store if fallen back (and due), then send a batch if due."""
         now_ms = self.monotonic_ms()
         if not self.shared:
-            if now_ms < self.next_probe_ms:
+            real_ms = self.real_ms()
+            if real_ms < self.next_probe_ms:
                 return
-            self.next_probe_ms = now_ms + self.store.probe_interval_ms
+            self.next_probe_ms = real_ms + self.store.probe_interval_ms
             try:
                 self.store_calls += 1
                 await self._bounded(self.client.ping())
@@ -229,7 +234,7 @@ class PoolFairness:
         self.service.set_sharing(False)
         self.fallbacks += 1
         self.changed_at_ms = now_ms
-        self.next_probe_ms = now_ms + self.store.probe_interval_ms
+        self.next_probe_ms = self.real_ms() + self.store.probe_interval_ms
         log.warning("pool fairness: the store is unreachable (%s): each sidecar is fair on its "
                     "own traffic until it is back", self.last_error)  # fmt: skip
 

@@ -168,7 +168,12 @@ class Sidecar:
             and config.budget_store.fairness
             and isinstance(self.scheduler, TokenfairScheduler)
         ):
-            self.pool_fairness = PoolFairness(config.budget_store, self.scheduler, self.pool.client)
+            self.pool_fairness = PoolFairness(
+                config.budget_store,
+                self.scheduler,
+                self.pool.client,
+                monotonic_ms=lambda: time.monotonic() * 1000.0 / scale,
+            )
             self.metrics.registry.register(self.pool_fairness.collector())
         self.budget_store_notice = ""
         """Why the budgets enforced differ from the document's until a restart ("" if not):

@@ -41,6 +41,7 @@ def test_the_skewed_pool_report() -> None:
     assert 0.45 <= alone["of_max_min"] <= 0.55
     assert shared["of_max_min"] >= 0.90
     assert runs["tokenfair"]["store_calls"] == 0
+    assert 0 < runs["tokenfair"]["jain_of_max_min"] < runs["tokenfair+pool"]["jain_of_max_min"]
     assert 0 < runs["tokenfair+pool"]["store_calls_per_request"] <= 0.1
 
 
