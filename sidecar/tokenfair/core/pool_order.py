@@ -21,10 +21,14 @@ The tenant's **counter** is ``(pool + pushing + unsynced) / Q + offset``, ``Q`` 
 units (``base_quantum_tokens * weight``). The replica's own service enters at once; the others'
 when a batch of this replica is answered (the store returns the totals of the tenants named).
 
-**Joining** (VTC's lift): when a tenant becomes backlogged in the lane, its counter is clamped
-into ``[m, m + JOIN_GAP_QUANTA]``, ``m`` the least counter of the tenants already backlogged
-there (unchanged if none is): an idle tenant banks nothing, and a tenant served long ago does
-not wait here behind more than ``JOIN_GAP_QUANTA`` quanta of the others' service. The clamp is
+**Joining** (VTC's lift): when a tenant **idle pool-wide** (neither served here nor moved in the
+store's totals over the last :data:`IDLE_EPOCHS` batches) becomes backlogged in the lane, its
+counter is clamped into ``[m - JOIN_LAG_QUANTA, m + JOIN_GAP_QUANTA]``, ``m`` the least counter
+of the tenants already backlogged there (unchanged if none is): an idle tenant banks little, and
+a tenant served long ago does not wait here behind more than ``JOIN_GAP_QUANTA`` quanta of the
+others' service. A tenant still served somewhere is not clamped when its queue here empties and
+fills again: its counter is its share, and the view's staleness (docs/fairness.md §9.2) can put
+it many quanta from ``m``. The clamp is
 this replica's (the offset is never shared): two tenants that stay backlogged here are ordered
 by their pool-wide service alone.
 
@@ -57,6 +61,10 @@ backlogged counter there (its older pool-wide service is not held against it bey
 JOIN_LAG_QUANTA: Final = 4.0
 """...and at most this many quanta below it."""
 
+IDLE_EPOCHS: Final = 2
+"""A tenant is idle pool-wide (and clamped when it joins) once neither this replica served it
+nor its pool-wide total moved over this many batches of this replica."""
+
 _UNIT: Final = UNITS_PER_TOKEN
 
 
@@ -65,7 +73,9 @@ class LaneOrder:
     :class:`~tokenfair.core.drr.DeficitRoundRobin` asks at each pick (its ``order``)."""
 
     __slots__ = (
+        "active_epoch",
         "backlog",
+        "epoch",
         "offsets",
         "pool_units",
         "pushing_units",
@@ -83,6 +93,10 @@ class LaneOrder:
         self.offsets: dict[str, float] = {}
         self.unsynced_units = 0
         """Sum of the absolute values of ``unsynced`` since the last batch (its trigger)."""
+        self.epoch = 0
+        """Batches answered so far (:meth:`PoolService.absorb`)."""
+        self.active_epoch: dict[str, int] = {}
+        """Per tenant, the last epoch in which it was served here or its pool-wide total moved."""
         self.sharing = True
         """The DRR orders by the counters (True) or by its own round robin (the store is down)."""
 
@@ -102,11 +116,16 @@ class LaneOrder:
         """This replica gave ``units`` (negative: a settlement's refund) to the tenant."""
         self.unsynced[tenant_id] = self.unsynced.get(tenant_id, 0) + units
         self.unsynced_units += units if units > 0 else -units
+        self.active_epoch[tenant_id] = self.epoch
 
     def joined(self, tenant_id: str, quantum_units: int, floor: float | None) -> None:
         """The tenant became backlogged; ``floor`` is the least counter of the tenants
-        backlogged before it (None: none was)."""
+        backlogged before it (None: none was). A tenant served anywhere in the pool within the
+        last :data:`IDLE_EPOCHS` batches is not idle: its counter is left as it is (its queue
+        here emptied, its share did not)."""
         if floor is None:
+            return
+        if self.active_epoch.get(tenant_id, -IDLE_EPOCHS - 1) >= self.epoch - IDLE_EPOCHS:
             return
         current = self.counter(tenant_id, quantum_units)
         wanted = current
@@ -202,6 +221,8 @@ class PoolService:
         for lane, entries, values in zip(self.lanes, batch, totals, strict=True):
             pool = lane.pool_units
             pushing = lane.pushing_units
+            active = lane.active_epoch
+            epoch = lane.epoch
             for (tenant_id, tokens), total in zip(entries, values, strict=True):
                 if tokens:
                     left = pushing.get(tenant_id, 0) - tokens * _UNIT
@@ -209,7 +230,11 @@ class PoolService:
                         pushing[tenant_id] = left
                     else:
                         pushing.pop(tenant_id, None)
-                pool[tenant_id] = total * _UNIT
+                units = total * _UNIT
+                if pool.get(tenant_id, 0) + tokens * _UNIT != units:
+                    active[tenant_id] = epoch  # served elsewhere since the last answer
+                pool[tenant_id] = units
+            lane.epoch = epoch + 1
 
     def lost(self, batch: tuple[list[tuple[str, int]], ...]) -> None:
         """The answer to ``batch`` never came: its service counts as delivered here (into

@@ -4,7 +4,8 @@
   service per quantum, counting what it gives (at dispatch the expected cost, at settlement the
   overrun), and keeps its books (queued totals, the ring) as the round robin does;
 - a tenant served elsewhere (the store's totals) yields here; weights divide the counters;
-- joining clamps a counter into [least - JOIN_LAG_QUANTA, least + JOIN_GAP_QUANTA];
+- joining clamps the counter of a tenant idle pool-wide into [least - JOIN_LAG_QUANTA, least +
+  JOIN_GAP_QUANTA]; one served here or elsewhere within IDLE_EPOCHS batches keeps its counter;
 - the store down (sharing False): the round robin's own order, service still counted;
 - batches move whole tokens from unsynced to pushing; the answer replaces the pool view; a lost
   answer keeps the service locally and is not sent again; ``due`` fires on tokens or time;
@@ -17,7 +18,13 @@ from tokenfair.config import PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Request
 from tokenfair.core.drr import DeficitRoundRobin
 from tokenfair.core.jobs import UNITS_PER_TOKEN, Job
-from tokenfair.core.pool_order import JOIN_GAP_QUANTA, JOIN_LAG_QUANTA, LaneOrder, PoolService
+from tokenfair.core.pool_order import (
+    IDLE_EPOCHS,
+    JOIN_GAP_QUANTA,
+    JOIN_LAG_QUANTA,
+    LaneOrder,
+    PoolService,
+)
 from tokenfair.core.tokenfair import TokenfairScheduler
 
 U = UNITS_PER_TOKEN
@@ -126,6 +133,37 @@ def test_joining_clamps_into_the_window_around_the_least_counter() -> None:
     # the clamp is an offset: service still moves the counter one for one
     order.served("idle", 2000 * U)
     assert order.counter("idle", 1000 * U) == 52.0 - JOIN_LAG_QUANTA
+
+
+def _sync_alone(pool: PoolService) -> None:
+    """A batch answered by a store that only this replica writes (nothing moved elsewhere)."""
+    batch = pool.take_batch(([], []), now_ms=0.0)
+    totals = tuple(
+        [lane.pool_units.get(tenant_id, 0) // U + tokens for tenant_id, tokens in entries]
+        for lane, entries in zip(pool.lanes, batch, strict=True)
+    )
+    pool.absorb(batch, totals)
+
+
+def test_a_tenant_served_elsewhere_lately_is_not_clamped_when_it_rejoins() -> None:
+    pool = PoolService()
+    order = pool.lanes[0]
+    lane = _lane(order, {"busy": 1000.0, "moving": 1000.0})
+    order.pool_units.update({"busy": 50_000 * U, "moving": 10_000 * U})
+    batch = pool.take_batch((["moving"], []), now_ms=0.0)
+    pool.absorb(batch, ([30_000], []))  # moving got 20,000 tokens elsewhere: active
+    lane.push(_job("busy0", "busy", 10))
+    lane.push(_job("moving0", "moving", 10))  # 20 quanta behind busy, but not idle
+    assert order.counter("moving", 1000 * U) == 30.0
+    for _ in range(IDLE_EPOCHS + 1):  # batches in which moving is neither served nor moves
+        _sync_alone(pool)
+    assert lane.pick(lambda j: j.tenant_id == "moving") is not None  # served here: active again
+    assert lane.pick(_always) is not None  # busy's job; both queues are empty now
+    for _ in range(IDLE_EPOCHS + 1):
+        _sync_alone(pool)
+    lane.push(_job("busy1", "busy", 10))
+    lane.push(_job("moving1", "moving", 10))  # idle for 3 batches: clamped to busy - 4 quanta
+    assert order.counter("moving", 1000 * U) == order.counter("busy", 1000 * U) - JOIN_LAG_QUANTA
 
 
 def test_the_store_down_means_the_round_robin_and_service_still_counted() -> None:
