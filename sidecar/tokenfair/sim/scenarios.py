@@ -10,7 +10,8 @@ capacity) while batch work queues; with strict priority batch would wait forever
 ``batchMinShare`` it gets that share of service.
 
 ``pool-skewed`` and ``pool-weights`` are for ``tokenfair simulate --replicas 4`` (docs/fairness.md
-§9): a tenant pinned to one replica against a flooder on all, and 4:1 weights spread over all.
+§9): a tenant pinned to one replica against a flooder on all, 4:1 weights spread over all, and
+``pool-many``: 100 tenants of mixed weights and offers.
 """
 
 from __future__ import annotations
@@ -114,9 +115,26 @@ def pool_weights(duration_ms: int = 20_000) -> tuple[Config, list[Request]]:
     return build_config(PolicyConfig(), tenants), requests
 
 
+def pool_many(duration_ms: int = 20_000) -> tuple[Config, list[Request]]:
+    """For a pool of 4 with ``--routing affinity``: 100 tenants of weight 1, 1, 2 or 4, each
+    offering chats at a mean gap of 60, 120 or 400 ms (about 3.3 times 4 replicas' capacity in
+    all); budgets never bind. Seeded."""
+    rng = random.Random(5)
+    tenants = [
+        TenantConfig(f"t{number:03d}", float(rng.choice([1, 1, 2, 4])), 10**9, 10**7,
+                     "interactive")
+        for number in range(100)
+    ]  # fmt: skip
+    requests: list[Request] = []
+    for tenant in tenants:
+        requests += _poisson(rng, tenant.tenant_id, rng.choice([60.0, 120.0, 400.0]), duration_ms)
+    return build_config(PolicyConfig(), tenants), requests
+
+
 SCENARIOS: Final[dict[str, Callable[[], tuple[Config, list[Request]]]]] = {
     "noisy-neighbor": noisy_neighbor,
     "starvation": starvation,
     "pool-skewed": pool_skewed,
     "pool-weights": pool_weights,
+    "pool-many": pool_many,
 }
