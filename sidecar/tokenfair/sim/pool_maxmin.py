@@ -25,6 +25,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Final
 
+from tokenfair.core import Decision
+from tokenfair.sim.fairness import decision_size, is_served
+
 MAX_REPLICAS: Final = 16
 _BISECTIONS: Final = 100
 
@@ -106,3 +109,50 @@ def constrained_max_min(
         if not grown:  # numerical corner: freeze the rest at this level
             frozen.update(active)
     return shares
+
+
+def pool_shares(
+    replicas: Sequence[Sequence[Decision]],
+    weights: Mapping[str, float],
+    window_ms: tuple[float, float] | None = None,
+) -> dict[str, object]:
+    """The pool-wide reference over several replicas' decisions (one sequence per replica,
+    e.g. each sidecar's records): per tenant, what it offered at each replica (every request
+    that arrived there in the window, at its actual size where recorded) and was served (those
+    answered), against :func:`constrained_max_min` with each replica's capacity taken as what
+    it served. Tenants missing from ``weights`` weigh 1. Returns ``{"tenants": {id: {...}},
+    "jain_of_max_min": J}`` (J over the tenants with a positive share; None if none)."""
+    count = len(replicas)
+    offered: dict[str, list[float]] = {}
+    served: dict[str, list[float]] = {}
+    for index, decisions in enumerate(replicas):
+        for decision in decisions:
+            if window_ms is not None and not (window_ms[0] <= decision.arrival_ms <= window_ms[1]):
+                continue
+            size = float(decision_size(decision, None))
+            tenant_id = decision.tenant_id
+            offered.setdefault(tenant_id, [0.0] * count)[index] += size
+            row = served.setdefault(tenant_id, [0.0] * count)
+            if is_served(decision):
+                row[index] += size
+    capacities = [sum(row[r] for row in served.values()) for r in range(count)]
+    tenant_weights = {t: float(weights.get(t, 1.0)) for t in offered}
+    shares = constrained_max_min(capacities, offered, tenant_weights) if offered else {}
+    rows: dict[str, object] = {}
+    ratios: list[float] = []
+    for tenant_id in sorted(offered):
+        got = sum(served[tenant_id])
+        share = shares.get(tenant_id, 0.0)
+        ratio = got / share if share > 0 else None
+        if ratio is not None:
+            ratios.append(ratio)
+        rows[tenant_id] = {
+            "weight": tenant_weights[tenant_id],
+            "offered_service_tokens": round(sum(offered[tenant_id]), 2),
+            "served_service_tokens": round(got, 2),
+            "max_min_service_tokens": round(share, 2),
+            "of_max_min": None if ratio is None else round(ratio, 4),
+            "replicas": [r for r in range(count) if offered[tenant_id][r] > 0],
+        }
+    jain = sum(ratios) ** 2 / (len(ratios) * sum(r * r for r in ratios)) if ratios else None
+    return {"tenants": rows, "jain_of_max_min": None if jain is None else round(jain, 4)}
