@@ -50,6 +50,7 @@ COMPILED: Final = (
     "tokenfair.core.drr",
     "tokenfair.core.jobs",
     "tokenfair.core.lesson",
+    "tokenfair.core.pool_order",
     "tokenfair.core.rounding",
     "tokenfair.core.scheduler",
     "tokenfair.core.shares",

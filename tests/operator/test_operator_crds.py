@@ -81,9 +81,16 @@ def test_policy_properties_are_the_config_fields() -> None:
 def test_budget_store_defaults_and_bounds_are_the_sidecars() -> None:
     store = POLICY_SPEC["properties"]["budgetStore"]["properties"]
     spec = {"redis": {"url": "redis://r:6379", "secretRef": {"name": "s"}}}
-    defaults = {key: store[key]["default"] for key in ("leaseMs", "timeoutMs", "probeIntervalMs")}
+    numbers = (
+        "leaseMs",
+        "timeoutMs",
+        "probeIntervalMs",
+        "fairnessSyncMs",
+        "fairnessLeaseServiceTokens",
+    )
+    defaults = {key: store[key]["default"] for key in (*numbers, "fairness")}
     assert parse_budget_store({**spec, **defaults}) == BudgetStoreConfig("redis://r:6379")
-    for key in defaults:
+    for key in numbers:
         parse_budget_store({**spec, key: store[key]["minimum"]})
         parse_budget_store({**spec, key: store[key]["maximum"]})
         with pytest.raises(ConfigError, match=key):

@@ -18,6 +18,7 @@ from typing import Any
 from tokenfair.commands import add_format_flag
 from tokenfair.config import Config, PolicyConfig, load_tenants_file
 from tokenfair.sim.fairness import fairness_report, fairness_to_json, format_fairness
+from tokenfair.sim.pool_maxmin import pool_shares
 from tokenfair.sim.records import read_decisions
 
 DEFAULT_RATE = PolicyConfig().service_tokens_per_ms
@@ -40,7 +41,14 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument(
-        "--records", type=Path, required=True, metavar="FILE", help="decision records (JSONL)"
+        "--records",
+        type=Path,
+        required=True,
+        action="append",
+        metavar="FILE",
+        help="decision records (JSONL); repeatable: one file per replica of a pool (each "
+        "sidecar's records), reported together and pool-wide against the weighted max-min "
+        "share constrained by where each request arrived (docs/fairness.md §9)",
     )
     parser.add_argument(
         "--tenants",
@@ -69,6 +77,60 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
+def _run_pool(
+    args: argparse.Namespace,
+    paths: list[Path],
+    config: Config,
+    window: tuple[float, float] | None,
+) -> int:
+    """Several replicas' records: each policy's fairness over all of them together, and its
+    pool-wide shares against the constrained max-min (``sim/pool_maxmin.pool_shares``)."""
+    if args.plot:
+        raise ValueError("--plot: one --records file only")
+    per_file = [read_decisions(path) for path in paths]
+    policies = list(dict.fromkeys(policy for results in per_file for policy in results))
+    weights = {tenant.tenant_id: tenant.weight for tenant in config.tenants}
+    fairness = {}
+    pool = {}
+    for policy in policies:
+        replicas = [results.get(policy, []) for results in per_file]
+        merged = [decision for decisions in replicas for decision in decisions]
+        fairness[policy] = fairness_report(merged, config, window_ms=window)
+        pool[policy] = pool_shares(replicas, weights, window)
+    if args.format == "json":
+        document = {
+            "records": [str(path) for path in paths],
+            "fairness": {policy: fairness_to_json(f) for policy, f in fairness.items()},
+            "pool": pool,
+        }
+        json.dump(document, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    blocks = []
+    for policy in policies:
+        lines = [
+            f"policy {policy}: {len(paths)} replicas' records\n"
+            f"{format_fairness(fairness[policy])}".rstrip("\n"),
+            f"pool-wide, against the max-min share constrained by where requests arrived "
+            f"(Jain {pool[policy]['jain_of_max_min']}):",
+            f"  {'tenant':<22}{'weight':>7}{'served':>12}{'max-min':>12}{'of max-min':>12}"
+            "  replicas",
+        ]
+        tenants = pool[policy]["tenants"]
+        assert isinstance(tenants, dict)
+        for tenant_id, row in tenants.items():
+            ratio = row["of_max_min"]
+            lines.append(
+                f"  {tenant_id:<22}{row['weight']:>7g}{row['served_service_tokens']:>12.0f}"
+                f"{row['max_min_service_tokens']:>12.0f}"
+                f"{'-' if ratio is None else f'{ratio * 100:.1f} %':>12}"
+                f"  {','.join(str(r) for r in row['replicas'])}"
+            )
+        blocks.append("\n".join(lines) + "\n")
+    sys.stdout.write("\n".join(blocks))
+    return 0
+
+
 def parse_window(text: str) -> tuple[float, float]:
     """``START_MS:END_MS`` -> ``(start, end)``: finite numbers, ``end > start``."""
     start, sep, end = text.partition(":")
@@ -94,6 +156,10 @@ def load_tenants(path: Path) -> Config:
 def run(args: argparse.Namespace) -> int:
     window = None if args.window is None else parse_window(args.window)
     config = load_tenants(args.tenants) if args.tenants else Config(PolicyConfig(), ())
+    paths: list[Path] = args.records
+    if len(paths) > 1:
+        return _run_pool(args, paths, config, window)
+    args.records = paths[0]
     results = read_decisions(args.records)
     fairness = {
         policy: fairness_report(decisions, config, window_ms=window)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from tokenfair.commands import add_format_flag, progress
+from tokenfair.commands import add_format_flag, progress, simulate_pool
 from tokenfair.config import Config, apply_overrides, load_tenants_file
 from tokenfair.core import (
     DEFAULT_POLICY,
@@ -134,6 +134,7 @@ def register(subparsers: Any) -> None:
         help="fraction of interactive requests that may miss (refused for capacity, or TTFT "
         "over the SLO) in a run that meets the SLO (default 0.01)",
     )  # fmt: skip
+    simulate_pool.add_arguments(parser)
     parser.set_defaults(func=run)
 
 
@@ -388,6 +389,10 @@ def fold(
 def run(args: argparse.Namespace) -> int:
     if args.autoscale is not None:
         return _autoscale(args)
+    simulate_pool.check_arguments(args)
+    if args.replicas is not None:
+        config, pool_arrivals = _pool_workload(args)
+        return simulate_pool.run_pool(args, config, pool_arrivals, args.policy or [DEFAULT_POLICY])
     records = _RecordsFile(args.records) if args.records else None
     committed = False
     try:
@@ -509,7 +514,9 @@ def _autoscale(args: argparse.Namespace) -> int:
     from tokenfair.sim.autoscale import Autoscaler, Slo, compare
     from tokenfair.sim.records import read_trace
 
-    for flag, given in (("--records", args.records), ("--plot", args.plot)):
+    for flag, given in (
+        ("--records", args.records), ("--plot", args.plot), ("--replicas", args.replicas),
+    ):  # fmt: skip
         if given is not None:
             raise ValueError(f"{flag}: not with --autoscale (it reports replica-seconds only)")
     bounds = args.autoscale.split(":")
@@ -606,6 +613,25 @@ def _autoscale(args: argparse.Namespace) -> int:
         )
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
+def _pool_workload(args: argparse.Namespace) -> tuple[Config, list[Arrival]]:
+    """The workload of a pool replay, held sorted in memory (it is routed before it runs)."""
+    if args.scenario:
+        if args.tenants:
+            config = load_tenants_file(args.tenants)
+            _, requests = SCENARIOS[args.scenario]()
+        else:
+            config, requests = SCENARIOS[args.scenario]()
+        config = apply_overrides(config, args.overrides)
+        arrivals = _unique([(r, None, None) for r in requests])
+        arrivals.sort(key=lambda a: (a[0].arrival_ms, a[0].request_id))
+        return config, arrivals
+    if not args.tenants:
+        raise ValueError("--trace needs --tenants FILE.yaml (the quotas to replay against)")
+    config = apply_overrides(load_tenants_file(args.tenants), args.overrides)
+    trace = _Trace(args.trace, config, validate_first=False)
+    trace.hold_sorted()
+    held, _ = trace.arrivals()
+    return config, list(held)
 
 
 def _unique(arrivals: list[Arrival]) -> list[Arrival]:

@@ -17,6 +17,9 @@ store is unreachable. YAML (camelCase, every field but ``redis.url`` optional)::
       leaseMs: 500                   # a lease chunk is leaseMs of the pool's sustained rate
       timeoutMs: 250                 # a store call slower than this falls back
       probeIntervalMs: 1000          # while fallen back, how often the store is tried again
+      fairness: true                 # pool-wide fair shares through the same store
+      fairnessSyncMs: 500            # a replica's service counters are sent at least this often
+      fairnessLeaseServiceTokens: 20000  # ... and once it gave this many service tokens
 
 ``secretRef`` (under ``redis``) is the operator's: it turns into ``passwordEnv`` in the pod.
 """
@@ -33,6 +36,7 @@ from tokenfair.config.document import TenantConfig
 from tokenfair.config.fields import (
     ConfigError,
     FieldTable,
+    boolean,
     integer_in,
     number_in,
     read_fields,
@@ -45,6 +49,8 @@ MAX_LEASE_MS: Final = 60_000
 MAX_TIMEOUT_MS: Final = 10_000
 MAX_PROBE_INTERVAL_MS: Final = 600_000
 MAX_REPLICAS: Final = 10_000
+MAX_FAIRNESS_SYNC_MS: Final = 60_000
+MAX_FAIRNESS_LEASE_TOKENS: Final = 1_000_000_000
 _URL: Final = re.compile(r"^rediss?://[^\s]+$")
 _ENV_NAME: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _KEY_PREFIX: Final = re.compile(r"^[A-Za-z0-9_.:/{}-]{1,200}$")
@@ -77,6 +83,18 @@ class BudgetStoreConfig:
     local split at once: the fallback starts within ``timeout_ms`` of the store going quiet."""
     probe_interval_ms: float = 1000.0
     """While fallen back, the store is tried again this often (real milliseconds)."""
+    fairness: bool = True
+    """Pool-wide fair shares (:mod:`tokenfair.server.pool_fairness`, docs/fairness.md §9): each
+    sidecar's DRR orders its tenants by the weighted service the whole pool gave them. False:
+    each sidecar is fair on its own traffic only, as without a store."""
+    fairness_sync_ms: float = 500.0
+    """A sidecar sends its batch of service counters (and reads the others') at least this
+    often while it has service to send or two tenants of a lane to order (model ms, like
+    ``lease_ms``: real ms at the sidecar's default ``--time-scale 1``)."""
+    fairness_lease_tokens: int = 20_000
+    """... and as soon as it gave this many service tokens since its last batch: the ``L`` of
+    the pool-wide bound (docs/fairness.md §9.2; smaller: a tighter bound, more store calls,
+    about ``request cost / L`` per request)."""
 
     def lease_tokens(self, tenant: TenantConfig) -> int:
         """Chunk of one lease: ``max(1, min(burst // 2, ceil(sustained * lease_ms / 1000)))``."""
@@ -122,6 +140,12 @@ _FIELDS: Final[FieldTable] = {
     "leaseMs": ("lease_ms", number_in(1, MAX_LEASE_MS)),
     "timeoutMs": ("timeout_ms", number_in(1, MAX_TIMEOUT_MS)),
     "probeIntervalMs": ("probe_interval_ms", number_in(1, MAX_PROBE_INTERVAL_MS)),
+    "fairness": ("fairness", boolean),
+    "fairnessSyncMs": ("fairness_sync_ms", number_in(1, MAX_FAIRNESS_SYNC_MS)),
+    "fairnessLeaseServiceTokens": (
+        "fairness_lease_tokens",
+        integer_in(1, MAX_FAIRNESS_LEASE_TOKENS),
+    ),
 }
 """``budgetStore:`` key -> (attribute, parser), ``redis`` aside (nested, required)."""
 
@@ -169,4 +193,7 @@ def budget_store_to_dict(store: BudgetStoreConfig) -> dict[str, object]:
         "leaseMs": store.lease_ms,
         "timeoutMs": store.timeout_ms,
         "probeIntervalMs": store.probe_interval_ms,
+        "fairness": store.fairness,
+        "fairnessSyncMs": store.fairness_sync_ms,
+        "fairnessLeaseServiceTokens": store.fairness_lease_tokens,
     }

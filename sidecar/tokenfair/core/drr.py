@@ -65,6 +65,7 @@ from heapq import heapify, heappop, heappush
 from itertools import count
 
 from tokenfair.core.jobs import UNITS_PER_TOKEN, Job, JobState, to_units
+from tokenfair.core.pool_order import LaneOrder
 
 _QUEUED = JobState.QUEUED
 _UNIT = UNITS_PER_TOKEN
@@ -141,6 +142,7 @@ class DeficitRoundRobin:
         "active",
         "active_quanta_units",
         "credit_units",
+        "order",
         "queued_units",
         "queues",
     )
@@ -166,6 +168,11 @@ class DeficitRoundRobin:
         self._head_costs: list[tuple[int, int, Job]] = []
         self._heads_indexed = False
         self._sequence = count()
+        self.order: LaneOrder | None = None
+        """Pool-wide service counters (:mod:`.pool_order`), or None: this lane's own round
+        robin, as without a pool. With them, every service given and settled is counted there,
+        and while they are shared :meth:`pick` serves the eligible head whose tenant has the
+        least pool-wide service per quantum (:meth:`_pick_least_served`)."""
 
     @property
     def credit_tokens(self) -> float:
@@ -214,6 +221,9 @@ class DeficitRoundRobin:
         queue.queued_units += cost
         self.queued_units += cost
         if not queue.in_active:
+            order = self.order
+            if order is not None:
+                order.joined(queue.tenant_id, queue.quantum_units, self._least_counter(order))
             queue.in_active = True
             self.active_quanta_units += queue.quantum_units
             active = self.active
@@ -324,6 +334,8 @@ class DeficitRoundRobin:
         A debt (``overrun_units > 0``) is always kept; a credit only while the tenant is
         backlogged (an idle tenant banks nothing)."""
         queue = self.queues[tenant_id]
+        if self.order is not None:
+            self.order.served(tenant_id, overrun_units)
         before = queue.deficit_units
         after = before - overrun_units
         if queue.live == 0 and after > 0:  # idle (or emptied by cancellations)
@@ -389,6 +401,57 @@ class DeficitRoundRobin:
 
     def pick(self, eligible: Callable[[Job], bool]) -> Job | None:
         """Remove and return the next job to run, or None if no head is eligible now."""
+        order = self.order
+        if order is not None and order.sharing:
+            return self._pick_least_served(eligible, order)
+        return self._pick_round_robin(eligible)
+
+    def backlogged_tenants(self) -> list[str]:
+        """The tenants with live jobs queued in this lane, in ring order."""
+        return [queue.tenant_id for queue in self.active]
+
+    def _least_counter(self, order: LaneOrder) -> float | None:
+        """The least pool-wide counter among the backlogged tenants (None if none)."""
+        least: float | None = None
+        for queue in self.active:
+            value = order.counter(queue.tenant_id, queue.quantum_units)
+            if least is None or value < least:
+                least = value
+        return least
+
+    def _pick_least_served(self, eligible: Callable[[Job], bool], order: LaneOrder) -> Job | None:
+        """The eligible head whose tenant has the least pool-wide service per quantum (the
+        first in ring order among equals): O(backlogged tenants). Deficits are left as they
+        are (the round robin takes over with them when the store is down)."""
+        best: TenantQueue | None = None
+        best_head: Job | None = None
+        best_value = 0.0
+        for queue in self.active:
+            head = queue.head()
+            if head is None or not eligible(head):
+                continue
+            value = order.counter(queue.tenant_id, queue.quantum_units)
+            if best is None or value < best_value:
+                best, best_head, best_value = queue, head, value
+        if best is None or best_head is None:
+            return None
+        cost = best_head.expected_units
+        best.jobs.popleft()
+        best.live -= 1
+        best.queued_units -= cost
+        self.queued_units -= cost
+        order.served(best.tenant_id, cost)
+        if best.live:
+            next_head = best.head()
+            if next_head is not None:
+                self._head_changed(next_head)
+        else:
+            self._drop_credit(best)
+            self._remove(best)
+        return best_head
+
+    def _pick_round_robin(self, eligible: Callable[[Job], bool]) -> Job | None:
+        """The round robin's pick (the module docstring's rules)."""
         # `_front_changed`, `TenantQueue.head`, `_credit_moved` and `_head_changed` are inline
         # where the usual case is decided: this runs at every dispatch.
         active = self.active
@@ -428,6 +491,8 @@ class DeficitRoundRobin:
                     self.queued_units -= cost
                     queue.deficit_units = deficit - cost  # stays >= 0: all of it was credit
                     self.credit_units -= cost
+                    if self.order is not None:  # counted while the pool's store is down
+                        self.order.served(queue.tenant_id, cost)
                     if queue.live:
                         next_head = jobs[0] if jobs else None
                         if next_head is not None and next_head.state is not _QUEUED:

@@ -78,6 +78,7 @@ from tokenfair.core.jobs import (
     Job,
     JobState,
 )
+from tokenfair.core.pool_order import PoolService
 from tokenfair.core.scheduler import Scheduler, TenantState, shed_kv
 from tokenfair.core.shares import (
     DemandRate,
@@ -253,6 +254,15 @@ class TokenfairScheduler(Scheduler):
         for lane, competition in zip(self._lanes, self._competition, strict=True):
             lane.add_tenant(tenant_id, quantum)
             competition.quantum_changed(tenant_id, quantum)
+
+    def share_pool_service(self, pool: PoolService | None) -> None:
+        """The one hook of pool-wide fairness (:mod:`.pool_order`): each lane's round robin
+        orders its tenants by ``pool``'s counters of pool-wide weighted service and counts the
+        service it gives there; None: each lane's own round robin again (no store)."""
+        for lane, drr in enumerate(self._lanes):
+            drr.order = None if pool is None else pool.lanes[lane]
+            if pool is not None:
+                pool.lanes[lane].backlog = drr.backlogged_tenants
 
     # -- admission --------------------------------------------------------------------------
 

@@ -102,6 +102,7 @@ def create_app(
     app.cleanup_ctx.append(_backend_ctx)
     app.cleanup_ctx.append(_records_ctx)
     app.cleanup_ctx.append(_pool_ctx)
+    app.cleanup_ctx.append(_pool_fairness_ctx)  # torn down first: the pool closes the client
     app.cleanup_ctx.append(_dispatcher_ctx)
     app.cleanup_ctx.append(_watcher_ctx)
     app.cleanup_ctx.append(_engine_ctx)
@@ -219,6 +220,20 @@ async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
     with contextlib.suppress(asyncio.CancelledError):
         await task
     await pool.close()
+
+
+async def _pool_fairness_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The pool-wide fairness task (its last batch is sent at shutdown, after the drain)."""
+    fairness = app[SIDECAR].pool_fairness
+    if fairness is None:
+        yield
+        return
+    task = asyncio.create_task(fairness.run(), name="tokenfair-pool-fairness")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await fairness.close()
 
 
 async def _dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:

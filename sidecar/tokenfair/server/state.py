@@ -32,6 +32,7 @@ from tokenfair.core import (
 )
 from tokenfair.core.demand import DemandGauge
 from tokenfair.core.jobs import LANE_OF, JobState
+from tokenfair.core.tokenfair import TokenfairScheduler
 from tokenfair.server.accesslog import (
     CURRENT_SCOPE,
     NO_FACTS,
@@ -69,6 +70,7 @@ from tokenfair.server.metrics import (
     Metrics,
 )
 from tokenfair.server.pool import BudgetPool
+from tokenfair.server.pool_fairness import PoolFairness
 from tokenfair.server.record_writer import (
     NO_USAGE,
     RecordWriter,
@@ -171,6 +173,22 @@ class Sidecar:
             )
             self.metrics.registry.register(self.pool.collector())
             self.metrics.add_tenant_families(self.pool.tenant_families)
+        self.pool_fairness: PoolFairness | None = None
+        """Pool-wide fair shares through the same store (``budgetStore.fairness``); None
+        without a store, with ``fairness: false``, or under a policy that is not tokenfair."""
+        if (
+            self.pool is not None
+            and config.budget_store is not None
+            and config.budget_store.fairness
+            and isinstance(self.scheduler, TokenfairScheduler)
+        ):
+            self.pool_fairness = PoolFairness(
+                config.budget_store,
+                self.scheduler,
+                self.pool.client,
+                monotonic_ms=lambda: time.monotonic() * 1000.0 / scale,
+            )
+            self.metrics.registry.register(self.pool_fairness.collector())
         self.budget_store_notice = ""
         """Why the budgets enforced differ from the document's until a restart ("" if not):
         a reload added, removed or moved the budget store (:meth:`_enforceable`)."""
@@ -281,6 +299,8 @@ class Sidecar:
         self._enforce(enforced)
         if self.pool is not None:
             self.pool.adopt(enforced)
+        if self.pool_fairness is not None and enforced.budget_store is not None:
+            self.pool_fairness.adopt(enforced.budget_store)
         if notice:
             log.warning("config reload: %s", notice)
         self.budget_store_notice = notice

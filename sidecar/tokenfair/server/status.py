@@ -119,7 +119,10 @@ def status_chunks(sidecar: Sidecar) -> Iterator[str]:
     yield from mapping_chunks(_tenant_entries(sidecar))
     pool = sidecar.pool
     if pool is not None:
-        yield ', "budget_store": ' + json.dumps(pool.status_head())[:-1] + ', "tenants": '
+        head = pool.status_head()
+        if sidecar.pool_fairness is not None:
+            head["fairness"] = sidecar.pool_fairness.status()
+        yield ', "budget_store": ' + json.dumps(head)[:-1] + ', "tenants": '
         yield from mapping_chunks(pool.tenant_statuses())
         yield "}"
     yield "}"

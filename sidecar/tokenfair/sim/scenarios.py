@@ -11,10 +11,15 @@ document-extraction requests (3200 prompt + 350 output tokens, one every 10 ms f
 ``starvation``: the interactive tenants keep the server over-full for 20 s (about 1.3x its
 capacity) while batch work queues; with strict priority batch would wait forever, with
 ``batchMinShare`` it gets that share of service.
+
+``pool-skewed`` and ``pool-weights`` are for ``tokenfair simulate --replicas 4`` (docs/fairness.md
+§9): a tenant pinned to one replica against a flooder on all, 4:1 weights spread over all, and
+``pool-many``: 100 tenants of mixed weights and offers.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Final
 
@@ -84,10 +89,68 @@ def load_step() -> tuple[Config, list[Request]]:
 
     config = lesson_config()
     return config, step_trace(config.policy.service_tokens_per_ms, LOAD_STEP_PHASES)
+def _poisson(rng: random.Random, tenant_id: str, gap_ms: float, duration_ms: int) -> list[Request]:
+    """Chats of 280+90 tokens arriving at exponential gaps of mean ``gap_ms`` (3 digits)."""
+    requests: list[Request] = []
+    at_ms = 0.0
+    while True:
+        at_ms += rng.expovariate(1.0 / gap_ms)
+        if at_ms >= duration_ms:
+            return requests
+        number = len(requests)
+        requests.append(
+            Request(f"{tenant_id}-{number:05d}", tenant_id, round(at_ms, 3), 280, 90, "interactive")
+        )
+
+
+def pool_skewed(duration_ms: int = 20_000) -> tuple[Config, list[Request]]:
+    """For a pool of 4 (``--replicas 4 --routing skewed``): ``tenant_pinned`` (the first
+    tenant, so the default ``--pinned``) offers about one replica's capacity, ``tenant_flood``
+    about 4.7 replicas'; budgets never bind. Seeded: the same requests every run."""
+    rng = random.Random(30)
+    tenants = (
+        TenantConfig("tenant_pinned", 1.0, 10**9, 10**7, "interactive"),
+        TenantConfig("tenant_flood", 1.0, 10**9, 10**7, "interactive"),
+    )
+    requests = _poisson(rng, "tenant_pinned", 10.0, duration_ms)
+    requests += _poisson(rng, "tenant_flood", 3.0, duration_ms)
+    return build_config(PolicyConfig(), tenants), requests
+
+
+def pool_weights(duration_ms: int = 20_000) -> tuple[Config, list[Request]]:
+    """For a pool of 4: ``tenant_heavy`` (weight 4) and ``tenant_light`` (weight 1) each offer
+    about 4.7 replicas' capacity; budgets never bind. Seeded."""
+    rng = random.Random(31)
+    tenants = (
+        TenantConfig("tenant_heavy", 4.0, 10**9, 10**7, "interactive"),
+        TenantConfig("tenant_light", 1.0, 10**9, 10**7, "interactive"),
+    )
+    requests = _poisson(rng, "tenant_heavy", 3.0, duration_ms)
+    requests += _poisson(rng, "tenant_light", 3.0, duration_ms)
+    return build_config(PolicyConfig(), tenants), requests
+
+
+def pool_many(duration_ms: int = 20_000) -> tuple[Config, list[Request]]:
+    """For a pool of 4 with ``--routing affinity``: 100 tenants of weight 1, 1, 2 or 4, each
+    offering chats at a mean gap of 60, 120 or 400 ms (about 3.3 times 4 replicas' capacity in
+    all); budgets never bind. Seeded."""
+    rng = random.Random(5)
+    tenants = [
+        TenantConfig(f"t{number:03d}", float(rng.choice([1, 1, 2, 4])), 10**9, 10**7,
+                     "interactive")
+        for number in range(100)
+    ]  # fmt: skip
+    requests: list[Request] = []
+    for tenant in tenants:
+        requests += _poisson(rng, tenant.tenant_id, rng.choice([60.0, 120.0, 400.0]), duration_ms)
+    return build_config(PolicyConfig(), tenants), requests
 
 
 SCENARIOS: Final[dict[str, Callable[[], tuple[Config, list[Request]]]]] = {
     "noisy-neighbor": noisy_neighbor,
     "starvation": starvation,
     "load-step": load_step,
+    "pool-skewed": pool_skewed,
+    "pool-weights": pool_weights,
+    "pool-many": pool_many,
 }

@@ -515,14 +515,17 @@ async def test_sidecar_serves_through_a_store_outage_without_5xx(
     aiohttp_client: ClientFactory, redis_server: RedisServer
 ) -> None:
     budget_store = BudgetStoreConfig(
-        redis_server.url, replicas=2, lease_ms=200.0, timeout_ms=200.0, probe_interval_ms=20.0
-    )
+        redis_server.url, replicas=2, lease_ms=200.0, timeout_ms=200.0, probe_interval_ms=20.0,
+        fairness_sync_ms=20.0,
+    )  # fmt: skip
     config = keyed_config()
     config = replace(config, budget_store=budget_store)
     clients = await start(aiohttp_client, config)
     sidecar = clients.sidecar
     pool = sidecar.pool
     assert pool is not None
+    fairness = sidecar.pool_fairness  # the pool-wide fair shares ride the same store
+    assert fairness is not None
     headers = {"Authorization": "Bearer sk-local-chat-pro"}
 
     async def burst_of(n: int) -> list[int]:
@@ -535,17 +538,26 @@ async def test_sidecar_serves_through_a_store_outage_without_5xx(
         return [response.status for response in responses]
 
     assert set(await burst_of(10)) == {200}
+    assert await wait_for(lambda: fairness.batches > 0)
     status = await (await clients.admin.get("/status")).json()
     assert status["budget_store"]["mode"] == "shared"
     assert status["budget_store"]["tenants"]["tenant_chat_pro"]["leased_service_tokens"] > 0
+    assert status["budget_store"]["fairness"]["mode"] == "pool_wide"
     redis_server.kill()
     statuses = await burst_of(20)
     assert all(code in (200, 429) for code in statuses), statuses
     assert await wait_for(lambda: not pool.shared)
+    # The fair shares notice at their next batch, which waits for service to send (the burst
+    # may have been refused whole by the split): one now, as the task would send it.
+    if fairness.shared:
+        assert not await fairness.sync(fairness.monotonic_ms(), force=True)
+    assert not fairness.shared
     metrics = await (await clients.admin.get("/metrics")).text()
     assert "tokenfair_budget_store_up 0.0" in metrics
+    assert "tokenfair_pool_fairness_shared 0.0" in metrics
     status = await (await clients.admin.get("/status")).json()
     assert status["budget_store"]["mode"] == "fallback_split"
+    assert status["budget_store"]["fairness"]["mode"] == "per_replica"
     assert status["tenants"]["tenant_chat_pro"]["burst_service_tokens"] == (
         config.tenant("tenant_chat_pro").burst_service_tokens // 2
     )
@@ -553,6 +565,7 @@ async def test_sidecar_serves_through_a_store_outage_without_5xx(
     redis_server.start()
     assert await wait_for(lambda: pool.shared)
     assert set(await burst_of(10)) == {200}
+    assert await wait_for(lambda: fairness.shared)
     assert await books_when_settled(sidecar) == ZERO_BOOKS
 
 

@@ -1,0 +1,437 @@
+"""Pool-wide fair shares over four sidecars against per-sidecar fairness, in one run (issue 30;
+docs/fairness.md §9, docs/pool.md).
+
+Four ``tokenfair sidecar`` processes (cost-model backend, the default policy: 45,000 service
+tokens per model second each, one request at a time, ``--time-scale 6``: see
+:data:`TIME_SCALE`), one Debian ``redis-server``, real HTTP on loopback. Requests of 280 prompt +
+90 decode tokens = 640 service tokens, from closed-loop clients (a 429 waits 20 ms before the
+next try); budgets never bind, and the interactive wait limit is 60 s (requests queue instead of
+being shed). Runs, each ``--window`` seconds after a 3 s warm-up, every figure from the
+sidecars' ``/status`` at the window's start and end:
+
+* ``skewed`` — ``pinned`` (weight 1) has 6 clients, all on sidecar 0; ``flood`` (weight 1) has 6
+  clients on each sidecar. Per sidecar (no store) and pool-wide (``budgetStore`` with
+  ``fairness``): the pinned tenant's service against its weighted max-min share constrained by
+  where its requests land (``sim/pool_maxmin.py``; capacities: what each sidecar served in the
+  window). Target >= 90 % pool-wide; per sidecar ~50 %.
+* ``weights`` — ``heavy`` (weight 4) and ``light`` (weight 1), 64 clients each, ``round-robin``
+  (every client sends each request to the next sidecar) and ``affinity`` (each client keeps one
+  sidecar, by a hash of its name: the spread is uneven). Target: heavy / light within 10 % of 4.
+* store calls per request (fairness batches / requests served, over the pool runs; the budget
+  leases besides): target <= 0.1.
+* ``latency`` — tiny requests, a backend without delay, one connection each, alternating request
+  by request between a sidecar with the store and fairness and one without a store: median
+  added (target <= 0.1 ms), the median over rounds.
+* ``fault`` — the skewed pool with redis-server killed (SIGKILL) a third into the window and
+  restarted 5 s later: 5xx count (target 0), seconds from the kill to sidecar 0's ``/status``
+  saying ``per_replica`` (target <= 1 s), from the restart to ``pool_wide`` again (target <= 5
+  s), and the pinned tenant's share of sidecar 0 over the 5 s after it rejoined.
+
+    .venv/bin/python bench/bench_pool_fairness.py               # --window 30 (~5 min)
+    .venv/bin/python bench/bench_pool_fairness.py --window 15   # shorter
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aiohttp
+from bench_pool import TENANT_HEADER, TOKENFAIR, Cluster, Sidecar, cluster, free_port, status_of
+from bench_pool import wait_port as wait_for_port
+
+from tokenfair.sim.pool_maxmin import constrained_max_min
+
+REPLICAS: Final = 4
+PROMPT_TOKENS, DECODE_TOKENS = 280, 90
+REQUEST_TOKENS: Final = PROMPT_TOKENS + 4 * DECODE_TOKENS
+CLIENTS: Final = 6
+WEIGHT_CLIENTS: Final = 64
+"""Clients per tenant of the ``weights`` runs (16 per sidecar on average): enough that both
+tenants stay backlogged on every sidecar (with 6 the heavy tenant's queue emptied between its
+clients' round trips and even per sidecar the ratio was 2.8:1)."""
+TIME_SCALE: Final = 6.0
+"""Real seconds per model second of the pool runs: at 1.0 (and still at 2.0 with 64 clients a
+tenant) the four sidecars, the clients and redis on two cores run out of CPU before the engines
+fill, so the sidecars' queues empty and their schedulers have no choice to make (even one
+sidecar alone served 4:1 weights 2.6:1 so); at 6.0 each engine serves 7,500 service tokens per
+real second. ``fairnessSyncMs`` is in model ms, like ``leaseMs``."""
+FAULT_TIME_SCALE: Final = 1.0
+"""The fault run's: the fallback and the rejoin are timed in real seconds, and a batch is due
+every 500 model ms (or 20,000 service tokens)."""
+WARMUP_S: Final = 3.0
+BIG: Final = 10**9
+
+
+def start_sidecar(running: Cluster, name: str, config: str, time_scale: float) -> Sidecar:
+    """``Cluster.start_sidecar`` with ``--time-scale``."""
+    path = running.tmp / f"{name}.yaml"
+    path.write_text(config)
+    proxy, admin = free_port(), free_port()
+    log = (running.tmp / f"{name}.log").open("wb")
+    process = subprocess.Popen(
+        [str(TOKENFAIR), "sidecar", "--config", str(path),
+         "--listen", f"127.0.0.1:{proxy}", "--admin-listen", f"127.0.0.1:{admin}",
+         "--trusted-tenant-header", TENANT_HEADER, "--log-level", "WARNING",
+         "--time-scale", str(time_scale)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    log.close()
+    running.processes.append(process)
+    wait_for_port(admin)
+    return Sidecar(f"http://127.0.0.1:{proxy}", f"http://127.0.0.1:{admin}", process)
+
+
+def config_yaml(
+    store_url: str | None, weights: dict[str, float], *, fast_backend: bool = False
+) -> str:
+    # Requests queue rather than being shed (a 429 storm of closed-loop clients burns the CPU
+    # the engines need, and queues that empty leave no scheduler a choice to make).
+    policy: dict[str, Any] = {"maxInteractiveWaitMs": 60_000}
+    if fast_backend:  # the backend answers at once: latency is the sidecar's own
+        policy.update(prefillFloorMs=0, prefillTokensPerMs=1e9, serviceTokensPerMs=1e9)
+    doc: dict[str, Any] = {
+        "apiVersion": "tokenfair.io/v1alpha1",
+        "kind": "TokenfairConfig",
+        "version": "bench-pool-fairness",
+        "policy": policy,
+        "tenants": [
+            {"tenantId": name, "weight": weight, "burstServiceTokens": BIG,
+             "sustainedServiceTokensPerSecond": BIG // 100, "priorityClass": "interactive"}
+            for name, weight in weights.items()
+        ],
+    }  # fmt: skip
+    if store_url is not None:
+        doc["budgetStore"] = {
+            "redis": {"url": store_url},
+            "keyPrefix": f"bench-fair:{time.monotonic_ns()}",  # fresh counters per run
+            "replicas": REPLICAS,
+        }
+    return json.dumps(doc)
+
+
+@dataclass
+class Load:
+    statuses: dict[int, int] = field(default_factory=dict)
+
+    def count(self, status: int) -> None:
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+
+
+async def drive(
+    session: aiohttp.ClientSession,
+    clients: list[tuple[str, Callable[[int], str]]],
+    duration_s: float,
+    load: Load,
+) -> None:
+    """One closed-loop worker per ``(tenant, target of its k-th request)``."""
+    body = {"model": "m", "prompt": "x" * (4 * PROMPT_TOKENS), "max_tokens": DECODE_TOKENS}
+    stop_at = time.monotonic() + duration_s
+
+    async def worker(tenant: str, target: Callable[[int], str]) -> None:
+        sent = 0
+        while time.monotonic() < stop_at:
+            try:
+                async with session.post(
+                    f"{target(sent)}/v1/completions", json=body, headers={TENANT_HEADER: tenant}
+                ) as response:
+                    await response.read()
+                    status = response.status
+            except aiohttp.ClientError:
+                status = 599
+            sent += 1
+            load.count(status)
+            if status == 429:
+                await asyncio.sleep(0.02)
+
+    await asyncio.gather(*(worker(tenant, target) for tenant, target in clients))
+
+
+async def served_by(
+    session: aiohttp.ClientSession, sidecars: list[Sidecar], tenants: list[str]
+) -> list[dict[str, int]]:
+    """Per sidecar, each tenant's served service tokens (cumulative)."""
+    result = []
+    for sidecar in sidecars:
+        status = await status_of(session, sidecar)
+        result.append({t: int(status["tenants"][t]["served_service_tokens"]) for t in tenants})
+    return result
+
+
+async def fairness_calls(session: aiohttp.ClientSession, sidecars: list[Sidecar]) -> int:
+    total = 0
+    for sidecar in sidecars:
+        store = (await status_of(session, sidecar)).get("budget_store", {})
+        total += int(store.get("fairness", {}).get("store_calls", 0))
+    return total
+
+
+@dataclass
+class Run:
+    name: str
+    served: list[dict[str, int]]  # per sidecar, per tenant, over the window
+    statuses: dict[int, int]
+    calls: int
+    where: dict[str, list[int]]  # the sidecars each tenant's clients reach
+    weights: dict[str, float]
+
+    def total(self, tenant: str) -> int:
+        return sum(s[tenant] for s in self.served)
+
+    @property
+    def requests(self) -> int:
+        return sum(self.total(t) for t in self.weights) // REQUEST_TOKENS
+
+    def of_max_min(self, tenant: str) -> float:
+        capacities = [float(sum(s.values())) for s in self.served]
+        offered = {
+            t: [1e15 if r in self.where[t] else 0.0 for r in range(REPLICAS)] for t in self.weights
+        }
+        shares = constrained_max_min(capacities, offered, self.weights)
+        return self.total(tenant) / shares[tenant]
+
+
+def spread(sidecars: list[Sidecar], start: int) -> Callable[[int], str]:
+    return lambda k: sidecars[(start + k) % REPLICAS].proxy
+
+
+def pinned_to(sidecar: Sidecar) -> Callable[[int], str]:
+    return lambda k: sidecar.proxy
+
+
+def affinity(sidecars: list[Sidecar], client: str) -> int:
+    return zlib.crc32(client.encode()) % REPLICAS
+
+
+async def pool_run(
+    running: Cluster, name: str, weights: dict[str, float], routing: str, *,
+    store: bool, window_s: float,
+) -> Run:  # fmt: skip
+    config = config_yaml(running.redis_url if store else None, weights)
+    sidecars = [start_sidecar(running, f"{name}-{i}", config, TIME_SCALE) for i in range(REPLICAS)]
+    clients: list[tuple[str, Callable[[int], str]]] = []
+    where: dict[str, list[int]] = {t: [] for t in weights}
+    if routing == "skewed":
+        clients += [("pinned", pinned_to(sidecars[0])) for _ in range(CLIENTS)]
+        clients += [("flood", pinned_to(s)) for s in sidecars for _ in range(CLIENTS)]
+        where = {"pinned": [0], "flood": list(range(REPLICAS))}
+    else:
+        for tenant in weights:
+            for number in range(WEIGHT_CLIENTS):
+                if routing == "round-robin":
+                    clients.append((tenant, spread(sidecars, number)))
+                    where[tenant] = list(range(REPLICAS))
+                else:
+                    replica = affinity(sidecars, f"{tenant}-{number}")
+                    clients.append((tenant, pinned_to(sidecars[replica])))
+                    where[tenant] = sorted({*where[tenant], replica})
+    load = Load()
+    tenants = list(weights)
+    try:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30)
+        ) as session:
+            task = asyncio.create_task(drive(session, clients, WARMUP_S + window_s, load))
+            await asyncio.sleep(WARMUP_S)
+            before = await served_by(session, sidecars, tenants)
+            calls_0 = await fairness_calls(session, sidecars)
+            await asyncio.sleep(window_s)
+            # Read at the window's end, not once every client is done: the requests still queued
+            # then (up to the wait limit) are served with nobody competing.
+            after = await served_by(session, sidecars, tenants)
+            calls_1 = await fairness_calls(session, sidecars)
+            await task
+    finally:
+        running.stop_sidecars()
+    served = [{t: a[t] - b[t] for t in tenants} for a, b in zip(after, before, strict=True)]
+    return Run(name, served, load.statuses, calls_1 - calls_0, where, weights)
+
+
+async def until_fairness_mode(
+    session: aiohttp.ClientSession, sidecar: Sidecar, mode: str, since: float
+) -> float | None:
+    deadline = since + 15.0
+    while time.monotonic() < deadline:
+        status = await status_of(session, sidecar)
+        if status["budget_store"]["fairness"]["mode"] == mode:
+            return time.monotonic() - since
+        await asyncio.sleep(0.01)
+    return None
+
+
+@dataclass
+class Fault:
+    statuses: dict[int, int]
+    fallback_after_s: float | None
+    rejoined_after_s: float | None
+    pinned_share_after: float
+
+
+async def fault_run(running: Cluster, window_s: float, outage_s: float) -> Fault:
+    weights = {"pinned": 1.0, "flood": 1.0}
+    config = config_yaml(running.redis_url, weights)
+    sidecars = [
+        start_sidecar(running, f"fault-{i}", config, FAULT_TIME_SCALE) for i in range(REPLICAS)
+    ]
+    clients = [("pinned", pinned_to(sidecars[0])) for _ in range(CLIENTS)]
+    clients += [("flood", pinned_to(s)) for s in sidecars for _ in range(CLIENTS)]
+    load = Load()
+    try:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=30)
+        ) as session:
+            task = asyncio.create_task(drive(session, clients, window_s, load))
+            await asyncio.sleep(window_s / 3)
+            running.kill_redis()
+            killed = time.monotonic()
+            fallback = await until_fairness_mode(session, sidecars[0], "per_replica", killed)
+            await asyncio.sleep(max(0.0, outage_s - (time.monotonic() - killed)))
+            running.start_redis()
+            restarted = time.monotonic()
+            rejoined = await until_fairness_mode(session, sidecars[0], "pool_wide", restarted)
+            first = (await served_by(session, sidecars[:1], list(weights)))[0]
+            await asyncio.sleep(5.0)
+            second = (await served_by(session, sidecars[:1], list(weights)))[0]
+            await task
+    finally:
+        running.stop_sidecars()
+    pinned = second["pinned"] - first["pinned"]
+    total = pinned + second["flood"] - first["flood"]
+    return Fault(load.statuses, fallback, rejoined, pinned / total if total else 0.0)
+
+
+async def latency_pairs(running: Cluster, seconds: float) -> tuple[float, float, int]:
+    """Median latency (s) off (no store) and on (store + fairness), alternating request by
+    request, one connection each; and the store calls for fairness of the one on."""
+    weights = {"pinned": 1.0, "flood": 1.0}
+    sidecars: dict[bool, Sidecar] = {}
+    for store in (False, True):
+        url = running.redis_url if store else None
+        config = config_yaml(url, weights, fast_backend=True)
+        sidecars[store] = running.start_sidecar(f"latency-{'on' if store else 'off'}", config)
+    body = {"model": "m", "prompt": "xxxx", "max_tokens": 1}
+    latencies: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            warm_until = time.monotonic() + 0.5
+            stop_at = warm_until + seconds
+            turn = 0
+            while time.monotonic() < stop_at:
+                tenant = ("pinned", "flood")[turn % 2]
+                turn += 1
+                for store, sidecar in sidecars.items():
+                    started = time.perf_counter()
+                    async with session.post(
+                        f"{sidecar.proxy}/v1/completions", json=body,
+                        headers={TENANT_HEADER: tenant},
+                    ) as response:  # fmt: skip
+                        await response.read()
+                        if response.status != 200:
+                            raise SystemExit(f"bench: latency run got {response.status}")
+                    if time.monotonic() >= warm_until:
+                        latencies[store].append(time.perf_counter() - started)
+            calls = await fairness_calls(session, [sidecars[True]])
+    finally:
+        running.stop_sidecars()
+    return statistics.median(latencies[False]), statistics.median(latencies[True]), calls
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def fmt_s(value: float | None) -> str:
+    return "never" if value is None else f"{value:.2f} s"
+
+
+async def main_async(window_s: float, latency_rounds: int, latency_s: float) -> int:
+    skew = {"pinned": 1.0, "flood": 1.0}
+    weights = {"heavy": 4.0, "light": 1.0}
+    with cluster() as running:
+        running.start_redis()
+        skew_local = await pool_run(running, "skew-local", skew, "skewed", store=False,
+                                    window_s=window_s)  # fmt: skip
+        skew_pool = await pool_run(running, "skew-pool", skew, "skewed", store=True,
+                                   window_s=window_s)  # fmt: skip
+        weighted: dict[tuple[str, bool], Run] = {}
+        for routing in ("round-robin", "affinity"):
+            for store in (False, True):
+                weighted[routing, store] = await pool_run(
+                    running, f"w-{routing}-{store}", weights, routing, store=store,
+                    window_s=window_s,
+                )  # fmt: skip
+        fault = await fault_run(running, max(window_s, 21.0), 5.0)
+        offs, ons = [], []
+        latency_calls = 0
+        for _ in range(latency_rounds):
+            off, on, calls = await latency_pairs(running, latency_s)
+            offs.append(off)
+            ons.append(on)
+            latency_calls += calls
+
+    print(f"bench_pool_fairness: {REPLICAS} sidecars (cost-model backend), requests of "
+          f"{REQUEST_TOKENS} service tokens, {CLIENTS} closed-loop clients per tenant and "
+          f"target, window {window_s:.0f} s (+{WARMUP_S:.0f} s warm-up)")  # fmt: skip
+    local, pool = skew_local.of_max_min("pinned"), skew_pool.of_max_min("pinned")
+    print(
+        "  skewed: pinned on sidecar 0, flood on all four; pinned's service / its constrained "
+        "max-min share"
+    )
+    for run, ratio in ((skew_local, local), (skew_pool, pool)):
+        print(f"    {run.name:<11} {ratio:6.1%}   pinned {run.total('pinned'):>9} flood "
+              f"{run.total('flood'):>9} tokens; per sidecar {run.served}   "
+              f"statuses {run.statuses}")  # fmt: skip
+    print(f"    target pool >= 90 %: {verdict(pool >= 0.9)}   (per sidecar {local:.1%}, "
+          f"pool / per sidecar = {pool / max(local, 1e-9):.2f}x)")  # fmt: skip
+    print("  weights heavy:light = 4:1")
+    for (routing, store), run in weighted.items():
+        ratio = run.total("heavy") / max(1, run.total("light"))
+        ok = abs(ratio / 4.0 - 1.0) <= 0.10
+        print(f"    {routing:<12} {'pool' if store else 'per sidecar':<12} {ratio:5.2f}:1   "
+              f"heavy on sidecars {run.where['heavy']}, light on {run.where['light']}   "
+              f"{'' if not store else 'within 10 %: ' + verdict(ok)}")  # fmt: skip
+    pool_runs = [skew_pool, *(run for (_, store), run in weighted.items() if store)]
+    calls = sum(run.calls for run in pool_runs)
+    requests = sum(run.requests for run in pool_runs)
+    per_request = calls / max(1, requests)
+    print(f"  store calls for fairness {calls} / {requests} requests served = {per_request:.4f} "
+          f"per request   target <= 0.1: {verdict(per_request <= 0.1)}")  # fmt: skip
+    added_ms = (statistics.median(ons) - statistics.median(offs)) * 1000.0
+    print(f"  latency p50 (tiny requests, {latency_rounds} rounds of {latency_s:.0f} s): no store "
+          f"{statistics.median(offs) * 1e3:.3f} ms, store + fairness "
+          f"{statistics.median(ons) * 1e3:.3f} ms, added {added_ms:+.3f} ms   target <= 0.1 ms: "
+          f"{verdict(added_ms <= 0.1)}   (fairness store calls {latency_calls})")  # fmt: skip
+    fives = sum(n for status, n in fault.statuses.items() if status >= 500)
+    fell_back = fault.fallback_after_s is not None and fault.fallback_after_s <= 1.0
+    back = fault.rejoined_after_s is not None and fault.rejoined_after_s <= 5.0
+    print(f"  fault: redis killed for 5 s: 5xx {fives}, per_replica after "
+          f"{fmt_s(fault.fallback_after_s)}, pool_wide {fmt_s(fault.rejoined_after_s)} after "
+          f"the restart; pinned's share of sidecar 0 over the next 5 s "
+          f"{fault.pinned_share_after:.1%}   zero 5xx, fallback <= 1 s, back <= 5 s: "
+          f"{verdict(fives == 0 and fell_back and back)}")  # fmt: skip
+    print(f"    statuses {fault.statuses}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--window", type=float, default=30.0, help="seconds per run (30)")
+    parser.add_argument("--latency-rounds", type=int, default=3)
+    parser.add_argument("--latency-seconds", type=float, default=4.0)
+    args = parser.parse_args(argv)
+    if args.window <= 0:
+        parser.error("--window: must be positive")
+    return asyncio.run(main_async(args.window, args.latency_rounds, args.latency_seconds))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Pool-wide fair shares on a real redis-server (server/pool_fairness.py), the core driven
+synchronously on fake clocks:
+
+- two replicas share service counters: a tenant served on the other replica yields here, so the
+  tenant only this replica can serve takes it (per replica it would get half); one store call
+  per batch, batches only when due;
+- the store's hashes hold each tenant's cumulative whole tokens, per lane;
+- redis-server killed: the batch fails, the replica falls back to its own round robin at once
+  (order and counters say so), keeps counting, probes every probeIntervalMs, and rejoins when
+  the server is back (restarted empty), sending what it gave meanwhile;
+- redis-server stopped (SIGSTOP) past timeoutMs: the same fallback, bounded by the timeout;
+- garbage in the store (a key of the wrong type, a field that is no integer) is repaired and
+  counted, the garbled tenant set to the highest valid total;
+- the config fields (``fairness``, ``fairnessSyncMs``, ``fairnessLeaseServiceTokens``) and their
+  errors.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as redis_asyncio
+from redis_store import RedisServer, redis_server
+
+from tokenfair.config import PolicyConfig, TenantConfig, build_config
+from tokenfair.config.budget_store import BudgetStoreConfig, parse_budget_store
+from tokenfair.config.fields import ConfigError
+from tokenfair.core import Request
+from tokenfair.core.tokenfair import TokenfairScheduler
+from tokenfair.server.pool_fairness import PoolFairness
+
+__all__ = ["redis_server"]  # the fixture, used by name
+
+TENANTS = (
+    TenantConfig("pinned", 1.0, 10**9, 10**7, "interactive"),
+    TenantConfig("flood", 1.0, 10**9, 10**7, "interactive"),
+)
+COST = 280 + 4 * 90  # service tokens of one request
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_ms = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_ms
+
+
+class Replica:
+    _ids = itertools.count()
+
+    def __init__(self, store: BudgetStoreConfig, client: object, clock: FakeClock) -> None:
+        config = build_config(PolicyConfig(max_interactive_wait_ms=10**6), TENANTS)
+        self.scheduler = TokenfairScheduler(config)
+        self.fairness = PoolFairness(store, self.scheduler, client, monotonic_ms=clock)
+        self.clock = clock
+        self.served: dict[str, int] = {"pinned": 0, "flood": 0}
+
+    def offer(self, tenant_id: str, count: int) -> None:
+        for _ in range(count):
+            request = Request(f"{tenant_id}{next(self._ids)}", tenant_id, 0.0, 280, 90,
+                              "interactive")  # fmt: skip
+            assert self.scheduler.submit(request, self.clock()) is None
+
+    def serve(self, count: int) -> None:
+        for _ in range(count):
+            decision = self.scheduler.next_dispatch(self.clock())
+            assert decision is not None
+            self.scheduler.complete(decision.request_id, self.clock())
+            self.served[decision.tenant_id] += decision.service_tokens
+
+
+def _store(url: str, **changes: object) -> BudgetStoreConfig:
+    settings: dict[str, object] = {
+        "timeout_ms": 5000.0,  # a loaded machine never times out a live store
+        "probe_interval_ms": 1000.0,
+        "fairness_sync_ms": 100.0,
+        "fairness_lease_tokens": 5 * COST,
+        **changes,
+    }
+    return BudgetStoreConfig(url, key_prefix="t30", **settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def client(redis_server: RedisServer) -> AsyncIterator[redis_asyncio.Redis]:
+    connection = redis_asyncio.Redis.from_url(
+        redis_server.url, socket_timeout=5.0, socket_connect_timeout=5.0
+    )
+    yield connection
+    await connection.aclose()
+
+
+async def test_a_tenant_served_elsewhere_yields_here(
+    redis_server: RedisServer, client: redis_asyncio.Redis
+) -> None:
+    clock = FakeClock()
+    store = _store(redis_server.url)
+    here, there = Replica(store, client, clock), Replica(store, client, clock)
+    here.offer("pinned", 200)
+    here.offer("flood", 200)
+    there.offer("flood", 200)
+    for _ in range(30):  # the two replicas serve side by side, syncing when due
+        here.serve(5)
+        there.serve(5)
+        clock.now_ms += 10.0
+        for replica in (here, there):
+            await replica.fairness.refresh()
+    # flood got 150 requests there and some here: here, pinned is owed all but a batch's worth
+    assert here.served["pinned"] >= 0.85 * 150 * COST
+    assert here.served["flood"] <= 0.15 * 150 * COST
+    calls = here.fairness.store_calls + there.fairness.store_calls
+    assert calls == 300 // 5  # one call per batch, one batch per lease (5 requests' tokens)
+    totals = await client.hgetall("t30:fair:interactive")
+    assert int(totals[b"flood"]) + int(totals[b"pinned"]) <= 300 * COST
+    assert int(totals[b"flood"]) >= (150 - 5) * COST
+
+
+async def test_per_replica_without_the_pool_gives_half(
+    redis_server: RedisServer, client: redis_asyncio.Redis
+) -> None:
+    """The baseline of the test above: the same traffic, the counters not shared."""
+    clock = FakeClock()
+    here = Replica(_store(redis_server.url), client, clock)
+    here.scheduler.share_pool_service(None)
+    here.offer("pinned", 200)
+    here.offer("flood", 200)
+    here.serve(150)
+    assert here.served["pinned"] == pytest.approx(75 * COST, rel=0.05)
+
+
+async def test_killed_store_falls_back_and_rejoins(
+    redis_server: RedisServer, client: redis_asyncio.Redis
+) -> None:
+    clock = FakeClock()
+    replica = Replica(_store(redis_server.url), client, clock)
+    replica.offer("pinned", 50)
+    replica.offer("flood", 50)
+    replica.serve(6)
+    clock.now_ms += 200.0
+    await replica.fairness.refresh()
+    assert replica.fairness.batches == 1
+    redis_server.kill()
+    replica.serve(6)
+    clock.now_ms += 200.0
+    await replica.fairness.refresh()
+    fairness = replica.fairness
+    assert not fairness.shared
+    assert fairness.fallbacks == 1
+    assert not fairness.service.sharing
+    assert fairness.status()["mode"] == "per_replica"
+    # per replica: the round robin (its bound: 3 quanta of 1200 and two requests apart)
+    before = dict(replica.served)
+    replica.serve(20)
+    pinned = replica.served["pinned"] - before["pinned"]
+    gap = pinned - (replica.served["flood"] - before["flood"])
+    assert abs(gap) <= 3 * 1200 + 2 * COST
+    redis_server.start()  # empty
+    clock.now_ms += 500.0  # before the probe is due: nothing is tried
+    calls = fairness.store_calls
+    await fairness.refresh()
+    assert fairness.store_calls == calls
+    clock.now_ms += 600.0
+    await fairness.refresh()
+    assert fairness.shared
+    assert fairness.service.sharing
+    totals = await client.hgetall("t30:fair:interactive")
+    # the batch that failed (6 requests) is not sent again; the 20 given while fallen back are
+    assert sum(int(v) for v in totals.values()) == 20 * COST
+
+
+async def test_a_stopped_store_falls_back_within_the_timeout(
+    redis_server: RedisServer, client: redis_asyncio.Redis
+) -> None:
+    clock = FakeClock()
+    replica = Replica(_store(redis_server.url, timeout_ms=50.0), client, clock)
+    replica.offer("pinned", 20)
+    replica.offer("flood", 20)
+    replica.serve(6)
+    redis_server.pause()
+    try:
+        clock.now_ms += 200.0
+        await replica.fairness.refresh()
+        assert not replica.fairness.shared
+        assert "Timeout" in replica.fairness.last_error
+    finally:
+        redis_server.resume()
+
+
+async def test_garbage_is_repaired(redis_server: RedisServer, client: redis_asyncio.Redis) -> None:
+    await client.set("t30:fair:batch", "not a hash")
+    await client.hset("t30:fair:interactive", mapping={"flood": "1e400", "other": "900"})
+    clock = FakeClock()
+    replica = Replica(_store(redis_server.url), client, clock)
+    replica.offer("pinned", 5)
+    replica.offer("flood", 5)
+    replica.serve(6)
+    clock.now_ms += 200.0
+    await replica.fairness.refresh()
+    assert replica.fairness.shared
+    assert replica.fairness.repaired_fields == 2
+    assert await client.type("t30:fair:batch") in (b"none", b"hash")
+    totals = await client.hgetall("t30:fair:interactive")
+    # flood: repaired to the highest valid total of the hash (pinned's, written first in the
+    # same batch, or other's 900), plus what it was given here
+    highest = max(900, replica.served["pinned"])
+    assert int(totals[b"flood"]) == highest + replica.served["flood"]
+
+
+def test_the_config_fields() -> None:
+    url = {"redis": {"url": "redis://r:6379"}}
+    parsed = parse_budget_store(
+        {**url, "fairness": False, "fairnessSyncMs": 50, "fairnessLeaseServiceTokens": 1000}
+    )
+    assert (parsed.fairness, parsed.fairness_sync_ms, parsed.fairness_lease_tokens) == (
+        False,
+        50.0,
+        1000,
+    )
+    for field, value, rule in (
+        ("fairness", "yes", "must be true or false"),
+        ("fairnessSyncMs", 0, "must be in [1, 60000]"),
+        ("fairnessLeaseServiceTokens", 0.5, "must be an integer"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            parse_budget_store({**url, field: value})
+        assert str(error.value).startswith(f"budgetStore.{field}: ")
+        assert rule in str(error.value)
