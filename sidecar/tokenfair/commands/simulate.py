@@ -613,6 +613,8 @@ def _autoscale(args: argparse.Namespace) -> int:
         )
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
+
+
 def _pool_workload(args: argparse.Namespace) -> tuple[Config, list[Arrival]]:
     """The workload of a pool replay, held sorted in memory (it is routed before it runs)."""
     if args.scenario:

@@ -89,6 +89,8 @@ def load_step() -> tuple[Config, list[Request]]:
 
     config = lesson_config()
     return config, step_trace(config.policy.service_tokens_per_ms, LOAD_STEP_PHASES)
+
+
 def _poisson(rng: random.Random, tenant_id: str, gap_ms: float, duration_ms: int) -> list[Request]:
     """Chats of 280+90 tokens arriving at exponential gaps of mean ``gap_ms`` (3 digits)."""
     requests: list[Request] = []
