@@ -7,32 +7,37 @@ or no slot for waits in the engine's own queue holding nothing. :class:`KvView` 
 running request, from what the sidecar sees of it:
 
 * a stream that has relayed ``n`` SSE events (one per token an engine decodes; the role and usage
-  events add one or two) holds ``ceil((prompt + n) / block)`` blocks, never more than its
-  reservation (``modelled``);
+  events add one or two) holds ``ceil((prompt + min(n, max_tokens)) / block)`` blocks;
 * a request with nothing relayed yet holds its prompt's blocks (it is being prefilled), except
   that the ``waiting`` requests the engine last reported hold none: the most recently sent of the
   unstarted ones, as an engine that serves in arrival order holds them;
 * a whole (non-streamed) answer shows no decode until it ends: its prompt alone.
 
-Each fresh report of the engine (``used`` blocks, :mod:`tokenfair.server.engine_state`) sets the
-core's correction ``used - modelled`` (:meth:`~tokenfair.core.scheduler.Scheduler.
-observe_engine_kv`), and two figures follow (docs/fairness.md §5.3):
+Each fresh report of the engine (``used`` blocks, :mod:`tokenfair.server.engine_state`) corrects
+the model, and two figures follow (docs/fairness.md §5.3):
 
-* **the gates** (admission, dispatch) see ``resident + correction``: the engine's blocks plus every
-  running request's remaining growth to its reservation — conservative: decode growth of the
-  requests already running is never taken as free, so an admitted request fits when every one
-  reaches its ``max_tokens``;
-* **the view** (``/status`` ``kv.view_blocks``, ``tokenfair_kv_view_ratio``) is ``modelled +
-  correction``, what the engine holds *now*: equal to the engine's report at a report, moved by
-  the streams' decoded tokens, the prompts sent and the requests ended since.
+* **the gates** (admission, dispatch) see ``resident + (used - modelled)``, the model taken at the
+  sidecar's prompt estimates and each request at most its reservation (:meth:`~tokenfair.core.
+  scheduler.Scheduler.observe_engine_kv`): the engine's blocks plus every running request's
+  remaining growth to its reservation — conservative: decode growth of the requests already
+  running is never taken as free, so an admitted request fits when every one reaches its
+  ``max_tokens``;
+* **the view** (``/status`` ``kv.view_blocks``, ``tokenfair_kv_view_ratio``) is what the engine
+  holds *now*: ``modelled + (used - modelled)`` with the model's prompts at the engine's own
+  count — the sidecar's estimate times :attr:`KvView.prompt_ratio`, learned from the prompt
+  usage the engine reports (its tokenizer and chat template; a decayed ratio of sums) — so equal
+  to the engine's report at a report, and moved between reports by the streams' decoded tokens,
+  the prompts sent and the requests ended.
 
-Without a fresh report (engine metrics off, stale or missing) the correction is 0: the gates use
-the books and the view is the model alone (``kv.source: books``).
+Without a fresh report (engine metrics off, stale or missing) there is no correction: the gates
+use the books and the view is the model alone (``kv.source: books``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
+from typing import Final
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -55,6 +60,12 @@ class StreamProgress:
         self.events += data.count(b"data:")
 
 
+PROMPT_RATIO_BOUNDS: Final = (0.1, 10.0)
+"""The engine's prompt count over the sidecar's estimate is learned within these bounds."""
+PROMPT_RATIO_DECAY: Final = 0.95
+"""Weight of the past in the learned ratio, per request ended (~20 requests' memory)."""
+
+
 class KvView:
     """The running requests' stream progress, and the KV blocks it says the engine holds."""
 
@@ -63,6 +74,14 @@ class KvView:
         """Request id -> its progress, in the order the requests were sent to the engine."""
         self.engine_waiting = 0
         """Requests the engine last reported holding waiting (0 without a fresh report)."""
+        self.prompt_ratio = 1.0
+        """The engine's prompt tokens per estimated one, learned from the usage the engine
+        reports (its tokenizer and chat template against the sidecar's estimate)."""
+        self._estimated = 0.0
+        self._reported = 0.0
+        self._view_correction: int | None = None
+        """``used - modelled`` (at the learned prompt ratio) at the engine's last fresh report;
+        None without one."""
 
     def track(self, request_id: str) -> StreamProgress:
         """A request is sent to the engine now; its progress object (the backend counts its
@@ -70,20 +89,30 @@ class KvView:
         progress = self._running[request_id] = StreamProgress()
         return progress
 
-    def forget(self, request_id: str) -> None:
-        """The request ended (its KV is off the books)."""
+    def forget(
+        self, request_id: str, estimated_prompt: int = 0, reported_prompt: int | None = None
+    ) -> None:
+        """The request ended; with the engine's prompt count of it (``reported_prompt``) and
+        the sidecar's estimate, the prompt ratio learns (decayed sums, bounded)."""
         self._running.pop(request_id, None)
+        if reported_prompt is None or reported_prompt <= 0 or estimated_prompt <= 0:
+            return
+        self._estimated = PROMPT_RATIO_DECAY * self._estimated + estimated_prompt
+        self._reported = PROMPT_RATIO_DECAY * self._reported + reported_prompt
+        low, high = PROMPT_RATIO_BOUNDS
+        self.prompt_ratio = min(high, max(low, self._reported / self._estimated))
 
     @property
     def running(self) -> int:
         return len(self._running)
 
-    def modelled_blocks(self, scheduler: Scheduler) -> int:
+    def modelled_blocks(self, scheduler: Scheduler, prompt_ratio: float = 1.0) -> int:
         """The blocks the engine holds now by the model (see the module's docstring): each
-        dispatched request its prompt and decoded tokens (at most its reservation), none for
-        the last :attr:`engine_waiting` unstarted ones; a request the books hold that is not
-        tracked here (dispatched this instant, or done and its KV still held) at its
-        reservation."""
+        dispatched request its prompt (the estimate times ``prompt_ratio``) and decoded tokens
+        (at most its ``max_tokens``), none for the last :attr:`engine_waiting` unstarted ones;
+        a request the books hold that is not tracked here (dispatched this instant, or done
+        and its KV still held) at its reservation. At ratio 1 (the gates' model) no request
+        holds more than its reservation."""
         waiting = self.engine_waiting
         block = scheduler.policy.kv_block_tokens
         jobs = scheduler.jobs
@@ -95,11 +124,17 @@ class KvView:
             if job is None or job.state is JobState.QUEUED:
                 continue
             tracked += job.kv_blocks
-            prompt = job.request.prefill_tokens
+            request = job.request
+            prompt = request.prefill_tokens
+            if prompt_ratio != 1.0:
+                prompt = math.ceil(prompt * prompt_ratio)
             if progress.events:
-                held += min(job.kv_blocks, -(-(prompt + progress.events) // block))
+                tokens = prompt + min(progress.events, request.decode_tokens)
+                blocks = -(-tokens // block)
+                held += blocks if prompt_ratio != 1.0 else min(job.kv_blocks, blocks)
             else:
-                unstarted.append(min(job.kv_blocks, -(-prompt // block)))
+                blocks = -(-prompt // block)
+                unstarted.append(blocks if prompt_ratio != 1.0 else min(job.kv_blocks, blocks))
         if waiting > 0:
             del unstarted[max(0, len(unstarted) - waiting) :]
         # Held by the books but not tracked here: their reservation, as booked.
@@ -108,18 +143,23 @@ class KvView:
 
     def observe(self, scheduler: Scheduler, used_blocks: int | None, waiting: int) -> None:
         """A fresh report of the engine (``used_blocks`` in use, ``waiting`` requests not
-        started), or None: no fresh report. Sets the core's correction."""
+        started), or None: no fresh report. Sets the core's correction (the gates' model: the
+        estimates as booked) and the view's (the model at the learned prompt ratio)."""
         if used_blocks is None:
             self.engine_waiting = 0
+            self._view_correction = None
             scheduler.observe_engine_kv(None)
             return
         self.engine_waiting = waiting
         scheduler.observe_engine_kv(used_blocks, self.modelled_blocks(scheduler))
+        self._view_correction = used_blocks - self.modelled_blocks(scheduler, self.prompt_ratio)
 
     def view_blocks(self, scheduler: Scheduler) -> int:
-        """The blocks the engine holds now, as the sidecar sees them: the model corrected by
-        the engine's last report (the model alone without one)."""
-        return max(0, self.modelled_blocks(scheduler) + scheduler.kv_correction_blocks)
+        """The blocks the engine holds now, as the sidecar sees them: the model (at the
+        learned prompt ratio) corrected by the engine's last report (the model alone without
+        one)."""
+        modelled = self.modelled_blocks(scheduler, self.prompt_ratio)
+        return max(0, modelled + (self._view_correction or 0))
 
 
 class KvViewCollector(Collector):

@@ -60,6 +60,7 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
             "view_blocks": sidecar.kv_view.view_blocks(sidecar.scheduler),
             "gate_blocks": max(0, sidecar.scheduler.kv_gate_blocks),
             "correction_blocks": sidecar.scheduler.kv_correction_blocks,
+            "prompt_ratio": round(sidecar.kv_view.prompt_ratio, 4),
             "total_blocks": sidecar.scheduler.policy.total_kv_blocks,
             "block_tokens": sidecar.scheduler.policy.kv_block_tokens,
             "source": "engine" if engine is not None and engine.fresh else "books",

@@ -6,7 +6,8 @@ Behaviours under test:
   request holds its prompt's blocks until tokens arrive, then one more block per ``block``
   tokens relayed (``/status`` ``kv.view_blocks``, ``tokenfair_kv_view_ratio``), while the books
   and the gates keep its whole reservation (prompt and ``max_tokens``); the view is empty when
-  it ends;
+  it ends; the prompt usage the engine reported teaches the view the engine's prompt count
+  (``kv.prompt_ratio``), not the gates;
 - with them, the gates count the running requests' decode growth: a request that fits what the
   engine holds now but not once the running one has decoded its ``max_tokens`` waits while
   fresh reports come in, and starts when the running one ends; at a report the view is what the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -130,7 +132,7 @@ async def kv_of(clients: Clients) -> dict[str, Any]:
 def chat_body(max_tokens: int) -> dict[str, Any]:
     return {
         "model": "tiny",
-        "messages": [{"role": "user", "content": "hello there"}],
+        "messages": [{"role": "user", "content": "hello there, " * 6}],
         "max_tokens": max_tokens,
         "stream": True,
     }
@@ -208,7 +210,27 @@ async def test_without_the_engines_metrics_the_view_follows_the_stream(
     engine.release(None)
     await response.read()
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    assert (await kv_of(clients))["view_blocks"] == 0
+    kv = await kv_of(clients)
+    assert kv["view_blocks"] == 0
+    # The engine reported 40 prompt tokens for it: the view counts the next one's prompt at
+    # the engine's count (the estimate times 40 / estimate), the gates at the estimate.
+    ratio = ENGINE_PROMPT / prompt
+    assert kv["prompt_ratio"] == round(ratio, 4)
+    sent = asyncio.create_task(
+        clients.proxy.post(
+            "/v1/chat/completions", json=chat_body(3000), headers={"Authorization": IDE}
+        )
+    )
+    await eventually(sent_to_the_engine)
+    engine.release(50)
+    response = await sent
+    await read_events(response, 50)
+    kv = await kv_of(clients)
+    assert kv["view_blocks"] == blocks(math.ceil(prompt * ratio) + 50) == blocks(ENGINE_PROMPT + 50)
+    assert kv["gate_blocks"] == blocks(prompt + 3000)
+    engine.release(None)
+    await response.read()
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
 
 
 async def test_the_gates_keep_room_for_the_running_requests_decode(
