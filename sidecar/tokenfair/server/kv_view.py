@@ -10,7 +10,8 @@ running request, from what the sidecar sees of it:
   events add one or two) holds ``ceil((prompt + min(n, max_tokens)) / block)`` blocks;
 * a request with nothing relayed yet holds its prompt's blocks (it is being prefilled), except
   that the ``waiting`` requests the engine last reported hold none: the most recently sent of the
-  unstarted ones, as an engine that serves in arrival order holds them;
+  unstarted ones, as an engine that serves in arrival order holds them, and every one sent since
+  (it queues behind them) until its first token;
 * a whole (non-streamed) answer shows no decode until it ends: its prompt alone.
 
 Each fresh report of the engine (``used`` blocks, :mod:`tokenfair.server.engine_state`) corrects
@@ -49,9 +50,11 @@ from tokenfair.core.scheduler import Scheduler
 class StreamProgress:
     """What the sidecar has relayed of one running request's answer."""
 
-    __slots__ = ("events",)
+    __slots__ = ("events", "sequence")
 
-    def __init__(self) -> None:
+    def __init__(self, sequence: int) -> None:
+        self.sequence = sequence
+        """The order it was sent to the engine in."""
         self.events = 0
         """SSE ``data:`` events relayed so far (0: nothing yet, or a whole answer)."""
 
@@ -74,6 +77,11 @@ class KvView:
         """Request id -> its progress, in the order the requests were sent to the engine."""
         self.engine_waiting = 0
         """Requests the engine last reported holding waiting (0 without a fresh report)."""
+        self._sent = 0
+        self._waiting_from: int | None = None
+        """The first request (by :attr:`StreamProgress.sequence`) the engine holds waiting: the
+        last ``engine_waiting`` unstarted at its last report, and every one sent after them
+        (they queue behind them); None: the engine had nobody waiting."""
         self.prompt_ratio = 1.0
         """The engine's prompt tokens per estimated one, learned from the usage the engine
         reports (its tokenizer and chat template against the sidecar's estimate)."""
@@ -86,7 +94,8 @@ class KvView:
     def track(self, request_id: str) -> StreamProgress:
         """A request is sent to the engine now; its progress object (the backend counts its
         stream's events on it)."""
-        progress = self._running[request_id] = StreamProgress()
+        progress = self._running[request_id] = StreamProgress(self._sent)
+        self._sent += 1
         return progress
 
     def forget(
@@ -109,15 +118,15 @@ class KvView:
     def modelled_blocks(self, scheduler: Scheduler, prompt_ratio: float = 1.0) -> int:
         """The blocks the engine holds now by the model (see the module's docstring): each
         dispatched request its prompt (the estimate times ``prompt_ratio``) and decoded tokens
-        (at most its ``max_tokens``), none for the last :attr:`engine_waiting` unstarted ones;
+        (at most its ``max_tokens``); none for an unstarted one the engine holds waiting (the
+        last :attr:`engine_waiting` unstarted at its report, and those sent since);
         a request the books hold that is not tracked here (dispatched this instant, or done
         and its KV still held) at its reservation. At ratio 1 (the gates' model) no request
         holds more than its reservation."""
-        waiting = self.engine_waiting
+        waiting_from = self._waiting_from
         block = scheduler.policy.kv_block_tokens
         jobs = scheduler.jobs
         held = 0
-        unstarted: list[int] = []
         tracked = 0
         for request_id, progress in self._running.items():
             job = jobs.get(request_id)
@@ -132,14 +141,12 @@ class KvView:
                 tokens = prompt + min(progress.events, request.decode_tokens)
                 blocks = -(-tokens // block)
                 held += blocks if prompt_ratio != 1.0 else min(job.kv_blocks, blocks)
-            else:
+            elif waiting_from is None or progress.sequence < waiting_from:
                 blocks = -(-prompt // block)
-                unstarted.append(blocks if prompt_ratio != 1.0 else min(job.kv_blocks, blocks))
-        if waiting > 0:
-            del unstarted[max(0, len(unstarted) - waiting) :]
+                held += blocks if prompt_ratio != 1.0 else min(job.kv_blocks, blocks)
         # Held by the books but not tracked here: their reservation, as booked.
         untracked = max(0, scheduler.resident_blocks - tracked)
-        return held + sum(unstarted) + untracked
+        return held + untracked
 
     def observe(self, scheduler: Scheduler, used_blocks: int | None, waiting: int) -> None:
         """A fresh report of the engine (``used_blocks`` in use, ``waiting`` requests not
@@ -147,10 +154,18 @@ class KvView:
         estimates as booked) and the view's (the model at the learned prompt ratio)."""
         if used_blocks is None:
             self.engine_waiting = 0
+            self._waiting_from = None
             self._view_correction = None
             scheduler.observe_engine_kv(None)
             return
         self.engine_waiting = waiting
+        self._waiting_from = None
+        if waiting > 0:
+            unstarted = [p.sequence for p in self._running.values() if not p.events]
+            # Fewer of ours unstarted than it holds waiting: others' requests wait too, and
+            # ours sent from now on queue behind them.
+            self._waiting_from = unstarted[-waiting] if len(unstarted) >= waiting else self._sent
+
         scheduler.observe_engine_kv(used_blocks, self.modelled_blocks(scheduler))
         self._view_correction = used_blocks - self.modelled_blocks(scheduler, self.prompt_ratio)
 

@@ -13,7 +13,9 @@ Behaviours under test:
   fresh reports come in, and starts when the running one ends; at a report the view is what the
   engine said; blocks the engine holds for another client count in the gates;
 - stale metrics: the gates fall back to the books and the view to the model, visibly
-  (``kv.source: books``, ``engine.fresh``).
+  (``kv.source: books``, ``engine.fresh``);
+- the model on the core's objects: the requests the engine reports waiting (the last sent of
+  the unstarted ones) and those sent after them hold nothing until their first token.
 
 The engine is a real aiohttp server on loopback whose tokens are released by the test; waits
 are on conditions (generous deadlines), never on a duration.
@@ -43,6 +45,8 @@ from sidecar_support import (
 )
 
 from tokenfair.config import PolicyConfig
+from tokenfair.core import Request, make_scheduler
+from tokenfair.server.kv_view import KvView
 from tokenfair.server.runtime_settings import SidecarSettings
 
 ServerFactory = Callable[..., Awaitable[TestServer]]
@@ -329,3 +333,40 @@ async def test_stale_metrics_fall_back_to_the_books_and_the_model(
     metrics = await (await clients.admin.get("/metrics")).text()
     assert "tokenfair_engine_metrics_fresh 0.0" in metrics
     assert "tokenfair_kv_view_ratio 0.0" in metrics
+
+
+def test_the_requests_the_engine_holds_waiting_hold_nothing() -> None:
+    # The model alone, on the core's objects: three requests sent (2000-token prompts and 500
+    # max_tokens: 79 blocks of 32 booked, 63 of them the prompt), one has streamed 100 tokens.
+    scheduler = make_scheduler(
+        "tokenfair", keyed_config(dataclasses.replace(PATIENT_POLICY, kv_block_tokens=BLOCK,
+                                                      total_kv_blocks=1000,
+                                                      max_batch_requests=8)),
+    )  # fmt: skip
+    view = KvView()
+    progress = {}
+    for number in range(3):
+        request_id = f"r{number}"
+        request = Request(request_id, "tenant_chat_pro", 0.0, 2000, 500, "interactive")
+        assert scheduler.submit(request, 0.0) is None
+        assert scheduler.next_dispatch(0.0) is not None
+        progress[request_id] = view.track(request_id)
+    progress["r0"].relayed(b'data: {"choices":[]}\n\n' * 100)
+    prompt = blocks(2000)
+    assert view.modelled_blocks(scheduler) == blocks(2100) + 2 * prompt
+    # The engine holds one of ours waiting (the last sent unstarted): it holds nothing.
+    view.observe(scheduler, 200, waiting=1)
+    assert view.modelled_blocks(scheduler) == blocks(2100) + prompt
+    assert scheduler.kv_correction_blocks == 200 - blocks(2100) - prompt
+    # One sent since queues behind it: nothing either, until its first token.
+    assert scheduler.submit(Request("r3", "tenant_chat_pro", 1.0, 2000, 500, "interactive"),
+                            1.0) is None  # fmt: skip
+    assert scheduler.next_dispatch(1.0) is not None
+    late = view.track("r3")
+    assert view.view_blocks(scheduler) == 200
+    late.relayed(b"data: {}\n\n")
+    assert view.view_blocks(scheduler) == 200 + blocks(2001)
+    # Stale: the books for the gates, the model alone for the view (the waiting forgotten).
+    view.observe(scheduler, None, 0)
+    assert scheduler.kv_gate_blocks == scheduler.resident_blocks == 4 * blocks(2500)
+    assert view.view_blocks(scheduler) == blocks(2100) + blocks(2001) + 2 * prompt
