@@ -130,6 +130,8 @@ class Sampler:
                 "at_s": (started + time.monotonic()) / 2,
                 "engine": _one(engine, "vllm:kv_cache_usage_perc"),
                 "engine_waiting": _one(engine, "vllm:num_requests_waiting"),
+                "engine_running": _one(engine, "vllm:num_requests_running"),
+                "polls": float(status.get("engine", {}).get("polls", 0)),
                 "view": kv["view_blocks"] / total,
                 # A tree without the split shows the gates' figure as its view.
                 "gate": kv.get("gate_blocks", kv["view_blocks"]) / total,
@@ -195,6 +197,8 @@ def run_variant(engine: VllmServer, work: Path, name: str, trace: Path, keys: Pa
     if done.returncode not in (0, 1):
         raise SystemExit(f"loadgen failed ({done.returncode}): {done.stderr[-2000:]}")
     samples = [s for s in sampler.samples if started <= s["at_s"] <= ended]
+    with (folder / "samples.jsonl").open("w", encoding="utf-8") as out:
+        out.writelines(json.dumps({**s, "at_s": s["at_s"] - started}) + "\n" for s in samples)
     report: dict[str, Any] = json.loads(done.stdout)
     return samples, started, report
 
@@ -252,6 +256,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also run the sidecar of another tree (its sidecar/ folder)",
     )
     parser.add_argument("--keep", type=Path, help="copy the run's files here")
+    parser.add_argument(
+        "--variants",
+        default="before,loop,model",
+        help="which to run, of before (with --before), loop, model",
+    )
     args = parser.parse_args(argv)
     install = find_install()
     if isinstance(install, str):
@@ -268,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants = [("loop", "auto", None), ("model", "off", None)]
         if args.before:
             variants.insert(0, ("before", "auto", args.before))
+        variants = [v for v in variants if v[0] in args.variants.split(",")]
         out: list[str] = []
         with running_vllm(install, engine_dir) as engine:
             for name, metrics, pythonpath in variants:
