@@ -336,18 +336,18 @@ class Scheduler(ABC):
             observed=observed,
         )
 
-    def observe_engine_kv(self, used_blocks: int | None, modelled_blocks: int = 0) -> None:
+    def observe_engine_kv(self, used_blocks: int | None, held_blocks: int = 0) -> None:
         """The engine reported its KV cache just now: ``used_blocks`` in use, where the
-        sidecar's model of the running requests (``modelled_blocks``: each started request's
-        prompt and the tokens it has decoded so far, each one the engine holds waiting at none;
-        :mod:`tokenfair.server.kv_view`) says ``modelled_blocks``. Until the next report the
-        gates see::
+        running requests surely hold ``held_blocks`` (:mod:`tokenfair.server.kv_view`: each
+        one that has shown tokens its prompt and the tokens so far, at most its reservation;
+        nothing for one that has not — a prompt the engine may not have allocated yet is never
+        taken as held). Until the next report the gates see::
 
-            gate = resident + (used - modelled)       (kv_correction_blocks = used - modelled)
+            gate = resident + (used - held)           (kv_correction_blocks = used - held)
 
         that is, the engine's truth plus, for every running request, what its reservation may
-        still grow by (prompt and ``max_tokens`` booked, minus what it holds now), and in full
-        for every one the engine has not started or that was sent since. Decode growth of the
+        still grow by (prompt and ``max_tokens`` booked, less what it surely holds), and in
+        full for every one that has shown nothing or was sent since. Decode growth of the
         running requests is never taken as free: the gates stay at or above what the engine
         holds once every running request reaches its reservation. The correction is what the
         books and the engine disagree on besides that growth (prompt estimates, shared
@@ -356,7 +356,7 @@ class Scheduler(ABC):
         if used_blocks is None:
             self.kv_correction_blocks = 0
             return
-        self.kv_correction_blocks = used_blocks - modelled_blocks
+        self.kv_correction_blocks = used_blocks - held_blocks
 
     @property
     def kv_gate_blocks(self) -> int:

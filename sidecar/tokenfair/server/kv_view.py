@@ -8,27 +8,28 @@ running request, from what the sidecar sees of it:
 
 * a stream that has relayed ``n`` SSE events (one per token an engine decodes; the role and usage
   events add one or two) holds ``ceil((prompt + min(n, max_tokens)) / block)`` blocks;
-* a request with nothing relayed yet holds its prompt's blocks (it is being prefilled), except
-  that the ``waiting`` requests the engine last reported hold none: the most recently sent of the
-  unstarted ones, as an engine that serves in arrival order holds them, and every one sent since
-  (it queues behind them) until its first token;
-* a whole (non-streamed) answer shows no decode until it ends: its prompt alone.
+* a stream with nothing relayed yet may be waiting in the engine's queue, on its way to the
+  engine, or being prefilled: it holds its prompt if the engine's last report ran it (the
+  engine's running count less ours that have streamed: the oldest unstarted), else nothing;
+* a whole (non-streamed) answer shows no progress: its prompt, until it ends.
 
-Each fresh report of the engine (``used`` blocks, :mod:`tokenfair.server.engine_state`) corrects
-the model, and two figures follow (docs/fairness.md §5.3):
+Each fresh report of the engine (``used`` blocks, running and waiting requests:
+:mod:`tokenfair.server.engine_state`) corrects the model, and two figures follow
+(docs/fairness.md §5.3):
 
-* **the gates** (admission, dispatch) see ``resident + (used - modelled)``, the model taken at the
-  sidecar's prompt estimates and each request at most its reservation (:meth:`~tokenfair.core.
-  scheduler.Scheduler.observe_engine_kv`): the engine's blocks plus every running request's
-  remaining growth to its reservation — conservative: decode growth of the requests already
-  running is never taken as free, so an admitted request fits when every one reaches its
-  ``max_tokens``;
+* **the gates** (admission, dispatch) see ``resident + (used - held)`` (:meth:`~tokenfair.core.
+  scheduler.Scheduler.observe_engine_kv`), ``held`` being what the engine surely holds for the
+  running requests — a stream that has shown tokens its estimated prompt and the tokens relayed,
+  at most its reservation; nothing for one that has not (a prompt the engine may not hold yet is
+  never taken as held): the engine's blocks plus every running request's remaining growth to
+  its reservation. Conservative: decode growth of the requests already running is never taken
+  as free, so an admitted request fits when every one reaches its ``max_tokens``;
 * **the view** (``/status`` ``kv.view_blocks``, ``tokenfair_kv_view_ratio``) is what the engine
-  holds *now*: ``modelled + (used - modelled)`` with the model's prompts at the engine's own
-  count — the sidecar's estimate times :attr:`KvView.prompt_ratio`, learned from the prompt
-  usage the engine reports (its tokenizer and chat template; a decayed ratio of sums) — so equal
-  to the engine's report at a report, and moved between reports by the streams' decoded tokens,
-  the prompts sent and the requests ended.
+  holds *now*: the model with the prompts at the engine's own count — the sidecar's estimate
+  times :attr:`KvView.prompt_ratio`, learned from the prompt usage the engine reports (its
+  tokenizer and chat template; a decayed ratio of sums) — plus ``used - modelled`` at the last
+  report: the engine's figure at a report, moved between reports by the streams' tokens, the
+  requests ended and the whole answers sent.
 
 Without a fresh report (engine metrics off, stale or missing) there is no correction: the gates
 use the books and the view is the model alone (``kv.source: books``).
@@ -50,11 +51,13 @@ from tokenfair.core.scheduler import Scheduler
 class StreamProgress:
     """What the sidecar has relayed of one running request's answer."""
 
-    __slots__ = ("events", "sequence")
+    __slots__ = ("events", "sequence", "stream")
 
-    def __init__(self, sequence: int) -> None:
+    def __init__(self, sequence: int, stream: bool) -> None:
         self.sequence = sequence
         """The order it was sent to the engine in."""
+        self.stream = stream
+        """A streamed answer (its progress shows); False: a whole answer (it shows none)."""
         self.events = 0
         """SSE ``data:`` events relayed so far (0: nothing yet, or a whole answer)."""
 
@@ -75,26 +78,23 @@ class KvView:
     def __init__(self) -> None:
         self._running: dict[str, StreamProgress] = {}
         """Request id -> its progress, in the order the requests were sent to the engine."""
-        self.engine_waiting = 0
-        """Requests the engine last reported holding waiting (0 without a fresh report)."""
         self._sent = 0
-        self._waiting_from: int | None = None
-        """The first request (by :attr:`StreamProgress.sequence`) the engine holds waiting: the
-        last ``engine_waiting`` unstarted at its last report, and every one sent after them
-        (they queue behind them); None: the engine had nobody waiting."""
+        self._prefilling: frozenset[int] = frozenset()
+        """The unstarted streams (by :attr:`StreamProgress.sequence`) the engine ran at its
+        last report (its running count less ours that have streamed: the oldest unstarted)."""
         self.prompt_ratio = 1.0
         """The engine's prompt tokens per estimated one, learned from the usage the engine
         reports (its tokenizer and chat template against the sidecar's estimate)."""
         self._estimated = 0.0
         self._reported = 0.0
         self._view_correction: int | None = None
-        """``used - modelled`` (at the learned prompt ratio) at the engine's last fresh report;
-        None without one."""
+        """``used - modelled`` (the view's model) at the engine's last fresh report; None
+        without one."""
 
-    def track(self, request_id: str) -> StreamProgress:
+    def track(self, request_id: str, stream: bool = True) -> StreamProgress:
         """A request is sent to the engine now; its progress object (the backend counts its
         stream's events on it)."""
-        progress = self._running[request_id] = StreamProgress(self._sent)
+        progress = self._running[request_id] = StreamProgress(self._sent, stream)
         self._sent += 1
         return progress
 
@@ -115,15 +115,14 @@ class KvView:
     def running(self) -> int:
         return len(self._running)
 
-    def modelled_blocks(self, scheduler: Scheduler, prompt_ratio: float = 1.0) -> int:
-        """The blocks the engine holds now by the model (see the module's docstring): each
-        dispatched request its prompt (the estimate times ``prompt_ratio``) and decoded tokens
-        (at most its ``max_tokens``); none for an unstarted one the engine holds waiting (the
-        last :attr:`engine_waiting` unstarted at its report, and those sent since);
-        a request the books hold that is not tracked here (dispatched this instant, or done
-        and its KV still held) at its reservation. At ratio 1 (the gates' model) no request
-        holds more than its reservation."""
-        waiting_from = self._waiting_from
+    def gate_blocks_held(self, scheduler: Scheduler) -> int:
+        """The blocks the engine surely holds for the running requests, by the gates' model:
+        each stream that has shown tokens its estimated prompt and the tokens relayed, at most
+        its reservation; nothing for one that has not (waiting in the engine, on its way to
+        it, or being prefilled: a prompt the engine may not hold yet is never taken as held,
+        so ``used - held`` never credits blocks about to be allocated); a request the books
+        hold that is not tracked here (dispatched this instant, or done and its KV still held)
+        at its reservation."""
         block = scheduler.policy.kv_block_tokens
         jobs = scheduler.jobs
         held = 0
@@ -133,48 +132,66 @@ class KvView:
             if job is None or job.state is JobState.QUEUED:
                 continue
             tracked += job.kv_blocks
-            request = job.request
-            prompt = request.prefill_tokens
-            if prompt_ratio != 1.0:
-                prompt = math.ceil(prompt * prompt_ratio)
             if progress.events:
-                tokens = prompt + min(progress.events, request.decode_tokens)
-                blocks = -(-tokens // block)
-                held += blocks if prompt_ratio != 1.0 else min(job.kv_blocks, blocks)
-            elif waiting_from is None or progress.sequence < waiting_from:
-                blocks = -(-prompt // block)
-                held += blocks if prompt_ratio != 1.0 else min(job.kv_blocks, blocks)
-        # Held by the books but not tracked here: their reservation, as booked.
-        untracked = max(0, scheduler.resident_blocks - tracked)
-        return held + untracked
+                request = job.request
+                tokens = request.prefill_tokens + min(progress.events, request.decode_tokens)
+                held += min(job.kv_blocks, -(-tokens // block))
+        return held + max(0, scheduler.resident_blocks - tracked)
 
-    def observe(self, scheduler: Scheduler, used_blocks: int | None, waiting: int) -> None:
-        """A fresh report of the engine (``used_blocks`` in use, ``waiting`` requests not
-        started), or None: no fresh report. Sets the core's correction (the gates' model: the
-        estimates as booked) and the view's (the model at the learned prompt ratio)."""
+    def modelled_blocks(self, scheduler: Scheduler) -> int:
+        """The blocks the engine holds now by the view's model (the module's docstring), each
+        prompt at the engine's count (the estimate times :attr:`prompt_ratio`): a stream that
+        has shown tokens its prompt and the tokens relayed (at most ``max_tokens``); an
+        unstarted stream its prompt if the engine ran it at its last report, else nothing; a
+        whole answer its prompt; an untracked request of the books its reservation."""
+        block = scheduler.policy.kv_block_tokens
+        ratio = self.prompt_ratio
+        prefilling = self._prefilling
+        jobs = scheduler.jobs
+        held = 0
+        tracked = 0
+        for request_id, progress in self._running.items():
+            job = jobs.get(request_id)
+            if job is None or job.state is JobState.QUEUED:
+                continue
+            tracked += job.kv_blocks
+            request = job.request
+            prompt = math.ceil(request.prefill_tokens * ratio)
+            if progress.events:
+                held += -(-(prompt + min(progress.events, request.decode_tokens)) // block)
+            elif not progress.stream or progress.sequence in prefilling:
+                held += -(-prompt // block)
+        return held + max(0, scheduler.resident_blocks - tracked)
+
+    def observe(
+        self,
+        scheduler: Scheduler,
+        used_blocks: int | None,
+        running: int | None = None,
+        waiting: int = 0,
+    ) -> None:
+        """A fresh report of the engine (``used_blocks`` in use, ``running`` requests it runs
+        and ``waiting`` it holds waiting), or None: no fresh report. Sets the core's
+        correction (the gates' model) and the view's."""
         if used_blocks is None:
-            self.engine_waiting = 0
-            self._waiting_from = None
+            self._prefilling = frozenset()
             self._view_correction = None
             scheduler.observe_engine_kv(None)
             return
-        self.engine_waiting = waiting
-        self._waiting_from = None
-        if waiting > 0:
-            unstarted = [p.sequence for p in self._running.values() if not p.events]
-            # Fewer of ours unstarted than it holds waiting: others' requests wait too, and
-            # ours sent from now on queue behind them.
-            self._waiting_from = unstarted[-waiting] if len(unstarted) >= waiting else self._sent
-
-        scheduler.observe_engine_kv(used_blocks, self.modelled_blocks(scheduler))
-        self._view_correction = used_blocks - self.modelled_blocks(scheduler, self.prompt_ratio)
+        unstarted = [p.sequence for p in self._running.values() if p.stream and not p.events]
+        if running is not None:
+            started = sum(1 for p in self._running.values() if p.events or not p.stream)
+            prefilling = min(len(unstarted), max(0, running - started))
+        else:
+            prefilling = max(0, len(unstarted) - waiting)
+        self._prefilling = frozenset(unstarted[:prefilling])
+        scheduler.observe_engine_kv(used_blocks, self.gate_blocks_held(scheduler))
+        self._view_correction = used_blocks - self.modelled_blocks(scheduler)
 
     def view_blocks(self, scheduler: Scheduler) -> int:
-        """The blocks the engine holds now, as the sidecar sees them: the model (at the
-        learned prompt ratio) corrected by the engine's last report (the model alone without
-        one)."""
-        modelled = self.modelled_blocks(scheduler, self.prompt_ratio)
-        return max(0, modelled + (self._view_correction or 0))
+        """The blocks the engine holds now, as the sidecar sees them: the model corrected by
+        the engine's last report (the model alone without one)."""
+        return max(0, self.modelled_blocks(scheduler) + (self._view_correction or 0))
 
 
 class KvViewCollector(Collector):

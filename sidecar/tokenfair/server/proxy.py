@@ -553,7 +553,7 @@ async def _serve(
             max_prompt_tokens=max_prompt_tokens,
             max_completion_tokens=max_completion_tokens,
         )
-        call.progress = sidecar.kv_view.track(core_request.request_id)
+        call.progress = sidecar.kv_view.track(core_request.request_id, stream)
         try:
             response = await sidecar.backend.respond(call)
         except UpstreamError as exc:

@@ -294,13 +294,14 @@ class Sidecar:
             self._enforce(self._config_in_force)
         scheduler = self.scheduler
         used = round(report.kv_usage_ratio * scheduler.policy.total_kv_blocks)
-        self.kv_view.observe(scheduler, used, int(report.waiting or 0))
+        running = None if report.running is None else int(report.running)
+        self.kv_view.observe(scheduler, used, running, int(report.waiting or 0))
         if scheduler.queued_total:
             self.dispatcher.pump()
 
     def _engine_stale(self, problem: str) -> None:
         """No fresh report: the KV gates use the books alone (the geometry stays adopted)."""
-        self.kv_view.observe(self.scheduler, None, 0)
+        self.kv_view.observe(self.scheduler, None)
 
     def _engine_limits(self, limits: EngineLimits) -> None:
         """What the engine serves: its routes and context lengths, and the usage a report may

@@ -14,8 +14,10 @@ Behaviours under test:
   engine said; blocks the engine holds for another client count in the gates;
 - stale metrics: the gates fall back to the books and the view to the model, visibly
   (``kv.source: books``, ``engine.fresh``);
-- the model on the core's objects: the requests the engine reports waiting (the last sent of
-  the unstarted ones) and those sent after them hold nothing until their first token.
+- the model on the core's objects: an unstarted stream holds its prompt only if the engine's
+  report ran it (its running count less ours that streamed), nothing otherwise or if sent
+  since, until its first token; the gates take as held only what streamed, so a report taken
+  before the engine sees a burst credits nothing.
 
 The engine is a real aiohttp server on loopback whose tokens are released by the test; waits
 are on conditions (generous deadlines), never on a duration.
@@ -197,8 +199,9 @@ async def test_without_the_engines_metrics_the_view_follows_the_stream(
     (job,) = scheduler.jobs.values()
     prompt = job.request.prefill_tokens
     kv = await kv_of(clients)
-    # Sent, nothing decoded: its prompt, where the books and the gates hold prompt + max_tokens.
-    assert (kv["source"], kv["view_blocks"]) == ("books", blocks(prompt))
+    # Sent, nothing streamed: it may wait in the engine's queue, and no report says it runs:
+    # nothing, where the books and the gates hold prompt + max_tokens.
+    assert (kv["source"], kv["view_blocks"]) == ("books", 0)
     assert kv["gate_blocks"] == scheduler.resident_blocks == blocks(prompt + 3000)
     engine.release(100)
     response = await sent
@@ -335,38 +338,63 @@ async def test_stale_metrics_fall_back_to_the_books_and_the_model(
     assert "tokenfair_kv_view_ratio 0.0" in metrics
 
 
-def test_the_requests_the_engine_holds_waiting_hold_nothing() -> None:
-    # The model alone, on the core's objects: three requests sent (2000-token prompts and 500
+def test_what_the_engine_runs_holds_its_prompt_the_rest_nothing_until_it_streams() -> None:
+    # The model alone, on the core's objects: three streams sent (2000-token prompts and 500
     # max_tokens: 79 blocks of 32 booked, 63 of them the prompt), one has streamed 100 tokens.
-    scheduler = make_scheduler(
-        "tokenfair", keyed_config(dataclasses.replace(PATIENT_POLICY, kv_block_tokens=BLOCK,
-                                                      total_kv_blocks=1000,
-                                                      max_batch_requests=8)),
-    )  # fmt: skip
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=1000, max_batch_requests=8
+    )
+    scheduler = make_scheduler("tokenfair", keyed_config(policy))
     view = KvView()
     progress = {}
+
+    def send(request_id: str, now_ms: float) -> None:
+        request = Request(request_id, "tenant_chat_pro", now_ms, 2000, 500, "interactive")
+        assert scheduler.submit(request, now_ms) is None
+        assert scheduler.next_dispatch(now_ms) is not None
+        progress[request_id] = view.track(request_id)
+
     for number in range(3):
+        send(f"r{number}", 0.0)
+    progress["r0"].relayed(b'data: {"choices":[]}\n\n' * 100)
+    prompt = blocks(2000)
+    # No report: what has streamed (the others may be waiting in the engine).
+    assert view.view_blocks(scheduler) == view.modelled_blocks(scheduler) == blocks(2100)
+    # The engine runs 2 and holds 1 waiting: r1 (the older unstarted) is being prefilled.
+    view.observe(scheduler, 200, running=2, waiting=1)
+    assert view.modelled_blocks(scheduler) == blocks(2100) + prompt
+    assert view.view_blocks(scheduler) == 200
+    # The gates take as held only what streamed: r1's prompt, which the engine holds, is not
+    # a credit (the engine's 200 count it, and r1's reservation counts in full besides).
+    assert view.gate_blocks_held(scheduler) == blocks(2100)
+    assert scheduler.kv_gate_blocks == 3 * blocks(2500) + 200 - blocks(2100)
+    # One sent since: nothing until its first token.
+    send("r3", 1.0)
+    assert view.view_blocks(scheduler) == 200
+    progress["r3"].relayed(b"data: {}\n\n")
+    assert view.view_blocks(scheduler) == 200 + blocks(2001)
+    # Stale: the books for the gates, the model alone for the view.
+    view.observe(scheduler, None)
+    assert scheduler.kv_gate_blocks == scheduler.resident_blocks == 4 * blocks(2500)
+    assert view.view_blocks(scheduler) == blocks(2100) + blocks(2001)
+
+
+def test_a_report_before_the_engine_sees_a_request_gives_no_credit() -> None:
+    # Six requests dispatched in a burst; the engine reports before it has any of them (0
+    # used, 0 running): the gates still see the six reservations in full. (Had their prompts
+    # been taken as held, `used - held` would have credited 6 prompts, and the gates let
+    # requests in past the watermark while the engine allocated them.)
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=1000, max_batch_requests=16
+    )
+    scheduler = make_scheduler("tokenfair", keyed_config(policy))
+    view = KvView()
+    for number in range(6):
         request_id = f"r{number}"
         request = Request(request_id, "tenant_chat_pro", 0.0, 2000, 500, "interactive")
         assert scheduler.submit(request, 0.0) is None
         assert scheduler.next_dispatch(0.0) is not None
-        progress[request_id] = view.track(request_id)
-    progress["r0"].relayed(b'data: {"choices":[]}\n\n' * 100)
-    prompt = blocks(2000)
-    assert view.modelled_blocks(scheduler) == blocks(2100) + 2 * prompt
-    # The engine holds one of ours waiting (the last sent unstarted): it holds nothing.
-    view.observe(scheduler, 200, waiting=1)
-    assert view.modelled_blocks(scheduler) == blocks(2100) + prompt
-    assert scheduler.kv_correction_blocks == 200 - blocks(2100) - prompt
-    # One sent since queues behind it: nothing either, until its first token.
-    assert scheduler.submit(Request("r3", "tenant_chat_pro", 1.0, 2000, 500, "interactive"),
-                            1.0) is None  # fmt: skip
-    assert scheduler.next_dispatch(1.0) is not None
-    late = view.track("r3")
-    assert view.view_blocks(scheduler) == 200
-    late.relayed(b"data: {}\n\n")
-    assert view.view_blocks(scheduler) == 200 + blocks(2001)
-    # Stale: the books for the gates, the model alone for the view (the waiting forgotten).
-    view.observe(scheduler, None, 0)
-    assert scheduler.kv_gate_blocks == scheduler.resident_blocks == 4 * blocks(2500)
-    assert view.view_blocks(scheduler) == blocks(2100) + blocks(2001) + 2 * prompt
+        view.track(request_id)
+    view.observe(scheduler, 0, running=0, waiting=0)
+    assert scheduler.kv_gate_blocks == scheduler.resident_blocks == 6 * blocks(2500)
+    assert view.view_blocks(scheduler) == 0
