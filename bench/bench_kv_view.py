@@ -119,11 +119,20 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             started = time.monotonic()
+            # Both read at once (the engine's page in a thread): the two figures of a sample
+            # are of the same moment, to within the slower read.
+            page: list[bytes] = []
+            reader = threading.Thread(target=self._read_engine, args=(page,))
+            reader.start()
             try:
-                engine = parse_samples(self.engine.get("/metrics", 5.0)[1].decode())
                 status = self.sidecar.status()
             except OSError:
+                reader.join()
                 continue
+            reader.join()
+            if not page:
+                continue
+            engine = parse_samples(page[0].decode())
             kv, books = status["kv"], status["books"]
             total = float(kv["total_blocks"])
             self.samples.append({
@@ -140,6 +149,10 @@ class Sampler:
                 "from_engine": 1.0 if kv["source"] == "engine" else 0.0,
             })  # fmt: skip
             self._stop.wait(max(0.0, self.period_s - (time.monotonic() - started)))
+
+    def _read_engine(self, into: list[bytes]) -> None:
+        with contextlib.suppress(OSError):
+            into.append(self.engine.get("/metrics", 5.0)[1])
 
 
 def _one(samples: dict[str, float], name: str) -> float:

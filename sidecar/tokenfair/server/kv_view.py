@@ -10,7 +10,8 @@ running request, from what the sidecar sees of it:
   events add one or two) holds ``ceil((prompt + min(n, max_tokens)) / block)`` blocks;
 * a stream with nothing relayed yet may be waiting in the engine's queue, on its way to the
   engine, or being prefilled: it holds its prompt if the engine's last report ran it (the
-  engine's running count less ours that have streamed: the oldest unstarted), else nothing;
+  engine's running count less ours that have streamed: the oldest unstarted) or it was sent
+  since a report with nobody waiting (the engine starts it at once), else nothing;
 * a whole (non-streamed) answer shows no progress: its prompt, until it ends.
 
 Each fresh report of the engine (``used`` blocks, running and waiting requests:
@@ -82,6 +83,10 @@ class KvView:
         self._prefilling: frozenset[int] = frozenset()
         """The unstarted streams (by :attr:`StreamProgress.sequence`) the engine ran at its
         last report (its running count less ours that have streamed: the oldest unstarted)."""
+        self._room_from: int | None = None
+        """The first stream sent after the engine's last report if that report had nobody
+        waiting: those sent since are taken as started (the engine allocates a prompt before
+        its first token shows); None: it had a queue (they queue behind it), or no report."""
         self.prompt_ratio = 1.0
         """The engine's prompt tokens per estimated one, learned from the usage the engine
         reports (its tokenizer and chat template against the sidecar's estimate)."""
@@ -142,11 +147,13 @@ class KvView:
         """The blocks the engine holds now by the view's model (the module's docstring), each
         prompt at the engine's count (the estimate times :attr:`prompt_ratio`): a stream that
         has shown tokens its prompt and the tokens relayed (at most ``max_tokens``); an
-        unstarted stream its prompt if the engine ran it at its last report, else nothing; a
-        whole answer its prompt; an untracked request of the books its reservation."""
+        unstarted stream its prompt if the engine ran it at its last report, or it was sent
+        since a report with nobody waiting, else nothing; a whole answer its prompt; an
+        untracked request of the books its reservation."""
         block = scheduler.policy.kv_block_tokens
         ratio = self.prompt_ratio
         prefilling = self._prefilling
+        room_from = self._room_from
         jobs = scheduler.jobs
         held = 0
         tracked = 0
@@ -159,7 +166,11 @@ class KvView:
             prompt = math.ceil(request.prefill_tokens * ratio)
             if progress.events:
                 held += -(-(prompt + min(progress.events, request.decode_tokens)) // block)
-            elif not progress.stream or progress.sequence in prefilling:
+            elif (
+                not progress.stream
+                or progress.sequence in prefilling
+                or (room_from is not None and progress.sequence >= room_from)
+            ):
                 held += -(-prompt // block)
         return held + max(0, scheduler.resident_blocks - tracked)
 
@@ -175,6 +186,7 @@ class KvView:
         correction (the gates' model) and the view's."""
         if used_blocks is None:
             self._prefilling = frozenset()
+            self._room_from = None
             self._view_correction = None
             scheduler.observe_engine_kv(None)
             return
@@ -185,6 +197,9 @@ class KvView:
         else:
             prefilling = max(0, len(unstarted) - waiting)
         self._prefilling = frozenset(unstarted[:prefilling])
+        # An engine with nobody waiting starts what it is sent at once (its prompt is
+        # allocated before the first token shows); one with a queue queues it.
+        self._room_from = self._sent if waiting == 0 else None
         scheduler.observe_engine_kv(used_blocks, self.gate_blocks_held(scheduler))
         self._view_correction = used_blocks - self.modelled_blocks(scheduler)
 

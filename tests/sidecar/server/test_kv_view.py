@@ -377,6 +377,11 @@ def test_what_the_engine_runs_holds_its_prompt_the_rest_nothing_until_it_streams
     view.observe(scheduler, None)
     assert scheduler.kv_gate_blocks == scheduler.resident_blocks == 4 * blocks(2500)
     assert view.view_blocks(scheduler) == blocks(2100) + blocks(2001)
+    # A report with nobody waiting: what is sent next starts at once (its prompt counts
+    # before its first token).
+    view.observe(scheduler, 300, running=4, waiting=0)
+    send("r4", 2.0)
+    assert view.view_blocks(scheduler) == 300 + prompt
 
 
 def test_a_report_before_the_engine_sees_a_request_gives_no_credit() -> None:
