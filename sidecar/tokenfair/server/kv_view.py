@@ -76,7 +76,10 @@ PROMPT_RATIO_DECAY: Final = 0.95
 class KvView:
     """The running requests' stream progress, and the KV blocks it says the engine holds."""
 
-    def __init__(self) -> None:
+    def __init__(self, follows_streams: bool = True) -> None:
+        self.follows_streams = follows_streams
+        """False: a backend whose streams are no engine's (the ``costmodel`` engine's chunks
+        are not tokens): nothing is tracked, and the view is the books."""
         self._running: dict[str, StreamProgress] = {}
         """Request id -> its progress, in the order the requests were sent to the engine."""
         self._sent = 0
@@ -96,9 +99,11 @@ class KvView:
         """``used - modelled`` (the view's model) at the engine's last fresh report; None
         without one."""
 
-    def track(self, request_id: str, stream: bool = True) -> StreamProgress:
+    def track(self, request_id: str, stream: bool = True) -> StreamProgress | None:
         """A request is sent to the engine now; its progress object (the backend counts its
-        stream's events on it)."""
+        stream's events on it), None if the view does not follow streams."""
+        if not self.follows_streams:
+            return None
         progress = self._running[request_id] = StreamProgress(self._sent, stream)
         self._sent += 1
         return progress

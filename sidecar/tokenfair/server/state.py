@@ -181,8 +181,9 @@ class Sidecar:
         self.engine: EngineState | None = None
         """The poller of the upstream engine's own state (run by the app's engine context);
         None when off, or the backend has no engine to ask."""
-        self.kv_view = KvView()
-        """The running requests' progress: the engine's KV as the sidecar sees it."""
+        self.kv_view = KvView(follows_streams=type(backend).engine_get is not Backend.engine_get)
+        """The running requests' progress: the engine's KV as the sidecar sees it (a backend
+        with no engine behind it: the books)."""
         self.metrics.registry.register(KvViewCollector(self.kv_view, lambda: self.scheduler))
         self._engine_geometry: tuple[int, int] | None = None
         """(block tokens, blocks) the engine reported, adopted over the policy's."""

@@ -17,7 +17,8 @@ Behaviours under test:
 - the model on the core's objects: an unstarted stream holds its prompt only if the engine's
   report ran it (its running count less ours that streamed), nothing otherwise or if sent
   since, until its first token; the gates take as held only what streamed, so a report taken
-  before the engine sees a burst credits nothing.
+  before the engine sees a burst credits nothing; the ``costmodel`` engine's view is the books
+  (its chunks are not tokens).
 
 The engine is a real aiohttp server on loopback whose tokens are released by the test; waits
 are on conditions (generous deadlines), never on a duration.
@@ -48,7 +49,7 @@ from sidecar_support import (
 
 from tokenfair.config import PolicyConfig
 from tokenfair.core import Request, make_scheduler
-from tokenfair.server.kv_view import KvView
+from tokenfair.server.kv_view import KvView, StreamProgress
 from tokenfair.server.runtime_settings import SidecarSettings
 
 ServerFactory = Callable[..., Awaitable[TestServer]]
@@ -346,13 +347,15 @@ def test_what_the_engine_runs_holds_its_prompt_the_rest_nothing_until_it_streams
     )
     scheduler = make_scheduler("tokenfair", keyed_config(policy))
     view = KvView()
-    progress = {}
+    progress: dict[str, StreamProgress] = {}
 
     def send(request_id: str, now_ms: float) -> None:
         request = Request(request_id, "tenant_chat_pro", now_ms, 2000, 500, "interactive")
         assert scheduler.submit(request, now_ms) is None
         assert scheduler.next_dispatch(now_ms) is not None
-        progress[request_id] = view.track(request_id)
+        tracked = view.track(request_id)
+        assert tracked is not None
+        progress[request_id] = tracked
 
     for number in range(3):
         send(f"r{number}", 0.0)
@@ -403,3 +406,19 @@ def test_a_report_before_the_engine_sees_a_request_gives_no_credit() -> None:
     view.observe(scheduler, 0, running=0, waiting=0)
     assert scheduler.kv_gate_blocks == scheduler.resident_blocks == 6 * blocks(2500)
     assert view.view_blocks(scheduler) == 0
+
+
+def test_the_costmodel_engines_view_is_the_books() -> None:
+    # Its stream chunks are no engine's tokens: nothing is followed, the view is the books.
+    from tokenfair.core.cost import CostModel
+    from tokenfair.server import Sidecar, make_backend
+
+    settings = SidecarSettings()
+    sidecar = Sidecar(settings, keyed_config(), make_backend(settings, CostModel()))
+    assert sidecar.kv_view.follows_streams is False
+    scheduler = sidecar.scheduler
+    request = Request("r0", "tenant_chat_pro", 0.0, 2000, 500, "interactive")
+    assert scheduler.submit(request, 0.0) is None
+    assert scheduler.next_dispatch(0.0) is not None
+    assert sidecar.kv_view.track("r0") is None
+    assert sidecar.kv_view.view_blocks(scheduler) == scheduler.resident_blocks > 0
