@@ -18,6 +18,7 @@ the sidecar counts as running wait in vLLM's own queue, as in the issue's run. E
 Variants (each its own sidecar, the same trace):
 
 * ``loop``: the engine's metrics read (``engineMetrics: auto``, the default);
+* ``fast`` (only if asked for): ``loop`` with the engine's metrics read every 0.1 s, not 0.25;
 * ``model``: ``engineMetrics: off`` — the per-request model alone, what the sidecar shows while
   the engine's metrics are stale or missing;
 * with ``--before PYTHONPATH``, ``before``: another tree's sidecar (e.g. ``git archive`` of the
@@ -165,8 +166,11 @@ def sidecar(engine: VllmServer, folder: Path, engine_metrics: str,
     """``tokenfair sidecar --backend openai`` in front of ``engine`` (the engine tests'
     config, ``maxInFlight`` twice the engine's batch)."""
     document = engine_document(engine)
+    mode, _, interval = engine_metrics.partition("@")
     document["sidecar"] = {"maxInFlight": 2 * engine.settings.max_num_seqs,
-                           "engineMetrics": engine_metrics}  # fmt: skip
+                           "engineMetrics": mode}  # fmt: skip
+    if interval:
+        document["sidecar"]["engineMetricsIntervalSeconds"] = float(interval)
     config = folder / "sidecar.yaml"
     config.write_text(yaml.safe_dump(document), encoding="utf-8")
     proxy_port, admin_port = free_ports(2)
@@ -272,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--variants",
         default="before,loop,model",
-        help="which to run, of before (with --before), loop, model",
+        help="which to run, of before (with --before), loop, model, fast",
     )
     args = parser.parse_args(argv)
     install = find_install()
@@ -287,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         keys.write_text(yaml.safe_dump(dict(KEYS)), encoding="utf-8")
         engine_dir = work / "engine"
         engine_dir.mkdir()
-        variants = [("loop", "auto", None), ("model", "off", None)]
+        variants = [("loop", "auto", None), ("model", "off", None), ("fast", "auto@0.1", None)]
         if args.before:
             variants.insert(0, ("before", "auto", args.before))
         variants = [v for v in variants if v[0] in args.variants.split(",")]
