@@ -357,27 +357,30 @@ class Scheduler(ABC):
             refusal.would_refuse = True
         return refusal
 
-    def observe_engine_kv(self, used_blocks: int | None, waiting_requests: int = 0) -> None:
-        """The engine reported its KV cache just now: ``used_blocks`` in use, and
-        ``waiting_requests`` sent to it that it has not started (they hold no blocks yet, and
-        will). From now until the next report, KV gates see::
+    def observe_engine_kv(self, used_blocks: int | None, held_blocks: int = 0) -> None:
+        """The engine reported its KV cache just now: ``used_blocks`` in use, where the
+        running requests surely hold ``held_blocks`` (:mod:`tokenfair.server.kv_view`: each
+        one that has shown tokens its prompt and the tokens so far, at most its reservation;
+        nothing for one that has not — a prompt the engine may not have allocated yet is never
+        taken as held). Until the next report the gates see::
 
-            view = used + waiting * (resident / running) + (dispatched - released since)
+            gate = resident + (used - held)           (kv_correction_blocks = used - held)
 
-        — the engine's truth, plus the mean reservation of a request for each one waiting in
-        the engine, moved by the reservations booked and freed since (``kv_correction_blocks``
-        is ``view - resident`` at the report). So decode blocks count as the engine books them
-        (as they are generated) for the requests it reported on, and in full for the ones sent
-        since. ``None``: no fresh report (stale or missing metrics): the books alone."""
+        that is, the engine's truth plus, for every running request, what its reservation may
+        still grow by (prompt and ``max_tokens`` booked, less what it surely holds), and in
+        full for every one that has shown nothing or was sent since. Decode growth of the
+        running requests is never taken as free: the gates stay at or above what the engine
+        holds once every running request reaches its reservation. The correction is what the
+        books and the engine disagree on besides that growth (prompt estimates, shared
+        prefixes, other clients of the engine). ``None``: no fresh report (stale or missing
+        metrics): the books alone."""
         if used_blocks is None:
             self.kv_correction_blocks = 0
             return
-        running = self.running
-        pending = waiting_requests * self.resident_blocks // running if running else 0
-        self.kv_correction_blocks = used_blocks + pending - self.resident_blocks
+        self.kv_correction_blocks = used_blocks - held_blocks
 
     @property
-    def kv_view_blocks(self) -> int:
+    def kv_gate_blocks(self) -> int:
         """KV blocks the gates see in use: the books corrected by the engine's last report."""
         return self.resident_blocks + self.kv_correction_blocks
 
@@ -504,15 +507,14 @@ class Scheduler(ABC):
             self._kv_released(job)
 
     def _free_blocks(self, blocks: int) -> None:
-        """Take ``blocks`` off the books; the engine's correction shrinks in proportion (the
-        request freed its share of what the books and the engine disagree on), so it is 0 when
-        nothing is held."""
-        before = self.resident_blocks
-        after = before - blocks
-        self.resident_blocks = after
+        """Take ``blocks`` off the books. A negative correction (the engine holds less than
+        modelled) may have been this request's: it gives back up to its whole reservation
+        (``min(0, correction + blocks)``), so no credit outlives the requests it came from; a
+        positive one (the engine holds more) stays until the next report."""
+        self.resident_blocks -= blocks
         correction = self.kv_correction_blocks
-        if correction:
-            self.kv_correction_blocks = int(correction * after / before) if after > 0 else 0
+        if correction < 0:
+            self.kv_correction_blocks = min(0, correction + blocks)
 
     def release_unsettled(self, request_id: str) -> bool:
         """Take a dispatched request off the books without settling it: its running slot (if

@@ -16,12 +16,14 @@ and, at start (again every :data:`LIMITS_REFRESH_S` while it fails), ``GET /v1/m
 model's ``max_model_len`` and ``GET /openapi.json`` for the routes the engine serves (vLLM
 registers ``/v1/embeddings`` only for a model that can embed).
 
-Each report goes to the core (:meth:`~tokenfair.core.scheduler.Scheduler.observe_engine_kv`):
-KV gates then see the engine's blocks in use plus what was booked since, instead of the books
-alone. A report older than ``engineMetricsStaleMs`` (default 2 s) — the engine's metrics
-unreachable, unparsable, or missing the names — is dropped: the gates fall back to the books,
-visibly: ``/status`` (``engine``), the metric ``tokenfair_engine_metrics_fresh`` and one log line
-per change of state.
+Each report corrects the sidecar's model of the engine's KV (:mod:`tokenfair.server.kv_view`,
+:meth:`~tokenfair.core.scheduler.Scheduler.observe_engine_kv`): KV gates then see the engine's
+blocks in use plus every running request's remaining growth to its reservation, instead of the
+books alone, and ``/status`` ``kv.view_blocks`` what the engine holds now. A report older than
+``engineMetricsStaleMs`` (default 2 s) — the engine's metrics unreachable, unparsable, or
+missing the names — is dropped: the gates fall back to the books, visibly: ``/status``
+(``kv.source``, ``engine``), the metric ``tokenfair_engine_metrics_fresh`` and one log line per
+change of state.
 
 Bounded: one poll at a time, each within the interval (at least 1 s) and
 :data:`MAX_METRICS_BYTES`; the parser reads only the lines of the names it looks for.

@@ -147,7 +147,7 @@ class _SchedulerCollector(Collector):
             "tokenfair_kv_occupancy_ratio",
             "KV blocks in use as the gates see them (the books corrected by the engine's last "
             "report, or the books alone) over total KV blocks.",
-            max(0, scheduler.kv_view_blocks) / scheduler.policy.total_kv_blocks,
+            max(0, scheduler.kv_gate_blocks) / scheduler.policy.total_kv_blocks,
         )
         yield GaugeMetricFamily("tokenfair_draining", "1 while draining.", 1.0 if draining else 0.0)
         info = GaugeMetricFamily(

@@ -553,6 +553,7 @@ async def _serve(
             max_prompt_tokens=max_prompt_tokens,
             max_completion_tokens=max_completion_tokens,
         )
+        call.progress = sidecar.kv_view.track(core_request.request_id, stream)
         try:
             response = await sidecar.backend.respond(call)
         except UpstreamError as exc:
@@ -611,6 +612,9 @@ async def _serve(
     finally:
         if call is not None:
             call.close()
+            sidecar.kv_view.forget(
+                core_request.request_id, core_request.prefill_tokens, call.prompt_tokens
+            )
         lifecycle.complete(sidecar, met, call, first_byte_ms[0] if first_byte_ms else None)
         if handler is not None:
             handlers.discard(handler)

@@ -62,6 +62,7 @@ from tokenfair.server.engine_state import (
 from tokenfair.server.errors import INTERNAL_ERROR
 from tokenfair.server.estimate import ESTIMATORS, PromptEstimator
 from tokenfair.server.fairness_signal import FairnessSignal
+from tokenfair.server.kv_view import KvView, KvViewCollector
 from tokenfair.server.metrics import (
     LANE_NAMES,
     DemandCollector,
@@ -212,6 +213,10 @@ class Sidecar:
         self.engine: EngineState | None = None
         """The poller of the upstream engine's own state (run by the app's engine context);
         None when off, or the backend has no engine to ask."""
+        self.kv_view = KvView(follows_streams=type(backend).engine_get is not Backend.engine_get)
+        """The running requests' progress: the engine's KV as the sidecar sees it (a backend
+        with no engine behind it: the books)."""
+        self.metrics.registry.register(KvViewCollector(self.kv_view, lambda: self.scheduler))
         self._engine_geometry: tuple[int, int] | None = None
         """(block tokens, blocks) the engine reported, adopted over the policy's."""
         self._config_in_force = self.config
@@ -354,13 +359,14 @@ class Sidecar:
             self._enforce(self._config_in_force)
         scheduler = self.scheduler
         used = round(report.kv_usage_ratio * scheduler.policy.total_kv_blocks)
-        scheduler.observe_engine_kv(used, int(report.waiting or 0))
+        running = None if report.running is None else int(report.running)
+        self.kv_view.observe(scheduler, used, running, int(report.waiting or 0))
         if scheduler.queued_total:
             self.dispatcher.pump()
 
     def _engine_stale(self, problem: str) -> None:
         """No fresh report: the KV gates use the books alone (the geometry stays adopted)."""
-        self.scheduler.observe_engine_kv(None)
+        self.kv_view.observe(self.scheduler, None)
 
     def _engine_limits(self, limits: EngineLimits) -> None:
         """What the engine serves: its routes and context lengths, and the usage a report may

@@ -60,10 +60,15 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
             "running_requests": books.running_requests,
             "resident_kv_blocks": books.resident_kv_blocks,
         },
-        # What the KV gates see: the books corrected by the engine's last report (the books
-        # alone without a fresh one; "engine" says why).
+        # The KV cache (server/kv_view.py): what the engine holds now as the sidecar sees it
+        # (view), and what the gates see (the books corrected by the engine's last report: the
+        # running requests' growth to their reservations counted in full); without a fresh
+        # report ("source": "books", "engine" says why) the gates use the books alone.
         "kv": {
-            "view_blocks": max(0, sidecar.scheduler.kv_view_blocks),
+            "view_blocks": sidecar.kv_view.view_blocks(sidecar.scheduler),
+            "gate_blocks": max(0, sidecar.scheduler.kv_gate_blocks),
+            "correction_blocks": sidecar.scheduler.kv_correction_blocks,
+            "prompt_ratio": round(sidecar.kv_view.prompt_ratio, 4),
             "total_blocks": sidecar.scheduler.policy.total_kv_blocks,
             "block_tokens": sidecar.scheduler.policy.kv_block_tokens,
             "source": "engine" if engine is not None and engine.fresh else "books",

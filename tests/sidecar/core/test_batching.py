@@ -12,8 +12,12 @@ Behaviours under test:
 - Admission with ``maxBatchRequests > 1``: a request that finds a free slot and nothing of its
   lane ahead is predicted to wait 0 however much runs (a serial model predicted the running
   work); with every slot busy it waits for the first forecast end.
-- ``observe_engine_kv``: the KV gates see the engine's report plus what was booked since; the
-  correction shrinks with the books and is 0 when nothing is held or without a report.
+- ``observe_engine_kv``: the KV gates see the engine's report plus every running request's
+  growth to its reservation (decode growth is never free): a request that fits the engine now
+  but not once the running ones have decoded waits; blocks the engine does not hold (a shared
+  prefix) let one start; that credit leaves with the requests it may have come from (up to
+  each one's reservation), blocks held beyond the books stay until the next report, and no
+  report means the books alone.
 """
 
 from __future__ import annotations
@@ -161,43 +165,69 @@ def test_with_every_slot_busy_a_request_waits_for_the_first_forecast_end() -> No
     assert fair.books() == Books(0, 0, 0, 0, 0)
 
 
-def test_the_gates_see_the_engines_report_and_what_was_booked_since() -> None:
-    fair = scheduler(total_kv_blocks=1000, kv_block_tokens=16, max_batch_requests=8)
-    run(fair, "a", "chat", 0.0)  # ceil(2500 / 16) = 157 blocks booked
+def test_the_gates_count_the_decode_growth_of_the_running_requests() -> None:
+    # 460 blocks of 16 tokens, interactive watermark 0.9 (414). Two requests book 157 blocks
+    # each (2000 prompt tokens: 125 blocks, and 500 of max_tokens: 32 more).
+    fair = scheduler(total_kv_blocks=460, kv_block_tokens=16, max_batch_requests=8)
+    run(fair, "a", "chat", 0.0)
     run(fair, "b", "ide", 0.0)
     assert fair.resident_blocks == 314
-    # The engine says 100 blocks are in use (decode has barely started) and 1 request of ours
-    # waits in its queue: the view is 100 + 1 * (314 / 2) = 257.
-    fair.observe_engine_kv(100, waiting_requests=1)
-    assert fair.kv_view_blocks == 257
-    run(fair, "c", "chat", 1.0)  # booked in full since the report
-    assert fair.kv_view_blocks == 257 + 157
+    assert fair.submit(Request("c", "chat", 1.0, 2000, 500, "interactive"), 1.0) is None
+    # The engine has started both and holds their prompts, as the model says (250): its truth
+    # is 250 now, but both will grow by 32 blocks as they decode: the gates see 314, and c
+    # (157 more: 471 once all three have decoded, past the engine's 460) waits.
+    fair.observe_engine_kv(250, 250)
+    assert fair.kv_correction_blocks == 0
+    assert fair.kv_gate_blocks == 314
     assert fair.next_dispatch(1.0) is None
-    # A release frees its share of the disagreement: the correction shrinks with the books.
-    fair.complete("a", 5.0)
-    correction = fair.kv_correction_blocks
-    assert correction == int((257 - 314) * (471 - 157) / 471)
-    fair.complete("b", 6.0)
-    fair.complete("c", 7.0)
-    assert fair.kv_correction_blocks == 0  # nothing held: the view is the books, 0
-    assert fair.books() == Books(0, 0, 0, 0, 0)
-    run(fair, "d", "chat", 8.0)
-    fair.observe_engine_kv(500)
-    assert fair.kv_view_blocks == 500  # more than booked: the engine is the truth
+    # The engine holds 40 blocks more than modelled (a prompt estimated short, or another
+    # client): the gates see them too.
+    fair.observe_engine_kv(290, 250)
+    assert fair.kv_gate_blocks == 354
     fair.observe_engine_kv(None)  # stale: the books alone
-    assert fair.kv_view_blocks == fair.resident_blocks == 157
+    assert (fair.kv_correction_blocks, fair.kv_gate_blocks) == (0, 314)
 
 
 def test_a_request_the_engine_has_room_for_dispatches_though_the_books_are_full() -> None:
     # 400 blocks, interactive watermark 0.9 (360). Two requests book 157 each (314); a third
-    # would bring the books to 471 and waits. The engine reports 120 blocks in use: it starts.
+    # would bring the books to 471 and waits. The engine holds 120 blocks where the model says
+    # 250 (a shared prefix: the engine holds it once): 130 blocks the books hold do not exist,
+    # so the gates see 184 (the engine's 120 and both requests' 32 blocks of growth) and the
+    # third starts.
     fair = scheduler(total_kv_blocks=400, kv_block_tokens=16, max_batch_requests=8)
     run(fair, "a", "chat", 0.0)
     run(fair, "b", "ide", 0.0)
     assert fair.submit(Request("c", "chat", 1.0, 2000, 500, "interactive"), 1.0) is None
     assert fair.next_dispatch(1.0) is None
-    fair.observe_engine_kv(120)
+    fair.observe_engine_kv(120, 250)
+    assert fair.kv_gate_blocks == 184
     decision = fair.next_dispatch(1.0)
     assert decision is not None
     assert decision.request_id == "c"
-    assert decision.kv_occupancy_ratio == round((120 + 157) / 400, 4)
+    assert decision.kv_occupancy_ratio == round((184 + 157) / 400, 4)
+    # The credit may have been a's alone: when a ends, it goes with a, up to a's reservation
+    # (-130 + 157 > 0: none is left), so the gates see the books of b and c until the next
+    # report, never less.
+    fair.complete("a", 5.0)
+    assert (fair.kv_correction_blocks, fair.kv_gate_blocks) == (0, 314)
+    # A larger credit is given back by a request's reservation at a time.
+    fair.observe_engine_kv(0, 250)
+    assert fair.kv_correction_blocks == -250
+    fair.complete("b", 6.0)
+    assert (fair.kv_correction_blocks, fair.kv_gate_blocks) == (-93, 64)
+    fair.complete("c", 7.0)
+    assert (fair.kv_correction_blocks, fair.kv_gate_blocks) == (0, 0)
+    assert fair.books() == Books(0, 0, 0, 0, 0)
+
+
+def test_what_the_engine_holds_beyond_the_books_stays_until_its_next_report() -> None:
+    # Another client of the engine holds 100 blocks: a request of ours ending does not make
+    # them free; the next report says what is left.
+    fair = scheduler(total_kv_blocks=1000, kv_block_tokens=16, max_batch_requests=8)
+    run(fair, "a", "chat", 0.0)
+    fair.observe_engine_kv(225, 125)
+    assert fair.kv_gate_blocks == 157 + 100
+    fair.complete("a", 1.0)
+    assert (fair.resident_blocks, fair.kv_gate_blocks) == (0, 100)
+    fair.observe_engine_kv(0, 0)
+    assert fair.kv_gate_blocks == 0

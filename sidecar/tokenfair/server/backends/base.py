@@ -33,6 +33,7 @@ from tokenfair.core import Decision
 from tokenfair.core.cost import MAX_REQUEST_TOKENS
 from tokenfair.server.connections import reset, unacknowledged_bytes
 from tokenfair.server.estimate import Estimate, prompts, sequences
+from tokenfair.server.kv_view import StreamProgress
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -218,6 +219,9 @@ class BackendCall:
     unless it was cut for not reading (:attr:`client_write_timed_out`): then it never took the
     end."""
     first_byte_sent: bool = field(default=False)
+    progress: StreamProgress | None = None
+    """Where a streaming backend counts the events it relays (the KV view's model of the
+    engine's decode: :mod:`tokenfair.server.kv_view`); None: not tracked."""
     client_write_timed_out: bool = field(default=False)
     """Set when a write waited ``client_write_timeout_s`` without the client taking a byte and
     the client's connection was aborted (the request is then recorded as

@@ -700,6 +700,8 @@ class OpenAIBackend(Backend):
                         else:
                             await call.write(response, out)
                         sent_end = (sent_end + out[-END_PROBE_BYTES:])[-END_PROBE_BYTES:]
+                    if call.progress is not None:
+                        call.progress.relayed(piece)
                     if not opaque:
                         tail += piece
                         if len(tail) > 2 * TAIL_BYTES:

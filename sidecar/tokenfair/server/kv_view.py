@@ -1,0 +1,232 @@
+"""The engine's KV cache as the sidecar sees it: blocks booked as the engine books them.
+
+The core's books (``resident_blocks``) reserve each running request's prompt *and* its
+``max_tokens`` at dispatch. An engine (vLLM, SGLang) allocates a request's prompt blocks when it
+starts the request and its decode blocks one by one as it generates, and a request it has no room
+or no slot for waits in the engine's own queue holding nothing. :class:`KvView` models that per
+running request, from what the sidecar sees of it:
+
+* a stream that has relayed ``n`` SSE events (one per token an engine decodes; the role and usage
+  events add one or two) holds ``ceil((prompt + min(n, max_tokens)) / block)`` blocks;
+* a stream with nothing relayed yet may be waiting in the engine's queue, on its way to the
+  engine, or being prefilled: it holds its prompt if the engine's last report ran it (the
+  engine's running count less ours that have streamed: the oldest unstarted) or it was sent
+  since a report with nobody waiting (the engine starts it at once), else nothing;
+* a whole (non-streamed) answer shows no progress: its prompt, until it ends.
+
+Each fresh report of the engine (``used`` blocks, running and waiting requests:
+:mod:`tokenfair.server.engine_state`) corrects the model, and two figures follow
+(docs/fairness.md §5.3):
+
+* **the gates** (admission, dispatch) see ``resident + (used - held)`` (:meth:`~tokenfair.core.
+  scheduler.Scheduler.observe_engine_kv`), ``held`` being what the engine surely holds for the
+  running requests — a stream that has shown tokens its estimated prompt and the tokens relayed,
+  at most its reservation; nothing for one that has not (a prompt the engine may not hold yet is
+  never taken as held): the engine's blocks plus every running request's remaining growth to
+  its reservation. Conservative: decode growth of the requests already running is never taken
+  as free, so an admitted request fits when every one reaches its ``max_tokens``;
+* **the view** (``/status`` ``kv.view_blocks``, ``tokenfair_kv_view_ratio``) is what the engine
+  holds *now*: the model with the prompts at the engine's own count — the sidecar's estimate
+  times :attr:`KvView.prompt_ratio`, learned from the prompt usage the engine reports (its
+  tokenizer and chat template; a decayed ratio of sums) — plus ``used - modelled`` at the last
+  report: the engine's figure at a report, moved between reports by the streams' tokens, the
+  requests ended and the whole answers sent.
+
+Without a fresh report (engine metrics off, stale or missing) there is no correction: the gates
+use the books and the view is the model alone (``kv.source: books``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Final
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tokenfair.core.jobs import JobState
+from tokenfair.core.scheduler import Scheduler
+
+
+class StreamProgress:
+    """What the sidecar has relayed of one running request's answer."""
+
+    __slots__ = ("events", "sequence", "stream")
+
+    def __init__(self, sequence: int, stream: bool) -> None:
+        self.sequence = sequence
+        """The order it was sent to the engine in."""
+        self.stream = stream
+        """A streamed answer (its progress shows); False: a whole answer (it shows none)."""
+        self.events = 0
+        """SSE ``data:`` events relayed so far (0: nothing yet, or a whole answer)."""
+
+    def relayed(self, data: bytes) -> None:
+        """Count the events in a piece of the stream relayed to the client."""
+        self.events += data.count(b"data:")
+
+
+PROMPT_RATIO_BOUNDS: Final = (0.1, 10.0)
+"""The engine's prompt count over the sidecar's estimate is learned within these bounds."""
+PROMPT_RATIO_DECAY: Final = 0.95
+"""Weight of the past in the learned ratio, per request ended (~20 requests' memory)."""
+
+
+class KvView:
+    """The running requests' stream progress, and the KV blocks it says the engine holds."""
+
+    def __init__(self, follows_streams: bool = True) -> None:
+        self.follows_streams = follows_streams
+        """False: a backend whose streams are no engine's (the ``costmodel`` engine's chunks
+        are not tokens): nothing is tracked, and the view is the books."""
+        self._running: dict[str, StreamProgress] = {}
+        """Request id -> its progress, in the order the requests were sent to the engine."""
+        self._sent = 0
+        self._prefilling: frozenset[int] = frozenset()
+        """The unstarted streams (by :attr:`StreamProgress.sequence`) the engine ran at its
+        last report (its running count less ours that have streamed: the oldest unstarted)."""
+        self._room_from: int | None = None
+        """The first stream sent after the engine's last report if that report had nobody
+        waiting: those sent since are taken as started (the engine allocates a prompt before
+        its first token shows); None: it had a queue (they queue behind it), or no report."""
+        self.prompt_ratio = 1.0
+        """The engine's prompt tokens per estimated one, learned from the usage the engine
+        reports (its tokenizer and chat template against the sidecar's estimate)."""
+        self._estimated = 0.0
+        self._reported = 0.0
+        self._view_correction: int | None = None
+        """``used - modelled`` (the view's model) at the engine's last fresh report; None
+        without one."""
+
+    def track(self, request_id: str, stream: bool = True) -> StreamProgress | None:
+        """A request is sent to the engine now; its progress object (the backend counts its
+        stream's events on it), None if the view does not follow streams."""
+        if not self.follows_streams:
+            return None
+        progress = self._running[request_id] = StreamProgress(self._sent, stream)
+        self._sent += 1
+        return progress
+
+    def forget(
+        self, request_id: str, estimated_prompt: int = 0, reported_prompt: int | None = None
+    ) -> None:
+        """The request ended; with the engine's prompt count of it (``reported_prompt``) and
+        the sidecar's estimate, the prompt ratio learns (decayed sums, bounded)."""
+        self._running.pop(request_id, None)
+        if reported_prompt is None or reported_prompt <= 0 or estimated_prompt <= 0:
+            return
+        self._estimated = PROMPT_RATIO_DECAY * self._estimated + estimated_prompt
+        self._reported = PROMPT_RATIO_DECAY * self._reported + reported_prompt
+        low, high = PROMPT_RATIO_BOUNDS
+        self.prompt_ratio = min(high, max(low, self._reported / self._estimated))
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def gate_blocks_held(self, scheduler: Scheduler) -> int:
+        """The blocks the engine surely holds for the running requests, by the gates' model:
+        each stream that has shown tokens its estimated prompt and the tokens relayed, at most
+        its reservation; nothing for one that has not (waiting in the engine, on its way to
+        it, or being prefilled: a prompt the engine may not hold yet is never taken as held,
+        so ``used - held`` never credits blocks about to be allocated); a request the books
+        hold that is not tracked here (dispatched this instant, or done and its KV still held)
+        at its reservation."""
+        block = scheduler.policy.kv_block_tokens
+        jobs = scheduler.jobs
+        held = 0
+        tracked = 0
+        for request_id, progress in self._running.items():
+            job = jobs.get(request_id)
+            if job is None or job.state is JobState.QUEUED:
+                continue
+            tracked += job.kv_blocks
+            if progress.events:
+                request = job.request
+                tokens = request.prefill_tokens + min(progress.events, request.decode_tokens)
+                held += min(job.kv_blocks, -(-tokens // block))
+        return held + max(0, scheduler.resident_blocks - tracked)
+
+    def modelled_blocks(self, scheduler: Scheduler) -> int:
+        """The blocks the engine holds now by the view's model (the module's docstring), each
+        prompt at the engine's count (the estimate times :attr:`prompt_ratio`): a stream that
+        has shown tokens its prompt and the tokens relayed (at most ``max_tokens``); an
+        unstarted stream its prompt if the engine ran it at its last report, or it was sent
+        since a report with nobody waiting, else nothing; a whole answer its prompt; an
+        untracked request of the books its reservation."""
+        block = scheduler.policy.kv_block_tokens
+        ratio = self.prompt_ratio
+        prefilling = self._prefilling
+        room_from = self._room_from
+        jobs = scheduler.jobs
+        held = 0
+        tracked = 0
+        for request_id, progress in self._running.items():
+            job = jobs.get(request_id)
+            if job is None or job.state is JobState.QUEUED:
+                continue
+            tracked += job.kv_blocks
+            request = job.request
+            prompt = math.ceil(request.prefill_tokens * ratio)
+            if progress.events:
+                held += -(-(prompt + min(progress.events, request.decode_tokens)) // block)
+            elif (
+                not progress.stream
+                or progress.sequence in prefilling
+                or (room_from is not None and progress.sequence >= room_from)
+            ):
+                held += -(-prompt // block)
+        return held + max(0, scheduler.resident_blocks - tracked)
+
+    def observe(
+        self,
+        scheduler: Scheduler,
+        used_blocks: int | None,
+        running: int | None = None,
+        waiting: int = 0,
+    ) -> None:
+        """A fresh report of the engine (``used_blocks`` in use, ``running`` requests it runs
+        and ``waiting`` it holds waiting), or None: no fresh report. Sets the core's
+        correction (the gates' model) and the view's."""
+        if used_blocks is None:
+            self._prefilling = frozenset()
+            self._room_from = None
+            self._view_correction = None
+            scheduler.observe_engine_kv(None)
+            return
+        unstarted = [p.sequence for p in self._running.values() if p.stream and not p.events]
+        if running is not None:
+            started = sum(1 for p in self._running.values() if p.events or not p.stream)
+            prefilling = min(len(unstarted), max(0, running - started))
+        else:
+            prefilling = max(0, len(unstarted) - waiting)
+        self._prefilling = frozenset(unstarted[:prefilling])
+        # An engine with nobody waiting starts what it is sent at once (its prompt is
+        # allocated before the first token shows); one with a queue queues it.
+        self._room_from = self._sent if waiting == 0 else None
+        scheduler.observe_engine_kv(used_blocks, self.gate_blocks_held(scheduler))
+        self._view_correction = used_blocks - self.modelled_blocks(scheduler)
+
+    def view_blocks(self, scheduler: Scheduler) -> int:
+        """The blocks the engine holds now, as the sidecar sees them: the model corrected by
+        the engine's last report (the model alone without one)."""
+        return max(0, self.modelled_blocks(scheduler) + (self._view_correction or 0))
+
+
+class KvViewCollector(Collector):
+    """``tokenfair_kv_view_ratio``: the engine's KV cache in use as the sidecar sees it now."""
+
+    def __init__(self, view: KvView, scheduler: Callable[[], Scheduler]) -> None:
+        self._view = view
+        self._scheduler = scheduler
+
+    def collect(self) -> Iterator[Metric]:
+        scheduler = self._scheduler()
+        yield GaugeMetricFamily(
+            "tokenfair_kv_view_ratio",
+            "KV blocks the engine holds now as the sidecar sees them (the running requests' "
+            "prompts and decoded tokens, corrected by the engine's last report) over total KV "
+            "blocks.",
+            self._view.view_blocks(scheduler) / scheduler.policy.total_kv_blocks,
+        )

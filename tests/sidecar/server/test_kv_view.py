@@ -1,0 +1,424 @@
+"""The sidecar's view of the engine's KV cache, against a fake engine that streams on command.
+
+Behaviours under test:
+
+- without the engine's metrics (``engineMetrics: off``) the view follows the running stream: a
+  request holds its prompt's blocks until tokens arrive, then one more block per ``block``
+  tokens relayed (``/status`` ``kv.view_blocks``, ``tokenfair_kv_view_ratio``), while the books
+  and the gates keep its whole reservation (prompt and ``max_tokens``); the view is empty when
+  it ends; the prompt usage the engine reported teaches the view the engine's prompt count
+  (``kv.prompt_ratio``), not the gates;
+- with them, the gates count the running requests' decode growth: a request that fits what the
+  engine holds now but not once the running one has decoded its ``max_tokens`` waits while
+  fresh reports come in, and starts when the running one ends; at a report the view is what the
+  engine said; blocks the engine holds for another client count in the gates;
+- stale metrics: the gates fall back to the books and the view to the model, visibly
+  (``kv.source: books``, ``engine.fresh``);
+- the model on the core's objects: an unstarted stream holds its prompt only if the engine's
+  report ran it (its running count less ours that streamed), nothing otherwise or if sent
+  since, until its first token; the gates take as held only what streamed, so a report taken
+  before the engine sees a burst credits nothing; the ``costmodel`` engine's view is the books
+  (its chunks are not tokens).
+
+The engine is a real aiohttp server on loopback whose tokens are released by the test; waits
+are on conditions (generous deadlines), never on a duration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import ClientResponse, web
+from aiohttp.test_utils import TestServer
+from sidecar_support import (
+    CHAT,
+    IDE,
+    PATIENT_POLICY,
+    ZERO_BOOKS,
+    ClientFactory,
+    Clients,
+    books_when_settled,
+    keyed_config,
+    start,
+)
+
+from tokenfair.config import PolicyConfig
+from tokenfair.core import Request, make_scheduler
+from tokenfair.server.kv_view import KvView, StreamProgress
+from tokenfair.server.runtime_settings import SidecarSettings
+
+ServerFactory = Callable[..., Awaitable[TestServer]]
+
+BLOCK = 32
+BLOCKS = 200
+ENGINE_PROMPT = 40
+"""Prompt tokens the fake engine holds per request (its own count; the sidecar's estimate
+differs, and the engine's report corrects it)."""
+
+
+class StreamingEngine:
+    """A fake vLLM: each chat stream sends the tokens the test releases; ``/metrics`` reports
+    the blocks its streams hold (``ceil((prompt + decoded) / 32)`` each) and ``outside``."""
+
+    def __init__(self) -> None:
+        self.decoded: dict[int, int] = {}
+        self.queues: dict[int, asyncio.Queue[int | None]] = {}
+        self.outside = 0
+        """Blocks held for a client other than the sidecar."""
+        self.metrics_status = 200
+        self.metrics_served = 0
+        self._next = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        return app
+
+    def used_blocks(self) -> int:
+        held = sum(-(-(ENGINE_PROMPT + d) // BLOCK) for d in self.decoded.values())
+        return held + self.outside
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_status != 200:
+            return web.Response(status=self.metrics_status, text="down")
+        self.metrics_served += 1
+        page = (
+            f'vllm:kv_cache_usage_perc{{model_name="tiny"}} {self.used_blocks() / BLOCKS}\n'
+            f'vllm:num_requests_running{{model_name="tiny"}} {len(self.decoded)}\n'
+            'vllm:num_requests_waiting{model_name="tiny"} 0\n'
+            f'vllm:cache_config_info{{block_size="{BLOCK}",num_gpu_blocks="{BLOCKS}"}} 1.0\n'
+        )
+        return web.Response(text=page, content_type="text/plain")
+
+    def release(self, tokens: int | None) -> None:
+        """Every open stream sends ``tokens`` more (None: its usage and ``[DONE]``)."""
+        for queue in self.queues.values():
+            queue.put_nowait(tokens)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        number = self._next = self._next + 1
+        queue: asyncio.Queue[int | None] = asyncio.Queue()
+        self.queues[number] = queue
+        self.decoded[number] = 0
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        try:
+            await response.prepare(request)
+            while (tokens := await queue.get()) is not None:
+                for _ in range(tokens):
+                    chunk = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
+                    await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.decoded[number] += 1
+            usage = {"prompt_tokens": ENGINE_PROMPT, "completion_tokens": self.decoded[number]}
+            await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+                                 "data: [DONE]\n\n".encode())  # fmt: skip
+        finally:
+            del self.queues[number], self.decoded[number]
+        await response.write_eof()
+        return response
+
+
+async def eventually(condition: Callable[[], Awaitable[bool]], budget_s: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget_s
+    while not await condition():
+        assert loop.time() < deadline, "the condition did not hold in time"
+        await asyncio.sleep(0.01)
+
+
+async def kv_of(clients: Clients) -> dict[str, Any]:
+    return dict((await (await clients.admin.get("/status")).json())["kv"])
+
+
+def chat_body(max_tokens: int) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello there, " * 6}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
+
+
+async def read_events(response: ClientResponse, count: int) -> None:
+    """Read ``count`` SSE events of a stream."""
+    for _ in range(count):
+        line = await response.content.readline()
+        assert line.startswith(b"data: "), line
+        assert await response.content.readline() == b"\n"
+
+
+async def start_sidecar(
+    aiohttp_client: ClientFactory,
+    aiohttp_server: ServerFactory,
+    engine: StreamingEngine,
+    engine_metrics: str,
+) -> Clients:
+    server = await aiohttp_server(engine.app())
+    settings = SidecarSettings(
+        backend="openai",
+        upstream_url=str(server.make_url("")).rstrip("/"),
+        engine_metrics=engine_metrics,
+        engine_metrics_interval_s=0.02,
+        engine_metrics_stale_s=0.2,
+    )
+    policy = dataclasses.replace(
+        PATIENT_POLICY,
+        kv_block_tokens=BLOCK,
+        total_kv_blocks=BLOCKS,
+        max_batch_requests=8,
+        max_interactive_wait_ms=600_000,
+    )
+    return await start(aiohttp_client, keyed_config(policy), settings)
+
+
+def blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK)
+
+
+async def test_without_the_engines_metrics_the_view_follows_the_stream(
+    aiohttp_client: ClientFactory, aiohttp_server: ServerFactory
+) -> None:
+    engine = StreamingEngine()
+    clients = await start_sidecar(aiohttp_client, aiohttp_server, engine, "off")
+    scheduler = clients.sidecar.scheduler
+    sent = asyncio.create_task(
+        clients.proxy.post(
+            "/v1/chat/completions", json=chat_body(3000), headers={"Authorization": CHAT}
+        )
+    )
+
+    async def sent_to_the_engine() -> bool:
+        return len(engine.queues) == 1
+
+    await eventually(sent_to_the_engine)
+    (job,) = scheduler.jobs.values()
+    prompt = job.request.prefill_tokens
+    kv = await kv_of(clients)
+    # Sent, nothing streamed: it may wait in the engine's queue, and no report says it runs:
+    # nothing, where the books and the gates hold prompt + max_tokens.
+    assert (kv["source"], kv["view_blocks"]) == ("books", 0)
+    assert kv["gate_blocks"] == scheduler.resident_blocks == blocks(prompt + 3000)
+    engine.release(100)
+    response = await sent
+    await read_events(response, 100)
+    kv = await kv_of(clients)
+    assert kv["view_blocks"] == blocks(prompt + 100)
+    assert kv["gate_blocks"] == blocks(prompt + 3000)
+    metrics = await (await clients.admin.get("/metrics")).text()
+    assert f"tokenfair_kv_view_ratio {blocks(prompt + 100) / BLOCKS}" in metrics
+    engine.release(200)
+    await read_events(response, 200)
+    assert (await kv_of(clients))["view_blocks"] == blocks(prompt + 300)
+    engine.release(None)
+    await response.read()
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+    kv = await kv_of(clients)
+    assert kv["view_blocks"] == 0
+    # The engine reported 40 prompt tokens for it: the view counts the next one's prompt at
+    # the engine's count (the estimate times 40 / estimate), the gates at the estimate.
+    ratio = ENGINE_PROMPT / prompt
+    assert kv["prompt_ratio"] == round(ratio, 4)
+    sent = asyncio.create_task(
+        clients.proxy.post(
+            "/v1/chat/completions", json=chat_body(3000), headers={"Authorization": IDE}
+        )
+    )
+    await eventually(sent_to_the_engine)
+    engine.release(50)
+    response = await sent
+    await read_events(response, 50)
+    kv = await kv_of(clients)
+    assert kv["view_blocks"] == blocks(math.ceil(prompt * ratio) + 50) == blocks(ENGINE_PROMPT + 50)
+    assert kv["gate_blocks"] == blocks(prompt + 3000)
+    engine.release(None)
+    await response.read()
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+
+
+async def test_the_gates_keep_room_for_the_running_requests_decode(
+    aiohttp_client: ClientFactory, aiohttp_server: ServerFactory
+) -> None:
+    engine = StreamingEngine()
+    clients = await start_sidecar(aiohttp_client, aiohttp_server, engine, "vllm")
+    sidecar = clients.sidecar
+    scheduler = sidecar.scheduler
+    assert scheduler.policy.interactive_kv_watermark == PolicyConfig().interactive_kv_watermark
+    limit = int(scheduler.policy.interactive_kv_watermark * BLOCKS)  # 180 blocks
+    first = asyncio.create_task(
+        clients.proxy.post(
+            "/v1/chat/completions", json=chat_body(3000), headers={"Authorization": CHAT}
+        )
+    )
+
+    async def running(count: int) -> bool:
+        return len(engine.queues) == count and scheduler.running == count
+
+    await eventually(lambda: running(1))
+    engine.release(64)
+    response = await first
+    await read_events(response, 64)
+    (job,) = scheduler.jobs.values()
+    booked = job.kv_blocks  # prompt + 3000 tokens: ~96 blocks
+    assert booked * 2 > limit >= booked + engine.used_blocks()
+
+    async def reported() -> bool:
+        kv = await kv_of(clients)
+        return bool(kv["source"] == "engine" and kv["view_blocks"] == engine.used_blocks())
+
+    # At a report the view is the engine's (its own prompt count, not the sidecar's estimate).
+    await eventually(reported)
+    # A second request of the same size fits what the engine holds now (4 blocks), not what it
+    # will hold once the first has decoded its max_tokens: it waits, report after report.
+    second = asyncio.create_task(
+        clients.proxy.post(
+            "/v1/chat/completions", json=chat_body(3000), headers={"Authorization": IDE}
+        )
+    )
+
+    async def queued() -> bool:
+        return scheduler.queued_total == 1
+
+    await eventually(queued)
+    polls = engine.metrics_served
+
+    async def reports_went_by() -> bool:
+        return engine.metrics_served >= polls + 5
+
+    await eventually(reports_went_by)
+    kv = await kv_of(clients)
+    assert (scheduler.queued_total, scheduler.running, len(engine.queues)) == (1, 1, 1)
+    # The gates: the engine's blocks plus the first's growth to its reservation (booked, less
+    # what the model says it holds: its estimated prompt and the 64 tokens relayed).
+    prompt = job.request.prefill_tokens
+    assert kv["gate_blocks"] == engine.used_blocks() + booked - blocks(prompt + 64)
+    # Another client of the engine takes 60 blocks: the gates see them too.
+    engine.outside = 60
+
+    async def outside_seen() -> bool:
+        kv = await kv_of(clients)
+        return bool(kv["gate_blocks"] == engine.used_blocks() + booked - blocks(prompt + 64))
+
+    await eventually(outside_seen)
+    engine.outside = 0
+    # The first ends: the second starts.
+    engine.release(None)
+    await response.read()
+    await eventually(lambda: running(1))
+    assert scheduler.queued_total == 0
+    engine.release(None)
+    await (await second).read()
+    assert await books_when_settled(sidecar) == ZERO_BOOKS
+
+
+async def test_stale_metrics_fall_back_to_the_books_and_the_model(
+    aiohttp_client: ClientFactory, aiohttp_server: ServerFactory
+) -> None:
+    engine = StreamingEngine()
+    engine.outside = 50
+    clients = await start_sidecar(aiohttp_client, aiohttp_server, engine, "vllm")
+
+    async def source(name: str, gate: int) -> bool:
+        kv = await kv_of(clients)
+        return bool(kv["source"] == name and kv["gate_blocks"] == gate)
+
+    await eventually(lambda: source("engine", 50))
+    assert (await kv_of(clients))["view_blocks"] == 50
+    engine.metrics_status = 503
+    await eventually(lambda: source("books", 0))
+    status = await (await clients.admin.get("/status")).json()
+    assert status["engine"]["fresh"] is False
+    assert status["kv"]["view_blocks"] == 0
+    metrics = await (await clients.admin.get("/metrics")).text()
+    assert "tokenfair_engine_metrics_fresh 0.0" in metrics
+    assert "tokenfair_kv_view_ratio 0.0" in metrics
+
+
+def test_what_the_engine_runs_holds_its_prompt_the_rest_nothing_until_it_streams() -> None:
+    # The model alone, on the core's objects: three streams sent (2000-token prompts and 500
+    # max_tokens: 79 blocks of 32 booked, 63 of them the prompt), one has streamed 100 tokens.
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=1000, max_batch_requests=8
+    )
+    scheduler = make_scheduler("tokenfair", keyed_config(policy))
+    view = KvView()
+    progress: dict[str, StreamProgress] = {}
+
+    def send(request_id: str, now_ms: float) -> None:
+        request = Request(request_id, "tenant_chat_pro", now_ms, 2000, 500, "interactive")
+        assert scheduler.submit(request, now_ms) is None
+        assert scheduler.next_dispatch(now_ms) is not None
+        tracked = view.track(request_id)
+        assert tracked is not None
+        progress[request_id] = tracked
+
+    for number in range(3):
+        send(f"r{number}", 0.0)
+    progress["r0"].relayed(b'data: {"choices":[]}\n\n' * 100)
+    prompt = blocks(2000)
+    # No report: what has streamed (the others may be waiting in the engine).
+    assert view.view_blocks(scheduler) == view.modelled_blocks(scheduler) == blocks(2100)
+    # The engine runs 2 and holds 1 waiting: r1 (the older unstarted) is being prefilled.
+    view.observe(scheduler, 200, running=2, waiting=1)
+    assert view.modelled_blocks(scheduler) == blocks(2100) + prompt
+    assert view.view_blocks(scheduler) == 200
+    # The gates take as held only what streamed: r1's prompt, which the engine holds, is not
+    # a credit (the engine's 200 count it, and r1's reservation counts in full besides).
+    assert view.gate_blocks_held(scheduler) == blocks(2100)
+    assert scheduler.kv_gate_blocks == 3 * blocks(2500) + 200 - blocks(2100)
+    # One sent since: nothing until its first token.
+    send("r3", 1.0)
+    assert view.view_blocks(scheduler) == 200
+    progress["r3"].relayed(b"data: {}\n\n")
+    assert view.view_blocks(scheduler) == 200 + blocks(2001)
+    # Stale: the books for the gates, the model alone for the view.
+    view.observe(scheduler, None)
+    assert scheduler.kv_gate_blocks == scheduler.resident_blocks == 4 * blocks(2500)
+    assert view.view_blocks(scheduler) == blocks(2100) + blocks(2001)
+    # A report with nobody waiting: what is sent next starts at once (its prompt counts
+    # before its first token).
+    view.observe(scheduler, 300, running=4, waiting=0)
+    send("r4", 2.0)
+    assert view.view_blocks(scheduler) == 300 + prompt
+
+
+def test_a_report_before_the_engine_sees_a_request_gives_no_credit() -> None:
+    # Six requests dispatched in a burst; the engine reports before it has any of them (0
+    # used, 0 running): the gates still see the six reservations in full. (Had their prompts
+    # been taken as held, `used - held` would have credited 6 prompts, and the gates let
+    # requests in past the watermark while the engine allocated them.)
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=1000, max_batch_requests=16
+    )
+    scheduler = make_scheduler("tokenfair", keyed_config(policy))
+    view = KvView()
+    for number in range(6):
+        request_id = f"r{number}"
+        request = Request(request_id, "tenant_chat_pro", 0.0, 2000, 500, "interactive")
+        assert scheduler.submit(request, 0.0) is None
+        assert scheduler.next_dispatch(0.0) is not None
+        view.track(request_id)
+    view.observe(scheduler, 0, running=0, waiting=0)
+    assert scheduler.kv_gate_blocks == scheduler.resident_blocks == 6 * blocks(2500)
+    assert view.view_blocks(scheduler) == 0
+
+
+def test_the_costmodel_engines_view_is_the_books() -> None:
+    # Its stream chunks are no engine's tokens: nothing is followed, the view is the books.
+    from tokenfair.core.cost import CostModel
+    from tokenfair.server import Sidecar, make_backend
+
+    settings = SidecarSettings()
+    sidecar = Sidecar(settings, keyed_config(), make_backend(settings, CostModel()))
+    assert sidecar.kv_view.follows_streams is False
+    scheduler = sidecar.scheduler
+    request = Request("r0", "tenant_chat_pro", 0.0, 2000, 500, "interactive")
+    assert scheduler.submit(request, 0.0) is None
+    assert scheduler.next_dispatch(0.0) is not None
+    assert sidecar.kv_view.track("r0") is None
+    assert sidecar.kv_view.view_blocks(scheduler) == scheduler.resident_blocks > 0
