@@ -1,30 +1,36 @@
 """A batching engine's wait correction (``TokenfairScheduler.wait_correction``): admission times
-the model's wait by how much longer than predicted the lane's requests waited lately. A virtual
-clock throughout (the simulator's batching replay), no sleeping.
+the batch lane's model wait by how much longer than predicted its requests waited lately. A
+virtual clock throughout (the simulator's batching replay), no sleeping.
 
 Behaviours under test:
 
 - 1 before any request has waited, and never below 1; a request that expires counts as having
-  waited ``EXPIRED_WAIT_LIMITS`` wait limits, so the correction rises at once.
+  waited ``EXPIRED_WAIT_LIMITS`` wait limits, so the correction rises at once; a request still
+  queued past its prediction raises it before any expiry; one that waited less than predicted
+  leaves it at 1.
 - An engine slower than the policy says (a batching engine at half the calibrated speed, a
   batch flood at 1.3x what it really serves): the requests admitted and then expired at their
   deadline fall from 23 % to about 2 %, the batch lane served as much as before (the engine
   kept full), refused at the door instead.
 - An engine that keeps to the model: admitted-then-expired at most 2 % (3.1 % before), as much
   served.
+- Not sampled: a wait for the tenant's budget (not the engine model's), the interactive lane.
 - A serial engine (``maxBatchRequests`` 1) has no correction: 1 whatever happens.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from dataclasses import replace
 
+import pytest
+
 from tokenfair.config import PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Request
 from tokenfair.core.cost import CostModel
-from tokenfair.core.jobs import LANE_BATCH, SHED_QUEUE_TIMEOUT
+from tokenfair.core.jobs import LANE_BATCH, LANE_INTERACTIVE, SHED_QUEUE_TIMEOUT
 from tokenfair.core.tokenfair import (
     EXPIRED_WAIT_LIMITS,
     WAIT_CORRECTION_RANGE,
@@ -167,3 +173,73 @@ def test_a_serial_engine_has_no_correction() -> None:
     assert fair.next_dispatch(0.0) is not None
     fair.expire(10 * fair.policy.max_batch_wait_ms)
     assert fair.wait_correction(LANE_BATCH, 10 * fair.policy.max_batch_wait_ms) == 1.0
+
+
+def test_a_wait_for_the_tenants_budget_is_not_the_models() -> None:
+    # 1,200 tokens of burst refilled at 600 a second: the second request waits 2 s for the
+    # budget (admitted: within the 3.5 s limit), though the engine has a free slot at once.
+    budgeted = [TenantConfig("rag", 1.0, 1200, 600.0, "batch")]
+    fair = TokenfairScheduler(
+        build_config(policy(max_batch_requests=2, batch_throughput_gain=2.0), budgeted)
+    )
+    assert fair.submit(request("b0", "rag", 0.0), 0.0) is None
+    assert fair.next_dispatch(0.0) is not None
+    assert fair.submit(request("b1", "rag", 0.0), 0.0) is None
+    assert fair.next_dispatch(0.0) is None  # the budget is empty
+    started = fair.next_dispatch(2000.0)
+    assert started is not None
+    assert started.request_id == "b1"
+    assert started.queue_wait_ms == 2000.0
+    # Not a sample of the engine model (counted, it would be 2,000 ms against a floor of 350).
+    assert fair.wait_correction(LANE_BATCH, 2000.0) == 1.0
+
+
+def test_a_request_still_waiting_past_its_prediction_raises_it_before_any_expiry() -> None:
+    # S = 2 at R = 10, G = 2: every request runs at 5 tokens/ms whatever runs beside it. Two
+    # run; a third is predicted to start when the first ends, 1,200 / 5 = 240 ms, counted at
+    # the floor of 10 % of the 3.5 s limit, 350 ms.
+    fair = TokenfairScheduler(
+        build_config(policy(max_batch_requests=2, batch_throughput_gain=2.0), tenants(False))
+    )
+    for i in range(2):
+        assert fair.submit(request(f"b{i}", "rag", 0.0), 0.0) is None
+        assert fair.next_dispatch(0.0) is not None
+    assert fair.submit(request("b2", "rag", 0.0), 0.0) is None
+    assert fair.wait_correction(LANE_BATCH, 300.0) == 1.0  # within its prediction
+    assert fair.wait_correction(LANE_BATCH, 700.0) == pytest.approx(2.0)  # twice it, queued
+    assert fair.wait_correction(LANE_BATCH, 1750.0) == pytest.approx(5.0)
+    # It starts at 1,750 ms: the sums now, beside b0's and b1's samples at 0 ms (predicted 0,
+    # counted at the floor, waited 0), decayed over 4 limits.
+    fair.complete("b0", 1750.0, 1200)
+    assert fair.next_dispatch(1750.0) is not None
+    tau_ms = 4 * 3500.0
+    expected = 1750.0 / (350.0 + 2 * 350.0 * math.exp(-1750.0 / tau_ms))
+    assert fair.wait_correction(LANE_BATCH, 1850.0) == pytest.approx(expected)
+
+
+def test_the_interactive_lane_keeps_the_models_wait() -> None:
+    # Interactive requests start in the reserved slot and wait little: a correction there
+    # refused 22 of 57 that started in time (replayed at 2x an engine twice as slow as its
+    # model; 1 without it). Its requests are not sampled, and it stays 1.
+    fair = TokenfairScheduler(
+        build_config(policy(max_batch_requests=2, batch_throughput_gain=2.0), tenants())
+    )
+    for i in range(4):
+        chat = Request(f"i{i}", "chat", 0.0, 200, 30, "interactive")
+        assert fair.submit(chat, 0.0) is None
+    assert fill(fair, 0.0) == ["i0", "i1"]  # the engine's two slots; two wait
+    for i in range(2):
+        fair.complete(f"i{i}", 400.0, 320)
+    assert fill(fair, 400.0) == ["i2", "i3"]  # waited 400 ms, more than predicted
+    assert fair.wait_correction(LANE_INTERACTIVE, 400.0) == 1.0
+
+
+def fill(fair: TokenfairScheduler, now_ms: float) -> list[str]:
+    """Dispatch while the engine has a slot (the sidecar's and the simulator's loop)."""
+    started = []
+    while fair.running < fair.policy.max_batch_requests:
+        decision = fair.next_dispatch(now_ms)
+        if decision is None:
+            break
+        started.append(decision.request_id)
+    return started
