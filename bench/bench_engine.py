@@ -305,6 +305,10 @@ def through_sidecar(engine: VllmServer, work: Path, name: str, trace: Path, keys
         sampler.start()
         report = loadgen(sidecar.proxy, trace, folder / "client.jsonl", None, keys)
         sampler.stop()
+        # The samples beside the records (`--keep` copies them): what the counts were made of.
+        (folder / "samples.jsonl").write_text(
+            "".join(json.dumps(sample) + "\n" for sample in sampler.samples)
+        )
         records = sidecar.records()
         expected = (
             sum(r.get("actual_prefill_tokens") or 0 for r in records if r["status_code"] == 200),
@@ -359,7 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--flood", type=float, default=1.5, help="batch load x capacity (1.5)")
     parser.add_argument("--interactive-rps", type=float, default=0.4,
                         help="each interactive tenant's requests per second (0.4)")  # fmt: skip
-    parser.add_argument("--keep", metavar="DIR", help="copy every phase's files there")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="copy the phases' records, clients and samples there")  # fmt: skip
     parser.add_argument("--engine", metavar="URL",
                         help="a vLLM already running with the suite's settings "
                              "(tests/vllm_support.py) instead of starting one")  # fmt: skip
