@@ -37,9 +37,10 @@ Targets (issue 27):
   >= 97 % of what they sent; admitted-then-expired <= 2 %; the flood refused at the door
   (refusals from the queue a small part of its refusals);
 * no refusal for capacity (``shed_queue_wait_slo``, ``shed_queue_timeout``, ``shed_kv_watermark``,
-  ``queue_full``) while the engine had a free slot, nothing waiting and KV below the watermark,
-  by the engine's metrics sampled nearest the decision — for a batch request, a slot its lane
-  may take (``/status`` ``slots``: the interactive reserve is not its room): 0;
+  ``queue_full``) while the engine had a free slot, nothing waiting and KV for the request
+  under its watermark (the engine's KV with the request's own blocks, the gates' rule), by the
+  engine's metrics sampled nearest the decision — for a batch request, a slot its lane may take
+  (``/status`` ``slots``: the interactive reserve is not its room): 0;
 * calibrated: serves at least as many service tokens as hand-set, at an interactive p99 no
   worse than hand-set's;
 * the sidecar's KV view (``/status`` ``kv``) within 5 points of the engine's
