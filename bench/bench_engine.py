@@ -5,10 +5,15 @@ Not part of the test suite (minutes of real time on a real engine). One engine, 
 (tests/vllm_support.py: the tiny model, block size 32, 512 blocks, 16 requests a batch), and
 four phases of the same length on it:
 
-1. **calibrate** — a mixed workload (two interactive tenants, one batch tenant) at about half
-   the engine's capacity through the sidecar with a starting policy; ``tokenfair calibrate`` on
-   its records fits ``serviceTokensPerMs``, ``batchThroughputGain``, ``maxBatchRequests``,
-   ``decodeWeight`` and the prefill speed. The flood rate of the next phases comes from it.
+1. **calibrate** — a mixed workload (two interactive tenants, one batch tenant) of varied
+   prompt and output lengths at a ramp of load (``RAMP``: from a quarter of the base rates,
+   about one request at a time, to past the engine's full batch) through the sidecar under
+   hand-set coefficients (``HAND_SET``); ``tokenfair calibrate`` on its records fits
+   ``serviceTokensPerMs``, ``batchThroughputGain``, ``maxBatchRequests``, ``decodeWeight`` and
+   the prefill speed. The flood rate of the next phases comes from it. A fit ``calibrate``
+   refuses is printed as a missed target, and the run goes on with the hand-set coefficients
+   (the records' concurrency spread is printed either way). Two fixed request shapes at one
+   load (the bench before) left ``decodeWeight`` at a relative standard error of 32-54 %.
 2. **direct** — the flood trace (the batch tenant at ``--flood`` x the calibrated capacity,
    the interactive tenants at a fixed rate well under their share) sent straight to vLLM by
    ``tokenfair loadgen``, streamed: every client's TTFT.
@@ -24,6 +29,7 @@ the calibrated policy and compares its interactive TTFT with phase 3's
 
 Targets (issue 27):
 
+* calibrate: a usable fit from the records taken under load;
 * records match clients: no stream a client read to its end (status 200) recorded otherwise;
   the records' prompt and completion tokens equal the growth of vLLM's
   ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total`` over the phase;
@@ -31,9 +37,10 @@ Targets (issue 27):
   >= 97 % of what they sent; admitted-then-expired <= 2 %; the flood refused at the door
   (refusals from the queue a small part of its refusals);
 * no refusal for capacity (``shed_queue_wait_slo``, ``shed_queue_timeout``, ``shed_kv_watermark``,
-  ``queue_full``) while the engine had a free slot, nothing waiting and KV below the watermark,
-  by the engine's metrics sampled nearest the decision — for a batch request, a slot its lane
-  may take (``/status`` ``slots``: the interactive reserve is not its room): 0;
+  ``queue_full``) while the engine had a free slot, nothing waiting and KV for the request
+  under its watermark (the engine's KV with the request's own blocks, the gates' rule), by the
+  engine's metrics sampled nearest the decision — for a batch request, a slot its lane may take
+  (``/status`` ``slots``: the interactive reserve is not its room): 0;
 * calibrated: serves at least as many service tokens as hand-set, at an interactive p99 no
   worse than hand-set's;
 * the sidecar's KV view (``/status`` ``kv``) within 5 points of the engine's
@@ -42,21 +49,24 @@ Targets (issue 27):
 
     make vllm && .venv/bin/python bench/bench_engine.py                   # ~10-15 min
     .venv/bin/python bench/bench_engine.py --duration-ms 90000 --keep /tmp/engine-run
+    .venv/bin/python bench/bench_engine.py --engine http://127.0.0.1:PORT  # a running vLLM
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import json
 import math
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -74,12 +84,22 @@ from vllm_support import (
     VllmSettings,
     find_install,
     parse_samples,
+    read_facts,
     running_vllm,
 )
 
 from tokenfair.config import PolicyConfig, apply_overrides
 from tokenfair.config.document import replace_policy
-from tokenfair.sim.calibrate import calibrate, read_outcomes
+from tokenfair.core.cost import CostModel
+from tokenfair.sim.calibrate import (
+    Calibration,
+    CalibrationError,
+    calibrate,
+    read_outcomes,
+    run_spans,
+    samples_from_records,
+)
+from tokenfair.sim.concurrency import ConcurrencyProfile
 from tokenfair.sim.records import read_trace
 from tokenfair.sim.report import percentile
 
@@ -96,6 +116,14 @@ INTERACTIVE_PROMPT: Final = 200
 INTERACTIVE_OUTPUT: Final = 32
 BATCH_PROMPT: Final = 800
 BATCH_OUTPUT: Final = 160
+# The calibration phase (`ramp_trace`): the batch tenant's and each interactive tenant's requests
+# per second at the ramp's factor 1, the factors (low load to past the engine's full batch), and
+# the ranges of the lengths drawn (the sidecar's estimate; the engine's tokenizer counts about
+# twice as many prompt tokens, and 2 x 1000 + 256 stays within the model's 4,096).
+CALIBRATION_RPS: Final = (1.0, 0.5)
+RAMP: Final = (0.25, 0.5, 1.0, 1.5, 2.5)
+CALIBRATION_PROMPT: Final = (50, 1000)
+CALIBRATION_OUTPUT: Final = (8, 256)
 # The wait limits for this engine: a request alone takes a few hundred ms on 2 CPU cores.
 WAITS: Final = {"max_interactive_wait_ms": 1500.0, "max_batch_wait_ms": 15000.0}
 
@@ -185,6 +213,41 @@ def generate_trace(path: Path, duration_ms: float, seed: int, batch_rps: float,
     )  # fmt: skip
 
 
+def ramp_trace(path: Path, duration_ms: float, seed: int) -> list[tuple[float, float]]:
+    """The calibration phase's trace: a mixed workload of varied lengths, as users send it, at
+    a ramp of load (:data:`RAMP`: each step ``duration_ms / len(RAMP)`` long, every tenant's
+    rate times the step's factor), so the records span the engine's concurrency from one
+    request at a time to its full batch. Each request's prompt and output lengths are drawn
+    log-uniformly from :data:`CALIBRATION_PROMPT` and :data:`CALIBRATION_OUTPUT` (independently:
+    the ratio of prompt to output varies, which is what separates ``decodeWeight`` from the
+    speed; two fixed shapes left it at a relative standard error of 44-54 %). Returns each
+    step's ``(start_ms, end_ms)``."""
+    rng = random.Random(seed)
+    step_ms = duration_ms / len(RAMP)
+    lines: list[str] = []
+    steps = []
+    for index, factor in enumerate(RAMP):
+        part = path.with_name(f"{path.stem}-{index}.jsonl")
+        generate_trace(part, step_ms, seed + index, CALIBRATION_RPS[0] * factor,
+                       CALIBRATION_RPS[1] * factor)  # fmt: skip
+        start_ms = index * step_ms
+        steps.append((start_ms, start_ms + step_ms))
+        for record in read_lines(part):
+            record["request_id"] = f"ramp{index}-{record['request_id']}"
+            record["arrival_ms"] = round(start_ms + record["arrival_ms"], 3)
+            record["prefill_tokens"] = _log_uniform(rng, CALIBRATION_PROMPT)
+            record["decode_tokens"] = _log_uniform(rng, CALIBRATION_OUTPUT)
+            lines.append(json.dumps(record, separators=(",", ":")))
+        part.unlink()
+    path.write_text("\n".join(lines) + "\n")
+    return steps
+
+
+def _log_uniform(rng: random.Random, bounds: tuple[int, int]) -> int:
+    low, high = bounds
+    return round(math.exp(rng.uniform(math.log(low), math.log(high))))
+
+
 def loadgen(
     target: str, trace: Path, records: Path, model: str | None, keys: Path
 ) -> dict[str, Any]:
@@ -212,7 +275,8 @@ def interactive_ttfts(client_records: list[dict[str, Any]]) -> list[float]:
 
 
 def p(values: Sequence[float], q: float) -> float:
-    return percentile(sorted(values), q) if values else math.nan
+    """The nearest-rank ``q`` quantile (``q`` in 0..1: ``percentile`` takes percent)."""
+    return percentile(sorted(values), 100.0 * q) if values else math.nan
 
 
 def line(name: str, value: str, target: str, ok: bool | None) -> str:
@@ -243,6 +307,10 @@ def through_sidecar(engine: VllmServer, work: Path, name: str, trace: Path, keys
         sampler.start()
         report = loadgen(sidecar.proxy, trace, folder / "client.jsonl", None, keys)
         sampler.stop()
+        # The samples beside the records (`--keep` copies them): what the counts were made of.
+        (folder / "samples.jsonl").write_text(
+            "".join(json.dumps(sample) + "\n" for sample in sampler.samples)
+        )
         records = sidecar.records()
         expected = (
             sum(r.get("actual_prefill_tokens") or 0 for r in records if r["status_code"] == 200),
@@ -253,15 +321,20 @@ def through_sidecar(engine: VllmServer, work: Path, name: str, trace: Path, keys
                  sampler.samples, sidecar.records_path)  # fmt: skip
 
 
-def capacity_refusals_with_room(phase: Phase, batch: int, policy: PolicyConfig) -> int:
+def capacity_refusals_with_room(
+    phase: Phase, batch: int, policy: PolicyConfig, own_blocks: bool = True
+) -> int:
     """Refusals for capacity decided while the engine, by the sample nearest the decision, had
-    a free slot, nothing waiting and KV below the request's watermark — for a batch request, a
-    slot its lane may take: the sidecar's batch lane below its ``batch_slots`` (``/status``
-    ``slots``; the rest is the interactive reserve, docs/capacity.md)."""
+    a free slot, nothing waiting and KV below the request's watermark with the request's own
+    blocks (as the sidecar books them, the KV gates' rule; ``own_blocks=False``: the engine's
+    KV alone) — for a batch request, a slot its lane may take: the sidecar's batch lane below
+    its ``batch_slots`` (``/status`` ``slots``; the rest is the interactive reserve,
+    docs/capacity.md)."""
     samples = sorted(phase.samples, key=lambda s: s["clock_ms"])
     if not samples:
         return 0
     times = [s["clock_ms"] for s in samples]
+    cost = CostModel.from_policy(policy)
     count = 0
     for record in phase.records:
         if record["reason"] not in CAPACITY_REASONS:
@@ -280,10 +353,14 @@ def capacity_refusals_with_room(phase: Phase, batch: int, policy: PolicyConfig) 
             record["priority_class"] == "interactive"
             or sample["batch_running"] < sample["batch_slots"]
         )
+        kv = sample["engine_kv"]
+        if own_blocks:
+            blocks = cost.kv_blocks(record["prefill_tokens"], record["decode_tokens"])
+            kv += blocks / policy.total_kv_blocks
         if (
             sample["engine_running"] < batch
             and sample["engine_waiting"] == 0
-            and sample["engine_kv"] < watermark
+            and kv <= watermark
             and lane_room
         ):
             count += 1
@@ -297,35 +374,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--flood", type=float, default=1.5, help="batch load x capacity (1.5)")
     parser.add_argument("--interactive-rps", type=float, default=0.4,
                         help="each interactive tenant's requests per second (0.4)")  # fmt: skip
-    parser.add_argument("--keep", metavar="DIR", help="copy every phase's files there")
+    parser.add_argument("--keep", metavar="DIR",
+                        help="copy the phases' records, clients and samples there")  # fmt: skip
+    parser.add_argument("--engine", metavar="URL",
+                        help="a vLLM already running with the suite's settings "
+                             "(tests/vllm_support.py) instead of starting one")  # fmt: skip
     args = parser.parse_args(argv)
-    install = find_install()
-    if isinstance(install, str):
-        raise SystemExit(install)
     settings = VllmSettings()
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         work = Path(tmp)
         keys = work / "keys.yaml"
         keys.write_text(yaml.safe_dump(KEYS))
-        with running_vllm(install, work, settings) as engine:
+        with _engine(args.engine, work, settings) as engine:
             print(f"engine: vLLM {engine.model}, {engine.kv_blocks} blocks of "
                   f"{engine.block_size_tokens} tokens, max-num-seqs {settings.max_num_seqs}, "
                   f"started in {engine.startup_seconds:.0f} s")  # fmt: skip
             batch = settings.max_num_seqs
-            start_policy = {"max_batch_requests": batch, "batch_throughput_gain": 4.0,
-                            "service_tokens_per_ms": 6.0, **WAITS}  # fmt: skip
-            # 1. calibrate
+            # 1. calibrate: a ramp of load through the sidecar under hand-set coefficients
             calibration_trace = work / "calibration-trace.jsonl"
-            generate_trace(calibration_trace, args.duration_ms, args.seed, 1.0, 1.0)
+            ramp_trace(calibration_trace, args.duration_ms, args.seed)
             warm = through_sidecar(engine, work, "calibrate", calibration_trace, keys,
-                                   start_policy)  # fmt: skip
-            fit = calibrate(read_trace(warm.records_path), read_outcomes(warm.records_path),
-                            max_batch_requests=batch)  # fmt: skip
-            overrides = fit.overrides()
-            print("calibrated from records under load: " + " ".join(overrides))
-            calibrated = apply_overrides(
-                replace_policy(_config_of(engine), **WAITS), overrides
-            ).policy
+                                   HAND_SET)  # fmt: skip
+            calibration = calibrate_phase(warm, batch)
+            base = replace_policy(_config_of(engine), **WAITS)
+            if isinstance(calibration, str):
+                # Unusable: said as a missed target, and the run goes on with the hand-set
+                # coefficients the calibration phase ran with.
+                overrides = [f"{_FIELD_NAMES[k]}={v:g}" for k, v in HAND_SET.items()
+                             if k in _FIELD_NAMES]  # fmt: skip
+                print("calibration FAILED; going on with the hand-set coefficients: "
+                      + " ".join(overrides))  # fmt: skip
+            else:
+                overrides = calibration.overrides()
+                print("calibrated from records under load: " + " ".join(overrides))
+            calibrated = apply_overrides(base, overrides).policy
             capacity = calibrated.service_tokens_per_ms  # service tokens per ms at the full batch
             batch_cost = BATCH_PROMPT + calibrated.decode_weight * BATCH_OUTPUT
             batch_rps = args.flood * capacity * 1000.0 / batch_cost
@@ -351,12 +433,75 @@ def main(argv: Sequence[str] | None = None) -> int:
             fitted = through_sidecar(engine, work, "calibrated", flood_trace, keys,
                                      calibrated_fields)  # fmt: skip
             hand = through_sidecar(engine, work, "hand-set", flood_trace, keys, dict(WAITS))
-            comparison = compare(fitted.records_path, apply_overrides(
-                replace_policy(_config_of(engine), **WAITS), overrides))  # fmt: skip
+            comparison = compare(fitted.records_path, apply_overrides(base, overrides))
             if args.keep:
                 _keep(work, Path(args.keep))
+        print_calibration(warm, calibration)
         print_report(args, direct, fitted, hand, comparison, calibrated)
     return 0
+
+
+# The coefficients the calibration phase runs with, and the calibrated phase falls back to when
+# the fit is unusable: this engine's batch, and a guess of its speed.
+HAND_SET: Final = {"max_batch_requests": 16, "batch_throughput_gain": 4.0,
+                   "service_tokens_per_ms": 6.0, **WAITS}  # fmt: skip
+_FIELD_NAMES: Final = {"max_batch_requests": "maxBatchRequests",
+                       "batch_throughput_gain": "batchThroughputGain",
+                       "service_tokens_per_ms": "serviceTokensPerMs"}  # fmt: skip
+
+
+@contextlib.contextmanager
+def _engine(url: str | None, work: Path, settings: VllmSettings) -> Iterator[VllmServer]:
+    """The engine the bench runs against: started here (``make vllm``'s install), or the one
+    at ``url`` (its facts read back and checked against ``settings``)."""
+    if url is None:
+        install = find_install()
+        if isinstance(install, str):
+            raise SystemExit(install)
+        with running_vllm(install, work, settings) as engine:
+            yield engine
+        return
+    engine = VllmServer(base_url=url.rstrip("/"), model=settings.served_model_name,
+                        block_size_tokens=0, kv_blocks=0, max_model_len_tokens=0,
+                        settings=settings, log_path=work / "vllm.log")  # fmt: skip
+    read_facts(engine)
+    yield engine
+
+
+def calibrate_phase(warm: Phase, batch: int) -> Calibration | str:
+    """``tokenfair calibrate`` on the calibration phase's records, or why it cannot."""
+    try:
+        return calibrate(read_trace(warm.records_path), read_outcomes(warm.records_path),
+                         max_batch_requests=batch)  # fmt: skip
+    except CalibrationError as exc:
+        return str(exc)
+
+
+def print_calibration(warm: Phase, calibration: Calibration | str) -> None:
+    """What the calibration phase's records show, and the fit (or why there is none)."""
+    records = read_trace(warm.records_path)
+    outcomes = read_outcomes(warm.records_path)
+    samples, _skipped, _idle = samples_from_records(records, outcomes)
+    profile = ConcurrencyProfile(run_spans(records, outcomes))
+    seen = sorted(profile.mean(*s.span) for s in samples if s.span is not None)
+    print()
+    print("calibration (a ramp of load, varied lengths, through the sidecar):")
+    if seen:
+        print(line("records used; concurrency min / p10 / p50 / p90 / max",
+                   f"{len(samples)}; {seen[0]:.1f} / {p(seen, 0.1):.1f} / {p(seen, 0.5):.1f} / "
+                   f"{p(seen, 0.9):.1f} / {seen[-1]:.1f}", "-", None))  # fmt: skip
+    if isinstance(calibration, str):
+        print(line("a usable fit", "none", "a fit", False))
+        print(f"    {calibration}")
+        return
+    service = calibration.service
+    weight_error = service.decode_weight_stderr / service.decode_weight
+    rate_error = service.service_tokens_per_ms_stderr / service.service_tokens_per_ms
+    print(line("a usable fit", f"R² {service.r_squared:.3f}", "a fit", True))
+    print(line("decodeWeight, serviceTokensPerMs (relative standard error)",
+               f"{weight_error:.0%}, {rate_error:.0%}", "-", None))  # fmt: skip
+    for problem in calibration.problems:
+        print(f"    problem: {problem}")
 
 
 def _config_of(engine: VllmServer) -> Any:
@@ -431,8 +576,10 @@ def print_report(args: argparse.Namespace, direct: list[dict[str, Any]], fitted:
                f"{len(late)}/{len(flood_refused)} = {late_share:.3f}", "<= 0.02",
                late_share <= 0.02))  # fmt: skip
     room = capacity_refusals_with_room(fitted, calibrated.max_batch_requests, calibrated)
-    print(line("capacity refusals while the engine had a slot and KV", str(room), "0",
+    print(line("capacity refusals while the engine had a slot and KV for it", str(room), "0",
                room == 0))  # fmt: skip
+    loose = capacity_refusals_with_room(fitted, calibrated.max_batch_requests, calibrated, False)
+    print(line("  the same, the engine's KV alone below the watermark", str(loose), "-", None))
     print()
     print("calibrated vs hand-set (the lesson's coefficients):")
     served_fitted = sum(r["service_tokens"] for r in fitted.records if r["status_code"] == 200)

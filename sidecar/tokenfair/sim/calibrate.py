@@ -487,6 +487,7 @@ def calibrate(
         raise CalibrationError(
             f"{exc} ({len(records)} record(s) read, {len(samples)} usable"
             + (f"; skipped: {counts})" if counts else ")")
+            + (_records_show(samples, profile) if loaded and max_batch_requests != 1 else "")
         ) from None
     note = ""
     if batching is not None:
@@ -503,6 +504,23 @@ def calibrate(
         skipped=dict(sorted(skipped.items())),
         batching=batching,
         problems=tuple(problems),
+    )
+
+
+def _records_show(samples: Sequence[Sample], profile: ConcurrencyProfile) -> str:
+    """What the usable records of a refused batching fit show, so that the user can tell what
+    to collect: the spread of their concurrency and of their prompt/output ratios."""
+    seen = sorted(profile.mean(*s.span) for s in samples if s.span is not None)
+    ratios = sorted(s.prefill_tokens / s.decode_tokens for s in samples if s.decode_tokens)
+    if not seen or not ratios:
+        return ""
+    low, high = seen[0], seen[-1]
+    p10, p90 = seen[len(seen) // 10], seen[(9 * len(seen)) // 10]
+    return (
+        f"; the usable records ran at {low:.2f} to {high:.2f} requests at once (p10 {p10:.2f}, "
+        f"p90 {p90:.2f}) with prompt/output ratios {ratios[0]:.3g} to {ratios[-1]:.3g}: the fit "
+        "needs both spread (a ramp of load from one request at a time to the full batch, "
+        "varied lengths) and run times steady enough to separate them"
     )
 
 

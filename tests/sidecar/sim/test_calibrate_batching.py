@@ -293,6 +293,26 @@ def test_too_few_records_under_load_are_refused() -> None:
         calibrate(records, outcomes)
 
 
+def test_a_refused_fit_under_load_says_what_the_records_show() -> None:
+    # The refusal names the records' spread of concurrency and of prompt/output ratios, and
+    # what a usable fit needs (a live vLLM's noisy records were refused without either).
+    records, outcomes = lockstep([(1, 1), (2, 1)], 0.1, 0.02)
+    with pytest.raises(CalibrationError) as refused:
+        calibrate(records, outcomes)
+    message = str(refused.value)
+    assert "the usable records ran at 1.00 to 2.00 requests at once (p10 1.00, p90 2.00)" in message
+    ratios = sorted(r.actual_prefill_tokens / r.actual_decode_tokens for r in records)  # type: ignore[operator]
+    assert f"prompt/output ratios {ratios[0]:.3g} to {ratios[-1]:.3g}" in message
+    assert "a ramp of load from one request at a time to the full batch" in message
+
+
+def test_a_refused_serial_fit_says_nothing_of_concurrency() -> None:
+    records, outcomes = lockstep([(1, 3)], 1 / 30, 0.0)  # one at a time: the serial fit
+    with pytest.raises(CalibrationError) as refused:
+        calibrate(records, outcomes)
+    assert "requests at once" not in str(refused.value)
+
+
 def test_records_that_never_overlapped_keep_the_serial_fit() -> None:
     records, outcomes = lockstep([(1, 40)], 1 / 30, 0.0)  # one at a time, back to back
     with_status = calibrate(records, outcomes)

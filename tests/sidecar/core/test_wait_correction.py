@@ -1,0 +1,245 @@
+"""A batching engine's wait correction (``TokenfairScheduler.wait_correction``): admission times
+the batch lane's model wait by how much longer than predicted its requests waited lately. A
+virtual clock throughout (the simulator's batching replay), no sleeping.
+
+Behaviours under test:
+
+- 1 before any request has waited, and never below 1; a request that expires counts as having
+  waited ``EXPIRED_WAIT_LIMITS`` wait limits, so the correction rises at once; a request still
+  queued past its prediction raises it before any expiry; one that waited less than predicted
+  leaves it at 1.
+- An engine slower than the policy says (a batching engine at half the calibrated speed, a
+  batch flood at 1.3x what it really serves): the requests admitted and then expired at their
+  deadline fall from 23 % to about 2 %, the batch lane served as much as before (the engine
+  kept full), refused at the door instead.
+- An engine that keeps to the model: admitted-then-expired at most 2 % (3.1 % before), as much
+  served.
+- Not sampled: a wait for the tenant's budget (not the engine model's), the interactive lane.
+- A serial engine (``maxBatchRequests`` 1) has no correction: 1 whatever happens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import replace
+
+import pytest
+
+from tokenfair.config import PolicyConfig, TenantConfig, build_config
+from tokenfair.core import Request
+from tokenfair.core.cost import CostModel
+from tokenfair.core.jobs import LANE_BATCH, LANE_INTERACTIVE, SHED_QUEUE_TIMEOUT
+from tokenfair.core.tokenfair import (
+    EXPIRED_WAIT_LIMITS,
+    WAIT_CORRECTION_RANGE,
+    TokenfairScheduler,
+)
+from tokenfair.sim.simulator import Arrival, replay_timed
+
+BIG_KV = 10**7  # blocks: KV never decides here
+RATE = 10.0  # service tokens per ms at the full batch, as the policy says
+PREFILL, DECODE = 800, 100  # 800 + 4 x 100 = 1,200 service tokens a batch request
+SECONDS = 120
+
+
+def tenants(interactive: bool = True) -> list[TenantConfig]:
+    """The batch tenant, and an interactive one (without it, no interactive reserve)."""
+    chosen = [TenantConfig("rag", 1.0, 10**12, 10**12, "batch")]
+    if interactive:
+        chosen.append(TenantConfig("chat", 1.0, 10**12, 10**12, "interactive"))
+    return chosen
+
+
+def policy(**changes: object) -> PolicyConfig:
+    settings: dict[str, object] = {
+        "total_kv_blocks": BIG_KV,
+        "max_batch_requests": 8,
+        "batch_throughput_gain": 4.0,
+        "service_tokens_per_ms": RATE,
+        **changes,
+    }
+    return PolicyConfig(**settings)  # type: ignore[arg-type]
+
+
+def request(request_id: str, tenant: str, now_ms: float) -> Request:
+    """A batch request of ``PREFILL``/``DECODE``, or an interactive one of 200/30."""
+    if tenant == "rag":
+        return Request(request_id, tenant, now_ms, PREFILL, DECODE, "batch")
+    return Request(request_id, tenant, now_ms, 200, 30, "interactive")
+
+
+def flood(engine_rate: float, load: float, seed: int = 1) -> list[Arrival]:
+    """A Poisson batch flood at ``load`` x what an engine of ``engine_rate`` serves, and an
+    interactive request beside one in twenty."""
+    rng = random.Random(seed)
+    per_ms = load * engine_rate / (PREFILL + 4 * DECODE)
+    arrivals: list[Arrival] = []
+    now_ms, n = 0.0, 0
+    while now_ms < SECONDS * 1000.0:
+        now_ms += rng.expovariate(per_ms)
+        n += 1
+        arrivals.append((request(f"b{n:05d}", "rag", now_ms), None, None))
+        if rng.random() < 0.05:
+            arrivals.append((request(f"i{n:05d}", "chat", now_ms + 0.001), None, None))
+    arrivals.sort(key=lambda a: (a[0].arrival_ms, a[0].request_id))
+    return arrivals
+
+
+def run(slowdown: float, load: float) -> tuple[float, int]:
+    """Replay the flood on an engine ``slowdown`` times slower than the policy says: the share
+    of admitted batch requests that expired, and the batch requests served."""
+    config = build_config(policy(), tenants())
+    fair = TokenfairScheduler(config)
+    # The engine the replay runs is the scheduler's cost model's: the policy's curve at
+    # 1 / slowdown of the rate, while admission keeps the policy's.
+    fair.cost = CostModel.from_policy(replace(config.policy, service_tokens_per_ms=RATE / slowdown))
+    outcomes = Counter(
+        (decision.priority_class, decision.reason, decision.gate)
+        for decision, _used, _end in replay_timed(
+            config, flood(RATE / slowdown, load), "tokenfair", fair
+        )
+    )
+    admitted = sum(
+        n for (lane, _r, gate), n in outcomes.items() if lane == "batch" and gate != "admission"
+    )
+    expired = outcomes["batch", SHED_QUEUE_TIMEOUT, "queue"]
+    served = outcomes["batch", "admitted", "dispatch"]
+    return expired / admitted, served
+
+
+def served_capacity(slowdown: float) -> float:
+    """Batch requests an engine ``slowdown`` times slower than the policy serves in the run."""
+    return RATE / slowdown * SECONDS * 1000.0 / (PREFILL + 4 * DECODE)
+
+
+def test_an_engine_slower_than_the_model_expires_at_most_2_percent_of_what_was_admitted() -> None:
+    # Without the correction: 141 of 619 admitted (22.8 %) expired, 478 served; with it 10 of
+    # 488 (2.05 %), 478 served.
+    expired_share, served = run(slowdown=2.0, load=1.3)
+    assert expired_share <= 0.025
+    assert served >= 0.9 * served_capacity(2.0)
+
+
+def test_an_engine_that_keeps_to_the_model_expires_at_most_2_percent() -> None:
+    # Without the correction: 31 of 990 (3.1 %), 959 served.
+    expired_share, served = run(slowdown=1.0, load=1.3)
+    assert expired_share <= 0.02
+    assert served >= 0.9 * served_capacity(1.0)
+
+
+def test_the_correction_starts_at_1_and_an_expiry_raises_it() -> None:
+    fair = TokenfairScheduler(
+        build_config(policy(max_batch_requests=2, batch_throughput_gain=2.0), tenants(False))
+    )
+    low, high = WAIT_CORRECTION_RANGE
+    assert fair.wait_correction(LANE_BATCH, 0.0) == low == 1.0
+    # Two start at once (predicted 0, waited 0); the third waits for an end that never comes.
+    for i in range(3):
+        assert fair.submit(request(f"b{i}", "rag", 0.0), 0.0) is None
+    assert fair.next_dispatch(0.0) is not None
+    assert fair.next_dispatch(0.0) is not None
+    assert fair.next_dispatch(0.0) is None
+    assert fair.wait_correction(LANE_BATCH, 0.0) == 1.0  # nothing has waited yet
+    limit_ms = fair.policy.max_batch_wait_ms
+    [expired] = fair.expire(limit_ms + 1.0)
+    assert expired.request_id == "b2"
+    # Admitted (predicted under the limit), counted as EXPIRED_WAIT_LIMITS limits (3): more
+    # than three times its prediction, here at the bound.
+    assert EXPIRED_WAIT_LIMITS == 3.0
+    assert fair.wait_correction(LANE_BATCH, limit_ms + 1.0) == high
+
+
+def test_a_request_that_waited_less_than_predicted_leaves_it_at_1() -> None:
+    fair = TokenfairScheduler(
+        build_config(policy(max_batch_requests=2, batch_throughput_gain=2.0), tenants(False))
+    )
+    for i in range(3):
+        assert fair.submit(request(f"b{i}", "rag", 0.0), 0.0) is None
+    fair.next_dispatch(0.0)
+    fair.next_dispatch(0.0)
+    # b0 ends at once (long before the model's forecast), and b2 starts: it waited 1 ms.
+    fair.complete("b0", 1.0, 1200)
+    assert fair.next_dispatch(1.0) is not None
+    assert fair.wait_correction(LANE_BATCH, 1.0) == 1.0
+
+
+def test_a_serial_engine_has_no_correction() -> None:
+    serial = policy(max_batch_requests=1, batch_throughput_gain=1.0)
+    fair = TokenfairScheduler(build_config(serial, tenants()))
+    for i in range(3):
+        assert fair.submit(request(f"b{i}", "rag", 0.0), 0.0) is None
+    assert fair.next_dispatch(0.0) is not None
+    fair.expire(10 * fair.policy.max_batch_wait_ms)
+    assert fair.wait_correction(LANE_BATCH, 10 * fair.policy.max_batch_wait_ms) == 1.0
+
+
+def test_a_wait_for_the_tenants_budget_is_not_the_models() -> None:
+    # 1,200 tokens of burst refilled at 600 a second: the second request waits 2 s for the
+    # budget (admitted: within the 3.5 s limit), though the engine has a free slot at once.
+    budgeted = [TenantConfig("rag", 1.0, 1200, 600.0, "batch")]
+    fair = TokenfairScheduler(
+        build_config(policy(max_batch_requests=2, batch_throughput_gain=2.0), budgeted)
+    )
+    assert fair.submit(request("b0", "rag", 0.0), 0.0) is None
+    assert fair.next_dispatch(0.0) is not None
+    assert fair.submit(request("b1", "rag", 0.0), 0.0) is None
+    assert fair.next_dispatch(0.0) is None  # the budget is empty
+    started = fair.next_dispatch(2000.0)
+    assert started is not None
+    assert started.request_id == "b1"
+    assert started.queue_wait_ms == 2000.0
+    # Not a sample of the engine model (counted, it would be 2,000 ms against a floor of 350).
+    assert fair.wait_correction(LANE_BATCH, 2000.0) == 1.0
+
+
+def test_a_request_still_waiting_past_its_prediction_raises_it_before_any_expiry() -> None:
+    # S = 2 at R = 10, G = 2: every request runs at 5 tokens/ms whatever runs beside it. Two
+    # run; a third is predicted to start when the first ends, 1,200 / 5 = 240 ms, counted at
+    # the floor of 10 % of the 3.5 s limit, 350 ms.
+    fair = TokenfairScheduler(
+        build_config(policy(max_batch_requests=2, batch_throughput_gain=2.0), tenants(False))
+    )
+    for i in range(2):
+        assert fair.submit(request(f"b{i}", "rag", 0.0), 0.0) is None
+        assert fair.next_dispatch(0.0) is not None
+    assert fair.submit(request("b2", "rag", 0.0), 0.0) is None
+    assert fair.wait_correction(LANE_BATCH, 300.0) == 1.0  # within its prediction
+    assert fair.wait_correction(LANE_BATCH, 700.0) == pytest.approx(2.0)  # twice it, queued
+    assert fair.wait_correction(LANE_BATCH, 1750.0) == pytest.approx(5.0)
+    # It starts at 1,750 ms: the sums now, beside b0's and b1's samples at 0 ms (predicted 0,
+    # counted at the floor, waited 0), decayed over 4 limits.
+    fair.complete("b0", 1750.0, 1200)
+    assert fair.next_dispatch(1750.0) is not None
+    tau_ms = 4 * 3500.0
+    expected = 1750.0 / (350.0 + 2 * 350.0 * math.exp(-1750.0 / tau_ms))
+    assert fair.wait_correction(LANE_BATCH, 1850.0) == pytest.approx(expected)
+
+
+def test_the_interactive_lane_keeps_the_models_wait() -> None:
+    # Interactive requests start in the reserved slot and wait little: a correction there
+    # refused 22 of 57 that started in time (replayed at 2x an engine twice as slow as its
+    # model; 1 without it). Its requests are not sampled, and it stays 1.
+    fair = TokenfairScheduler(
+        build_config(policy(max_batch_requests=2, batch_throughput_gain=2.0), tenants())
+    )
+    for i in range(4):
+        chat = Request(f"i{i}", "chat", 0.0, 200, 30, "interactive")
+        assert fair.submit(chat, 0.0) is None
+    assert fill(fair, 0.0) == ["i0", "i1"]  # the engine's two slots; two wait
+    for i in range(2):
+        fair.complete(f"i{i}", 400.0, 320)
+    assert fill(fair, 400.0) == ["i2", "i3"]  # waited 400 ms, more than predicted
+    assert fair.wait_correction(LANE_INTERACTIVE, 400.0) == 1.0
+
+
+def fill(fair: TokenfairScheduler, now_ms: float) -> list[str]:
+    """Dispatch while the engine has a slot (the sidecar's and the simulator's loop)."""
+    started = []
+    while fair.running < fair.policy.max_batch_requests:
+        decision = fair.next_dispatch(now_ms)
+        if decision is None:
+            break
+        started.append(decision.request_id)
+    return started
