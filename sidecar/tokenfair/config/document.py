@@ -58,6 +58,8 @@ PRIORITY_CLASSES: Final[tuple[PriorityClass, ...]] = ("interactive", "batch")
 
 MAX_BATCH_REQUESTS: Final = 65_536
 """Largest ``maxBatchRequests`` (and ``batchThroughputGain``): far above any engine's batch."""
+MAX_CONCURRENT_REQUESTS: Final = 1_000_000
+"""Largest ``maxConcurrentRequests`` of a tenant (the CRD's bound too)."""
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -133,6 +135,12 @@ class TenantConfig:
     priority_class: PriorityClass = "interactive"
     api_key_sha256: tuple[str, ...] = ()
     """Lower-case hex SHA-256 digests of the tenant's API keys (never the keys)."""
+    max_concurrent_requests: int | None = None
+    """Most requests of the tenant running at once (``tokenfair`` holds the rest queued); None:
+    no limit."""
+    max_kv_share: float | None = None
+    """Most of the pool's KV blocks (``totalKvBlocks``) the tenant's running requests may hold,
+    as a fraction in (0, 1] (``tokenfair`` holds the rest queued); None: no limit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +231,8 @@ TENANT_FIELDS: Final[dict[str, tuple[str, Parser]]] = {
     "sustainedServiceTokensPerSecond": ("sustained_service_tokens_per_second", positive),
     "priorityClass": ("priority_class", _priority),
     "apiKeySha256": ("api_key_sha256", _key_hashes),
+    "maxConcurrentRequests": ("max_concurrent_requests", integer_in(1, MAX_CONCURRENT_REQUESTS)),
+    "maxKvShare": ("max_kv_share", ratio),
 }
 _REQUIRED_TENANT_FIELDS: Final = (
     "weight",
@@ -290,6 +300,17 @@ def parse_tenant(
     return TenantConfig(**values)
 
 
+def check_tenant_limits(tenant: TenantConfig, policy: PolicyConfig, where: str) -> None:
+    """The tenant's rules that read the policy: ``maxKvShare`` of ``totalKvBlocks`` is at least
+    one KV block (else the tenant could never run a request)."""
+    share = tenant.max_kv_share
+    if share is not None and share * policy.total_kv_blocks < 1:
+        raise ConfigError(
+            f"{where}.maxKvShare: maxKvShare x totalKvBlocks must be at least one KV block, or "
+            f"the tenant could never run a request (got {share:g} x {policy.total_kv_blocks})"
+        )
+
+
 def build_config(
     policy: PolicyConfig,
     tenants: Sequence[TenantConfig],
@@ -307,6 +328,7 @@ def build_config(
                 f"(also tenants[{seen[tenant.tenant_id]}])"
             )
         seen[tenant.tenant_id] = i
+        check_tenant_limits(tenant, policy, f"tenants[{i}]")
     owners: dict[str, str] = {}
     for tenant in tenants:
         for digest in tenant.api_key_sha256:
@@ -561,7 +583,7 @@ def tenant_to_dict(tenant: TenantConfig) -> dict[str, object]:
         if key == "apiKeySha256":
             if value:
                 out[key] = list(value)
-        else:
+        elif value is not None:  # an unset limit is left out (no limit)
             out[key] = value
     return out
 

@@ -33,6 +33,8 @@ from tokenfair.core.errors import DuplicateRequestError, UnknownTenantError
 from tokenfair.core.jobs import (
     ADMITTED,
     CANCELLED,
+    HELD_CONCURRENCY,
+    HELD_KV_SHARE,
     LANE_INTERACTIVE,
     SHED_KV_WATERMARK,
     SHED_QUEUE_TIMEOUT,
@@ -53,10 +55,15 @@ _DISPATCHED: Final = JobState.DISPATCHED
 _DONE: Final = JobState.DONE
 _ROUNDED_OCCUPANCY_BOUND: Final = 4096
 """Most occupancy values :class:`Scheduler` keeps rounded (one per resident block count)."""
+NO_REQUEST_LIMIT: Final = 1 << 60
+"""``TenantState.max_running`` of a tenant without ``maxConcurrentRequests``."""
 STATUS_NEVER_ADMISSIBLE: Final = 400
 """Status of a request no state of the running configuration could admit (not retryable)."""
 OVER_KV_CAPACITY: Final = "request_over_kv_capacity"
 """Reason: the request's own KV blocks pass its class watermark of the whole cache."""
+OVER_TENANT_KV_SHARE: Final = "request_over_tenant_kv_share"
+"""Reason: the request's own KV blocks pass its tenant's ``maxKvShare`` of the whole cache (a
+policy that enforces the tenant limits: ``tokenfair``)."""
 OVER_TENANT_BURST: Final = "request_over_tenant_burst"
 """Reason: the request costs more service tokens than its tenant's bucket can ever hold (and
 no capacity is lent to tenants over their budget)."""
@@ -67,8 +74,12 @@ class TenantState(HasBucket):
 
     __slots__ = (
         "config",
+        "max_kv_share",
+        "max_running",
         "queued",
         "queued_tokens",
+        "resident_blocks",
+        "running",
         "served_tokens",
         "tenant_id",
         "usage_ratio",
@@ -95,6 +106,24 @@ class TenantState(HasBucket):
         self.usage_ratio = 1.0
         """Recent actual ÷ estimated usage of the tenant's requests, kept by the policies that
         price work by it (``tokenfair``: an EWMA over settlements); 1 otherwise."""
+        self.running = 0  # dispatched and not completed (or released unsettled)
+        self.resident_blocks = 0  # KV blocks of its requests dispatched and not released
+        self.max_running = NO_REQUEST_LIMIT
+        self.max_kv_share = math.inf
+        self.adopt_limits(config)
+
+    def adopt_limits(self, config: TenantConfig) -> None:
+        """The entitlements beside the budget (``maxConcurrentRequests``, ``maxKvShare``), as
+        fields the dispatcher compares; unset: limits no request reaches."""
+        limit = config.max_concurrent_requests
+        self.max_running = NO_REQUEST_LIMIT if limit is None else limit
+        share = config.max_kv_share
+        self.max_kv_share = math.inf if share is None else share
+
+    @property
+    def limited(self) -> bool:
+        """The tenant has ``maxConcurrentRequests`` or ``maxKvShare``."""
+        return self.max_running != NO_REQUEST_LIMIT or self.max_kv_share != math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +193,7 @@ class Scheduler(ABC):
             else:
                 state.config = tenant_config
                 state.weight = tenant_config.weight
+                state.adopt_limits(tenant_config)
                 state.bucket.retune(
                     tenant_config.burst_service_tokens,
                     tenant_config.sustained_service_tokens_per_second,
@@ -213,6 +243,7 @@ class Scheduler(ABC):
         self._max_queued_requests = self.policy.max_queued_requests
         self._max_queued_per_tenant = self.policy.max_queued_requests_per_tenant
         self._batch_min_share = self.policy.batch_min_share
+        self._tenant_limits = False  # a policy that enforces them sets it (`_held_at_expiry`)
         # `round(blocks / total_kv_blocks, 4)` by resident blocks: every dispatch records its
         # occupancy, and `round` to 4 places costs more than a lookup. Bounded (a cache of
         # 10^9 blocks would not be): a value past the bound is computed each time.
@@ -309,6 +340,12 @@ class Scheduler(ABC):
                     self.watermark(Lane.of(request.priority_class)) * policy.total_kv_blocks
                 ),
             }
+        elif self._tenant_limits and share > tenant.max_kv_share:
+            reason = OVER_TENANT_KV_SHARE
+            observed = {
+                "request_kv_blocks": blocks,
+                "max_kv_blocks": math.floor(tenant.max_kv_share * policy.total_kv_blocks),
+            }
         else:
             service_tokens = self.cost.service_tokens(prefill, decode)
             if (
@@ -396,6 +433,8 @@ class Scheduler(ABC):
                 rounded[seen] = occupancy
         self.resident_blocks = blocks
         self.running += 1
+        tenant.running += 1
+        tenant.resident_blocks += kv_blocks
         tenant.served_tokens += service_tokens
         if self.charges_at_dispatch:
             self._charge(job, tenant, now_ms)
@@ -417,6 +456,8 @@ class Scheduler(ABC):
         )
         if job.borrowed:
             decision.observed["borrowed_service_tokens"] = job.service_tokens
+        if job.held:  # passed over for its tenant's limits before it started (records)
+            note_held(decision, job.held)
         job.state = _DISPATCHED
         job.decision = decision
         return decision
@@ -447,24 +488,23 @@ class Scheduler(ABC):
         if actual_kv_blocks is not None:
             kv_blocks = _checked_settled("actual_kv_blocks", actual_kv_blocks)
         refund = job.service_tokens - actual
+        tenant = self.tenants[job.tenant_id]
         if refund:
-            tenant = self.tenants[job.tenant_id]
             tenant.served_tokens -= refund
             self._settle(job, tenant, refund, now_ms)
-        elif self.settles_every_request:
-            tenant = self.tenants[job.tenant_id]
+        elif self.settles_every_request and (
             # At the estimate, expected at it, usage ratio 1: `_settle` would change nothing
             # (its first test, inline; the policies that settle every request start with it).
-            if (
-                tenant.usage_ratio != 1.0
-                or job.expected_units != job.service_tokens * UNITS_PER_TOKEN
-            ):
-                self._settle(job, tenant, refund, now_ms)
+            tenant.usage_ratio != 1.0 or job.expected_units != job.service_tokens * UNITS_PER_TOKEN
+        ):
+            self._settle(job, tenant, refund, now_ms)
         if kv_blocks is not None:
             self.resident_blocks += kv_blocks - job.kv_blocks
+            tenant.resident_blocks += kv_blocks - job.kv_blocks
             job.kv_blocks = kv_blocks
         job.state = _DONE
         self.running -= 1
+        tenant.running -= 1
         if self.tracks_completions:
             self._finished(job, now_ms)
         decision.actual_service_tokens = actual
@@ -479,6 +519,7 @@ class Scheduler(ABC):
             raise ValueError(f"request {request_id!r} has no KV to release (not completed)")
         del self.jobs[request_id]
         self._free_blocks(job.kv_blocks)
+        self.tenants[job.tenant_id].resident_blocks -= job.kv_blocks
         if self.tracks_kv_releases:
             self._kv_released(job)
 
@@ -502,12 +543,15 @@ class Scheduler(ABC):
         if job is None or job.state not in (_DISPATCHED, _DONE):
             return False
         del self.jobs[request_id]
+        tenant = self.tenants[job.tenant_id]
         if job.state is _DISPATCHED:
             job.state = _DONE
             self.running -= 1
+            tenant.running -= 1
             if self.tracks_completions:
                 self._finished(job, None)
         self._free_blocks(job.kv_blocks)
+        tenant.resident_blocks -= job.kv_blocks
         self._kv_released(job)
         return True
 
@@ -533,6 +577,8 @@ class Scheduler(ABC):
             decision = self._drop(job, STATUS_SHED, SHED_QUEUE_TIMEOUT, "queue", now_ms)
             decision.retry_after_ms = 0.0
             decision.observed["max_wait_ms"] = self.wait_limit_ms(job.lane)
+            if self._tenant_limits:
+                self._held_at_expiry(job, decision)
             expired.append(decision)
         if expired:
             self._expired(expired, now_ms)
@@ -643,6 +689,10 @@ class Scheduler(ABC):
         """Hook (``tracks_completions``): a dispatched request stopped running at ``now_ms``
         (None: taken off the books without settlement, time unknown)."""
 
+    def _held_at_expiry(self, job: Job, decision: Decision) -> None:
+        """Hook (while ``_tenant_limits``): ``job`` expired just now; a policy that enforces
+        the tenant limits names the one holding it (reason and observed values)."""
+
     def _expired(self, decisions: list[Decision], now_ms: float) -> None:
         """Hook: :meth:`expire` refused these queued requests (in deadline order) just now;
         the policy may complete their decisions (``tokenfair``: the ``Retry-After``)."""
@@ -667,6 +717,15 @@ def _checked_settled(name: str, value: object) -> int:
     if not 0 <= value <= MAX_SETTLED_TOKENS:
         raise ValueError(f"{name} must be in [0, {MAX_SETTLED_TOKENS}] (got {value})")
     return value
+
+
+def note_held(decision: Decision, held: int) -> None:
+    """Record on a dispatch decision the tenant limits that held the request back
+    (``Job.held``): ``held_by_max_concurrent_requests`` and/or ``held_by_max_kv_share``, 1."""
+    if held & HELD_CONCURRENCY:
+        decision.observed["held_by_max_concurrent_requests"] = 1
+    if held & HELD_KV_SHARE:
+        decision.observed["held_by_max_kv_share"] = 1
 
 
 def shed_kv(scheduler: Scheduler, job: Job, gate: str, occupancy: float) -> Decision:
