@@ -106,8 +106,11 @@ class TenantState(HasBucket):
         self.usage_ratio = 1.0
         """Recent actual ÷ estimated usage of the tenant's requests, kept by the policies that
         price work by it (``tokenfair``: an EWMA over settlements); 1 otherwise."""
-        self.running = 0  # dispatched and not completed (or released unsettled)
-        self.resident_blocks = 0  # KV blocks of its requests dispatched and not released
+        # Dispatched and not completed (or released unsettled), and the KV blocks of its
+        # requests dispatched and not released: kept while a policy enforces tenant limits
+        # (`Scheduler._tenant_limits`), counted again from the jobs when a reload brings them.
+        self.running = 0
+        self.resident_blocks = 0
         self.max_running = NO_REQUEST_LIMIT
         self.max_kv_share = math.inf
         self.adopt_limits(config)
@@ -221,6 +224,23 @@ class Scheduler(ABC):
         self._tenant_index = config.tenant_index
         self._adopt_cost_model()
         self._apply_tenants(config.tenants, now_ms)
+        if self._tenant_limits:
+            self._recount_tenants()
+
+    def _recount_tenants(self) -> None:
+        """Each tenant's running requests and resident KV blocks, counted again from the jobs
+        (O(jobs), at a reload): the counts are kept only while a limit reads them
+        (``_tenant_limits``), so a reload that brings limits starts from the truth."""
+        for tenant in self.tenants.values():
+            tenant.running = 0
+            tenant.resident_blocks = 0
+        for job in self.jobs.values():
+            state = job.state
+            if state is _DISPATCHED or state is _DONE:  # DONE: settled, KV not yet released
+                tenant = self.tenants[job.tenant_id]
+                tenant.resident_blocks += job.kv_blocks
+                if state is _DISPATCHED:
+                    tenant.running += 1
 
     def _adopt_cost_model(self) -> None:
         self.cost = CostModel.from_policy(self.policy)
@@ -433,8 +453,9 @@ class Scheduler(ABC):
                 rounded[seen] = occupancy
         self.resident_blocks = blocks
         self.running += 1
-        tenant.running += 1
-        tenant.resident_blocks += kv_blocks
+        if self._tenant_limits:  # the tenant's counts, kept only while a limit reads them
+            tenant.running += 1
+            tenant.resident_blocks += kv_blocks
         tenant.served_tokens += service_tokens
         if self.charges_at_dispatch:
             self._charge(job, tenant, now_ms)
@@ -488,23 +509,29 @@ class Scheduler(ABC):
         if actual_kv_blocks is not None:
             kv_blocks = _checked_settled("actual_kv_blocks", actual_kv_blocks)
         refund = job.service_tokens - actual
-        tenant = self.tenants[job.tenant_id]
         if refund:
+            tenant = self.tenants[job.tenant_id]
             tenant.served_tokens -= refund
             self._settle(job, tenant, refund, now_ms)
-        elif self.settles_every_request and (
+        elif self.settles_every_request:
+            tenant = self.tenants[job.tenant_id]
             # At the estimate, expected at it, usage ratio 1: `_settle` would change nothing
             # (its first test, inline; the policies that settle every request start with it).
-            tenant.usage_ratio != 1.0 or job.expected_units != job.service_tokens * UNITS_PER_TOKEN
-        ):
-            self._settle(job, tenant, refund, now_ms)
+            if (
+                tenant.usage_ratio != 1.0
+                or job.expected_units != job.service_tokens * UNITS_PER_TOKEN
+            ):
+                self._settle(job, tenant, refund, now_ms)
+        if self._tenant_limits:
+            limited = self.tenants[job.tenant_id]
+            limited.running -= 1
+            if kv_blocks is not None:
+                limited.resident_blocks += kv_blocks - job.kv_blocks
         if kv_blocks is not None:
             self.resident_blocks += kv_blocks - job.kv_blocks
-            tenant.resident_blocks += kv_blocks - job.kv_blocks
             job.kv_blocks = kv_blocks
         job.state = _DONE
         self.running -= 1
-        tenant.running -= 1
         if self.tracks_completions:
             self._finished(job, now_ms)
         decision.actual_service_tokens = actual
@@ -519,7 +546,8 @@ class Scheduler(ABC):
             raise ValueError(f"request {request_id!r} has no KV to release (not completed)")
         del self.jobs[request_id]
         self._free_blocks(job.kv_blocks)
-        self.tenants[job.tenant_id].resident_blocks -= job.kv_blocks
+        if self._tenant_limits:
+            self.tenants[job.tenant_id].resident_blocks -= job.kv_blocks
         if self.tracks_kv_releases:
             self._kv_released(job)
 
@@ -547,11 +575,13 @@ class Scheduler(ABC):
         if job.state is _DISPATCHED:
             job.state = _DONE
             self.running -= 1
-            tenant.running -= 1
+            if self._tenant_limits:
+                tenant.running -= 1
             if self.tracks_completions:
                 self._finished(job, None)
         self._free_blocks(job.kv_blocks)
-        tenant.resident_blocks -= job.kv_blocks
+        if self._tenant_limits:
+            tenant.resident_blocks -= job.kv_blocks
         self._kv_released(job)
         return True
 

@@ -303,7 +303,15 @@ def test_a_reload_adopts_changes_and_lifts_the_limits() -> None:
     assert second.request_id == "a1"
     assert scheduler.next_dispatch(2.0) is None
     scheduler.reconfigure(limited_config(None, None), 3.0)
+    scheduler.submit(Request("a3", "a", 3.0, 100, 10, "interactive"), 3.0)
     third = scheduler.next_dispatch(3.0)
     assert third is not None
     assert third.request_id == "a2"
+    # Limits again: the counts (not kept while unlimited) are taken again from the jobs.
+    scheduler.reconfigure(limited_config(3, None), 4.0)
     assert scheduler.tenants["a"].running == 3
+    assert scheduler.next_dispatch(4.0) is None
+    scheduler.complete("a0", 5.0)
+    fourth = scheduler.next_dispatch(5.0)
+    assert fourth is not None
+    assert fourth.request_id == "a3"
