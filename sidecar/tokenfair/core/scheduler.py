@@ -335,6 +335,8 @@ class Scheduler(ABC):
           and there is no pool-wide budget store (whose budget may hold more than this
           sidecar's bucket) -> ``request_over_tenant_burst``. With lending on (idle capacity
           could admit it later) or a store, it is None: the policy's 429 stands.
+        * The policy enforces tenant limits (``tokenfair``) and the request's own blocks are
+          above its tenant's ``maxKvShare`` of the cache -> ``request_over_tenant_kv_share``.
 
         The policy's own decisions (and the simulator's, which never calls this) are unchanged:
         :meth:`submit` of such a request is still refused with the gate's 429. An unknown

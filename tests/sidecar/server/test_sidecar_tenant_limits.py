@@ -24,7 +24,7 @@ from sidecar_support import (
     wait_for,
 )
 
-from tokenfair.config import PolicyConfig, build_config
+from tokenfair.config import Config, PolicyConfig, build_config
 from tokenfair.server.runtime_settings import SidecarSettings
 
 # A batching engine (4 slots): a request that finds a slot free is predicted to wait 0, so the
@@ -32,7 +32,7 @@ from tokenfair.server.runtime_settings import SidecarSettings
 POLICY = PolicyConfig(max_interactive_wait_ms=300.0, max_batch_requests=4)
 
 
-def limited_config(**chat_limits: object) -> object:
+def limited_config(**chat_limits: object) -> Config:
     tenants = [
         replace(t, **chat_limits) if t.tenant_id == "tenant_chat_pro" else t  # type: ignore[arg-type]
         for t in lesson_tenants_with_keys()
@@ -47,7 +47,7 @@ async def test_a_request_held_by_its_concurrency_limit_waits_then_gets_429(
     settings = SidecarSettings(
         time_scale=1.0, max_in_flight=4, records_path=str(tmp_path / "records.jsonl")
     )
-    clients = await start(aiohttp_client, config, settings)  # type: ignore[arg-type]
+    clients = await start(aiohttp_client, config, settings)
     proxy, sidecar = clients.proxy, clients.sidecar
     # 8000 + 4 x 8000 = 40000 service tokens (within the burst): ~0.9 model s alone at 45 per ms,
     # far past the 300 ms the held request may wait, whatever the machine's speed.
@@ -90,7 +90,7 @@ async def test_a_request_above_its_tenants_kv_share_gets_400(
     # 1600 blocks of 16 tokens; a tenth is 160 blocks = 2560 tokens.
     config = limited_config(max_kv_share=0.1)
     settings = SidecarSettings(time_scale=0.01, records_path=str(tmp_path / "records.jsonl"))
-    clients = await start(aiohttp_client, config, settings)  # type: ignore[arg-type]
+    clients = await start(aiohttp_client, config, settings)
     proxy, sidecar = clients.proxy, clients.sidecar
     answer = await proxy.post(
         "/v1/completions", json=completion_body(2000, 1000), headers={"Authorization": CHAT}
@@ -111,3 +111,44 @@ async def test_a_request_above_its_tenants_kv_share_gets_400(
     assert await books_when_settled(sidecar) == ZERO_BOOKS
     (record,) = [r for r in records_of(sidecar) if r["status_code"] == 400]
     assert record["reason"] == "request_over_tenant_kv_share"
+
+
+async def test_held_requests_start_as_their_tenants_running_ones_end(
+    aiohttp_client: ClientFactory, tmp_path: Path
+) -> None:
+    """With waits long enough, every request held by ``maxConcurrentRequests`` is served once
+    the one running ends (the dispatcher is woken by the end), never two at once, and the
+    records of those that waited say which limit held them."""
+    policy = replace(POLICY, max_interactive_wait_ms=60_000.0)
+    tenants = [
+        replace(t, max_concurrent_requests=1) if t.tenant_id == "tenant_chat_pro" else t
+        for t in lesson_tenants_with_keys()
+    ]
+    settings = SidecarSettings(
+        time_scale=0.01, max_in_flight=4, records_path=str(tmp_path / "records.jsonl")
+    )
+    clients = await start(aiohttp_client, build_config(policy, tenants, "t"), settings)
+    proxy, sidecar = clients.proxy, clients.sidecar
+    most_running = 0
+
+    async def watch() -> None:
+        nonlocal most_running
+        while True:
+            most_running = max(most_running, sidecar.scheduler.tenants["tenant_chat_pro"].running)
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(watch())
+    answers = await asyncio.gather(
+        *(
+            proxy.post(
+                "/v1/completions", json=completion_body(200, 50), headers={"Authorization": CHAT}
+            )
+            for _ in range(4)
+        )
+    )
+    watcher.cancel()
+    assert [a.status for a in answers] == [200] * 4
+    assert most_running == 1
+    assert await books_when_settled(sidecar) == ZERO_BOOKS
+    held = [r for r in records_of(sidecar) if "held_by_max_concurrent_requests" in r["observed"]]
+    assert len(held) >= 1
