@@ -34,6 +34,22 @@ POLICY = {
 }
 
 
+def columns(table: list[str]) -> list[dict[str, str]]:
+    """``kubectl get``'s table by column: each cell is the text under its header (an empty
+    cell, e.g. a limit not set or a Ready not written yet, is "")."""
+    header = table[0]
+    starts = [i for i, c in enumerate(header) if c != " " and (i == 0 or header[i - 1] == " ")]
+    names = header.split()
+    bounds = [*starts[1:], None]
+    return [
+        {
+            name: row[start:end].strip()
+            for name, start, end in zip(names, starts, bounds, strict=True)
+        }
+        for row in table[1:]
+    ]
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
@@ -82,10 +98,10 @@ def test_limits_in_columns_document_and_status(
             quota("free"),
         )
         table = kube_cluster.kubectl("get", "tq", "-n", ns).stdout.splitlines()
-        header = table[0].split()
-        assert header[5:7] == ["MAX-CONCURRENT", "MAX-KV-SHARE"]
-        rows = {line.split()[0]: line.split() for line in table[1:]}
-        assert rows["limited"][5:7] == ["6", "0.25"]
+        assert table[0].split()[5:7] == ["MAX-CONCURRENT", "MAX-KV-SHARE"]
+        rows = {row["NAME"]: row for row in columns(table)}
+        assert (rows["limited"]["MAX-CONCURRENT"], rows["limited"]["MAX-KV-SHARE"]) == ("6", "0.25")
+        assert (rows["free"]["MAX-CONCURRENT"], rows["free"]["MAX-KV-SHARE"]) == ("", "")
 
         def limits_in_force() -> dict[str, Any] | None:
             obj = get(kube_cluster, quota_path(ns, "limited"))
