@@ -44,6 +44,12 @@ VARIANTS: dict[str, tuple[str, ...]] = {
         "image.digest=sha256:" + "0123456789abcdef" * 4,
         "operator.logFormat=json",
     ),
+    "autoscaling-keda": (
+        "autoscaling.mode=keda",
+        "autoscaling.targetDeployment=model-server",
+        "podMonitor.enabled=true",
+    ),
+    "autoscaling-hpa": ("autoscaling.mode=hpa", "autoscaling.targetDeployment=model-server"),
 }
 
 

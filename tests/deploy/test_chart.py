@@ -100,7 +100,7 @@ CRDS = REPO / "crds"
 SHIPPED_ROLE = REPO / "operator" / "rbac" / "clusterrole.yaml"
 HELM_MAJORS = (3, 4)
 # Kinds of CRDs the test control plane does not have: checked offline only.
-FOREIGN_API_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
+FOREIGN_API_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/", "keda.sh/")
 # The public demo keys of examples/sidecar-standalone.yaml, by tenant id.
 DEMO_KEYS = {
     "tenant_chat_pro": "sk-local-chat-pro",

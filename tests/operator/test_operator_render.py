@@ -228,3 +228,23 @@ def test_budgets_are_divided_across_ready_sidecars() -> None:
     assert chat.burst_service_tokens == 12_000  # 48000 // 4
     assert chat.sustained_service_tokens_per_second == 45_000.0  # 180000 / 4
     assert chat.weight == 2.0  # weights are relative: unchanged
+
+
+def test_enforcement_passes_through_to_the_document() -> None:
+    # Shadow mode (issue 32): the policy's and a quota's own enforcement reach the sidecars'
+    # document; without it the document (and its version) is the one rendered before.
+    before = render_config(policy(), lesson_quotas(), {})
+    enforce = render_config(policy({"enforcement": "Enforce"}), lesson_quotas(), {})
+    assert enforce.version == before.version
+    quotas = lesson_quotas()
+    first = quotas[0]
+    quotas[0] = quota(first.name, {**first.spec, "enforcement": "Enforce"}, 1)
+    shadow = render_config(policy({"enforcement": "Shadow"}), quotas, {})
+    assert shadow.policy_error is None
+    config = loads_config(shadow.configmap_data["config.yaml"])
+    assert config.policy.enforcement == "Shadow"
+    assert [t.enforcement for t in config.tenants] == ["Enforce", None, None]
+    assert shadow.version != before.version
+    refused = render_config(policy({"enforcement": "DryRun"}), lesson_quotas(), {})
+    assert refused.policy_error is not None
+    assert "enforcement: must be one of Enforce, Shadow" in refused.policy_error

@@ -99,6 +99,41 @@ def register(subparsers: Any) -> None:
         "and windowed share per tenant, one column per policy",
     )
     progress.add_flag(parser)
+    scaling = parser.add_argument_group(
+        "autoscaling (docs/observability.md: tuning the autoscaler offline)"
+    )
+    scaling.add_argument(
+        "--autoscale",
+        metavar="MIN:MAX",
+        help="replay against a replica count that follows the scaling signal (tokenfair_"
+        "demand_ratio) within MIN..MAX, and against fixed counts from MIN up to the first that "
+        "meets the interactive SLO; report replica-seconds and SLO misses of each (one policy)",
+    )
+    scaling.add_argument(
+        "--scale-target", type=float, default=0.8,
+        help="the signal each replica should run at (default 0.8)",
+    )  # fmt: skip
+    scaling.add_argument(
+        "--scale-interval-ms", type=float, default=1000.0,
+        help="how often the autoscaler reads the signal (default 1000)",
+    )  # fmt: skip
+    scaling.add_argument(
+        "--scale-up-delay-ms", type=float, default=0.0,
+        help="a new replica's start-up time (default 0)",
+    )  # fmt: skip
+    scaling.add_argument(
+        "--scale-down-window-ms", type=float, default=5000.0,
+        help="scale down only to the largest count wished for over this window (default 5000)",
+    )  # fmt: skip
+    scaling.add_argument(
+        "--slo-ttft-ms", type=float, default=None,
+        help="interactive TTFT SLO (default: the policy's maxInteractiveWaitMs)",
+    )  # fmt: skip
+    scaling.add_argument(
+        "--slo-miss-budget", type=float, default=0.01,
+        help="fraction of interactive requests that may miss (refused for capacity, or TTFT "
+        "over the SLO) in a run that meets the SLO (default 0.01)",
+    )  # fmt: skip
     parser.set_defaults(func=run)
 
 
@@ -351,6 +386,8 @@ def fold(
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.autoscale is not None:
+        return _autoscale(args)
     records = _RecordsFile(args.records) if args.records else None
     committed = False
     try:
@@ -466,6 +503,111 @@ def _run(args: argparse.Namespace, records: _RecordsFile | None) -> _Replayed:
     return _Replayed(report, comparison, fairness, results, title)
 
 
+def _autoscale(args: argparse.Namespace) -> int:
+    """``--autoscale``: the autoscaled replay and the fixed ones (``sim/autoscale.py``)."""
+    from tokenfair.core import make_scheduler
+    from tokenfair.sim.autoscale import Autoscaler, Slo, compare
+    from tokenfair.sim.records import read_trace
+
+    for flag, given in (("--records", args.records), ("--plot", args.plot)):
+        if given is not None:
+            raise ValueError(f"{flag}: not with --autoscale (it reports replica-seconds only)")
+    bounds = args.autoscale.split(":")
+    try:
+        low, high = (int(part) for part in bounds)
+    except ValueError:
+        raise ValueError(
+            f"--autoscale: must be MIN:MAX, two integers (got {args.autoscale!r})"
+        ) from None
+    policies = args.policy or [DEFAULT_POLICY]
+    if len(policies) != 1:
+        raise ValueError("--autoscale: give one --policy (the replays are per policy)")
+    policy = policies[0]
+    if args.scenario:
+        config, requests = SCENARIOS[args.scenario]()
+        if args.tenants:
+            config = load_tenants_file(args.tenants)
+        source = f"--scenario {args.scenario}"
+    else:
+        if not args.tenants:
+            raise ValueError("--trace needs --tenants FILE.yaml (the quotas to replay against)")
+        config = load_tenants_file(args.tenants)
+        requests = [record.request for record in read_trace(args.trace, config.tenant_index)]
+        source = f"--trace {args.trace.name}"
+    config = apply_overrides(config, args.overrides)
+    make_scheduler(policy, config)  # the policy's own checks, before any replay
+    autoscaler = Autoscaler(low, high, args.scale_target, args.scale_interval_ms,
+                            args.scale_up_delay_ms, args.scale_down_window_ms)  # fmt: skip
+    slo_ttft_ms = config.policy.max_interactive_wait_ms
+    if args.slo_ttft_ms is not None:
+        slo_ttft_ms = args.slo_ttft_ms
+    if not (slo_ttft_ms > 0 and slo_ttft_ms < float("inf")):
+        raise ValueError(f"--slo-ttft-ms: must be a number > 0 (got {slo_ttft_ms})")
+    if not 0 <= args.slo_miss_budget < 1:
+        raise ValueError(f"--slo-miss-budget: must be in [0, 1) (got {args.slo_miss_budget})")
+    slo = Slo(slo_ttft_ms, args.slo_miss_budget)
+    scaled, fixed = compare(config, requests, policy, autoscaler, slo)
+    runs = [scaled, *fixed]
+    cheapest = next((run for run in fixed if run.meets_slo), None)
+    report = {
+        "source": source,
+        "policy": policy,
+        "autoscaler": {
+            "min_replicas": low, "max_replicas": high, "target": autoscaler.target,
+            "interval_ms": autoscaler.interval_ms,
+            "scale_up_delay_ms": autoscaler.scale_up_delay_ms,
+            "scale_down_window_ms": autoscaler.scale_down_window_ms,
+        },
+        "slo": {"interactive_ttft_ms": slo.ttft_ms, "miss_budget": slo.miss_budget},
+        "runs": [
+            {
+                "run": run.label, "replica_seconds": round(run.replica_seconds, 3),
+                "max_replicas": run.max_replicas,
+                "interactive_requests": run.interactive_requests, "misses": run.misses,
+                "refused_for_capacity": run.refused_for_capacity,
+                "miss_ratio": round(run.miss_ratio, 6), "meets_slo": run.meets_slo,
+            }
+            for run in runs
+        ],
+        "replica_changes": [[at_ms, count] for at_ms, count in scaled.replicas],
+        "autoscaled_over_fixed_replica_seconds": (
+            None if cheapest is None
+            else round(scaled.replica_seconds / cheapest.replica_seconds, 4)
+        ),
+    }  # fmt: skip
+    if args.format == "json":
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    lines = [
+        f"autoscale {policy} ({source}): replicas {low}..{high}, signal target "
+        f"{autoscaler.target:g}, read every {autoscaler.interval_ms:g} ms, start-up "
+        f"{autoscaler.scale_up_delay_ms:g} ms, scale-down window "
+        f"{autoscaler.scale_down_window_ms:g} ms",
+        f"  SLO: interactive TTFT <= {slo.ttft_ms:g} ms and not refused for capacity, misses "
+        f"<= {slo.miss_budget:.2%}",
+        f"  {'run':<12}{'replica-s':>12}{'max n':>7}{'interactive':>13}{'misses':>8}"
+        f"{'miss %':>9}{'meets SLO':>11}",
+    ]
+    for run in runs:
+        lines.append(
+            f"  {run.label:<12}{run.replica_seconds:>12.2f}{run.max_replicas:>7}"
+            f"{run.interactive_requests:>13}{run.misses:>8}{run.miss_ratio:>9.2%}"
+            f"{'yes' if run.meets_slo else 'no':>11}"
+        )
+    changes = ", ".join(f"{count} at {at_ms / 1000:g} s" for at_ms, count in scaled.replicas)
+    lines.append(f"  autoscaled replicas: {changes}")
+    if cheapest is None:
+        lines.append(f"  no fixed count up to {high} meets the SLO")
+    else:
+        lines.append(
+            f"  autoscaled / {cheapest.label} (the smallest fixed count that meets the SLO): "
+            f"{scaled.replica_seconds / cheapest.replica_seconds:.3f} of the replica-seconds"
+        )
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
 def _unique(arrivals: list[Arrival]) -> list[Arrival]:
     if len({a[0].request_id for a in arrivals}) != len(arrivals):
         raise ValueError("request ids must be unique within a trace")
@@ -483,6 +625,11 @@ def format_table(
             f"{name}: admitted {summary['admitted_requests']}/{summary['total_requests']}, "
             f"shed {summary['shed_429_requests']} {summary['shed_reasons'] or ''}".rstrip()
         )
+        if "would_refuse_requests" in summary:  # shadow mode: served, but enforcement would not
+            lines.append(
+                f"  shadow mode: would refuse {summary['would_refuse_requests']} "
+                f"{summary['would_refuse_reasons']} (served)"
+            )
         peak_kv = summary["peak_kv_occupancy_ratio"]  # None: not measured (a live run)
         lines.append(
             f"  interactive TTFT p50 {summary['interactive_p50_ttft_ms']:.2f} ms, "

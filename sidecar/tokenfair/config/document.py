@@ -56,6 +56,12 @@ _KINDS: Final = (CONFIG_KIND, TENANT_KIND, POLICY_KIND)
 PriorityClass = Literal["interactive", "batch"]
 PRIORITY_CLASSES: Final[tuple[PriorityClass, ...]] = ("interactive", "batch")
 
+Enforcement = Literal["Enforce", "Shadow"]
+ENFORCEMENTS: Final[tuple[Enforcement, ...]] = ("Enforce", "Shadow")
+"""``enforcement`` of a policy or a tenant: ``Enforce`` refuses what the gates refuse;
+``Shadow`` makes and records every decision (``would_refuse``) and serves the request anyway
+(docs/sidecar.md, "Shadow mode")."""
+
 MAX_BATCH_REQUESTS: Final = 65_536
 """Largest ``maxBatchRequests`` (and ``batchThroughputGain``): far above any engine's batch."""
 MAX_CONCURRENT_REQUESTS: Final = 1_000_000
@@ -119,6 +125,9 @@ class PolicyConfig:
     """Cost model: prefill speed; prefill time is ``max(floor, prefill / speed)``."""
     kv_residency_factor: float = 5.5
     """Cost model: KV blocks stay resident ``factor * execution time`` after dispatch."""
+    enforcement: Enforcement = "Enforce"
+    """``Shadow``: every refusal is decided and recorded (``would_refuse``) but the request is
+    served beside the policy's books; a tenant's own ``enforcement`` overrides it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +144,8 @@ class TenantConfig:
     priority_class: PriorityClass = "interactive"
     api_key_sha256: tuple[str, ...] = ()
     """Lower-case hex SHA-256 digests of the tenant's API keys (never the keys)."""
+    enforcement: Enforcement | None = None
+    """The tenant's own ``Enforce`` or ``Shadow``; None: the policy's."""
     max_concurrent_requests: int | None = None
     """Most requests of the tenant running at once (``tokenfair`` holds the rest queued); None:
     no limit."""
@@ -183,6 +194,13 @@ def _priority(name: str, value: object) -> PriorityClass:
     return cast(PriorityClass, _priority_class(name, value))
 
 
+_enforcement_value: Final = one_of(ENFORCEMENTS)
+
+
+def _enforcement(name: str, value: object) -> Enforcement:
+    return cast(Enforcement, _enforcement_value(name, value))
+
+
 def api_key_digest(api_key: str) -> str:
     """The digest ``apiKeySha256`` holds for an API key, and the one a presented key is compared
     by: lower-case hex SHA-256 of the key's UTF-8 bytes, white space around it removed (a key
@@ -222,6 +240,7 @@ POLICY_FIELDS: Final[dict[str, tuple[str, Parser]]] = {
     "prefillFloorMs": ("prefill_floor_ms", non_negative),
     "prefillTokensPerMs": ("prefill_tokens_per_ms", positive),
     "kvResidencyFactor": ("kv_residency_factor", positive),
+    "enforcement": ("enforcement", _enforcement),
 }
 
 TENANT_FIELDS: Final[dict[str, tuple[str, Parser]]] = {
@@ -231,6 +250,7 @@ TENANT_FIELDS: Final[dict[str, tuple[str, Parser]]] = {
     "sustainedServiceTokensPerSecond": ("sustained_service_tokens_per_second", positive),
     "priorityClass": ("priority_class", _priority),
     "apiKeySha256": ("api_key_sha256", _key_hashes),
+    "enforcement": ("enforcement", _enforcement),
     "maxConcurrentRequests": ("max_concurrent_requests", integer_in(1, MAX_CONCURRENT_REQUESTS)),
     "maxKvShare": ("max_kv_share", ratio),
 }
@@ -572,8 +592,13 @@ def load_documents(text: str, source: str = "<config>") -> list[object]:
 
 
 def policy_to_dict(policy: PolicyConfig) -> dict[str, object]:
-    """camelCase mapping of every policy parameter (the inverse of :func:`parse_policy`)."""
-    return {key: getattr(policy, attr) for key, (attr, _) in POLICY_FIELDS.items()}
+    """camelCase mapping of every policy parameter (the inverse of :func:`parse_policy`);
+    ``enforcement`` only when it is ``Shadow`` (a document without it reads as ``Enforce``, and
+    documents rendered before shadow mode existed keep their bytes and content hash)."""
+    out = {key: getattr(policy, attr) for key, (attr, _) in POLICY_FIELDS.items()}
+    if policy.enforcement == "Enforce":
+        del out["enforcement"]
+    return out
 
 
 def tenant_to_dict(tenant: TenantConfig) -> dict[str, object]:
@@ -583,7 +608,7 @@ def tenant_to_dict(tenant: TenantConfig) -> dict[str, object]:
         if key == "apiKeySha256":
             if value:
                 out[key] = list(value)
-        elif value is not None:  # an unset limit is left out (no limit)
+        elif value is not None:  # an unset enforcement or limit is left out (the default)
             out[key] = value
     return out
 

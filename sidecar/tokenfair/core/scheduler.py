@@ -13,6 +13,12 @@ One contract for every policy (the simulator and the sidecar drive the same obje
 * ``cancel(id, now)`` — a queued request leaves (client gone); ``expire(now)`` refuses queued
   requests past their class's wait limit. Both release every reservation.
 
+Shadow mode (``enforcement: Shadow``, of the policy or of a tenant): every gate decides as
+under ``Enforce`` and the refusal is returned the same, marked ``would_refuse``
+(:meth:`Scheduler.shadowed`); the books are those of the refusal (the request is not queued,
+charged or counted), and the caller serves the request beside them. So the policy's state, and
+every later decision, is the one ``Enforce`` reaches on the same arrivals and completions.
+
 Every request ends with exactly one decision. Running totals (queued requests, tokens and KV blocks
 per lane; resident KV blocks) make every operation O(1) or O(tenants) — never O(queue length).
 """
@@ -300,7 +306,7 @@ class Scheduler(ABC):
         refusal = self._admit(job, tenant, now_ms)
         if refusal is not None:
             job.state = JobState.REFUSED
-            return refusal
+            return self.shadowed(refusal)
         jobs[request_id] = job
         lane = job.lane
         self.queued_count[lane] += 1
@@ -382,18 +388,33 @@ class Scheduler(ABC):
                 "request_service_tokens": service_tokens,
                 "burst_service_tokens": tenant.bucket.burst,
             }
-        return Decision(
-            request_id=request.request_id,
-            tenant_id=request.tenant_id,
-            priority_class=request.priority_class,
-            status_code=STATUS_NEVER_ADMISSIBLE,
-            reason=reason,
-            gate="admission",
-            service_tokens=self.cost.service_tokens(prefill, decode),
-            arrival_ms=request.arrival_ms,
-            kv_occupancy_ratio=round(share, 4),
-            observed=observed,
+        return self.shadowed(
+            Decision(
+                request_id=request.request_id,
+                tenant_id=request.tenant_id,
+                priority_class=request.priority_class,
+                status_code=STATUS_NEVER_ADMISSIBLE,
+                reason=reason,
+                gate="admission",
+                service_tokens=self.cost.service_tokens(prefill, decode),
+                arrival_ms=request.arrival_ms,
+                kv_occupancy_ratio=round(share, 4),
+                observed=observed,
+            )
         )
+
+    def shadowed(self, refusal: Decision) -> Decision:
+        """``refusal``, marked ``would_refuse`` if its tenant's enforcement is ``Shadow`` (the
+        tenant's own ``enforcement``, else the policy's; a tenant a reload removed follows the
+        policy). Every refusal of the core passes here: the caller serves a marked one beside
+        the books instead of refusing it. Changes nothing else."""
+        tenant = self._tenant_index.get(refusal.tenant_id)
+        mode = self.policy.enforcement
+        if tenant is not None and tenant.enforcement is not None:
+            mode = tenant.enforcement
+        if mode == "Shadow":
+            refusal.would_refuse = True
+        return refusal
 
     def observe_engine_kv(self, used_blocks: int | None, waiting_requests: int = 0) -> None:
         """The engine reported its KV cache just now: ``used_blocks`` in use, and
@@ -444,7 +465,7 @@ class Scheduler(ABC):
                 job.state = JobState.REFUSED
                 del self.jobs[job.request_id]
                 refusal.queue_wait_ms = round_hundredths(max(0.0, now_ms - job.arrival_ms))
-                return refusal
+                return self.shadowed(refusal)
         blocks = self.resident_blocks + kv_blocks
         seen = blocks + self.kv_correction_blocks  # the occupancy it brings the cache to
         rounded = self._rounded_occupancy
@@ -614,6 +635,8 @@ class Scheduler(ABC):
             expired.append(decision)
         if expired:
             self._expired(expired, now_ms)
+            for decision in expired:
+                self.shadowed(decision)
         return expired
 
     def next_wakeup_ms(self, now_ms: float) -> float | None:

@@ -113,6 +113,12 @@ class Dispatcher:
         if refusal is None:
             refusal = scheduler.submit(request, self.clock.now_ms())
         if refusal is not None:
+            if refusal.would_refuse:  # shadow mode: served anyway, beside the core's books
+                loop = asyncio.get_running_loop()
+                future = loop.create_future()
+                future.set_result(self._beside(refusal))
+                return Lifecycle(request, Phase.BESIDE, decision=refusal, future=future,
+                                 dispatched_at_s=loop.time())  # fmt: skip
             return Lifecycle(request, Phase.REFUSED, decision=refusal)
         lifecycle = Lifecycle(
             request, Phase.QUEUED, future=asyncio.get_running_loop().create_future()
@@ -120,6 +126,13 @@ class Dispatcher:
         self._queued[request.request_id] = lifecycle
         self.pump()
         return lifecycle
+
+    def _beside(self, refusal: Decision) -> Decision:
+        """A refusal the core marked ``would_refuse`` (shadow mode), served now beside the
+        books: ``200``, dispatched now; its reason, gate and the values its gate saw stay."""
+        refusal.status_code = 200
+        refusal.dispatch_ms = self.clock.now_ms()
+        return refusal
 
     def _refusal(self, request: Request, status_code: int, reason: str) -> Decision:
         """A decision of the dispatcher's own (not the core's gates): ``503 draining`` for a
@@ -238,6 +251,11 @@ class Dispatcher:
         lifecycle = self._queued.pop(decision.request_id)
         future = lifecycle.future
         assert future is not None  # QUEUED lifecycles have one
+        if decision.would_refuse and not future.cancelled():
+            # Shadow mode: refused from the queue (expired, or at dispatch), served anyway.
+            lifecycle.served_beside(self._beside(decision), asyncio.get_running_loop().time())
+            future.set_result(decision)
+            return
         if decision.admitted:
             lifecycle.dispatched(decision, asyncio.get_running_loop().time())
             self._idle.clear()

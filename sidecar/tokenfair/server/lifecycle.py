@@ -4,11 +4,17 @@ Every request that reaches admission gets one :class:`Lifecycle`. Its phase move
 and each move has one place that makes it::
 
     begin ──► REFUSED ───────────────────────────────────────────────────────────┐
+          ├─► BESIDE ──► SETTLED  shadow mode: refused, served beside the books ─────┤
           └─► QUEUED ──► LEFT_QUEUE  expired (429), cancelled (499), drained (503) ─┤
+                     ├─► BESIDE ──► SETTLED  shadow mode: expired, served anyway ───┤
                      └─► RUNNING ──► SETTLED  slot released, KV at its hold time ──┴─► complete
 
 * :func:`begin` runs admission (:meth:`Dispatcher.submit
-  <tokenfair.server.dispatcher.Dispatcher.submit>`): REFUSED or QUEUED.
+  <tokenfair.server.dispatcher.Dispatcher.submit>`): REFUSED or QUEUED, or BESIDE in shadow
+  mode: a refusal the core marked ``would_refuse`` is served at once, beside the core's books
+  (no running slot, no KV, no settlement in the core), and recorded with the refusal's reason
+  and gate, ``200`` and ``would_refuse``. A queued request the core refuses later (expired,
+  or refused at dispatch) moves to BESIDE the same way.
 * The dispatcher's pump moves QUEUED to RUNNING (dispatched) or LEFT_QUEUE (expired); a waiter
   whose client leaves moves QUEUED to LEFT_QUEUE (cancelled) or, dispatched in that very
   instant, RUNNING to SETTLED at zero usage; a drain moves QUEUED to LEFT_QUEUE (drained).
@@ -75,6 +81,8 @@ class Phase(enum.Enum):
     """Taken out of the queue without running: expired, cancelled or drained."""
     RUNNING = "running"
     """Dispatched: it holds a running slot and its KV reservation."""
+    BESIDE = "beside"
+    """Shadow mode: refused by a gate (``would_refuse``) and served beside the core's books."""
     SETTLED = "settled"
     """Its usage is booked and its running slot released (its KV at its hold time)."""
 
@@ -156,6 +164,12 @@ class Lifecycle:
         self.decision = decision
         self.dispatched_at_s = at_s
 
+    def served_beside(self, decision: Decision, at_s: float) -> None:
+        """QUEUED → BESIDE (shadow mode): the core refused it from the queue, it runs anyway."""
+        self._move(Phase.QUEUED, Phase.BESIDE)
+        self.decision = decision
+        self.dispatched_at_s = at_s
+
     def left_queue(self, decision: Decision | None, *, drained: bool = False) -> None:
         """QUEUED → LEFT_QUEUE: expired, cancelled or drained (``decision`` says which)."""
         self._move(Phase.QUEUED, Phase.LEFT_QUEUE)
@@ -170,8 +184,9 @@ class Lifecycle:
 
     @property
     def ran(self) -> bool:
-        """It was dispatched (RUNNING or SETTLED)."""
-        return self.phase is Phase.RUNNING or self.phase is Phase.SETTLED
+        """It was dispatched (RUNNING or SETTLED), or served beside the books (BESIDE)."""
+        phase = self.phase
+        return phase is Phase.RUNNING or phase is Phase.SETTLED or phase is Phase.BESIDE
 
     # -- the end ----------------------------------------------------------------------------
 
@@ -211,6 +226,9 @@ class Lifecycle:
         reason = met.reason
         if reason == ADMITTED and self.usage_reason is not None:
             reason = self.usage_reason
+        decision = self.decision
+        if reason == ADMITTED and decision is not None and decision.would_refuse:
+            reason = decision.reason  # served in shadow mode: the record keeps what was refused
         outcome = self.outcome = self.outcome_of(Outcome(met.status_code, reason))
         self._record_outcome(sidecar, outcome, self.run_usage, call)
         return outcome
@@ -223,6 +241,9 @@ class Lifecycle:
         still running; the proxy does it first for a whole answer, whose backend work is over
         before the answer is written to the client (the slot is not held while a client reads).
         Keeps the usage and any :attr:`usage_reason` for the record. Never raises."""
+        if self.phase is Phase.BESIDE:
+            self._settle_beside(sidecar, call, first_byte_ms)
+            return
         if self.phase is not Phase.RUNNING:
             return
         try:
@@ -233,6 +254,42 @@ class Lifecycle:
         if self.phase is Phase.RUNNING:  # the settlement raised before the slot was freed
             self._release_unsettled(sidecar)
             self.usage_reason = INTERNAL_ERROR
+
+    def _settle_beside(
+        self, sidecar: Sidecar, call: BackendCall | None, first_byte_ms: float | None
+    ) -> None:
+        """BESIDE → SETTLED: the usage of a request served beside the books, for its record and
+        counters only (the core never held it: nothing to book there). Never raises."""
+        self._move(Phase.BESIDE, Phase.SETTLED)
+        self.settlement = Settlement.AS_REPORTED
+        if call is None:
+            self.booked_service_tokens = 0
+            if self.decision is not None:
+                self.decision.actual_service_tokens = 0
+            return
+        request = self.request
+        prompt, completion = call.prompt_tokens, call.completion_tokens
+        try:
+            self.booked_service_tokens = sidecar.scheduler.cost.service_tokens(
+                request.prefill_tokens if prompt is None else prompt,
+                request.decode_tokens if completion is None else completion,
+            )
+        except Exception:  # the backend's numbers: whatever they are, the estimate stands
+            log.exception("request %s: usage not computable; recorded at the estimate",
+                          request.request_id)  # fmt: skip
+            prompt = completion = None
+            self.booked_service_tokens = None
+            self.usage_reason = BAD_USAGE
+        self.run_usage = Usage(
+            prompt, completion, first_byte_ms, sidecar.clock.now_ms() - request.arrival_ms
+        )
+        decision = self.decision
+        if decision is not None:  # the record's usage, as the core's settlement writes it
+            decision.actual_service_tokens = (
+                decision.service_tokens
+                if self.booked_service_tokens is None
+                else self.booked_service_tokens
+            )
 
     def _release_unsettled(self, sidecar: Sidecar) -> None:
         """The last resort when settling raised: the slot and KV are taken off the books
@@ -337,4 +394,6 @@ def begin(sidecar: Sidecar, request: Request) -> Lifecycle:
     admission_ms = sidecar.clock.now_ms()  # before submit: it may dispatch at once
     lifecycle = sidecar.dispatcher.submit(request)
     lifecycle.admission_ms = admission_ms
+    refused = lifecycle.phase is Phase.REFUSED or lifecycle.phase is Phase.BESIDE
+    sidecar.admission(request, lifecycle.decision if refused else None)
     return lifecycle

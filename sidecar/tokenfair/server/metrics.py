@@ -9,6 +9,9 @@ Counters (labels ``tenant``, ``lane`` and, for refusals, ``reason``):
   ``request_over_kv_capacity`` / ``request_over_tenant_burst`` /
   ``request_over_tenant_kv_share`` (never admissible) and ``draining`` (an upstream's own
   400/429/503 is not a refusal);
+* ``tokenfair_shadow_refusals_total`` — shadow mode (``enforcement: Shadow``): requests a gate
+  refused and the sidecar served anyway, by the refusal's ``reason`` (they are counted admitted
+  too: they ran);
 * ``tokenfair_cancelled_requests_total`` — the client went away (queued or mid-response);
 * ``tokenfair_backend_errors_total`` (``code``: ``upstream_error``, ``upstream_timeout``,
   ``upstream_aborted``, ``upstream_bad_usage``, ``upstream_too_large``,
@@ -156,6 +159,26 @@ class _SchedulerCollector(Collector):
         yield info
 
 
+class DemandCollector(Collector):
+    """``tokenfair_demand_ratio{lane}``: the scaling signal (:mod:`tokenfair.core.demand`;
+    docs/observability.md#the-scaling-signal), read at scrape time: O(requests held) for the
+    running ones, O(1) amortised for the window."""
+
+    def __init__(self, ratios: Callable[[], dict[Lane, float]]) -> None:
+        self._ratios = ratios
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "tokenfair_demand_ratio",
+            "Demand over capacity in service tokens: max(queued + running, offered in the last "
+            "wait limit) / (serviceTokensPerMs * wait limit). Above 1: more replicas needed.",
+            labels=["lane"],
+        )
+        for lane, ratio in self._ratios().items():
+            family.add_metric([LANE_NAMES[lane]], ratio)
+        yield family
+
+
 class LatencyHistogram:
     """A histogram over :data:`LATENCY_BUCKETS_S`, or over :data:`E2E_BUCKETS_S` with ``e2e``
     (Prometheus semantics: a value lands in every bucket whose upper bound ``le`` is >= it)."""
@@ -208,6 +231,8 @@ class LaneSeries:
         "tenant_label",
         "tenant_ttft",
         "ttft",
+        "would_refuse",
+        "would_refuse_created",
     )
 
     def __init__(self, tenant: str, lane: str, ttft: LatencyHistogram) -> None:
@@ -222,6 +247,10 @@ class LaneSeries:
         self.refused: dict[str, int] = {}
         """Requests never dispatched, by reason (``tokenfair_refused_requests_total``)."""
         self.refused_created: dict[str, float] = {}
+        self.would_refuse: dict[str, int] = {}
+        """Shadow mode: requests a gate refused and that were served anyway, by reason
+        (``tokenfair_shadow_refusals_total``)."""
+        self.would_refuse_created: dict[str, float] = {}
         self.backend_errors: dict[str, int] = {}
         """Requests the backend or the sidecar failed, by code
         (``tokenfair_backend_errors_total``)."""
@@ -246,6 +275,9 @@ class LaneSeries:
 
     def count_refused(self, reason: str) -> None:
         _count(self.refused, self.refused_created, reason)
+
+    def count_would_refuse(self, reason: str) -> None:
+        _count(self.would_refuse, self.would_refuse_created, reason)
 
     def count_backend_error(self, code: str) -> None:
         _count(self.backend_errors, self.backend_errors_created, code)
@@ -385,6 +417,12 @@ _SERIES_FAMILIES: Final = (
         "completion_tokens",
     ),
     _counter_by("tokenfair_refused_requests", "Requests refused, by reason.", "reason", "refused"),
+    _counter_by(
+        "tokenfair_shadow_refusals",
+        "Requests a gate refused in shadow mode and served anyway, by reason.",
+        "reason",
+        "would_refuse",
+    ),
     _counter_by(
         "tokenfair_backend_errors", "Requests the backend failed.", "code", "backend_errors"
     ),

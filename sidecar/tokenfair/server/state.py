@@ -30,6 +30,8 @@ from tokenfair.core import (
     Scheduler,
     make_scheduler,
 )
+from tokenfair.core.demand import DemandGauge
+from tokenfair.core.jobs import LANE_OF, JobState
 from tokenfair.server.accesslog import (
     CURRENT_SCOPE,
     NO_FACTS,
@@ -59,7 +61,13 @@ from tokenfair.server.engine_state import (
 from tokenfair.server.errors import INTERNAL_ERROR
 from tokenfair.server.estimate import ESTIMATORS, PromptEstimator
 from tokenfair.server.fairness_signal import FairnessSignal
-from tokenfair.server.metrics import LANE_NAMES, FluidFairnessCollector, LaneSeries, Metrics
+from tokenfair.server.metrics import (
+    LANE_NAMES,
+    DemandCollector,
+    FluidFairnessCollector,
+    LaneSeries,
+    Metrics,
+)
 from tokenfair.server.pool import BudgetPool
 from tokenfair.server.record_writer import (
     NO_USAGE,
@@ -145,6 +153,12 @@ class Sidecar:
         """The live fluid-reference fairness (``tokenfair_fluid_*``), fed by :meth:`completed`
         and refreshed by the proxy app's task."""
         self.metrics.registry.register(FluidFairnessCollector(self.fairness))
+        self.demand = DemandGauge(
+            (config.policy.max_interactive_wait_ms, config.policy.max_batch_wait_ms),
+            self.scheduler.cost.service_tokens_per_ms,
+        )
+        """The scaling signal's window (``tokenfair_demand_ratio``), fed by :meth:`admission`."""
+        self.metrics.registry.register(DemandCollector(self.demand_ratios))
         self.pool: BudgetPool | None = None
         """Pool-wide budgets through the config's ``budgetStore``; None without one."""
         if config.budget_store is not None:
@@ -209,6 +223,32 @@ class Sidecar:
             )
             self.metrics.registry.register(EngineCollector(self.engine))
 
+    def admission(self, request: Request, decision: Decision | None) -> None:
+        """Admission decided ``request``: queued (``decision`` None) or refused (possibly in
+        shadow mode); the scaling signal counts what was offered. Never raises."""
+        try:
+            if decision is None:
+                tokens = self.scheduler.cost.service_tokens(
+                    request.prefill_tokens, request.decode_tokens
+                )
+                self.demand.admitted(LANE_OF[request.priority_class], tokens, self.clock.now_ms())
+            else:
+                self.demand.refused(decision, self.clock.now_ms())
+        except Exception:
+            log.exception("request %s: the scaling signal failed to count it", request.request_id)
+
+    def demand_ratios(self) -> dict[Lane, float]:
+        """``tokenfair_demand_ratio`` per lane, now: the backlog read off the core's books."""
+        scheduler = self.scheduler
+        backlog = list(scheduler.queued_tokens)
+        for job in scheduler.jobs.values():
+            if job.state is JobState.DISPATCHED:
+                backlog[job.lane] += job.service_tokens
+        now_ms = self.clock.now_ms()
+        return {
+            lane: self.demand.ratio_of_backlog(lane, backlog[lane], now_ms) for lane in LANE_NAMES
+        }
+
     def _scrape_state(self) -> tuple[Scheduler, bool, str, str]:
         return self.scheduler, self.dispatcher.draining, self.config.version, self.config_sha256
 
@@ -252,6 +292,10 @@ class Sidecar:
         self.config = config
         self.config_sha256 = loaded.sha256
         self.fairness.reconfigure(config)
+        self.demand.retune(
+            (enforced.policy.max_interactive_wait_ms, enforced.policy.max_batch_wait_ms),
+            self.scheduler.cost.service_tokens_per_ms,
+        )
         self.metrics.reloads.labels("applied").inc()
         if loaded.section != self.section:
             log.warning("config reload: the sidecar: section changed; restart to apply it")
@@ -509,6 +553,9 @@ class Sidecar:
             counts["backend_errors"] += 1
         else:
             counts["served"] += 1
+        if decision.would_refuse:
+            series.count_would_refuse(decision.reason)
+            counts["would_refuse"] += 1
         if decision.dispatch_ms is not None:
             counts["admitted"] += 1
             settled = (

@@ -1,6 +1,7 @@
 """The ``/status`` document: config, books, per-tenant state and outcome counts.
 
-``{"policy", "backend", "core", "config", "draining", "max_in_flight", "time_scale", "books",
+``{"policy", "backend", "core", "config", "draining", "enforcement", "demand_ratio",
+"max_in_flight", "time_scale", "books",
 "kv", "fairness", "engine" (with an engine to read), "slots" (``tokenfair`` on a batching engine),
 "tenants": {<tenant id>: {...}}, "budget_store": {..., "tenants": {...}}}`` (``budget_store``
 only with a store). At 10,000 tenants the document is ~2 MB, so :func:`status_chunks` writes it
@@ -18,6 +19,7 @@ from typing import Any, Final
 from tokenfair import native
 from tokenfair.core.scheduler import TenantState
 from tokenfair.core.tokenfair import TokenfairScheduler
+from tokenfair.server.metrics import LANE_NAMES
 from tokenfair.server.state import Sidecar
 
 STATUS_CHUNK: Final = 100
@@ -40,6 +42,12 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
         "core": "compiled" if native.status().active else "interpreted",
         "config": config,
         "draining": sidecar.dispatcher.draining,
+        # Shadow mode (docs/sidecar.md#shadow-mode): the policy's; a tenant may override it.
+        "enforcement": sidecar.scheduler.policy.enforcement,
+        # The scaling signal per lane (tokenfair_demand_ratio), now.
+        "demand_ratio": {
+            LANE_NAMES[lane]: round(ratio, 4) for lane, ratio in sidecar.demand_ratios().items()
+        },
         "max_in_flight": sidecar.dispatcher.max_in_flight,
         "time_scale": sidecar.settings.time_scale,
         # The time base of the request records (model ms since the sidecar started), now: a

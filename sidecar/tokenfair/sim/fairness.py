@@ -238,8 +238,13 @@ def decision_size(decision: Decision, actual_service_tokens: int | None) -> int:
 
 
 def is_served(decision: Decision) -> bool:
-    """Dispatched and answered: status 200 at gate ``dispatch``."""
-    return decision.status_code == STATUS_OK and decision.gate == "dispatch"
+    """Dispatched and answered: status 200 at gate ``dispatch`` (not ``would_refuse``: a
+    request shadow mode served counts as the refusal enforcement would have made)."""
+    return (
+        decision.status_code == STATUS_OK
+        and decision.gate == "dispatch"
+        and not decision.would_refuse
+    )
 
 
 def is_admitted(decision: Decision) -> bool:
@@ -248,7 +253,11 @@ def is_admitted(decision: Decision) -> bool:
 
 
 def is_expired(decision: Decision) -> bool:
-    """Admitted, then refused from the queue (429) or at dispatch (neither 200 nor 499)."""
+    """Admitted, then refused from the queue (429) or at dispatch (neither 200 nor 499); in
+    shadow mode, a ``would_refuse`` record at gate ``queue`` or ``dispatch`` (served, but what
+    enforcement would have refused)."""
+    if decision.would_refuse:
+        return decision.gate in ("queue", "dispatch")
     if decision.gate == "queue":
         return decision.status_code == STATUS_SHED
     return decision.gate == "dispatch" and decision.status_code not in (
@@ -480,7 +489,11 @@ class FairnessTally:
         gate = decision.gate
         if gate != "admission":  # `is_admitted`, inline (every decision comes here)
             tally.admitted_requests += 1
-            if gate == "dispatch" and decision.status_code == STATUS_OK:  # `is_served`
+            if (
+                gate == "dispatch"
+                and decision.status_code == STATUS_OK
+                and not decision.would_refuse
+            ):  # `is_served`
                 tally.served_requests += 1
                 tally.served_tokens += size
                 return
@@ -512,7 +525,7 @@ class FairnessTally:
         slot = tally.fluid_slot
         arrival_ms = decision.arrival_ms
         status = decision.status_code
-        if status == STATUS_OK and decision.gate == "dispatch":
+        if status == STATUS_OK and decision.gate == "dispatch" and not decision.would_refuse:
             dispatch_ms = decision.dispatch_ms
             # Served, but with no dispatch recorded (loadgen): demand, and no service to share.
             start_ms = _NEVER if dispatch_ms is None else dispatch_ms

@@ -267,6 +267,12 @@ def _int(where: str, name: str, value: object) -> int:
     return value
 
 
+def _flag(where: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TraceError(f"{where}: {name} must be true or false (got {value!r})")
+    return value
+
+
 def _ms(where: str, name: str, value: object, most: float = math.inf) -> float:
     """A number >= 0 and <= ``most``: a decision record's ``arrival_ms`` is bounded as in a
     request record (``MAX_RECORD_MS``); its other times may be infinite (``Infinity``)."""
@@ -630,18 +636,21 @@ def _float_fields(cls: type[msgspec.Struct]) -> Callable[[Any], tuple[Any, ...]]
 _RECORD_FLOATS: Final = _float_fields(RecordLine)
 _TRACE_FLOATS: Final = _float_fields(TraceLine)
 _OPTIONAL: Final = {
-    cls: tuple((f.name, f.default is None) for f in msgspec.structs.fields(cls))
+    cls: tuple(
+        (f.name, f.default is None or f.default is False, f.default)
+        for f in msgspec.structs.fields(cls)
+    )
     for cls in (RecordLine, TraceLine)
 }
 
 
 def line_fields(line: RecordLine | TraceLine, policy: str | None = None) -> dict[str, object]:
     """The JSON object a line stands for: ``policy`` first (when given), then the fields in
-    the schema's order, those defaulting to None only when set."""
+    the schema's order, those defaulting to None (or ``would_refuse``'s False) only when set."""
     out: dict[str, object] = {} if policy is None else {"policy": policy}
-    for name, optional in _OPTIONAL[type(line)]:
+    for name, optional, default in _OPTIONAL[type(line)]:
         value = getattr(line, name)
-        if value is not None or not optional:
+        if not optional or value is not default:
             out[name] = value
     return out
 
@@ -731,7 +740,7 @@ def decision_line(
         d.reason if reason is None else reason,
         d.gate, d.service_tokens, d.arrival_ms, d.kv_occupancy_ratio, d.queue_wait_ms,
         d.ttft_ms if ttft_ms is None else ttft_ms,
-        d.dispatch_ms, d.retry_after_ms, d.actual_service_tokens, d.observed,
+        d.dispatch_ms, d.retry_after_ms, d.actual_service_tokens, d.observed, d.would_refuse,
         prefill_tokens, decode_tokens, actual_prefill_tokens, actual_decode_tokens, e2e_ms,
     )  # fmt: skip
 
@@ -739,13 +748,16 @@ def decision_line(
 def decision_to_json(decision: Decision, policy: str | None = None) -> dict[str, object]:
     """A decision record: ``policy`` (when given), then ``Decision``'s fields in its order.
 
-    The same dict ``dataclasses.asdict`` gives (``observed`` copied), built field by field:
+    The same dict ``dataclasses.asdict`` gives (``observed`` copied; ``would_refuse`` only when
+    it is true, as a record line holds it), built field by field:
     ``asdict`` deep-copies every value and was a large share of the sidecar's per-request CPU.
     """
     out: dict[str, object] = {} if policy is None else {"policy": policy}
     for name in DECISION_FIELDS:
         out[name] = getattr(decision, name)
     out["observed"] = dict(decision.observed)
+    if not decision.would_refuse:  # written only when set (shadow mode), as in a record
+        del out["would_refuse"]
     return out
 
 
@@ -856,6 +868,7 @@ def parse_decision(data: object, where: str) -> tuple[str, Decision]:
         retry_after_ms=_optional(where, data, "retry_after_ms", _ms, None),
         actual_service_tokens=_optional(where, data, "actual_service_tokens", _int, None),
         observed=_optional(where, data, "observed", _observed, dict[str, float]()),
+        would_refuse=_optional(where, data, "would_refuse", _flag, False),
     )
     policy = _optional(where, data, "policy", _text, UNNAMED_POLICY)
     return policy, decision

@@ -4,6 +4,11 @@ Percentiles use the nearest-rank rule of the lesson: the value at index
 ``ceil(p/100 * n) - 1`` of the sorted values (clamped to the list), rounded to 0.01 ms.
 ``peak_kv_occupancy_ratio`` is the peak occupancy of **admitted** work; the lesson's published
 figure also took the (clamped) occupancy that refused requests *attempted* (see docs/lesson.md).
+
+Shadow mode: a ``would_refuse`` decision ran (it counts as admitted, with its TTFT) and is also
+counted as what enforcement would have done: ``would_refuse_requests``, ``would_refuse_reasons``
+and each tenant's ``would_refuse``. These keys appear only when a decision was shadowed, so a
+summary without shadow mode is the one it always was.
 """
 
 from __future__ import annotations
@@ -41,11 +46,13 @@ class TenantTally:
         "interactive_ttft_ms",
         "shed_429",
         "submitted",
+        "would_refuse",
     )
 
     def __init__(self) -> None:
         self.submitted = 0
         self.shed_429 = 0
+        self.would_refuse = 0
         self.admitted_service_tokens = 0
         # of the admitted requests: 8 bytes each, no float objects
         self.interactive_ttft_ms = array("d")
@@ -57,11 +64,12 @@ class SummaryTally:
     decided (nothing of a decision is kept but its TTFT when admitted, as a C double: the
     nearest-rank percentiles need every value), then :meth:`summary`."""
 
-    __slots__ = ("_peak_kv", "_shed_reasons", "_tenants")
+    __slots__ = ("_peak_kv", "_shed_reasons", "_tenants", "_would_refuse_reasons")
 
     def __init__(self) -> None:
         self._tenants: dict[str, TenantTally] = {}
         self._shed_reasons: dict[str, int] = {}
+        self._would_refuse_reasons: dict[str, int] = {}
         self._peak_kv = 0.0
 
     def add(self, decision: Decision) -> None:
@@ -70,6 +78,10 @@ class SummaryTally:
             tally = self._tenants[decision.tenant_id] = TenantTally()
         tally.submitted += 1
         status = decision.status_code
+        if decision.would_refuse:
+            tally.would_refuse += 1
+            shadowed = self._would_refuse_reasons
+            shadowed[decision.reason] = shadowed.get(decision.reason, 0) + 1
         if status == STATUS_OK:
             tally.admitted_service_tokens += decision.service_tokens
             if decision.priority_class == "interactive":
@@ -114,11 +126,14 @@ class SummaryTally:
                 "p50_ttft_ms": p50_ttft_ms,
                 "p99_ttft_ms": p99_ttft_ms,
             }
+        if self._would_refuse_reasons:
+            for tenant_id, row in tenants.items():
+                row["would_refuse"] = self._tenants[tenant_id].would_refuse
         interactive_all = _joined(interactive_runs)
         batch_all = _joined(batch_runs)
         interactive_p50_ms, interactive_p99_ms = _ranks(interactive_all, 50, 99)
         (batch_p99_ms,) = _ranks(batch_all, 99)
-        return {
+        summary: dict[str, Any] = {
             "total_requests": sum(t.submitted for t in self._tenants.values()),
             "admitted_requests": len(interactive_all) + len(batch_all),
             "shed_429_requests": sum(t.shed_429 for t in self._tenants.values()),
@@ -129,6 +144,10 @@ class SummaryTally:
             "shed_reasons": dict(self._shed_reasons),
             "tenants": tenants,
         }
+        if self._would_refuse_reasons:
+            summary["would_refuse_requests"] = sum(self._would_refuse_reasons.values())
+            summary["would_refuse_reasons"] = dict(self._would_refuse_reasons)
+        return summary
 
 
 def _joined(runs: list[list[float]]) -> list[float]:

@@ -5,6 +5,9 @@ document-extraction requests (3200 prompt + 350 output tokens, one every 10 ms f
 ``tenant_chat_pro`` (24 chats of 280+90, every 15 ms from t=5) and ``tenant_ide_assist``
 (18 completions of 420+60, every 20 ms from t=8) send short interactive work.
 
+``load-step``: interactive work at 0.5, 2 and 0.5 times one server's capacity (60 s, 20 s,
+60 s): the trace of the scaling signal and ``tokenfair simulate --autoscale``.
+
 ``starvation``: the interactive tenants keep the server over-full for 20 s (about 1.3x its
 capacity) while batch work queues; with strict priority batch would wait forever, with
 ``batchMinShare`` it gets that share of service.
@@ -69,7 +72,22 @@ def starvation(duration_ms: int = 20_000) -> tuple[Config, list[Request]]:
     return config, requests
 
 
+LOAD_STEP_PHASES: Final = ((0.5, 60_000.0), (2.0, 20_000.0), (0.5, 60_000.0))
+"""``load-step``'s offered load, as ``(times one server's capacity, duration ms)``."""
+
+
+def load_step() -> tuple[Config, list[Request]]:
+    """The lesson's tenants offered interactive work at 0.5, then 2, then 0.5 times one
+    server's capacity (``LOAD_STEP_PHASES``): the scaling signal's and the autoscaler's trace
+    (docs/observability.md)."""
+    from tokenfair.sim.autoscale import step_trace
+
+    config = lesson_config()
+    return config, step_trace(config.policy.service_tokens_per_ms, LOAD_STEP_PHASES)
+
+
 SCENARIOS: Final[dict[str, Callable[[], tuple[Config, list[Request]]]]] = {
     "noisy-neighbor": noisy_neighbor,
     "starvation": starvation,
+    "load-step": load_step,
 }

@@ -81,6 +81,7 @@ class RecordLine(msgspec.Struct, omit_defaults=True, gc=False):
     retry_after_ms: float | None
     actual_service_tokens: int | None
     observed: dict[str, float]
+    would_refuse: bool = False
     prefill_tokens: int | None = None
     decode_tokens: int | None = None
     actual_prefill_tokens: int | None = None

@@ -39,6 +39,13 @@ is the model, and the sidecar's ``costmodel`` engine runs the same one in real t
 * ``S = 1`` is the serial server above, replayed by the same loop as before, decision for
   decision.
 
+Shadow mode (``enforcement: Shadow``): a refusal the core marks ``would_refuse`` is served
+beside the modeled server, at once and alone (``ttft = queue_wait + prefill_ms``, running for
+``execution_ms`` of its usage), and recorded ``200`` with the refusal's reason, gate and
+``would_refuse``. The modeled server carries only what the policy admitted, so the decisions
+are those of ``Enforce`` on the same trace, request for request: the replay shows what
+enforcement would have refused, not how the extra load would have slowed the rest.
+
 Each event costs O(log n) (the engine's heap of forecast ends, the scheduler's own).
 
 :func:`replay` streams: it reads each arrival when the clock reaches it and yields each
@@ -58,6 +65,7 @@ from typing import TypeAlias
 from tokenfair.config import Config
 from tokenfair.core import Decision, Request, make_scheduler
 from tokenfair.core.batching import BatchingCurve, RunningWork
+from tokenfair.core.cost import CostModel
 from tokenfair.core.errors import SimulationStuckError
 from tokenfair.core.jobs import STATUS_OK
 from tokenfair.core.rounding import round_hundredths
@@ -67,6 +75,22 @@ Arrival: TypeAlias = tuple[Request, int | None, int | None]
 """A request of the trace and what it really used: ``(request, actual_service_tokens,
 actual_kv_blocks)``, ``None`` where the estimate was exact. A plain tuple: built once per
 request, a ``NamedTuple`` cost ~1 µs more each (its ``__new__`` is a Python function)."""
+
+
+def served_beside(
+    decision: Decision, prefill_tokens: int, used: int | None, clock_ms: float, cost: CostModel
+) -> Decision:
+    """A ``would_refuse`` decision (shadow mode), served beside the modeled server at
+    ``clock_ms``: status 200, dispatched then, its first token ``prefill_ms`` later, settled at
+    its usage (``used``, else the estimate). Its reason and gate stay the refusal's."""
+    decision.status_code = STATUS_OK
+    decision.dispatch_ms = clock_ms
+    wait_ms = clock_ms - decision.arrival_ms
+    decision.ttft_ms = round_hundredths(
+        (wait_ms if wait_ms > 0.0 else 0.0) + cost.prefill_ms(prefill_tokens)
+    )
+    decision.actual_service_tokens = decision.service_tokens if used is None else used
+    return decision
 
 
 def simulate(
@@ -202,6 +226,8 @@ def _replay(
             if refusal is None:
                 pending[request_id] = upcoming
             else:
+                if refusal.would_refuse:
+                    served_beside(refusal, request.prefill_tokens, upcoming[1], clock_ms, cost)
                 yield refusal, upcoming[1]
             upcoming = next(arrivals, None)
             if upcoming is not None:
@@ -213,10 +239,10 @@ def _replay(
                 first = deadlines.earliest()
                 if first is not None and not first.deadline_ms >= clock_ms:
                     for expired in scheduler.expire(clock_ms):
-                        yield expired, pop_pending(expired.request_id)[1]
+                        yield _ended(expired, pop_pending(expired.request_id), clock_ms, cost)
             else:
                 for expired in scheduler.expire(clock_ms):
-                    yield expired, pop_pending(expired.request_id)[1]
+                    yield _ended(expired, pop_pending(expired.request_id), clock_ms, cost)
         decision = scheduler.next_dispatch(clock_ms)
         if decision is None:
             queued = scheduler.queued_total
@@ -240,6 +266,8 @@ def _replay(
         request_id = decision.request_id
         request, used, used_kv = pop_pending(request_id)
         if decision.status_code != STATUS_OK:
+            if decision.would_refuse:
+                served_beside(decision, request.prefill_tokens, used, clock_ms, cost)
             yield decision, used
             continue
         prefill_ms, execution_ms, kv_hold_ms = cost.run_ms(
@@ -253,6 +281,25 @@ def _replay(
         clock_ms += execution_ms
         scheduler.complete(request_id, clock_ms, used, actual_kv_blocks=used_kv, release_kv=False)
         yield decision, used
+
+
+def _ended(
+    decision: Decision, arrival: Arrival, clock_ms: float, cost: CostModel
+) -> tuple[Decision, int | None]:
+    """A refusal from the queue with its usage, served beside the server if it is shadowed."""
+    if decision.would_refuse:
+        served_beside(decision, arrival[0].prefill_tokens, arrival[1], clock_ms, cost)
+    return decision, arrival[1]
+
+
+def _beside_end(decision: Decision, used: int | None, cost: CostModel) -> float | None:
+    """The end of a request served beside the server (shadow mode): ``execution_ms`` of its
+    usage after its dispatch; None for a request that did not run."""
+    if not decision.would_refuse or decision.dispatch_ms is None:
+        return None
+    return decision.dispatch_ms + cost.execution_ms(
+        decision.service_tokens if used is None else used
+    )
 
 
 def _replay_batching(
@@ -300,13 +347,16 @@ def _replay_batching(
             if refusal is None:
                 pending[request_id] = upcoming
             else:
-                yield refusal, upcoming[1], None
+                if refusal.would_refuse:
+                    served_beside(refusal, request.prefill_tokens, upcoming[1], clock_ms, cost)
+                yield refusal, upcoming[1], _beside_end(refusal, upcoming[1], cost)
             upcoming = next(arrivals, None)
             if upcoming is not None:
                 upcoming_ms = upcoming[0].arrival_ms
         if expires:
             for expired in scheduler.expire(clock_ms):
-                yield expired, pop_pending(expired.request_id)[1], None
+                shed, used = _ended(expired, pop_pending(expired.request_id), clock_ms, cost)
+                yield shed, used, _beside_end(shed, used, cost)
         started: list[tuple[Decision, int]] = []  # (decision, prefill tokens)
         while scheduler.running < batch:
             decision = scheduler.next_dispatch(clock_ms)
@@ -315,7 +365,9 @@ def _replay_batching(
             request_id = decision.request_id
             request, used, used_kv = pop_pending(request_id)
             if decision.status_code != STATUS_OK:
-                yield decision, used, None
+                if decision.would_refuse:
+                    served_beside(decision, request.prefill_tokens, used, clock_ms, cost)
+                yield decision, used, _beside_end(decision, used, cost)
                 continue
             engine.start(request_id, decision.service_tokens if used is None else used, clock_ms)
             started.append((decision, request.prefill_tokens))

@@ -48,6 +48,7 @@ def test_defaults_are_the_dataclass_fields() -> None:
         "dispatch_ms",
         "retry_after_ms",
         "actual_service_tokens",
+        "would_refuse",
     }
     assert {name: getattr(made, name) for name in declared} == declared
     other = dataclasses.replace(made)

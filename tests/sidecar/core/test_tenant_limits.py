@@ -43,7 +43,15 @@ def limited_config(
     """Tenant ``a`` (``limited_class``) carries the limits; ``t0``..``t3`` none."""
     burst, rate = UNLIMITED_BUDGET
     tenants = [
-        TenantConfig("a", 1.0, burst, float(rate), limited_class, (), max_running, max_kv_share)
+        TenantConfig(
+            "a",
+            1.0,
+            burst,
+            float(rate),
+            limited_class,
+            max_concurrent_requests=max_running,
+            max_kv_share=max_kv_share,
+        )
     ]
     tenants += [
         TenantConfig(f"t{i}", 1.0 + i % 2, burst, float(rate), klass)

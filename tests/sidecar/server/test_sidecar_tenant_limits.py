@@ -32,12 +32,12 @@ from tokenfair.server.runtime_settings import SidecarSettings
 POLICY = PolicyConfig(max_interactive_wait_ms=300.0, max_batch_requests=4)
 
 
-def limited_config(**chat_limits: object) -> Config:
+def limited_config(policy: PolicyConfig = POLICY, **chat_limits: object) -> Config:
     tenants = [
         replace(t, **chat_limits) if t.tenant_id == "tenant_chat_pro" else t  # type: ignore[arg-type]
         for t in lesson_tenants_with_keys()
     ]
-    return build_config(POLICY, tenants, "test-limits")
+    return build_config(policy, tenants, "test-limits")
 
 
 async def test_a_request_held_by_its_concurrency_limit_waits_then_gets_429(
@@ -88,7 +88,8 @@ async def test_a_request_above_its_tenants_kv_share_gets_400(
     aiohttp_client: ClientFactory, tmp_path: Path
 ) -> None:
     # 1600 blocks of 16 tokens; a tenth is 160 blocks = 2560 tokens.
-    config = limited_config(max_kv_share=0.1)
+    # Waits long enough that a loaded machine's event-loop lag never expires the served ones.
+    config = limited_config(replace(POLICY, max_interactive_wait_ms=60_000.0), max_kv_share=0.1)
     settings = SidecarSettings(time_scale=0.01, records_path=str(tmp_path / "records.jsonl"))
     clients = await start(aiohttp_client, config, settings)
     proxy, sidecar = clients.proxy, clients.sidecar

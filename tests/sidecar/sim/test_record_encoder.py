@@ -212,7 +212,7 @@ def test_an_ordinary_record_takes_the_fast_path(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(records, "plain_line", counted)
     line = RecordLine("req-1", "tenant_a", "batch", 200, "admitted", "dispatch", 1836, 12345.678,
                       0.4123, 0.0, 45.67, 12358.018, None, 1840, {"send_lag_ms": 0.25},
-                      812, 256, 812, None, 312.35)  # fmt: skip
+                      False, 812, 256, 812, None, 312.35)  # fmt: skip
     encode_record_line(line, "tokenfair")
     encode_trace_line(TraceRecord(Request("r", "t", 1.5, 1, 2, "batch"), 1, 2, 0.5, 0.75).to_line())
     assert calls == []
@@ -234,6 +234,9 @@ def test_the_schema_is_decision_then_request_fields() -> None:
     line = decision_line(decision)
     assert list(line_fields(line, "p").items()) == list(decision_to_json(decision, "p").items())
     assert encode_decision(decision, "p") == plain_line(line, "p") + b"\n"
+    # `would_refuse` (shadow mode) is written only when set.
+    assert list(json.loads(encode_decision(decision))) == list(DECISION_FIELDS)[:-1]
+    decision.would_refuse = True
     assert list(json.loads(encode_decision(decision))) == list(DECISION_FIELDS)
 
 

@@ -1,0 +1,74 @@
+"""``tokenfair_demand_ratio{lane}`` live: real HTTP over loopback, the cost-model backend.
+
+Behaviours: the gauge is exported per lane; once the requests have settled it is the service
+tokens offered in the last wait limit over ``serviceTokensPerMs * wait limit`` — admitted
+requests count, a refusal for a tenant's budget does not (capacity refusals do:
+tests/sidecar/sim/test_autoscale.py); a reload that changes the wait limit is followed at once.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from sidecar_support import (
+    CHAT,
+    IDE,
+    ZERO_BOOKS,
+    ClientFactory,
+    books_when_settled,
+    completion_body,
+    keyed_config,
+    start,
+)
+
+from tokenfair.config import Config, PolicyConfig, build_config
+from tokenfair.server import LoadedFile
+from tokenfair.server.runtime_settings import SidecarSettings
+
+WAIT_MS = 60_000.0  # the window: at time_scale 1, a minute of real time (the test takes < 1 s)
+
+
+def config_with(policy: PolicyConfig) -> Config:
+    base = keyed_config(policy)
+    tenants = [
+        replace(t, burst_service_tokens=5000, sustained_service_tokens_per_second=0.001)
+        if t.tenant_id == "tenant_chat_pro"
+        else t
+        for t in base.tenants
+    ]
+    return build_config(policy, tenants, "test-1")
+
+
+def ratio(metrics: str, lane: str) -> float:
+    found = re.search(rf'^tokenfair_demand_ratio{{lane="{lane}"}} (\S+)$', metrics, re.M)
+    assert found is not None, metrics
+    return float(found.group(1))
+
+
+async def test_the_gauge_is_offered_service_over_capacity(
+    aiohttp_client: ClientFactory, tmp_path: Path
+) -> None:
+    policy = PolicyConfig(max_interactive_wait_ms=WAIT_MS, max_batch_wait_ms=WAIT_MS)
+    settings = SidecarSettings(time_scale=1.0, max_in_flight=1)
+    clients = await start(aiohttp_client, config_with(policy), settings)
+    for authorization, output in ((CHAT, 250), (CHAT, 250), (CHAT, 250), (IDE, 250)):
+        response = await clients.proxy.post(
+            "/v1/completions",
+            json=completion_body(1000, output),
+            headers={"Authorization": authorization},
+        )
+        await response.read()
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+    metrics = await (await clients.admin.get("/metrics")).text()
+    # Three 2000-token requests offered (the third chat one was refused for its budget: not
+    # demand), against 45 tokens/ms over the 60 s wait limit.
+    assert ratio(metrics, "interactive") == pytest.approx(3 * 2000 / (45.0 * WAIT_MS))
+    assert ratio(metrics, "batch") == 0.0
+    # A reload halves the wait limit: the same offered tokens over half the capacity-window.
+    halved = replace(policy, max_interactive_wait_ms=WAIT_MS / 2)
+    clients.sidecar.apply_config(LoadedFile(replace(config_with(halved), version="2"), {}, "2"))
+    metrics = await (await clients.admin.get("/metrics")).text()
+    assert ratio(metrics, "interactive") == pytest.approx(3 * 2000 / (45.0 * WAIT_MS / 2))
