@@ -323,3 +323,16 @@ def test_a_reload_adopts_changes_and_lifts_the_limits() -> None:
     fourth = scheduler.next_dispatch(5.0)
     assert fourth is not None
     assert fourth.request_id == "a3"
+
+
+def test_in_shadow_mode_the_limits_hold_and_an_expiry_is_a_would_refuse() -> None:
+    """Shadow mode keeps ``Enforce``'s dispatch order, limits included; a request that expires
+    held is the same refusal, marked ``would_refuse`` (the sidecar serves it anyway)."""
+    config = limited_config(1, None, max_interactive_wait_ms=100.0, enforcement="Shadow")
+    scheduler = TokenfairScheduler(config)
+    assert scheduler.submit(Request("a1", "a", 0.0, 100, 10, "interactive"), 0.0) is None
+    assert scheduler.submit(Request("a2", "a", 0.0, 100, 10, "interactive"), 0.0) is None
+    assert scheduler.next_dispatch(0.0) is not None
+    assert scheduler.next_dispatch(0.0) is None
+    (expired,) = scheduler.expire(150.0)
+    assert (expired.reason, expired.would_refuse) == ("shed_tenant_concurrency", True)
