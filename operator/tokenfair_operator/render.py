@@ -18,6 +18,9 @@ Outputs, for a policy with at least one accepted tenant:
   ``budgetStore`` section names the store, the key prefix ``tokenfair:<namespace>:<policy>``,
   and ``replicas: ready_replicas`` (the split each sidecar falls back to while the store is
   unreachable); a ``redis.secretRef`` becomes ``passwordEnv:`` :data:`PASSWORD_ENV`;
+* every tenant's ``maxConcurrentRequests`` divided the same way, with or without a store
+  (:func:`~.budgets.split_concurrency`); ``maxKvShare`` whole, checked against the policy's
+  ``totalKvBlocks`` (at least one block, else ``InvalidSpec``);
 * ``version`` — the first 16 hex digits of SHA-256 over the canonical JSON of the document
   (sorted keys, hashes included), so any content change, key rotations too, changes it and an
   unchanged world renders byte-identical output (the operator then writes nothing).
@@ -43,8 +46,9 @@ from tokenfair.config import (
     parse_tenant,
 )
 from tokenfair.config.budget_store import BudgetStoreConfig, parse_budget_store
+from tokenfair.config.document import check_tenant_limits
 
-from .budgets import split_budgets
+from .budgets import split_budgets, split_concurrency
 from .model import CONFIG_KEY, PolicyView, QuotaView
 from .payload import oversize, pack
 from .selector import parse_selector
@@ -140,6 +144,7 @@ def render_config(
         if (tenant := verdicts[quota.name].tenant) is not None
     ]
     replicas = max(1, ready_replicas)
+    in_order = [split_concurrency(tenant, replicas) for tenant in in_order]
     if store is not None:  # pool-wide: every sidecar leases from the whole budgets
         return _publishable(policy_config, in_order, verdicts, replicas, store)
     shares = [split_budgets(tenant, replicas) for tenant in in_order]
@@ -182,6 +187,7 @@ def _judge(
     where = f"TenantQuota {quota.name!r}: spec"
     try:
         tenant = parse_tenant(quota.spec, where, default_id=quota.name)
+        check_tenant_limits(tenant, policy, where)  # maxKvShare of the policy's totalKvBlocks
     except ConfigError as exc:
         return Verdict(False, "InvalidSpec", str(exc))
     if (other := owner_of.get(tenant.tenant_id)) is not None:
@@ -197,14 +203,7 @@ def _judge(
             message = lookup.message or f"Secret {secret!r} not found"
             return Verdict(False, lookup.reason, f"{where}.apiKeySecretRef: {message}")
         merged = tuple(dict.fromkeys((*tenant.api_key_sha256, *lookup)))
-        tenant = TenantConfig(
-            tenant_id=tenant.tenant_id,
-            weight=tenant.weight,
-            burst_service_tokens=tenant.burst_service_tokens,
-            sustained_service_tokens_per_second=tenant.sustained_service_tokens_per_second,
-            priority_class=tenant.priority_class,
-            api_key_sha256=merged,
-        )
+        tenant = dataclasses.replace(tenant, api_key_sha256=merged)  # every other field kept
     # The sidecar's cross-tenant rules (e.g. one API key, two tenants), applied to the accepted
     # tenants sharing a key with this one only: all of them would make judging n quotas O(n^2)
     # (17 s at 1,000 quotas); ids are unique already (``owner_of``).

@@ -2,10 +2,10 @@
 
 Pure. Fields beyond the conditions: ``observedGeneration`` (the generation the status describes),
 ``configVersion`` (the published document holding the object), and for a TenantQuota its
-effective ``tenantId``; for a SchedulingPolicy the ``tenants`` count and the names of the
-ConfigMap and Secret it publishes, and ``budgetShares``, the number of ready sidecars each
-tenant's budgets were divided across (at least 1). Fields the operator does not own
-(``usage``) are left alone.
+effective ``tenantId`` and, when it has any, its ``limits`` beside the budget; for a
+SchedulingPolicy the ``tenants`` count and the names of the ConfigMap and Secret it publishes,
+and ``budgetShares``, the number of ready sidecars each tenant's budgets were divided across (at
+least 1). Fields the operator does not own (``usage``) are left alone.
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final
 
+from tokenfair.config import TenantConfig
+
+from .budgets import split_concurrency
 from .conditions import (
     ACCEPTED,
     CONFIG_PUBLISHED,
@@ -57,7 +60,7 @@ def quota_status(
         published = Check(CONFIG_PUBLISHED, False, DOCUMENT_TOO_LARGE, rendering.publish_error)
     else:  # accepted but nothing published: cannot happen (an accepted tenant makes a document)
         published = Check(CONFIG_PUBLISHED, False, "NotPublished", "no config document")
-    return {
+    status = {
         "observedGeneration": quota.generation,
         "tenantId": quota.tenant_id,
         "configVersion": version,
@@ -69,6 +72,25 @@ def quota_status(
             now=now,
         ),
     }
+    limits: dict[str, Any] = {}
+    if version and verdict.tenant is not None and rendering is not None:
+        limits = tenant_limits(verdict.tenant, rendering.replicas)
+    # Always written, None when there are none: a merge patch's null takes lifted limits away.
+    status["limits"] = limits or None
+    return status
+
+
+def tenant_limits(tenant: TenantConfig, replicas: int) -> dict[str, Any]:
+    """``status.limits``: the limits beside the budget in force (none: empty), with each of the
+    ``replicas`` ready sidecars' share of ``maxConcurrentRequests`` (:mod:`.budgets`)."""
+    limits: dict[str, Any] = {}
+    if tenant.max_concurrent_requests is not None:
+        limits["maxConcurrentRequests"] = tenant.max_concurrent_requests
+        share = split_concurrency(tenant, replicas).max_concurrent_requests
+        limits["maxConcurrentRequestsPerSidecar"] = share
+    if tenant.max_kv_share is not None:
+        limits["maxKvShare"] = tenant.max_kv_share
+    return limits
 
 
 def published_at(quota: QuotaView) -> bool:

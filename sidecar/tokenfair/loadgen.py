@@ -53,9 +53,21 @@ from yarl import URL
 from tokenfair.config import PolicyConfig
 from tokenfair.core import Decision, Request
 from tokenfair.core.cost import CostModel
-from tokenfair.core.jobs import ADMITTED, SHED_QUEUE_TIMEOUT, STATUS_OK, STATUS_SHED
+from tokenfair.core.jobs import (
+    ADMITTED,
+    SHED_QUEUE_TIMEOUT,
+    SHED_TENANT_CONCURRENCY,
+    SHED_TENANT_KV_SHARE,
+    STATUS_OK,
+    STATUS_SHED,
+)
 from tokenfair.sim.records import RecordLine, decision_line
 
+_QUEUE_REASONS: Final = frozenset(
+    {SHED_QUEUE_TIMEOUT, SHED_TENANT_CONCURRENCY, SHED_TENANT_KV_SHARE}
+)
+"""Reasons of a sidecar's 429 from the queue (a request over its tenant's KV share from the
+start is a 400, so ``shed_tenant_kv_share`` comes from the queue)."""
 CHARS_PER_TOKEN: Final = 4
 """Prompt characters per prompt token: the rule the sidecar's default estimator uses
 (``ceil(len(prompt) / 4)``, OpenAI's rule of thumb for English text). The one place it lives
@@ -510,7 +522,7 @@ def to_decision(observation: Observation, settings: LoadgenSettings) -> Decision
         gate = "dispatch"
     elif observation.status_code == STATUS_NO_RESPONSE:
         gate = "client"
-    elif observation.reason == SHED_QUEUE_TIMEOUT:
+    elif observation.reason in _QUEUE_REASONS:
         gate = "queue"
     elif observation.status_code == STATUS_SHED:
         gate = "admission"

@@ -64,6 +64,8 @@ ENFORCEMENTS: Final[tuple[Enforcement, ...]] = ("Enforce", "Shadow")
 
 MAX_BATCH_REQUESTS: Final = 65_536
 """Largest ``maxBatchRequests`` (and ``batchThroughputGain``): far above any engine's batch."""
+MAX_CONCURRENT_REQUESTS: Final = 1_000_000
+"""Largest ``maxConcurrentRequests`` of a tenant (the CRD's bound too)."""
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -144,6 +146,12 @@ class TenantConfig:
     """Lower-case hex SHA-256 digests of the tenant's API keys (never the keys)."""
     enforcement: Enforcement | None = None
     """The tenant's own ``Enforce`` or ``Shadow``; None: the policy's."""
+    max_concurrent_requests: int | None = None
+    """Most requests of the tenant running at once (``tokenfair`` holds the rest queued); None:
+    no limit."""
+    max_kv_share: float | None = None
+    """Most of the pool's KV blocks (``totalKvBlocks``) the tenant's running requests may hold,
+    as a fraction in (0, 1] (``tokenfair`` holds the rest queued); None: no limit."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +251,8 @@ TENANT_FIELDS: Final[dict[str, tuple[str, Parser]]] = {
     "priorityClass": ("priority_class", _priority),
     "apiKeySha256": ("api_key_sha256", _key_hashes),
     "enforcement": ("enforcement", _enforcement),
+    "maxConcurrentRequests": ("max_concurrent_requests", integer_in(1, MAX_CONCURRENT_REQUESTS)),
+    "maxKvShare": ("max_kv_share", ratio),
 }
 _REQUIRED_TENANT_FIELDS: Final = (
     "weight",
@@ -310,6 +320,17 @@ def parse_tenant(
     return TenantConfig(**values)
 
 
+def check_tenant_limits(tenant: TenantConfig, policy: PolicyConfig, where: str) -> None:
+    """The tenant's rules that read the policy: ``maxKvShare`` of ``totalKvBlocks`` is at least
+    one KV block (else the tenant could never run a request)."""
+    share = tenant.max_kv_share
+    if share is not None and share * policy.total_kv_blocks < 1:
+        raise ConfigError(
+            f"{where}.maxKvShare: maxKvShare x totalKvBlocks must be at least one KV block, or "
+            f"the tenant could never run a request (got {share:g} x {policy.total_kv_blocks})"
+        )
+
+
 def build_config(
     policy: PolicyConfig,
     tenants: Sequence[TenantConfig],
@@ -327,6 +348,7 @@ def build_config(
                 f"(also tenants[{seen[tenant.tenant_id]}])"
             )
         seen[tenant.tenant_id] = i
+        check_tenant_limits(tenant, policy, f"tenants[{i}]")
     owners: dict[str, str] = {}
     for tenant in tenants:
         for digest in tenant.api_key_sha256:
@@ -586,10 +608,7 @@ def tenant_to_dict(tenant: TenantConfig) -> dict[str, object]:
         if key == "apiKeySha256":
             if value:
                 out[key] = list(value)
-        elif key == "enforcement":
-            if value is not None:
-                out[key] = value
-        else:
+        elif value is not None:  # an unset enforcement or limit is left out (the default)
             out[key] = value
     return out
 

@@ -13,6 +13,11 @@ reason                     gate         status    meaning
                                                   time (lesson: bucket below the cost)
 ``queue_full``             admission    429       a queue bound (all tenants, or this tenant)
 ``shed_queue_timeout``     queue        429       waited in the queue past the class limit
+``shed_tenant_concurrency``queue        429       waited past the class limit, held at the end by
+                                                  its tenant's ``maxConcurrentRequests``
+``shed_tenant_kv_share``   queue        429       waited past the class limit, held at the end by
+                           / admission            its tenant's ``maxKvShare`` (admission: the
+                                                  request alone is above that share)
 ``cancelled``              queue        499       the client went away before dispatch
 =========================  ===========  ========  ==============================================
 """
@@ -34,6 +39,12 @@ SHED_QUEUE_WAIT_SLO: Final = "shed_queue_wait_slo"
 SHED_TENANT_TOKEN_QUOTA: Final = "shed_tenant_token_quota"
 QUEUE_FULL: Final = "queue_full"
 SHED_QUEUE_TIMEOUT: Final = "shed_queue_timeout"
+SHED_TENANT_CONCURRENCY: Final = "shed_tenant_concurrency"
+SHED_TENANT_KV_SHARE: Final = "shed_tenant_kv_share"
+HELD_CONCURRENCY: Final = 1
+"""``Job.held`` bit: passed over at a selection because its tenant ran ``maxConcurrentRequests``."""
+HELD_KV_SHARE: Final = 2
+"""``Job.held`` bit: passed over because it would take its tenant past ``maxKvShare``."""
 CANCELLED: Final = "cancelled"
 
 STATUS_OK: Final = 200
@@ -203,6 +214,7 @@ class Job:
         "decision",
         "expected_tokens",
         "expected_units",
+        "held",
         "kv_blocks",
         "lane",
         "lifted",
@@ -244,6 +256,7 @@ class Job:
         self.expected_units = service_tokens * UNITS_PER_TOKEN  # the same, in fixed point: the
         # round robin's charge (`expected_tokens` is always `expected_units / UNITS_PER_TOKEN`)
         self.lifted = False  # its tenant joined the ring ahead with it (drr.push join_ahead)
+        self.held = 0  # HELD_* bits: the tenant limits that passed it over at a selection
 
     def outcome(
         self, status_code: int, reason: str, gate: str, occupancy: float, **observed: float

@@ -39,6 +39,8 @@ from tokenfair.core.errors import DuplicateRequestError, UnknownTenantError
 from tokenfair.core.jobs import (
     ADMITTED,
     CANCELLED,
+    HELD_CONCURRENCY,
+    HELD_KV_SHARE,
     LANE_INTERACTIVE,
     SHED_KV_WATERMARK,
     SHED_QUEUE_TIMEOUT,
@@ -59,10 +61,15 @@ _DISPATCHED: Final = JobState.DISPATCHED
 _DONE: Final = JobState.DONE
 _ROUNDED_OCCUPANCY_BOUND: Final = 4096
 """Most occupancy values :class:`Scheduler` keeps rounded (one per resident block count)."""
+NO_REQUEST_LIMIT: Final = 1 << 60
+"""``TenantState.max_running`` of a tenant without ``maxConcurrentRequests``."""
 STATUS_NEVER_ADMISSIBLE: Final = 400
 """Status of a request no state of the running configuration could admit (not retryable)."""
 OVER_KV_CAPACITY: Final = "request_over_kv_capacity"
 """Reason: the request's own KV blocks pass its class watermark of the whole cache."""
+OVER_TENANT_KV_SHARE: Final = "request_over_tenant_kv_share"
+"""Reason: the request's own KV blocks pass its tenant's ``maxKvShare`` of the whole cache (a
+policy that enforces the tenant limits: ``tokenfair``)."""
 OVER_TENANT_BURST: Final = "request_over_tenant_burst"
 """Reason: the request costs more service tokens than its tenant's bucket can ever hold (and
 no capacity is lent to tenants over their budget)."""
@@ -73,8 +80,12 @@ class TenantState(HasBucket):
 
     __slots__ = (
         "config",
+        "max_kv_share",
+        "max_running",
         "queued",
         "queued_tokens",
+        "resident_blocks",
+        "running",
         "served_tokens",
         "tenant_id",
         "usage_ratio",
@@ -101,6 +112,27 @@ class TenantState(HasBucket):
         self.usage_ratio = 1.0
         """Recent actual ÷ estimated usage of the tenant's requests, kept by the policies that
         price work by it (``tokenfair``: an EWMA over settlements); 1 otherwise."""
+        # Dispatched and not completed (or released unsettled), and the KV blocks of its
+        # requests dispatched and not released: kept while a policy enforces tenant limits
+        # (`Scheduler._tenant_limits`), counted again from the jobs when a reload brings them.
+        self.running = 0
+        self.resident_blocks = 0
+        self.max_running = NO_REQUEST_LIMIT
+        self.max_kv_share = math.inf
+        self.adopt_limits(config)
+
+    def adopt_limits(self, config: TenantConfig) -> None:
+        """The entitlements beside the budget (``maxConcurrentRequests``, ``maxKvShare``), as
+        fields the dispatcher compares; unset: limits no request reaches."""
+        limit = config.max_concurrent_requests
+        self.max_running = NO_REQUEST_LIMIT if limit is None else limit
+        share = config.max_kv_share
+        self.max_kv_share = math.inf if share is None else share
+
+    @property
+    def limited(self) -> bool:
+        """The tenant has ``maxConcurrentRequests`` or ``maxKvShare``."""
+        return self.max_running != NO_REQUEST_LIMIT or self.max_kv_share != math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +202,7 @@ class Scheduler(ABC):
             else:
                 state.config = tenant_config
                 state.weight = tenant_config.weight
+                state.adopt_limits(tenant_config)
                 state.bucket.retune(
                     tenant_config.burst_service_tokens,
                     tenant_config.sustained_service_tokens_per_second,
@@ -197,6 +230,23 @@ class Scheduler(ABC):
         self._tenant_index = config.tenant_index
         self._adopt_cost_model()
         self._apply_tenants(config.tenants, now_ms)
+        if self._tenant_limits:
+            self._recount_tenants()
+
+    def _recount_tenants(self) -> None:
+        """Each tenant's running requests and resident KV blocks, counted again from the jobs
+        (O(jobs), at a reload): the counts are kept only while a limit reads them
+        (``_tenant_limits``), so a reload that brings limits starts from the truth."""
+        for tenant in self.tenants.values():
+            tenant.running = 0
+            tenant.resident_blocks = 0
+        for job in self.jobs.values():
+            state = job.state
+            if state is _DISPATCHED or state is _DONE:  # DONE: settled, KV not yet released
+                tenant = self.tenants[job.tenant_id]
+                tenant.resident_blocks += job.kv_blocks
+                if state is _DISPATCHED:
+                    tenant.running += 1
 
     def _adopt_cost_model(self) -> None:
         self.cost = CostModel.from_policy(self.policy)
@@ -219,6 +269,7 @@ class Scheduler(ABC):
         self._max_queued_requests = self.policy.max_queued_requests
         self._max_queued_per_tenant = self.policy.max_queued_requests_per_tenant
         self._batch_min_share = self.policy.batch_min_share
+        self._tenant_limits = False  # a policy that enforces them sets it (`_held_at_expiry`)
         # `round(blocks / total_kv_blocks, 4)` by resident blocks: every dispatch records its
         # occupancy, and `round` to 4 places costs more than a lookup. Bounded (a cache of
         # 10^9 blocks would not be): a value past the bound is computed each time.
@@ -290,6 +341,8 @@ class Scheduler(ABC):
           and there is no pool-wide budget store (whose budget may hold more than this
           sidecar's bucket) -> ``request_over_tenant_burst``. With lending on (idle capacity
           could admit it later) or a store, it is None: the policy's 429 stands.
+        * The policy enforces tenant limits (``tokenfair``) and the request's own blocks are
+          above its tenant's ``maxKvShare`` of the cache -> ``request_over_tenant_kv_share``.
 
         The policy's own decisions (and the simulator's, which never calls this) are unchanged:
         :meth:`submit` of such a request is still refused with the gate's 429. An unknown
@@ -314,6 +367,12 @@ class Scheduler(ABC):
                 "max_kv_blocks": math.floor(
                     self.watermark(Lane.of(request.priority_class)) * policy.total_kv_blocks
                 ),
+            }
+        elif self._tenant_limits and share > tenant.max_kv_share:
+            reason = OVER_TENANT_KV_SHARE
+            observed = {
+                "request_kv_blocks": blocks,
+                "max_kv_blocks": math.floor(tenant.max_kv_share * policy.total_kv_blocks),
             }
         else:
             service_tokens = self.cost.service_tokens(prefill, decode)
@@ -420,6 +479,9 @@ class Scheduler(ABC):
                 rounded[seen] = occupancy
         self.resident_blocks = blocks
         self.running += 1
+        if self._tenant_limits:  # the tenant's counts, kept only while a limit reads them
+            tenant.running += 1
+            tenant.resident_blocks += kv_blocks
         tenant.served_tokens += service_tokens
         if self.charges_at_dispatch:
             self._charge(job, tenant, now_ms)
@@ -441,6 +503,8 @@ class Scheduler(ABC):
         )
         if job.borrowed:
             decision.observed["borrowed_service_tokens"] = job.service_tokens
+        if job.held:  # passed over for its tenant's limits before it started (records)
+            note_held(decision, job.held)
         job.state = _DISPATCHED
         job.decision = decision
         return decision
@@ -484,6 +548,11 @@ class Scheduler(ABC):
                 or job.expected_units != job.service_tokens * UNITS_PER_TOKEN
             ):
                 self._settle(job, tenant, refund, now_ms)
+        if self._tenant_limits:
+            limited = self.tenants[job.tenant_id]
+            limited.running -= 1
+            if kv_blocks is not None:
+                limited.resident_blocks += kv_blocks - job.kv_blocks
         if kv_blocks is not None:
             self.resident_blocks += kv_blocks - job.kv_blocks
             job.kv_blocks = kv_blocks
@@ -503,6 +572,8 @@ class Scheduler(ABC):
             raise ValueError(f"request {request_id!r} has no KV to release (not completed)")
         del self.jobs[request_id]
         self._free_blocks(job.kv_blocks)
+        if self._tenant_limits:
+            self.tenants[job.tenant_id].resident_blocks -= job.kv_blocks
         if self.tracks_kv_releases:
             self._kv_released(job)
 
@@ -525,12 +596,17 @@ class Scheduler(ABC):
         if job is None or job.state not in (_DISPATCHED, _DONE):
             return False
         del self.jobs[request_id]
+        tenant = self.tenants[job.tenant_id]
         if job.state is _DISPATCHED:
             job.state = _DONE
             self.running -= 1
+            if self._tenant_limits:
+                tenant.running -= 1
             if self.tracks_completions:
                 self._finished(job, None)
         self._free_blocks(job.kv_blocks)
+        if self._tenant_limits:
+            tenant.resident_blocks -= job.kv_blocks
         self._kv_released(job)
         return True
 
@@ -556,6 +632,8 @@ class Scheduler(ABC):
             decision = self._drop(job, STATUS_SHED, SHED_QUEUE_TIMEOUT, "queue", now_ms)
             decision.retry_after_ms = 0.0
             decision.observed["max_wait_ms"] = self.wait_limit_ms(job.lane)
+            if self._tenant_limits:
+                self._held_at_expiry(job, decision)
             expired.append(decision)
         if expired:
             self._expired(expired, now_ms)
@@ -668,6 +746,10 @@ class Scheduler(ABC):
         """Hook (``tracks_completions``): a dispatched request stopped running at ``now_ms``
         (None: taken off the books without settlement, time unknown)."""
 
+    def _held_at_expiry(self, job: Job, decision: Decision) -> None:
+        """Hook (while ``_tenant_limits``): ``job`` expired just now; a policy that enforces
+        the tenant limits names the one holding it (reason and observed values)."""
+
     def _expired(self, decisions: list[Decision], now_ms: float) -> None:
         """Hook: :meth:`expire` refused these queued requests (in deadline order) just now;
         the policy may complete their decisions (``tokenfair``: the ``Retry-After``)."""
@@ -692,6 +774,15 @@ def _checked_settled(name: str, value: object) -> int:
     if not 0 <= value <= MAX_SETTLED_TOKENS:
         raise ValueError(f"{name} must be in [0, {MAX_SETTLED_TOKENS}] (got {value})")
     return value
+
+
+def note_held(decision: Decision, held: int) -> None:
+    """Record on a dispatch decision the tenant limits that held the request back
+    (``Job.held``): ``held_by_max_concurrent_requests`` and/or ``held_by_max_kv_share``, 1."""
+    if held & HELD_CONCURRENCY:
+        decision.observed["held_by_max_concurrent_requests"] = 1
+    if held & HELD_KV_SHARE:
+        decision.observed["held_by_max_kv_share"] = 1
 
 
 def shed_kv(scheduler: Scheduler, job: Job, gate: str, occupancy: float) -> Decision:

@@ -71,11 +71,15 @@ from tokenfair.core.batching import BatchingCurve, RunningWork
 from tokenfair.core.bucket import ExactTokenBucket
 from tokenfair.core.drr import DeficitRoundRobin
 from tokenfair.core.jobs import (
+    HELD_CONCURRENCY,
+    HELD_KV_SHARE,
     LANE_BATCH,
     LANE_INTERACTIVE,
     LANE_OF,
     QUEUE_FULL,
     SHED_QUEUE_WAIT_SLO,
+    SHED_TENANT_CONCURRENCY,
+    SHED_TENANT_KV_SHARE,
     SHED_TENANT_TOKEN_QUOTA,
     UNITS_PER_TOKEN,
     Decision,
@@ -208,7 +212,6 @@ class TokenfairScheduler(Scheduler):
         self._now_ms = now_ms  # the clock of the selection in progress (read by `_eligible`)
         self._lending = False  # the selection in progress ignores budgets (read by `_eligible`)
         self._push_ahead: float | None = None  # join rank of the job `_admit` just admitted
-        self._eligible_now = self._eligible  # bound once: `pick` takes it at every selection
         super().__init__(config, now_ms)
 
     def _adopt_cost_model(self) -> None:
@@ -249,6 +252,13 @@ class TokenfairScheduler(Scheduler):
             self._engine = RunningWork(curve)
         else:
             self._engine.retune(curve, self._now_ms)
+        # Bound once, `pick` takes it at every selection: the tenant limits' check only when a
+        # tenant has one (the unlimited path pays nothing for them).
+        self._tenant_limits = any(
+            tenant.max_concurrent_requests is not None or tenant.max_kv_share is not None
+            for tenant in self.config.tenants
+        )
+        self._eligible_now = self._eligible_limited if self._tenant_limits else self._eligible
         # The water level is per quantum token and over the tenants of the old configuration:
         # computed again at the next admission that asks.
         self._level: list[tuple[float, float]] = [(-math.inf, math.inf), (-math.inf, math.inf)]
@@ -586,8 +596,19 @@ class TokenfairScheduler(Scheduler):
                 queued_requests=queued_all,
                 tenant_queued_requests=tenant.queued,
             )
-        if job.kv_blocks / self._total_kv_blocks > self._watermarks[lane]:
-            return shed_kv(self, job, "admission", job.kv_blocks / self._total_kv_blocks)
+        kv_share = job.kv_blocks / self._total_kv_blocks
+        if kv_share > self._watermarks[lane]:
+            return shed_kv(self, job, "admission", kv_share)
+        if kv_share > tenant.max_kv_share:  # no state of the cache lets it start
+            return self._refusal(
+                job,
+                SHED_TENANT_KV_SHARE,
+                "admission",
+                self._occupancy(job),
+                None,
+                request_kv_share=round(kv_share, 4),
+                max_kv_share=tenant.max_kv_share,
+            )
         # From its arrival: a replay submits the arrivals of a busy stretch when it ends.
         queue = drr.queues[tenant_id]
         # `_join_rank`'s first test, inline: a backlogged or indebted tenant joins at the tail.
@@ -870,6 +891,39 @@ class TokenfairScheduler(Scheduler):
             return True
         tenant = self.tenants[job.tenant_id]
         return tenant.bucket.covers(job.service_tokens, self._now_ms)
+
+    def _eligible_limited(self, job: Job) -> bool:
+        """:meth:`_eligible` behind the tenant's entitlements: a head whose tenant runs
+        ``maxConcurrentRequests`` requests, or whose KV blocks would take the tenant's resident
+        blocks past ``maxKvShare`` of the pool, is passed over (marked in ``job.held``; the
+        round robin goes on to the next tenant, and grants a passed-over tenant no quantum)."""
+        tenant = self.tenants[job.tenant_id]
+        if tenant.running >= tenant.max_running:
+            job.held |= HELD_CONCURRENCY
+            return False
+        if (tenant.resident_blocks + job.kv_blocks) / self._total_kv_blocks > tenant.max_kv_share:
+            job.held |= HELD_KV_SHARE
+            return False
+        return self._eligible(job)
+
+    def _held_at_expiry(self, job: Job, decision: Decision) -> None:
+        """A queued request expires ``shed_tenant_concurrency`` if its tenant runs
+        ``maxConcurrentRequests`` requests at that instant, else ``shed_tenant_kv_share`` if its
+        blocks would take the tenant past ``maxKvShare``, else it stays ``shed_queue_timeout``
+        (held by the KV watermark, its budget or its turn): the limit the client can act on."""
+        tenant = self.tenants[job.tenant_id]
+        observed = decision.observed
+        if tenant.running >= tenant.max_running:
+            decision.reason = SHED_TENANT_CONCURRENCY
+            observed["max_concurrent_requests"] = tenant.max_running
+            observed["tenant_running_requests"] = tenant.running
+        elif (tenant.resident_blocks + job.kv_blocks) / self._total_kv_blocks > (
+            tenant.max_kv_share
+        ):
+            decision.reason = SHED_TENANT_KV_SHARE
+            observed["max_kv_share"] = tenant.max_kv_share
+            observed["tenant_kv_share"] = round(tenant.resident_blocks / self._total_kv_blocks, 4)
+            observed["request_kv_share"] = round(job.kv_blocks / self._total_kv_blocks, 4)
 
     def _select(self, now_ms: float) -> Job | None:
         self._now_ms = now_ms

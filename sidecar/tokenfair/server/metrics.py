@@ -5,8 +5,10 @@ Counters (labels ``tenant``, ``lane`` and, for refusals, ``reason``):
 * ``tokenfair_admitted_requests_total`` — dispatched to the backend;
 * ``tokenfair_refused_requests_total`` — refused, never dispatched: the core's reasons
   (``shed_kv_watermark``, ``shed_queue_wait_slo``, ``shed_tenant_token_quota``, ``queue_full``,
-  ``shed_queue_timeout``), ``request_over_kv_capacity`` / ``request_over_tenant_burst`` (never
-  admissible) and ``draining`` (an upstream's own 400/429/503 is not a refusal);
+  ``shed_queue_timeout``, ``shed_tenant_concurrency``, ``shed_tenant_kv_share``),
+  ``request_over_kv_capacity`` / ``request_over_tenant_burst`` /
+  ``request_over_tenant_kv_share`` (never admissible) and ``draining`` (an upstream's own
+  400/429/503 is not a refusal);
 * ``tokenfair_shadow_refusals_total`` — shadow mode (``enforcement: Shadow``): requests a gate
   refused and the sidecar served anyway, by the refusal's ``reason`` (they are counted admitted
   too: they ran);

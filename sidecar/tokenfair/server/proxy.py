@@ -15,9 +15,11 @@ Status codes the client can get from the sidecar itself (OpenAI-style error bodi
        ``tool_choice``; for ``/v1/embeddings`` ``input``, ``dimensions``,
        ``encoding_format``; or the ``x-tokenfair-priority`` header asking for a class above
        the tenant's);
-       ``request_over_kv_capacity`` / ``request_over_tenant_burst``: a request no state of the
+       ``request_over_kv_capacity`` / ``request_over_tenant_burst`` /
+       ``request_over_tenant_kv_share``: a request no state of the
        running configuration could admit — its own KV blocks above its class's watermark of
-       the whole cache, or its cost above the tenant's burst with ``lendIdleCapacity`` off
+       the whole cache (or its tenant's ``maxKvShare`` of it), or its cost above the tenant's
+       burst with ``lendIdleCapacity`` off
        (:meth:`~tokenfair.core.scheduler.Scheduler.never_admissible`); recorded with
        that reason, counted as refused. With lending on, an over-burst request stays a
        ``429`` (idle capacity may admit it later)
@@ -34,7 +36,10 @@ Status codes the client can get from the sidecar itself (OpenAI-style error bodi
 429    ``rate_limit_exceeded`` (OpenAI's shape: :func:`~tokenfair.server.errors.
        rate_limit_response`), the gate's reason in ``tokenfair_reason``: ``shed_kv_watermark``,
        ``shed_queue_wait_slo``, ``shed_tenant_token_quota``, ``queue_full`` (admission) or
-       ``shed_queue_timeout`` (waited past the class limit); with ``Retry-After``,
+       ``shed_queue_timeout`` (waited past the class limit), ``shed_tenant_concurrency`` /
+       ``shed_tenant_kv_share`` (waited past the class limit, held by the tenant's
+       ``maxConcurrentRequests`` / ``maxKvShare``: :data:`TENANT_LIMIT_HEADERS` say the limit
+       and where the tenant stood); with ``Retry-After``,
        ``retry-after-ms`` and the rate-limit headers (:meth:`~tokenfair.server.state.
        Sidecar.ratelimit_headers`)
 500    ``internal_error`` (the sidecar failed on the request: a bug, logged with its traceback)
@@ -83,8 +88,17 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from tokenfair.config import PRIORITY_CLASSES, PriorityClass, TenantConfig
 from tokenfair.core import Decision, Request, UnknownTenantError
-from tokenfair.core.jobs import ADMITTED, STATUS_CLIENT_CLOSED
-from tokenfair.core.scheduler import OVER_KV_CAPACITY, STATUS_NEVER_ADMISSIBLE
+from tokenfair.core.jobs import (
+    ADMITTED,
+    SHED_TENANT_CONCURRENCY,
+    SHED_TENANT_KV_SHARE,
+    STATUS_CLIENT_CLOSED,
+)
+from tokenfair.core.scheduler import (
+    OVER_KV_CAPACITY,
+    OVER_TENANT_KV_SHARE,
+    STATUS_NEVER_ADMISSIBLE,
+)
 from tokenfair.server.backends import BackendCall, StreamAbortedError, UpstreamError
 from tokenfair.server.backends.base import EMBEDDINGS_ROUTE
 from tokenfair.server.connections import mark_authenticated
@@ -179,7 +193,33 @@ def _refusal(sidecar: Sidecar, decision: Decision, mix: tuple[int, int]) -> web.
     headers[RETRY_AFTER_MS_HEADER] = str(sidecar.retry_after_ms(decision))
     headers[REQUEST_ID_HEADER] = decision.request_id
     headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
+    headers.update(tenant_limit_headers(decision))
     return rate_limit_response(message, decision.reason, headers=headers)
+
+
+TENANT_LIMIT_HEADERS: Final = {
+    # refusal reason -> (header, the decision's observed value it carries)
+    SHED_TENANT_CONCURRENCY: (
+        ("x-tokenfair-limit-concurrent-requests", "max_concurrent_requests"),
+        ("x-tokenfair-running-requests", "tenant_running_requests"),
+    ),
+    SHED_TENANT_KV_SHARE: (
+        ("x-tokenfair-limit-kv-share", "max_kv_share"),
+        ("x-tokenfair-kv-share", "tenant_kv_share"),
+    ),
+}
+"""The headers of a ``429`` refused for a tenant limit beside the budget: the limit and where
+the tenant stood (its running requests, its share of the pool's KV blocks) when it was held."""
+
+
+def tenant_limit_headers(decision: Decision) -> dict[str, str]:
+    """:data:`TENANT_LIMIT_HEADERS` of a refusal (none for any other reason)."""
+    observed = decision.observed
+    return {
+        header: f"{observed[key]:g}"
+        for header, key in TENANT_LIMIT_HEADERS.get(decision.reason, ())
+        if key in observed
+    }
 
 
 def _never_admissible(sidecar: Sidecar, decision: Decision) -> web.Response:
@@ -192,6 +232,12 @@ def _never_admissible(sidecar: Sidecar, decision: Decision) -> web.Response:
             f"the request needs {shown['request_kv_blocks']} KV blocks (prompt plus max_tokens "
             f"times n, per prompt) and its class may hold at most {shown['max_kv_blocks']}: "
             "lower max_tokens, n or the prompt"
+        )
+    elif decision.reason == OVER_TENANT_KV_SHARE:
+        message = (
+            f"the request needs {shown['request_kv_blocks']} KV blocks (prompt plus max_tokens "
+            f"times n, per prompt) and the tenant may hold at most {shown['max_kv_blocks']} "
+            "(maxKvShare): lower max_tokens, n or the prompt"
         )
     else:
         message = (

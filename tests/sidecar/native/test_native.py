@@ -8,8 +8,9 @@ interpreted core does.
   real ``tokenfair`` process, and ``TOKENFAIR_NATIVE=0`` turns a fresh one off.
 * Same decisions: ``tokenfair simulate --records`` of the same traces (a built-in scenario; a
   generated trace with recorded usage, tight budgets, batch and interactive tenants; with
-  lending on) under every policy, in a subprocess on the compiled core and in one on the
-  interpreted core, write the same bytes, report and records.
+  lending on; with tenant limits on a batching engine) under every policy, in a subprocess on
+  the compiled core and in one on the interpreted core, write the same bytes, report and
+  records.
 
 The tests that need a real build skip without one, and fail instead where CI requires it
 (``TOKENFAIR_REQUIRE_NATIVE=1``, set by ``.ci/run``; ``make native`` builds it).
@@ -470,17 +471,22 @@ def _trace(path: Path, seed: int, count: int) -> None:
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-def _tenants(path: Path, lend: bool) -> None:
+def _tenants(path: Path, lend: bool, limits: bool = False) -> None:
+    """With ``limits``: a batching engine, and tenant limits beside the budgets (t0 and t4 run
+    one request at a time, t1 holds at most 8 % of the KV blocks: each holds and expires some)."""
+    limit = {0: "\n  maxConcurrentRequests: 1", 4: "\n  maxConcurrentRequests: 1",
+             1: "\n  maxKvShare: 0.08"} if limits else {}  # fmt: skip
     tenants = "\n".join(
         f"- tenantId: t{i}\n  weight: {[1, 2, 1.5, 4, 1, 2][i]}\n"
         f"  burstServiceTokens: {[8000, 60000, 20000, 40000, 30000, 12000][i]}\n"
         f"  sustainedServiceTokensPerSecond: {[5000, 120000, 30000, 60000, 20000, 9000][i]}\n"
-        f"  priorityClass: {'batch' if i >= 4 else 'interactive'}"
+        f"  priorityClass: {'batch' if i >= 4 else 'interactive'}{limit.get(i, '')}"
         for i in range(6)
     )
+    engine = "  maxBatchRequests: 4\n  batchThroughputGain: 2\n" if limits else ""
     path.write_text(
         "apiVersion: tokenfair.io/v1alpha1\nkind: TokenfairConfig\npolicy:\n"
-        f"  lendIdleCapacity: {str(lend).lower()}\n  batchMinShare: 0.2\n"
+        f"  lendIdleCapacity: {str(lend).lower()}\n  batchMinShare: 0.2\n{engine}"
         f"tenants:\n{tenants}\n",
         encoding="utf-8",
     )
@@ -488,7 +494,7 @@ def _tenants(path: Path, lend: bool) -> None:
 
 @pytest.mark.parametrize(
     "source",
-    ["scenario", "trace", "trace-lending"],
+    ["scenario", "trace", "trace-lending", "trace-limits"],
 )
 def test_the_compiled_and_interpreted_cores_write_the_same_bytes(
     tmp_path: Path, source: str
@@ -498,7 +504,11 @@ def test_the_compiled_and_interpreted_cores_write_the_same_bytes(
         args: list[str | Path] = ["--scenario", "noisy-neighbor"]
     else:
         _trace(tmp_path / "trace.jsonl", seed=len(source), count=6000)
-        _tenants(tmp_path / "tenants.yaml", lend=source == "trace-lending")
+        _tenants(
+            tmp_path / "tenants.yaml",
+            lend=source == "trace-lending",
+            limits=source == "trace-limits",
+        )
         args = ["--trace", tmp_path / "trace.jsonl", "--tenants", tmp_path / "tenants.yaml"]
     proof = _run(
         "native", "status", env={native.SWITCH_ENV: "1", native.DIR_ENV: str(build)}, cwd=tmp_path
