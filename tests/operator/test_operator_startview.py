@@ -1,8 +1,8 @@
 """The operator's own listing at startup (:mod:`tokenfair_operator.startview`), without a cluster.
 
-Behaviours under test, with a fake API that serves paginated LISTs (the real API server's pages
-are ``test_operator_kube.py``'s / ``test_operator_run_scale.py``'s) and Kopf's indexes as the
-startup hook receives them (empty, filled by Kopf's listing, which has not begun):
+Behaviours under test, with a fake API that serves paginated LISTs (and, last, the real API
+server) and Kopf's indexes as the startup hook receives them (empty, filled by Kopf's listing,
+which has not begun):
 
 - on the leader, the startup hook reads the first page of each LIST (policies, quotas, labelled
   Pods) before it returns, and nothing more (Kopf lists after the hook, at a resourceVersion not
@@ -15,7 +15,10 @@ startup hook receives them (empty, filled by Kopf's listing, which has not begun
 - while the view covers the listing, the prefetch reads no key Secret; a LIST that fails
   (here a 403) turns the view off, logged, and the prefetch reads as before;
 - a standby makes no view; the namespaces listed are Kopf's: every namespace, or the plain
-  names given to ``kopf run --namespace``; patterns are refused with the reason.
+  names given to ``kopf run --namespace``; patterns are refused with the reason;
+- on the real API server (the shipped RBAC): the pages are one snapshot taken at the first
+  page, so a quota created after it is not in the startup document, and the pass over Kopf's
+  indexes (listed later) adds it: no document with fewer tenants than the one before.
 """
 
 from __future__ import annotations
@@ -25,24 +28,32 @@ import hashlib
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 import click
 import kopf
 import pytest
+from kubecluster import KubeCluster
 from kubernetes.client import ApiException
+from kubernetes.config import new_client_from_config
+from operator_run_support import POLICY, create_in_parallel, create_policy, key_secrets, quotas
+from operator_support import published
 
 from tokenfair.config import document_text, loads_config
 from tokenfair_operator import runtime, startup
 from tokenfair_operator.indexes import Indexes
+from tokenfair_operator.kube import KubeApi
 from tokenfair_operator.listing import Listing
 from tokenfair_operator.model import PolicyView, QuotaView
-from tokenfair_operator.passes import PASSES, EventPasses, prefetch_while_listing
+from tokenfair_operator.passes import PASSES, EventPasses, prefetch_while_listing, run_pass
 from tokenfair_operator.reconcile import Reconciler
 from tokenfair_operator.startview import StartupView, watched_scope
 
 LOG = logging.getLogger("test")
 NS = "ns"
+STORED = 250
+"""Quotas stored before the startup listing on the real API server: 3 pages of 100."""
 SPEC: dict[str, Any] = {
     "weight": 1.0,
     "burstServiceTokens": 1000,
@@ -163,7 +174,7 @@ class FakeSettings:
         clusterwide = True
 
 
-def operator_memo(api: PagedApi) -> kopf.Memo:
+def operator_memo(api: PagedApi | KubeApi) -> kopf.Memo:
     """The memo as the startup hook fills it; Kopf's indexes empty (its listing not begun)."""
     memo = kopf.Memo()
     memo[runtime.GENERATIONS] = {}
@@ -319,3 +330,48 @@ def test_the_namespaces_listed_are_the_ones_kopf_watches(
     monkeypatch.delenv("KOPF_RUN_NAMESPACE")
     with pytest.raises(LookupError, match="not known"):
         watched_scope(clusterwide=False)
+
+
+# --- On the real API server, with the shipped RBAC ------------------------------------------
+
+
+async def test_the_startup_listing_is_one_snapshot_of_the_api_server(
+    kube_cluster: KubeCluster, kube_namespace: str, operator_kubeconfig: Path
+) -> None:
+    """The pages of the real API server's LIST (the operator's own ServiceAccount) are one
+    snapshot, taken at the first page: a quota created after it is in no page and so not in the
+    startup document; the pass over Kopf's indexes, which Kopf lists afterwards, adds it."""
+    ns = kube_namespace
+    create_policy(kube_cluster, ns)
+    create_in_parallel(kube_cluster, key_secrets(ns, STORED + 1))
+    every_quota = quotas(ns, STORED + 1)
+    create_in_parallel(kube_cluster, every_quota[:STORED])
+    client = new_client_from_config(config_file=str(operator_kubeconfig))  # type: ignore[no-untyped-call]
+    api = KubeApi(client)
+    memo = operator_memo(cast(Any, api))
+    try:
+        view = StartupView(api, (ns,), page=100)
+        assert await view.begin()
+        create_in_parallel(kube_cluster, every_quota[STORED:])  # after the first page
+        view.start(lambda world: startup.pass_listed(world, memo, LOG))
+        await view.settled()
+        assert view.state == "done"
+        startup_document = published(kube_cluster, ns)
+        assert startup_document is not None
+        assert len(startup_document.tenants) == STORED  # from 3 pages of one snapshot
+
+        # Kopf lists now (after the startup hook): its indexes hold the later quota too.
+        key = (ns, POLICY)
+        policy = api.get_policy(*key)
+        assert policy is not None
+        indexes = runtime.indexes(memo)
+        indexes.policies[key] = cast(Any, [policy])  # type: ignore[index]
+        indexes.quotas[key] = cast(Any, api.list_quotas(ns))  # type: ignore[index]
+        runtime.listing(memo).mark_complete(lambda: STORED + 2)
+        await run_pass(key, memo, LOG)
+        later = published(kube_cluster, ns)
+        assert later is not None
+        assert len(later.tenants) == STORED + 1
+    finally:
+        await runtime.reconciler(memo).close()
+        client.close()
