@@ -97,7 +97,7 @@ async def run_pass(
 def prefetch_while_listing(memo: kopf.Memo, quotas: Iterable[QuotaView]) -> None:
     """Quotas just indexed: while Kopf's initial listing goes on, on the leader, their key
     Secrets are read in the background for the first pass (:mod:`.prefetch`), unless the
-    startup view's passes read them (:mod:`.startview`)."""
+    startup view covers the listing (:mod:`.startview`: it asks for its own pages' keys)."""
     if runtime.listing(memo).is_complete or not runtime.leads(memo):
         return
     view = runtime.startup_view(memo)

@@ -119,7 +119,10 @@ async def list_ourselves(
     except LookupError as exc:
         logger.info(f"no startup listing ({exc}): the first pass waits for Kopf's listing")
         return
-    view = memo[runtime.START_VIEW] = StartupView(runtime.reconciler(memo).api, scope, page)
+    reconciler = runtime.reconciler(memo)
+    view = memo[runtime.START_VIEW] = StartupView(
+        reconciler.api, scope, page, on_quotas=reconciler.prefetch_keys
+    )
     if await view.begin():
         view.start(lambda world: pass_listed(world, memo, logger))
 

@@ -13,10 +13,11 @@ SchedulingPolicies, the TenantQuotas and the labelled sidecar Pods itself (:clas
 in the namespaces Kopf watches (:func:`watched_scope`), in pages of :data:`PAGE` (plain JSON over
 :meth:`.KubeApi.list_page`, each page parsed into the views a pass reads in a worker thread). The
 hook awaits the first page of each LIST (one round trip each, at once); the other pages follow in
-the background, then one pass per policy over the listed world (:func:`.startup.pass_listed`),
-through the reconciler's per-policy lock like any other pass. Kopf goes on listing meanwhile;
-once it is over, its handlers ask for passes over its indexes as before, which find the key
-Secrets read and the document published.
+the background, each page's key Secrets read in the background as it arrives (:mod:`.prefetch`,
+so the reads overlap the LIST), then one pass per policy over the listed world
+(:func:`.startup.pass_listed`), through the reconciler's per-policy lock like any other pass.
+Kopf goes on listing meanwhile; once it is over, its handlers ask for passes over its indexes as
+before, which find the key Secrets read and the document published.
 
 **Why it never publishes fewer tenants.** A paginated LIST is one consistent snapshot, at its first
 page's resourceVersion R1. Kopf starts its watchers only once the startup hook has returned (they
@@ -32,7 +33,7 @@ indexes only, as before.
 :mod:`.prefetch`): on a replica that does not lead at startup; when the namespaces Kopf watches
 are not plain names (patterns: :func:`watched_scope`); when a LIST fails (RBAC, an expired
 continue token's 410, a timeout), logged once. While this view covers the listing the prefetch
-is off, so no key Secret is read twice.
+is fed by this view's pages instead of Kopf's index, so no key Secret is read twice.
 """
 
 from __future__ import annotations
@@ -191,6 +192,10 @@ class StartupView:
     """The TenantQuotas' LIST's resourceVersion (R1 in the module docstring)."""
     began: float = 0.0
     """``time.monotonic()`` when :meth:`begin` was called (for the log)."""
+    on_quotas: Callable[[list[QuotaView]], None] = lambda quotas: None
+    """Called with each page's quotas as it arrives (the startup hook: their key Secrets read
+    in the background meanwhile, :meth:`.Reconciler.prefetch_keys`, so the reads overlap the
+    other pages instead of following them)."""
     _pages: list[_Pages] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
 
@@ -281,6 +286,8 @@ class StartupView:
         held: dict[PolicyKey, list[Any]] = getattr(world, pages.kind.into)
         for key, view in entries:
             held.setdefault(key, []).append(view)
+        if pages.kind.into == "quotas":
+            self.on_quotas([view for _, view in entries])
 
     def _page(self, pages: _Pages, token: str) -> tuple[list[tuple[PolicyKey, Any]], str, str]:
         items, version, next_token = self.api.list_page(pages.path, pages.query, token)

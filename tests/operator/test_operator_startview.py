@@ -12,8 +12,10 @@ which has not begun):
 - a pass that starts once Kopf's listing is over reads Kopf's indexes, not the startup view
   (which may be older than them); when Kopf's listing is over before the startup pages are,
   no startup pass runs at all (the handlers' passes serve);
-- while the view covers the listing, the prefetch reads no key Secret; a LIST that fails
-  (here a 403) turns the view off, logged, and the prefetch reads as before;
+- each page's key Secrets are asked of the prefetch as the page arrives (read while the other
+  pages come), Kopf's index asks for none while the view covers the listing, and each key
+  Secret is read once; a LIST that fails (here a 403) turns the view off, logged, and Kopf's
+  index feeds the prefetch as before;
 - a standby makes no view; the namespaces listed are Kopf's: every namespace, or the plain
   names given to ``kopf run --namespace``; patterns are refused with the reason;
 - on the real API server (the shipped RBAC): the pages are one snapshot taken at the first
@@ -276,29 +278,35 @@ async def test_no_startup_pass_when_kopf_listed_first() -> None:
     await closed(memo)
 
 
-async def test_no_prefetch_while_the_view_covers_and_a_failed_list_turns_it_off(
+async def test_the_view_feeds_the_prefetch_and_a_failed_list_hands_it_back_to_kopf(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    api = world(2)
+    api = world(6)
     memo = operator_memo(api)
+    prefetch = runtime.reconciler(memo).prefetch
     view = await started_view(memo)
-    quota = QuotaView.from_body(quota_body(1))
-    prefetch_while_listing(memo, [quota])  # Kopf indexing a quota meanwhile
-    assert len(runtime.reconciler(memo).prefetch) == 0
+    assert len(prefetch) == 4  # the first page's key Secrets, asked for as it arrived
+    later = QuotaView.from_body(quota_body(7))
+    prefetch_while_listing(memo, [later])  # Kopf indexing a quota meanwhile: not asked
+    assert len(prefetch) == 4
     await view.settled()
+    assert api.documents == [6]
+    assert sorted(api.key_reads) == sorted(f"key-{i}" for i in range(6))  # each once
     await closed(memo)
 
     api = world(2)
     api.forbidden.add(PODS_PATH)
     memo = operator_memo(api)
+    prefetch = runtime.reconciler(memo).prefetch
     with caplog.at_level(logging.WARNING, "tokenfair.operator"):
         view = await started_view(memo)
     assert view.state == "failed"
     assert not view.covers
     assert "startup listing failed (ApiException" in caplog.text
-    prefetch_while_listing(memo, [quota])
-    assert len(runtime.reconciler(memo).prefetch) == 1  # Kopf's listing, as before
-    await runtime.reconciler(memo).prefetch.claim([("ns", "key-1")])
+    asked = len(prefetch)
+    prefetch_while_listing(memo, [later])
+    assert len(prefetch) == asked + 1  # Kopf's listing feeds it, as before
+    await prefetch.claim([("ns", "key-7")])
     assert api.documents == []
     await closed(memo)
 
