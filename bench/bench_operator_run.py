@@ -122,7 +122,11 @@ def policy_ready(cluster: Any, ns: str, tenants: int) -> bool:
 
 
 def quotas_ready(cluster: Any, ns: str, count: int) -> bool:
-    items = cluster.request("GET", f"{API}/namespaces/{ns}/tenantquotas").body.get("items", [])
+    try:
+        listing = cluster.request("GET", f"{API}/namespaces/{ns}/tenantquotas").body
+    except OSError:  # a LIST of 10,000 timing out on a loaded machine: asked again next poll
+        return False
+    items = listing.get("items", [])
     ready = 0
     for item in items:
         conditions = item.get("status", {}).get("conditions", [])
