@@ -38,7 +38,7 @@ from .gcwindow import StartupCollection
 from .indexes import Indexes
 from .kube import KubeApi, api_client
 from .leader import LeaderElector
-from .listing import Listing
+from .listing import Listing, yield_while
 from .passes import PASSES, EventPasses, run_pass
 from .periodic import Periodic
 from .reconcile import PolicyKey, Reconciler, Snapshot
@@ -124,6 +124,7 @@ async def list_ourselves(
         reconciler.api, scope, page, on_quotas=reconciler.prefetch_keys
     )
     if await view.begin():
+        yield_while(lambda: view.running)  # Kopf's listing leaves the view's threads time
         view.start(lambda world: pass_listed(world, memo, logger))
 
 
