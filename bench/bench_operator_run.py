@@ -20,7 +20,8 @@ each name a key Secret. Two shapes, each in a fresh namespace:
 For each: ``documents``, how many documents were stored meanwhile, and whether every one held
 at least as many tenants as the one before it (target: never fewer while nothing is deleted;
 the ConfigMap is watched, so none is missed), ``op_cpu_s`` (the operator's CPU seconds until
-``published_s``), and the machine's load average. Then, per shape, the time per quota at the
+``published_s``), its peak resident memory at the end of the run (the chart's limit is 512 MiB),
+and the machine's load average. Then, per shape, the time per quota at the
 largest size over the smallest (target <= 2: linear), of the figure from the operator's start
 (``present``) or from the first creation (``bulk``) to the document with every tenant.
 
@@ -77,6 +78,8 @@ PUBLISHED_TARGET_S: Final = 15.0
 READY_TARGET_S: Final = 60.0
 RATIO_TARGET: Final = 2.0
 POLL_S: Final = 0.2
+MILESTONES: Final = ("startup listing", "startup passes over", "initial listing over")
+"""Log lines shown per run: the operator's own listing, its passes, Kopf's listing."""
 STATUS_POLL_S: Final = 2.0
 """Every quota's status is read in one LIST of up to 10,000 objects: not too often, so the
 polling does not load the API server the operator shares."""
@@ -93,6 +96,9 @@ class Run:
     total_s: float | None = None
     """From the operator's start (present) or the first creation (bulk) to ``published_s``."""
     op_cpu_s: float = 0.0
+    op_peak_mib: float = 0.0
+    """The operator's peak resident memory (``VmHWM``) when the run ended (the chart's limit:
+    512 MiB)."""
     baseline_s: float | None = None
     """The reconciler's first pass alone over the same world (:func:`reconciler_alone`)."""
     documents: int = 0
@@ -116,7 +122,11 @@ def policy_ready(cluster: Any, ns: str, tenants: int) -> bool:
 
 
 def quotas_ready(cluster: Any, ns: str, count: int) -> bool:
-    items = cluster.request("GET", f"{API}/namespaces/{ns}/tenantquotas").body.get("items", [])
+    try:
+        listing = cluster.request("GET", f"{API}/namespaces/{ns}/tenantquotas").body
+    except OSError:  # a LIST of 10,000 timing out on a loaded machine: asked again next poll
+        return False
+    items = listing.get("items", [])
     ready = 0
     for item in items:
         conditions = item.get("status", {}).get("conditions", [])
@@ -157,6 +167,7 @@ def measure(
             )
             try:
                 run_shape(cluster, ns, run, recorder, proc, started, timeout_s)
+                run.op_peak_mib = peak_mib(proc.pid)
             finally:
                 kubecluster.stop_process(proc)
             run.counts = recorder.tenant_counts()
@@ -205,6 +216,14 @@ def run_shape(
             run.statuses_s = time.monotonic() - origin
             break
         time.sleep(STATUS_POLL_S)
+
+
+def peak_mib(pid: int) -> float:
+    """Peak resident memory of process ``pid`` so far, MiB (Linux ``/proc``: ``VmHWM``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def delete_and_wait(cluster: Any, ns: str) -> None:
@@ -284,7 +303,11 @@ def report(run: Run, timeout_s: float) -> None:
         f"{head}  documents stored: {run.documents}, tenants {shown}; never fewer than the one "
         f"before: {'PASS' if monotone else 'FAIL'}"
     )
-    print(f"{head}  operator CPU until published: {run.op_cpu_s:.1f} s; {run.load}", flush=True)
+    print(
+        f"{head}  operator CPU until published: {run.op_cpu_s:.1f} s; peak memory "
+        f"{run.op_peak_mib:.0f} MiB; {run.load}",
+        flush=True,
+    )
     if run.baseline_s is not None:
         print(
             f"{head}  baseline, same world: the reconciler's first pass alone "
@@ -359,6 +382,9 @@ def main() -> None:
             text = path.read_text(errors="replace")
             conflicts = text.count("conflict, retrying")
             print(f"{path.name}: {len(text.splitlines())} log lines, {conflicts} conflict retries")
+            for line in text.splitlines():  # where the start's time went, as the log says
+                if any(mark in line for mark in MILESTONES):
+                    print(f"    {line[-150:]}")
 
 
 if __name__ == "__main__":

@@ -81,8 +81,8 @@ def sidecar_entry(
     namespace: str | None,
     labels: kopf.Labels,
     annotations: kopf.Annotations,
-    spec: kopf.Spec,
-    status: kopf.Status,
+    spec: Mapping[str, Any],
+    status: Mapping[str, Any],
 ) -> dict[PolicyKey, SidecarView]:
     """Each sidecar Pod (labelled ``tokenfair.io/policy``): Ready or not, where its admin
     port answers (``status.podIP``, port 9090 or annotation ``tokenfair.io/admin-port``), its

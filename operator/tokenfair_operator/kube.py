@@ -232,6 +232,23 @@ class KubeApi:
                 raise
         return version
 
+    def list_page(
+        self, path: str, query: Sequence[tuple[str, str]], continue_token: str = ""
+    ) -> tuple[list[dict[str, Any]], str, str]:
+        """One page of the LIST at ``path`` (``query``: its ``limit``, selectors): the items
+        as plain dicts, the list's resourceVersion and the continue token (``""`` after the
+        last page). Every page after the first is served at the first page's resourceVersion
+        (the API server's paginated LIST is one consistent snapshot; an expired token raises
+        the 410 as an ``ApiException``). A 404 raises too: a LIST of a known resource has no
+        such answer."""
+        params = [*query, *([("continue", continue_token)] if continue_token else [])]
+        listing = self._get_json(path, query=params)
+        if listing is None:
+            raise ApiException(status=NOT_FOUND, reason=f"LIST {path}: not found")
+        meta = listing.get("metadata") or {}
+        items = listing.get("items") or []
+        return list(items), str(meta.get("resourceVersion") or ""), str(meta.get("continue") or "")
+
     def published_keys(self, policy: PolicyView) -> dict[str, tuple[str, ...]]:
         """Tenant id -> API-key digests of the document stored in ``policy``'s Secret now (what
         its sidecars enforce); empty when there is none, it belongs to another object of the

@@ -70,6 +70,30 @@ only over loop iterations: each released worker ends 5 s after its last event (K
 timeout), and 10,000 released within one second ended within one iteration again (4 s)."""
 
 
+MAX_YIELD_S: Final = 0.1
+"""The longest pause of Kopf's watcher per :data:`RELEASE_BATCH` listed objects while
+:func:`yield_while` holds."""
+
+
+def _never() -> bool:
+    return False
+
+
+_yield_while: Callable[[], bool] = _never
+
+
+def yield_while(predicate: Callable[[], bool]) -> None:
+    """While ``predicate()`` holds (the startup view lists and passes, :mod:`.startview`),
+    Kopf's watcher pauses after each :data:`RELEASE_BATCH` listed objects as long as the
+    batch took (at most :data:`MAX_YIELD_S`): its listing costs the event loop, which holds the
+    GIL, while the view's pages, key reads and render run in worker threads that each wait up
+    to the interpreter's switch interval (5 ms) for the GIL after every blocking read; the
+    pauses leave them about half of the process's time. One predicate per process (the last
+    one set)."""
+    global _yield_while
+    _yield_while = predicate
+
+
 @dataclass
 class Listing:
     """Whether Kopf's initial listing is over: every watched resource listed and every listed
@@ -125,8 +149,12 @@ def linear_index_prepopulation() -> None:
         state.made += 1
         if state.made % RELEASE_BATCH == 0:
             # Kopf's watcher makes one per listed object, in one loop step for the whole
-            # listing if nothing suspends it (10,000 objects: seconds): a pause every batch.
-            await asyncio.sleep(0)
+            # listing if nothing suspends it (10,000 objects: seconds): a pause every batch,
+            # as long as the batch took while the startup view's work goes on (.startview).
+            now = time.perf_counter()
+            took = now - state.paused if state.paused else 0.0
+            await asyncio.sleep(min(took, MAX_YIELD_S) if _yield_while() else 0)
+            state.paused = time.perf_counter()
         return toggle
 
     async def drop_toggle(self: aiotoggles.ToggleSet, toggle: aiotoggles.Toggle) -> None:
@@ -165,6 +193,8 @@ class _Waiting:
     """Tasks in its ``wait_for``."""
     made: int = 0
     """Toggles it made."""
+    paused: float = 0.0
+    """``time.perf_counter()`` when the watcher's last pause ended (0: none yet)."""
     releasing: set[asyncio.Task[None]] = field(default_factory=set)
     """The tasks notifying its waiters batch by batch (kept: a task nobody holds may vanish)."""
 

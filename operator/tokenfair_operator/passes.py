@@ -23,7 +23,7 @@ as before.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -32,7 +32,7 @@ import kopf
 from . import runtime
 from .kube import NotLeader, is_conflict
 from .model import QuotaView
-from .reconcile import PolicyKey
+from .reconcile import PolicyKey, Snapshot
 
 CONFLICT_RETRIES: Final = 3
 """Passes tried when one loses a race (409 Conflict: another writer, e.g. a leader stepping
@@ -66,16 +66,23 @@ def news(memo: kopf.Memo, type: str | None, body: kopf.Body) -> bool:
     return True
 
 
-async def run_pass(key: PolicyKey, memo: kopf.Memo, logger: kopf.Logger) -> None:
+async def run_pass(
+    key: PolicyKey,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+    snapshot: Callable[[], Snapshot] | None = None,
+) -> None:
     """Reconcile policy ``key`` (coalesced with the triggers queued behind a running pass,
     :meth:`.Reconciler.request`). The indexes are live: the pass reads them when it starts, not
-    when the trigger came."""
+    when the trigger came. ``snapshot`` reads the world elsewhere (the startup view's passes,
+    :func:`.startup.pass_listed`)."""
     indexes = runtime.indexes(memo)
     if not runtime.leads(memo):  # the leader reconciles; a standby keeps its indexes warm
         return
+    world = snapshot or (lambda: indexes.snapshot(key))
     for attempt in range(1, CONFLICT_RETRIES + 1):
         try:
-            await runtime.reconciler(memo).request(key, lambda: indexes.snapshot(key), logger)
+            await runtime.reconciler(memo).request(key, world, logger)
             return
         except NotLeader as exc:  # stepped down during the pass: the new leader redoes it
             logger.info(f"pass of {key[0]}/{key[1]} stopped: {exc}")
@@ -89,8 +96,12 @@ async def run_pass(key: PolicyKey, memo: kopf.Memo, logger: kopf.Logger) -> None
 
 def prefetch_while_listing(memo: kopf.Memo, quotas: Iterable[QuotaView]) -> None:
     """Quotas just indexed: while Kopf's initial listing goes on, on the leader, their key
-    Secrets are read in the background for the first pass (:mod:`.prefetch`)."""
+    Secrets are read in the background for the first pass (:mod:`.prefetch`), unless the
+    startup view covers the listing (:mod:`.startview`: it asks for its own pages' keys)."""
     if runtime.listing(memo).is_complete or not runtime.leads(memo):
+        return
+    view = runtime.startup_view(memo)
+    if view is not None and view.covers:
         return
     runtime.reconciler(memo).prefetch_keys(quotas)
 
@@ -141,6 +152,11 @@ class EventPasses:
             self._running.pop(key, None)
             # The start-up passes are over: the collector back to its usual work (.gcwindow).
             runtime.close_gc_window_if_settled(self.memo, bool(self._running))
+
+    @property
+    def busy(self) -> bool:
+        """A pass asked for by an event runs or waits for its turn."""
+        return bool(self._running)
 
     async def drain(self) -> None:
         """Return once no pass is running or asked for (tests)."""

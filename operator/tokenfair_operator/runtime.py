@@ -24,6 +24,7 @@ from .leader import LeaderElector
 from .listing import Listing
 from .reconcile import Reconciler
 from .settings import OperatorConfig
+from .startview import StartupView
 
 CONFIG: Final = "config"
 """The settings as read from the environment, once per process by the startup hook (a retried
@@ -43,6 +44,9 @@ the startup hook, shared by every object's copy of the memo."""
 GC_WINDOW: Final = "gc_window"
 """The start-up garbage collection window (:class:`.gcwindow.StartupCollection`): opened by the
 startup hook, closed once the listing and the passes it asked for are over."""
+START_VIEW: Final = "startup_view"
+"""The operator's own listing at startup and its passes (:class:`.startview.StartupView`), on
+the replica that led when the startup hook ran; absent elsewhere."""
 KEEPER: Final = "cert_keeper"
 TRUST: Final = "trust_publisher"
 
@@ -102,11 +106,21 @@ def generations(memo: kopf.Memo) -> Generations:
     return found
 
 
+def startup_view(memo: kopf.Memo) -> StartupView | None:
+    """The :data:`START_VIEW`, if the startup hook made one."""
+    found = memo.get(START_VIEW)
+    return found if isinstance(found, StartupView) else None
+
+
 def close_gc_window_if_settled(memo: kopf.Memo, passes_running: bool) -> None:
     """Close the start-up garbage collection window (:data:`GC_WINDOW`) once Kopf's listing
-    is over and no pass asked for by an event runs (``passes_running`` False)."""
+    is over, no pass asked for by an event runs (``passes_running`` False) and the startup
+    view's listing and passes are over (:mod:`.startview`)."""
     window = memo.get(GC_WINDOW)
     if not isinstance(window, StartupCollection) or not window.is_open or passes_running:
+        return
+    view = startup_view(memo)
+    if view is not None and view.running:
         return
     found = memo.get(LISTING)
     if isinstance(found, Listing) and found.is_complete:

@@ -6,7 +6,9 @@ ends before anything that writes; with a webhook or TLS port and
 Kopf's settings (:func:`.settings.configure_kopf`); with ``$TOKENFAIR_HTTP_PORT`` or
 ``$TOKENFAIR_HTTPS_PORT``, the HTTP server (:mod:`.serve`) and, over TLS, the serving-TLS loop
 (:mod:`.tls_loop`); then the resync (:mod:`.resync`) and usage (:mod:`.usage_loop`) loops, one
-each for the whole operator (:mod:`.periodic`).
+each for the whole operator (:mod:`.periodic`); last, on the leader, the operator's own listing of
+the policies, quotas and sidecar Pods (:mod:`.startview`), whose first pages are read before the
+hook returns (before Kopf lists anything) and whose passes publish before Kopf's listing is over.
 
 Everything lands in Kopf's memo (:mod:`.runtime`): ``memo[runtime.CONFIG]`` holds the settings
 as the startup hook read them from the environment, once per process (so a retried hook keeps
@@ -36,14 +38,15 @@ from .gcwindow import StartupCollection
 from .indexes import Indexes
 from .kube import KubeApi, api_client
 from .leader import LeaderElector
-from .listing import Listing
-from .passes import PASSES, EventPasses
+from .listing import Listing, yield_while
+from .passes import PASSES, EventPasses, run_pass
 from .periodic import Periodic
-from .reconcile import Reconciler
+from .reconcile import PolicyKey, Reconciler, Snapshot
 from .resync import resync_round
 from .serve import TokenAuthenticator, audience_reviewer, create_app, start_server
 from .serving_tls import ServingTLS, TrustPublisher
 from .settings import OperatorConfig, configure_kopf
+from .startview import PAGE, StartupView, World, watched_scope
 from .tls_loop import serving_tls_round
 from .usage_loop import usage_round
 
@@ -100,12 +103,59 @@ async def _start(
     periodic.start("tokenfair-resync", config.resync_interval_s, resync, logger)
     usage = usage_round(memo, logger, indexes, config.scrape_timeout_s)
     periodic.start("tokenfair-usage", config.usage_interval_s, usage, logger)
+    await list_ourselves(memo, settings, logger)
+
+
+async def list_ourselves(
+    memo: kopf.Memo, settings: kopf.OperatorSettings, logger: kopf.Logger, page: int = PAGE
+) -> None:
+    """On the leader, the operator's own listing (:mod:`.startview`, ``page`` objects a LIST
+    page): its first pages read here, before Kopf lists anything; the rest and the passes over
+    it in the background."""
+    if not runtime.leads(memo) or isinstance(memo.get(runtime.START_VIEW), StartupView):
+        return  # a standby: Kopf's indexes; a retried hook: the view of the first attempt
+    try:
+        scope = watched_scope(settings.peering.clusterwide)
+    except LookupError as exc:
+        logger.info(f"no startup listing ({exc}): the first pass waits for Kopf's listing")
+        return
+    reconciler = runtime.reconciler(memo)
+    view = memo[runtime.START_VIEW] = StartupView(
+        reconciler.api, scope, page, on_quotas=reconciler.prefetch_keys
+    )
+    if await view.begin():
+        yield_while(lambda: view.running)  # Kopf's listing leaves the view's threads time
+        view.start(lambda world: pass_listed(world, memo, logger))
+
+
+async def pass_listed(world: World, memo: kopf.Memo, logger: kopf.Logger) -> None:
+    """One pass of each policy of the startup listing's ``world`` (:mod:`.startview`), reading
+    that world while Kopf's listing is not over and Kopf's indexes once it is (decided as each
+    pass starts). Nothing when Kopf's listing was over first: its handlers' passes serve."""
+    listing = runtime.listing(memo)
+    indexes = runtime.indexes(memo)
+    for key in world.policy_keys():
+        if listing.is_complete:
+            break
+
+        def snapshot(key: PolicyKey = key) -> Snapshot:
+            return indexes.snapshot(key) if listing.is_complete else world.snapshot(key)
+
+        try:
+            await run_pass(key, memo, logger, snapshot)
+        except Exception:
+            logger.exception(f"startup pass of {key[0]}/{key[1]} failed; the resync retries")
+    passes = memo.get(PASSES)
+    runtime.close_gc_window_if_settled(memo, isinstance(passes, EventPasses) and passes.busy)
 
 
 async def stop(memo: kopf.Memo) -> None:
     """Stop what :func:`start` started (whatever of it did start); idempotent. The loops and
     the server leave the memo; a stopped elector stays there, telling every writer that this
     replica does not lead (:func:`.runtime.leads`), until a retried start replaces it."""
+    view = memo.get(runtime.START_VIEW)
+    if isinstance(view, StartupView):
+        await view.stop()  # the startup listing and its passes
     passes = memo.get(PASSES)
     if isinstance(passes, EventPasses):
         await passes.close()  # the passes events asked for: the next leader's pass redoes them

@@ -10,6 +10,7 @@ Behaviours under test:
   policy) whose document the sidecar's ``parse_documents`` reads as the lesson's tenants, a
   Secret with the same version, and Ready/Accepted/ConfigPublished, observedGeneration and
   configVersion in every status; no finalizer, our annotations only, none of Kopf's defaults;
+  the operator (``--namespace``) made its own startup listing of that namespace;
 - an update reaches the ConfigMap with a new version; a deleted quota leaves the document;
 - refusals: a duplicate tenant id, a missing policy, a missing key Secret -> the documented
   reasons and a Warning Event; creating the Secret later admits the tenant with its key digest,
@@ -59,6 +60,7 @@ from operator_support import (
     apply,
     condition,
     get,
+    log_shows,
     policy_path,
     published,
     quota,
@@ -188,6 +190,11 @@ def test_lesson_tenants_are_published(
 ) -> None:
     ns = kube_namespace
     config = apply_lesson(kube_cluster, ns)
+    # Its own startup listing (.startview) of the namespace kopf run was given: not skipped
+    # (a namespace kopf watches is known), not failed (the shipped RBAC lists all three).
+    started = log_shows(operator, "startup listing: ")
+    assert "no startup listing" not in started
+    assert "startup listing failed" not in started
 
     assert sorted(config.tenants, key=lambda t: t.tenant_id) == sorted(
         LESSON_TENANTS, key=lambda t: t.tenant_id

@@ -29,6 +29,7 @@ import asyncio
 import collections
 import copy
 import logging
+import time
 from typing import Any, cast
 
 import kopf
@@ -239,3 +240,36 @@ async def test_events_ask_for_passes_without_waiting_for_them(
     assert started == [POOL] * 4
     await queue.close()
     await runtime.reconciler(memo).close()
+
+
+async def test_kopf_lists_gently_while_the_startup_view_works(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the startup view lists and passes (``yield_while``), Kopf's watcher pauses after
+    each batch of listed objects as long as the batch took (capped); otherwise it only lets
+    the loop turn (a zero sleep), as before."""
+    slept: list[float] = []
+    real_sleep = asyncio.sleep
+    ticks = iter(range(1_000_000))
+
+    async def recorded(delay: float, *args: Any) -> None:
+        slept.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", recorded)
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 0.0005)
+    working = [True]
+    listing.yield_while(lambda: working[0])
+    try:
+        toggles = aiotoggles.ToggleSet(all)
+        for i in range(3 * listing.RELEASE_BATCH):
+            await toggles.make_toggle(name=f"object-{i}")
+        assert len(slept) == 3
+        assert slept[0] == 0  # no batch timed before the first pause
+        assert all(0 < s <= listing.MAX_YIELD_S for s in slept[1:])
+        working[0] = False  # the view's passes are over
+        for i in range(listing.RELEASE_BATCH):
+            await toggles.make_toggle(name=f"later-{i}")
+        assert slept[3:] == [0]
+    finally:
+        listing.yield_while(lambda: False)
