@@ -421,7 +421,8 @@ class Scheduler(ABC):
         running requests surely hold ``held_blocks`` (:mod:`tokenfair.server.kv_view`: each
         one that has shown tokens its prompt and the tokens so far, at most its reservation;
         nothing for one that has not — a prompt the engine may not have allocated yet is never
-        taken as held). Until the next report the gates see::
+        taken as held — nor for one the engine preempted; at most ``used_blocks``). Until the
+        next report the gates see::
 
             gate = resident + (used - held)           (kv_correction_blocks = used - held)
 

@@ -23,8 +23,12 @@ Each fresh report of the engine (``used`` blocks, running and waiting requests:
   running requests — a stream that has shown tokens its estimated prompt and the tokens relayed,
   at most its reservation; nothing for one that has not (a prompt the engine may not hold yet is
   never taken as held): the engine's blocks plus every running request's remaining growth to
-  its reservation. Conservative: decode growth of the requests already running is never taken
-  as free, so an admitted request fits when every one reaches its ``max_tokens``;
+  its reservation. Under preemption (the report runs fewer than have started here) the
+  most recently sent streams that have shown tokens, as many as the difference, hold nothing
+  (the engine freed their blocks, newest first); and ``held`` is at most ``used``.
+  Conservative: decode growth of the requests already running is never taken as free, nor are
+  a preempted request's freed blocks, so an admitted request fits when every one reaches its
+  ``max_tokens``;
 * **the view** (``/status`` ``kv.view_blocks``, ``tokenfair_kv_view_ratio``) is what the engine
   holds *now*: the model with the prompts at the engine's own count — the sidecar's estimate
   times :attr:`KvView.prompt_ratio`, learned from the prompt usage the engine reports (its
@@ -125,16 +129,40 @@ class KvView:
     def running(self) -> int:
         return len(self._running)
 
-    def gate_blocks_held(self, scheduler: Scheduler) -> int:
+    def gate_blocks_held(
+        self, scheduler: Scheduler, running: int | None = None, used_blocks: int | None = None
+    ) -> int:
         """The blocks the engine surely holds for the running requests, by the gates' model:
         each stream that has shown tokens its estimated prompt and the tokens relayed, at most
         its reservation; nothing for one that has not (waiting in the engine, on its way to
         it, or being prefilled: a prompt the engine may not hold yet is never taken as held,
         so ``used - held`` never credits blocks about to be allocated); a request the books
         hold that is not tracked here (dispatched this instant, or done and its KV still held)
-        at its reservation."""
+        at its reservation.
+
+        With the engine's report: when it runs fewer requests (``running``) than have started
+        here (streamed or sent whole), the engine has preempted the difference (vLLM frees a
+        preempted request's blocks and requeues it, newest first): the most recently sent of
+        the streams that have shown tokens, as many as that difference, hold nothing. And the
+        total is at most the engine's ``used_blocks``: it cannot surely hold more than it
+        reports in use."""
         block = scheduler.policy.kv_block_tokens
         jobs = scheduler.jobs
+        preempted: set[str] = set()
+        if running is not None:
+            started = [
+                (progress.sequence, request_id)
+                for request_id, progress in self._running.items()
+                if progress.events or not progress.stream
+            ]
+            excess = len(started) - running
+            if excess > 0:
+                streamed = sorted(
+                    (sequence, request_id)
+                    for sequence, request_id in started
+                    if self._running[request_id].events
+                )
+                preempted = {request_id for _, request_id in streamed[-excess:]}
         held = 0
         tracked = 0
         for request_id, progress in self._running.items():
@@ -142,11 +170,12 @@ class KvView:
             if job is None or job.state is JobState.QUEUED:
                 continue
             tracked += job.kv_blocks
-            if progress.events:
+            if progress.events and request_id not in preempted:
                 request = job.request
                 tokens = request.prefill_tokens + min(progress.events, request.decode_tokens)
                 held += min(job.kv_blocks, -(-tokens // block))
-        return held + max(0, scheduler.resident_blocks - tracked)
+        held += max(0, scheduler.resident_blocks - tracked)
+        return held if used_blocks is None else min(held, max(0, used_blocks))
 
     def modelled_blocks(self, scheduler: Scheduler) -> int:
         """The blocks the engine holds now by the view's model (the module's docstring), each
@@ -205,7 +234,9 @@ class KvView:
         # An engine with nobody waiting starts what it is sent at once (its prompt is
         # allocated before the first token shows); one with a queue queues it.
         self._room_from = self._sent if waiting == 0 else None
-        scheduler.observe_engine_kv(used_blocks, self.gate_blocks_held(scheduler))
+        scheduler.observe_engine_kv(
+            used_blocks, self.gate_blocks_held(scheduler, running, used_blocks)
+        )
         self._view_correction = used_blocks - self.modelled_blocks(scheduler)
 
     def view_blocks(self, scheduler: Scheduler) -> int:

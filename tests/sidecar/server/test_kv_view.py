@@ -408,6 +408,38 @@ def test_a_report_before_the_engine_sees_a_request_gives_no_credit() -> None:
     assert view.view_blocks(scheduler) == 0
 
 
+def test_preempted_streams_hold_nothing_and_held_is_at_most_used() -> None:
+    # Four streams sent (2000-token prompts, 500 max_tokens), all have streamed 100 tokens.
+    # The engine then reports only 2 running and 2 waiting: it preempted the two newest (vLLM
+    # frees their blocks and requeues them, newest first). Counting them as holding their
+    # prompt and tokens would make `used - held` undercount and the gates admit past the
+    # engine's capacity.
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=1000, max_batch_requests=8
+    )
+    scheduler = make_scheduler("tokenfair", keyed_config(policy))
+    view = KvView()
+    for number in range(4):
+        request_id = f"r{number}"
+        request = Request(request_id, "tenant_chat_pro", 0.0, 2000, 500, "interactive")
+        assert scheduler.submit(request, 0.0) is None
+        assert scheduler.next_dispatch(0.0) is not None
+        tracked = view.track(request_id)
+        assert tracked is not None
+        tracked.relayed(b"data: {}\n\n" * 100)
+    # r0 and r1 hold their 2100 tokens; r2 and r3 nothing.
+    used = 2 * blocks(2100)
+    view.observe(scheduler, used, running=2, waiting=2)
+    assert scheduler.kv_gate_blocks == 4 * blocks(2500)
+    assert view.gate_blocks_held(scheduler, 2, used) == 2 * blocks(2100)
+    # Without the running count, all four streamed ones count as held (no preemption seen).
+    assert view.gate_blocks_held(scheduler) == 4 * blocks(2100)
+    # `held` is at most what the engine reports in use: gates never below the books.
+    view.observe(scheduler, blocks(2100), running=4, waiting=0)
+    assert scheduler.kv_gate_blocks == scheduler.resident_blocks == 4 * blocks(2500)
+    assert view.gate_blocks_held(scheduler, 4, blocks(2100)) == blocks(2100)
+
+
 def test_the_costmodel_engines_view_is_the_books() -> None:
     # Its stream chunks are no engine's tokens: nothing is followed, the view is the books.
     from tokenfair.core.cost import CostModel
