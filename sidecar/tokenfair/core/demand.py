@@ -70,7 +70,9 @@ class DemandGauge:
         self.rate_per_ms = rate_per_ms
 
     def admitted(self, decision_lane: int, service_tokens: int, now_ms: float) -> None:
-        """A request of the lane was admitted (queued) now."""
+        """A request of the lane was admitted (queued) now (what left the window goes first, so
+        that the window stays bounded without reads)."""
+        self._expire(decision_lane, now_ms)
         self._offered[decision_lane].append((now_ms, service_tokens))
         self._offered_tokens[decision_lane] += service_tokens
 
@@ -92,11 +94,15 @@ class DemandGauge:
 
     def offered_tokens(self, lane: int, now_ms: float) -> int:
         """Service tokens offered to the lane in ``(now - W, now]``."""
+        self._expire(lane, now_ms)
+        return self._offered_tokens[lane]
+
+    def _expire(self, lane: int, now_ms: float) -> None:
+        """Drop the lane's offers at or before ``now - W``."""
         window = self._offered[lane]
         horizon_ms = now_ms - self._windows_ms[lane]
         while window and window[0][0] <= horizon_ms:
             self._offered_tokens[lane] -= window.popleft()[1]
-        return self._offered_tokens[lane]
 
     def ratio(self, lane: int, queued_tokens: int, now_ms: float) -> float:
         """The lane's demand over capacity now, given its queued service tokens (the running

@@ -194,6 +194,7 @@ class TokenfairScheduler(Scheduler):
         # Per lane, the sampled requests in the order admitted, (id, arrival, predicted wait):
         # the oldest still queued is the first whose id is still in `_predicted_ms`.
         self._admitted_order: tuple[deque[tuple[str, float, float]], ...] = (deque(), deque())
+        self._curve: BatchingCurve | None = None  # the engine model they measure
         self._batch_floor_slots = 1  # max(1, ceil(batchMinShare * S)) (`_adopt_cost_model`)
         self._interactive_tenants = False  # the configuration has an interactive tenant
         # Recent service per lane, per tenant and in all (time constant: SERVICE_MEMORY_LIMITS).
@@ -246,6 +247,14 @@ class TokenfairScheduler(Scheduler):
         # `watermark * total_kv_blocks` per lane: `kv_wait_ms`'s bound, the same product.
         self._kv_limits = tuple(mark * policy.total_kv_blocks for mark in self._watermarks)
         curve = BatchingCurve.from_policy(policy)
+        if curve != self._curve:
+            # A new engine model (a recalibration): the wait correction measured the old one.
+            self._curve = curve
+            self._waited = (DemandRate(), DemandRate())
+            self._predicted = (DemandRate(), DemandRate())
+            self._predicted_ms.clear()
+            for order in self._admitted_order:
+                order.clear()
         if curve.max_batch_requests == 1:
             self._engine = None
         elif self._engine is None:

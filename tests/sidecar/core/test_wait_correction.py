@@ -16,6 +16,8 @@ Behaviours under test:
   served.
 - Not sampled: a wait for the tenant's budget (not the engine model's), the interactive lane.
 - A serial engine (``maxBatchRequests`` 1) has no correction: 1 whatever happens.
+- A reload that changes the engine model (a recalibration) starts it again at 1; one that keeps
+  the model keeps it.
 """
 
 from __future__ import annotations
@@ -149,6 +151,29 @@ def test_the_correction_starts_at_1_and_an_expiry_raises_it() -> None:
     # than three times its prediction, here at the bound.
     assert EXPIRED_WAIT_LIMITS == 3.0
     assert fair.wait_correction(LANE_BATCH, limit_ms + 1.0) == high
+
+
+def test_a_new_engine_model_starts_the_correction_again() -> None:
+    config = build_config(policy(max_batch_requests=2, batch_throughput_gain=2.0), tenants(False))
+    fair = TokenfairScheduler(config)
+    low, high = WAIT_CORRECTION_RANGE
+    for i in range(4):
+        assert fair.submit(request(f"b{i}", "rag", 0.0), 0.0) is None
+    fair.next_dispatch(0.0)
+    fair.next_dispatch(0.0)
+    limit_ms = fair.policy.max_batch_wait_ms
+    fair.expire(limit_ms + 1.0)  # b2 and b3 expire: the correction at its bound
+    assert fair.submit(request("b4", "rag", limit_ms + 1.0), limit_ms + 1.0) is None
+    now_ms = limit_ms + 2.0
+    assert fair.wait_correction(LANE_BATCH, now_ms) == high
+    # A reload that leaves the engine model alone keeps what was learned.
+    fair.reconfigure(replace(config, version="2"), now_ms)
+    assert fair.wait_correction(LANE_BATCH, now_ms) == high
+    # A recalibration (another rate) forgets it, the queued request's prediction included.
+    faster = replace(config.policy, service_tokens_per_ms=2 * RATE)
+    fair.reconfigure(build_config(faster, tenants(False)), now_ms)
+    assert fair.wait_correction(LANE_BATCH, now_ms) == low
+    assert fair.wait_correction(LANE_BATCH, now_ms + 10 * limit_ms) == low
 
 
 def test_a_request_that_waited_less_than_predicted_leaves_it_at_1() -> None:

@@ -82,6 +82,16 @@ def test_the_signal_counts_capacity_refusals_at_admission_only() -> None:
     assert gauge.ratio(LANE_INTERACTIVE, 0, 1010.0) == 0.0
 
 
+def test_the_window_stays_bounded_without_reads() -> None:
+    # A sidecar nobody scrapes: admissions alone must drop what left the window.
+    gauge = DemandGauge((1000.0, 5000.0), 1.0)
+    for n in range(10_000):
+        gauge.admitted(LANE_INTERACTIVE, 10, n * 10.0)  # one every 10 ms, over 100 s
+    assert len(gauge._offered[LANE_INTERACTIVE]) <= 1000 // 10 + 1
+    # What is left is exactly the last wait limit's: (99,990 - 1000, 99,990], 100 offers.
+    assert gauge.offered_tokens(LANE_INTERACTIVE, 99_990.0) == 100 * 10
+
+
 def test_the_autoscaled_replay_meets_the_slo_for_fewer_replica_seconds() -> None:
     config, trace = load_step()
     slo = Slo(config.policy.max_interactive_wait_ms, 0.01)
