@@ -16,6 +16,9 @@ which has not begun):
   pages come), Kopf's index asks for none while the view covers the listing, and each key
   Secret is read once; a LIST that fails (here a 403) turns the view off, logged, and Kopf's
   index feeds the prefetch as before;
+- a replica that stepped down since the startup listing publishes nothing of it, even when it
+  leads again before Kopf's listing is over (another leader may have published a newer world
+  meanwhile): its passes stop, Kopf's passes serve; losing the Lease abandons the view;
 - a standby makes no view; the namespaces listed are Kopf's: every namespace, or the plain
   names given to ``kopf run --namespace``; patterns are refused with the reason;
 - on the real API server (the shipped RBAC): the pages are one snapshot taken at the first
@@ -105,6 +108,10 @@ class PagedApi:
         self.pages: list[tuple[str, str]] = []
         """(path, continue token) of every page read."""
         self.forbidden: set[str] = set()
+        self.held: set[str] = set()
+        """Paths whose pages after the first wait for ``later_pages``."""
+        self.later_pages = threading.Event()
+        self.later_pages.set()
         self.key_reads: list[str] = []
         self.documents: list[int] = []
         """Tenants of each document published, in order."""
@@ -122,6 +129,8 @@ class PagedApi:
         self.pages.append((path, continue_token))
         if path in self.forbidden:
             raise ApiException(status=403, reason="Forbidden")
+        if continue_token and path in self.held:
+            assert self.later_pages.wait(10), "the test never released the pages"
         limit = int(dict(query)["limit"])
         start = int(continue_token or 0)
         items = self.lists.get(path, [])
@@ -311,6 +320,53 @@ async def test_the_view_feeds_the_prefetch_and_a_failed_list_hands_it_back_to_ko
     await closed(memo)
 
 
+async def test_a_replica_that_stepped_down_never_publishes_its_startup_world() -> None:
+    api = world(4, policies=("a",))
+    memo = operator_memo(api)
+    reconciler = runtime.reconciler(memo)
+    key = ("ns", "a")
+    # Another pass of a holds the policy's lock: the startup pass waits for it.
+    lock = reconciler._lock(key)
+    await lock.acquire()
+    view = await started_view(memo)
+    await until("the startup pass waits for the lock", lambda: key in reconciler._waiting)
+    # The Lease lost (the view is not told: only the term says it) and taken again before
+    # Kopf's listing is over; another leader published a newer world meanwhile.
+    reconciler.step_down()
+    assert runtime.leads(memo)
+    lock.release()
+    await view.settled()
+    assert api.documents == []  # not the world listed in the earlier term
+    # Kopf's listing over: its passes serve, from its indexes.
+    newer = [QuotaView.from_body(quota_body(i, "a")) for i in range(5)]
+    runtime.indexes(memo).quotas[key] = cast(Any, newer)  # type: ignore[index]
+    runtime.indexes(memo).policies[key] = cast(  # type: ignore[index]
+        Any, [PolicyView.from_body(policy_body("a"))]
+    )
+    runtime.listing(memo).mark_complete(lambda: 6)
+    await run_pass(key, memo, LOG)
+    assert api.documents == [5]
+    await closed(memo)
+
+
+async def test_losing_the_lease_abandons_the_view() -> None:
+    api = world(12)
+    api.held.add(QUOTAS_PATH)
+    api.later_pages.clear()
+    memo = operator_memo(api)
+    view = await started_view(memo)
+    await until("the second page is asked for", lambda: (QUOTAS_PATH, "4") in api.pages)
+    runtime.reconciler(memo).step_down()
+    view.abandon()  # the elector's on_lose
+    assert (view.state, view.world) == ("failed", None)
+    assert not view.covers  # Kopf's index feeds the prefetch again
+    api.later_pages.set()
+    await view.settled()
+    assert [token for path, token in api.pages if path == QUOTAS_PATH] == ["", "4"]
+    assert api.documents == []
+    await closed(memo)
+
+
 async def test_a_standby_makes_no_view(monkeypatch: pytest.MonkeyPatch) -> None:
     api = world(2)
     memo = operator_memo(api)
@@ -361,7 +417,7 @@ async def test_the_startup_listing_is_one_snapshot_of_the_api_server(
         view = StartupView(api, (ns,), page=100)
         assert await view.begin()
         create_in_parallel(kube_cluster, every_quota[STORED:])  # after the first page
-        view.start(lambda world: startup.pass_listed(world, memo, LOG))
+        view.start(lambda world: startup.pass_listed(world, memo, LOG, view.term))
         await view.settled()
         assert view.state == "done"
         startup_document = published(kube_cluster, ns)
