@@ -121,12 +121,17 @@ async def list_ourselves(
         return
     reconciler = runtime.reconciler(memo)
 
+    def over() -> None:  # the view stopped running: the GC window may close (.gcwindow)
+        passes = memo.get(PASSES)
+        runtime.close_gc_window_if_settled(memo, isinstance(passes, EventPasses) and passes.busy)
+
     view = memo[runtime.START_VIEW] = StartupView(
         reconciler.api,
         scope,
         page,
         term=reconciler.term,
         on_quotas=reconciler.prefetch_keys,
+        on_over=over,
     )
     if await view.begin():
         yield_while(lambda: view.running)  # Kopf's listing leaves the view's threads time
@@ -158,8 +163,6 @@ async def pass_listed(world: World, memo: kopf.Memo, logger: kopf.Logger, term: 
             await run_pass(key, memo, logger, snapshot)
         except Exception:
             logger.exception(f"startup pass of {key[0]}/{key[1]} failed; the resync retries")
-    passes = memo.get(PASSES)
-    runtime.close_gc_window_if_settled(memo, isinstance(passes, EventPasses) and passes.busy)
 
 
 async def stop(memo: kopf.Memo) -> None:

@@ -48,7 +48,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -204,6 +204,10 @@ class StartupView:
     """Called with each page's quotas as it arrives (the startup hook: their key Secrets read
     in the background meanwhile, :meth:`.Reconciler.prefetch_keys`, so the reads overlap the
     other pages instead of following them)."""
+    on_over: Callable[[], None] = lambda: None
+    """Called once the view stops running (its passes over, failed, abandoned or stopped): the
+    start-up garbage collection window may close then
+    (:func:`.runtime.close_gc_window_if_settled`)."""
     _pages: list[_Pages] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
 
@@ -233,7 +237,7 @@ class StartupView:
             for namespace in namespaces:
                 self._pages.append(_Pages(kind, kind.path(namespace), query))
         try:
-            await asyncio.gather(*(self._next(pages) for pages in self._pages))
+            await _all(self._next(pages) for pages in self._pages)
         except Exception as exc:
             self._fail(exc)
             return False
@@ -252,12 +256,13 @@ class StartupView:
 
     async def _run(self, publish: Callable[[World], Awaitable[None]]) -> None:
         try:
-            await asyncio.gather(*(self._rest(pages) for pages in self._pages))
+            await _all(self._rest(pages) for pages in self._pages)
         except Exception as exc:
             if self.running:
                 self._fail(exc)
+                self.on_over()
             return
-        if self.state != "listing":  # abandoned meanwhile
+        if self.state != "listing":  # abandoned meanwhile: it called on_over
             return
         world = self.world
         assert world is not None
@@ -279,6 +284,7 @@ class StartupView:
             self.world = None  # Kopf's indexes hold it from now on
             if self.state == "passing":
                 self.state = "done"
+            self.on_over()
         log.info("startup passes over %.1f s after the startup listing began", self.since())
 
     def since(self) -> float:
@@ -329,6 +335,7 @@ class StartupView:
         self.world = None
         self._pages.clear()
         log.info("startup listing abandoned (stepped down): the next pass waits for Kopf's listing")
+        self.on_over()
 
     async def settled(self) -> None:
         """Return once the background pages and passes are over (tests)."""
@@ -344,3 +351,16 @@ class StartupView:
         if self.running:
             self.state = "failed"
             self.world = None
+        self.on_over()
+
+
+async def _all(calls: Iterable[Awaitable[None]]) -> None:
+    """Await ``calls`` together; on the first failure the others are cancelled (no more pages
+    read, no more key Secrets asked for) before it is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
