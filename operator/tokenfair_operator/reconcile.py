@@ -270,6 +270,12 @@ class Reconciler:
             only_unknown=False,
         )
 
+    @property
+    def term(self) -> int:
+        """How many times this replica stepped down (:meth:`step_down`): what was read in
+        another term is not this term's to publish (:mod:`.startview`)."""
+        return self._term
+
     def step_down(self) -> None:
         """This replica no longer leads: forget the documents it serves, its queued status
         writes and its key cache (not refreshed while it stands by: a later term starts from

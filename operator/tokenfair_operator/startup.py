@@ -36,7 +36,7 @@ from . import runtime
 from .cert_bootstrap import own_certificates
 from .gcwindow import StartupCollection
 from .indexes import Indexes
-from .kube import KubeApi, api_client
+from .kube import KubeApi, NotLeader, api_client
 from .leader import LeaderElector
 from .listing import Listing, yield_while
 from .passes import PASSES, EventPasses, run_pass
@@ -120,33 +120,49 @@ async def list_ourselves(
         logger.info(f"no startup listing ({exc}): the first pass waits for Kopf's listing")
         return
     reconciler = runtime.reconciler(memo)
+
+    def over() -> None:  # the view stopped running: the GC window may close (.gcwindow)
+        passes = memo.get(PASSES)
+        runtime.close_gc_window_if_settled(memo, isinstance(passes, EventPasses) and passes.busy)
+
     view = memo[runtime.START_VIEW] = StartupView(
-        reconciler.api, scope, page, on_quotas=reconciler.prefetch_keys
+        reconciler.api,
+        scope,
+        page,
+        term=reconciler.term,
+        on_quotas=reconciler.prefetch_keys,
+        on_over=over,
     )
     if await view.begin():
         yield_while(lambda: view.running)  # Kopf's listing leaves the view's threads time
-        view.start(lambda world: pass_listed(world, memo, logger))
+        view.start(lambda world: pass_listed(world, memo, logger, view.term))
 
 
-async def pass_listed(world: World, memo: kopf.Memo, logger: kopf.Logger) -> None:
-    """One pass of each policy of the startup listing's ``world`` (:mod:`.startview`), reading
-    that world while Kopf's listing is not over and Kopf's indexes once it is (decided as each
-    pass starts). Nothing when Kopf's listing was over first: its handlers' passes serve."""
+async def pass_listed(world: World, memo: kopf.Memo, logger: kopf.Logger, term: int) -> None:
+    """One pass of each policy of the startup listing's ``world`` (:mod:`.startview`), listed in
+    leadership ``term`` (:attr:`.Reconciler.term`), reading that world while Kopf's listing is
+    not over and Kopf's indexes once it is (decided as each pass starts). Nothing when Kopf's
+    listing was over first (its handlers' passes serve), and no pass over ``world`` once this
+    replica stepped down since ``term``, even if it leads again: a world listed in an earlier
+    term may be older than the documents another leader published meanwhile."""
     listing = runtime.listing(memo)
     indexes = runtime.indexes(memo)
+    reconciler = runtime.reconciler(memo)
     for key in world.policy_keys():
-        if listing.is_complete:
+        if listing.is_complete or reconciler.term != term:
             break
 
         def snapshot(key: PolicyKey = key) -> Snapshot:
-            return indexes.snapshot(key) if listing.is_complete else world.snapshot(key)
+            if listing.is_complete:
+                return indexes.snapshot(key)
+            if reconciler.term != term:
+                raise NotLeader(f"stepped down since the startup listing (term {term})")
+            return world.snapshot(key)
 
         try:
             await run_pass(key, memo, logger, snapshot)
         except Exception:
             logger.exception(f"startup pass of {key[0]}/{key[1]} failed; the resync retries")
-    passes = memo.get(PASSES)
-    runtime.close_gc_window_if_settled(memo, isinstance(passes, EventPasses) and passes.busy)
 
 
 async def stop(memo: kopf.Memo) -> None:
@@ -182,8 +198,9 @@ async def _elect(
     """Leader election (:mod:`.leader`). On becoming the leader: a full pass of every policy
     at once (a standby only watched), so a failover costs the lease expiry plus one pass. On
     stepping down: the documents held, the queued status writes and the key cache are forgotten
-    (:meth:`.Reconciler.step_down`), so a replica elected again serves none from its previous
-    term (only what its first pass publishes, :mod:`.documents`)."""
+    (:meth:`.Reconciler.step_down`) and the startup view abandoned (:meth:`.StartupView.abandon`),
+    so a replica elected again serves none from its previous term (only what its first pass
+    publishes, :mod:`.documents`)."""
     resync = resync_round(memo, logger, indexes)
 
     async def on_lead() -> None:
@@ -192,13 +209,19 @@ async def _elect(
         except Exception:
             logger.exception("first pass as the leader failed; the resync retries")
 
+    def on_lose() -> None:
+        runtime.reconciler(memo).step_down()
+        view = runtime.startup_view(memo)
+        if view is not None:
+            view.abandon()  # listed in this term: not published in a later one (.startview)
+
     elector = LeaderElector(
         api,
         config.lease_namespace,
         config.lease_name,
         config.identity,
         on_lead=on_lead,
-        on_lose=runtime.reconciler(memo).step_down,
+        on_lose=on_lose,
         advertise=config.http_advertise,
     )
     memo[runtime.ELECTOR] = elector

@@ -26,8 +26,13 @@ R2 >= R1. A pass started from here reads this snapshot while Kopf's listing is n
 indexes once it is (decided when the pass starts, inside the policy's lock): every pass after one
 that read the indexes sees the world at R2 or later, where a tenant of this snapshot is missing
 only if it was deleted since. A previous leader's last document was made from a view older than
-R1: R1 is read after this replica took the Lease. A replica that is elected later uses Kopf's
-indexes only, as before.
+R1: R1 is read after this replica took the Lease. The view holds for that leadership term only
+(:attr:`StartupView.term`, the reconciler's :attr:`.Reconciler.term`): a replica that loses the
+Lease abandons it (:meth:`StartupView.abandon`), and a pass that would read it in a later term
+stops instead (:func:`.startup.pass_listed`), so a replica elected again before Kopf's listing is
+over never publishes the world of its earlier term over the documents another leader published
+meanwhile; Kopf's passes serve it. A replica that is elected later uses Kopf's indexes only, as
+before.
 
 **When it is not used** (Kopf's listing alone, as before, key Secrets prefetched while it lists,
 :mod:`.prefetch`): on a replica that does not lead at startup; when the namespaces Kopf watches
@@ -43,7 +48,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -192,10 +197,17 @@ class StartupView:
     """The TenantQuotas' LIST's resourceVersion (R1 in the module docstring)."""
     began: float = 0.0
     """``time.monotonic()`` when :meth:`begin` was called (for the log)."""
+    term: int = 0
+    """The leadership term the view is listed in (:attr:`.Reconciler.term` before :meth:`begin`):
+    its world is published in that term only (:func:`.startup.pass_listed`)."""
     on_quotas: Callable[[list[QuotaView]], None] = lambda quotas: None
     """Called with each page's quotas as it arrives (the startup hook: their key Secrets read
     in the background meanwhile, :meth:`.Reconciler.prefetch_keys`, so the reads overlap the
     other pages instead of following them)."""
+    on_over: Callable[[], None] = lambda: None
+    """Called once the view stops running (its passes over, failed, abandoned or stopped): the
+    start-up garbage collection window may close then
+    (:func:`.runtime.close_gc_window_if_settled`)."""
     _pages: list[_Pages] = field(default_factory=list)
     _task: asyncio.Task[None] | None = None
 
@@ -225,9 +237,11 @@ class StartupView:
             for namespace in namespaces:
                 self._pages.append(_Pages(kind, kind.path(namespace), query))
         try:
-            await asyncio.gather(*(self._next(pages) for pages in self._pages))
+            await _all(self._next(pages) for pages in self._pages)
         except Exception as exc:
             self._fail(exc)
+            return False
+        if self.state != "listing":  # abandoned meanwhile (:meth:`abandon`)
             return False
         quotas = next(p for p in self._pages if p.kind.into == "quotas")
         self.version = quotas.version
@@ -242,9 +256,13 @@ class StartupView:
 
     async def _run(self, publish: Callable[[World], Awaitable[None]]) -> None:
         try:
-            await asyncio.gather(*(self._rest(pages) for pages in self._pages))
+            await _all(self._rest(pages) for pages in self._pages)
         except Exception as exc:
-            self._fail(exc)
+            if self.running:
+                self._fail(exc)
+                self.on_over()
+            return
+        if self.state != "listing":  # abandoned meanwhile: it called on_over
             return
         world = self.world
         assert world is not None
@@ -264,7 +282,9 @@ class StartupView:
             await publish(world)
         finally:
             self.world = None  # Kopf's indexes hold it from now on
-            self.state = "done"
+            if self.state == "passing":
+                self.state = "done"
+            self.on_over()
         log.info("startup passes over %.1f s after the startup listing began", self.since())
 
     def since(self) -> float:
@@ -272,7 +292,7 @@ class StartupView:
         return time.monotonic() - self.began
 
     async def _rest(self, pages: _Pages) -> None:
-        while pages.token:
+        while pages.token and self.state == "listing":
             await self._next(pages)
 
     async def _next(self, pages: _Pages) -> None:
@@ -281,6 +301,8 @@ class StartupView:
         assert world is not None
         token = pages.token
         entries, version, pages.token = await asyncio.to_thread(self._page, pages, token)
+        if self.state != "listing":  # failed or abandoned meanwhile: nothing more is asked
+            return
         if not token:
             pages.version = version
         held: dict[PolicyKey, list[Any]] = getattr(world, pages.kind.into)
@@ -303,6 +325,18 @@ class StartupView:
             exc,
         )
 
+    def abandon(self) -> None:
+        """This replica stepped down (the Lease lost, :func:`.startup._elect`): the listed world
+        is dropped and the pages still to come are not read, so nothing of it is published, even
+        if this replica leads again before Kopf's listing is over (Kopf's passes serve then)."""
+        if not self.running:
+            return
+        self.state = "failed"
+        self.world = None
+        self._pages.clear()
+        log.info("startup listing abandoned (stepped down): the next pass waits for Kopf's listing")
+        self.on_over()
+
     async def settled(self) -> None:
         """Return once the background pages and passes are over (tests)."""
         if self._task is not None:
@@ -317,3 +351,16 @@ class StartupView:
         if self.running:
             self.state = "failed"
             self.world = None
+        self.on_over()
+
+
+async def _all(calls: Iterable[Awaitable[None]]) -> None:
+    """Await ``calls`` together; on the first failure the others are cancelled (no more pages
+    read, no more key Secrets asked for) before it is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -15,7 +15,12 @@ which has not begun):
 - each page's key Secrets are asked of the prefetch as the page arrives (read while the other
   pages come), Kopf's index asks for none while the view covers the listing, and each key
   Secret is read once; a LIST that fails (here a 403) turns the view off, logged, and Kopf's
-  index feeds the prefetch as before;
+  index feeds the prefetch as before; a later page that fails (an expired continue token's 410)
+  cancels the other LISTs, whose pages then ask for no key Secret, and the start-up garbage
+  collection window closes once Kopf's listing is over;
+- a replica that stepped down since the startup listing publishes nothing of it, even when it
+  leads again before Kopf's listing is over (another leader may have published a newer world
+  meanwhile): its passes stop, Kopf's passes serve; losing the Lease abandons the view;
 - a standby makes no view; the namespaces listed are Kopf's: every namespace, or the plain
   names given to ``kopf run --namespace``; patterns are refused with the reason;
 - on the real API server (the shipped RBAC): the pages are one snapshot taken at the first
@@ -44,6 +49,7 @@ from operator_support import published
 
 from tokenfair.config import document_text, loads_config
 from tokenfair_operator import runtime, startup
+from tokenfair_operator.gcwindow import StartupCollection
 from tokenfair_operator.indexes import Indexes
 from tokenfair_operator.kube import KubeApi
 from tokenfair_operator.listing import Listing
@@ -105,6 +111,12 @@ class PagedApi:
         self.pages: list[tuple[str, str]] = []
         """(path, continue token) of every page read."""
         self.forbidden: set[str] = set()
+        self.expired: set[str] = set()
+        """Paths whose pages after the first fail (410: the continue token expired)."""
+        self.held: set[str] = set()
+        """Paths whose pages after the first wait for ``later_pages``."""
+        self.later_pages = threading.Event()
+        self.later_pages.set()
         self.key_reads: list[str] = []
         self.documents: list[int] = []
         """Tenants of each document published, in order."""
@@ -122,6 +134,10 @@ class PagedApi:
         self.pages.append((path, continue_token))
         if path in self.forbidden:
             raise ApiException(status=403, reason="Forbidden")
+        if continue_token and path in self.expired:
+            raise ApiException(status=410, reason="Expired")
+        if continue_token and path in self.held:
+            assert self.later_pages.wait(10), "the test never released the pages"
         limit = int(dict(query)["limit"])
         start = int(continue_token or 0)
         items = self.lists.get(path, [])
@@ -311,6 +327,90 @@ async def test_the_view_feeds_the_prefetch_and_a_failed_list_hands_it_back_to_ko
     await closed(memo)
 
 
+async def test_a_failed_page_stops_the_other_lists_and_lets_the_gc_window_close(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    api = world(20)
+    api.lists[PODS_PATH] *= 3  # 9 Pods: 3 pages of 4
+    api.expired.add(PODS_PATH)  # their second page: 410
+    api.held.add(QUOTAS_PATH)  # the quotas' second page waits until the Pods' failed
+    api.later_pages.clear()
+    memo = operator_memo(api)
+    asked: list[str] = []
+    reconciler = runtime.reconciler(memo)
+    monkeypatch.setattr(reconciler, "prefetch_keys", lambda qs: asked.extend(q.name for q in qs))
+    window = memo[runtime.GC_WINDOW] = StartupCollection()
+    window.open()
+    try:
+        view = await started_view(memo)
+        runtime.listing(memo).mark_complete(lambda: 0)  # Kopf's listing over, no pass running
+        runtime.close_gc_window_if_settled(memo, passes_running=False)
+        assert window.is_open  # the view still lists
+        await until("the Pods' LIST failed", lambda: view.state == "failed")
+        await view.settled()
+        paging = [
+            t for t in asyncio.all_tasks() if "_rest" in getattr(t.get_coro(), "__name__", "")
+        ]
+        assert not paging  # the quotas' LIST cancelled, not left waiting for its page
+        api.later_pages.set()  # the quotas' second page arrives after the failure
+        assert asked == [f"q{i}" for i in range(4)]  # the first page's only
+        assert [token for path, token in api.pages if path == QUOTAS_PATH] == ["", "4"]
+        assert not window.is_open  # closed when the view failed
+        assert api.documents == []
+    finally:
+        window.close("test over")
+        await closed(memo)
+
+
+async def test_a_replica_that_stepped_down_never_publishes_its_startup_world() -> None:
+    api = world(4, policies=("a",))
+    memo = operator_memo(api)
+    reconciler = runtime.reconciler(memo)
+    key = ("ns", "a")
+    # Another pass of a holds the policy's lock: the startup pass waits for it.
+    lock = reconciler._lock(key)
+    await lock.acquire()
+    view = await started_view(memo)
+    await until("the startup pass waits for the lock", lambda: key in reconciler._waiting)
+    # The Lease lost (the view is not told: only the term says it) and taken again before
+    # Kopf's listing is over; another leader published a newer world meanwhile.
+    reconciler.step_down()
+    assert runtime.leads(memo)
+    lock.release()
+    await view.settled()
+    assert api.documents == []  # not the world listed in the earlier term
+    # Kopf's listing over: its passes serve, from its indexes.
+    newer = [QuotaView.from_body(quota_body(i, "a")) for i in range(5)]
+    runtime.indexes(memo).quotas[key] = cast(Any, newer)  # type: ignore[index]
+    runtime.indexes(memo).policies[key] = cast(  # type: ignore[index]
+        Any, [PolicyView.from_body(policy_body("a"))]
+    )
+    runtime.listing(memo).mark_complete(lambda: 6)
+    await run_pass(key, memo, LOG)
+    assert api.documents == [5]
+    await closed(memo)
+
+
+async def test_losing_the_lease_abandons_the_view() -> None:
+    api = world(12)
+    api.held.add(QUOTAS_PATH)
+    api.later_pages.clear()
+    memo = operator_memo(api)
+    over: list[str] = []
+    view = await started_view(memo)
+    view.on_over = lambda: over.append(view.state)
+    await until("the second page is asked for", lambda: (QUOTAS_PATH, "4") in api.pages)
+    runtime.reconciler(memo).step_down()
+    view.abandon()  # the elector's on_lose
+    assert (view.state, view.world, over) == ("failed", None, ["failed"])
+    assert not view.covers  # Kopf's index feeds the prefetch again
+    api.later_pages.set()
+    await view.settled()
+    assert [token for path, token in api.pages if path == QUOTAS_PATH] == ["", "4"]
+    assert api.documents == []
+    await closed(memo)
+
+
 async def test_a_standby_makes_no_view(monkeypatch: pytest.MonkeyPatch) -> None:
     api = world(2)
     memo = operator_memo(api)
@@ -361,7 +461,7 @@ async def test_the_startup_listing_is_one_snapshot_of_the_api_server(
         view = StartupView(api, (ns,), page=100)
         assert await view.begin()
         create_in_parallel(kube_cluster, every_quota[STORED:])  # after the first page
-        view.start(lambda world: startup.pass_listed(world, memo, LOG))
+        view.start(lambda world: startup.pass_listed(world, memo, LOG, view.term))
         await view.settled()
         assert view.state == "done"
         startup_document = published(kube_cluster, ns)
