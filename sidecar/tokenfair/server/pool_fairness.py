@@ -13,9 +13,11 @@ tenant's tokens added, then every named tenant's total answered in order (the te
 service to send, and those backlogged here: the ones whose order the answer decides). Both keys
 expire 7 days after their last batch (a pool idle that long starts again from zero, as an
 emptied store does). Garbage is repaired, never believed: a key that is not a hash is deleted; a
-field that is no integer (or beyond 2^53) is set to the highest valid total of its hash (the
-tenant yields until the others catch up, rather than being served as if it had had nothing),
-and counted (``repaired_fields``).
+field that is no integer, negative or beyond 2^53 is set to the highest valid total of its hash
+(the tenant yields until the others catch up, rather than being served as if it had had
+nothing — a negative total would have it served before every other tenant of every replica),
+and counted (``repaired_fields``). A total is never written below 0 (a refund sent after the
+store restarted empty stops at 0), and a negative total answered is refused (the batch fails).
 
 **When.** Every :data:`PASS_INTERVAL_S` the task asks the core whether a batch is due
 (``PoolService.due``: ``fairnessLeaseServiceTokens`` given since the last batch, or
@@ -80,14 +82,14 @@ for lane = 1, #KEYS do
     if stored then
       value = tonumber(stored)
       if value == nil or value ~= value or value ~= math.floor(value)
-          or value > 9007199254740992 or value < -9007199254740992 then
+          or value > 9007199254740992 or value < 0 then
         if highest == nil then
           highest = 0
           local all = redis.call('HVALS', key)
           for j = 1, #all do
             local v = tonumber(all[j])
             if v and v == v and v == math.floor(v) and v <= 9007199254740992
-                and v >= -9007199254740992 and v > highest then
+                and v > highest then
               highest = v
             end
           end
@@ -98,6 +100,9 @@ for lane = 1, #KEYS do
       end
     end
     value = value + delta
+    if value < 0 then
+      value = 0
+    end
     if delta ~= 0 or stored == nil then
       redis.call('HSET', key, field, string.format('%.0f', value))
     end
@@ -271,14 +276,18 @@ class PoolFairness:
 
 
 def _totals(reply: Any, batch: tuple[list[tuple[str, int]], ...]) -> tuple[list[int], ...]:
-    """The script's answer, believed only in shape: one integer per named tenant, per lane."""
+    """The script's answer, believed only in shape: one integer per named tenant, per lane,
+    none negative (a negative total would put its tenant before every other one)."""
     if not isinstance(reply, list) or len(reply) != len(batch) + 1:
         raise ValueError(f"fairness answer out of shape: {str(reply)[:100]}")
     totals: list[list[int]] = []
     for values, entries in zip(reply, batch, strict=False):
         if not isinstance(values, list) or len(values) != len(entries):
             raise ValueError(f"fairness answer out of shape: {str(reply)[:100]}")
-        totals.append([int(value) for value in values])
+        lane = [int(value) for value in values]
+        if any(value < 0 for value in lane):
+            raise ValueError(f"fairness answer holds a negative total: {str(reply)[:100]}")
+        totals.append(lane)
     return tuple(totals)
 
 
