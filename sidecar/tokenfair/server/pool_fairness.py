@@ -48,6 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tokenfair.config.budget_store import BudgetStoreConfig
+from tokenfair.core.jobs import UNITS_PER_TOKEN
 from tokenfair.core.pool_order import PoolService
 from tokenfair.core.tokenfair import TokenfairScheduler
 
@@ -154,10 +155,20 @@ class PoolFairness:
         self.last_error = ""
         self.changed_at_ms = self.monotonic_ms()
         self.next_probe_ms = 0.0
+        self.forgotten: set[str] = set()
+        """Tenants a reload removed (:meth:`forget`)."""
 
     def adopt(self, store: BudgetStoreConfig) -> None:
         """A reload's settings (the sync interval, the lease, the timeouts); the keys stay."""
         self.store = store
+
+    def forget(self, removed: set[str], present: set[str]) -> None:
+        """A reload removed the tenants ``removed`` (and has ``present``): their counters and
+        their fields in the store are dropped once nothing of theirs is left here to order or
+        to send (:meth:`_drop_forgotten`, at each batch). The ids stay remembered (one string
+        each) until a reload adds them again, so a late settlement is cleaned too."""
+        self.forgotten |= removed
+        self.forgotten -= present
 
     async def run(self) -> None:
         """Pass after pass until cancelled; a pass that fails unexpectedly is logged."""
@@ -215,12 +226,42 @@ class PoolFairness:
             return False
         service.absorb(batch, totals)
         self.batches += 1
+        if self.forgotten:
+            await self._drop_forgotten()
         repaired = int(reply[-1])
         if repaired:
             self.repaired_fields += repaired
             log.warning("pool fairness: %d field(s) or key(s) of %s held garbage: repaired",
                         repaired, ", ".join(self.keys))  # fmt: skip
         return True
+
+    async def _drop_forgotten(self) -> None:
+        """Drop the counters of removed tenants with nothing here left to order or send (not
+        backlogged, no whole token unsent, none in flight), and HDEL their fields (one call per lane
+        with some; a failure is counted and tried again at the next batch)."""
+        for key, lane in zip(self.keys, self.service.lanes, strict=True):
+            backlogged = set(lane.backlog())
+            idle = [
+                tenant_id
+                for tenant_id in self.forgotten
+                if tenant_id not in backlogged
+                and -UNITS_PER_TOKEN < lane.unsynced.get(tenant_id, 0) < UNITS_PER_TOKEN
+                and tenant_id not in lane.pushing_units
+                and (tenant_id in lane.pool_units or tenant_id in lane.active_epoch)
+            ]
+            if not idle:
+                continue
+            try:
+                self.store_calls += 1
+                await self._bounded(self.client.hdel(key, *idle))
+            except Exception as exc:
+                self._failed(exc)
+                continue
+            for tenant_id in idle:
+                lane.unsynced_units -= abs(lane.unsynced.pop(tenant_id, 0))  # below a token
+                lane.pool_units.pop(tenant_id, None)
+                lane.offsets.pop(tenant_id, None)
+                lane.active_epoch.pop(tenant_id, None)
 
     async def _bounded(self, call: Any) -> Any:
         async with asyncio.timeout(self.store.timeout_ms / 1000.0):

@@ -306,6 +306,9 @@ class Sidecar:
             self.pool.adopt(enforced)
         if self.pool_fairness is not None and enforced.budget_store is not None:
             self.pool_fairness.adopt(enforced.budget_store)
+            present = {tenant.tenant_id for tenant in config.tenants}
+            before = {tenant.tenant_id for tenant in self.config.tenants}
+            self.pool_fairness.forget(before - present, present)
         if notice:
             log.warning("config reload: %s", notice)
         self.budget_store_notice = notice

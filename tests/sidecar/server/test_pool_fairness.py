@@ -12,6 +12,8 @@ synchronously on fake clocks:
 - garbage in the store (a key of the wrong type, a field that is no integer or negative) is
   repaired and counted, the garbled tenant set to the highest valid total: a negative field
   does not starve the other tenants; no total is written below 0 nor believed below 0;
+- a tenant a reload removed is dropped from the counters and its fields deleted once it has
+  nothing left here;
 - the config fields (``fairness``, ``fairnessSyncMs``, ``fairnessLeaseServiceTokens``) and their
   errors.
 """
@@ -244,6 +246,35 @@ async def test_no_total_is_written_or_believed_below_zero(
     assert await client.hget(keys[0], "flood") == b"0"
     with pytest.raises(ValueError, match="negative total"):
         _totals([[-50], [], 0], ([("flood", -50)], []))
+
+
+async def test_a_removed_tenant_is_dropped_here_and_in_the_store(
+    redis_server: RedisServer, client: redis_asyncio.Redis
+) -> None:
+    clock = FakeClock()
+    replica = Replica(_store(redis_server.url), client, clock)
+    replica.offer("pinned", 10)
+    replica.offer("flood", 3)
+    replica.serve(6)
+    clock.now_ms += 200.0
+    await replica.fairness.refresh()
+    assert set(await client.hkeys("t30:fair:interactive")) == {b"pinned", b"flood"}
+    lane = replica.fairness.service.lanes[0]
+    replica.fairness.forget({"flood"}, {"pinned"})
+    replica.serve(1)  # flood's last queued request, if any: still served, then dropped
+    clock.now_ms += 200.0
+    await replica.fairness.refresh()
+    assert await client.hkeys("t30:fair:interactive") == [b"pinned"]
+    assert "flood" not in lane.pool_units
+    assert "flood" not in lane.active_epoch
+    assert "pinned" in lane.pool_units
+    # the tenant added back by a later reload is not dropped again
+    replica.fairness.forget(set(), {"pinned", "flood"})
+    replica.offer("flood", 1)
+    replica.serve(3)
+    clock.now_ms += 200.0
+    await replica.fairness.refresh()
+    assert b"flood" in await client.hkeys("t30:fair:interactive")
 
 
 def test_the_config_fields() -> None:
