@@ -13,9 +13,11 @@ tenant's tokens added, then every named tenant's total answered in order (the te
 service to send, and those backlogged here: the ones whose order the answer decides). Both keys
 expire 7 days after their last batch (a pool idle that long starts again from zero, as an
 emptied store does). Garbage is repaired, never believed: a key that is not a hash is deleted; a
-field that is no integer (or beyond 2^53) is set to the highest valid total of its hash (the
-tenant yields until the others catch up, rather than being served as if it had had nothing),
-and counted (``repaired_fields``).
+field that is no integer, negative or beyond 2^53 is set to the highest valid total of its hash
+(the tenant yields until the others catch up, rather than being served as if it had had
+nothing — a negative total would have it served before every other tenant of every replica),
+and counted (``repaired_fields``). A total is never written below 0 (a refund sent after the
+store restarted empty stops at 0), and a negative total answered is refused (the batch fails).
 
 **When.** Every :data:`PASS_INTERVAL_S` the task asks the core whether a batch is due
 (``PoolService.due``: ``fairnessLeaseServiceTokens`` given since the last batch, or
@@ -46,6 +48,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tokenfair.config.budget_store import BudgetStoreConfig
+from tokenfair.core.jobs import UNITS_PER_TOKEN
 from tokenfair.core.pool_order import PoolService
 from tokenfair.core.tokenfair import TokenfairScheduler
 
@@ -80,14 +83,14 @@ for lane = 1, #KEYS do
     if stored then
       value = tonumber(stored)
       if value == nil or value ~= value or value ~= math.floor(value)
-          or value > 9007199254740992 or value < -9007199254740992 then
+          or value > 9007199254740992 or value < 0 then
         if highest == nil then
           highest = 0
           local all = redis.call('HVALS', key)
           for j = 1, #all do
             local v = tonumber(all[j])
             if v and v == v and v == math.floor(v) and v <= 9007199254740992
-                and v >= -9007199254740992 and v > highest then
+                and v > highest then
               highest = v
             end
           end
@@ -98,6 +101,9 @@ for lane = 1, #KEYS do
       end
     end
     value = value + delta
+    if value < 0 then
+      value = 0
+    end
     if delta ~= 0 or stored == nil then
       redis.call('HSET', key, field, string.format('%.0f', value))
     end
@@ -149,10 +155,20 @@ class PoolFairness:
         self.last_error = ""
         self.changed_at_ms = self.monotonic_ms()
         self.next_probe_ms = 0.0
+        self.forgotten: set[str] = set()
+        """Tenants a reload removed (:meth:`forget`)."""
 
     def adopt(self, store: BudgetStoreConfig) -> None:
         """A reload's settings (the sync interval, the lease, the timeouts); the keys stay."""
         self.store = store
+
+    def forget(self, removed: set[str], present: set[str]) -> None:
+        """A reload removed the tenants ``removed`` (and has ``present``): their counters and
+        their fields in the store are dropped once nothing of theirs is left here to order or
+        to send (:meth:`_drop_forgotten`, at each batch). The ids stay remembered (one string
+        each) until a reload adds them again, so a late settlement is cleaned too."""
+        self.forgotten |= removed
+        self.forgotten -= present
 
     async def run(self) -> None:
         """Pass after pass until cancelled; a pass that fails unexpectedly is logged."""
@@ -210,12 +226,42 @@ class PoolFairness:
             return False
         service.absorb(batch, totals)
         self.batches += 1
+        if self.forgotten:
+            await self._drop_forgotten()
         repaired = int(reply[-1])
         if repaired:
             self.repaired_fields += repaired
             log.warning("pool fairness: %d field(s) or key(s) of %s held garbage: repaired",
                         repaired, ", ".join(self.keys))  # fmt: skip
         return True
+
+    async def _drop_forgotten(self) -> None:
+        """Drop the counters of removed tenants with nothing here left to order or send (not
+        backlogged, no whole token unsent, none in flight), and HDEL their fields (one call per lane
+        with some; a failure is counted and tried again at the next batch)."""
+        for key, lane in zip(self.keys, self.service.lanes, strict=True):
+            backlogged = set(lane.backlog())
+            idle = [
+                tenant_id
+                for tenant_id in self.forgotten
+                if tenant_id not in backlogged
+                and -UNITS_PER_TOKEN < lane.unsynced.get(tenant_id, 0) < UNITS_PER_TOKEN
+                and tenant_id not in lane.pushing_units
+                and (tenant_id in lane.pool_units or tenant_id in lane.active_epoch)
+            ]
+            if not idle:
+                continue
+            try:
+                self.store_calls += 1
+                await self._bounded(self.client.hdel(key, *idle))
+            except Exception as exc:
+                self._failed(exc)
+                continue
+            for tenant_id in idle:
+                lane.unsynced_units -= abs(lane.unsynced.pop(tenant_id, 0))  # below a token
+                lane.pool_units.pop(tenant_id, None)
+                lane.offsets.pop(tenant_id, None)
+                lane.active_epoch.pop(tenant_id, None)
 
     async def _bounded(self, call: Any) -> Any:
         async with asyncio.timeout(self.store.timeout_ms / 1000.0):
@@ -271,14 +317,18 @@ class PoolFairness:
 
 
 def _totals(reply: Any, batch: tuple[list[tuple[str, int]], ...]) -> tuple[list[int], ...]:
-    """The script's answer, believed only in shape: one integer per named tenant, per lane."""
+    """The script's answer, believed only in shape: one integer per named tenant, per lane,
+    none negative (a negative total would put its tenant before every other one)."""
     if not isinstance(reply, list) or len(reply) != len(batch) + 1:
         raise ValueError(f"fairness answer out of shape: {str(reply)[:100]}")
     totals: list[list[int]] = []
     for values, entries in zip(reply, batch, strict=False):
         if not isinstance(values, list) or len(values) != len(entries):
             raise ValueError(f"fairness answer out of shape: {str(reply)[:100]}")
-        totals.append([int(value) for value in values])
+        lane = [int(value) for value in values]
+        if any(value < 0 for value in lane):
+            raise ValueError(f"fairness answer holds a negative total: {str(reply)[:100]}")
+        totals.append(lane)
     return tuple(totals)
 
 

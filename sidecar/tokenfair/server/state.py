@@ -306,6 +306,9 @@ class Sidecar:
             self.pool.adopt(enforced)
         if self.pool_fairness is not None and enforced.budget_store is not None:
             self.pool_fairness.adopt(enforced.budget_store)
+            present = {tenant.tenant_id for tenant in config.tenants}
+            before = {tenant.tenant_id for tenant in self.config.tenants}
+            self.pool_fairness.forget(before - present, present)
         if notice:
             log.warning("config reload: %s", notice)
         self.budget_store_notice = notice
@@ -396,7 +399,9 @@ class Sidecar:
           wrong for the running pool; refused (None), the last good config stays;
         * the store's identity (url, passwordEnv, keyPrefix) changes: the budgets are still
           the pool's; the running store keeps serving them (its replicas and lease settings
-          follow the document), until a restart.
+          follow the document), until a restart;
+        * ``fairness`` flips: the fair shares' task is made at start only; the running mode
+          (pool-wide or per sidecar) stays, until a restart.
         """
         new = config.budget_store
         pool = self.pool
@@ -417,17 +422,29 @@ class Sidecar:
                 "reload refused, the last good config and its pool stay until the sidecar is "
                 "restarted"
             )
+        notices: list[str] = []
+        if new.fairness != running.fairness:
+            notices.append(
+                f"budgetStore.fairness changed to {str(new.fairness).lower()}; this sidecar keeps "
+                f"fairness: {str(running.fairness).lower()} until it is restarted"
+            )
+            new = dataclasses.replace(new, fairness=running.fairness)
         identity = (running.url, running.password_env, running.key_prefix)
-        if (new.url, new.password_env, new.key_prefix) == identity:
+        if (new.url, new.password_env, new.key_prefix) != identity:
+            notices.append(
+                f"budgetStore changed to {new.url} (key prefix {new.key_prefix!r}); this sidecar "
+                f"keeps leasing from {running.url} (key prefix {running.key_prefix!r}) until it "
+                "is restarted"
+            )
+            new = dataclasses.replace(
+                new,
+                url=running.url,
+                password_env=running.password_env,
+                key_prefix=running.key_prefix,
+            )
+        if not notices:
             return config, ""
-        kept = dataclasses.replace(
-            new, url=running.url, password_env=running.password_env, key_prefix=running.key_prefix
-        )
-        return dataclasses.replace(config, budget_store=kept), (
-            f"budgetStore changed to {new.url} (key prefix {new.key_prefix!r}); this sidecar "
-            f"keeps leasing from {running.url} (key prefix {running.key_prefix!r}) until it is "
-            "restarted"
-        )
+        return dataclasses.replace(config, budget_store=new), "; ".join(notices)
 
     def refuse_config(self, message: str) -> None:
         self.metrics.reloads.labels("invalid").inc()

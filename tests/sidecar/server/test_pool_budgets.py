@@ -675,6 +675,20 @@ async def test_a_reload_removing_or_moving_the_store_keeps_the_running_pool(
     assert pool.store.replicas == 3
     status = await (await clients.admin.get("/status")).json()
     assert "restart_needed" not in status["config"]
+    # fairness turned off: the running fair shares stay pool-wide, and the status says so.
+    fairness = sidecar.pool_fairness
+    assert fairness is not None
+    section = {"redis": {"url": redis_server.url}, "fairness": False}
+    write_rendered(path, replace(PLAIN_POLICY, spec={"budgetStore": section}))
+    assert await wait_for(lambda: applied._value.get() == 3)
+    assert sidecar.config.budget_store is not None
+    assert not sidecar.config.budget_store.fairness
+    assert pool.store.fairness
+    assert sidecar.pool_fairness is fairness
+    assert fairness.service.sharing
+    status = await (await clients.admin.get("/status")).json()
+    assert "budgetStore.fairness changed to false" in status["config"]["restart_needed"]
+    assert status["budget_store"]["fairness"]["mode"] == "pool_wide"
 
 
 # -- the operator's rendering -----------------------------------------------------------------

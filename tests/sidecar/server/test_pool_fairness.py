@@ -9,8 +9,11 @@ synchronously on fake clocks:
   (order and counters say so), keeps counting, probes every probeIntervalMs, and rejoins when
   the server is back (restarted empty), sending what it gave meanwhile;
 - redis-server stopped (SIGSTOP) past timeoutMs: the same fallback, bounded by the timeout;
-- garbage in the store (a key of the wrong type, a field that is no integer) is repaired and
-  counted, the garbled tenant set to the highest valid total;
+- garbage in the store (a key of the wrong type, a field that is no integer or negative) is
+  repaired and counted, the garbled tenant set to the highest valid total: a negative field
+  does not starve the other tenants; no total is written below 0 nor believed below 0;
+- a tenant a reload removed is dropped from the counters and its fields deleted once it has
+  nothing left here;
 - the config fields (``fairness``, ``fairnessSyncMs``, ``fairnessLeaseServiceTokens``) and their
   errors.
 """
@@ -29,7 +32,7 @@ from tokenfair.config.budget_store import BudgetStoreConfig, parse_budget_store
 from tokenfair.config.fields import ConfigError
 from tokenfair.core import Request
 from tokenfair.core.tokenfair import TokenfairScheduler
-from tokenfair.server.pool_fairness import PoolFairness
+from tokenfair.server.pool_fairness import FAIRNESS_SCRIPT, KEY_TTL_MS, PoolFairness, _totals
 
 __all__ = ["redis_server"]  # the fixture, used by name
 
@@ -206,6 +209,72 @@ async def test_garbage_is_repaired(redis_server: RedisServer, client: redis_asyn
     # same batch, or other's 900), plus what it was given here
     highest = max(900, replica.served["pinned"])
     assert int(totals[b"flood"]) == highest + replica.served["flood"]
+
+
+@pytest.mark.parametrize("planted", ["-9000000000000000", "-1000000000"])
+async def test_a_negative_field_starves_no_one(
+    redis_server: RedisServer, client: redis_asyncio.Redis, planted: str
+) -> None:
+    await client.hset("t30:fair:interactive", "flood", planted)
+    clock = FakeClock()
+    replica = Replica(_store(redis_server.url), client, clock)
+    replica.offer("pinned", 40)
+    replica.offer("flood", 40)
+    replica.serve(6)
+    clock.now_ms += 200.0
+    await replica.fairness.refresh()
+    assert replica.fairness.shared
+    assert replica.fairness.repaired_fields == 1
+    totals = await client.hgetall("t30:fair:interactive")
+    assert int(totals[b"flood"]) >= replica.served["flood"]
+    # believed, the planted total would give flood every one of the next requests
+    before = dict(replica.served)
+    replica.serve(20)
+    pinned = replica.served["pinned"] - before["pinned"]
+    flood = replica.served["flood"] - before["flood"]
+    assert pinned >= 8 * COST
+    assert abs(pinned - flood) <= 3 * 1200 + 2 * COST
+
+
+async def test_no_total_is_written_or_believed_below_zero(
+    redis_server: RedisServer, client: redis_asyncio.Redis
+) -> None:
+    keys = ("t30:fair:interactive", "t30:fair:batch")
+    # a refund (negative tokens) sent after the store restarted empty
+    reply = await client.eval(FAIRNESS_SCRIPT, 2, *keys, 1, "flood", -50, 0, KEY_TTL_MS)
+    assert reply == [[0], [], 0]
+    assert await client.hget(keys[0], "flood") == b"0"
+    with pytest.raises(ValueError, match="negative total"):
+        _totals([[-50], [], 0], ([("flood", -50)], []))
+
+
+async def test_a_removed_tenant_is_dropped_here_and_in_the_store(
+    redis_server: RedisServer, client: redis_asyncio.Redis
+) -> None:
+    clock = FakeClock()
+    replica = Replica(_store(redis_server.url), client, clock)
+    replica.offer("pinned", 10)
+    replica.offer("flood", 3)
+    replica.serve(6)
+    clock.now_ms += 200.0
+    await replica.fairness.refresh()
+    assert set(await client.hkeys("t30:fair:interactive")) == {b"pinned", b"flood"}
+    lane = replica.fairness.service.lanes[0]
+    replica.fairness.forget({"flood"}, {"pinned"})
+    replica.serve(1)  # flood's last queued request, if any: still served, then dropped
+    clock.now_ms += 200.0
+    await replica.fairness.refresh()
+    assert await client.hkeys("t30:fair:interactive") == [b"pinned"]
+    assert "flood" not in lane.pool_units
+    assert "flood" not in lane.active_epoch
+    assert "pinned" in lane.pool_units
+    # the tenant added back by a later reload is not dropped again
+    replica.fairness.forget(set(), {"pinned", "flood"})
+    replica.offer("flood", 1)
+    replica.serve(3)
+    clock.now_ms += 200.0
+    await replica.fairness.refresh()
+    assert b"flood" in await client.hkeys("t30:fair:interactive")
 
 
 def test_the_config_fields() -> None:
