@@ -43,6 +43,7 @@ import datetime
 import functools
 import hashlib
 import json
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -92,6 +93,15 @@ def operator(operator_kubeconfig: Path, kube_namespace: str, tmp_path: Path) -> 
     """The operator for ``kube_namespace``, with the shipped RBAC, no webhook."""
     with running_operator(operator_kubeconfig, kube_namespace, tmp_path / "operator.log") as log:
         yield log
+
+
+def _listening(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:``port`` now."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+            return True
+    except OSError:
+        return False
 
 
 def apply_lesson(cluster: KubeCluster, ns: str) -> Config:
@@ -783,6 +793,9 @@ def test_own_certificate_is_issued_rotated_and_trusted_by_the_api_server(
                 "the caBundle to be set",
                 lambda: json.dumps(get(kube_cluster, config_path) or {}).count(bundle) == 1,
             )
+            # The caBundle can be written before the webhook server listens (on a loaded
+            # machine the apply below then met "connection refused"): wait for the listener.
+            wait_for("the webhook to listen", lambda: _listening(port))
             # The API server now calls the webhook over TLS, trusting the generated CA: it
             # admits the lesson and refuses what only our webhook can see (failing closed, any
             # TLS problem would refuse the lesson as well, with another message).

@@ -216,8 +216,10 @@ def test_access_log_refuses_an_unknown_format() -> None:
 async def test_latency_tokens_ttft_per_tenant_in_flight_and_process_metrics(
     aiohttp_client: ClientFactory,
 ) -> None:
+    # time_scale 10: the first request runs 89 model ms = 0.89 s of real time, so the second
+    # reaches the queue behind it even on a loaded machine (at 1.0 it once finished first).
     clients = await start(
-        aiohttp_client, keyed_config(), SidecarSettings(time_scale=1.0, max_in_flight=1)
+        aiohttp_client, keyed_config(), SidecarSettings(time_scale=10.0, max_in_flight=1)
     )
     proxy, sidecar, admin = clients.proxy, clients.sidecar, clients.admin
     running, queued = await one_running_one_queued(proxy, sidecar)
