@@ -247,14 +247,19 @@ limits = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     requests=traces(),
     limit=limits,
     limited_class=st.sampled_from(["interactive", "batch"]),
+    # The reserve's time constant: at 1 s a flood of a few dozen requests is a slot of demand.
+    batch_wait_ms=st.sampled_from([8_000.0, 1_000.0]),
 )
 def test_a_tenant_at_its_limits_never_delays_another_tenants_dispatch(
-    requests: list[Request], limit: tuple[int | None, float | None], limited_class: PriorityClass
+    requests: list[Request],
+    limit: tuple[int | None, float | None],
+    limited_class: PriorityClass,
+    batch_wait_ms: float,
 ) -> None:
     requests = [
         Request(r.request_id, r.tenant_id, r.arrival_ms, r.prefill_tokens, r.decode_tokens,
@@ -262,7 +267,7 @@ def test_a_tenant_at_its_limits_never_delays_another_tenants_dispatch(
         if r.tenant_id == "a" else r
         for r in requests
     ]  # fmt: skip
-    config = limited_config(*limit, limited_class=limited_class)
+    config = limited_config(*limit, limited_class=limited_class, max_batch_wait_ms=batch_wait_ms)
     decisions = drive_limited(config, requests)
     assert sorted(d.request_id for d in decisions) == sorted(r.request_id for r in requests)
 
