@@ -8,6 +8,10 @@ A TenantQuota is refused at the door (``kubectl apply`` fails with the message) 
 * any rule of the sidecar's loader fails (bounds CEL already enforces, one API key claimed by two
   tenants).
 
+A SchedulingPolicy's spec change is refused (:func:`policy_refusal`) when a stored TenantQuota of
+it would no longer pass the rules that read the policy (``maxKvShare x totalKvBlocks`` at least
+one KV block): the next pass would refuse that quota ``InvalidSpec`` and drop its tenant.
+
 The verdict comes from the same :func:`~.render.render_config` the reconciler publishes with, over
 the objects as stored now (live reads, not the watch cache: a policy created a millisecond ago
 must count). Other quotas' key Secrets are not read (their keys are taken as valid), so only the
@@ -19,6 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+
+from tokenfair.config import ConfigError, PolicyConfig
+from tokenfair.config.document import check_tenant_limits, parse_tenant
 
 from .kube import KubeApi
 from .model import QuotaView
@@ -52,3 +59,30 @@ async def quota_refusal(api: KubeApi, quota: QuotaView, *, creating: bool) -> st
     if verdict.accepted or verdict.reason == "PolicyInvalid":
         return None
     return verdict.message
+
+
+async def policy_refusal(
+    api: KubeApi, namespace: str, name: str, policy: PolicyConfig
+) -> str | None:
+    """Why SchedulingPolicy ``name`` must not take the spec parsed as ``policy``, or None: a
+    stored TenantQuota of it whose tenant limits it would break (:func:`check_tenant_limits`,
+    e.g. a ``totalKvBlocks`` lowered so that ``maxKvShare`` is under one block). A quota whose
+    own spec does not parse is left to its status (it is refused already)."""
+    stored = await asyncio.to_thread(api.list_quotas, namespace)
+    for quota in sorted(stored, key=lambda q: q.name):
+        if quota.policy_name != name:
+            continue
+        where = f"TenantQuota {quota.name!r}: spec"
+        try:
+            tenant = parse_tenant(quota.spec, where, default_id=quota.name)
+        except ConfigError:
+            continue
+        try:
+            check_tenant_limits(tenant, policy, where)
+        except ConfigError as exc:
+            return (
+                f"SchedulingPolicy {name!r}: spec.totalKvBlocks: {policy.total_kv_blocks} would "
+                f"make a TenantQuota of this policy invalid, and its tenant dropped ({exc}); "
+                "raise that quota's maxKvShare first"
+            )
+    return None

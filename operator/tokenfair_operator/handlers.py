@@ -209,8 +209,10 @@ async def admit_quota(*, body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> Non
     await webhooks.admit_quota(body, memo, kwargs)
 
 
-def admit_policy(*, name: str | None, spec: kopf.Spec, **kwargs: Any) -> None:
-    webhooks.admit_policy(name, spec, kwargs)
+async def admit_policy(
+    *, name: str | None, namespace: str | None, spec: kopf.Spec, memo: kopf.Memo, **kwargs: Any
+) -> None:
+    await webhooks.admit_policy(name, namespace, spec, memo, kwargs)
 
 
 async def inject_sidecar(

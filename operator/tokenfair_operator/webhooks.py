@@ -2,8 +2,9 @@
 webhook server is configured (see :mod:`.settings`).
 
 Creating a TenantQuota or changing its spec is checked by :func:`.admission.quota_refusal`; a
-SchedulingPolicy's spec by the sidecar's ``parse_policy`` and its ``selector`` by
-:func:`.selector.parse_selector`. Metadata-only updates (Kopf's own annotations) pass
+SchedulingPolicy's spec by the sidecar's ``parse_policy``, its ``selector`` by
+:func:`.selector.parse_selector`, and against its stored quotas by
+:func:`.admission.policy_refusal`. Metadata-only updates (Kopf's own annotations) pass
 unchecked. A Pod labelled ``tokenfair.io/policy`` gets the sidecar (:mod:`.inject`).
 """
 
@@ -18,7 +19,7 @@ import kopf
 from tokenfair.config import ConfigError, parse_policy
 
 from . import runtime
-from .admission import quota_refusal
+from .admission import policy_refusal, quota_refusal
 from .indexes import PolicyIndex
 from .inject import POLICY_LABEL, InjectionError, injected, scrape_annotations, store_password_key
 from .kube import FORBIDDEN
@@ -49,16 +50,28 @@ async def admit_quota(body: kopf.Body, memo: kopf.Memo, review: Mapping[str, Any
         raise kopf.AdmissionError(refusal, code=422)
 
 
-def admit_policy(name: str | None, spec: kopf.Spec, review: Mapping[str, Any]) -> None:
-    """Refuse (422) a policy whose spec or selector does not parse."""
+async def admit_policy(
+    name: str | None,
+    namespace: str | None,
+    spec: kopf.Spec,
+    memo: kopf.Memo,
+    review: Mapping[str, Any],
+) -> None:
+    """Refuse (422) a policy whose spec or selector does not parse, or whose spec would make a
+    stored TenantQuota of it invalid (:func:`.admission.policy_refusal`)."""
     if not spec_changed(review):
         return
     where = f"SchedulingPolicy {name!r}: spec"
     try:
-        parse_policy(spec, where)
+        policy = parse_policy(spec, where)
         parse_selector(spec.get("selector"), f"{where}.selector")
     except ConfigError as exc:
         raise kopf.AdmissionError(str(exc), code=422) from None
+    if name and namespace:
+        api = runtime.reconciler(memo).api
+        refusal = await policy_refusal(api, namespace, name, policy)
+        if refusal is not None:
+            raise kopf.AdmissionError(refusal, code=422)
 
 
 async def inject_sidecar(

@@ -8,15 +8,23 @@
 - a ``maxKvShare`` below one block of the policy's ``totalKvBlocks`` refuses the quota
   ``InvalidSpec`` with the parser's message (a rule that spans two objects: no CEL can see it);
 - ``status.limits`` says what is in force (the per-sidecar share too), and is ``None`` — a
-  merge patch's delete — once the limits are lifted or the quota is not published.
+  merge patch's delete — once the limits are lifted or the quota is not published;
+- the policy webhook refuses (422) a spec change that would make a stored quota's
+  ``maxKvShare`` less than one block (``handlers.admit_policy``, with a fake API): the quota
+  would otherwise be dropped silently at the next pass.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from typing import Any, cast
+
+import kopf
+import pytest
 
 from tokenfair.config import api_key_digest, loads_config
-from tokenfair_operator import PolicyView, QuotaView, quota_status, render_config
+from tokenfair_operator import PolicyView, QuotaView, handlers, quota_status, render_config, runtime
+from tokenfair_operator.reconcile import Reconciler
 
 T0 = "2026-01-01T00:00:0{}Z"
 NOW = "2026-01-01T00:01:00Z"
@@ -90,3 +98,55 @@ def test_status_says_the_limits_in_force_and_drops_them_when_lifted() -> None:
     refused = quota("bad", 1, maxKvShare=0.0001)
     rendering = render_config(policy(), [refused], {})
     assert quota_status(refused, rendering.verdicts["bad"], rendering, now=NOW)["limits"] is None
+
+
+class StoredQuotas:
+    """``list_quotas``, the one read the policy webhook makes."""
+
+    def __init__(self, quotas: list[QuotaView]) -> None:
+        self.quotas = quotas
+        self.reads: list[str] = []
+
+    def list_quotas(self, namespace: str) -> list[QuotaView]:
+        self.reads.append(namespace)
+        return [q for q in self.quotas if q.namespace == namespace]
+
+
+def admit_policy(
+    api: StoredQuotas, spec: dict[str, Any], old_spec: dict[str, Any] | None = None
+) -> None:
+    memo = kopf.Memo()
+    memo[runtime.RECONCILER] = Reconciler(cast(Any, api))
+    old = {"spec": old_spec or {"totalKvBlocks": 4096}}
+    asyncio.run(
+        handlers.admit_policy(
+            name="pool",
+            namespace="ns",
+            spec=cast(kopf.Spec, spec),
+            memo=memo,
+            operation="UPDATE",
+            old=old,
+            new={"spec": spec},
+        )
+    )
+
+
+def test_a_policy_change_that_would_drop_a_limited_quota_is_refused() -> None:
+    other_policy = QuotaView("other", "ns", "uid-o", 1, T0.format(3),
+                             {**BASE, "policyName": "elsewhere", "maxKvShare": 0.001})  # fmt: skip
+    broken = quota("broken", 4, weight=-1.0, maxKvShare=0.001)  # refused in its own status
+    api = StoredQuotas([quota("chat", 1, maxKvShare=0.01), quota("plain", 2), other_policy, broken])
+    admit_policy(api, {"totalKvBlocks": 100})  # 0.01 x 100 = 1 block: still valid
+    with pytest.raises(kopf.AdmissionError) as refused:
+        admit_policy(api, {"totalKvBlocks": 99})  # 0.99 of a block: chat could never run
+    message = str(refused.value)
+    assert refused.value.code == 422
+    assert "spec.totalKvBlocks" in message
+    assert "TenantQuota 'chat': spec.maxKvShare" in message
+    assert "0.01 x 99" in message
+    assert api.reads == ["ns", "ns"]
+    # A metadata-only update reads nothing; a spec that does not parse is refused before.
+    admit_policy(api, {"totalKvBlocks": 99}, old_spec={"totalKvBlocks": 99})
+    with pytest.raises(kopf.AdmissionError, match="totalKvBlocks"):
+        admit_policy(api, {"totalKvBlocks": -5})
+    assert api.reads == ["ns", "ns"]

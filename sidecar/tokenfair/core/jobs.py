@@ -45,6 +45,10 @@ HELD_CONCURRENCY: Final = 1
 """``Job.held`` bit: passed over at a selection because its tenant ran ``maxConcurrentRequests``."""
 HELD_KV_SHARE: Final = 2
 """``Job.held`` bit: passed over because it would take its tenant past ``maxKvShare``."""
+DEMAND_AT_DISPATCH: Final = 4
+"""``Job.held`` bit, not a hold (no record mark): an interactive request admitted while its
+tenant's running and queued requests already filled ``maxConcurrentRequests``; ``tokenfair``
+counts it in the interactive demand when it starts, not at admission (the interactive reserve)."""
 CANCELLED: Final = "cancelled"
 
 STATUS_OK: Final = 200

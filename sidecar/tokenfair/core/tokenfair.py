@@ -71,6 +71,7 @@ from tokenfair.core.batching import BatchingCurve, RunningWork
 from tokenfair.core.bucket import ExactTokenBucket
 from tokenfair.core.drr import DeficitRoundRobin
 from tokenfair.core.jobs import (
+    DEMAND_AT_DISPATCH,
     HELD_CONCURRENCY,
     HELD_KV_SHARE,
     LANE_BATCH,
@@ -197,6 +198,8 @@ class TokenfairScheduler(Scheduler):
         self._curve: BatchingCurve | None = None  # the engine model they measure
         self._batch_floor_slots = 1  # max(1, ceil(batchMinShare * S)) (`_adopt_cost_model`)
         self._interactive_tenants = False  # the configuration has an interactive tenant
+        # The interactive tenants if every one has maxConcurrentRequests, else None (`batch_slots`).
+        self._interactive_capped: tuple[str, ...] | None = None
         # Recent service per lane, per tenant and in all (time constant: SERVICE_MEMORY_LIMITS).
         self._served: tuple[dict[str, DemandRate], ...] = ({}, {})
         self._lane_served: tuple[DemandRate, ...] = (DemandRate(), DemandRate())
@@ -236,8 +239,12 @@ class TokenfairScheduler(Scheduler):
         # The batch lane's least slots of a batching engine, ceil(s * S) exactly (`batch_slots`).
         batch_floor = -(-share.numerator * policy.max_batch_requests // share.denominator)
         self._batch_floor_slots = batch_floor if batch_floor > 1 else 1
-        self._interactive_tenants = any(
-            tenant.priority_class == "interactive" for tenant in self.config.tenants
+        interactive = [t for t in self.config.tenants if t.priority_class == "interactive"]
+        self._interactive_tenants = bool(interactive)
+        self._interactive_capped = (
+            tuple(t.tenant_id for t in interactive)
+            if all(t.max_concurrent_requests is not None for t in interactive)
+            else None
         )
         self._batch_credit_scaled = self._batch_credit_scaled * spend // self._credit_spend
         self._credit_earn = share.numerator
@@ -484,14 +491,36 @@ class TokenfairScheduler(Scheduler):
         its share of the throughput, of the ``S`` slots that carry it), rounded half up to a
         whole slot, and the one more is the free slot its next arrival starts in at once. The
         batch lane always keeps its minimum share's slots, and at least one. ``S = 1`` (a
-        serial engine): 1, no reserve."""
+        serial engine): 1, no reserve.
+
+        A tenant's ``maxConcurrentRequests`` bounds what the reserve keeps for it: an
+        interactive request admitted while the tenant's running and queued requests fill its
+        limit counts in ``rho`` when it starts, not when admitted (``DEMAND_AT_DISPATCH``), so
+        a held tenant's flood counts at the rate it runs; and the one more is kept only while
+        an interactive tenant could start a request now (one without the limit, or below
+        it)."""
         batch = self.policy.max_batch_requests
         if batch == 1 or not self._interactive_tenants:
             return batch
         load = self._interactive_demand.rate(now_ms, self._wait_limits[1]) / self._rate
-        reserve = 1 + math.floor((load if load < 1.0 else 1.0) * batch + 0.5)
+        reserve = math.floor((load if load < 1.0 else 1.0) * batch + 0.5)
+        reserve += self._next_arrival_slot()
         most = batch - self._batch_floor_slots
         return batch - (reserve if reserve < most else most)
+
+    def _next_arrival_slot(self) -> int:
+        """The reserve's one more slot (:meth:`batch_slots`): 1 unless every interactive tenant
+        has ``maxConcurrentRequests`` and runs that many requests (none could start one now;
+        the counts change only at a dispatch or an end)."""
+        capped = self._interactive_capped
+        if capped is None:
+            return 1
+        tenants = self.tenants
+        for tenant_id in capped:
+            tenant = tenants.get(tenant_id)
+            if tenant is None or tenant.running < tenant.max_running:
+                return 1
+        return 0
 
     def _batch_slots_grow_ms(self, now_ms: float) -> float | None:
         """When :meth:`batch_slots` next exceeds the batch requests running, with nothing
@@ -499,8 +528,10 @@ class TokenfairScheduler(Scheduler):
 
         With ``k = S - batch_running``, the batch lane may start one more once ``reserve < k``.
         Held back now, the floor's cap ``S - floor`` is at least ``k``, and it does not move
-        with time: only ``1 + round(rho * S) < k`` can come, i.e. ``rho * S < k - 1.5``, when
-        the interactive demand rate falls below ``(k - 1.5) * R / S`` (never for ``k < 2``;
+        with time: only ``n + round(rho * S) < k`` can come (``n`` the one more slot, 0 or 1:
+        :meth:`_next_arrival_slot`, constant between dispatches and ends), i.e. ``rho * S <
+        k - n - 0.5``, when the interactive demand rate falls below ``(k - n - 0.5) * R / S``
+        (never for ``k < n + 1``;
         :meth:`DemandRate.ms_until_below`). Returned a little after that instant (``1e-9 tau``,
         and at least one ulp past ``now_ms``), so the rounding in :meth:`batch_slots` has moved
         when the caller looks."""
@@ -510,7 +541,7 @@ class TokenfairScheduler(Scheduler):
         k = batch - self._batch_running
         tau_ms = self._wait_limits[1]
         wait_ms = self._interactive_demand.ms_until_below(
-            (k - 1.5) * self._rate / batch, now_ms, tau_ms
+            (k - self._next_arrival_slot() - 0.5) * self._rate / batch, now_ms, tau_ms
         )
         if wait_ms == math.inf:
             return None
@@ -689,7 +720,10 @@ class TokenfairScheduler(Scheduler):
             self._predicted_ms[job.request_id] = sampled_ms
             self._admitted_order[lane].append((job.request_id, job.arrival_ms, sampled_ms))
         if lane == _INTERACTIVE:
-            self._interactive_demand.add(service_tokens, now_ms, self._wait_limits[1])
+            if self._tenant_limits and tenant.running + tenant.queued >= tenant.max_running:
+                job.held |= DEMAND_AT_DISPATCH  # counted when it can run (`batch_slots`)
+            else:
+                self._interactive_demand.add(service_tokens, now_ms, self._wait_limits[1])
         return None
 
     def wait_correction(self, lane: int, now_ms: float) -> float:
@@ -995,6 +1029,8 @@ class TokenfairScheduler(Scheduler):
         self._running_expected += expected_tokens
         if job.lane == _BATCH:
             self._batch_running += 1
+        elif job.held & DEMAND_AT_DISPATCH:
+            self._interactive_demand.add(job.service_tokens, now_ms, self._wait_limits[1])
         engine = self._engine
         if engine is None:
             self._kv_release_ms[job.request_id] = (

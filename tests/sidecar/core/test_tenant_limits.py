@@ -5,7 +5,10 @@ Behaviours under test (``tokenfair``, the policy that enforces them; docs/fairne
 * a tenant at its limit never delays another tenant's dispatch: on random traces with the core
   on a virtual clock, whenever a slot is free and the dispatcher gets nothing, no other
   tenant has a head that could start (it would pass its KV watermark, or the batch lane holds
-  every slot the interactive reserve leaves it) — property test;
+  every slot the interactive reserve leaves it — the reserve computed by the test's own model,
+  in which a request of ``a`` admitted while ``a``'s running and queued requests fill its
+  ``maxConcurrentRequests`` counts in the interactive demand only when it starts) — property
+  test, and the flood of one interactive tenant held at one request beside a batch backlog;
 * the limited tenant never runs more than ``maxConcurrentRequests`` requests nor holds more than
   ``maxKvShare`` of the pool's KV blocks, and its DRR deficit stays below ``quantum + largest
   cost`` however long it is held (it earns no quantum while passed over);
@@ -18,6 +21,7 @@ Behaviours under test (``tokenfair``, the policy that enforces them; docs/fairne
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 from hypothesis import given, settings
@@ -27,6 +31,7 @@ from tokenfair.config import Config, PolicyConfig, PriorityClass, TenantConfig, 
 from tokenfair.core import Decision, Request
 from tokenfair.core.jobs import SHED_QUEUE_TIMEOUT, UNITS_PER_TOKEN
 from tokenfair.core.scheduler import OVER_TENANT_KV_SHARE
+from tokenfair.core.shares import DemandRate
 from tokenfair.core.tokenfair import TokenfairScheduler
 
 SLOTS = 4  # the engine's maxBatchRequests: the driver keeps at most this many running
@@ -93,12 +98,17 @@ def traces(draw: st.DrawFn) -> list[Request]:
     return requests
 
 
-def _others_can_start(scheduler: TokenfairScheduler, now_ms: float) -> list[str]:
+def _others_can_start(
+    scheduler: TokenfairScheduler, now_ms: float, batch_slots: int | None = None
+) -> list[str]:
     """Heads of tenants other than ``a`` that nothing but the dispatcher keeps from starting
-    now: their KV fits their watermark and, in the batch lane, a slot is left to batch."""
+    now: their KV fits their watermark and, in the batch lane, a slot is left to batch
+    (``batch_slots``: the model's, :class:`ReserveModel`; default the scheduler's)."""
+    if batch_slots is None:
+        batch_slots = scheduler.batch_slots(now_ms)
     ready = []
     for lane_index, lane in enumerate(scheduler._lanes):
-        if lane_index == 1 and scheduler.batch_running >= scheduler.batch_slots(now_ms):
+        if lane_index == 1 and scheduler.batch_running >= batch_slots:
             continue
         for tenant_id, queue in lane.queues.items():
             head = queue.head()
@@ -107,12 +117,71 @@ def _others_can_start(scheduler: TokenfairScheduler, now_ms: float) -> list[str]
     return ready
 
 
-def drive_limited(config: Config, requests: Sequence[Request]) -> list[Decision]:
+class ReserveModel:
+    """The interactive reserve as docs/capacity.md states it, with the tenant limits: the
+    batch lane's slots ``S - min(S - floor, n + round(rho * S))``, where ``rho`` counts each
+    admitted interactive request at admission, except one of ``a`` admitted while ``a``'s
+    running and queued requests fill its ``maxConcurrentRequests``: that one counts when it
+    starts (the demand ``a`` cannot run does not shrink the others' batch slots); ``n`` is 0
+    only while every interactive tenant runs its ``maxConcurrentRequests``."""
+
+    def __init__(self, config: Config, slots: int) -> None:
+        policy = config.policy
+        self.config = config
+        self.slots = slots
+        self.tau_ms = policy.max_batch_wait_ms
+        self.rate = policy.service_tokens_per_ms
+        self.floor = max(1, math.ceil(round(policy.batch_min_share * slots, 9)))
+        self.interactive = [t for t in config.tenants if t.priority_class == "interactive"]
+        self.demand = DemandRate()
+        self.deferred: set[str] = set()
+
+    def defers(self, scheduler: TokenfairScheduler, request: Request) -> bool:
+        """Whether ``request``, submitted now, counts only when it starts."""
+        limit = self.config.tenant(request.tenant_id).max_concurrent_requests
+        if request.priority_class != "interactive" or limit is None:
+            return False
+        tenant = scheduler.tenants[request.tenant_id]
+        return tenant.running + tenant.queued >= limit
+
+    def admitted(
+        self, scheduler: TokenfairScheduler, request: Request, deferred: bool, now_ms: float
+    ) -> None:
+        if request.priority_class != "interactive":
+            return
+        if deferred:
+            self.deferred.add(request.request_id)
+        else:
+            tokens = scheduler.cost.service_tokens(request.prefill_tokens, request.decode_tokens)
+            self.demand.add(tokens, now_ms, self.tau_ms)
+
+    def started(self, decision: Decision, now_ms: float) -> None:
+        if decision.request_id in self.deferred:
+            self.deferred.discard(decision.request_id)
+            self.demand.add(decision.service_tokens, now_ms, self.tau_ms)
+
+    def batch_slots(self, scheduler: TokenfairScheduler, now_ms: float) -> int:
+        if self.slots == 1 or not self.interactive:
+            return self.slots
+        all_held = all(
+            t.max_concurrent_requests is not None
+            and scheduler.tenants[t.tenant_id].running >= t.max_concurrent_requests
+            for t in self.interactive
+        )
+        load = min(1.0, self.demand.rate(now_ms, self.tau_ms) / self.rate)
+        reserve = (0 if all_held else 1) + math.floor(load * self.slots + 0.5)
+        return self.slots - min(self.slots - self.floor, reserve)
+
+
+def drive_limited(
+    config: Config, requests: Sequence[Request], slots: int = SLOTS
+) -> list[Decision]:
     """A batching engine on a virtual clock: at each event, ends first (settled at the estimate,
-    KV freed), then arrivals, then expiry, then ``next_dispatch`` while fewer than ``SLOTS``
-    run. A request runs ``SLOTS`` times its serial execution time (the slots share the engine).
+    KV freed), then arrivals, then expiry, then ``next_dispatch`` while fewer than ``slots``
+    run. A request runs ``slots`` times its serial execution time (the slots share the engine).
     Checks, at every step, the properties of the module docstring."""
     scheduler = TokenfairScheduler(config)
+    model = ReserveModel(config, slots)
     cost = scheduler.cost
     tenant_a = scheduler.tenants["a"]
     limit_running = config.tenant("a").max_concurrent_requests
@@ -128,20 +197,26 @@ def drive_limited(config: Config, requests: Sequence[Request]) -> list[Decision]
         while ends and ends[0][0] <= clock_ms:
             scheduler.complete(heapq.heappop(ends)[1], clock_ms)
         while arrivals < len(requests) and requests[arrivals].arrival_ms <= clock_ms:
-            refusal = scheduler.submit(requests[arrivals], clock_ms)
+            request = requests[arrivals]
+            deferred = model.defers(scheduler, request)  # the counts admission sees
+            refusal = scheduler.submit(request, clock_ms)
             if refusal is not None:
                 decisions.append(refusal)
+            else:
+                model.admitted(scheduler, request, deferred, clock_ms)
             arrivals += 1
         decisions.extend(scheduler.expire(clock_ms))
-        while scheduler.running < SLOTS:
+        while scheduler.running < slots:
             decision = scheduler.next_dispatch(clock_ms)
             if decision is None:
                 # The property: the free slot went to nobody because nobody else could start.
-                assert _others_can_start(scheduler, clock_ms) == [], clock_ms
+                batch_slots = model.batch_slots(scheduler, clock_ms)
+                assert _others_can_start(scheduler, clock_ms, batch_slots) == [], clock_ms
                 break
             decisions.append(decision)
             if decision.admitted:
-                execution_ms = SLOTS * cost.execution_ms(decision.service_tokens)
+                model.started(decision, clock_ms)
+                execution_ms = slots * cost.execution_ms(decision.service_tokens)
                 heapq.heappush(ends, (clock_ms + execution_ms, decision.request_id))
             if limit_running is not None:
                 assert tenant_a.running <= limit_running
@@ -172,14 +247,19 @@ limits = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     requests=traces(),
     limit=limits,
     limited_class=st.sampled_from(["interactive", "batch"]),
+    # The reserve's time constant: at 1 s a flood of a few dozen requests is a slot of demand.
+    batch_wait_ms=st.sampled_from([8_000.0, 1_000.0]),
 )
 def test_a_tenant_at_its_limits_never_delays_another_tenants_dispatch(
-    requests: list[Request], limit: tuple[int | None, float | None], limited_class: PriorityClass
+    requests: list[Request],
+    limit: tuple[int | None, float | None],
+    limited_class: PriorityClass,
+    batch_wait_ms: float,
 ) -> None:
     requests = [
         Request(r.request_id, r.tenant_id, r.arrival_ms, r.prefill_tokens, r.decode_tokens,
@@ -187,7 +267,7 @@ def test_a_tenant_at_its_limits_never_delays_another_tenants_dispatch(
         if r.tenant_id == "a" else r
         for r in requests
     ]  # fmt: skip
-    config = limited_config(*limit, limited_class=limited_class)
+    config = limited_config(*limit, limited_class=limited_class, max_batch_wait_ms=batch_wait_ms)
     decisions = drive_limited(config, requests)
     assert sorted(d.request_id for d in decisions) == sorted(r.request_id for r in requests)
 
@@ -336,3 +416,31 @@ def test_in_shadow_mode_the_limits_hold_and_an_expiry_is_a_would_refuse() -> Non
     assert scheduler.next_dispatch(0.0) is None
     (expired,) = scheduler.expire(150.0)
     assert (expired.reason, expired.would_refuse) == ("shed_tenant_concurrency", True)
+
+
+def test_a_held_interactive_flood_leaves_its_slots_to_another_tenants_batch_work() -> None:
+    """The review's case: 8 slots, ``a`` (interactive, ``maxConcurrentRequests`` 1) floods,
+    ``b`` has a batch backlog of hundreds. ``a`` can run one request, so the reserve keeps no
+    slot for the rest of its flood: ``b`` runs the other 7 (the old reserve counted the flood at
+    admission and held ``b`` to 4, 3 slots idle)."""
+    burst, rate = UNLIMITED_BUDGET
+    tenants = [
+        TenantConfig("a", 1.0, burst, float(rate), "interactive", max_concurrent_requests=1),
+        TenantConfig("b", 1.0, burst, float(rate), "batch"),
+    ]
+    policy = PolicyConfig(max_batch_requests=8, batch_throughput_gain=2.0)
+    config = build_config(policy, tenants)
+    requests = [Request(f"b{i:03d}", "b", 0.0, 400, 40, "batch") for i in range(300)]
+    requests += [Request(f"a{i:03d}", "a", 5.0 * i, 400, 40, "interactive") for i in range(300)]
+    requests.sort(key=lambda r: r.arrival_ms)
+    decisions = drive_limited(config, requests, slots=8)
+    # Beside the per-step property (nothing idle that `b` could use), the count itself:
+    # while both were backlogged, `b` ran 7 at once.
+    scheduler = TokenfairScheduler(config)
+    for request in requests[:300] + requests[300:340]:
+        scheduler.submit(request, request.arrival_ms)
+    now_ms = requests[339].arrival_ms
+    while scheduler.running < 8 and scheduler.next_dispatch(now_ms) is not None:
+        pass
+    assert (scheduler.tenants["a"].running, scheduler.batch_running) == (1, 7)
+    assert sorted(d.request_id for d in decisions) == sorted(r.request_id for r in requests)
