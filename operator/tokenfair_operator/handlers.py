@@ -58,7 +58,7 @@ from typing import Any, Final
 
 import kopf
 
-from . import runtime, startup, webhooks
+from . import events, runtime, startup, webhooks
 from .indexes import Indexes, policy_entry, quota_entry, sidecar_entry
 from .inject import POLICY_LABEL
 from .listing import linear_index_prepopulation
@@ -120,6 +120,7 @@ async def stop_loops(*, memo: kopf.Memo, **_: Any) -> None:
 async def quotas_by_policy(
     *, body: kopf.Body, memo: kopf.Memo, **_: Any
 ) -> dict[PolicyKey, QuotaView]:
+    events.remember_queue()  # Warning Events from the status writer (:mod:`.events`)
     entry = quota_entry(body)
     prefetch_while_listing(memo, entry.values())  # the first pass's key reads, started early
     return entry
@@ -127,6 +128,7 @@ async def quotas_by_policy(
 
 @kopf.index(GROUP, VERSION, POLICY_PLURAL)
 async def policies_by_name(*, body: kopf.Body, **_: Any) -> dict[PolicyKey, PolicyView]:
+    events.remember_queue()
     return policy_entry(body)
 
 
@@ -165,6 +167,7 @@ async def quota_event(
     """A quota listed, created, changed (spec: a new generation) or deleted -> a pass of its
     policy. Our own status writes bring no new generation, so they trigger nothing. Kopf calls
     no handler before its listing is over: the first call says so (:mod:`.listing`)."""
+    events.remember_queue()
     runtime.listing(memo).mark_complete(runtime.indexes(memo).size)
     if news(memo, type, body):
         event_passes(memo).ask((namespace or "", str(spec.get("policyName", ""))), logger)
@@ -183,6 +186,7 @@ async def policy_event(
 ) -> None:
     """A policy listed, created, changed or deleted -> its pass (a deleted one marks its
     quotas ``PolicyNotFound``; no finalizer: deletion never waits for us)."""
+    events.remember_queue()
     runtime.listing(memo).mark_complete(runtime.indexes(memo).size)
     if news(memo, type, body):
         event_passes(memo).ask((namespace or "", name or ""), logger)

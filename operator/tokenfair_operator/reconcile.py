@@ -60,6 +60,7 @@ from typing import Any, Final, TypeVar, cast
 
 import kopf
 
+from . import events
 from .conditions import SIDECARS_INJECTED, ready_reason
 from .documents import Document, DocumentStore
 from .kube import KubeApi, NotLeader, is_conflict
@@ -746,7 +747,7 @@ class Reconciler:
         if refusal is not None and refusal != ready_reason(before.get("conditions", [])):
             reason, message = refusal
             body = kopf.Body(cast(Any, object_reference(view)))
-            kopf.warn(body, reason=reason, message=message)
+            events.warn(body, reason=reason, message=message)
 
 
 def _unprotected(sidecars: Iterable[SidecarView]) -> tuple[str, ...]:
@@ -763,7 +764,7 @@ def _warn_if_new(view: ObjectView, status: dict[str, Any], kind: str) -> None:
     )
     if (old.get("status"), old.get("message")) != ("False", new["message"]):
         body = kopf.Body(cast(Any, object_reference(view)))
-        kopf.warn(body, reason=new["reason"], message=new["message"])
+        events.warn(body, reason=new["reason"], message=new["message"])
 
 
 def _by_namespace(chunk: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
