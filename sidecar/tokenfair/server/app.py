@@ -54,6 +54,9 @@ from tokenfair.server.tracing import (
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
+    from tokenfair.server.pool import BudgetPool
+    from tokenfair.server.pool_fairness import PoolFairness
+
 
 def create_app(
     settings: SidecarSettings,
@@ -210,30 +213,29 @@ async def _records_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
     """The budget store's lease task; torn down after the dispatcher's drain, so the leases
     returned at shutdown include the refunds of the last settlements."""
-    pool = app[SIDECAR].pool
-    if pool is None:
+    async with _background(app[SIDECAR].pool, "tokenfair-budget-pool"):
         yield
-        return
-    task = asyncio.create_task(pool.run(), name="tokenfair-budget-pool")
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    await pool.close()
 
 
 async def _pool_fairness_ctx(app: web.Application) -> AsyncIterator[None]:
     """The pool-wide fairness task (its last batch is sent at shutdown, after the drain)."""
-    fairness = app[SIDECAR].pool_fairness
-    if fairness is None:
+    async with _background(app[SIDECAR].pool_fairness, "tokenfair-pool-fairness"):
+        yield
+
+
+@contextlib.asynccontextmanager
+async def _background(owner: BudgetPool | PoolFairness | None, name: str) -> AsyncIterator[None]:
+    """``owner.run()`` as a task while the app runs; at teardown the task is cancelled and
+    ``owner.close()`` awaited. Nothing when the feature is off (``owner`` is None)."""
+    if owner is None:
         yield
         return
-    task = asyncio.create_task(fairness.run(), name="tokenfair-pool-fairness")
+    task = asyncio.create_task(owner.run(), name=name)
     yield
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-    await fairness.close()
+    await owner.close()
 
 
 async def _dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:
