@@ -64,7 +64,7 @@ from typing import Final
 
 from tokenfair.config import PolicyConfig
 from tokenfair.core.jobs import STATUS_OK
-from tokenfair.sim.batchfit import BatchingFit, BatchingFitError, Run, fit_batching
+from tokenfair.sim.batchfit import BatchingFit, BatchingFitError, Run, fit_batching, records_needed
 from tokenfair.sim.concurrency import ConcurrencyProfile
 from tokenfair.sim.records import TraceRecord, open_lines
 
@@ -383,8 +383,9 @@ def fit_service(
     if max(rel_rate, rel_weight) > max_relative_stderr:
         raise CalibrationError(
             f"fit too uncertain: relative standard error of decode_weight {rel_weight:.1%}, "
-            f"of the service rate {rel_rate:.1%} (limit {max_relative_stderr:.0%}); collect more "
-            "records or records with more varied prompt/output lengths"
+            f"of the service rate {rel_rate:.1%} (limit {max_relative_stderr:.0%}); "
+            + records_needed(n, max(rel_rate, rel_weight), max_relative_stderr)
+            + "; collect more records or records with more varied prompt/output lengths"
         )
     rss = sum(r * r for r in residuals)
     mean_y = sum(s.execution_ms for s in samples) / n

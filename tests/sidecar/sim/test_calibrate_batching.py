@@ -306,6 +306,19 @@ def test_a_refused_fit_under_load_says_what_the_records_show() -> None:
     assert "a ramp of load from one request at a time to the full batch" in message
 
 
+def test_a_fit_too_uncertain_says_what_is_not_identified_and_how_many_records_would_do() -> None:
+    # Always 8 at once, 60 % noise, priced at S = 16: the throughput at 16 is not identified
+    # (said so, not as a 0 % error), and decodeWeight's error of ~57 % from 32 records needs
+    # about 32 x (0.565 / 0.2)² = 256 like them.
+    records, outcomes = lockstep([(8, 4)], 0.1, 0.02, noise=0.6, seed=0)
+    with pytest.raises(CalibrationError) as refused:
+        calibrate(records, outcomes, max_batch_requests=16)
+    message = str(refused.value)
+    assert message.startswith("fit too uncertain: relative standard error of decode_weight 56.5%")
+    assert "serviceTokensPerMs not identified (no spread of concurrency) (limit 20%)" in message
+    assert "32 record(s) gave it; about 256 like them would bring it under the limit" in message
+
+
 def test_a_refused_serial_fit_says_nothing_of_concurrency() -> None:
     records, outcomes = lockstep([(1, 3)], 1 / 30, 0.0)  # one at a time: the serial fit
     with pytest.raises(CalibrationError) as refused:
