@@ -511,8 +511,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      calibrated_fields)  # fmt: skip
             hand = through_sidecar(engine, work, "hand-set", flood_trace, keys, dict(WAITS))
             replayed = apply_overrides(base, overrides)
-            comparison = (compare(fitted.records_path, replayed),
-                          compare(fitted.records_path, replayed, facts=False))  # fmt: skip
+            queue = None if isinstance(calibration, str) else calibration.prefill_queue
+            speed = None if queue is None else queue.prefill_tokens_per_ms
+            floor_ms = replayed.policy.prefill_floor_ms
+            comparison = (
+                compare(fitted.records_path, replayed, prefill_tokens_per_ms=speed),
+                compare(fitted.records_path, replayed, facts=False),
+                first_tokens_on_live_dispatch(fitted.records, speed, floor_ms),
+            )
             if args.keep:
                 _keep(work, Path(args.keep))
         print_calibration(warm, calibration, steps)
@@ -612,8 +618,40 @@ def print_calibration(warm: Phase, calibration: Calibration | str,
     print(line("a usable fit", f"R² {service.r_squared:.3f}", "a fit", True))
     print(line("decodeWeight, serviceTokensPerMs (relative standard error)",
                f"{weight_error:.0%}, {rate_error:.0%}", "-", None))  # fmt: skip
+    queue = calibration.prefill_queue
+    if queue is not None:
+        print(line("engine prefill, first come first served (prompt tokens/ms)",
+                   f"{queue.prefill_tokens_per_ms:.3g} (RMS log {queue.rms_log_error:.2f})", "-",
+                   None))  # fmt: skip
     for problem in calibration.problems:
         print(f"    problem: {problem}")
+
+
+def first_tokens_on_live_dispatch(
+    records: list[dict[str, Any]], speed: float | None, floor_ms: float
+) -> tuple[list[float], list[float]]:
+    """The engine's first-token model alone, on the live run's own dispatch times: the served
+    interactive requests' TTFTs, and those the prefill queue (``EngineFacts``: prompts at the
+    engine's count, first come first served at ``speed``) predicts from when the sidecar sent
+    each request. What it misses is the first-token model's error; the rest of the replay's is
+    the dispatch times' (the engine's run times and the sidecar's decisions, replayed)."""
+    if speed is None:
+        return [], []
+    started = sorted(
+        (r for r in records
+         if r["status_code"] == 200 and r.get("dispatch_ms") is not None
+         and r.get("actual_prefill_tokens") and r.get("ttft_ms")),
+        key=lambda r: (r["dispatch_ms"], r["request_id"]),
+    )  # fmt: skip
+    done = -math.inf
+    live, predicted = [], []
+    for record in started:
+        start = record["dispatch_ms"]
+        done = max(done, start) + record["actual_prefill_tokens"] / speed
+        if record["priority_class"] == "interactive":
+            live.append(record["ttft_ms"])
+            predicted.append(start - record["arrival_ms"] + max(floor_ms, done - start))
+    return live, predicted
 
 
 def _config_of(engine: VllmServer) -> Any:
@@ -712,6 +750,10 @@ def print_report(args: argparse.Namespace, direct: list[dict[str, Any]], fitted:
                "-", None))  # fmt: skip
     print()
     print(format_comparison(comparison[0], "the simulator's replay of the calibrated phase"))
+    live, predicted = comparison[2]
+    print(line("  first come first served prefill on the live dispatch times: p50 / p99 (ms)",
+               f"{p(predicted, 0.5):.0f} / {p(predicted, 0.99):.0f} vs {p(live, 0.5):.0f} / "
+               f"{p(live, 0.99):.0f}", "-", None))  # fmt: skip
     print(format_comparison(comparison[1], "  the same on the policy's engine alone (the replay "
                                            "before: estimated prompts, no engine KV)"))  # fmt: skip
 

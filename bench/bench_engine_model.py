@@ -59,6 +59,8 @@ from tokenfair.sim.simulator import Arrival, EngineFacts, replay
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENFAIR = Path(sys.executable).parent / "tokenfair"
+ENGINE_REPORT_MS = 250.0
+"""The sidecar's default ``engineMetricsIntervalSeconds``, in ms."""
 TARGET_RELATIVE_ERROR = 0.25
 """Issue 27: the replay's interactive p50/p99 TTFT within 25 % of the live run's."""
 
@@ -114,17 +116,24 @@ def live_interactive_ttfts(records: Path) -> tuple[list[float], list[TraceRecord
     return ttfts, trace
 
 
-def engine_facts(trace: Sequence[TraceRecord], config: Config) -> EngineFacts:
+def engine_facts(
+    trace: Sequence[TraceRecord], config: Config, prefill_tokens_per_ms: float | None = None
+) -> EngineFacts:
     """What the live run's records say of the engine (:class:`~tokenfair.sim.simulator.
     EngineFacts`): each request's prompt as the engine counted it (``actual_prefill_tokens``),
     the engine's KV cache (the policy's ``totalKvBlocks``: the sidecar adopts the engine's, and
-    the bench's config copies them), and a sidecar that read the engine's KV (its default)."""
+    the bench's config copies them), and a sidecar that read the engine's KV every 250 ms (its
+    default ``engineMetricsIntervalSeconds``); the engine's prefill throughput, first come first
+    served, ``prefill_tokens_per_ms`` (``tokenfair calibrate``'s ``prefill_queue`` of the
+    *calibration* records; None: the policy's ``prefillTokensPerMs``)."""
     prompts = {
         record.request.request_id: record.actual_prefill_tokens
         for record in trace
         if record.actual_prefill_tokens is not None
     }
-    return EngineFacts(prompts, config.policy.total_kv_blocks, True)
+    return EngineFacts(
+        prompts, config.policy.total_kv_blocks, ENGINE_REPORT_MS, prefill_tokens_per_ms
+    )
 
 
 def replay_interactive_ttfts(
@@ -153,13 +162,18 @@ def replay_interactive_ttfts(
 
 
 def compare(
-    records: Path, config: Config, policy: str = "tokenfair", facts: bool = True
+    records: Path,
+    config: Config,
+    policy: str = "tokenfair",
+    facts: bool = True,
+    prefill_tokens_per_ms: float | None = None,
 ) -> EngineModelComparison:
     """The live run's interactive TTFT beside the replay's of the same requests under
     ``config`` (the calibrated policy), on the engine the records describe (``facts``:
-    :func:`engine_facts`; False: the policy's engine alone, as ``tokenfair simulate``)."""
+    :func:`engine_facts`, with the engine's prefill throughput ``prefill_tokens_per_ms``;
+    False: the policy's engine alone, as ``tokenfair simulate``)."""
     live, trace = live_interactive_ttfts(records)
-    engine = engine_facts(trace, config) if facts else None
+    engine = engine_facts(trace, config, prefill_tokens_per_ms) if facts else None
     replayed = replay_interactive_ttfts(trace, config, policy, engine)
     return EngineModelComparison(_side(live), _side(replayed), len(trace))
 
@@ -307,6 +321,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="a calibrated policy field (repeatable)")  # fmt: skip
     parser.add_argument("--policy", default="tokenfair")
     parser.add_argument(
+        "--engine-prefill-tokens-per-ms",
+        type=float,
+        help="the engine's prefill throughput, first come first served (calibrate's "
+        "prefill_queue of the calibration records; default: prefillTokensPerMs)",
+    )
+    parser.add_argument(
         "--no-engine-facts",
         action="store_true",
         help="replay on the policy's engine alone: the estimated prompts, no engine KV "
@@ -332,7 +352,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.records is None or args.config is None:
         parser.error("--records and --config are needed (or --costmodel)")
     config = apply_overrides(load_config(args.config), args.set)
-    comparison = compare(args.records, config, args.policy, facts=not args.no_engine_facts)
+    comparison = compare(
+        args.records,
+        config,
+        args.policy,
+        facts=not args.no_engine_facts,
+        prefill_tokens_per_ms=args.engine_prefill_tokens_per_ms,
+    )
     if args.json:
         report = {
             "requests": comparison.requests,

@@ -92,21 +92,39 @@ class EngineFacts:
       first served, holding nothing and running nothing until the requests ending before it
       free its room (vLLM's scheduler, whose waiting queue the sidecar's dispatch does not
       see). None: the engine's KV never holds a request back (the replay as before);
-    * ``reports_kv``: the sidecar read the engine's KV from its metrics (``engineMetrics``, on
-      by default with an OpenAI-compatible upstream): the gates see, as the sidecar's do, the
-      books plus what the engine holds beyond its running requests' booked blocks
-      (:meth:`Scheduler.observe_engine_kv`), updated at every start and end (a report at every
-      event, where the sidecar reads one every 250 ms).
+    * ``report_interval_ms``: the sidecar read the engine's KV from its metrics every so many ms
+      (``engineMetrics``, on by default with an OpenAI-compatible upstream, every
+      ``engineMetricsIntervalSeconds``): at the first event of each interval the gates are told
+      what the engine holds beyond its running requests' booked blocks
+      (:meth:`Scheduler.observe_engine_kv`), and see the books plus that until the next report.
+      None: the books alone.
+
+    * ``prefill_tokens_per_ms``: the engine's prefill throughput, first come first served
+      (``tokenfair calibrate``'s ``prefill_queue``, fitted by this very rule); None: the policy's
+      ``prefillTokensPerMs``.
+
+    The first token, with facts: the engine prefills the prompts of the requests it starts
+    first come first served at that throughput (chunked prefill: each step's token
+    budget goes to the waiting prompts in order, the running requests' decode tokens taking
+    little of it), so a request's first token comes once the prompts started before it and its
+    own are done (at least ``prefillFloorMs`` after its start), not at a slowdown of its prompt
+    alone: a wave of long batch prompts started together delays an interactive request sent
+    just after them by all of their prefill.
     """
 
-    __slots__ = ("kv_blocks", "prompt_tokens", "reports_kv")
+    __slots__ = ("kv_blocks", "prefill_tokens_per_ms", "prompt_tokens", "report_interval_ms")
 
     def __init__(
-        self, prompt_tokens: Mapping[str, int], kv_blocks: int | None, reports_kv: bool
+        self,
+        prompt_tokens: Mapping[str, int],
+        kv_blocks: int | None,
+        report_interval_ms: float | None,
+        prefill_tokens_per_ms: float | None = None,
     ) -> None:
         self.prompt_tokens = prompt_tokens
         self.kv_blocks = kv_blocks
-        self.reports_kv = reports_kv
+        self.report_interval_ms = report_interval_ms
+        self.prefill_tokens_per_ms = prefill_tokens_per_ms
 
 
 def served_beside(
@@ -362,7 +380,11 @@ def _replay_batching(
     running: dict[str, tuple[Decision, int | None, int | None]] = {}  # id -> what settles it
     prompts: Mapping[str, int] = {} if facts is None else facts.prompt_tokens
     engine_kv = None if facts is None else facts.kv_blocks
-    reports_kv = facts is not None and facts.reports_kv
+    report_ms = None if facts is None else facts.report_interval_ms
+    report_due_ms = 0.0
+    prefill_speed = cost.prefill_tokens_per_ms
+    if facts is not None and facts.prefill_tokens_per_ms is not None:
+        prefill_speed = facts.prefill_tokens_per_ms
     # The engine's own queue (a request sent that its KV cannot hold yet), the blocks each
     # request on the engine holds, and what the books booked for it.
     engine_queue: deque[tuple[Decision, int, int, int, int]] = deque()  # (decision, prompt
@@ -370,6 +392,7 @@ def _replay_batching(
     held: dict[str, tuple[int, int]] = {}  # running on the engine: (engine blocks, booked)
     engine_used = 0
     booked_running = 0
+    prefilled_ms = 0.0  # when the engine's prefill of the prompts started so far is done
     clock_ms = 0.0
     due_ms = math.inf  # when the forecast's next end is due (the clock it was computed at)
     upcoming = next(arrivals, None)
@@ -402,6 +425,10 @@ def _replay_batching(
             engine_used += blocks
             booked_running += booked
             started.append((sent, prompt))
+        if report_ms is not None and clock_ms >= report_due_ms:
+            # The engine's report of this interval (the sidecar's poll of its metrics).
+            scheduler.observe_engine_kv(engine_used, booked_running)
+            report_due_ms = clock_ms + report_ms
         while upcoming is not None:
             arrival_ms = upcoming_ms
             if arrival_ms > clock_ms:
@@ -414,8 +441,6 @@ def _replay_batching(
                     f"({arrival_ms} ms, after {last_id!r} at {last_ms} ms)"
                 )
             last_ms, last_id = arrival_ms, request_id
-            if reports_kv:
-                scheduler.observe_engine_kv(engine_used, booked_running)
             refusal = scheduler.submit(request, clock_ms)
             if refusal is None:
                 pending[request_id] = upcoming
@@ -431,8 +456,6 @@ def _replay_batching(
                 shed, used = _ended(expired, pop_pending(expired.request_id), clock_ms, cost)
                 yield shed, used, _beside_end(shed, used, cost)
         while scheduler.running < batch:
-            if reports_kv:
-                scheduler.observe_engine_kv(engine_used, booked_running)
             decision = scheduler.next_dispatch(clock_ms)
             if decision is None:
                 break
@@ -460,7 +483,20 @@ def _replay_batching(
             engine_used += blocks
             booked_running += booked
             started.append((decision, prompt))
-        if started:
+        if started and facts is not None:
+            # The engine prefills the prompts first come first served at the prefill speed
+            # (EngineFacts): a first token after the prompts started before it.
+            for admitted, prompt in started:
+                wait_ms = clock_ms - admitted.arrival_ms
+                begin_ms = prefilled_ms if prefilled_ms > clock_ms else clock_ms
+                prefilled_ms = begin_ms + prompt / prefill_speed
+                first_ms = prefilled_ms - clock_ms
+                floor_ms = cost.prefill_floor_ms
+                admitted.ttft_ms = round_hundredths(
+                    (wait_ms if wait_ms > 0.0 else 0.0)
+                    + (first_ms if first_ms > floor_ms else floor_ms)
+                )
+        elif started:
             # The prefill is slowed by the concurrency once every start of this instant has
             # happened (the same for each of them, whatever the order they were picked in).
             slowdown = curve.slowdown(engine.running)
