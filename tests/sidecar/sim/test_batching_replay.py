@@ -167,7 +167,7 @@ def test_kv_is_freed_when_a_request_ends() -> None:
 # G = 2: each at r1 = R / 2 = 5 service tokens/ms alone or not (20 ms each). Prefill at 8
 # tokens/ms: 12 ms for the engine's 96 prompt tokens.
 ENGINE_CFG = config(2, 2.0, total_kv_blocks=10, kv_block_tokens=16, prefill_tokens_per_ms=8.0)
-TWICE = [(request(0, 16, 16), 100, 8), (request(1, 16, 16, 1.0), 100, 8)]
+TWICE: list[Arrival] = [(request(0, 16, 16), 100, 8), (request(1, 16, 16, 1.0), 100, 8)]
 PROMPTS = {"r0": 96, "r1": 96}
 
 
