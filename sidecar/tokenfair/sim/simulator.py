@@ -36,6 +36,9 @@ is the model, and the sidecar's ``costmodel`` engine runs the same one in real t
   slowed as much as the engine's per-request speed is then (``BatchingCurve.slowdown``), not
   revised by later starts or ends. Its end is the fluid's (a first token forecast past it is
   not moved: the two are separate estimates);
+* given the facts of a live run's engine (:class:`EngineFacts`: its prompt counts, its KV
+  cache and own queue, the gates reading its KV, its prefill queue), the replay of that engine
+  (``bench/bench_engine_model.py``); without them, the rules above alone;
 * ``S = 1`` is the serial server above, replayed by the same loop as before, decision for
   decision.
 
@@ -97,8 +100,7 @@ class EngineFacts:
       ``engineMetricsIntervalSeconds``): at the first event of each interval the gates are told
       what the engine holds beyond its running requests' booked blocks
       (:meth:`Scheduler.observe_engine_kv`), and see the books plus that until the next report.
-      None: the books alone.
-
+      None: the books alone;
     * ``prefill_tokens_per_ms``: the engine's prefill throughput, first come first served
       (``tokenfair calibrate``'s ``prefill_queue``, fitted by this very rule); None: the policy's
       ``prefillTokensPerMs``.
