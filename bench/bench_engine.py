@@ -6,14 +6,17 @@ Not part of the test suite (minutes of real time on a real engine). One engine, 
 four phases of the same length on it:
 
 1. **calibrate** — a mixed workload (two interactive tenants, one batch tenant) of varied
-   prompt and output lengths at a ramp of load (``RAMP``: from a quarter of the base rates,
-   about one request at a time, to past the engine's full batch) through the sidecar under
-   hand-set coefficients (``HAND_SET``); ``tokenfair calibrate`` on its records fits
-   ``serviceTokensPerMs``, ``batchThroughputGain``, ``maxBatchRequests``, ``decodeWeight`` and
-   the prefill speed. The flood rate of the next phases comes from it. A fit ``calibrate``
-   refuses is printed as a missed target, and the run goes on with the hand-set coefficients
-   (the records' concurrency spread is printed either way). Two fixed request shapes at one
-   load (the bench before) left ``decodeWeight`` at a relative standard error of 32-54 %.
+   prompt and output lengths at a ramp of load that adapts to the engine (``next_factor``:
+   steps of a fifth of ``--duration-ms``, from a quarter of the base rates down by halves until
+   a tenth of a step's records ran about alone, up by doubling until one filled the engine's batch,
+   then on at the highest load the sidecar did not hold back until 400 records were served; a
+   fixed ramp saturated a loaded machine's engine from its first step and never filled a quiet
+   one's) through the sidecar under hand-set coefficients (``HAND_SET``); ``tokenfair
+   calibrate`` on its records fits ``serviceTokensPerMs``, ``batchThroughputGain``,
+   ``maxBatchRequests``, ``decodeWeight`` and the prefill speed. The flood rate of the next
+   phases comes from it. A fit ``calibrate`` refuses is printed as a missed target, and the run
+   goes on with the hand-set coefficients (each step's load and concurrency are printed either
+   way).
 2. **direct** — the flood trace (the batch tenant at ``--flood`` x the calibrated capacity,
    the interactive tenants at a fixed rate well under their share) sent straight to vLLM by
    ``tokenfair loadgen``, streamed: every client's TTFT.
@@ -24,8 +27,10 @@ four phases of the same length on it:
    ``serviceTokensPerMs`` 45), the policy a user had before calibrating.
 
 Then the simulator replays the flood trace's requests (same arrivals, same recorded usage) under
-the calibrated policy and compares its interactive TTFT with phase 3's
-(``bench_engine_model.compare``).
+the calibrated policy, on the engine the records describe (each prompt at the engine's count,
+the engine's KV cache holding back what does not fit, the gates seeing the engine's KV:
+``sim.simulator.EngineFacts``), and compares its interactive TTFT with phase 3's
+(``bench_engine_model.compare``; the replay on the policy's engine alone is printed beside).
 
 Targets (issue 27):
 
@@ -66,7 +71,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -116,12 +121,24 @@ INTERACTIVE_PROMPT: Final = 200
 INTERACTIVE_OUTPUT: Final = 32
 BATCH_PROMPT: Final = 800
 BATCH_OUTPUT: Final = 160
-# The calibration phase (`ramp_trace`): the batch tenant's and each interactive tenant's requests
-# per second at the ramp's factor 1, the factors (low load to past the engine's full batch), and
-# the ranges of the lengths drawn (the sidecar's estimate; the engine's tokenizer counts about
-# twice as many prompt tokens, and 2 x 1000 + 256 stays within the model's 4,096).
+# The calibration phase (`next_factor`): the batch tenant's and each interactive tenant's requests
+# per second at the ramp's factor 1, and the ranges of the lengths drawn (the sidecar's
+# estimate; the engine's tokenizer counts about twice as many prompt tokens, and 2 x 1000 + 256
+# stays within the model's 4,096).
 CALIBRATION_RPS: Final = (1.0, 0.5)
-RAMP: Final = (0.25, 0.5, 1.0, 1.5, 2.5)
+# The ramp adapts to the engine: its first step at RAMP_START, then down by halves (at most
+# RAMP_DOWN_STEPS) until a step's p10 concurrency is at most RAMP_LOW_CONCURRENCY, up by
+# doubling until its p90 reaches RAMP_HIGH_SHARE of the batch (or RAMP_HELD_SHARE of its
+# requests were refused or queued past RAMP_QUEUED_MS: the sidecar held the load back), then on
+# until RAMP_RECORDS were served; each step a fifth of --duration-ms, at most RAMP_MAX_STEPS.
+RAMP_START: Final = 0.25
+RAMP_DOWN_STEPS: Final = 3
+RAMP_LOW_CONCURRENCY: Final = 1.5
+RAMP_HIGH_SHARE: Final = 0.75
+RAMP_HELD_SHARE: Final = 0.1
+RAMP_QUEUED_MS: Final = 100.0
+RAMP_RECORDS: Final = 400
+RAMP_MAX_STEPS: Final = 10
 CALIBRATION_PROMPT: Final = (50, 1000)
 CALIBRATION_OUTPUT: Final = (8, 256)
 # The wait limits for this engine: a request alone takes a few hundred ms on 2 CPU cores.
@@ -213,34 +230,82 @@ def generate_trace(path: Path, duration_ms: float, seed: int, batch_rps: float,
     )  # fmt: skip
 
 
-def ramp_trace(path: Path, duration_ms: float, seed: int) -> list[tuple[float, float]]:
-    """The calibration phase's trace: a mixed workload of varied lengths, as users send it, at
-    a ramp of load (:data:`RAMP`: each step ``duration_ms / len(RAMP)`` long, every tenant's
-    rate times the step's factor), so the records span the engine's concurrency from one
-    request at a time to its full batch. Each request's prompt and output lengths are drawn
-    log-uniformly from :data:`CALIBRATION_PROMPT` and :data:`CALIBRATION_OUTPUT` (independently:
-    the ratio of prompt to output varies, which is what separates ``decodeWeight`` from the
-    speed; two fixed shapes left it at a relative standard error of 44-54 %). Returns each
-    step's ``(start_ms, end_ms)``."""
-    rng = random.Random(seed)
-    step_ms = duration_ms / len(RAMP)
-    lines: list[str] = []
-    steps = []
-    for index, factor in enumerate(RAMP):
-        part = path.with_name(f"{path.stem}-{index}.jsonl")
-        generate_trace(part, step_ms, seed + index, CALIBRATION_RPS[0] * factor,
-                       CALIBRATION_RPS[1] * factor)  # fmt: skip
-        start_ms = index * step_ms
-        steps.append((start_ms, start_ms + step_ms))
-        for record in read_lines(part):
-            record["request_id"] = f"ramp{index}-{record['request_id']}"
-            record["arrival_ms"] = round(start_ms + record["arrival_ms"], 3)
-            record["prefill_tokens"] = _log_uniform(rng, CALIBRATION_PROMPT)
-            record["decode_tokens"] = _log_uniform(rng, CALIBRATION_OUTPUT)
-            lines.append(json.dumps(record, separators=(",", ":")))
-        part.unlink()
-    path.write_text("\n".join(lines) + "\n")
-    return steps
+def step_trace(path: Path, step_ms: float, seed: int, factor: float, index: int) -> None:
+    """One step of the calibration ramp: the mixed workload of :data:`CALIBRATION_RPS` times
+    ``factor`` for ``step_ms``, each request's prompt and output lengths drawn log-uniformly
+    from :data:`CALIBRATION_PROMPT` and :data:`CALIBRATION_OUTPUT` (independently: the ratio of
+    prompt to output varies, which is what separates ``decodeWeight`` from the speed; two fixed
+    shapes left it at a relative standard error of 44-54 %)."""
+    rng = random.Random(seed * 1000 + index)
+    part = path.with_name(f"{path.stem}-raw.jsonl")
+    generate_trace(part, step_ms, seed + index, CALIBRATION_RPS[0] * factor,
+                   CALIBRATION_RPS[1] * factor)  # fmt: skip
+    lines = []
+    for record in read_lines(part):
+        record["request_id"] = f"ramp{index}-{record['request_id']}"
+        record["prefill_tokens"] = _log_uniform(rng, CALIBRATION_PROMPT)
+        record["decode_tokens"] = _log_uniform(rng, CALIBRATION_OUTPUT)
+        lines.append(json.dumps(record, separators=(",", ":")))
+    part.unlink()
+    path.write_text("\n".join(lines) + "\n" if lines else "")
+
+
+@dataclass(frozen=True)
+class RampStep:
+    """One step of the calibration ramp and what its clients saw."""
+
+    factor: float
+    sent: int
+    served: int
+    waited: int
+    """Requests refused, or queued in the sidecar past :data:`RAMP_QUEUED_MS`: the sidecar
+    held the load back (the engine was full by its model)."""
+    concurrency: tuple[float, float, float]
+    """p10 / p50 / p90 of the served requests' time-averaged concurrency (their runs, from
+    the clients' records: each step runs alone, loadgen waits for its last answer)."""
+
+    @property
+    def low(self) -> bool:
+        return self.served > 0 and self.concurrency[0] <= RAMP_LOW_CONCURRENCY
+
+    def high(self, batch: int) -> bool:
+        held = self.sent > 0 and self.waited >= RAMP_HELD_SHARE * self.sent
+        return held or (self.served > 0 and self.concurrency[2] >= RAMP_HIGH_SHARE * batch)
+
+
+def ramp_step(client: Path, factor: float) -> RampStep:
+    """The step's clients' records, summed up (:class:`RampStep`)."""
+    records = read_trace(client)
+    outcomes = read_outcomes(client)
+    samples, _skipped, _idle = samples_from_records(records, outcomes)
+    profile = ConcurrencyProfile(run_spans(records, outcomes))
+    seen = sorted(profile.mean(*s.span) for s in samples if s.span is not None)
+    waited = sum(
+        1 for o in outcomes.values()
+        if o.status_code != 200 or (o.queue_wait_ms or 0.0) > RAMP_QUEUED_MS
+    )  # fmt: skip
+    spread = (p(seen, 0.1), p(seen, 0.5), p(seen, 0.9)) if seen else (0.0, 0.0, 0.0)
+    return RampStep(factor, len(records), len(seen), waited, spread)
+
+
+def next_factor(steps: Sequence[RampStep], batch: int) -> float | None:
+    """The load of the ramp's next step, or None when it is done: down (halving from the
+    lowest so far) until a tenth of a step's records ran about alone, up (doubling from the
+    highest) until one filled the engine's batch (or the sidecar held the load back); then, for
+    more records, the highest load that did not hold any back, until :data:`RAMP_RECORDS`
+    were served. Whatever the engine's speed — a quiet machine's engine needs 4-8 times the
+    load a loaded one saturates at — the records then span its concurrency."""
+    factors = [step.factor for step in steps]
+    if not steps:
+        return RAMP_START
+    if not any(step.low for step in steps) and min(factors) > RAMP_START / 2**RAMP_DOWN_STEPS:
+        return min(factors) / 2
+    if not any(step.high(batch) for step in steps):
+        return max(factors) * 2
+    if sum(step.served for step in steps) >= RAMP_RECORDS:
+        return None
+    unheld = [s.factor for s in steps if s.sent and s.waited < RAMP_HELD_SHARE * s.sent]
+    return max(unheld) if unheld else min(factors)
 
 
 def _log_uniform(rng: random.Random, bounds: tuple[int, int]) -> int:
@@ -297,15 +362,23 @@ class Phase:
     records_path: Path
 
 
-def through_sidecar(engine: VllmServer, work: Path, name: str, trace: Path, keys: Path,
-                    policy: dict[str, Any]) -> Phase:  # fmt: skip
+def through_sidecar(engine: VllmServer, work: Path, name: str, trace: Path | None, keys: Path,
+                    policy: dict[str, Any],
+                    drive: Callable[[EngineSidecar, Path], dict[str, Any]] | None = None,
+                    ) -> Phase:  # fmt: skip
+    """A phase through a sidecar of ``policy``: ``trace`` sent by loadgen, or ``drive``
+    called with the sidecar and the clients' records file (it writes them)."""
     folder = work / name
     folder.mkdir()
     with sidecar_in_front_of(engine, folder, **policy) as sidecar:
         before = engine_tokens(engine)
         sampler = Sampler(engine, sidecar)
         sampler.start()
-        report = loadgen(sidecar.proxy, trace, folder / "client.jsonl", None, keys)
+        if drive is not None:
+            report = drive(sidecar, folder / "client.jsonl")
+        else:
+            assert trace is not None
+            report = loadgen(sidecar.proxy, trace, folder / "client.jsonl", None, keys)
         sampler.stop()
         # The samples beside the records (`--keep` copies them): what the counts were made of.
         (folder / "samples.jsonl").write_text(
@@ -390,11 +463,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{engine.block_size_tokens} tokens, max-num-seqs {settings.max_num_seqs}, "
                   f"started in {engine.startup_seconds:.0f} s")  # fmt: skip
             batch = settings.max_num_seqs
-            # 1. calibrate: a ramp of load through the sidecar under hand-set coefficients
-            calibration_trace = work / "calibration-trace.jsonl"
-            ramp_trace(calibration_trace, args.duration_ms, args.seed)
-            warm = through_sidecar(engine, work, "calibrate", calibration_trace, keys,
-                                   HAND_SET)  # fmt: skip
+            # 1. calibrate: a ramp of load, adapted to the engine, through the sidecar under
+            # hand-set coefficients
+            steps: list[RampStep] = []
+            warm = through_sidecar(
+                engine, work, "calibrate", None, keys, HAND_SET,
+                drive=lambda sidecar, client: run_ramp(
+                    sidecar, work, client, keys, args.duration_ms / 5, args.seed, batch, steps
+                ),
+            )  # fmt: skip
             calibration = calibrate_phase(warm, batch)
             base = replace_policy(_config_of(engine), **WAITS)
             if isinstance(calibration, str):
@@ -433,10 +510,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             fitted = through_sidecar(engine, work, "calibrated", flood_trace, keys,
                                      calibrated_fields)  # fmt: skip
             hand = through_sidecar(engine, work, "hand-set", flood_trace, keys, dict(WAITS))
-            comparison = compare(fitted.records_path, apply_overrides(base, overrides))
+            replayed = apply_overrides(base, overrides)
+            queue = None if isinstance(calibration, str) else calibration.prefill_queue
+            speed = None if queue is None else queue.prefill_tokens_per_ms
+            floor_ms = replayed.policy.prefill_floor_ms
+            comparison = (
+                compare(fitted.records_path, replayed, prefill_tokens_per_ms=speed),
+                compare(fitted.records_path, replayed, facts=False),
+                first_tokens_on_live_dispatch(fitted.records, speed, floor_ms),
+            )
             if args.keep:
                 _keep(work, Path(args.keep))
-        print_calibration(warm, calibration)
+        print_calibration(warm, calibration, steps)
         print_report(args, direct, fitted, hand, comparison, calibrated)
     return 0
 
@@ -468,6 +553,31 @@ def _engine(url: str | None, work: Path, settings: VllmSettings) -> Iterator[Vll
     yield engine
 
 
+def run_ramp(sidecar: EngineSidecar, work: Path, client: Path, keys: Path, step_ms: float,
+             seed: int, batch: int, steps: list[RampStep]) -> dict[str, Any]:  # fmt: skip
+    """The calibration ramp (:func:`next_factor`) through ``sidecar``, one loadgen a step;
+    every step's clients' records appended to ``client``. Fills ``steps``."""
+    report: dict[str, Any] = {}
+    client.write_text("")
+    while len(steps) < RAMP_MAX_STEPS:
+        factor = next_factor(steps, batch)
+        if factor is None:
+            break
+        index = len(steps)
+        trace = work / f"calibration-trace-{index}.jsonl"
+        step_trace(trace, step_ms, seed, factor, index)
+        if not trace.read_text().strip():
+            steps.append(RampStep(factor, 0, 0, 0, (0.0, 0.0, 0.0)))
+            continue
+        step_client = work / f"calibration-client-{index}.jsonl"
+        report = loadgen(sidecar.proxy, trace, step_client, None, keys)
+        steps.append(ramp_step(step_client, factor))
+        with client.open("a") as out:
+            out.write(step_client.read_text())
+        step_client.unlink()
+    return report
+
+
 def calibrate_phase(warm: Phase, batch: int) -> Calibration | str:
     """``tokenfair calibrate`` on the calibration phase's records, or why it cannot."""
     try:
@@ -477,15 +587,23 @@ def calibrate_phase(warm: Phase, batch: int) -> Calibration | str:
         return str(exc)
 
 
-def print_calibration(warm: Phase, calibration: Calibration | str) -> None:
-    """What the calibration phase's records show, and the fit (or why there is none)."""
+def print_calibration(warm: Phase, calibration: Calibration | str,
+                      steps: Sequence[RampStep]) -> None:  # fmt: skip
+    """The ramp's steps, what the calibration phase's records show, and the fit (or why
+    there is none)."""
     records = read_trace(warm.records_path)
     outcomes = read_outcomes(warm.records_path)
     samples, _skipped, _idle = samples_from_records(records, outcomes)
     profile = ConcurrencyProfile(run_spans(records, outcomes))
     seen = sorted(profile.mean(*s.span) for s in samples if s.span is not None)
     print()
-    print("calibration (a ramp of load, varied lengths, through the sidecar):")
+    print("calibration (a ramp of load adapted to the engine, varied lengths, through the "
+          "sidecar):")  # fmt: skip
+    for index, step in enumerate(steps):
+        print(f"    step {index}: load x{step.factor:g}, {step.sent} sent, {step.served} served, "
+              f"{step.waited} refused or queued > {RAMP_QUEUED_MS:g} ms; concurrency p10 / p50 "
+              f"/ p90 {step.concurrency[0]:.1f} / {step.concurrency[1]:.1f} / "
+              f"{step.concurrency[2]:.1f}")  # fmt: skip
     if seen:
         print(line("records used; concurrency min / p10 / p50 / p90 / max",
                    f"{len(samples)}; {seen[0]:.1f} / {p(seen, 0.1):.1f} / {p(seen, 0.5):.1f} / "
@@ -500,8 +618,40 @@ def print_calibration(warm: Phase, calibration: Calibration | str) -> None:
     print(line("a usable fit", f"R² {service.r_squared:.3f}", "a fit", True))
     print(line("decodeWeight, serviceTokensPerMs (relative standard error)",
                f"{weight_error:.0%}, {rate_error:.0%}", "-", None))  # fmt: skip
+    queue = calibration.prefill_queue
+    if queue is not None:
+        print(line("engine prefill, first come first served (prompt tokens/ms)",
+                   f"{queue.prefill_tokens_per_ms:.3g} (RMS log {queue.rms_log_error:.2f})", "-",
+                   None))  # fmt: skip
     for problem in calibration.problems:
         print(f"    problem: {problem}")
+
+
+def first_tokens_on_live_dispatch(
+    records: list[dict[str, Any]], speed: float | None, floor_ms: float
+) -> tuple[list[float], list[float]]:
+    """The engine's first-token model alone, on the live run's own dispatch times: the served
+    interactive requests' TTFTs, and those the prefill queue (``EngineFacts``: prompts at the
+    engine's count, first come first served at ``speed``) predicts from when the sidecar sent
+    each request. What it misses is the first-token model's error; the rest of the replay's is
+    the dispatch times' (the engine's run times and the sidecar's decisions, replayed)."""
+    if speed is None:
+        return [], []
+    started = sorted(
+        (r for r in records
+         if r["status_code"] == 200 and r.get("dispatch_ms") is not None
+         and r.get("actual_prefill_tokens") and r.get("ttft_ms")),
+        key=lambda r: (r["dispatch_ms"], r["request_id"]),
+    )  # fmt: skip
+    done = -math.inf
+    live, predicted = [], []
+    for record in started:
+        start = record["dispatch_ms"]
+        done = max(done, start) + record["actual_prefill_tokens"] / speed
+        if record["priority_class"] == "interactive":
+            live.append(record["ttft_ms"])
+            predicted.append(start - record["arrival_ms"] + max(floor_ms, done - start))
+    return live, predicted
 
 
 def _config_of(engine: VllmServer) -> Any:
@@ -599,7 +749,13 @@ def print_report(args: argparse.Namespace, direct: list[dict[str, Any]], fitted:
     print(line("samples with a fresh engine report", f"{fresh:.3f} of {len(fitted.samples)}",
                "-", None))  # fmt: skip
     print()
-    print(format_comparison(comparison, "the simulator's replay of the calibrated phase"))
+    print(format_comparison(comparison[0], "the simulator's replay of the calibrated phase"))
+    live, predicted = comparison[2]
+    print(line("  first come first served prefill on the live dispatch times: p50 / p99 (ms)",
+               f"{p(predicted, 0.5):.0f} / {p(predicted, 0.99):.0f} vs {p(live, 0.5):.0f} / "
+               f"{p(live, 0.99):.0f}", "-", None))  # fmt: skip
+    print(format_comparison(comparison[1], "  the same on the policy's engine alone (the replay "
+                                           "before: estimated prompts, no engine KV)"))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -4,8 +4,11 @@ Not part of the test suite. Given the request records of a live run (a sidecar's
 file: every request with its arrival, outcome and measured times) and the policy calibrated for
 the engine behind it, the simulator replays the *same* requests — same arrivals, same recorded
 usage — under that policy (``maxBatchRequests > 1``: the batching engine of
-``core/batching.py``) and this prints, for the interactive class, TTFT p50 and p99 of the live
-run and of the replay, and the replay's relative error, beside the target of issue 27: within
+``core/batching.py``), on the engine the records describe (``engine_facts``: each prompt at the
+engine's count, the engine's KV cache, which holds back a request sent that does not fit, and
+the gates seeing the engine's KV, as a sidecar with engine metrics does; ``--no-engine-facts``:
+the policy's engine alone) and this prints, for the interactive class, TTFT p50 and p99 of the
+live run and of the replay, and the replay's relative error, beside the target of issue 27: within
 25 %. Both sides count only the requests served (status 200), TTFT from arrival (queue wait
 included), nearest-rank percentiles (``sim/report.py``).
 
@@ -52,10 +55,12 @@ from tokenfair.server.runtime_settings import load_sidecar_file
 from tokenfair.sim.calibrate import Calibration, calibrate, read_outcomes
 from tokenfair.sim.records import TraceRecord, read_trace
 from tokenfair.sim.report import percentile
-from tokenfair.sim.simulator import Arrival, replay
+from tokenfair.sim.simulator import Arrival, EngineFacts, replay
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENFAIR = Path(sys.executable).parent / "tokenfair"
+ENGINE_REPORT_MS = 250.0
+"""The sidecar's default ``engineMetricsIntervalSeconds``, in ms."""
 TARGET_RELATIVE_ERROR = 0.25
 """Issue 27: the replay's interactive p50/p99 TTFT within 25 % of the live run's."""
 
@@ -111,11 +116,35 @@ def live_interactive_ttfts(records: Path) -> tuple[list[float], list[TraceRecord
     return ttfts, trace
 
 
+def engine_facts(
+    trace: Sequence[TraceRecord], config: Config, prefill_tokens_per_ms: float | None = None
+) -> EngineFacts:
+    """What the live run's records say of the engine (:class:`~tokenfair.sim.simulator.
+    EngineFacts`): each request's prompt as the engine counted it (``actual_prefill_tokens``),
+    the engine's KV cache (the policy's ``totalKvBlocks``: the sidecar adopts the engine's, and
+    the bench's config copies them), and a sidecar that read the engine's KV every 250 ms (its
+    default ``engineMetricsIntervalSeconds``); the engine's prefill throughput, first come first
+    served, ``prefill_tokens_per_ms`` (``tokenfair calibrate``'s ``prefill_queue`` of the
+    *calibration* records; None: the policy's ``prefillTokensPerMs``)."""
+    prompts = {
+        record.request.request_id: record.actual_prefill_tokens
+        for record in trace
+        if record.actual_prefill_tokens is not None
+    }
+    return EngineFacts(
+        prompts, config.policy.total_kv_blocks, ENGINE_REPORT_MS, prefill_tokens_per_ms
+    )
+
+
 def replay_interactive_ttfts(
-    trace: Sequence[TraceRecord], config: Config, policy: str = "tokenfair"
+    trace: Sequence[TraceRecord],
+    config: Config,
+    policy: str = "tokenfair",
+    engine: EngineFacts | None = None,
 ) -> list[float]:
     """The replay's TTFTs of the interactive requests it serves: the records' requests at their
-    arrivals, each running its recorded usage (``tokenfair simulate --trace`` does the same)."""
+    arrivals, each running its recorded usage (``tokenfair simulate --trace`` does the same),
+    on the engine of ``engine`` (None: the policy's alone)."""
     cost = CostModel.from_policy(config.policy)
     ordered = sorted(trace, key=lambda r: (r.request.arrival_ms, r.request.request_id))
     arrivals: list[Arrival] = []
@@ -127,16 +156,25 @@ def replay_interactive_ttfts(
             arrivals.append((record.request, cost.service_tokens(*used), cost.kv_blocks(*used)))
     return [
         decision.ttft_ms
-        for decision, _ in replay(config, arrivals, policy)
+        for decision, _ in replay(config, arrivals, policy, engine)
         if decision.status_code == STATUS_OK and decision.priority_class == "interactive"
     ]
 
 
-def compare(records: Path, config: Config, policy: str = "tokenfair") -> EngineModelComparison:
+def compare(
+    records: Path,
+    config: Config,
+    policy: str = "tokenfair",
+    facts: bool = True,
+    prefill_tokens_per_ms: float | None = None,
+) -> EngineModelComparison:
     """The live run's interactive TTFT beside the replay's of the same requests under
-    ``config`` (the calibrated policy)."""
+    ``config`` (the calibrated policy), on the engine the records describe (``facts``:
+    :func:`engine_facts`, with the engine's prefill throughput ``prefill_tokens_per_ms``;
+    False: the policy's engine alone, as ``tokenfair simulate``)."""
     live, trace = live_interactive_ttfts(records)
-    replayed = replay_interactive_ttfts(trace, config, policy)
+    engine = engine_facts(trace, config, prefill_tokens_per_ms) if facts else None
+    replayed = replay_interactive_ttfts(trace, config, policy, engine)
     return EngineModelComparison(_side(live), _side(replayed), len(trace))
 
 
@@ -250,9 +288,11 @@ def self_test(args: argparse.Namespace) -> int:
         )
         print(_fit_summary(fit))
         calibrated = _calibrated(truth, fit)
-        print(format_comparison(compare(records, calibrated), "calibrated policy"))
-        print(format_comparison(compare(records, truth), "the engine's own policy"))
-        print(format_comparison(compare(records, base), "the lesson's serial policy"))
+        # The costmodel engine is the policy's own (its prompts the estimates, its KV the
+        # books, no metrics to read): no engine facts to add.
+        print(format_comparison(compare(records, calibrated, facts=False), "calibrated policy"))
+        print(format_comparison(compare(records, truth, facts=False), "the engine's own policy"))
+        print(format_comparison(compare(records, base, facts=False), "the lesson's serial policy"))
         if args.keep:
             kept = Path(args.keep)
             kept.write_bytes(records.read_bytes())
@@ -280,6 +320,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a calibrated policy field (repeatable)")  # fmt: skip
     parser.add_argument("--policy", default="tokenfair")
+    parser.add_argument(
+        "--engine-prefill-tokens-per-ms",
+        type=float,
+        help="the engine's prefill throughput, first come first served (calibrate's "
+        "prefill_queue of the calibration records; default: prefillTokensPerMs)",
+    )
+    parser.add_argument(
+        "--no-engine-facts",
+        action="store_true",
+        help="replay on the policy's engine alone: the estimated prompts, no engine KV "
+        "(default: the engine the records describe)",
+    )
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
     parser.add_argument("--costmodel", action="store_true", help="the self-test (docstring)")
     parser.add_argument("--batch", type=int, default=8)
@@ -300,7 +352,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.records is None or args.config is None:
         parser.error("--records and --config are needed (or --costmodel)")
     config = apply_overrides(load_config(args.config), args.set)
-    comparison = compare(args.records, config, args.policy)
+    comparison = compare(
+        args.records,
+        config,
+        args.policy,
+        facts=not args.no_engine_facts,
+        prefill_tokens_per_ms=args.engine_prefill_tokens_per_ms,
+    )
     if args.json:
         report = {
             "requests": comparison.requests,

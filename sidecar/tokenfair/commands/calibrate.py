@@ -221,6 +221,14 @@ def format_table(result: Calibration) -> str:
         )
     else:
         lines.append(f"  prefillTokensPerMs not fitted: {result.prefill_note}")
+    queue = result.prefill_queue
+    if queue is not None:
+        lines.append(
+            f"  engine prefill      {queue.prefill_tokens_per_ms:10.4g}  prompt tokens/ms, first "
+            f"come first served, from {queue.records_used} TTFTs (RMS log error "
+            f"{queue.rms_log_error:.2f}; for a replay of these records' engine, not a policy "
+            "field)"
+        )
     lines.extend(f"problem: {problem}" for problem in result.problems)
     lines.append("apply with:")
     lines.append("  " + " ".join(f"--set {item}" for item in result.overrides()))

@@ -367,6 +367,16 @@ def _busiest(runs: Sequence[Run], profile: ConcurrencyProfile) -> int:
     return max([1, *(round(mean) for mean in profile.means(spans))])
 
 
+def records_needed(records: int, relative_stderr: float, limit: float) -> str:
+    """How many records like these would bring a relative standard error under ``limit``: a
+    standard error falls as ``1 / sqrt(n)``, so about ``n (error / limit)²``."""
+    needed = math.ceil(records * (relative_stderr / limit) ** 2)
+    return (
+        f"{records} record(s) gave it; about {needed} like them would bring it under the limit "
+        "(a standard error falls as 1/sqrt(n))"
+    )
+
+
 def _relative(stderr: float, value: float) -> float:
     return stderr / abs(value) if value else math.inf
 
@@ -536,10 +546,16 @@ def _result(
     rel_weight = _relative(math.sqrt(max(0.0, var_weight)), weight)
     rel_rate = 0.0 if rate is None or rate_stderr is None else _relative(rate_stderr, rate)
     if max(rel_weight, rel_rate) > max_relative_stderr:
+        rate_said = (
+            f"of serviceTokensPerMs {rel_rate:.1%}"
+            if rate is not None
+            else "serviceTokensPerMs not identified (no spread of concurrency)"
+        )
         raise BatchingFitError(
             f"fit too uncertain: relative standard error of decode_weight {rel_weight:.1%}, "
-            f"of serviceTokensPerMs {rel_rate:.1%} (limit {max_relative_stderr:.0%}); collect "
-            "more records or records with more varied prompt/output lengths and load"
+            f"{rate_said} (limit {max_relative_stderr:.0%}); "
+            + records_needed(len(runs), max(rel_weight, rel_rate), max_relative_stderr)
+            + "; collect more records or records with more varied prompt/output lengths and load"
         )
     r_squared, rms_ms, rms_relative = _stats(runs, state)
     if r_squared < MIN_R_SQUARED:

@@ -64,7 +64,7 @@ from typing import Final
 
 from tokenfair.config import PolicyConfig
 from tokenfair.core.jobs import STATUS_OK
-from tokenfair.sim.batchfit import BatchingFit, BatchingFitError, Run, fit_batching
+from tokenfair.sim.batchfit import BatchingFit, BatchingFitError, Run, fit_batching, records_needed
 from tokenfair.sim.concurrency import ConcurrencyProfile
 from tokenfair.sim.records import TraceRecord, open_lines
 
@@ -136,6 +136,18 @@ class PrefillFit:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillQueueFit:
+    """The engine's prefill throughput when it prefills the prompts it starts first come first
+    served (:func:`fit_prefill_queue`): an engine fact for the replay of a live run
+    (``sim.simulator.EngineFacts``), not a policy field."""
+
+    prefill_tokens_per_ms: float
+    rms_log_error: float
+    """RMS of ``ln(observed / predicted)`` of the times to the first token."""
+    records_used: int
+
+
+@dataclass(frozen=True, slots=True)
 class Calibration:
     """The result of :func:`calibrate`."""
 
@@ -152,6 +164,8 @@ class Calibration:
     alone, the serial fit above)."""
     problems: tuple[str, ...] = ()
     """What the records could not determine or fit well, one message per problem."""
+    prefill_queue: PrefillQueueFit | None = None
+    """Records under load: the engine's prefill throughput, first come first served."""
 
     def overrides(self) -> list[str]:
         """``--set`` assignments that apply the fit (4 significant digits); a field the records
@@ -180,6 +194,7 @@ class Calibration:
             "batching": None if self.batching is None else asdict(self.batching),
             "prefill": None if self.prefill is None else asdict(self.prefill),
             "prefill_note": self.prefill_note,
+            "prefill_queue": None if self.prefill_queue is None else asdict(self.prefill_queue),
             "problems": list(self.problems),
             "set": self.overrides(),
         }
@@ -383,8 +398,9 @@ def fit_service(
     if max(rel_rate, rel_weight) > max_relative_stderr:
         raise CalibrationError(
             f"fit too uncertain: relative standard error of decode_weight {rel_weight:.1%}, "
-            f"of the service rate {rel_rate:.1%} (limit {max_relative_stderr:.0%}); collect more "
-            "records or records with more varied prompt/output lengths"
+            f"of the service rate {rel_rate:.1%} (limit {max_relative_stderr:.0%}); "
+            + records_needed(n, max(rel_rate, rel_weight), max_relative_stderr)
+            + "; collect more records or records with more varied prompt/output lengths"
         )
     rss = sum(r * r for r in residuals)
     mean_y = sum(s.execution_ms for s in samples) / n
@@ -490,7 +506,9 @@ def calibrate(
             + (_records_show(samples, profile) if loaded and max_batch_requests != 1 else "")
         ) from None
     note = ""
+    queue: PrefillQueueFit | None = None
     if batching is not None:
+        queue = fit_prefill_queue(samples, prefill_floor_ms, min_records)
         samples, note = _prefill_alone(samples, profile, batching)
     prefill = fit_prefill(samples, prefill_floor_ms, min_records)
     if note and isinstance(prefill, PrefillFit):
@@ -504,7 +522,56 @@ def calibrate(
         skipped=dict(sorted(skipped.items())),
         batching=batching,
         problems=tuple(problems),
+        prefill_queue=queue,
     )
+
+
+QUEUE_SPEEDS: Final = (0.01, 100_000.0)
+"""The prompt tokens per ms :func:`fit_prefill_queue` searches between."""
+QUEUE_STEPS: Final = 80
+"""Golden-section steps of that search (each narrows the log range by 0.618: to ~1e-16)."""
+
+
+def fit_prefill_queue(
+    samples: Sequence[Sample], floor_ms: float, min_records: int = DEFAULT_MIN_RECORDS
+) -> PrefillQueueFit | None:
+    """The prefill throughput ``P`` of an engine that prefills the prompts it starts first come
+    first served: a record started (dispatched) at ``t`` with a prompt of ``p`` tokens (the
+    engine's count) has its first token at ``max(t + floor, done)``, ``done = max(t, done of the
+    one started before it) + p / P``; ``P`` minimises the squared ``ln(observed / predicted)``
+    of the times to the first token (``ttft_ms - queue wait``) over the records under load that
+    have one (a golden-section search over :data:`QUEUE_SPEEDS`, the loss being smooth in
+    ``ln P`` away from the floor). A wave of long prompts started together delays a first token
+    behind them by all of their prefill, which a slowdown by the concurrency alone does not
+    (docs/capacity.md). None: fewer than ``min_records`` such records."""
+    rows = sorted(
+        (s.span[0], s.prefill_tokens, s.prefill_ms)
+        for s in samples
+        if s.span is not None and s.prefill_ms is not None and s.prefill_ms > 0.0
+    )
+    if len(rows) < max(min_records, 3):
+        return None
+
+    def loss(log_speed: float) -> float:
+        speed = math.exp(log_speed)
+        done = -math.inf
+        total = 0.0
+        for start, prompt, observed in rows:
+            done = (done if done > start else start) + prompt / speed
+            predicted = max(floor_ms, done - start, 1e-9)
+            total += math.log(observed / predicted) ** 2
+        return total
+
+    low, high = math.log(QUEUE_SPEEDS[0]), math.log(QUEUE_SPEEDS[1])
+    ratio = (math.sqrt(5.0) - 1.0) / 2.0
+    for _ in range(QUEUE_STEPS):
+        left, right = high - ratio * (high - low), low + ratio * (high - low)
+        if loss(left) < loss(right):
+            high = right
+        else:
+            low = left
+    best = (low + high) / 2.0
+    return PrefillQueueFit(math.exp(best), math.sqrt(loss(best) / len(rows)), len(rows))
 
 
 def _records_show(samples: Sequence[Sample], profile: ConcurrencyProfile) -> str:

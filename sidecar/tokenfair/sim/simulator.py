@@ -36,6 +36,9 @@ is the model, and the sidecar's ``costmodel`` engine runs the same one in real t
   slowed as much as the engine's per-request speed is then (``BatchingCurve.slowdown``), not
   revised by later starts or ends. Its end is the fluid's (a first token forecast past it is
   not moved: the two are separate estimates);
+* given the facts of a live run's engine (:class:`EngineFacts`: its prompt counts, its KV
+  cache and own queue, the gates reading its KV, its prefill queue), the replay of that engine
+  (``bench/bench_engine_model.py``); without them, the rules above alone;
 * ``S = 1`` is the serial server above, replayed by the same loop as before, decision for
   decision.
 
@@ -59,6 +62,7 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TypeAlias
 
@@ -75,6 +79,54 @@ Arrival: TypeAlias = tuple[Request, int | None, int | None]
 """A request of the trace and what it really used: ``(request, actual_service_tokens,
 actual_kv_blocks)``, ``None`` where the estimate was exact. A plain tuple: built once per
 request, a ``NamedTuple`` cost ~1 µs more each (its ``__new__`` is a Python function)."""
+
+
+class EngineFacts:
+    """What the records of a live run tell the replay of a batching engine about the engine
+    behind the sidecar, beyond the policy (``bench/bench_engine_model.py`` gives them):
+
+    * ``prompt_tokens``: each request's prompt as the *engine* counted it (the records'
+      ``actual_prefill_tokens``; its tokenizer and chat template count about twice the
+      sidecar's estimate for the suite's model): its first token comes after
+      ``prefill_ms`` of that prompt, not of the estimate;
+    * ``kv_blocks``: the engine's KV cache, in blocks. A request holds its actual blocks (its
+      ``actual_kv_blocks``, else its estimate's) from its start on the engine to its end, and a
+      request sent to the engine that does not fit waits in the engine's own queue, first come
+      first served, holding nothing and running nothing until the requests ending before it
+      free its room (vLLM's scheduler, whose waiting queue the sidecar's dispatch does not
+      see). None: the engine's KV never holds a request back (the replay as before);
+    * ``report_interval_ms``: the sidecar read the engine's KV from its metrics every so many ms
+      (``engineMetrics``, on by default with an OpenAI-compatible upstream, every
+      ``engineMetricsIntervalSeconds``): at the first event of each interval the gates are told
+      what the engine holds beyond its running requests' booked blocks
+      (:meth:`Scheduler.observe_engine_kv`), and see the books plus that until the next report.
+      None: the books alone;
+    * ``prefill_tokens_per_ms``: the engine's prefill throughput, first come first served
+      (``tokenfair calibrate``'s ``prefill_queue``, fitted by this very rule); None: the policy's
+      ``prefillTokensPerMs``.
+
+    The first token, with facts: the engine prefills the prompts of the requests it starts
+    first come first served at that throughput (chunked prefill: each step's token
+    budget goes to the waiting prompts in order, the running requests' decode tokens taking
+    little of it), so a request's first token comes once the prompts started before it and its
+    own are done (at least ``prefillFloorMs`` after its start), not at a slowdown of its prompt
+    alone: a wave of long batch prompts started together delays an interactive request sent
+    just after them by all of their prefill.
+    """
+
+    __slots__ = ("kv_blocks", "prefill_tokens_per_ms", "prompt_tokens", "report_interval_ms")
+
+    def __init__(
+        self,
+        prompt_tokens: Mapping[str, int],
+        kv_blocks: int | None,
+        report_interval_ms: float | None,
+        prefill_tokens_per_ms: float | None = None,
+    ) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.kv_blocks = kv_blocks
+        self.report_interval_ms = report_interval_ms
+        self.prefill_tokens_per_ms = prefill_tokens_per_ms
 
 
 def served_beside(
@@ -119,7 +171,10 @@ def simulate(
 
 
 def replay(
-    config: Config, arrivals: Iterable[Arrival], policy: str
+    config: Config,
+    arrivals: Iterable[Arrival],
+    policy: str,
+    engine: EngineFacts | None = None,
 ) -> Iterator[tuple[Decision, int | None]]:
     """Stream ``arrivals`` through ``policy``: yields each request's decision, in decision order,
     with the request's ``actual_service_tokens`` from its arrival (what sizes it, refused or not).
@@ -133,11 +188,14 @@ def replay(
     the replay creates no reference cycles (everything it allocates is freed by reference
     counting), so the collector would only rescan the live backlog. It is enabled again when the
     generator finishes or is closed.
+
+    ``engine``: what a live run's records tell of the engine behind it (:class:`EngineFacts`;
+    used by a batching engine's replay only).
     """
     collecting = gc.isenabled()
     gc.disable()
     try:
-        yield from _replay(config, iter(arrivals), policy)
+        yield from _replay(config, iter(arrivals), policy, None, engine)
     finally:
         if collecting:
             gc.enable()
@@ -148,20 +206,22 @@ def replay_timed(
     arrivals: Iterable[Arrival],
     policy: str,
     scheduler: Scheduler | None = None,
+    engine: EngineFacts | None = None,
 ) -> Iterator[tuple[Decision, int | None, float | None]]:
     """:func:`replay`, with each admitted request's end (the model ms its last token came)
     as a third item; None for a request that did not run. For what a live run would have
     recorded of the same trace (``e2e_ms = end - arrival``): the records ``tokenfair
     calibrate`` fits. A serial server's request ends ``execution_ms`` of its actual service
     tokens after its dispatch. ``scheduler`` (default: a new one of ``policy`` on
-    ``config``) is the one driven, for a caller that inspects it afterwards (its books)."""
+    ``config``) is the one driven, for a caller that inspects it afterwards (its books);
+    ``engine`` as :func:`replay`'s."""
     collecting = gc.isenabled()
     gc.disable()
     try:
         if scheduler is None:
             scheduler = make_scheduler(policy, config)
         if scheduler.cost.max_batch_requests > 1:
-            yield from _replay_batching(scheduler, iter(arrivals), policy)
+            yield from _replay_batching(scheduler, iter(arrivals), policy, engine)
             return
         cost = scheduler.cost
         for decision, used in _replay(config, iter(arrivals), policy, scheduler):
@@ -181,11 +241,12 @@ def _replay(
     arrivals: Iterator[Arrival],
     policy: str,
     scheduler: Scheduler | None = None,
+    engine: EngineFacts | None = None,
 ) -> Iterator[tuple[Decision, int | None]]:
     if scheduler is None:
         scheduler = make_scheduler(policy, config)
     if scheduler.cost.max_batch_requests > 1:
-        for outcome, usage, _ in _replay_batching(scheduler, arrivals, policy):
+        for outcome, usage, _ in _replay_batching(scheduler, arrivals, policy, engine):
             yield outcome, usage
         return
     # The loop runs once per event. The scheduler's methods are called on it, not through
@@ -303,10 +364,14 @@ def _beside_end(decision: Decision, used: int | None, cost: CostModel) -> float 
 
 
 def _replay_batching(
-    scheduler: Scheduler, arrivals: Iterator[Arrival], policy: str
+    scheduler: Scheduler,
+    arrivals: Iterator[Arrival],
+    policy: str,
+    facts: EngineFacts | None = None,
 ) -> Iterator[tuple[Decision, int | None, float | None]]:
     """The replay of a batching engine (the module docstring's second set of rules): yields
-    each decision once final, with the request's recorded usage and, if it ran, its end."""
+    each decision once final, with the request's recorded usage and, if it ran, its end.
+    ``facts``: :class:`EngineFacts` (None: the policy's engine alone)."""
     cost = scheduler.cost
     engine = RunningWork(BatchingCurve.from_cost(cost))
     curve = engine.curve
@@ -315,22 +380,57 @@ def _replay_batching(
     pending: dict[str, Arrival] = {}  # queued or running, by request id
     pop_pending = pending.pop
     running: dict[str, tuple[Decision, int | None, int | None]] = {}  # id -> what settles it
+    prompts: Mapping[str, int] = {} if facts is None else facts.prompt_tokens
+    engine_kv = None if facts is None else facts.kv_blocks
+    report_ms = None if facts is None else facts.report_interval_ms
+    report_due_ms = 0.0
+    prefill_speed = cost.prefill_tokens_per_ms
+    if facts is not None and facts.prefill_tokens_per_ms is not None:
+        prefill_speed = facts.prefill_tokens_per_ms
+    # The engine's own queue (a request sent that its KV cannot hold yet), the blocks each
+    # request on the engine holds, and what the books booked for it.
+    engine_queue: deque[tuple[Decision, int, int, int, int]] = deque()  # (decision, prompt
+    # tokens, service, engine blocks, booked blocks)
+    held: dict[str, tuple[int, int]] = {}  # running on the engine: (engine blocks, booked)
+    engine_used = 0
+    booked_running = 0
+    prefilled_ms = 0.0  # when the engine's prefill of the prompts started so far is done
     clock_ms = 0.0
     due_ms = math.inf  # when the forecast's next end is due (the clock it was computed at)
     upcoming = next(arrivals, None)
     upcoming_ms = 0.0 if upcoming is None else upcoming[0].arrival_ms
     last_ms, last_id = float("-inf"), ""
     while True:
+        started: list[tuple[Decision, int]] = []  # (decision, prompt tokens)
         if due_ms <= clock_ms:
             # The forecast's next end, and any tied with it (its tag was reached exactly).
             while True:
                 request_id = engine.finish_first(clock_ms)
                 ended, used, used_kv = running.pop(request_id)
+                if held:
+                    blocks, booked = held.pop(request_id)
+                    engine_used -= blocks
+                    booked_running -= booked
                 scheduler.complete(request_id, clock_ms, used, actual_kv_blocks=used_kv)
                 yield ended, used, clock_ms
                 if not running or engine.next_departure_ms(clock_ms) > 0.0:
                     break
             due_ms = math.inf
+        while engine_queue and engine_kv is not None:
+            # The engine starts what its KV now holds, first come first served.
+            sent, prompt, service, blocks, booked = engine_queue[0]
+            if held and engine_used + blocks > engine_kv:
+                break
+            engine_queue.popleft()
+            engine.start(sent.request_id, service, clock_ms)
+            held[sent.request_id] = (blocks, booked)
+            engine_used += blocks
+            booked_running += booked
+            started.append((sent, prompt))
+        if report_ms is not None and clock_ms >= report_due_ms:
+            # The engine's report of this interval (the sidecar's poll of its metrics).
+            scheduler.observe_engine_kv(engine_used, booked_running)
+            report_due_ms = clock_ms + report_ms
         while upcoming is not None:
             arrival_ms = upcoming_ms
             if arrival_ms > clock_ms:
@@ -357,7 +457,6 @@ def _replay_batching(
             for expired in scheduler.expire(clock_ms):
                 shed, used = _ended(expired, pop_pending(expired.request_id), clock_ms, cost)
                 yield shed, used, _beside_end(shed, used, cost)
-        started: list[tuple[Decision, int]] = []  # (decision, prefill tokens)
         while scheduler.running < batch:
             decision = scheduler.next_dispatch(clock_ms)
             if decision is None:
@@ -369,21 +468,48 @@ def _replay_batching(
                     served_beside(decision, request.prefill_tokens, used, clock_ms, cost)
                 yield decision, used, _beside_end(decision, used, cost)
                 continue
-            engine.start(request_id, decision.service_tokens if used is None else used, clock_ms)
-            started.append((decision, request.prefill_tokens))
+            service = decision.service_tokens if used is None else used
             running[request_id] = (decision, used, used_kv)
-        if started:
-            # The prefill is slowed by the concurrency once every dispatch of this instant has
-            # started (the same for each of them, whatever the order they were picked in).
+            prompt = prompts.get(request_id, request.prefill_tokens)
+            if engine_kv is None:
+                engine.start(request_id, service, clock_ms)
+                started.append((decision, prompt))
+                continue
+            booked = cost.kv_blocks(request.prefill_tokens, request.decode_tokens)
+            blocks = booked if used_kv is None else used_kv
+            if engine_queue or (held and engine_used + blocks > engine_kv):
+                engine_queue.append((decision, prompt, service, blocks, booked))
+                continue
+            engine.start(request_id, service, clock_ms)
+            held[request_id] = (blocks, booked)
+            engine_used += blocks
+            booked_running += booked
+            started.append((decision, prompt))
+        if started and facts is not None:
+            # The engine prefills the prompts first come first served at the prefill speed
+            # (EngineFacts): a first token after the prompts started before it.
+            for admitted, prompt in started:
+                wait_ms = clock_ms - admitted.arrival_ms
+                begin_ms = prefilled_ms if prefilled_ms > clock_ms else clock_ms
+                prefilled_ms = begin_ms + prompt / prefill_speed
+                first_ms = prefilled_ms - clock_ms
+                floor_ms = cost.prefill_floor_ms
+                admitted.ttft_ms = round_hundredths(
+                    (wait_ms if wait_ms > 0.0 else 0.0)
+                    + (first_ms if first_ms > floor_ms else floor_ms)
+                )
+        elif started:
+            # The prefill is slowed by the concurrency once every start of this instant has
+            # happened (the same for each of them, whatever the order they were picked in).
             slowdown = curve.slowdown(engine.running)
-            for admitted, prefill_tokens in started:
+            for admitted, prompt in started:
                 wait_ms = clock_ms - admitted.arrival_ms
                 admitted.ttft_ms = round_hundredths(
-                    (wait_ms if wait_ms > 0.0 else 0.0) + cost.prefill_ms(prefill_tokens) * slowdown
+                    (wait_ms if wait_ms > 0.0 else 0.0) + cost.prefill_ms(prompt) * slowdown
                 )
         if started or (running and due_ms == math.inf):
             # The forecast ends move whenever a request joins: read the next one again.
-            due_ms = clock_ms + engine.next_departure_ms(clock_ms) if running else math.inf
+            due_ms = clock_ms + engine.next_departure_ms(clock_ms) if engine.running else math.inf
         next_ms = due_ms
         if upcoming is not None and upcoming_ms < next_ms:
             next_ms = upcoming_ms
@@ -393,7 +519,7 @@ def _replay_batching(
             if wakeup is not None and wakeup < next_ms:
                 next_ms = wakeup
         if next_ms == math.inf:
-            if queued:
+            if queued or engine_queue:
                 raise SimulationStuckError(
                     f"{policy}: {queued} request(s) queued at {clock_ms} ms with no event left"
                 )

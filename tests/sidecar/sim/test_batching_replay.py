@@ -14,6 +14,12 @@ Behaviours under test (hand-worked processor sharing; ``R`` the throughput at th
   same for every request dispatched at one instant);
 * a batching engine frees a request's KV when it ends (not ``kvResidencyFactor`` later): a
   request held back for KV starts at that end;
+* given the engine's facts (``EngineFacts``, a live run's records): the first token comes after
+  the prefill of the prompt as the engine counted it; a request sent that the engine's own KV
+  cannot hold waits in the engine's queue (first come first served) until an end frees its
+  room, and its first token is counted from its start there; with the engine's KV reported,
+  the gates see what the engine holds beyond the books (a request held back at the dispatch
+  gate instead); without facts, or with facts that never bind, the replay is as before;
 * ``S = 1`` replays as before (the serial server; ``replay_timed`` ends it ``execution_ms``
   after its dispatch);
 * property: with S > 1 every admitted request starts within its class's wait limit, every
@@ -39,7 +45,7 @@ from tokenfair.config import Config, PolicyConfig, PriorityClass, TenantConfig, 
 from tokenfair.core import POLICIES, Books, Decision, Lane, Request, make_scheduler
 from tokenfair.core.batching import BatchingCurve
 from tokenfair.core.cost import CostModel
-from tokenfair.sim.simulator import Arrival, replay_timed, simulate
+from tokenfair.sim.simulator import Arrival, EngineFacts, replay_timed, simulate
 
 TOKENFAIR = str(Path(sys.executable).parent / "tokenfair")
 RATE = 10.0  # R, service tokens per ms
@@ -67,9 +73,14 @@ def request(n: int, prefill: int, decode: int, arrival_ms: float = 0.0) -> Reque
 
 
 def timed(
-    cfg: Config, arrivals: list[Arrival], policy: str = "tokenfair"
+    cfg: Config,
+    arrivals: list[Arrival],
+    policy: str = "tokenfair",
+    engine: EngineFacts | None = None,
 ) -> dict[str, tuple[Decision, float | None]]:
-    return {d.request_id: (d, end) for d, _, end in replay_timed(cfg, arrivals, policy)}
+    return {
+        d.request_id: (d, end) for d, _, end in replay_timed(cfg, arrivals, policy, engine=engine)
+    }
 
 
 def plain(*requests: Request) -> list[Arrival]:
@@ -149,6 +160,64 @@ def test_kv_is_freed_when_a_request_ends() -> None:
     serial = timed(replace(cfg, policy=replace(cfg.policy, max_batch_requests=1)), plain(
         request(0, 500, 500), request(1, 500, 500, 1.0)))  # fmt: skip
     assert serial["r1"][0].dispatch_ms == pytest.approx(550.0)  # 5.5 x 100 ms
+
+
+# Two requests estimated at 16 + 16 tokens (2 blocks of 16 each booked) that really ran a
+# prompt of 96 and 100 service tokens, holding 8 blocks each on an engine of 10 blocks; S = 2,
+# G = 2: each at r1 = R / 2 = 5 service tokens/ms alone or not (20 ms each). Prefill at 8
+# tokens/ms: 12 ms for the engine's 96 prompt tokens.
+ENGINE_CFG = config(2, 2.0, total_kv_blocks=10, kv_block_tokens=16, prefill_tokens_per_ms=8.0)
+TWICE: list[Arrival] = [(request(0, 16, 16), 100, 8), (request(1, 16, 16, 1.0), 100, 8)]
+PROMPTS = {"r0": 96, "r1": 96}
+
+
+def test_the_first_token_comes_after_the_engines_prompts_first_come_first_served() -> None:
+    plain_out = timed(ENGINE_CFG, TWICE)
+    # Without facts both run at once (the books: 4 of 10 blocks), the prefill of the
+    # estimate's 16 tokens at 8/ms is under the 8 ms floor.
+    assert [plain_out[r][0].dispatch_ms for r in ("r0", "r1")] == [0.0, 1.0]
+    assert [plain_out[r][1] for r in ("r0", "r1")] == [pytest.approx(20.0), pytest.approx(21.0)]
+    assert plain_out["r1"][0].ttft_ms == 8.0
+    # The engine's prompts, 96 tokens at 8/ms, prefilled in the order started: r0's first token
+    # at 12 ms, r1's (sent at 1 ms) once r0's prompt and its own are done, at 24 ms.
+    out = timed(ENGINE_CFG, TWICE, engine=EngineFacts(PROMPTS, None, None))
+    assert [out[r][1] for r in ("r0", "r1")] == [pytest.approx(20.0), pytest.approx(21.0)]
+    assert out["r0"][0].ttft_ms == 12.0
+    assert out["r1"][0].ttft_ms == 23.0
+    # The engine's prefill throughput, when the facts give it, rather than the policy's.
+    fast = timed(ENGINE_CFG, TWICE, engine=EngineFacts(PROMPTS, None, None, 16.0))
+    assert [fast[r][0].ttft_ms for r in ("r0", "r1")] == [8.0, 11.0]  # 6 (the floor: 8), 12 - 1
+
+
+def test_a_request_the_engines_kv_cannot_hold_waits_in_the_engine() -> None:
+    out = timed(ENGINE_CFG, TWICE, engine=EngineFacts(PROMPTS, 10, None))
+    # The sidecar sent r1 at 1 ms (its books had room); the engine held it until r0 ended at
+    # 20 ms, then ran it alone: 20 ms more. Its first token: 19 ms in the engine's queue + 12.
+    assert out["r1"][0].dispatch_ms == 1.0
+    assert out["r1"][0].queue_wait_ms == 0.0
+    assert out["r0"][1] == pytest.approx(20.0)
+    assert out["r1"][1] == pytest.approx(40.0)
+    assert out["r1"][0].ttft_ms == 19.0 + 12.0
+    # An engine large enough never holds one back: as without the limit.
+    roomy = timed(ENGINE_CFG, TWICE, engine=EngineFacts(PROMPTS, 16, None))
+    assert roomy["r1"][1] == pytest.approx(21.0)
+    assert roomy["r1"][0].ttft_ms == 23.0
+
+
+def test_the_gates_see_the_engines_kv_when_it_is_reported() -> None:
+    # Reported at every event: r0 holds 8 blocks of the engine where the books booked 2, so
+    # the gate sees 2 + (8 - 2) = 8 blocks, and r1 (2 more, 10 > 0.9 x 10) is held back at the
+    # dispatch gate until r0 ends: the sidecar's queue, not the engine's.
+    out = timed(ENGINE_CFG, TWICE, engine=EngineFacts(PROMPTS, 10, 0.0))
+    assert out["r1"][0].dispatch_ms == pytest.approx(20.0)
+    assert out["r1"][0].queue_wait_ms == pytest.approx(19.0)
+    assert out["r1"][1] == pytest.approx(40.0)
+    assert out["r1"][0].ttft_ms == pytest.approx(19.0 + 12.0)
+    # Reported every 50 ms (the sidecar's poll): r1 arrives before the first report after r0
+    # started, the gate sees the books alone, and the engine's own queue holds it instead.
+    polled = timed(ENGINE_CFG, TWICE, engine=EngineFacts(PROMPTS, 10, 50.0))
+    assert polled["r1"][0].dispatch_ms == 1.0
+    assert polled["r1"][1] == pytest.approx(40.0)
 
 
 def test_a_serial_server_replays_as_before() -> None:

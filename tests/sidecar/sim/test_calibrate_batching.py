@@ -38,7 +38,14 @@ import pytest
 from tokenfair.config import PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Request
 from tokenfair.core.cost import CostModel
-from tokenfair.sim.calibrate import CalibrationError, Outcome, calibrate, samples_from_records
+from tokenfair.sim.calibrate import (
+    CalibrationError,
+    Outcome,
+    Sample,
+    calibrate,
+    fit_prefill_queue,
+    samples_from_records,
+)
 from tokenfair.sim.calibrate import fit_service as serial_fit
 from tokenfair.sim.concurrency import ConcurrencyProfile
 from tokenfair.sim.records import TraceRecord
@@ -304,6 +311,59 @@ def test_a_refused_fit_under_load_says_what_the_records_show() -> None:
     ratios = sorted(r.actual_prefill_tokens / r.actual_decode_tokens for r in records)  # type: ignore[operator]
     assert f"prompt/output ratios {ratios[0]:.3g} to {ratios[-1]:.3g}" in message
     assert "a ramp of load from one request at a time to the full batch" in message
+
+
+def test_a_fit_too_uncertain_says_what_is_not_identified_and_how_many_records_would_do() -> None:
+    # Always 8 at once, 60 % noise, priced at S = 16: the throughput at 16 is not identified
+    # (said so, not as a 0 % error), and decodeWeight's error of ~57 % from 32 records needs
+    # about 32 x (0.565 / 0.2)² = 256 like them.
+    records, outcomes = lockstep([(8, 4)], 0.1, 0.02, noise=0.6, seed=0)
+    with pytest.raises(CalibrationError) as refused:
+        calibrate(records, outcomes, max_batch_requests=16)
+    message = str(refused.value)
+    assert message.startswith("fit too uncertain: relative standard error of decode_weight 56.5%")
+    assert "serviceTokensPerMs not identified (no spread of concurrency) (limit 20%)" in message
+    assert "32 record(s) gave it; about 256 like them would bring it under the limit" in message
+
+
+def test_the_engines_prefill_queue_is_fitted_first_come_first_served() -> None:
+    # Waves of long prompts started together, and short ones just after: first tokens that
+    # come after every prompt started before (at 5 prompt tokens/ms, floor 8 ms). The fit
+    # finds 5 exactly; a slowdown by concurrency alone has no such rate (the short prompts'
+    # first tokens wait for the long ones).
+    rng = random.Random(7)
+    samples: list[Sample] = []
+    done = -math.inf
+    for wave in range(30):
+        at = wave * 2000.0
+        for _ in range(rng.randint(1, 6)):
+            prompt = rng.choice((1600, 1500, 400, 100))
+            at += rng.uniform(0.1, 50.0)
+            done = max(done, at) + prompt / 5.0
+            first = max(8.0, done - at)
+            samples.append(Sample(prompt, 50, first + 500.0, first, (at, at + first + 500.0)))
+    fit = fit_prefill_queue(samples, 8.0)
+    assert fit is not None
+    assert fit.records_used == len(samples)
+    assert fit.prefill_tokens_per_ms == pytest.approx(5.0, rel=1e-6)
+    assert fit.rms_log_error == pytest.approx(0.0, abs=1e-6)
+    assert fit_prefill_queue(samples[:19], 8.0) is None  # fewer than 20
+
+
+def test_records_under_load_carry_the_prefill_queue_fit() -> None:
+    records, outcomes = replayed(4.0)
+    result = calibrate(records, outcomes)
+    assert result.prefill_queue is not None
+    assert result.to_json()["prefill_queue"] == {
+        "prefill_tokens_per_ms": result.prefill_queue.prefill_tokens_per_ms,
+        "rms_log_error": result.prefill_queue.rms_log_error,
+        "records_used": result.prefill_queue.records_used,
+    }
+    # Not a policy field: the --set flags are those of the fit.
+    assert not any("prefill_queue" in item for item in result.overrides())
+    # Records that ran alone (the serial fit) have none.
+    alone, waits = lockstep([(1, 40)], 1 / 30, 0.0)
+    assert calibrate(alone, waits).prefill_queue is None
 
 
 def test_a_refused_serial_fit_says_nothing_of_concurrency() -> None:
