@@ -158,6 +158,7 @@ class Sampler:
             read_s = (started + time.monotonic()) / 2
             kv = status["kv"]
             slots = status.get("slots", {})
+            books = status.get("books", {})
             self.samples.append(
                 {
                     "clock_ms": float(status["clock_ms"]),
@@ -167,6 +168,12 @@ class Sampler:
                     "engine_waiting": _one(engine, "vllm:num_requests_waiting"),
                     "sidecar_kv": kv["view_blocks"] / kv["total_blocks"],
                     "sidecar_kv_source_engine": 1.0 if kv["source"] == "engine" else 0.0,
+                    # What the gates see, the prompt ratio reservations are booked at, and
+                    # the requests the sidecar has sent and not seen end (those the engine
+                    # does not count running or waiting are on their way to it).
+                    "sidecar_gate_kv": kv["gate_blocks"] / kv["total_blocks"],
+                    "gate_prompt_ratio": float(kv.get("gate_prompt_ratio", 1.0)),
+                    "sidecar_running": float(books.get("running_requests", 0)),
                     # The batch lane's slots (the interactive reserve: docs/capacity.md).
                     "batch_slots": float(slots.get("batch", math.inf)),
                     "batch_running": float(slots.get("batch_running", 0)),
@@ -326,8 +333,9 @@ def capacity_refusals_with_room(
 ) -> int:
     """Refusals for capacity decided while the engine, by the sample nearest the decision, had
     a free slot, nothing waiting and KV below the request's watermark with the request's own
-    blocks (as the sidecar books them, the KV gates' rule; ``own_blocks=False``: the engine's
-    KV alone) — for a batch request, a slot its lane may take: the sidecar's batch lane below
+    blocks (as the sidecar books them, the KV gates' rule: its prompt at the prompt ratio the
+    sample's ``/status`` gave, the engine's count; ``own_blocks=False``: the engine's KV
+    alone) — for a batch request, a slot its lane may take: the sidecar's batch lane below
     its ``batch_slots`` (``/status`` ``slots``; the rest is the interactive reserve,
     docs/capacity.md)."""
     samples = sorted(phase.samples, key=lambda s: s["clock_ms"])
@@ -355,7 +363,9 @@ def capacity_refusals_with_room(
         )
         kv = sample["engine_kv"]
         if own_blocks:
-            blocks = cost.kv_blocks(record["prefill_tokens"], record["decode_tokens"])
+            ratio = sample.get("gate_prompt_ratio", 1.0)
+            prompt = math.ceil(round(record["prefill_tokens"] * ratio, 9))
+            blocks = cost.kv_blocks(prompt, record["decode_tokens"])
             kv += blocks / policy.total_kv_blocks
         if (
             sample["engine_running"] < batch
@@ -598,6 +608,32 @@ def print_report(args: argparse.Namespace, direct: list[dict[str, Any]], fitted:
                p(diffs, 0.95) <= 0.05))  # fmt: skip
     print(line("samples with a fresh engine report", f"{fresh:.3f} of {len(fitted.samples)}",
                "-", None))  # fmt: skip
+    # Where the gap is: samples at which the engine counted fewer requests (running and
+    # waiting) than the sidecar had sent and not seen end — requests on their way to the
+    # engine (or ended there, their last chunks still relayed).
+    behind = [
+        s
+        for s in fitted.samples
+        if s.get("sidecar_running", 0.0) > s["engine_running"] + s["engine_waiting"]
+    ]
+    level = sorted(
+        abs(s["sidecar_kv"] - s["engine_kv"])
+        for s in fitted.samples
+        if s.get("sidecar_running", 0.0) <= s["engine_running"] + s["engine_waiting"]
+    )
+    if behind and level:
+        above = sum(1 for s in behind if s["sidecar_kv"] > s["engine_kv"] + 0.05)
+        print(
+            line(
+                "  samples with requests the engine did not count yet",
+                f"{len(behind)} ({above} with the view > 5 points above)",
+                "-",
+                None,
+            )
+        )
+        print(line("  |view - engine| p50 / p95 over the other samples",
+                   f"{100 * p(level, 0.5):.1f} / {100 * p(level, 0.95):.1f}", "-",
+                   None))  # fmt: skip
     print()
     print(format_comparison(comparison, "the simulator's replay of the calibrated phase"))
 

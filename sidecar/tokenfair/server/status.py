@@ -69,6 +69,8 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
             "gate_blocks": max(0, sidecar.scheduler.kv_gate_blocks),
             "correction_blocks": sidecar.scheduler.kv_correction_blocks,
             "prompt_ratio": round(sidecar.kv_view.prompt_ratio, 4),
+            "gate_prompt_ratio": round(sidecar.scheduler.kv_prompt_ratio, 4),
+            "intake_ms": round(sidecar.kv_view.intake_ms, 1),
             "total_blocks": sidecar.scheduler.policy.total_kv_blocks,
             "block_tokens": sidecar.scheduler.policy.kv_block_tokens,
             "source": "engine" if engine is not None and engine.fresh else "books",
