@@ -329,7 +329,11 @@ def through_sidecar(engine: VllmServer, work: Path, name: str, trace: Path, keys
 
 
 def capacity_refusals_with_room(
-    phase: Phase, batch: int, policy: PolicyConfig, own_blocks: bool = True
+    phase: Phase,
+    batch: int,
+    policy: PolicyConfig,
+    own_blocks: bool = True,
+    behind: list[int] | None = None,
 ) -> int:
     """Refusals for capacity decided while the engine, by the sample nearest the decision, had
     a free slot, nothing waiting and KV below the request's watermark with the request's own
@@ -337,7 +341,8 @@ def capacity_refusals_with_room(
     sample's ``/status`` gave, the engine's count; ``own_blocks=False``: the engine's KV
     alone) — for a batch request, a slot its lane may take: the sidecar's batch lane below
     its ``batch_slots`` (``/status`` ``slots``; the rest is the interactive reserve,
-    docs/capacity.md)."""
+    docs/capacity.md). ``behind`` gets one entry per refusal counted whose sample had
+    requests the sidecar had sent and the engine did not count yet (on their way to it)."""
     samples = sorted(phase.samples, key=lambda s: s["clock_ms"])
     if not samples:
         return 0
@@ -374,6 +379,10 @@ def capacity_refusals_with_room(
             and lane_room
         ):
             count += 1
+            if behind is not None and sample.get("sidecar_running", 0.0) > (
+                sample["engine_running"] + sample["engine_waiting"]
+            ):
+                behind.append(1)
     return count
 
 
@@ -585,9 +594,13 @@ def print_report(args: argparse.Namespace, direct: list[dict[str, Any]], fitted:
     print(line("flood refusals decided after waiting (of its refusals)",
                f"{len(late)}/{len(flood_refused)} = {late_share:.3f}", "<= 0.02",
                late_share <= 0.02))  # fmt: skip
-    room = capacity_refusals_with_room(fitted, calibrated.max_batch_requests, calibrated)
+    in_flight: list[int] = []
+    room = capacity_refusals_with_room(fitted, calibrated.max_batch_requests, calibrated,
+                                       behind=in_flight)  # fmt: skip
     print(line("capacity refusals while the engine had a slot and KV for it", str(room), "0",
                room == 0))  # fmt: skip
+    print(line("  of which with requests on their way to the engine (not in its counts)",
+               str(len(in_flight)), "-", None))  # fmt: skip
     loose = capacity_refusals_with_room(fitted, calibrated.max_batch_requests, calibrated, False)
     print(line("  the same, the engine's KV alone below the watermark", str(loose), "-", None))
     print()
