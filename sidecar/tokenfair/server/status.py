@@ -63,7 +63,9 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
         # The KV cache (server/kv_view.py): what the engine holds now as the sidecar sees it
         # (view), and what the gates see (the books corrected by the engine's last report: the
         # running requests' growth to their reservations counted in full); without a fresh
-        # report ("source": "books", "engine" says why) the gates use the books alone.
+        # report ("source": "books", "engine" says why) the gates use the books alone. The
+        # prompt ratio learned from the engine's usage, the one reservations are booked at
+        # (kvPromptRatio), and the engine's intake delay the view learned.
         "kv": {
             "view_blocks": sidecar.kv_view.view_blocks(sidecar.scheduler),
             "gate_blocks": max(0, sidecar.scheduler.kv_gate_blocks),
