@@ -21,6 +21,9 @@ Variants (each its own sidecar, the same trace):
 * ``fast`` (only if asked for): ``loop`` with the engine's metrics read every 0.1 s, not 0.25;
 * ``model``: ``engineMetrics: off`` — the per-request model alone, what the sidecar shows while
   the engine's metrics are stale or missing;
+* ``ratio-off`` (only if asked for): ``loop`` with ``kvPromptRatio: off`` — reservations at the
+  sidecar's prompt estimate, not at the engine's learned count (the KV cache it leads the
+  engine to, beside ``loop``'s);
 * with ``--before PYTHONPATH``, ``before``: another tree's sidecar (e.g. ``git archive`` of the
   code before this change) with the engine's metrics read; its ``view_blocks`` is what that
   tree showed.
@@ -161,8 +164,8 @@ def _one(samples: dict[str, float], name: str) -> float:
 
 
 @contextlib.contextmanager
-def sidecar(engine: VllmServer, folder: Path, engine_metrics: str,
-            pythonpath: str | None) -> Iterator[EngineSidecar]:  # fmt: skip
+def sidecar(engine: VllmServer, folder: Path, engine_metrics: str, pythonpath: str | None,
+            settings: dict[str, Any] | None = None) -> Iterator[EngineSidecar]:  # fmt: skip
     """``tokenfair sidecar --backend openai`` in front of ``engine`` (the engine tests'
     config, ``maxInFlight`` twice the engine's batch)."""
     document = engine_document(engine)
@@ -171,6 +174,7 @@ def sidecar(engine: VllmServer, folder: Path, engine_metrics: str,
                            "engineMetrics": mode}  # fmt: skip
     if interval:
         document["sidecar"]["engineMetricsIntervalSeconds"] = float(interval)
+    document["sidecar"].update(settings or {})
     config = folder / "sidecar.yaml"
     config.write_text(yaml.safe_dump(document), encoding="utf-8")
     proxy_port, admin_port = free_ports(2)
@@ -195,11 +199,12 @@ Run = tuple[list[dict[str, float]], float, dict[str, Any]]
 
 
 def run_variant(engine: VllmServer, work: Path, name: str, trace: Path, keys: Path,
-                engine_metrics: str, pythonpath: str | None, period_s: float) -> Run:  # fmt: skip
+                engine_metrics: str, pythonpath: str | None, period_s: float,
+                settings: dict[str, Any] | None = None) -> Run:  # fmt: skip
     """The trace through one sidecar; its samples and the loop time of the trace's start."""
     folder = work / name
     folder.mkdir()
-    with sidecar(engine, folder, engine_metrics, pythonpath) as handle:
+    with sidecar(engine, folder, engine_metrics, pythonpath, settings) as handle:
         sampler = Sampler(engine, handle, period_s)
         sampler.start()
         started = time.monotonic()
@@ -276,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--variants",
         default="before,loop,model",
-        help="which to run, of before (with --before), loop, model, fast",
+        help="which to run, of before (with --before), loop, model, fast, ratio-off",
     )
     args = parser.parse_args(argv)
     install = find_install()
@@ -291,16 +296,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         keys.write_text(yaml.safe_dump(dict(KEYS)), encoding="utf-8")
         engine_dir = work / "engine"
         engine_dir.mkdir()
-        variants = [("loop", "auto", None), ("model", "off", None), ("fast", "auto@0.1", None)]
+        off: dict[str, Any] = {"kvPromptRatio": "off"}
+        variants: list[tuple[str, str, str | None, dict[str, Any]]] = [
+            ("loop", "auto", None, {}),
+            ("model", "off", None, {}),
+            ("fast", "auto@0.1", None, {}),
+            ("ratio-off", "auto", None, off),
+        ]
         if args.before:
-            variants.insert(0, ("before", "auto", args.before))
+            variants.insert(0, ("before", "auto", args.before, {}))
         variants = [v for v in variants if v[0] in args.variants.split(",")]
         out: list[str] = []
         with running_vllm(install, engine_dir) as engine:
-            for name, metrics, pythonpath in variants:
+            for name, metrics, pythonpath, settings in variants:
                 samples, started, _ = run_variant(
-                    engine, work, name, trace, keys, metrics, pythonpath, args.sample_ms / 1000
-                )
+                    engine, work, name, trace, keys, metrics, pythonpath, args.sample_ms / 1000,
+                    settings,
+                )  # fmt: skip
                 out += report_variant(name, samples, started, burst_ms, args.burst_window_s)
                 clients = [
                     json.loads(x)

@@ -19,7 +19,8 @@ Behaviours:
   ``[DONE]``, :data:`SDK_STREAMS` of them eight at a time: every one is recorded ``200
   admitted`` with the usage the client saw, and their records add up to the counters' growth;
 - the sidecar's config describes the engine: its ``kvBlockTokens`` and ``totalKvBlocks`` are the
-  block size and count vLLM reports, and a request's booked blocks follow them.
+  block size and count vLLM reports, and a request's booked blocks follow them, its prompt at
+  the ratio of vLLM's prompt count to the sidecar's estimate learned from the usage reported.
 
 One engine per session (the ``vllm`` fixture) and one sidecar per module; requests are small
 (``max_tokens`` 4-16) and, but for the SDK's streams, sequential, so each one's counter growth
@@ -95,14 +96,23 @@ def test_config_describes_the_engine(vllm: VllmServer, sidecar: EngineSidecar,
     books = wait_until(sidecar.status, lambda s: s["books"]["resident_kv_blocks"] == 0)
     assert books["books"]["resident_kv_blocks"] == 0
     prompt = "x " * 100  # the sidecar's estimate: ceil(200 characters / 4) = 50 tokens
-    client.completions.create(
-        model=vllm.model, prompt=prompt, max_tokens=8, extra_headers={"x-request-id": "kv-1"}
-    )
-    record = sidecar.record("kv-1")
-    assert outcome(record) == (200, "admitted")
-    assert record["prefill_tokens"] == 50
-    blocks = math.ceil((50 + 8) / 32)
-    assert record["kv_occupancy_ratio"] == round(blocks / 512, 4)  # records keep 4 places
+    for request_id in ("kv-1", "kv-2"):
+        # The prompt ratio the books count a prompt at (learned from vLLM's reported usage).
+        kv = sidecar.status()["kv"]
+        ratio = kv["gate_prompt_ratio"]
+        assert ratio == round(min(4.0, max(0.5, kv["prompt_ratio"])), 4)
+        client.completions.create(
+            model=vllm.model, prompt=prompt, max_tokens=8,
+            extra_headers={"x-request-id": request_id},
+        )  # fmt: skip
+        record = sidecar.record(request_id)
+        assert outcome(record) == (200, "admitted")
+        assert record["prefill_tokens"] == 50  # the record keeps the estimate
+        blocks = math.ceil((math.ceil(50 * ratio) + 8) / 32)
+        assert record["kv_occupancy_ratio"] == round(blocks / 512, 4)  # records keep 4 places
+        # vLLM counts this prompt otherwise than the estimate: the next one is booked at it.
+        assert record["actual_prefill_tokens"] != 50
+    assert ratio != 1.0
 
 
 def test_json_routes_record_the_engines_usage(

@@ -220,6 +220,7 @@ class Job:
         "expected_units",
         "held",
         "kv_blocks",
+        "kv_prompt_tokens",
         "lane",
         "lifted",
         "priority_class",
@@ -237,10 +238,13 @@ class Job:
         kv_blocks: int,
         request_id: str | None = None,
         tenant_id: str | None = None,
+        kv_prompt_tokens: int = -1,
     ) -> None:
         """``request_id`` and ``tenant_id``, when given, equal the request's (a caller that has
         read them passes them: one lookup each fewer; ``Scheduler.submit`` passes the tenant's
-        own id string, the key of the per-tenant dicts)."""
+        own id string, the key of the per-tenant dicts). ``kv_prompt_tokens``: the prompt
+        tokens ``kv_blocks`` was booked for (``Scheduler.kv_prompt_ratio``); negative: the
+        request's ``prefill_tokens``."""
         self.request = request
         # The request's fields the scheduler reads again and again, copied once: compiled, a
         # job's own field is a load, a Request's (a msgspec struct) a lookup by name.
@@ -250,6 +254,9 @@ class Job:
         self.priority_class: PriorityClass = request.priority_class
         self.service_tokens = service_tokens
         self.kv_blocks = kv_blocks
+        self.kv_prompt_tokens = request.prefill_tokens if kv_prompt_tokens < 0 else kv_prompt_tokens
+        """The prompt tokens its KV reservation counts: the estimate, or the estimate times
+        the engine's learned prompt ratio at admission (the sidecar; never the records')."""
         self.lane = LANE_OF[self.priority_class]
         self.state = _QUEUED
         self.deadline_ms = _NEVER

@@ -187,6 +187,13 @@ class Scheduler(ABC):
         """The engine's view of the KV cache minus the books (:meth:`observe_engine_kv`); 0
         without a fresh report from the engine. KV gates read ``resident_blocks +
         kv_correction_blocks``; the books (``resident_blocks``) never change by it."""
+        self.kv_prompt_ratio = 1.0
+        """The engine's prompt tokens per estimated one, as a request's KV is booked: a
+        request admitted now reserves ``ceil((ceil(prefill * ratio) + decode) / block)``
+        blocks (``Job.kv_prompt_tokens``, ``Job.kv_blocks``). 1 (the estimate) unless its
+        caller sets it: the sidecar, from the prompt usage its engine reports
+        (:mod:`tokenfair.server.kv_view`); the simulator never does. Service tokens, budgets
+        and the records' fields are the estimate's whatever it is."""
         self.running = 0
         self._deadlines = DeadlineQueue()
         self._apply_tenants(config.tenants, now_ms)
@@ -296,12 +303,16 @@ class Scheduler(ABC):
             raise DuplicateRequestError(request_id)
         prefill, decode = request.prefill_tokens, request.decode_tokens
         cost = self.cost
+        ratio = self.kv_prompt_ratio
+        # Rounded first: float noise (30 * (40 / 30) = 40.000000000000004) books no token more.
+        kv_prompt = prefill if ratio == 1.0 else math.ceil(round(prefill * ratio, 9))
         job = Job(
             request,
             cost.service_tokens(prefill, decode),
-            cost.kv_blocks(prefill, decode),
+            cost.kv_blocks(kv_prompt, decode),
             request_id,
             tenant.tenant_id,
+            kv_prompt,
         )
         refusal = self._admit(job, tenant, now_ms)
         if refusal is not None:
@@ -333,8 +344,9 @@ class Scheduler(ABC):
         load — not a ``queue_full`` or ``shed_queue_wait_slo`` 429 that a client would retry.
 
         * The policy gates KV at admission (``tokenfair``, ``service_token_drr_with_admission``)
-          and ``ceil((prefill + decode) / block) / total_kv_blocks`` is above the class
-          watermark: even an empty cache refuses it -> ``request_over_kv_capacity``.
+          and ``ceil((prompt + decode) / block) / total_kv_blocks`` is above the class
+          watermark (``prompt``: the estimate as KV is booked, :meth:`kv_prompt_tokens`):
+          even an empty cache refuses it -> ``request_over_kv_capacity``.
         * The policy holds the request's class to its budget at admission (``tokenfair``: both
           classes; ``service_token_drr_with_admission``: batch), its cost is above the tenant's
           ``burst_service_tokens`` (the bucket never holds more), ``lend_idle_capacity`` is off
@@ -358,7 +370,7 @@ class Scheduler(ABC):
             return None
         policy = self.policy
         prefill, decode = request.prefill_tokens, request.decode_tokens
-        blocks = self.cost.kv_blocks(prefill, decode)
+        blocks = self.cost.kv_blocks(self.kv_prompt_tokens(prefill), decode)
         share = blocks / policy.total_kv_blocks
         if kv_gated and share > self.watermark(Lane.of(request.priority_class)):
             reason = OVER_KV_CAPACITY
@@ -438,6 +450,12 @@ class Scheduler(ABC):
             self.kv_correction_blocks = 0
             return
         self.kv_correction_blocks = used_blocks - held_blocks
+
+    def kv_prompt_tokens(self, prefill_tokens: int) -> int:
+        """The prompt tokens a request of ``prefill_tokens`` (the estimate) books KV for now:
+        ``ceil(prefill_tokens * kv_prompt_ratio)``."""
+        ratio = self.kv_prompt_ratio
+        return prefill_tokens if ratio == 1.0 else math.ceil(round(prefill_tokens * ratio, 9))
 
     @property
     def kv_gate_blocks(self) -> int:

@@ -10,8 +10,10 @@ running request, from what the sidecar sees of it:
   events add one or two) holds ``ceil((prompt + min(n, max_tokens)) / block)`` blocks;
 * a stream with nothing relayed yet may be waiting in the engine's queue, on its way to the
   engine, or being prefilled: it holds its prompt if the engine's last report ran it (the
-  engine's running count less ours that have streamed: the oldest unstarted) or it was sent
-  since a report with nobody waiting (the engine starts it at once), else nothing;
+  engine's running count less ours that have streamed: the oldest unstarted), or the last
+  report had nobody waiting and the stream has been on its way longer than the engine's
+  *intake delay* (:attr:`KvView.intake_ms`, learned from the reports: the engine's count of
+  running and waiting requests says which of ours it has not received yet), else nothing;
 * a whole (non-streamed) answer shows no progress: its prompt, until it ends.
 
 Each fresh report of the engine (``used`` blocks, running and waiting requests:
@@ -20,7 +22,7 @@ Each fresh report of the engine (``used`` blocks, running and waiting requests:
 
 * **the gates** (admission, dispatch) see ``resident + (used - held)`` (:meth:`~tokenfair.core.
   scheduler.Scheduler.observe_engine_kv`), ``held`` being what the engine surely holds for the
-  running requests — a stream that has shown tokens its estimated prompt and the tokens relayed,
+  running requests — a stream that has shown tokens its booked prompt and the tokens relayed,
   at most its reservation; nothing for one that has not (a prompt the engine may not hold yet is
   never taken as held): the engine's blocks plus every running request's remaining growth to
   its reservation. Under preemption (the report runs fewer than have started here) the
@@ -38,6 +40,16 @@ Each fresh report of the engine (``used`` blocks, running and waiting requests:
 
 Without a fresh report (engine metrics off, stale or missing) there is no correction: the gates
 use the books and the view is the model alone (``kv.source: books``).
+
+**The prompt ratio in the books** (``kvPromptRatio: learned``, the default): the gates book a
+request admitted now at the engine's prompt count too — its estimated prompt times the learned
+ratio, within :data:`GATE_PROMPT_RATIO_BOUNDS`
+(:attr:`~tokenfair.core.scheduler.Scheduler.kv_prompt_ratio`, ``Job.kv_prompt_tokens``), and a
+stream that has shown tokens holds that booked prompt. A request the engine has not reported
+yet (on its way to it, in its queue) is counted at what it will allocate, not at the estimate:
+with prompts 2x the estimate, a burst dispatched between two reports no longer fills the cache
+past the watermark on the books' word. ``off``: the estimate (the view still learns). Service
+tokens, budgets and the records' fields stay the estimate's.
 """
 
 from __future__ import annotations
@@ -56,11 +68,13 @@ from tokenfair.core.scheduler import Scheduler
 class StreamProgress:
     """What the sidecar has relayed of one running request's answer."""
 
-    __slots__ = ("events", "sequence", "stream")
+    __slots__ = ("events", "sent_ms", "sequence", "stream")
 
-    def __init__(self, sequence: int, stream: bool) -> None:
+    def __init__(self, sequence: int, stream: bool, sent_ms: float = 0.0) -> None:
         self.sequence = sequence
         """The order it was sent to the engine in."""
+        self.sent_ms = sent_ms
+        """When it was sent (the view's clock; 0 without one)."""
         self.stream = stream
         """A streamed answer (its progress shows); False: a whole answer (it shows none)."""
         self.events = 0
@@ -75,15 +89,35 @@ PROMPT_RATIO_BOUNDS: Final = (0.1, 10.0)
 """The engine's prompt count over the sidecar's estimate is learned within these bounds."""
 PROMPT_RATIO_DECAY: Final = 0.95
 """Weight of the past in the learned ratio, per request ended (~20 requests' memory)."""
+INTAKE_MAX_MS: Final = 5000.0
+"""The longest intake delay the view learns (a request on its way to the engine that long is
+an engine in trouble, not its intake)."""
+INTAKE_DOWN: Final = 0.2
+"""How far the intake delay moves toward a shorter delay the engine's report shows, per
+report (the longer ones are taken at once: the view never counts a prompt the engine's last
+report said it did not have)."""
+GATE_PROMPT_RATIO_BOUNDS: Final = (0.5, 4.0)
+"""The learned ratio the KV gates book prompts at, at most this far from the estimate: a
+tokenizer and chat template move a prompt's count by ~2x (loadgen's text on the suite's model:
+2.0); a ratio past these is more likely an estimator gone wrong, which the engine's reports
+(the gates' correction) cover as before."""
 
 
 class KvView:
     """The running requests' stream progress, and the KV blocks it says the engine holds."""
 
-    def __init__(self, follows_streams: bool = True) -> None:
+    def __init__(
+        self,
+        follows_streams: bool = True,
+        books_prompt_ratio: bool = True,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self.follows_streams = follows_streams
         """False: a backend whose streams are no engine's (the ``costmodel`` engine's chunks
         are not tokens): nothing is tracked, and the view is the books."""
+        self.books_prompt_ratio = books_prompt_ratio and follows_streams
+        """The KV gates book prompts at the learned ratio (:attr:`gate_prompt_ratio`;
+        ``kvPromptRatio: learned``, with an engine behind the backend)."""
         self._running: dict[str, StreamProgress] = {}
         """Request id -> its progress, in the order the requests were sent to the engine."""
         self._sent = 0
@@ -91,9 +125,20 @@ class KvView:
         """The unstarted streams (by :attr:`StreamProgress.sequence`) the engine ran at its
         last report (its running count less ours that have streamed: the oldest unstarted)."""
         self._room_from: int | None = None
-        """The first stream sent after the engine's last report if that report had nobody
-        waiting: those sent since are taken as started (the engine allocates a prompt before
-        its first token shows); None: it had a queue (they queue behind it), or no report."""
+        """Without a clock: the first stream sent after the engine's last report if that
+        report had nobody waiting: those sent since are taken as started (the engine allocates
+        a prompt before its first token shows); None: it had a queue (they queue behind it),
+        or no report."""
+        self._clock = clock
+        """Milliseconds, for the intake delay (the sidecar's model clock); None: no delay is
+        learned, and a stream sent since a report with room starts at once."""
+        self._room = False
+        """The engine's last fresh report had nobody waiting."""
+        self.intake_ms = 0.0
+        """How long a request sent to the engine takes to reach it (its HTTP server, tokenizer
+        and chat template, the engine's next step), learned from its reports: at a report with
+        requests not counted by the engine yet, at least the oldest one's age (at once); with
+        none, the youngest counted one's age pulls it down (by :data:`INTAKE_DOWN`)."""
         self.prompt_ratio = 1.0
         """The engine's prompt tokens per estimated one, learned from the usage the engine
         reports (its tokenizer and chat template against the sidecar's estimate)."""
@@ -108,7 +153,8 @@ class KvView:
         stream's events on it), None if the view does not follow streams."""
         if not self.follows_streams:
             return None
-        progress = self._running[request_id] = StreamProgress(self._sent, stream)
+        sent_ms = 0.0 if self._clock is None else self._clock()
+        progress = self._running[request_id] = StreamProgress(self._sent, stream, sent_ms)
         self._sent += 1
         return progress
 
@@ -126,6 +172,16 @@ class KvView:
         self.prompt_ratio = min(high, max(low, self._reported / self._estimated))
 
     @property
+    def gate_prompt_ratio(self) -> float:
+        """The ratio the KV gates book a prompt at now: the learned one within
+        :data:`GATE_PROMPT_RATIO_BOUNDS`, or 1 (the estimate) when the books do not take it
+        (:attr:`books_prompt_ratio`)."""
+        if not self.books_prompt_ratio:
+            return 1.0
+        low, high = GATE_PROMPT_RATIO_BOUNDS
+        return min(high, max(low, self.prompt_ratio))
+
+    @property
     def running(self) -> int:
         return len(self._running)
 
@@ -133,8 +189,9 @@ class KvView:
         self, scheduler: Scheduler, running: int | None = None, used_blocks: int | None = None
     ) -> int:
         """The blocks the engine surely holds for the running requests, by the gates' model:
-        each stream that has shown tokens its estimated prompt and the tokens relayed, at most
-        its reservation; nothing for one that has not (waiting in the engine, on its way to
+        each stream that has shown tokens its prompt as booked (``Job.kv_prompt_tokens``: the
+        estimate, times the prompt ratio at admission) and the tokens relayed, at most its
+        reservation; nothing for one that has not (waiting in the engine, on its way to
         it, or being prefilled: a prompt the engine may not hold yet is never taken as held,
         so ``used - held`` never credits blocks about to be allocated); a request the books
         hold that is not tracked here (dispatched this instant, or done and its KV still held)
@@ -171,8 +228,7 @@ class KvView:
                 continue
             tracked += job.kv_blocks
             if progress.events and request_id not in preempted:
-                request = job.request
-                tokens = request.prefill_tokens + min(progress.events, request.decode_tokens)
+                tokens = job.kv_prompt_tokens + min(progress.events, job.request.decode_tokens)
                 held += min(job.kv_blocks, -(-tokens // block))
         held += max(0, scheduler.resident_blocks - tracked)
         return held if used_blocks is None else min(held, max(0, used_blocks))
@@ -181,13 +237,20 @@ class KvView:
         """The blocks the engine holds now by the view's model (the module's docstring), each
         prompt at the engine's count (the estimate times :attr:`prompt_ratio`): a stream that
         has shown tokens its prompt and the tokens relayed (at most ``max_tokens``); an
-        unstarted stream its prompt if the engine ran it at its last report, or it was sent
-        since a report with nobody waiting, else nothing; a whole answer its prompt; an
-        untracked request of the books its reservation."""
+        unstarted stream its prompt if the engine ran it at its last report, or that report
+        had nobody waiting and the stream has been on its way longer than the intake delay
+        (without a clock: it was sent since that report), else nothing; a whole answer its
+        prompt; an untracked request of the books its reservation."""
         block = scheduler.policy.kv_block_tokens
         ratio = self.prompt_ratio
         prefilling = self._prefilling
         room_from = self._room_from
+        # With a clock: a stream the engine has not reported starts once it has had the
+        # intake delay to reach an engine that had room (it then allocates the prompt before
+        # the first token shows); without one, at once if sent since a report with room.
+        arrived_before = (
+            None if self._clock is None or not self._room else self._clock() - self.intake_ms
+        )
         jobs = scheduler.jobs
         held = 0
         tracked = 0
@@ -204,6 +267,7 @@ class KvView:
                 not progress.stream
                 or progress.sequence in prefilling
                 or (room_from is not None and progress.sequence >= room_from)
+                or (arrived_before is not None and progress.sent_ms < arrived_before)
             ):
                 held += -(-prompt // block)
         return held + max(0, scheduler.resident_blocks - tracked)
@@ -221,23 +285,42 @@ class KvView:
         if used_blocks is None:
             self._prefilling = frozenset()
             self._room_from = None
+            self._room = False
             self._view_correction = None
             scheduler.observe_engine_kv(None)
             return
-        unstarted = [p.sequence for p in self._running.values() if p.stream and not p.events]
+        pending = [p for p in self._running.values() if p.stream and not p.events]
+        unstarted = [p.sequence for p in pending]
         if running is not None:
             started = sum(1 for p in self._running.values() if p.events or not p.stream)
             prefilling = min(len(unstarted), max(0, running - started))
+            if self._clock is not None:
+                known = min(len(pending), max(0, running + waiting - started))
+                self._learn_intake(pending, known, self._clock())
         else:
             prefilling = max(0, len(unstarted) - waiting)
         self._prefilling = frozenset(unstarted[:prefilling])
-        # An engine with nobody waiting starts what it is sent at once (its prompt is
-        # allocated before the first token shows); one with a queue queues it.
-        self._room_from = self._sent if waiting == 0 else None
+        # An engine with nobody waiting starts what it is sent (its prompt is allocated
+        # before the first token shows) once it has it; one with a queue queues it.
+        self._room = waiting == 0
+        self._room_from = self._sent if waiting == 0 and self._clock is None else None
         scheduler.observe_engine_kv(
             used_blocks, self.gate_blocks_held(scheduler, running, used_blocks)
         )
         self._view_correction = used_blocks - self.modelled_blocks(scheduler)
+
+    def _learn_intake(self, pending: list[StreamProgress], known: int, now_ms: float) -> None:
+        """At a report: of the streams that have shown nothing (in the order sent), the
+        engine counts the oldest ``known`` (running or waiting); the others are on their way to
+        it. The oldest of those has taken longer than its age: the delay is at least that; else
+        the youngest counted one took at most its age: the delay moves toward it."""
+        if known < len(pending):
+            age_ms = now_ms - pending[known].sent_ms
+            self.intake_ms = min(INTAKE_MAX_MS, max(self.intake_ms, age_ms))
+        elif known:
+            age_ms = now_ms - pending[known - 1].sent_ms
+            if age_ms < self.intake_ms:
+                self.intake_ms += INTAKE_DOWN * (max(0.0, age_ms) - self.intake_ms)
 
     def view_blocks(self, scheduler: Scheduler) -> int:
         """The blocks the engine holds now, as the sidecar sees them: the model corrected by
@@ -254,6 +337,18 @@ class KvViewCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         scheduler = self._scheduler()
+        view = self._view
+        yield GaugeMetricFamily(
+            "tokenfair_kv_prompt_ratio",
+            "The engine's prompt tokens per estimated one, learned from the usage it reports.",
+            view.prompt_ratio,
+        )
+        yield GaugeMetricFamily(
+            "tokenfair_kv_gate_prompt_ratio",
+            "The prompt ratio the KV gates book a request admitted now at (kvPromptRatio: "
+            "learned, bounded; 1: the estimate).",
+            scheduler.kv_prompt_ratio,
+        )
         yield GaugeMetricFamily(
             "tokenfair_kv_view_ratio",
             "KV blocks the engine holds now as the sidecar sees them (the running requests' "

@@ -658,7 +658,7 @@ async def _serve(
     finally:
         if call is not None:
             call.close()
-            sidecar.kv_view.forget(
+            sidecar.request_ended(
                 core_request.request_id, core_request.prefill_tokens, call.prompt_tokens
             )
         lifecycle.complete(sidecar, met, call, first_byte_ms[0] if first_byte_ms else None)

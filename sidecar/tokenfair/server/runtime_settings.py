@@ -191,6 +191,11 @@ class SidecarSettings:
     adopt_engine_kv_geometry: bool = True
     """Take the engine's KV block size and block count (vLLM's ``vllm:cache_config_info``)
     over the policy's ``kvBlockTokens`` and ``totalKvBlocks`` while the engine reports them."""
+    kv_prompt_ratio: str = "learned"
+    """How the KV gates book a request's prompt: ``learned`` (the estimate times the engine's
+    prompt tokens per estimated one, learned from the usage it reports, within 0.5-4:
+    :mod:`~tokenfair.server.kv_view`) or ``off`` (the estimate). Backends with an upstream
+    engine only; service tokens, budgets and records keep the estimate either way."""
     tracing: bool = False
     """Export one OpenTelemetry span per request over OTLP/HTTP (needs the ``tracing`` extra;
     see :mod:`~tokenfair.server.tracing`). Off by default: it needs a collector."""
@@ -237,6 +242,7 @@ def _http_url(name: str, value: object) -> str:
 
 
 ENGINE_METRICS_MODES: Final = ("auto", "vllm", "sglang", "custom", "off")
+KV_PROMPT_RATIO_MODES: Final = ("learned", "off")
 _METRIC_NAME: Final = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]{0,199}$")
 
 
@@ -314,6 +320,7 @@ SECTION_FIELDS: Final[FieldTable] = {
     "engineRunningMetric": ("engine_running_metric", _metric_name),
     "engineWaitingMetric": ("engine_waiting_metric", _metric_name),
     "adoptEngineKvGeometry": ("adopt_engine_kv_geometry", boolean),
+    "kvPromptRatio": ("kv_prompt_ratio", one_of(KV_PROMPT_RATIO_MODES)),
     "tracing": ("tracing", boolean),
     "tracingEndpoint": ("tracing_endpoint", _http_url),
     "fairnessWindowSeconds": (

@@ -213,9 +213,13 @@ class Sidecar:
         self.engine: EngineState | None = None
         """The poller of the upstream engine's own state (run by the app's engine context);
         None when off, or the backend has no engine to ask."""
-        self.kv_view = KvView(follows_streams=type(backend).engine_get is not Backend.engine_get)
+        self.kv_view = KvView(
+            follows_streams=type(backend).engine_get is not Backend.engine_get,
+            books_prompt_ratio=settings.kv_prompt_ratio == "learned",
+            clock=self.clock.now_ms,
+        )
         """The running requests' progress: the engine's KV as the sidecar sees it (a backend
-        with no engine behind it: the books)."""
+        with no engine behind it: the books), and the prompt ratio the gates book at."""
         self.metrics.registry.register(KvViewCollector(self.kv_view, lambda: self.scheduler))
         self._engine_geometry: tuple[int, int] | None = None
         """(block tokens, blocks) the engine reported, adopted over the policy's."""
@@ -366,6 +370,16 @@ class Sidecar:
         self.kv_view.observe(scheduler, used, running, int(report.waiting or 0))
         if scheduler.queued_total:
             self.dispatcher.pump()
+
+    def request_ended(
+        self, request_id: str, estimated_prompt: int, reported_prompt: int | None
+    ) -> None:
+        """A request sent to the backend ended (``reported_prompt``: the prompt tokens the
+        engine reported for it, None if none): the KV view forgets it and learns the prompt
+        ratio, and the gates book the next admissions at the ratio it gives them."""
+        view = self.kv_view
+        view.forget(request_id, estimated_prompt, reported_prompt)
+        self.scheduler.kv_prompt_ratio = view.gate_prompt_ratio
 
     def _engine_stale(self, problem: str) -> None:
         """No fresh report: the KV gates use the books alone (the geometry stays adopted)."""

@@ -13,7 +13,8 @@ Behaviours under test:
   before admission (nothing queued, charged or recorded as served); when the engine's metrics
   stop answering, the gates fall back to the books visibly (``/status``, the
   ``tokenfair_engine_metrics_fresh`` gauge) and come back when it answers again;
-- the settings: ``engineMetrics`` modes, custom names required for ``custom``, bounds by name.
+- the settings: ``engineMetrics`` modes, custom names required for ``custom``, bounds by name,
+  ``kvPromptRatio`` (``learned`` or ``off``).
 
 Timing: the poller runs every 20 ms against a loopback server; tests wait for the conditions
 (generous deadlines), never for a duration.
@@ -127,12 +128,15 @@ def test_models_and_routes() -> None:
 def test_settings_by_name() -> None:
     settings = settings_from_section({"engineMetrics": "sglang", "engineMetricsPath": "/m"})
     assert (settings.engine_metrics, settings.engine_metrics_path) == ("sglang", "/m")
+    assert settings.kv_prompt_ratio == "learned"
+    assert settings_from_section({"kvPromptRatio": "off"}).kv_prompt_ratio == "off"
     refused: list[tuple[dict[str, object], str]] = [
         ({"engineMetrics": "prometheus"}, "sidecar.engineMetrics: must be one of auto"),
         ({"engineMetricsPath": "metrics"}, "sidecar.engineMetricsPath: must be a path"),
         ({"engineMetricsIntervalSeconds": 0}, "sidecar.engineMetricsIntervalSeconds: must be in"),
         ({"engineKvUsageMetric": "kv usage"}, "sidecar.engineKvUsageMetric: must be a Prom"),
         ({"engineMetrics": "custom"}, "engineMetrics: custom needs engineKvUsageMetric"),
+        ({"kvPromptRatio": 2}, r"sidecar\.kvPromptRatio: must be one of learned, off \(got 2\)"),
     ]
     for section, message in refused:
         with pytest.raises(ConfigError, match=message):

@@ -7,7 +7,12 @@ Behaviours under test:
   tokens relayed (``/status`` ``kv.view_blocks``, ``tokenfair_kv_view_ratio``), while the books
   and the gates keep its whole reservation (prompt and ``max_tokens``); the view is empty when
   it ends; the prompt usage the engine reported teaches the view the engine's prompt count
-  (``kv.prompt_ratio``), not the gates;
+  (``kv.prompt_ratio``), and the gates book the next request's prompt at it
+  (``kv.gate_prompt_ratio``);
+- the prompt ratio in the books: once the engine has reported prompts twice the estimate, a
+  burst of requests that fit under the watermark at the estimate is dispatched only as far as
+  they fit at the engine's count, the rest wait in the sidecar's queue (all of them run with
+  ``kvPromptRatio: off``); the records keep the estimate;
 - with them, the gates count the running requests' decode growth: a request that fits what the
   engine holds now but not once the running one has decoded its ``max_tokens`` waits while
   fresh reports come in, and starts when the running one ends; at a report the view is what the
@@ -31,8 +36,10 @@ import dataclasses
 import json
 import math
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestServer
 from sidecar_support import (
@@ -44,6 +51,7 @@ from sidecar_support import (
     Clients,
     books_when_settled,
     keyed_config,
+    records_of,
     start,
 )
 
@@ -70,6 +78,8 @@ class StreamingEngine:
         self.queues: dict[int, asyncio.Queue[int | None]] = {}
         self.outside = 0
         """Blocks held for a client other than the sidecar."""
+        self.prompt = ENGINE_PROMPT
+        """The prompt tokens it holds and reports per request (its tokenizer's count)."""
         self.metrics_status = 200
         self.metrics_served = 0
         self._next = 0
@@ -81,7 +91,7 @@ class StreamingEngine:
         return app
 
     def used_blocks(self) -> int:
-        held = sum(-(-(ENGINE_PROMPT + d) // BLOCK) for d in self.decoded.values())
+        held = sum(-(-(self.prompt + d) // BLOCK) for d in self.decoded.values())
         return held + self.outside
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -115,7 +125,7 @@ class StreamingEngine:
                     chunk = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
                     await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.decoded[number] += 1
-            usage = {"prompt_tokens": ENGINE_PROMPT, "completion_tokens": self.decoded[number]}
+            usage = {"prompt_tokens": self.prompt, "completion_tokens": self.decoded[number]}
             await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
                                  "data: [DONE]\n\n".encode())  # fmt: skip
         finally:
@@ -158,6 +168,9 @@ async def start_sidecar(
     aiohttp_server: ServerFactory,
     engine: StreamingEngine,
     engine_metrics: str,
+    kv_prompt_ratio: str = "learned",
+    records_path: str | None = None,
+    **policy_changes: Any,
 ) -> Clients:
     server = await aiohttp_server(engine.app())
     settings = SidecarSettings(
@@ -166,6 +179,8 @@ async def start_sidecar(
         engine_metrics=engine_metrics,
         engine_metrics_interval_s=0.02,
         engine_metrics_stale_s=0.2,
+        kv_prompt_ratio=kv_prompt_ratio,
+        records_path=records_path,
     )
     policy = dataclasses.replace(
         PATIENT_POLICY,
@@ -174,6 +189,7 @@ async def start_sidecar(
         max_batch_requests=8,
         max_interactive_wait_ms=600_000,
     )
+    policy = dataclasses.replace(policy, **policy_changes)
     return await start(aiohttp_client, keyed_config(policy), settings)
 
 
@@ -221,9 +237,9 @@ async def test_without_the_engines_metrics_the_view_follows_the_stream(
     kv = await kv_of(clients)
     assert kv["view_blocks"] == 0
     # The engine reported 40 prompt tokens for it: the view counts the next one's prompt at
-    # the engine's count (the estimate times 40 / estimate), the gates at the estimate.
+    # the engine's count (the estimate times 40 / estimate), and so do the gates' books.
     ratio = ENGINE_PROMPT / prompt
-    assert kv["prompt_ratio"] == round(ratio, 4)
+    assert kv["prompt_ratio"] == kv["gate_prompt_ratio"] == round(ratio, 4)
     sent = asyncio.create_task(
         clients.proxy.post(
             "/v1/chat/completions", json=chat_body(3000), headers={"Authorization": IDE}
@@ -235,10 +251,93 @@ async def test_without_the_engines_metrics_the_view_follows_the_stream(
     await read_events(response, 50)
     kv = await kv_of(clients)
     assert kv["view_blocks"] == blocks(math.ceil(prompt * ratio) + 50) == blocks(ENGINE_PROMPT + 50)
-    assert kv["gate_blocks"] == blocks(prompt + 3000)
+    assert kv["gate_blocks"] == blocks(ENGINE_PROMPT + 3000)
     engine.release(None)
     await response.read()
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+
+
+@pytest.mark.parametrize("kv_prompt_ratio", ["learned", "off"])
+async def test_the_books_count_prompts_at_the_engines_count(
+    aiohttp_client: ClientFactory,
+    aiohttp_server: ServerFactory,
+    tmp_path: Path,
+    kv_prompt_ratio: str,
+) -> None:
+    # The engine's metrics off: the gates are the books alone, so what they book decides.
+    engine = StreamingEngine()
+    clients = await start_sidecar(
+        aiohttp_client, aiohttp_server, engine, "off", kv_prompt_ratio,
+        str(tmp_path / "records.jsonl"), max_batch_requests=16,
+    )  # fmt: skip
+    sidecar = clients.sidecar
+    scheduler = sidecar.scheduler
+    body = chat_body(32)
+    body["messages"][0]["content"] = "hello there, " * 120
+    sent = [
+        asyncio.create_task(
+            clients.proxy.post("/v1/chat/completions", json=body, headers={"Authorization": CHAT})
+        )
+    ]
+
+    async def in_the_engine(count: int) -> bool:
+        return len(engine.queues) == count
+
+    await eventually(lambda: in_the_engine(1))
+    (job,) = scheduler.jobs.values()
+    estimate = job.request.prefill_tokens
+    assert job.kv_prompt_tokens == estimate  # nothing learned yet: the estimate
+    engine.prompt = 2 * estimate  # its tokenizer and chat template count twice as many
+    engine.release(None)
+    await (await sent[0]).read()
+    assert await books_when_settled(sidecar) == ZERO_BOOKS
+    kv = await kv_of(clients)
+    assert kv["prompt_ratio"] == 2.0
+    learned = kv_prompt_ratio == "learned"
+    assert kv["gate_prompt_ratio"] == (2.0 if learned else 1.0)
+    metrics = await (await clients.admin.get("/metrics")).text()
+    assert "tokenfair_kv_prompt_ratio 2.0" in metrics
+    assert f"tokenfair_kv_gate_prompt_ratio {kv['gate_prompt_ratio']}" in metrics
+    # Ten at once: at the estimate all ten fit under the watermark, at the engine's count
+    # only `fit` do.
+    limit = int(scheduler.policy.interactive_kv_watermark * BLOCKS)
+    at_estimate, at_engine = blocks(estimate + 32), blocks(2 * estimate + 32)
+    fit = limit // at_engine
+    assert fit < 10 <= limit // at_estimate
+    sent = [
+        asyncio.create_task(
+            clients.proxy.post("/v1/chat/completions", json=body, headers={"Authorization": key})
+        )
+        for key in [CHAT, IDE] * 5
+    ]
+
+    async def all_admitted() -> bool:
+        return scheduler.running + scheduler.queued_total == 10
+
+    await eventually(all_admitted)
+    running = fit if learned else 10
+    assert (scheduler.running, scheduler.queued_total) == (running, 10 - running)
+    await eventually(lambda: in_the_engine(running))
+    booked = at_engine if learned else at_estimate
+    assert scheduler.resident_blocks == (await kv_of(clients))["gate_blocks"] == running * booked
+    assert {j.kv_prompt_tokens for j in scheduler.jobs.values()} == {
+        2 * estimate if learned else estimate
+    }
+    # The engine holds what the books say (its own count): within the watermark with the
+    # ratio, past it at the estimate.
+    assert (engine.used_blocks() <= limit) is learned
+    while not all(task.done() for task in sent):
+        engine.release(None)
+        await asyncio.sleep(0.01)
+    for task in sent:
+        assert (await task).status == 200
+    assert await books_when_settled(sidecar) == ZERO_BOOKS
+    # The records keep the sidecar's estimate, and the engine's count beside it.
+    records = records_of(sidecar)
+    assert len(records) == 11
+    assert {(r["prefill_tokens"], r["actual_prefill_tokens"]) for r in records} == {
+        (estimate, 2 * estimate)
+    }
 
 
 async def test_the_gates_keep_room_for_the_running_requests_decode(
@@ -454,3 +553,103 @@ def test_the_costmodel_engines_view_is_the_books() -> None:
     assert scheduler.next_dispatch(0.0) is not None
     assert sidecar.kv_view.track("r0") is None
     assert sidecar.kv_view.view_blocks(scheduler) == scheduler.resident_blocks > 0
+
+
+def test_a_stream_holds_its_prompt_as_booked() -> None:
+    # The core books a request admitted at a prompt ratio of 2 at twice its estimated prompt;
+    # a stream that has shown tokens holds that prompt (not the estimate), so at a report the
+    # gates see exactly the engine's blocks plus the growth left to the reservation.
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=1000, max_batch_requests=8
+    )
+    scheduler = make_scheduler("tokenfair", keyed_config(policy))
+    scheduler.kv_prompt_ratio = 2.0
+    view = KvView()
+    request = Request("r0", "tenant_chat_pro", 0.0, 2000, 500, "interactive")
+    assert scheduler.submit(request, 0.0) is None
+    assert scheduler.next_dispatch(0.0) is not None
+    job = scheduler.jobs["r0"]
+    assert (job.kv_prompt_tokens, job.kv_blocks) == (4000, blocks(4500))
+    assert request.prefill_tokens == 2000  # the request (and its record) keep the estimate
+    tracked = view.track("r0")
+    assert tracked is not None
+    tracked.relayed(b"data: {}\n\n" * 100)
+    assert view.gate_blocks_held(scheduler) == blocks(4100)
+    view.observe(scheduler, blocks(4100), running=1, waiting=0)
+    assert scheduler.kv_gate_blocks == blocks(4500)
+    # A request that fits the cache at its estimate but not at the engine's count can never
+    # be admitted while the ratio holds: a 400, not a 429 to retry.
+    big = Request("r1", "tenant_chat_pro", 0.0, 16_000, 100, "interactive")
+    assert scheduler.cost.kv_blocks(16_000, 100) <= 900
+    refusal = scheduler.never_admissible(big)
+    assert refusal is not None
+    assert (refusal.status_code, refusal.reason) == (400, "request_over_kv_capacity")
+    assert refusal.observed["request_kv_blocks"] == blocks(32_100)
+    scheduler.kv_prompt_ratio = 1.0
+    assert scheduler.never_admissible(big) is None
+
+
+def test_the_gates_prompt_ratio_is_bounded_and_can_be_off() -> None:
+    view = KvView()
+    view.forget("r0", 100, 1000)  # ten times the estimate: the view believes it
+    assert (view.prompt_ratio, view.gate_prompt_ratio) == (10.0, 4.0)
+    view.forget("r1", 10_000, 1000)  # decayed sums: (950 + 1000) / (95 + 10000)
+    assert view.prompt_ratio == pytest.approx(1950 / 10_095)
+    assert view.gate_prompt_ratio == 0.5
+    view.forget("r2", 100, None)  # no usage reported: nothing learned
+    assert view.prompt_ratio == pytest.approx(1950 / 10_095)
+    off = KvView(books_prompt_ratio=False)
+    off.forget("r0", 100, 200)
+    assert (off.prompt_ratio, off.gate_prompt_ratio) == (2.0, 1.0)
+    costmodel = KvView(follows_streams=False)  # no engine behind: the books are the engine
+    costmodel.forget("r0", 100, 200)
+    assert costmodel.gate_prompt_ratio == 1.0
+
+
+def test_a_request_on_its_way_to_the_engine_holds_nothing_until_its_intake_delay() -> None:
+    # The view's clock is injected (ms). A burst sent to an engine that had room: a report
+    # 100 ms later counts none of them (on their way: its HTTP server, tokenizer, next step),
+    # so the view learns an intake delay of at least 100 ms and counts a prompt only for a
+    # stream on its way longer than that; a report that counts a stream sent 30 ms before
+    # pulls the delay down.
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=1000, max_batch_requests=16
+    )
+    scheduler = make_scheduler("tokenfair", keyed_config(policy))
+    now = [0.0]
+    view = KvView(clock=lambda: now[0])
+    prompt = blocks(2000)
+
+    def send(request_id: str) -> None:
+        request = Request(request_id, "tenant_chat_pro", now[0], 2000, 500, "interactive")
+        assert scheduler.submit(request, now[0]) is None
+        assert scheduler.next_dispatch(now[0]) is not None
+        view.track(request_id)
+
+    view.observe(scheduler, 0, running=0, waiting=0)  # an idle engine: room
+    assert view.intake_ms == 0.0
+    for number in range(3):
+        send(f"r{number}")
+    # No delay learned yet: sent to an engine with room, each counts its prompt at once.
+    now[0] = 10.0
+    assert view.view_blocks(scheduler) == 3 * prompt
+    now[0] = 100.0
+    view.observe(scheduler, 0, running=0, waiting=0)  # it has none of them yet
+    assert view.intake_ms == 100.0
+    assert view.view_blocks(scheduler) == 0
+    now[0] = 150.0  # on their way longer than the delay: the engine (with room) has them
+    assert view.view_blocks(scheduler) == 3 * prompt
+    now[0] = 200.0
+    view.observe(scheduler, 3 * prompt, running=3, waiting=0)
+    assert view.view_blocks(scheduler) == 3 * prompt
+    send("r3")
+    now[0] = 230.0
+    assert view.view_blocks(scheduler) == 3 * prompt  # r3 on its way
+    view.observe(scheduler, 4 * prompt, running=4, waiting=0)  # the engine counts r3 already
+    assert view.intake_ms == pytest.approx(100.0 + 0.2 * (30.0 - 100.0))
+    assert view.view_blocks(scheduler) == 4 * prompt
+    # A report with requests waiting in the engine: a stream sent since queues behind them.
+    view.observe(scheduler, 4 * prompt, running=3, waiting=1)
+    send("r4")
+    now[0] = 1000.0
+    assert view.view_blocks(scheduler) == 4 * prompt
