@@ -195,11 +195,14 @@ def pool_figures(
             "replicas": [r for r in range(replicas) if outcome.offered[r].get(tenant_id)],
         }
     ratios = [row["of_max_min"] for row in rows.values() if row["of_max_min"] is not None]
-    jain = sum(ratios) ** 2 / (len(ratios) * sum(r * r for r in ratios)) if ratios else None
+    jain = _jain(ratios)
+    sliced = sliced_jain(outcome, weights)
     dispatched = sum(row["admitted"] for row in summary["tenants"].values())
     return {
         "tenants": rows,
         "jain_of_max_min": None if jain is None else round(jain, 4),
+        "jain_of_sliced_max_min": None if sliced is None else round(sliced, 4),
+        "slice_ms": outcome.slice_ms,
         "admitted_then_expired": expiries.ratio(),
         "store_calls": outcome.store_calls,
         "requests": outcome.requests,
@@ -209,6 +212,39 @@ def pool_figures(
         ),
         "summary": summary,
     }
+
+
+def _jain(ratios: list[float]) -> float | None:
+    return sum(ratios) ** 2 / (len(ratios) * sum(r * r for r in ratios)) if ratios else None
+
+
+def sliced_jain(outcome: PoolReplay, weights: dict[str, float]) -> float | None:
+    """Jain's index of each tenant's service over its constrained max-min share computed per
+    slice of :attr:`PoolReplay.slice_ms` (offers by arrival, capacities and service by end)
+    and summed: the reference constrained by when each request could run too (within about
+    a slice of its arrival, as a wait limit allows), where :func:`pool_figures`' one over the
+    whole window lets an offer of the first second be served in the last."""
+    replicas = len(outcome.served)
+    slices = sorted({key[0] for sliced in outcome.sliced_offered for key in sliced})
+    shares: dict[str, float] = {}
+    served: dict[str, float] = {}
+    for number in slices:
+        offered: dict[str, list[float]] = {}
+        capacities = [0.0] * replicas
+        for replica in range(replicas):
+            for (at, tenant_id), tokens in outcome.sliced_offered[replica].items():
+                if at == number:
+                    offered.setdefault(tenant_id, [0.0] * replicas)[replica] += tokens
+            for (at, tenant_id), tokens in outcome.sliced_served[replica].items():
+                if at == number:
+                    capacities[replica] += tokens
+                    served[tenant_id] = served.get(tenant_id, 0.0) + tokens
+        if not offered:
+            continue
+        fair = constrained_max_min(capacities, offered, {t: weights[t] for t in offered})
+        for tenant_id, share in fair.items():
+            shares[tenant_id] = shares.get(tenant_id, 0.0) + share
+    return _jain([served.get(t, 0.0) / share for t, share in shares.items() if share > 0])
 
 
 def format_pool(pool: dict[str, Any]) -> str:
@@ -223,7 +259,8 @@ def format_pool(pool: dict[str, Any]) -> str:
         lines.append(
             f"{name}: store calls {run['store_calls']} for {run['requests']} requests "
             f"({run['store_calls_per_request']:g} per request); Jain index of the tenants' "
-            f"service / max-min share {run['jain_of_max_min']}; admitted-then-expired "
+            f"service / max-min share {run['jain_of_max_min']} (per {run['slice_ms']:g} ms "
+            f"slice {run['jain_of_sliced_max_min']}); admitted-then-expired "
             f"{_percent(run['admitted_then_expired'])}"
         )
         lines.append(

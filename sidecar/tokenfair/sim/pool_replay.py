@@ -58,6 +58,10 @@ AFFINITY_RUN: Final = 16
 """Consecutive requests of a tenant that ``affinity`` routing sends to one replica."""
 DEFAULT_SYNC_MS: Final = 500.0
 DEFAULT_LEASE_TOKENS: Final = 20_000
+DEFAULT_SLICE_MS: Final = 1_000.0
+"""The slices of the time-constrained reference (:attr:`PoolReplay.sliced_served`): a request
+waits at most a wait limit, so service offered in one second cannot be given ten seconds later
+(the reference over the whole window assumes it can)."""
 
 
 class MemoryPoolStore:
@@ -134,9 +138,15 @@ class PoolReplay:
     """A pool replay's outcome besides its decisions: the store's calls, and per replica the
     service each tenant offered there and was given there (in the arrival window)."""
 
-    def __init__(self, replicas: int) -> None:
+    def __init__(self, replicas: int, slice_ms: float = DEFAULT_SLICE_MS) -> None:
         self.served: list[dict[str, int]] = [{} for _ in range(replicas)]
         self.offered: list[dict[str, int]] = [{} for _ in range(replicas)]
+        self.slice_ms = slice_ms
+        """The length of the slices of :attr:`sliced_served` and :attr:`sliced_offered`."""
+        self.sliced_served: list[dict[tuple[int, str], int]] = [{} for _ in range(replicas)]
+        """Per replica, :attr:`served` by ``(slice, tenant)``: the slice its request ended in."""
+        self.sliced_offered: list[dict[tuple[int, str], int]] = [{} for _ in range(replicas)]
+        """Per replica, :attr:`offered` by ``(slice, tenant)``: the slice its request arrived in."""
         self.store_calls = 0
         self.requests = 0
         self.schedulers: list[Scheduler] = []
@@ -144,6 +154,24 @@ class PoolReplay:
         self.window_end_ms = math.inf
         """Service counts in :attr:`served` only for requests that ended by then (the last
         arrival: past it the offers are over and every replica serves what is left)."""
+
+    def add_served(self, replica: int, tenant_id: str, tokens: int, end_ms: float) -> None:
+        """A request of ``tenant_id`` that ran on ``replica`` ended at ``end_ms`` with
+        ``tokens`` of service (counted if it ended in the arrival window)."""
+        if end_ms > self.window_end_ms:
+            return
+        served = self.served[replica]
+        served[tenant_id] = served.get(tenant_id, 0) + tokens
+        key = (int(end_ms // self.slice_ms), tenant_id)
+        sliced = self.sliced_served[replica]
+        sliced[key] = sliced.get(key, 0) + tokens
+
+    def add_offered(self, replica: int, tenant_id: str, tokens: int, arrival_ms: float) -> None:
+        offered = self.offered[replica]
+        offered[tenant_id] = offered.get(tenant_id, 0) + tokens
+        key = (int(arrival_ms // self.slice_ms), tenant_id)
+        sliced = self.sliced_offered[replica]
+        sliced[key] = sliced.get(key, 0) + tokens
 
 
 def replay_pool(
@@ -182,12 +210,13 @@ def replay_pool(
         members.append(_Replica(index, scheduler, routed[index], service))
         result.schedulers.append(scheduler)
         for arrival in routed[index]:
-            offered = result.offered[index]
-            tenant_id = arrival[0].tenant_id
             request = arrival[0]
             asked = scheduler.cost.service_tokens(request.prefill_tokens, request.decode_tokens)
-            offered[tenant_id] = offered.get(tenant_id, 0) + (
-                asked if arrival[1] is None else arrival[1]
+            result.add_offered(
+                index,
+                request.tenant_id,
+                asked if arrival[1] is None else arrival[1],
+                request.arrival_ms,
             )
     if config.policy.max_batch_requests > 1:
         yield from _replay_batching_pool(members, store, sync_ms, lease_tokens, policy, result)
@@ -283,9 +312,7 @@ def _step(
     scheduler.complete(
         decision.request_id, clock_ms, used, actual_kv_blocks=used_kv, release_kv=False
     )
-    if clock_ms <= result.window_end_ms:
-        served = result.served[member.index]
-        served[decision.tenant_id] = served.get(decision.tenant_id, 0) + served_tokens
+    result.add_served(member.index, decision.tenant_id, served_tokens, clock_ms)
     yield decision, used
 
 
@@ -310,10 +337,8 @@ def _replay_batching_pool(
             if decision is PACE and clock_ms is not None:
                 heapq.heappush(ready, (clock_ms, member.index))
             break
-    window_end_ms = result.window_end_ms
     while ready:
         _, index = heapq.heappop(ready)
-        served = result.served[index]
         for decision, used, end_ms in replays[index]:
             if decision is PACE:
                 if end_ms is not None:
@@ -321,12 +346,11 @@ def _replay_batching_pool(
                 break
             if (
                 end_ms is not None
-                and end_ms <= window_end_ms
                 and decision.status_code == STATUS_OK
                 and not decision.would_refuse  # served beside the modeled engine (shadow)
             ):
                 tokens = decision.service_tokens if used is None else used
-                served[decision.tenant_id] = served.get(decision.tenant_id, 0) + tokens
+                result.add_served(index, decision.tenant_id, tokens, end_ms)
             yield decision, used
 
 

@@ -15,7 +15,9 @@
   single-replica batching replay; in the skewed pool at ~1.3x the pool's capacity, the flooder's
   admitted requests on the pinned tenant's replica do not expire (admission follows the pool's
   order, docs/fairness.md §9.2.1): admitted-then-expired <= 2 % pool-wide and per tenant, the
-  pinned tenant still >= 90 % of its constrained max-min.
+  pinned tenant still >= 90 % of its constrained max-min;
+- the reference per slice of time (a request waits at most a wait limit, so what was offered in
+  one second cannot be served in another) on a hand-computed pool of two slices.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import replace
 
 import pytest
 
+from tokenfair.commands.simulate_pool import sliced_jain
 from tokenfair.config import Config, build_config
 from tokenfair.core import Decision, Request
 from tokenfair.core.jobs import STATUS_OK, STATUS_SHED
@@ -176,3 +179,23 @@ def test_skewed_batching_pool_admits_what_it_serves() -> None:
     assert served["tenant_pinned"] / shares["tenant_pinned"] >= 0.90
     assert outcome.store_calls / outcome.requests <= 0.1
     assert all(s.books() == Books(0, 0, 0, 0, 0) for s in outcome.schedulers)
+
+
+def test_the_reference_per_slice_of_time_by_hand() -> None:
+    # One replica, slices of 1 s. Slice 0: a offers 1000, the replica serves 500 of it. Slice
+    # 1: a offers 100 and b 1000; max-min of 500 gives a its 100 and b 400, which they get.
+    # Per slice the shares are a 500 + 100, b 400: what they got, Jain 1. Over the whole
+    # window (capacity 1000, offers 1100 and 1000) each is owed 500: a got 600 (1.2), b 400
+    # (0.8), Jain (2.0)^2 / (2 * (1.44 + 0.64)) = 0.9615.
+    outcome = PoolReplay(1)
+    outcome.add_offered(0, "a", 1000, 10.0)
+    outcome.add_served(0, "a", 500, 900.0)
+    outcome.add_offered(0, "a", 100, 1100.0)
+    outcome.add_offered(0, "b", 1000, 1200.0)
+    outcome.add_served(0, "a", 100, 1300.0)
+    outcome.add_served(0, "b", 400, 1900.0)
+    assert sliced_jain(outcome, {"a": 1.0, "b": 1.0}) == pytest.approx(1.0)
+    shares, served = _shares(outcome, {"a": 1.0, "b": 1.0})
+    ratios = [served[t] / shares[t] for t in ("a", "b")]
+    assert ratios == pytest.approx([1.2, 0.8])
+    assert sum(ratios) ** 2 / (2 * sum(r * r for r in ratios)) == pytest.approx(4.0 / 4.16)
