@@ -229,10 +229,12 @@ class LaneOrder:
         for other_id, other_quantum, other_queued, arrival_rate in others:
             gap = (level - self.counter(other_id, other_quantum)) * other_quantum / _UNIT
             drift = (rise - rates.get(other_id, 0.0) / other_quantum) * other_quantum / _UNIT
-            pieces.append((other_queued / _UNIT, arrival_rate, gap, drift))
             highest = gap + drift * horizon_ms if drift > 0.0 else gap
-            if other_queued and highest <= -AWAY_QUANTA * other_quantum / _UNIT:
-                away.append(other_id)
+            if highest <= 0.0:  # never below the level within the horizon: w_j = 0
+                if other_queued and highest <= -AWAY_QUANTA * other_quantum / _UNIT:
+                    away.append(other_id)
+                continue
+            pieces.append((other_queued / _UNIT, arrival_rate, gap, drift))
         return first_crossing_tokens(queued_units / _UNIT, rate, pieces, horizon_ms)
 
 

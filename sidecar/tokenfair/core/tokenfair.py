@@ -499,7 +499,8 @@ class TokenfairScheduler(Scheduler):
         <tokenfair.core.pool_order.LaneOrder.ahead_tokens>`, docs/fairness.md §9.2.1): its own
         queue, and the work of the tenants whose counters are below its own, queued here or
         sent here meanwhile at their recent rate of service here, until they catch up.
-        O(n log n) in the tenants backlogged here or served here lately."""
+        O(n log n) in the tenants of the lane served here (their recent rates are read: the
+        tenants idle here now that come back meanwhile count, as ``lambda_j``)."""
         order = drr.order
         if order is None:
             return 0.0
