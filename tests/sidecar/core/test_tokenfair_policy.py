@@ -33,7 +33,7 @@ from tokenfair.config import (
 )
 from tokenfair.core import Books, Decision, Lane, Request, UnknownTenantError
 from tokenfair.core.lesson import LessonDrrScheduler
-from tokenfair.core.tokenfair import TokenfairScheduler
+from tokenfair.core.tokenfair import DEMAND_WARMUP_FLOOR, TokenfairScheduler
 from tokenfair.sim.report import summarize
 from tokenfair.sim.scenarios import noisy_neighbor, starvation
 from tokenfair.sim.simulator import simulate
@@ -641,8 +641,10 @@ def test_a_batch_request_waits_for_its_own_credit_while_interactive_work_waits()
     # Nothing queued: nothing ahead, nothing running, no credit to wait for.
     assert scheduler.predicted_wait_ms("rag", Lane.BATCH, cost, 0.0) == 0.0
     assert scheduler.submit(chat("c0", "chat"), 0.0) is None  # queued, not dispatched
-    # λ_int: 400 tokens admitted at 0 over maxBatchWaitMs (3500 ms) = 400 / 3500 tokens per ms.
-    batch_rate = 45.0 - 400 / 3500
+    # λ_int: 400 tokens admitted at 0 over maxBatchWaitMs (3500 ms) = 400 / 3500 tokens per ms,
+    # read at the start as the part of a steady rate an average shows after a quarter of its
+    # time constant (the warm-up's floor), 1 - exp(-0.25).
+    batch_rate = 45.0 - 400 / 3500 / (1.0 - math.exp(-DEMAND_WARMUP_FLOOR))
     assert scheduler.predicted_wait_ms("rag", Lane.BATCH, cost, 0.0) == pytest.approx(
         cost / batch_rate
     )
