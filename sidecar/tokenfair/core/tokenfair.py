@@ -45,8 +45,9 @@ weighted DRR over tenants (:mod:`tokenfair.core.drr`), FIFO inside a tenant. On 
 engine (``maxBatchRequests`` ``S > 1``) the batch lane starts nothing while it holds
 :meth:`TokenfairScheduler.batch_slots` of the ``S`` slots: the rest are the **interactive
 reserve**, so an interactive arrival beside a batch flood finds a slot free and waits 0, and the
-batch lane's waits are priced at the throughput of its slots, ``X(batch_slots)``
-(docs/capacity.md).
+batch lane's waits are priced at the throughput of the requests it can run at once,
+``X(batch_concurrency)``: its slots, or fewer where its KV watermark holds fewer of its requests
+(:meth:`TokenfairScheduler.batch_concurrency`, docs/capacity.md).
 
 Settlement charges ``actual - estimate`` to the tenant's bucket and ``actual - expected`` (the
 estimate times its usage ratio, what the round robin charged) to its DRR deficit, so the round
@@ -369,13 +370,16 @@ class TokenfairScheduler(Scheduler):
         cost_tokens: int,
         now_ms: float,
         join_rank: float | None = None,
+        kv_blocks: int = 0,
     ) -> float:
         """What a new request of the tenant costing ``cost_tokens`` would wait in ``lane``
         (:mod:`.shares`): the work in flight, then what DRR sends ahead of it — from the tenants
         backlogged now, and from the competing tenants that are idle now as far as the lane's
         recent demand says they will send — plus, for interactive work, the batch requests its
         minimum share lets in meanwhile, and for batch work while interactive work waits, its
-        own expected cost (the credit that must cover it), at the rate the lane gets."""
+        own expected cost (the credit that must cover it), at the rate the lane gets.
+        ``kv_blocks``: the request's own KV booking (0: not known), which on a batching engine
+        counts in the batch lane's KV-bound concurrency (:meth:`batch_concurrency`)."""
         drr = self._lanes[lane]
         queue = drr.queues[tenant_id]
         order = drr.order
@@ -404,6 +408,7 @@ class TokenfairScheduler(Scheduler):
             first_turn,
         )
         rate = self._rate
+        lane_slots = 0  # the batch lane's `batch_concurrency` on a batching engine
         if lane == _INTERACTIVE:
             if pooled:
                 ahead = self._pooled_ahead(drr, queue, lane, ahead, expected_tokens, first_turn,
@@ -417,9 +422,11 @@ class TokenfairScheduler(Scheduler):
             interactive_cap = self._interactive_cap
             lane_rate = rate - (interactive_cap if interactive_cap < demand else demand)
             if self._engine is not None:
-                # A batching engine: the lane drains at most at the throughput of the slots
-                # it may hold, X(batch_slots) (docs/capacity.md, the interactive reserve).
-                slots_rate = self._engine.curve.throughput(self.batch_slots(now_ms))
+                # A batching engine: the lane drains at most at the throughput of the requests
+                # it can run at once, X(batch_concurrency): the slots the interactive reserve
+                # leaves it, or fewer where its KV watermark binds first (docs/capacity.md).
+                lane_slots = self.batch_concurrency(now_ms, kv_blocks)
+                slots_rate = self._engine.curve.throughput(lane_slots)
                 if slots_rate < lane_rate:
                     lane_rate = slots_rate
             floor = rate * MIN_LANE_RATE_FRACTION
@@ -439,7 +446,9 @@ class TokenfairScheduler(Scheduler):
         if engine is None:
             wait_ms = self._residual.wait_ms(now_ms) + ahead / rate
         else:
-            wait_ms = self._batch_wait_ms(engine, lane, ahead, expected_tokens, rate, now_ms)
+            wait_ms = self._batch_wait_ms(
+                engine, lane, ahead, expected_tokens, rate, now_ms, lane_slots
+            )
         # The competing tenants idle now take part in the later turns only if they send
         # meanwhile: at most one quantum each per turn (the DRR bound), and at most what the
         # lane's recent admitted demand λ brings in during the wait itself, i.e. the wait T with
@@ -584,6 +593,7 @@ class TokenfairScheduler(Scheduler):
         own_tokens: float,
         rate: float,
         now_ms: float,
+        lane_slots: int,
     ) -> float:
         """The wait for a slot of a batching engine (docs/capacity.md): the requests the round
         robin sends first (``ahead_tokens`` of work, ``n = ahead / s`` requests of the lane's
@@ -596,14 +606,15 @@ class TokenfairScheduler(Scheduler):
 
         So a request that finds a free slot and nothing of its lane ahead waits 0, however much
         the engine is running; ``rate`` is the lane's share of ``R`` (as for a serial engine),
-        for the batch lane at most ``X(batch_slots)``. The batch lane's free slots are those
-        the interactive reserve leaves it, ``F = min(S - running, batch_slots -
-        batch_running)``, and while it holds all of them its ``first_end`` is the engine's
-        next forecast end, whoever's (a lower bound of its own next end)."""
+        for the batch lane at most ``X(lane_slots)``. The batch lane's free slots are those
+        the interactive reserve and its KV watermark leave it, ``F = min(S - running,
+        lane_slots - batch_running)`` with ``lane_slots`` its :meth:`batch_concurrency`, and
+        while it holds all of them its ``first_end`` is the engine's next forecast end,
+        whoever's (a lower bound of its own next end)."""
         free_slots = self.policy.max_batch_requests - self.running
-        lane_full = False  # the batch lane holds every slot the reserve leaves it
+        lane_full = False  # the batch lane holds every slot the reserve and KV leave it
         if lane == _BATCH:
-            batch_free = self.batch_slots(now_ms) - self._batch_running
+            batch_free = lane_slots - self._batch_running
             if batch_free < free_slots:
                 free_slots = batch_free
                 lane_full = free_slots <= 0
@@ -628,6 +639,29 @@ class TokenfairScheduler(Scheduler):
     def batch_running(self) -> int:
         """Batch requests dispatched and not ended: what :meth:`batch_slots` bounds."""
         return self._batch_running
+
+    def batch_concurrency(self, now_ms: float, kv_blocks: int = 0) -> int:
+        """The most batch requests the wait prediction counts on running at once on a batching
+        engine (docs/capacity.md): :meth:`batch_slots`, or fewer where the KV cache binds
+        first — the batch watermark's blocks over the mean KV booking of the lane's requests
+        to come (those queued, with ``kv_blocks``, the request's own, if given), at least 1::
+
+            kv_slots          = max(1, floor(batch_kv_watermark * totalKvBlocks / mean_booking))
+            batch_concurrency = min(batch_slots, kv_slots)
+
+        With nothing queued and no booking given it is :meth:`batch_slots`. The dispatcher
+        does not read it: a request starts whenever its blocks fit (``kv_fits``); this is the
+        concurrency its lane's waits are priced at. O(1)."""
+        slots = self.batch_slots(now_ms)
+        queued = self.queued_count[_BATCH]
+        blocks = self.queued_blocks[_BATCH] + kv_blocks
+        count = queued + 1 if kv_blocks > 0 else queued
+        if count == 0 or blocks <= 0:
+            return slots
+        kv_slots = math.floor(self._kv_limits[_BATCH] * count / blocks)
+        if kv_slots < 1:
+            kv_slots = 1
+        return kv_slots if kv_slots < slots else slots
 
     def batch_slots(self, now_ms: float) -> int:
         """The most batch requests the dispatcher lets run at once on a batching engine: the
@@ -816,7 +850,9 @@ class TokenfairScheduler(Scheduler):
             None if queue.in_active or queue.deficit_units < 0 else self._join_rank(job, now_ms)
         )
         elapsed_ms = now_ms - job.arrival_ms
-        turn_wait_ms = self.predicted_wait_ms(tenant_id, lane, service_tokens, now_ms, join_rank)
+        turn_wait_ms = self.predicted_wait_ms(
+            tenant_id, lane, service_tokens, now_ms, join_rank, job.kv_blocks
+        )
         if (
             self.resident_blocks + self.kv_correction_blocks + job.kv_blocks - self._kv_limits[lane]
             > 0
