@@ -187,13 +187,7 @@ class Scheduler(ABC):
         """The engine's view of the KV cache minus the books (:meth:`observe_engine_kv`); 0
         without a fresh report from the engine. KV gates read ``resident_blocks +
         kv_correction_blocks``; the books (``resident_blocks``) never change by it."""
-        self.kv_prompt_ratio = 1.0
-        """The engine's prompt tokens per estimated one, as a request's KV is booked: a
-        request admitted now reserves ``ceil((ceil(prefill * ratio) + decode) / block)``
-        blocks (``Job.kv_prompt_tokens``, ``Job.kv_blocks``). 1 (the estimate) unless its
-        caller sets it: the sidecar, from the prompt usage its engine reports
-        (:mod:`tokenfair.server.kv_view`); the simulator never does. Service tokens, budgets
-        and the records' fields are the estimate's whatever it is."""
+        self._kv_prompt_ratio = 1.0  # `kv_prompt_ratio`, validated by its setter
         self.running = 0
         self._deadlines = DeadlineQueue()
         self._apply_tenants(config.tenants, now_ms)
@@ -303,13 +297,14 @@ class Scheduler(ABC):
             raise DuplicateRequestError(request_id)
         prefill, decode = request.prefill_tokens, request.decode_tokens
         cost = self.cost
-        ratio = self.kv_prompt_ratio
-        # Rounded first: float noise (30 * (40 / 30) = 40.000000000000004) books no token more.
-        kv_prompt = prefill if ratio == 1.0 else math.ceil(round(prefill * ratio, 9))
+        if self._kv_prompt_ratio == 1.0:
+            kv_prompt, kv_blocks = prefill, cost.kv_blocks(prefill, decode)
+        else:
+            kv_prompt, kv_blocks = self._kv_booking(request, tenant)
         job = Job(
             request,
             cost.service_tokens(prefill, decode),
-            cost.kv_blocks(kv_prompt, decode),
+            kv_blocks,
             request_id,
             tenant.tenant_id,
             kv_prompt,
@@ -339,14 +334,18 @@ class Scheduler(ABC):
     def never_admissible(self, request: Request) -> Decision | None:
         """A ``400`` decision if no state of the running configuration could admit
         ``request``, else None. A pure check of the request against the configuration: it reads
-        no load and changes nothing, so a caller that answers clients (the sidecar) makes it
-        **before** :meth:`submit`, and a request that can never pass gets its 400 whatever the
-        load — not a ``queue_full`` or ``shed_queue_wait_slo`` 429 that a client would retry.
+        no load, no learned state (not :attr:`kv_prompt_ratio`) and changes nothing, so a
+        caller that answers clients (the sidecar) makes it **before** :meth:`submit`, and a
+        request that can never pass gets its 400 whatever the load — not a ``queue_full`` or
+        ``shed_queue_wait_slo`` 429 that a client would retry — and the same request gets the
+        same answer at any time.
 
         * The policy gates KV at admission (``tokenfair``, ``service_token_drr_with_admission``)
           and ``ceil((prompt + decode) / block) / total_kv_blocks`` is above the class
-          watermark (``prompt``: the estimate as KV is booked, :meth:`kv_prompt_tokens`):
-          even an empty cache refuses it -> ``request_over_kv_capacity``.
+          watermark (``prompt``: the estimate, whatever :attr:`kv_prompt_ratio` is; a booking
+          the ratio would push past the watermark is clamped to it, :meth:`_kv_booking`, so a
+          request under it can always run alone): even an empty cache refuses it
+          -> ``request_over_kv_capacity``.
         * The policy holds the request's class to its budget at admission (``tokenfair``: both
           classes; ``service_token_drr_with_admission``: batch), its cost is above the tenant's
           ``burst_service_tokens`` (the bucket never holds more), ``lend_idle_capacity`` is off
@@ -370,7 +369,7 @@ class Scheduler(ABC):
             return None
         policy = self.policy
         prefill, decode = request.prefill_tokens, request.decode_tokens
-        blocks = self.cost.kv_blocks(self.kv_prompt_tokens(prefill), decode)
+        blocks = self.cost.kv_blocks(prefill, decode)
         share = blocks / policy.total_kv_blocks
         if kv_gated and share > self.watermark(Lane.of(request.priority_class)):
             reason = OVER_KV_CAPACITY
@@ -451,11 +450,62 @@ class Scheduler(ABC):
             return
         self.kv_correction_blocks = used_blocks - held_blocks
 
+    @property
+    def kv_prompt_ratio(self) -> float:
+        """The engine's prompt tokens per estimated one, as a request's KV is booked: a
+        request admitted now reserves ``ceil((ceil(prefill * ratio) + decode) / block)``
+        blocks (``Job.kv_prompt_tokens``, ``Job.kv_blocks``), at most what an empty cache
+        admits for it (:meth:`_kv_booking`). 1 (the estimate) unless its caller sets it: the
+        sidecar, from the prompt usage its engine reports (:mod:`tokenfair.server.kv_view`);
+        the simulator never does. Service tokens, budgets, :meth:`never_admissible` and the
+        records' fields are the estimate's whatever it is. Setting it takes a finite number
+        above 0 (``ValueError`` otherwise)."""
+        return self._kv_prompt_ratio
+
+    @kv_prompt_ratio.setter
+    def kv_prompt_ratio(self, ratio: float) -> None:
+        if not (math.isfinite(ratio) and ratio > 0):
+            raise ValueError(
+                f"Scheduler.kv_prompt_ratio: must be a finite number above 0 (got {ratio!r})"
+            )
+        self._kv_prompt_ratio = float(ratio)
+
     def kv_prompt_tokens(self, prefill_tokens: int) -> int:
-        """The prompt tokens a request of ``prefill_tokens`` (the estimate) books KV for now:
-        ``ceil(prefill_tokens * kv_prompt_ratio)``."""
-        ratio = self.kv_prompt_ratio
+        """The prompt tokens a request of ``prefill_tokens`` (the estimate) books KV for at
+        the current ratio, before :meth:`_kv_booking`'s clamp: ``ceil(prefill_tokens *
+        kv_prompt_ratio)``."""
+        ratio = self._kv_prompt_ratio
+        # Rounded first: float noise (10 * (110 / 100) = 11.000000000000002) books no token more.
         return prefill_tokens if ratio == 1.0 else math.ceil(round(prefill_tokens * ratio, 9))
+
+    def _kv_booking(self, request: Request, tenant: TenantState) -> tuple[int, int]:
+        """``(prompt tokens, blocks)`` :meth:`submit` books for ``request`` at a ratio other
+        than 1: the prompt at :meth:`kv_prompt_tokens`, but never more blocks than the most an
+        empty cache admits for it (its class watermark and, under enforced tenant limits, its
+        tenant's ``maxKvShare`` of ``total_kv_blocks``) nor fewer than the estimate's. A learned
+        ratio thus never makes a request refused whatever the load: one that
+        :meth:`never_admissible` lets through (the estimate's blocks) can always run alone."""
+        prefill, decode = request.prefill_tokens, request.decode_tokens
+        cost = self.cost
+        kv_prompt = self.kv_prompt_tokens(prefill)
+        blocks = cost.kv_blocks(kv_prompt, decode)
+        if kv_prompt <= prefill:
+            return kv_prompt, blocks
+        total = self.policy.total_kv_blocks
+        limit = self.watermark(Lane.of(request.priority_class))
+        if self._tenant_limits and tenant.max_kv_share < limit:
+            limit = tenant.max_kv_share
+        # The most blocks b with b / total <= limit, as the gates compare it (in floats).
+        cap = math.floor(limit * total)
+        while cap > 0 and cap / total > limit:
+            cap -= 1
+        while (cap + 1) / total <= limit:
+            cap += 1
+        cap = max(cap, cost.kv_blocks(prefill, decode))
+        if blocks <= cap:
+            return kv_prompt, blocks
+        # Clamped: the prompt that fills `cap` blocks (at least the estimate's, as cap is).
+        return max(prefill, cap * cost.kv_block_tokens - decode), cap
 
     @property
     def kv_gate_blocks(self) -> int:

@@ -68,7 +68,7 @@ from tokenfair.core.scheduler import Scheduler
 class StreamProgress:
     """What the sidecar has relayed of one running request's answer."""
 
-    __slots__ = ("events", "sent_ms", "sequence", "stream")
+    __slots__ = ("done", "events", "sent_ms", "sequence", "stream")
 
     def __init__(self, sequence: int, stream: bool, sent_ms: float = 0.0) -> None:
         self.sequence = sequence
@@ -79,10 +79,15 @@ class StreamProgress:
         """A streamed answer (its progress shows); False: a whole answer (it shows none)."""
         self.events = 0
         """SSE ``data:`` events relayed so far (0: nothing yet, or a whole answer)."""
+        self.done = False
+        """Its ``data: [DONE]`` was relayed: the engine has finished it (the request is
+        forgotten once the sidecar has closed it)."""
 
     def relayed(self, data: bytes) -> None:
         """Count the events in a piece of the stream relayed to the client."""
         self.events += data.count(b"data:")
+        if b"[DONE]" in data:
+            self.done = True
 
 
 PROMPT_RATIO_BOUNDS: Final = (0.1, 10.0)
@@ -94,8 +99,9 @@ INTAKE_MAX_MS: Final = 5000.0
 an engine in trouble, not its intake)."""
 INTAKE_DOWN: Final = 0.2
 """How far the intake delay moves toward a shorter delay the engine's report shows, per
-report (the longer ones are taken at once: the view never counts a prompt the engine's last
-report said it did not have)."""
+report. A longer one is taken at once, but only from the report's own evidence: a stream
+unstarted at a report counts once its age passes the delay so learned, even before the next
+report says whether the engine has it."""
 GATE_PROMPT_RATIO_BOUNDS: Final = (0.5, 4.0)
 """The learned ratio the KV gates book prompts at, at most this far from the estimate: a
 tokenizer and chat template move a prompt's count by ~2x (loadgen's text on the suite's model:
@@ -295,8 +301,14 @@ class KvView:
             started = sum(1 for p in self._running.values() if p.events or not p.stream)
             prefilling = min(len(unstarted), max(0, running - started))
             if self._clock is not None:
-                known = min(len(pending), max(0, running + waiting - started))
-                self._learn_intake(pending, known, self._clock())
+                # The engine counts `running + waiting` requests. Surely among them: our
+                # streams that have shown tokens and not their `[DONE]`. Perhaps: the whole
+                # answers (on their way to it, or not). Of the unstarted streams, then, it
+                # counts at most `most` and at least `least` (the oldest first).
+                streaming = sum(1 for p in self._running.values() if p.events and not p.done)
+                whole = sum(1 for p in self._running.values() if not p.stream)
+                counted = running + waiting - streaming
+                self._learn_intake(pending, counted, counted - whole, self._clock())
         else:
             prefilling = max(0, len(unstarted) - waiting)
         self._prefilling = frozenset(unstarted[:prefilling])
@@ -309,16 +321,23 @@ class KvView:
         )
         self._view_correction = used_blocks - self.modelled_blocks(scheduler)
 
-    def _learn_intake(self, pending: list[StreamProgress], known: int, now_ms: float) -> None:
+    def _learn_intake(
+        self, pending: list[StreamProgress], most: int, least: int, now_ms: float
+    ) -> None:
         """At a report: of the streams that have shown nothing (in the order sent), the
-        engine counts the oldest ``known`` (running or waiting); the others are on their way to
-        it. The oldest of those has taken longer than its age: the delay is at least that; else
-        the youngest counted one took at most its age: the delay moves toward it."""
-        if known < len(pending):
-            age_ms = now_ms - pending[known].sent_ms
+        engine counts (running or waiting) at most the oldest ``most`` and at least the oldest
+        ``least``; the others are on their way to it. If even ``most`` leaves one out, the
+        oldest left out has taken longer than its age: the delay is at least that; else the
+        youngest surely counted one took at most its age: the delay moves toward it. Evidence
+        that depends on what the engine does with a whole answer or a stream it has finished
+        moves nothing."""
+        most = min(len(pending), max(0, most))
+        least = min(most, max(0, least))
+        if most < len(pending):
+            age_ms = now_ms - pending[most].sent_ms
             self.intake_ms = min(INTAKE_MAX_MS, max(self.intake_ms, age_ms))
-        elif known:
-            age_ms = now_ms - pending[known - 1].sent_ms
+        elif least:
+            age_ms = now_ms - pending[least - 1].sent_ms
             if age_ms < self.intake_ms:
                 self.intake_ms += INTAKE_DOWN * (max(0.0, age_ms) - self.intake_ms)
 

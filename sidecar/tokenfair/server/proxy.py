@@ -656,14 +656,22 @@ async def _serve(
             return web.Response(status=500)  # never sent: the connection is gone
         return _internal_error(core_request.request_id)
     finally:
-        if call is not None:
-            call.close()
-            sidecar.request_ended(
-                core_request.request_id, core_request.prefill_tokens, call.prompt_tokens
-            )
-        lifecycle.complete(sidecar, met, call, first_byte_ms[0] if first_byte_ms else None)
-        if handler is not None:
-            handlers.discard(handler)
+        try:
+            if call is not None:
+                call.close()
+                try:  # the view and the ratio only: never worth the request's slot
+                    sidecar.request_ended(
+                        core_request.request_id, core_request.prefill_tokens, call.prompt_tokens
+                    )
+                except Exception:
+                    log.exception(
+                        "request %s: the KV view could not learn from it",
+                        core_request.request_id,
+                    )
+        finally:  # whatever raised above: the slot and the KV reservation are released
+            lifecycle.complete(sidecar, met, call, first_byte_ms[0] if first_byte_ms else None)
+            if handler is not None:
+                handlers.discard(handler)
 
 
 def _client_gone(request: web.Request) -> bool:

@@ -31,6 +31,7 @@ from tokenfair.config import (
 )
 from tokenfair.config.fields import (
     FieldTable,
+    Parser,
     boolean,
     integer_in,
     number_in,
@@ -231,7 +232,21 @@ def _header(name: str, value: object) -> str:
     return string(name, value).lower()
 
 
-_access_log: Final = one_of(ACCESS_LOG_FORMATS)
+def _mode(options: tuple[str, ...]) -> Parser:
+    """One of ``options``, which hold ``off``: YAML 1.1 (the config file's reader) reads an
+    unquoted ``off`` (or ``no``, ``false``) as the boolean false, which is taken as ``off``; the
+    boolean true is refused (it names no mode)."""
+    parse = one_of(options)
+
+    def read(name: str, value: object) -> str:
+        if value is False:
+            return "off"
+        return str(parse(name, value))
+
+    return read
+
+
+_access_log: Final = _mode(ACCESS_LOG_FORMATS)
 
 
 def _http_url(name: str, value: object) -> str:
@@ -312,7 +327,7 @@ SECTION_FIELDS: Final[FieldTable] = {
     "ietfRateLimitHeaders": ("ietf_ratelimit_headers", boolean),
     "accessLog": ("access_log", _access_log),
     "accessLogFlushSeconds": ("access_log_flush_s", number_in(0.001, 60.0)),
-    "engineMetrics": ("engine_metrics", one_of(ENGINE_METRICS_MODES)),
+    "engineMetrics": ("engine_metrics", _mode(ENGINE_METRICS_MODES)),
     "engineMetricsPath": ("engine_metrics_path", _path),
     "engineMetricsIntervalSeconds": ("engine_metrics_interval_s", number_in(0.01, 60.0)),
     "engineMetricsStaleSeconds": ("engine_metrics_stale_s", number_in(0.05, 3600.0)),
@@ -320,7 +335,7 @@ SECTION_FIELDS: Final[FieldTable] = {
     "engineRunningMetric": ("engine_running_metric", _metric_name),
     "engineWaitingMetric": ("engine_waiting_metric", _metric_name),
     "adoptEngineKvGeometry": ("adopt_engine_kv_geometry", boolean),
-    "kvPromptRatio": ("kv_prompt_ratio", one_of(KV_PROMPT_RATIO_MODES)),
+    "kvPromptRatio": ("kv_prompt_ratio", _mode(KV_PROMPT_RATIO_MODES)),
     "tracing": ("tracing", boolean),
     "tracingEndpoint": ("tracing_endpoint", _http_url),
     "fairnessWindowSeconds": (

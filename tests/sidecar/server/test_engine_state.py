@@ -42,6 +42,7 @@ from sidecar_support import (
 )
 
 from tokenfair.config import ConfigError, PolicyConfig
+from tokenfair.config.document import load_documents
 from tokenfair.server.engine_state import (
     ENGINES,
     EngineMetricNames,
@@ -141,6 +142,21 @@ def test_settings_by_name() -> None:
     for section, message in refused:
         with pytest.raises(ConfigError, match=message):
             settings_from_section(section)
+
+
+def test_an_unquoted_off_in_yaml_is_off() -> None:
+    # YAML 1.1 reads an unquoted `off` as the boolean false: each setting with an `off` mode
+    # takes it as `off`; true names no mode and is refused, naming the field.
+    (document,) = load_documents("sidecar:\n  kvPromptRatio: off\n  engineMetrics: off\n"
+                                 "  accessLog: off\n")  # fmt: skip
+    assert isinstance(document, dict)
+    assert document["sidecar"]["kvPromptRatio"] is False
+    settings = settings_from_section(document["sidecar"])
+    assert (settings.kv_prompt_ratio, settings.engine_metrics, settings.access_log) == (
+        "off", "off", "off",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"sidecar\.kvPromptRatio: must be one of .*\(got True\)"):
+        settings_from_section({"kvPromptRatio": True})
 
 
 class FakeEngine:

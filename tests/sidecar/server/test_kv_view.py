@@ -577,16 +577,60 @@ def test_a_stream_holds_its_prompt_as_booked() -> None:
     assert view.gate_blocks_held(scheduler) == blocks(4100)
     view.observe(scheduler, blocks(4100), running=1, waiting=0)
     assert scheduler.kv_gate_blocks == blocks(4500)
-    # A request that fits the cache at its estimate but not at the engine's count can never
-    # be admitted while the ratio holds: a 400, not a 429 to retry.
+
+
+def test_the_400_reads_the_request_and_the_configuration_only() -> None:
+    # `request_over_kv_capacity` tells the client never to retry: it must not depend on the
+    # learned prompt ratio. A request that fits the watermark at its estimate is never a 400,
+    # whatever the ratio, and runs alone on an empty cache: its booking at the ratio is
+    # clamped to the watermark (never below the estimate's blocks).
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=1000, max_batch_requests=8
+    )
+    scheduler = make_scheduler("tokenfair", keyed_config(policy))
+    limit = 900  # interactive watermark 0.9 of 1000 blocks
+    assert scheduler.policy.interactive_kv_watermark * 1000 == limit
     big = Request("r1", "tenant_chat_pro", 0.0, 16_000, 100, "interactive")
-    assert scheduler.cost.kv_blocks(16_000, 100) <= 900
-    refusal = scheduler.never_admissible(big)
-    assert refusal is not None
-    assert (refusal.status_code, refusal.reason) == (400, "request_over_kv_capacity")
-    assert refusal.observed["request_kv_blocks"] == blocks(32_100)
-    scheduler.kv_prompt_ratio = 1.0
-    assert scheduler.never_admissible(big) is None
+    assert scheduler.cost.kv_blocks(16_000, 100) == blocks(16_100) <= limit < blocks(32_100)
+    for ratio in (0.5, 1.0, 2.0, 4.0):
+        scheduler.kv_prompt_ratio = ratio
+        assert scheduler.never_admissible(big) is None, ratio
+    too_big = Request("r2", "tenant_chat_pro", 0.0, 29_000, 100, "interactive")
+    for ratio in (0.5, 1.0, 2.0):  # over the watermark at its estimate: a 400 at any ratio
+        scheduler.kv_prompt_ratio = ratio
+        refusal = scheduler.never_admissible(too_big)
+        assert refusal is not None
+        assert (refusal.status_code, refusal.reason) == (400, "request_over_kv_capacity")
+        assert refusal.observed == {"request_kv_blocks": blocks(29_100), "max_kv_blocks": limit}
+    scheduler.kv_prompt_ratio = 2.0
+    assert scheduler.submit(big, 0.0) is None  # admitted, not a 429 for ever
+    job = scheduler.jobs["r1"]
+    assert (job.kv_blocks, job.kv_prompt_tokens) == (limit, limit * BLOCK - 100)
+    assert scheduler.next_dispatch(0.0) is not None
+    assert scheduler.resident_blocks == limit
+    scheduler.complete("r1", 1.0)
+    assert scheduler.resident_blocks == scheduler.queued_blocks[0] == 0
+    # Under the clamp: the ratio's booking as before. A batch request: its own watermark.
+    small = Request("r3", "tenant_chat_pro", 1.0, 2000, 100, "interactive")
+    assert scheduler.submit(small, 1.0) is None
+    assert (scheduler.jobs["r3"].kv_prompt_tokens, scheduler.jobs["r3"].kv_blocks) == (
+        4000, blocks(4100),
+    )  # fmt: skip
+    batch = Request("r4", "tenant_batch_rag", 1.0, 16_000, 100, "batch")
+    assert scheduler.never_admissible(batch) is None
+    assert scheduler.submit(batch, 1.0) is None
+    batch_limit = math.floor(scheduler.policy.batch_kv_watermark * 1000)
+    assert scheduler.jobs["r4"].kv_blocks == batch_limit < blocks(32_100)
+
+
+@pytest.mark.parametrize("ratio", [0.0, -1.0, math.nan, math.inf])
+def test_the_kv_prompt_ratio_is_a_finite_number_above_zero(ratio: float) -> None:
+    scheduler = make_scheduler("tokenfair", keyed_config())
+    with pytest.raises(ValueError, match=r"Scheduler\.kv_prompt_ratio: must be a finite number"):
+        scheduler.kv_prompt_ratio = ratio
+    assert scheduler.kv_prompt_ratio == 1.0
+    scheduler.kv_prompt_ratio = 1.5
+    assert scheduler.kv_prompt_ratio == 1.5
 
 
 def test_the_gates_prompt_ratio_is_bounded_and_can_be_off() -> None:
@@ -653,3 +697,75 @@ def test_a_request_on_its_way_to_the_engine_holds_nothing_until_its_intake_delay
     send("r4")
     now[0] = 1000.0
     assert view.view_blocks(scheduler) == 4 * prompt
+
+
+async def test_a_failure_of_the_view_at_a_requests_end_leaks_nothing(
+    aiohttp_client: ClientFactory, aiohttp_server: ServerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Whatever the KV view raises when a request ends, the request's slot and reservation
+    # are released (the view runs before the release, in the proxy's `finally`).
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the view is broken")
+
+    monkeypatch.setattr(KvView, "forget", broken)
+    engine = StreamingEngine()
+    clients = await start_sidecar(aiohttp_client, aiohttp_server, engine, "off")
+    for key in (CHAT, IDE):
+        sent = asyncio.create_task(
+            clients.proxy.post(
+                "/v1/chat/completions", json=chat_body(64), headers={"Authorization": key}
+            )
+        )
+
+        async def sent_to_the_engine() -> bool:
+            return len(engine.queues) == 1
+
+        await eventually(sent_to_the_engine)
+        engine.release(3)
+        engine.release(None)
+        response = await sent
+        assert response.status == 200
+        assert b"data: [DONE]" in await response.read()
+        assert await books_when_settled(clients.sidecar, budget_s=2.0) == ZERO_BOOKS
+    assert clients.sidecar.scheduler.running == 0
+
+
+def test_the_intake_delay_learns_only_from_what_the_report_surely_says() -> None:
+    # The engine counts `running + waiting`; a whole answer (maybe still on its way) and a
+    # stream whose `[DONE]` was relayed (finished at the engine) may or may not be among them,
+    # so neither makes an unstarted stream look "not received" (the old learner jumped to the
+    # stream's age at once and came down only 20 % a report).
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=1000, max_batch_requests=16
+    )
+    scheduler = make_scheduler("tokenfair", keyed_config(policy))
+    now = [0.0]
+    view = KvView(clock=lambda: now[0])
+
+    def send(request_id: str, stream: bool = True) -> None:
+        request = Request(request_id, "tenant_chat_pro", now[0], 2000, 500, "interactive")
+        assert scheduler.submit(request, now[0]) is None
+        assert scheduler.next_dispatch(now[0]) is not None
+        view.track(request_id, stream)
+
+    view.observe(scheduler, 0, running=0, waiting=0)
+    send("s0")  # prefilling, shows nothing yet
+    now[0] = 1000.0
+    send("w0", stream=False)
+    now[0] = 1100.0
+    view.observe(scheduler, blocks(2000), running=1, waiting=0)  # s0 (or w0)
+    assert view.intake_ms == 0.0
+    view.forget("s0")
+    view.forget("w0")
+    send("a")
+    progress = view._running["a"]
+    progress.relayed(b"data: {}\n\n" * 5 + b"data: [DONE]\n\n")  # finished at the engine
+    assert progress.done
+    send("b")  # prefilling
+    now[0] = 1500.0
+    view.observe(scheduler, blocks(2000), running=1, waiting=0)  # b
+    assert view.intake_ms == 0.0
+    # Evidence that holds whatever those are: an engine that counts nothing has neither.
+    now[0] = 1600.0
+    view.observe(scheduler, 0, running=0, waiting=0)
+    assert view.intake_ms == 500.0  # b: on its way for 500 ms
