@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import socket
 import subprocess
@@ -117,7 +118,10 @@ def live_interactive_ttfts(records: Path) -> tuple[list[float], list[TraceRecord
 
 
 def engine_facts(
-    trace: Sequence[TraceRecord], config: Config, prefill_tokens_per_ms: float | None = None
+    trace: Sequence[TraceRecord],
+    config: Config,
+    prefill_tokens_per_ms: float | None = None,
+    kv_prompt_ratio: str = "learned",
 ) -> EngineFacts:
     """What the live run's records say of the engine (:class:`~tokenfair.sim.simulator.
     EngineFacts`): each request's prompt as the engine counted it (``actual_prefill_tokens``),
@@ -125,14 +129,20 @@ def engine_facts(
     the bench's config copies them), and a sidecar that read the engine's KV every 250 ms (its
     default ``engineMetricsIntervalSeconds``); the engine's prefill throughput, first come first
     served, ``prefill_tokens_per_ms`` (``tokenfair calibrate``'s ``prefill_queue`` of the
-    *calibration* records; None: the policy's ``prefillTokensPerMs``)."""
+    *calibration* records; None: the policy's ``prefillTokensPerMs``); KV booked as the live
+    sidecar's ``kvPromptRatio`` (``"learned"``, its default: at the engine's prompt count over
+    the estimate, learned as requests end; ``"off"``: at the estimate)."""
     prompts = {
         record.request.request_id: record.actual_prefill_tokens
         for record in trace
         if record.actual_prefill_tokens is not None
     }
     return EngineFacts(
-        prompts, config.policy.total_kv_blocks, ENGINE_REPORT_MS, prefill_tokens_per_ms
+        prompts,
+        config.policy.total_kv_blocks,
+        ENGINE_REPORT_MS,
+        prefill_tokens_per_ms,
+        kv_prompt_ratio,
     )
 
 
@@ -167,13 +177,15 @@ def compare(
     policy: str = "tokenfair",
     facts: bool = True,
     prefill_tokens_per_ms: float | None = None,
+    kv_prompt_ratio: str = "learned",
 ) -> EngineModelComparison:
     """The live run's interactive TTFT beside the replay's of the same requests under
     ``config`` (the calibrated policy), on the engine the records describe (``facts``:
     :func:`engine_facts`, with the engine's prefill throughput ``prefill_tokens_per_ms``;
-    False: the policy's engine alone, as ``tokenfair simulate``)."""
+    False: the policy's engine alone, as ``tokenfair simulate``; ``kv_prompt_ratio``: the live
+    sidecar's ``kvPromptRatio``)."""
     live, trace = live_interactive_ttfts(records)
-    engine = engine_facts(trace, config, prefill_tokens_per_ms) if facts else None
+    engine = engine_facts(trace, config, prefill_tokens_per_ms, kv_prompt_ratio) if facts else None
     replayed = replay_interactive_ttfts(trace, config, policy, engine)
     return EngineModelComparison(_side(live), _side(replayed), len(trace))
 
@@ -313,6 +325,17 @@ def _fit_summary(fit: Calibration) -> str:
     return "\n".join(lines)
 
 
+def positive_finite(text: str) -> float:
+    """An argparse type: a finite number above 0 (the engine's prefill throughput)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number; got {text!r}") from None
+    if not math.isfinite(value) or value <= 0.0:
+        raise argparse.ArgumentTypeError(f"must be finite and above 0; got {text!r}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=Path, help="a live run's request records (JSONL)")
@@ -322,9 +345,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policy", default="tokenfair")
     parser.add_argument(
         "--engine-prefill-tokens-per-ms",
-        type=float,
+        type=positive_finite,
         help="the engine's prefill throughput, first come first served (calibrate's "
         "prefill_queue of the calibration records; default: prefillTokensPerMs)",
+    )
+    parser.add_argument(
+        "--kv-prompt-ratio",
+        choices=("learned", "off"),
+        default="learned",
+        help="the live sidecar's kvPromptRatio: how it booked the prompts' KV (default: "
+        "learned, the sidecar's default)",
     )
     parser.add_argument(
         "--no-engine-facts",
@@ -358,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.policy,
         facts=not args.no_engine_facts,
         prefill_tokens_per_ms=args.engine_prefill_tokens_per_ms,
+        kv_prompt_ratio=args.kv_prompt_ratio,
     )
     if args.json:
         report = {

@@ -508,7 +508,11 @@ def calibrate(
     note = ""
     queue: PrefillQueueFit | None = None
     if batching is not None:
-        queue = fit_prefill_queue(samples, prefill_floor_ms, min_records)
+        fitted = fit_prefill_queue(samples, prefill_floor_ms, min_records)
+        if isinstance(fitted, str):
+            problems.append(fitted)
+        else:
+            queue = fitted
         samples, note = _prefill_alone(samples, profile, batching)
     prefill = fit_prefill(samples, prefill_floor_ms, min_records)
     if note and isinstance(prefill, PrefillFit):
@@ -530,11 +534,16 @@ QUEUE_SPEEDS: Final = (0.01, 100_000.0)
 """The prompt tokens per ms :func:`fit_prefill_queue` searches between."""
 QUEUE_STEPS: Final = 80
 """Golden-section steps of that search (each narrows the log range by 0.618: to ~1e-16)."""
+QUEUE_FLAT: Final = 1e-9
+"""A loss within this (relative) of an instant prefill's is no better than it: ``P`` is not
+identified."""
+QUEUE_BOUND_MARGIN: Final = 1e-6
+"""A best ``ln P`` this close to the search's lower bound is that bound, not a fit."""
 
 
 def fit_prefill_queue(
     samples: Sequence[Sample], floor_ms: float, min_records: int = DEFAULT_MIN_RECORDS
-) -> PrefillQueueFit | None:
+) -> PrefillQueueFit | str | None:
     """The prefill throughput ``P`` of an engine that prefills the prompts it starts first come
     first served: a record started (dispatched) at ``t`` with a prompt of ``p`` tokens (the
     engine's count) has its first token at ``max(t + floor, done)``, ``done = max(t, done of the
@@ -543,7 +552,11 @@ def fit_prefill_queue(
     have one (a golden-section search over :data:`QUEUE_SPEEDS`, the loss being smooth in
     ``ln P`` away from the floor). A wave of long prompts started together delays a first token
     behind them by all of their prefill, which a slowdown by the concurrency alone does not
-    (docs/capacity.md). None: fewer than ``min_records`` such records."""
+    (docs/capacity.md). None: fewer than ``min_records`` such records. A string: why ``P`` is
+    not identified: the fit sits on the search's lower bound (or that bound's loss is less
+    than the search's best: it assumes one minimum), or an instant prefill explains
+    the first tokens as well as the best ``P`` (every prediction at the floor from some ``P``
+    on: the loss is flat up to the upper bound, where the search would end)."""
     rows = sorted(
         (s.span[0], s.prefill_tokens, s.prefill_ms)
         for s in samples
@@ -571,7 +584,25 @@ def fit_prefill_queue(
         else:
             low = left
     best = (low + high) / 2.0
-    return PrefillQueueFit(math.exp(best), math.sqrt(loss(best) / len(rows)), len(rows))
+    best_loss = loss(best)
+    slowest = math.log(QUEUE_SPEEDS[0])
+    # (The search assumes one minimum: where the loss is flat over the fast speeds, it walks
+    # to the upper bound even when the lower bound's loss is less.)
+    if best - slowest < QUEUE_BOUND_MARGIN or loss(slowest) < best_loss:
+        return (
+            f"engine prefill not identified: the best fit of {len(rows)} first tokens is the "
+            f"search's lower bound, {QUEUE_SPEEDS[0]:g} prompt tokens/ms (first tokens slower "
+            "than any first-come-first-served prefill of these prompts explains)"
+        )
+    instant = loss(math.log(QUEUE_SPEEDS[1]))
+    if best_loss >= instant - QUEUE_FLAT * max(1.0, instant):
+        return (
+            f"engine prefill not identified: {len(rows)} first tokens are explained as well by "
+            f"an instant prefill (each at the {floor_ms:g} ms prefill floor, or no closer to "
+            "the queue's prediction at any speed): no prompt's prefill delayed a first token "
+            "measurably; the records give no speed to replay"
+        )
+    return PrefillQueueFit(math.exp(best), math.sqrt(best_loss / len(rows)), len(rows))
 
 
 def _records_show(samples: Sequence[Sample], profile: ConcurrencyProfile) -> str:

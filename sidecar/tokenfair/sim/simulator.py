@@ -81,6 +81,18 @@ actual_kv_blocks)``, ``None`` where the estimate was exact. A plain tuple: built
 request, a ``NamedTuple`` cost ~1 µs more each (its ``__new__`` is a Python function)."""
 
 
+KV_PROMPT_RATIO_MODES: Final = ("learned", "off")
+"""The sidecar's ``kvPromptRatio`` modes (``server/runtime_settings.py``), for
+:class:`EngineFacts`."""
+PROMPT_RATIO_BOUNDS: Final = (0.1, 10.0)
+PROMPT_RATIO_DECAY: Final = 0.95
+GATE_PROMPT_RATIO_BOUNDS: Final = (0.5, 4.0)
+"""The sidecar's prompt-ratio learner (``server/kv_view.py``'s constants of the same names,
+which a compiled module cannot import; a test checks they are equal): the engine's prompt count
+over the estimate in decayed sums (the past weighs ``PROMPT_RATIO_DECAY`` per request ended),
+within ``PROMPT_RATIO_BOUNDS``, booked within ``GATE_PROMPT_RATIO_BOUNDS``."""
+
+
 class EngineFacts:
     """What the records of a live run tell the replay of a batching engine about the engine
     behind the sidecar, beyond the policy (``bench/bench_engine_model.py`` gives them):
@@ -103,7 +115,20 @@ class EngineFacts:
       None: the books alone;
     * ``prefill_tokens_per_ms``: the engine's prefill throughput, first come first served
       (``tokenfair calibrate``'s ``prefill_queue``, fitted by this very rule); None: the policy's
-      ``prefillTokensPerMs``.
+      ``prefillTokensPerMs``;
+    * ``kv_prompt_ratio``: how the sidecar booked the prompts' KV (its ``kvPromptRatio``):
+      ``"learned"`` (its default), at the engine's prompt count over the estimate as the sidecar
+      learns it (``server/kv_view.py``: decayed sums over the requests ended, with their
+      ``prompt_tokens`` above, within :data:`PROMPT_RATIO_BOUNDS`, booked within
+      :data:`GATE_PROMPT_RATIO_BOUNDS`; 1 until a request has ended), set on the scheduler
+      (``Scheduler.kv_prompt_ratio``) as each request ends; ``"off"``: at the estimate. The
+      engine's report is then corrected against what the scheduler booked (``Job.kv_blocks``),
+      never a booking recomputed at the estimate.
+
+    Every field is checked (``ValueError`` naming it): the prompts are integers of at least 0
+    by request id, ``kv_blocks`` an integer of at least 1, ``report_interval_ms`` finite and at
+    least 0, ``prefill_tokens_per_ms`` finite and above 0 (the compiled core and the
+    interpreted one take the same values and refuse the same ones).
 
     The first token, with facts: the engine prefills the prompts of the requests it starts
     first come first served at that throughput (chunked prefill: each step's token
@@ -114,19 +139,78 @@ class EngineFacts:
     just after them by all of their prefill.
     """
 
-    __slots__ = ("kv_blocks", "prefill_tokens_per_ms", "prompt_tokens", "report_interval_ms")
+    __slots__ = (
+        "kv_blocks",
+        "kv_prompt_ratio",
+        "prefill_tokens_per_ms",
+        "prompt_tokens",
+        "report_interval_ms",
+    )
 
     def __init__(
         self,
-        prompt_tokens: Mapping[str, int],
-        kv_blocks: int | None,
-        report_interval_ms: float | None,
-        prefill_tokens_per_ms: float | None = None,
+        prompt_tokens: object,
+        kv_blocks: object,
+        report_interval_ms: object,
+        prefill_tokens_per_ms: object = None,
+        kv_prompt_ratio: object = "learned",
     ) -> None:
-        self.prompt_tokens = prompt_tokens
-        self.kv_blocks = kv_blocks
-        self.report_interval_ms = report_interval_ms
-        self.prefill_tokens_per_ms = prefill_tokens_per_ms
+        # Typed `object` and checked here: a compiled `int` parameter would refuse a float
+        # with a TypeError naming no field, and the interpreted core would take it.
+        if not isinstance(prompt_tokens, Mapping):
+            raise ValueError(
+                "EngineFacts.prompt_tokens: must be a mapping of request id to prompt tokens; "
+                f"got {type(prompt_tokens).__name__}"
+            )
+        prompts: dict[str, int] = {}
+        for request_id, tokens in prompt_tokens.items():
+            if not isinstance(request_id, str):
+                raise ValueError(
+                    f"EngineFacts.prompt_tokens: keys must be request ids (strings); "
+                    f"got {request_id!r}"
+                )
+            prompts[request_id] = _whole(f"prompt_tokens[{request_id!r}]", tokens, 0)
+        self.prompt_tokens: Mapping[str, int] = prompts
+        self.kv_blocks: int | None = (
+            None if kv_blocks is None else _whole("kv_blocks", kv_blocks, 1)
+        )
+        self.report_interval_ms: float | None = (
+            None
+            if report_interval_ms is None
+            else _finite("report_interval_ms", report_interval_ms, "at least 0", False)
+        )
+        self.prefill_tokens_per_ms: float | None = (
+            None
+            if prefill_tokens_per_ms is None
+            else _finite("prefill_tokens_per_ms", prefill_tokens_per_ms, "above 0", True)
+        )
+        if kv_prompt_ratio not in KV_PROMPT_RATIO_MODES:
+            raise ValueError(
+                f"EngineFacts.kv_prompt_ratio: must be one of "
+                f"{', '.join(KV_PROMPT_RATIO_MODES)} (got {kv_prompt_ratio!r})"
+            )
+        self.kv_prompt_ratio: str = str(kv_prompt_ratio)
+
+
+def _whole(field: str, value: object, least: int) -> int:
+    """``value`` of :class:`EngineFacts`'s ``field``: an integer (not a bool) of at least
+    ``least``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"EngineFacts.{field}: must be an integer; got {value!r}")
+    if value < least:
+        raise ValueError(f"EngineFacts.{field}: must be at least {least}; got {value}")
+    return value
+
+
+def _finite(field: str, value: object, rule: str, positive: bool) -> float:
+    """``value`` of :class:`EngineFacts`'s ``field``: a finite number, above 0 (``positive``)
+    or at least 0 (``rule`` says which)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"EngineFacts.{field}: must be a number; got {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0.0 or (positive and number == 0.0):
+        raise ValueError(f"EngineFacts.{field}: must be finite and {rule}; got {value!r}")
+    return number
 
 
 def served_beside(
@@ -410,6 +494,10 @@ def _replay_batching(
     prefill_speed = cost.prefill_tokens_per_ms
     if facts is not None and facts.prefill_tokens_per_ms is not None:
         prefill_speed = facts.prefill_tokens_per_ms
+    # The sidecar's prompt ratio, learned as requests end (EngineFacts.kv_prompt_ratio).
+    learns = facts is not None and facts.kv_prompt_ratio == "learned"
+    estimated_sum = 0.0
+    reported_sum = 0.0
     # The engine's own queue (a request sent that its KV cannot hold yet), the blocks each
     # request on the engine holds, and what the books booked for it.
     engine_queue: deque[tuple[Decision, int, int, int, int]] = deque()  # (decision, prompt
@@ -436,6 +524,18 @@ def _replay_batching(
                     blocks, booked = held.pop(request_id)
                     engine_used -= blocks
                     booked_running -= booked
+                if learns:
+                    reported = prompts.get(request_id)
+                    estimate = scheduler.jobs[request_id].request.prefill_tokens
+                    if reported is not None and reported > 0 and estimate > 0:
+                        # KvView.forget, then Sidecar.request_ended: the next admissions
+                        # book at the ratio it gives the gates.
+                        estimated_sum = PROMPT_RATIO_DECAY * estimated_sum + estimate
+                        reported_sum = PROMPT_RATIO_DECAY * reported_sum + reported
+                        low, high = PROMPT_RATIO_BOUNDS
+                        learned = min(high, max(low, reported_sum / estimated_sum))
+                        low, high = GATE_PROMPT_RATIO_BOUNDS
+                        scheduler.kv_prompt_ratio = min(high, max(low, learned))
                 scheduler.complete(request_id, clock_ms, used, actual_kv_blocks=used_kv)
                 yield ended, used, clock_ms
                 if not running or engine.next_departure_ms(clock_ms) > 0.0:
@@ -502,8 +602,14 @@ def _replay_batching(
                 engine.start(request_id, service, clock_ms)
                 started.append((decision, prompt))
                 continue
-            booked = cost.kv_blocks(request.prefill_tokens, request.decode_tokens)
-            blocks = booked if used_kv is None else used_kv
+            # What the scheduler booked (at the prompt ratio of its admission), not the
+            # estimate's blocks: the engine's report corrects the gates against it.
+            booked = scheduler.jobs[request_id].kv_blocks
+            blocks = (
+                cost.kv_blocks(request.prefill_tokens, request.decode_tokens)
+                if used_kv is None
+                else used_kv
+            )
             if engine_queue or (held and engine_used + blocks > engine_kv):
                 engine_queue.append((decision, prompt, service, blocks, booked))
                 continue

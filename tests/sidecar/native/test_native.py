@@ -607,3 +607,51 @@ def test_both_cores_keep_exact_state_for_the_largest_settlements(tmp_path: Path)
     assert lines["1"][1] == lines["0"][1]
     level_units = int(lines["0"][1].split()[0])
     assert level_units % 10**9 == 0  # whole tokens: exact, no float rounding
+
+
+def test_both_cores_check_the_engine_facts_alike(tmp_path: Path) -> None:
+    # EngineFacts' fields reach compiled code typed int and float: a float prompt count was a
+    # TypeError naming no field on the compiled core and ran on the interpreted one. Both now
+    # refuse the same values with the same message, and replay the same values alike.
+    build = _build()
+    script = (
+        "import math\n"
+        "from tokenfair import native\n"
+        "from tokenfair.config import PolicyConfig, TenantConfig, build_config\n"
+        "from tokenfair.core import Request\n"
+        "from tokenfair.sim.simulator import EngineFacts, replay\n"
+        "bad = [({'r0': 96.0}, None, None), ({'r0': 96}, 10.5, None), ({'r0': 96}, -5, None),\n"
+        "       ({'r0': 96}, 10, math.nan), ({'r0': 96}, None, None, 0.0),\n"
+        "       ({'r0': 96}, None, None, -8.0), ({'r0': 96}, None, None, math.nan)]\n"
+        "for args in bad:\n"
+        "    try:\n"
+        "        EngineFacts(*args)\n"
+        "        print('accepted', args)\n"
+        "    except ValueError as exc:\n"
+        "        print(type(exc).__name__, exc)\n"
+        "policy = PolicyConfig(max_batch_requests=2, batch_throughput_gain=2.0,\n"
+        "    service_tokens_per_ms=10.0, total_kv_blocks=10, kv_block_tokens=16,\n"
+        "    max_interactive_wait_ms=1e6, max_batch_wait_ms=1e6)\n"
+        "cfg = build_config(policy, [TenantConfig('a', 1.0, 10**9, 1e9, 'interactive')])\n"
+        "arrivals = [(Request(f'r{i}', 'a', float(i), 16, 16, 'interactive'), 100, 4)\n"
+        "            for i in range(4)]\n"
+        "facts = EngineFacts({f'r{i}': 48 for i in range(4)}, 10, 0, 16)\n"
+        "print([(d.request_id, d.dispatch_ms, d.ttft_ms, d.kv_occupancy_ratio)\n"
+        "       for d, _ in replay(cfg, arrivals, 'tokenfair', facts)])\n"
+        "print('native', native.status().active)\n"
+    )
+    lines = {}
+    for switch in ("1", "0"):
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={**os.environ, native.SWITCH_ENV: switch, native.DIR_ENV: str(build)},
+            check=True,
+        )
+        lines[switch] = done.stdout.splitlines()
+    assert lines["1"][-1] == "native True"
+    assert lines["0"][-1] == "native False"
+    assert lines["1"][:-1] == lines["0"][:-1]
+    assert all(line.startswith("ValueError EngineFacts.") for line in lines["0"][:7])

@@ -31,6 +31,7 @@ Behaviours under test (hand-worked processor sharing; ``R`` the throughput at th
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -40,12 +41,19 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from repo_paths import REPO_ROOT
 
 from tokenfair.config import Config, PolicyConfig, PriorityClass, TenantConfig, build_config
 from tokenfair.core import POLICIES, Books, Decision, Lane, Request, make_scheduler
 from tokenfair.core.batching import BatchingCurve
 from tokenfair.core.cost import CostModel
-from tokenfair.sim.simulator import Arrival, EngineFacts, replay_timed, simulate
+from tokenfair.sim.simulator import (
+    GATE_PROMPT_RATIO_BOUNDS,
+    Arrival,
+    EngineFacts,
+    replay_timed,
+    simulate,
+)
 
 TOKENFAIR = str(Path(sys.executable).parent / "tokenfair")
 RATE = 10.0  # R, service tokens per ms
@@ -220,6 +228,103 @@ def test_the_gates_see_the_engines_kv_when_it_is_reported() -> None:
     assert polled["r1"][1] == pytest.approx(40.0)
 
 
+def test_the_engines_report_corrects_the_gates_against_what_was_booked() -> None:
+    # Each request holds 4 engine blocks (48 + 16 tokens), and a scheduler booking prompts at
+    # 3x the estimate books 4 for each (ceil(3 x 16 + 16) / 16): the books are right, so the
+    # report corrects nothing. r1's gate: 4 booked + (4 - 4) + 4 = 8 <= 0.9 x 10, dispatched at
+    # once. Recomputing r0's booking at the estimate (2) would count the ratio's 2 extra blocks
+    # again (4 + 2 + 4 = 10 > 9), holding r1 back until r0 ends at 20 ms.
+    held_4 = [(request(0, 16, 16), 100, 4), (request(1, 16, 16, 1.0), 100, 4)]
+    facts = EngineFacts({"r0": 48, "r1": 48}, 10, 0.0, kv_prompt_ratio="off")
+    scheduler = make_scheduler("tokenfair", ENGINE_CFG)
+    scheduler.kv_prompt_ratio = 3.0
+    out = {d.request_id: d for d, _, _ in replay_timed(
+        ENGINE_CFG, held_4, "tokenfair", scheduler=scheduler, engine=facts)}  # fmt: skip
+    assert out["r1"].dispatch_ms == 1.0
+    assert out["r1"].kv_occupancy_ratio == pytest.approx(0.8)  # 4 + 4 booked of 10
+
+
+def test_the_replay_books_at_the_prompt_ratio_the_sidecar_learns() -> None:
+    # r0 ends at 20 ms; its engine prompt, 48 tokens against the estimate's 16, teaches the
+    # sidecar a ratio of 3 (kvPromptRatio: learned, its default): r2, admitted at 30 ms, books
+    # ceil((48 + 16) / 16) = 4 blocks, where the estimate books 2. r1 was admitted before any
+    # request ended: at the estimate.
+    arrivals: list[Arrival] = [
+        (request(0, 16, 16), 100, 4),
+        (request(1, 16, 16, 1.0), 100, 4),
+        (request(2, 16, 16, 30.0), 100, 4),
+    ]
+    prompts = {"r0": 48, "r1": 48, "r2": 48}
+
+    def run(mode: str) -> tuple[dict[str, Decision], float]:
+        scheduler = make_scheduler("tokenfair", ENGINE_CFG)
+        facts = EngineFacts(prompts, None, None, kv_prompt_ratio=mode)
+        out = {d.request_id: d for d, _, _ in replay_timed(
+            ENGINE_CFG, arrivals, "tokenfair", scheduler=scheduler, engine=facts)}  # fmt: skip
+        return out, scheduler.kv_prompt_ratio
+
+    learned, ratio = run("learned")
+    assert ratio == pytest.approx(3.0)
+    assert learned["r1"].kv_occupancy_ratio == pytest.approx(0.4)  # r0's 2 + its own 2
+    # r2's dispatch: r1 (2 blocks, running until 21 ms) ended, r2 alone with its 4.
+    assert learned["r2"].kv_occupancy_ratio == pytest.approx(0.4)
+    off, ratio_off = run("off")
+    assert ratio_off == 1.0
+    assert off["r2"].kv_occupancy_ratio == pytest.approx(0.2)
+    # A prompt 6x the estimate is learned at 6 and booked at the gates' bound, 4.
+    prompts.update(r0=96, r1=96, r2=96)
+    assert run("learned")[1] == GATE_PROMPT_RATIO_BOUNDS[1] == 4.0
+
+
+def test_the_replays_ratio_learner_is_the_sidecars() -> None:
+    # The compiled simulator cannot import the server's constants: its copies must agree.
+    from tokenfair.server import kv_view
+    from tokenfair.server.runtime_settings import KV_PROMPT_RATIO_MODES as SIDECAR_MODES
+    from tokenfair.sim import simulator
+
+    assert simulator.PROMPT_RATIO_BOUNDS == kv_view.PROMPT_RATIO_BOUNDS
+    assert simulator.PROMPT_RATIO_DECAY == kv_view.PROMPT_RATIO_DECAY
+    assert simulator.GATE_PROMPT_RATIO_BOUNDS == kv_view.GATE_PROMPT_RATIO_BOUNDS
+    assert set(simulator.KV_PROMPT_RATIO_MODES) == set(SIDECAR_MODES)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        (({"r0": 96.0}, None, None), {}, r"prompt_tokens\['r0'\]: must be an integer"),
+        (({"r0": True}, None, None), {}, r"prompt_tokens\['r0'\]: must be an integer"),
+        (({"r0": -1}, None, None), {}, r"prompt_tokens\['r0'\]: must be at least 0"),
+        (({1: 96}, None, None), {}, r"prompt_tokens: keys must be request ids"),
+        ((PROMPTS, 10.5, None), {}, r"kv_blocks: must be an integer"),
+        ((PROMPTS, 0, None), {}, r"kv_blocks: must be at least 1"),
+        ((PROMPTS, -5, None), {}, r"kv_blocks: must be at least 1"),
+        ((PROMPTS, 10, math.nan), {}, r"report_interval_ms: must be finite and at least 0"),
+        ((PROMPTS, 10, -1.0), {}, r"report_interval_ms: must be finite and at least 0"),
+        ((PROMPTS, 10, "250"), {}, r"report_interval_ms: must be a number"),
+        ((PROMPTS, None, None, 0.0), {}, r"prefill_tokens_per_ms: must be finite and above 0"),
+        ((PROMPTS, None, None, -8.0), {}, r"prefill_tokens_per_ms: must be finite and above 0"),
+        ((PROMPTS, None, None, math.nan), {}, r"prefill_tokens_per_ms: must be finite and above"),
+        ((PROMPTS, None, None, math.inf), {}, r"prefill_tokens_per_ms: must be finite and above"),
+        ((PROMPTS, None, None), {"kv_prompt_ratio": "on"}, r"kv_prompt_ratio: must be one of"),
+    ],
+)
+def test_engine_facts_refuse_what_the_replay_cannot_run(
+    args: tuple[Any, ...], kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=r"EngineFacts\." + message):
+        EngineFacts(*args, **kwargs)
+
+
+def test_engine_facts_take_integers_where_floats_are_meant() -> None:
+    # An integer prefill speed or report interval is a number like any other (the compiled
+    # core's float fields store it as one): the same replay as with floats.
+    ints = timed(ENGINE_CFG, TWICE, engine=EngineFacts(PROMPTS, 10, 0, 16))
+    floats = timed(ENGINE_CFG, TWICE, engine=EngineFacts(PROMPTS, 10, 0.0, 16.0))
+    assert [ints[r][0].ttft_ms for r in ("r0", "r1")] == [
+        floats[r][0].ttft_ms for r in ("r0", "r1")
+    ]
+
+
 def test_a_serial_server_replays_as_before() -> None:
     cfg = config(1, 1.0)
     out = timed(cfg, EQUAL)
@@ -336,3 +441,20 @@ def test_simulate_command_replays_a_batching_engine(tmp_path: Path) -> None:
     assert reports["1"]["total_requests"] == reports["8"]["total_requests"] > 100
     # Not the same replay: eight requests share the engine, each slower than alone.
     assert reports["1"]["interactive_p50_ttft_ms"] != reports["8"]["interactive_p50_ttft_ms"]
+
+
+@pytest.mark.parametrize("speed", ["0", "-8", "nan", "inf", "fast"])
+def test_the_engine_model_bench_refuses_a_prefill_speed_it_cannot_replay(
+    speed: str, tmp_path: Path
+) -> None:
+    # Refused by the argument parser (exit 2, the flag named), before any file is read: not
+    # a ZeroDivisionError deep in the replay, nor every first token at the floor.
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "bench_engine_model.py"),
+         "--records", str(tmp_path / "none.jsonl"), "--config", str(tmp_path / "none.yaml"),
+         f"--engine-prefill-tokens-per-ms={speed}"],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--engine-prefill-tokens-per-ms" in done.stderr
+    assert ("must be a number" if speed == "fast" else "must be finite and above 0") in done.stderr

@@ -24,6 +24,7 @@ Behaviours under test:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -41,6 +42,7 @@ from tokenfair.core.cost import CostModel
 from tokenfair.sim.calibrate import (
     CalibrationError,
     Outcome,
+    PrefillQueueFit,
     Sample,
     calibrate,
     fit_prefill_queue,
@@ -343,11 +345,38 @@ def test_the_engines_prefill_queue_is_fitted_first_come_first_served() -> None:
             first = max(8.0, done - at)
             samples.append(Sample(prompt, 50, first + 500.0, first, (at, at + first + 500.0)))
     fit = fit_prefill_queue(samples, 8.0)
-    assert fit is not None
+    assert isinstance(fit, PrefillQueueFit)
     assert fit.records_used == len(samples)
     assert fit.prefill_tokens_per_ms == pytest.approx(5.0, rel=1e-6)
     assert fit.rms_log_error == pytest.approx(0.0, abs=1e-6)
     assert fit_prefill_queue(samples[:19], 8.0) is None  # fewer than 20
+
+
+def test_a_prefill_the_first_tokens_do_not_show_is_not_identified() -> None:
+    # Every first token at the 8 ms floor: any speed from ~12.5 prompt tokens/ms up explains
+    # them equally (the loss is flat), and the search would end on its upper bound, 1e5.
+    at_floor = [Sample(100, 50, 600.0, 8.0, (i * 1000.0, i * 1000.0 + 600)) for i in range(30)]
+    why = fit_prefill_queue(at_floor, 8.0)
+    assert isinstance(why, str)
+    assert why.startswith("engine prefill not identified: 30 first tokens are explained as well")
+    # First tokens later than any queue of these prompts explains (100 tokens, 1 s apart, a
+    # first token at 100 s): the search's lower bound, not a fit.
+    slow = [Sample(1, 50, 1e6, 1e5, (i * 1000.0, i * 1000.0 + 1e6)) for i in range(30)]
+    why = fit_prefill_queue(slow, 8.0)
+    assert isinstance(why, str)
+    assert "the search's lower bound, 0.01 prompt tokens/ms" in why
+    # calibrate reports it as a problem, with no fit to replay.
+    records, outcomes = replayed(4.0)
+    floored = []
+    for record in records:
+        outcome = outcomes[record.request.request_id]
+        if record.ttft_ms is not None and outcome.queue_wait_ms is not None:
+            record = dataclasses.replace(record, ttft_ms=round(outcome.queue_wait_ms + 8.0, 2))
+        floored.append(record)
+    result = calibrate(floored, outcomes)
+    assert result.prefill_queue is None
+    assert result.to_json()["prefill_queue"] is None
+    assert [p for p in result.problems if p.startswith("engine prefill not identified")]
 
 
 def test_records_under_load_carry_the_prefill_queue_fit() -> None:
