@@ -65,7 +65,7 @@ from heapq import heapify, heappop, heappush
 from itertools import count
 
 from tokenfair.core.jobs import UNITS_PER_TOKEN, Job, JobState, to_units
-from tokenfair.core.pool_order import URGENT_WAIT_FRACTION, LaneOrder
+from tokenfair.core.pool_order import LaneOrder
 
 _QUEUED = JobState.QUEUED
 _UNIT = UNITS_PER_TOKEN
@@ -223,7 +223,7 @@ class DeficitRoundRobin:
         if not queue.in_active:
             order = self.order
             if order is not None:
-                order.joined(queue.tenant_id, queue.quantum_units, self.least_counter(order))
+                order.joined(queue.tenant_id, queue.quantum_units, self._least_counter(order))
             queue.in_active = True
             self.active_quanta_units += queue.quantum_units
             active = self.active
@@ -410,7 +410,7 @@ class DeficitRoundRobin:
         """The tenants with live jobs queued in this lane, in ring order."""
         return [queue.tenant_id for queue in self.active]
 
-    def least_counter(self, order: LaneOrder) -> float | None:
+    def _least_counter(self, order: LaneOrder) -> float | None:
         """The least pool-wide counter among the backlogged tenants (None if none)."""
         least: float | None = None
         for queue in self.active:
@@ -426,23 +426,13 @@ class DeficitRoundRobin:
         best: TenantQueue | None = None
         best_head: Job | None = None
         best_value = 0.0
-        urgent: TenantQueue | None = None
-        urgent_head: Job | None = None
-        now_ms = order.now_ms
         for queue in self.active:
             head = queue.head()
             if head is None or not eligible(head):
                 continue
-            waited_ms = now_ms - head.arrival_ms
-            if waited_ms >= (head.deadline_ms - head.arrival_ms) * URGENT_WAIT_FRACTION and (
-                urgent_head is None or head.deadline_ms < urgent_head.deadline_ms
-            ):
-                urgent, urgent_head = queue, head
             value = order.counter(queue.tenant_id, queue.quantum_units)
             if best is None or value < best_value:
                 best, best_head, best_value = queue, head, value
-        if urgent is not None:  # its deadline is near (`URGENT_WAIT_FRACTION`)
-            best, best_head = urgent, urgent_head
         if best is None or best_head is None:
             return None
         cost = best_head.expected_units

@@ -73,7 +73,7 @@ from typing import Final
 from tokenfair.config import Config
 from tokenfair.core.batching import BatchingCurve, RunningWork
 from tokenfair.core.bucket import ExactTokenBucket
-from tokenfair.core.drr import DeficitRoundRobin, TenantQueue
+from tokenfair.core.drr import DeficitRoundRobin
 from tokenfair.core.jobs import (
     DEMAND_AT_DISPATCH,
     HELD_CONCURRENCY,
@@ -171,11 +171,6 @@ request served in time there would be refused)."""
 FORGOTTEN_RATE = 1e-9
 """An offered rate (service tokens per ms) below which a tenant's offer is forgotten."""
 
-POOL_HORIZON_LIMITS = 2.0
-"""How far ahead, in wait limits of the lane, the pool's order is followed for a prediction
-(:meth:`TokenfairScheduler._pool_ahead`): a tenant whose turn here does not come by then is
-predicted to wait at least that long (its ``Retry-After`` at least one limit)."""
-
 MIN_LANE_RATE_FRACTION = 1e-3
 """Floor of a lane's predicted rate, as a fraction of the service rate: with ``batchMinShare``
 0 and interactive demand at capacity the batch lane's rate is 0, and its predicted wait (which
@@ -247,7 +242,6 @@ class TokenfairScheduler(Scheduler):
         self._now_ms = now_ms  # the clock of the selection in progress (read by `_eligible`)
         self._lending = False  # the selection in progress ignores budgets (read by `_eligible`)
         self._push_ahead: float | None = None  # join rank of the job `_admit` just admitted
-        self._pool: PoolService | None = None  # pool-wide counters (`share_pool_service`)
         super().__init__(config, now_ms)
 
     def _adopt_cost_model(self) -> None:
@@ -355,7 +349,6 @@ class TokenfairScheduler(Scheduler):
         """The one hook of pool-wide fairness (:mod:`.pool_order`): each lane's round robin
         orders its tenants by ``pool``'s counters of pool-wide weighted service and counts the
         service it gives there; None: each lane's own round robin again (no store)."""
-        self._pool = pool
         for lane, drr in enumerate(self._lanes):
             drr.order = None if pool is None else pool.lanes[lane]
             if pool is not None:
@@ -382,8 +375,6 @@ class TokenfairScheduler(Scheduler):
         counts in the batch lane's KV-bound concurrency (:meth:`batch_concurrency`)."""
         drr = self._lanes[lane]
         queue = drr.queues[tenant_id]
-        order = drr.order
-        pooled = order is not None and order.sharing  # the pool's order (`_pooled_ahead`)
         competition = self._competition[lane]
         # The state in units, read in tokens: a prediction is a float estimate.
         competing = competition.competing_units / _UNIT
@@ -410,10 +401,6 @@ class TokenfairScheduler(Scheduler):
         rate = self._rate
         lane_slots = 0  # the batch lane's `batch_concurrency` on a batching engine
         if lane == _INTERACTIVE:
-            if pooled:
-                ahead = self._pooled_ahead(drr, queue, lane, ahead, expected_tokens, first_turn,
-                                           rate, now_ms)  # fmt: skip
-                later_turns = 0
             if self.queued_count[1]:  # else no batch intrusion (`ahead + 0.0`)
                 ahead += self._batch_intrusion(ahead)
         else:
@@ -431,10 +418,6 @@ class TokenfairScheduler(Scheduler):
                     lane_rate = slots_rate
             floor = rate * MIN_LANE_RATE_FRACTION
             rate = floor if floor > lane_rate else lane_rate
-            if pooled:
-                ahead = self._pooled_ahead(drr, queue, lane, ahead, expected_tokens, first_turn,
-                                           rate, now_ms)  # fmt: skip
-                later_turns = 0
             if self.queued_count[0]:
                 # Credit-gated start (docs/fairness.md §5.1): while interactive work waits, a
                 # batch request starts only once the minimum share's credit covers it, and the
@@ -463,7 +446,7 @@ class TokenfairScheduler(Scheduler):
                 wait_ms = by_demand_ms if by_demand_ms < by_turns_ms else by_turns_ms
             else:
                 wait_ms = by_turns_ms
-        if first_turn is None and not pooled:
+        if first_turn is None:
             # Tenants joining ahead send their first request before it: T = wait + λ_lift T.
             lifted = self._lane_lifted[lane].rate(now_ms, horizon_ms)
             if lifted > 0.0:
@@ -472,102 +455,6 @@ class TokenfairScheduler(Scheduler):
                     share_left if share_left > MIN_LANE_RATE_FRACTION else (MIN_LANE_RATE_FRACTION)
                 )
         return wait_ms
-
-    def _pooled_ahead(
-        self,
-        drr: DeficitRoundRobin,
-        queue: TenantQueue,
-        lane: int,
-        round_robin_ahead: float,
-        expected_tokens: float,
-        first_turn: float | None,
-        rate: float,
-        now_ms: float,
-    ) -> float:
-        """What is ahead of a new request of ``queue``'s tenant while the lane orders by the
-        pool's counters (docs/fairness.md §9.2.1): the more of the counters' order
-        (:meth:`_pool_ahead`) and the round robin's (``round_robin_ahead``, :func:`tokens_ahead`)
-        without the tenants the counters keep above it until the horizon (they take nothing
-        here meanwhile). The round robin's stands for what the counters' snapshot cannot
-        foresee: the others' service comes in batches, and a batch can reverse the order."""
-        away: list[str] = []
-        ahead = self._pool_ahead(drr, queue, lane, rate, now_ms, away)
-        if away:
-            quanta = queued = credit = 0
-            front = drr.active[0] if drr.active else None
-            for other_id in away:
-                other = drr.queues[other_id]
-                quanta += other.quantum_units
-                queued += other.queued_units
-                if other.deficit_units > 0:
-                    credit += other.deficit_units
-                if other is front:
-                    front = None
-            competition = self._competition[lane]
-            own = 0 if queue.in_active else queue.quantum_units
-            round_robin_ahead, _ = tokens_ahead(
-                queue.queued_units / _UNIT,
-                expected_tokens,
-                queue,
-                (competition.competing_units - quanta
-                 + (0 if competition.competes(queue.tenant_id) else queue.quantum_units)) / _UNIT,
-                (drr.active_quanta_units + own - quanta) / _UNIT,
-                (drr.queued_units - queued) / _UNIT,
-                (drr.credit_units - credit) / _UNIT,
-                front,
-                first_turn,
-            )  # fmt: skip
-        return ahead if ahead > round_robin_ahead else round_robin_ahead
-
-    def _pool_ahead(
-        self,
-        drr: DeficitRoundRobin,
-        queue: TenantQueue,
-        lane: int,
-        rate: float,
-        now_ms: float,
-        away: list[str],
-    ) -> float:
-        """What the lane serves here before a new request of ``queue``'s tenant while the
-        round robin orders by the pool's counters (:meth:`LaneOrder.ahead_tokens
-        <tokenfair.core.pool_order.LaneOrder.ahead_tokens>`, docs/fairness.md §9.2.1): its own
-        queue, and the work of the tenants whose counters are below its own, queued here or
-        sent here meanwhile at their recent rate of service here, until they catch up.
-        O(n log n) in the tenants of the lane served here (their recent rates are read: the
-        tenants idle here now that come back meanwhile count, as ``lambda_j``)."""
-        order = drr.order
-        if order is None:
-            return 0.0
-        tenant_id = queue.tenant_id
-        memory_ms = self._memories_ms[lane]
-        served = self._served[lane]
-        others: list[tuple[str, int, int, float]] = []
-        for other in drr.active:
-            if other is queue:
-                continue
-            recent = served.get(other.tenant_id)
-            others.append((
-                other.tenant_id, other.quantum_units, other.queued_units,
-                0.0 if recent is None else recent.rate(now_ms, memory_ms),
-            ))  # fmt: skip
-        queues = drr.queues
-        for other_id, recent in served.items():
-            idle = queues.get(other_id)
-            if idle is None or idle is queue or idle.in_active:
-                continue  # removed by a reload, itself, or counted above
-            sending = recent.rate(now_ms, memory_ms)
-            if sending > FORGOTTEN_RATE:
-                others.append((other_id, idle.quantum_units, 0, sending))
-        joining = not queue.in_active
-        return order.ahead_tokens(
-            (tenant_id, queue.quantum_units, queue.queued_units),
-            joining,
-            drr.least_counter(order) if joining else None,
-            others,
-            rate,
-            self._wait_limits[lane] * POOL_HORIZON_LIMITS,
-            away,
-        )
 
     def _interactive_demand_rate(self, now_ms: float) -> float:
         """The interactive lane's recent admitted demand, in service tokens per ms, as the batch
@@ -1172,9 +1059,6 @@ class TokenfairScheduler(Scheduler):
 
     def _select(self, now_ms: float) -> Job | None:
         self._now_ms = now_ms
-        if self._pool is not None:
-            for order in self._pool.lanes:
-                order.now_ms = now_ms  # which heads are urgent (`URGENT_WAIT_FRACTION`)
         job = self._select_by_lane()
         if job is None and self._lend:
             # Nobody within budget can start: lend the idle capacity to work over budget.

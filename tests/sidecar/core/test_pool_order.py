@@ -9,34 +9,21 @@
 - the store down (sharing False): the round robin's own order, service still counted;
 - batches move whole tokens from unsynced to pushing; the answer replaces the pool view; a lost
   answer keeps the service locally and is not sent again; ``due`` fires on tokens or time;
-- ``share_pool_service(None)`` is the lane's plain round robin again;
-- admission under the pool's order (docs/fairness.md §9.2.1): the first time the lane has
-  served a tenant's queue and the work of the tenants below its counter (``first_crossing_tokens``,
-  by hand), the service each tenant gets elsewhere (from the store's totals) moving the
-  counters meanwhile; a tenant far above a tenant that keeps this replica busy is refused at
-  the door instead of expiring in the queue (the round robin alone admits it), and the tenant
-  below is admitted;
-- a head that has waited URGENT_WAIT_FRACTION of its wait limit goes before the counters' order.
+- ``share_pool_service(None)`` is the lane's plain round robin again.
 """
 
 from __future__ import annotations
-
-import math
-
-import pytest
 
 from tokenfair.config import PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Request
 from tokenfair.core.drr import DeficitRoundRobin
 from tokenfair.core.jobs import UNITS_PER_TOKEN, Job
 from tokenfair.core.pool_order import (
-    ELSEWHERE_MEMORY_MS,
     IDLE_EPOCHS,
     JOIN_GAP_QUANTA,
     JOIN_LAG_QUANTA,
     LaneOrder,
     PoolService,
-    first_crossing_tokens,
 )
 from tokenfair.core.tokenfair import TokenfairScheduler
 
@@ -246,127 +233,3 @@ def test_the_scheduler_hook_installs_and_removes_the_order() -> None:
     assert pool.lanes[0].service_units("a") > 0
     scheduler.share_pool_service(None)
     assert all(lane.order is None for lane in scheduler._lanes)
-
-
-def test_first_crossing_by_hand() -> None:
-    # rate 10 tokens/ms throughout; a piece is (a, b, g, d): w(t) = max(0, min(a + b t, g + d t)).
-    # Nothing but the own queue: 10 t = 100 at t = 10.
-    assert first_crossing_tokens(100.0, 10.0, [], 1000.0) == pytest.approx(100.0)
-    # A tenant below with 50 queued sending 5/ms, far below: 10 t = 50 + 5 t at t = 10.
-    assert first_crossing_tokens(0.0, 10.0, [(50.0, 5.0, 1000.0, 0.0)], 1000.0) == pytest.approx(
-        100.0
-    )
-    # ... 500 queued but only 100 below our counter: it goes first for 100, 10 t = 100.
-    assert first_crossing_tokens(0.0, 10.0, [(500.0, 0.0, 100.0, 0.0)], 1000.0) == pytest.approx(
-        100.0
-    )
-    # The gap closes at 10/ms (we are served elsewhere slower than it): 10 t = 100 - 10 t at 5.
-    assert first_crossing_tokens(0.0, 10.0, [(1000.0, 0.0, 100.0, -10.0)], 1000.0) == pytest.approx(
-        50.0
-    )
-    # A breakpoint first: 10 queued of our own; it sends 20/ms until its 100 of gap are used
-    # (t = 5: value 50 - 10 - 100 = -60), then the lane gains 10/ms: -60 + 10 (t - 5) = 0 at 11.
-    assert first_crossing_tokens(10.0, 10.0, [(0.0, 20.0, 100.0, 0.0)], 1000.0) == pytest.approx(
-        110.0
-    )
-    # Nothing ahead now: it starts at once, whatever comes later.
-    assert first_crossing_tokens(0.0, 10.0, [(0.0, 20.0, 100.0, 0.0)], 1000.0) == 0.0
-    # Never: the tenant below sends 10/ms, as fast as the lane serves, and our counter rises
-    # elsewhere faster (20/ms of its quanta): the work at the horizon, 50 + 10 * 100.
-    assert first_crossing_tokens(50.0, 10.0, [(0.0, 10.0, 0.0, 20.0)], 100.0) == pytest.approx(
-        1050.0
-    )
-
-
-def test_service_elsewhere_is_read_from_the_totals() -> None:
-    pool = PoolService()
-    lane = pool.lanes[0]
-    batch = pool.take_batch((["a"], []), now_ms=0.0)
-    pool.absorb(batch, ([5000], []))  # the first answer: a history, not a rate
-    assert lane.elsewhere_rate == {}
-    lane.served("a", 100 * U)
-    batch = pool.take_batch((["a"], []), now_ms=500.0)
-    pool.absorb(batch, ([5000 + 100 + 1000], []))  # 1000 tokens elsewhere in 500 ms
-    kept = math.exp(-500.0 / ELSEWHERE_MEMORY_MS)
-    assert lane.elsewhere_rate["a"] == pytest.approx(2.0 * U * (1.0 - kept))
-    batch = pool.take_batch((["a"], []), now_ms=1000.0)
-    pool.absorb(batch, ([0], []))  # a store that restarted: no negative service
-    assert lane.elsewhere_rate["a"] == pytest.approx(2.0 * U * (1.0 - kept) * kept)
-
-
-def _pinned_flooding(pool: PoolService | None) -> TokenfairScheduler:
-    """One replica (45 tokens/ms, serial, wait limit 420 ms) after 2 s of ``pinned`` sending
-    640-token requests every 12 ms (53 tokens/ms: always backlogged, served at the whole rate),
-    with ``pool``'s counters if given; each request is dispatched when the previous ends."""
-    tenants = (
-        TenantConfig("pinned", 1.0, 10**9, 10**7, "interactive"),
-        TenantConfig("flood", 1.0, 10**9, 10**7, "interactive"),
-    )
-    scheduler = TokenfairScheduler(build_config(PolicyConfig(), tenants))
-    scheduler.share_pool_service(pool)
-    running: tuple[str, float] | None = None
-    for step in range(2000 // 4):
-        now_ms = step * 4.0
-        if running is not None and running[1] <= now_ms:
-            scheduler.complete(running[0], running[1])
-            running = None
-        if step % 3 == 0:
-            scheduler.submit(Request(f"p{step}", "pinned", now_ms, 560, 80, "interactive"), now_ms)
-        scheduler.expire(now_ms)
-        if running is None:
-            decision = scheduler.next_dispatch(now_ms)
-            if decision is not None:
-                running = (decision.request_id, now_ms + decision.service_tokens / 45.0)
-    return scheduler
-
-
-def test_admission_follows_the_pool_order() -> None:
-    # `flood`'s pool-wide counter is 50 quanta (60,000 tokens) above `pinned`'s: this replica
-    # serves it nothing until pinned has had 60,000 more tokens here (1.3 s at the whole
-    # rate) - and pinned sends faster than that. Its request would expire after 420 ms; it is
-    # refused at the door. (Pinned's recent rate here still reads below 45 tokens/ms after
-    # 2 s, its time constant being 4.2 s: flood is predicted to start in ~0.7 s.)
-    pool = PoolService()
-    scheduler = _pinned_flooding(pool)
-    order = pool.lanes[0]
-    order.pool_units["flood"] = order.service_units("pinned") + 50 * 1200 * U
-    order.active_epoch["flood"] = order.epoch  # its total moved: served elsewhere (no clamp)
-    flood = Request("f0", "flood", 2000.0, 560, 80, "interactive")
-    refusal = scheduler.submit(flood, 2000.0)
-    assert refusal is not None
-    assert refusal.reason == "shed_queue_wait_slo"
-    assert refusal.observed["predicted_wait_ms"] > 420.0
-    # pinned, below: nothing is ahead of it but its own queue (at the limit: it sends more
-    # than the replica serves), so its wait is that queue's, ~420 ms.
-    pinned_wait_ms = scheduler.predicted_wait_ms("pinned", 0, 640, 2000.0)
-    assert 300.0 < pinned_wait_ms < refusal.observed["predicted_wait_ms"] - 200.0
-    # The same replica without the pool's order: its round robin serves flood within a
-    # quantum of pinned, so flood is admitted.
-    local = _pinned_flooding(None)
-    assert local.submit(flood, 2000.0) is None
-
-
-def test_an_urgent_head_goes_before_the_counters_order() -> None:
-    # a is far below b in the counters, so a is served first - unless b's head has waited half
-    # its wait limit (URGENT_WAIT_FRACTION): then b's head goes first (earliest deadline).
-    order = LaneOrder()
-    lane = _lane(order, {"a": 1000.0, "b": 1000.0})
-    order.pool_units["b"] = 100_000 * U
-    for i in range(3):
-        a = _job(f"a{i}", "a", 1000)
-        a.deadline_ms = 1000.0  # urgent from 500 ms on
-        lane.push(a)
-    b = _job("b0", "b", 1000)
-    b.deadline_ms = 400.0  # arrival 0, limit 400: urgent from 200 ms on
-    lane.push(b)
-    order.now_ms = 199.0
-    picked = lane.pick(_always)
-    assert picked is not None
-    assert picked.tenant_id == "a"
-    order.now_ms = 200.0
-    picked = lane.pick(_always)
-    assert picked is not None
-    assert picked.request_id == "b0"
-    picked = lane.pick(_always)
-    assert picked is not None
-    assert picked.tenant_id == "a"
