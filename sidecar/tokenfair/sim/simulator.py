@@ -64,7 +64,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TypeAlias
+from typing import Final, TypeAlias
 
 from tokenfair.config import Config
 from tokenfair.core import Decision, Request, make_scheduler
