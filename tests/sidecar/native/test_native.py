@@ -566,6 +566,23 @@ def test_the_compiled_and_interpreted_cores_write_the_same_bytes(
         assert compiled == interpreted
 
 
+def _both_cores(script: str, build: Path, cwd: Path) -> list[tuple[str, str]]:
+    """``script``'s standard output under the compiled core (``"1"``) and the interpreted one
+    (``"0"``), each in a fresh interpreter."""
+    outputs = []
+    for switch in ("1", "0"):
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env={**os.environ, native.SWITCH_ENV: switch, native.DIR_ENV: str(build)},
+            check=True,
+        )
+        outputs.append((switch, done.stdout))
+    return outputs
+
+
 def test_both_cores_keep_exact_state_for_the_largest_settlements(tmp_path: Path) -> None:
     # Integer token counts stay integers in the compiled core (a `float` parameter would turn
     # 2**40 - 1 into a float and its units would be off by ~5e4).
@@ -591,17 +608,7 @@ def test_both_cores_keep_exact_state_for_the_largest_settlements(tmp_path: Path)
         "print(native.status().active, bucket.level_units, s.books(), to_units(big),\n"
         "      exact.level_units, exact.ms_until(big + 1, 0.0), leased.ms_until(big + 2, 0.0))\n"
     )
-    lines = {}
-    for switch in ("1", "0"):
-        done = subprocess.run(
-            [sys.executable, "-c", script],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            env={**os.environ, native.SWITCH_ENV: switch, native.DIR_ENV: str(build)},
-            check=True,
-        )
-        lines[switch] = done.stdout.split(" ", 1)
+    lines = {switch: out.split(" ", 1) for switch, out in _both_cores(script, build, tmp_path)}
     assert lines["1"][0] == "True"
     assert lines["0"][0] == "False"
     assert lines["1"][1] == lines["0"][1]
@@ -640,17 +647,7 @@ def test_both_cores_check_the_engine_facts_alike(tmp_path: Path) -> None:
         "       for d, _ in replay(cfg, arrivals, 'tokenfair', facts)])\n"
         "print('native', native.status().active)\n"
     )
-    lines = {}
-    for switch in ("1", "0"):
-        done = subprocess.run(
-            [sys.executable, "-c", script],
-            capture_output=True,
-            text=True,
-            cwd=tmp_path,
-            env={**os.environ, native.SWITCH_ENV: switch, native.DIR_ENV: str(build)},
-            check=True,
-        )
-        lines[switch] = done.stdout.splitlines()
+    lines = {switch: out.splitlines() for switch, out in _both_cores(script, build, tmp_path)}
     assert lines["1"][-1] == "native True"
     assert lines["0"][-1] == "native False"
     assert lines["1"][:-1] == lines["0"][:-1]
