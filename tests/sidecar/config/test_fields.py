@@ -24,6 +24,7 @@ import argparse
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -331,14 +332,41 @@ def test_a_bool_is_never_a_number_in_any_table() -> None:
     from tokenfair.server.runtime_settings import SECTION_FIELDS
 
     tables = {"policy": POLICY_FIELDS, "tenant": TENANT_FIELDS, "sidecar": SECTION_FIELDS}
+    modes_with_off = []
     for where, table in tables.items():
         for key, (_, parse) in table.items():
+            name = f"{where}.{key}"
             for flag in (True, False):
                 if parse is fields.boolean:  # only a boolean field takes it
-                    assert parse(f"{where}.{key}", flag) is flag
+                    assert parse(name, flag) is flag
+                    continue
+                if flag is False and _takes_off(parse, name):
+                    # A mode that has `off`: YAML 1.1 reads an unquoted `off` as false, which is
+                    # that mode (never a number, never another mode).
+                    assert parse(name, flag) == "off"
+                    modes_with_off.append(name)
                     continue
                 with pytest.raises(ConfigError, match=rf"^{where}\.{key}: must be "):
-                    parse(f"{where}.{key}", flag)
+                    parse(name, flag)
+    assert sorted(modes_with_off) == [
+        "sidecar.accessLog",
+        "sidecar.engineMetrics",
+        "sidecar.kvPromptRatio",
+    ]
+
+
+def _takes_off(parse: Callable[[str, object], object], name: str) -> bool:
+    """A mode field (one of a few words) of which `off` is one: not a free string."""
+    try:
+        if parse(name, "off") != "off":
+            return False
+    except ConfigError:
+        return False
+    try:
+        parse(name, "nosuchmode")
+    except ConfigError:
+        return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
