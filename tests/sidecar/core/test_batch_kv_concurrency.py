@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from scheduler_support import fill
 
 from tokenfair.config import PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Request
@@ -48,16 +49,6 @@ def scheduler(**policy: object) -> TokenfairScheduler:
 
 def batch(request_id: str, now_ms: float, prefill: int = 2000, decode: int = 500) -> Request:
     return Request(request_id, "rag", now_ms, prefill, decode, "batch")
-
-
-def fill(fair: TokenfairScheduler, now_ms: float) -> list[str]:
-    started = []
-    while fair.running < fair.policy.max_batch_requests:
-        decision = fair.next_dispatch(now_ms)
-        if decision is None:
-            break
-        started.append(decision.request_id)
-    return started
 
 
 def test_the_rule_by_hand() -> None:

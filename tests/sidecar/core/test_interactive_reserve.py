@@ -23,6 +23,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from scheduler_support import fill
 
 from tokenfair.config import PolicyConfig, PriorityClass, TenantConfig, build_config
 from tokenfair.core import Request
@@ -51,17 +52,6 @@ def scheduler(interactive: bool = True, **policy: object) -> TokenfairScheduler:
 def request(request_id: str, tenant: str, now_ms: float, prefill: int, decode: int) -> Request:
     lane: PriorityClass = "batch" if tenant == "rag" else "interactive"
     return Request(request_id, tenant, now_ms, prefill, decode, lane)
-
-
-def fill(fair: TokenfairScheduler, now_ms: float) -> list[str]:
-    """Dispatch while the engine has a slot (the sidecar's and the simulator's loop)."""
-    started = []
-    while fair.running < fair.policy.max_batch_requests:
-        decision = fair.next_dispatch(now_ms)
-        if decision is None:
-            break
-        started.append(decision.request_id)
-    return started
 
 
 def admit_interactive(fair: TokenfairScheduler, count: int, prefill: int, decode: int) -> None:

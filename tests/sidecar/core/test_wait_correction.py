@@ -30,6 +30,7 @@ from collections import Counter
 from dataclasses import replace
 
 import pytest
+from scheduler_support import fill
 
 from tokenfair.config import PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Request
@@ -275,14 +276,3 @@ def test_the_interactive_lane_keeps_the_models_wait() -> None:
         fair.complete(f"i{i}", 400.0, 320)
     assert fill(fair, 400.0) == ["i2", "i3"]  # waited 400 ms, more than predicted
     assert fair.wait_correction(LANE_INTERACTIVE, 400.0) == 1.0
-
-
-def fill(fair: TokenfairScheduler, now_ms: float) -> list[str]:
-    """Dispatch while the engine has a slot (the sidecar's and the simulator's loop)."""
-    started = []
-    while fair.running < fair.policy.max_batch_requests:
-        decision = fair.next_dispatch(now_ms)
-        if decision is None:
-            break
-        started.append(decision.request_id)
-    return started
