@@ -61,7 +61,7 @@ from tokenfair.core.jobs import (
     STATUS_OK,
     STATUS_SHED,
 )
-from tokenfair.sim.records import RecordLine, decision_line
+from tokenfair.records.codec import RecordLine, decision_line
 
 _QUEUE_REASONS: Final = frozenset(
     {SHED_QUEUE_TIMEOUT, SHED_TENANT_CONCURRENCY, SHED_TENANT_KV_SHARE}

@@ -43,7 +43,7 @@ from tokenfair.loadgen import (
     replay,
     to_decision,
 )
-from tokenfair.sim.records import encode_record_line, read_trace
+from tokenfair.records.codec import encode_record_line, read_trace
 from tokenfair.sim.report import summarize
 from tokenfair.sim.scenarios import SCENARIOS
 
