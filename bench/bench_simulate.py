@@ -53,7 +53,7 @@ Ratios are lab / command (above 1: the command is faster). Each run is the best 
     .venv/bin/python bench/bench_simulate.py --records-only --tree ../old-tree   # records only
 
 **Records** (``--records``, or ``--records-only`` for that section alone): the trace reader and
-the record writers of ``sim/records.py``, in microseconds per record (best of ``--repeat``, at
+the record writers of ``records/codec.py``, in microseconds per record (best of ``--repeat``, at
 least 3; ``--records-count`` records, 100k): decoding a trace (``stream_requests``, what the
 replay reads once per policy; ``iter_trace_lines``, validated with unique ids) and encoding the
 records each writer writes (the sidecar's ``encode_record``, ``simulate --records``'
