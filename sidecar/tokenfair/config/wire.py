@@ -38,6 +38,20 @@ CA_FILE_ENV: Final = "TOKENFAIR_CONFIG_CA_FILE"
 INSECURE_HTTP_ENV: Final = "TOKENFAIR_CONFIG_INSECURE_HTTP"
 """``true``: an ``http://`` URL is allowed (unsafe; local tests only; set by the injector)."""
 
+METRICS_PATH: Final = "/metrics"
+"""The sidecar's Prometheus metrics on its admin port: the operator scrapes them for the
+quotas' live usage and the policies' rollout."""
+ADMITTED_TOKENS_METRIC: Final = "tokenfair_estimated_service_tokens"
+"""Counter (``_total``) of service tokens charged at dispatch, by ``tenant`` and ``lane``."""
+REFUSED_METRIC: Final = "tokenfair_refused_requests"
+"""Counter (``_total``) of requests refused, by ``tenant``, ``lane`` and ``reason``."""
+QUEUE_WAIT_METRIC: Final = "tokenfair_queue_wait_seconds"
+"""Histogram of arrival to dispatch, by ``tenant`` and ``lane``."""
+CONFIG_INFO_METRIC: Final = "tokenfair_config_info"
+"""Gauge (value 1) of the config in force, labels ``version`` and ``sha256``. The sidecar's
+``server/metrics.py`` writes these families under these names; a test reads a real sidecar's
+metrics text with the operator's readers (tests/operator/test_operator_usage.py)."""
+
 MAX_GENERATION_DIGITS: Final = 18
 """A generation is 1 to 18 ASCII digits (milliseconds of the wall clock fit in 13)."""
 
