@@ -14,7 +14,8 @@ Modules:
   regular file (never a FIFO, a device, a directory), reads bounded in size;
 * :mod:`tokenfair.config.wire` — the names both sides of the config feed use (the published
   data keys, the document server's headers and query parameters, the environment the injector
-  sets) and the generation's rule: the operator imports them from here, never from the server.
+  sets, the metric families the operator scrapes) and the generation's rule: the operator
+  imports them from here, never from the server.
 
 The modules import one another one way only: ``document`` -> ``budget_store`` -> ``fields``
 (tests/test_layout.py).
