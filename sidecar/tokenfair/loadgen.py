@@ -557,7 +557,7 @@ def to_decision(observation: Observation, settings: LoadgenSettings) -> Decision
 
 def record_line(observation: Observation, decision: Decision) -> RecordLine:
     """One line of ``--records``: the decision's outcome fields plus the request in trace format
-    (the sidecar's record line, see ``sim/records.py``), so ``tokenfair simulate --trace`` can
+    (the sidecar's record line, see ``records/codec.py``), so ``tokenfair simulate --trace`` can
     replay a live run; ``e2e_ms`` is the decision's ``observed["e2e_ms"]`` when there is one."""
     request = observation.request
     return decision_line(

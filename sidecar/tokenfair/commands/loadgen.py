@@ -265,7 +265,7 @@ def build_report(result: ReplayResult) -> dict[str, Any]:
 
 
 def write_records(path: Path, result: ReplayResult) -> None:
-    """One record line per request (``sim/records.py``'s schema and encoder), policy ``live``."""
+    """One record line per request (``records/codec.py``'s schema and encoder), policy ``live``."""
     with path.open("wb") as handle:
         for observation in result.observations:
             line = record_line(observation, to_decision(observation, result.settings))

@@ -1,4 +1,4 @@
-"""The one schema and encoder of record lines (``sim/records.py``), and the writers that use it.
+"""The one schema and encoder of record lines (``records/codec.py``), and the writers that use it.
 
 Behaviours under test:
 
