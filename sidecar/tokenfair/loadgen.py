@@ -61,7 +61,7 @@ from tokenfair.core.jobs import (
     STATUS_OK,
     STATUS_SHED,
 )
-from tokenfair.sim.records import RecordLine, decision_line
+from tokenfair.records.codec import RecordLine, decision_line
 
 _QUEUE_REASONS: Final = frozenset(
     {SHED_QUEUE_TIMEOUT, SHED_TENANT_CONCURRENCY, SHED_TENANT_KV_SHARE}
@@ -557,7 +557,7 @@ def to_decision(observation: Observation, settings: LoadgenSettings) -> Decision
 
 def record_line(observation: Observation, decision: Decision) -> RecordLine:
     """One line of ``--records``: the decision's outcome fields plus the request in trace format
-    (the sidecar's record line, see ``sim/records.py``), so ``tokenfair simulate --trace`` can
+    (the sidecar's record line, see ``records/codec.py``), so ``tokenfair simulate --trace`` can
     replay a live run; ``e2e_ms`` is the decision's ``observed["e2e_ms"]`` when there is one."""
     request = observation.request
     return decision_line(

@@ -52,10 +52,10 @@ from typing import TYPE_CHECKING, Final
 
 from tokenfair.core import Decision, Request
 from tokenfair.core.jobs import ADMITTED, CANCELLED, STATUS_CLIENT_CLOSED
+from tokenfair.records.live import NO_USAGE, Usage
 from tokenfair.server.accesslog import RequestFacts
 from tokenfair.server.backends import BAD_USAGE, BackendCall
 from tokenfair.server.errors import INTERNAL_ERROR
-from tokenfair.server.record_writer import NO_USAGE, Usage
 
 if TYPE_CHECKING:
     from tokenfair.server.state import Sidecar

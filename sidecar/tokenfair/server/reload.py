@@ -50,12 +50,8 @@ from typing import Final, Literal
 
 from tokenfair.config import ConfigError, read_config_file
 from tokenfair.config.files import InputFileError, read_regular
-from tokenfair.server.remote import (
-    GENERATION_FILE,
-    RemoteFeed,
-    RemoteSource,
-    parse_generation,
-)
+from tokenfair.config.wire import GENERATION_FILE
+from tokenfair.server.remote import RemoteFeed, RemoteSource, parse_generation
 from tokenfair.server.runtime_settings import LoadedFile, loads_sidecar_file
 
 log = logging.getLogger("tokenfair.sidecar")

@@ -33,6 +33,7 @@ from tokenfair.core import (
 from tokenfair.core.demand import DemandGauge
 from tokenfair.core.jobs import LANE_OF, JobState
 from tokenfair.core.tokenfair import TokenfairScheduler
+from tokenfair.records.live import NO_USAGE, Usage, encode_record, minimal_record
 from tokenfair.server.accesslog import (
     CURRENT_SCOPE,
     NO_FACTS,
@@ -72,13 +73,7 @@ from tokenfair.server.metrics import (
 )
 from tokenfair.server.pool import BudgetPool
 from tokenfair.server.pool_fairness import PoolFairness
-from tokenfair.server.record_writer import (
-    NO_USAGE,
-    RecordWriter,
-    Usage,
-    encode_record,
-    minimal_record,
-)
+from tokenfair.server.record_writer import RecordWriter
 from tokenfair.server.runtime_settings import LoadedFile, SidecarSettings
 from tokenfair.server.tracing import RequestTracer, wall_ns_of
 

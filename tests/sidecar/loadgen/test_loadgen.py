@@ -64,7 +64,7 @@ from tokenfair.loadgen import (
     replay,
     to_decision,
 )
-from tokenfair.sim.records import read_trace
+from tokenfair.records.codec import read_trace
 from tokenfair.sim.report import summarize
 from tokenfair.sim.scenarios import LESSON_TENANTS, noisy_neighbor
 

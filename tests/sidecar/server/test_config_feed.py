@@ -19,12 +19,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from tokenfair.config.wire import VERSION_HEADER
 from tokenfair.server.remote import RemoteFeed, RemoteSource
 from tokenfair_operator.documents import Document, DocumentStore
 from tokenfair_operator.metrics import OperatorMetrics
 from tokenfair_operator.serve import (
     DEFAULT_RELAY_CONNECTIONS,
-    VERSION_HEADER,
     TokenAuthenticator,
     create_app,
 )

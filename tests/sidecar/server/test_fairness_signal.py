@@ -54,13 +54,13 @@ from tokenfair.config import (
 )
 from tokenfair.core import DEFAULT_POLICY, Decision, make_scheduler
 from tokenfair.core.cost import CostModel
+from tokenfair.records.codec import read_decisions
 from tokenfair.server import SIDECAR, create_admin_app, create_app, make_backend
 from tokenfair.server.fairness_signal import FairnessSignal
 from tokenfair.server.metrics import FluidFairnessCollector, Metrics
 from tokenfair.server.runtime_settings import SidecarSettings, settings_from_section
 from tokenfair.sim.fairness import decision_size, fairness_report, jain_index
 from tokenfair.sim.fluid_window import OTHER, FluidWindow
-from tokenfair.sim.records import read_decisions
 
 A, B = "tenant_chat_pro", "tenant_ide_assist"  # both interactive, weights 2.0 and 1.5
 LONG_WAIT_MS = 600_000.0

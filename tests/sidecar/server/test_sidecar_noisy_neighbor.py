@@ -50,8 +50,8 @@ from sidecar_support import (
 
 from tokenfair.config import Config, PolicyConfig, build_config
 from tokenfair.core import Books, Request
+from tokenfair.records.codec import read_trace
 from tokenfair.server.runtime_settings import SidecarSettings
-from tokenfair.sim.records import read_trace
 from tokenfair.sim.scenarios import noisy_neighbor
 from tokenfair.sim.simulator import simulate
 

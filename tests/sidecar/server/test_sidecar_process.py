@@ -39,7 +39,7 @@ from raw_upstream_support import connection_cut
 from sidecar_support import CHAT, keyed_config, until_ready
 
 from tokenfair.config import PolicyConfig, config_to_document
-from tokenfair.sim.records import read_trace
+from tokenfair.records.codec import read_trace
 
 TOKENFAIR = Path(sys.executable).with_name("tokenfair")
 ZERO_BOOKS = {
