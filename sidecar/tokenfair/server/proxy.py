@@ -197,7 +197,7 @@ def _refusal(sidecar: Sidecar, decision: Decision, mix: tuple[int, int]) -> web.
     return rate_limit_response(message, decision.reason, headers=headers)
 
 
-TENANT_LIMIT_HEADERS: Final = {
+TENANT_LIMIT_HEADERS: Final[dict[str, tuple[tuple[str, str], ...]]] = {
     # refusal reason -> (header, the decision's observed value it carries)
     SHED_TENANT_CONCURRENCY: (
         ("x-tokenfair-limit-concurrent-requests", "max_concurrent_requests"),
