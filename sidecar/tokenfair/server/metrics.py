@@ -22,7 +22,7 @@ Counters (labels ``tenant``, ``lane`` and, for refusals, ``reason``):
 * ``tokenfair_prompt_tokens_total`` and ``tokenfair_completion_tokens_total`` — the usage the
   backend reported for requests that ran (``usage.prompt_tokens`` / ``completion_tokens``: the
   tokens clients count); a count that was not reported, or not believed, adds nothing;
-* ``tokenfair_invalid_requests_total`` (``status``: 400, 401, 408, 413, 415, 417) — before any
+* ``tokenfair_invalid_requests_total`` (``status``: 400, 401, 404, 408, 413, 415, 417) — before any
   tenant is charged;
 * ``tokenfair_config_reloads_total`` (``result``: ``applied``, ``invalid``, ``error``);
 * ``tokenfair_records_dropped_total`` — request records dropped while the records file refused

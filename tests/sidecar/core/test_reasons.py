@@ -1,0 +1,195 @@
+"""``Reason`` (``core/reasons.py``): every outcome reason, with its status, gate and counter.
+
+Behaviours under test: each member's fields are well-formed and no two share a value; a member
+is its wire string everywhere a record or a log line is written (``str``, f-strings, ``json``,
+msgspec, the record encoder, the access log's string encoder), so records are the same bytes
+whether a member or the string is held; the old constants are the members; the generated
+blocks of ``docs/records.md`` and ``docs/sidecar.md`` are what the enum makes now (and a stale
+block is caught); the sidecar's table of answers in ``docs/sidecar.md`` and the literal codes
+of the server's error answers agree with the members' statuses.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import msgspec
+import pytest
+from repo_paths import REPO_ROOT
+
+from tokenfair.core import Decision, jobs, scheduler
+from tokenfair.core.reasons import (
+    BLOCKS,
+    COUNTERS,
+    GATES,
+    Reason,
+    begin_marker,
+    end_marker,
+    markdown_table,
+    reasons_counted_in,
+    update,
+)
+from tokenfair.server import engine_state, errors, lifecycle, proxy
+from tokenfair.server.accesslog import json_line
+from tokenfair.server.backends import base
+from tokenfair.sim.records import encode_decision
+
+DOCS = REPO_ROOT / "docs"
+SERVER = REPO_ROOT / "sidecar" / "tokenfair" / "server"
+BY_VALUE = {reason.value: reason for reason in Reason}
+STATUSES = {0, 200, 400, 401, 404, 408, 413, 415, 417, 429, 499, 500, 502, 503, 504}
+
+
+def test_members_are_well_formed_and_distinct() -> None:
+    # A repeated value would make a silent alias, not a member: every name must be its own.
+    assert len(Reason.__members__) == len(list(Reason))
+    for reason in Reason:
+        assert re.fullmatch(r"[a-z]+(_[a-z0-9]+)*", reason.value), reason
+        assert reason.name == reason.value.upper(), reason
+        assert reason.status in STATUSES, reason
+        assert reason.gates, reason
+        assert set(reason.gates) <= set(GATES), reason
+        assert reason.counter in COUNTERS, reason
+        assert reason.meaning, reason
+        assert "\n" not in reason.meaning, reason
+        assert "|" not in reason.meaning, reason
+
+
+def test_a_member_encodes_as_its_string() -> None:
+    for reason in Reason:
+        plain = reason.value
+        assert type(plain) is str
+        assert reason == plain
+        assert hash(reason) == hash(plain)
+        assert str(reason) == f"{reason}" == "{}".format(reason) == plain  # noqa: UP032
+        assert json.dumps({reason: reason}) == json.dumps({plain: plain})
+        assert msgspec.json.encode({reason: reason}) == msgspec.json.encode({plain: plain})
+        assert json_line({"reason": reason}) == json_line({"reason": plain})
+        records = []
+        for value in (reason, plain):
+            made = Decision("r1", "t", "batch", reason.status, value, reason.gates[0], 7, 1.0)
+            records.append(encode_decision(made, "tokenfair"))
+        assert records[0] == records[1]
+        assert json.loads(records[0])["reason"] == plain
+
+
+def test_the_old_constants_are_the_members() -> None:
+    assert jobs.ADMITTED is Reason.ADMITTED
+    assert jobs.CANCELLED is Reason.CANCELLED
+    assert jobs.SHED_TENANT_KV_SHARE is Reason.SHED_TENANT_KV_SHARE
+    assert scheduler.OVER_KV_CAPACITY is Reason.REQUEST_OVER_KV_CAPACITY
+    assert scheduler.OVER_TENANT_BURST is Reason.REQUEST_OVER_TENANT_BURST
+    assert errors.INTERNAL_ERROR is Reason.INTERNAL_ERROR
+    assert lifecycle.DRAINING is Reason.DRAINING
+    assert lifecycle.DRAIN_ABORTED is Reason.DRAIN_ABORTED
+    assert proxy.BODY_TOO_COMPLEX is Reason.BODY_TOO_COMPLEX
+    assert proxy.CLIENT_WRITE_TIMEOUT is Reason.CLIENT_WRITE_TIMEOUT
+    assert engine_state.ROUTE_NOT_SERVED is Reason.ROUTE_NOT_SERVED
+    assert base.BAD_USAGE is Reason.UPSTREAM_BAD_USAGE
+    assert set(base.CLIENT_MESSAGES) <= set(Reason)
+
+
+def test_the_docs_blocks_are_the_enums() -> None:
+    found = set()
+    for name in ("records.md", "sidecar.md"):
+        text = (DOCS / name).read_text(encoding="utf-8")
+        found |= {block for block in BLOCKS if begin_marker(block) in text}
+        assert update(text) == text, f"docs/{name} is stale: run tokenfair reasons --write"
+    assert found == set(BLOCKS)
+
+
+def test_a_stale_block_is_caught() -> None:
+    current = f"{begin_marker('reasons')}\n{markdown_table()}{end_marker('reasons')}\n"
+    assert update(current) == current
+    # A member added to the enum without regenerating: the docs lack its row.
+    stale = current.replace(f"| `{Reason.QUEUE_FULL.value}` |", "| `queue_almost_full` |")
+    assert update(stale) != stale
+    assert update(stale) == current
+    with pytest.raises(ValueError, match=r"reasons: .* has no"):
+        update(begin_marker("reasons") + "\n| a row |\n")
+
+
+def test_refused_label_values() -> None:
+    refused = reasons_counted_in("refused")
+    assert Reason.SHED_QUEUE_TIMEOUT in refused
+    assert Reason.DRAINING in refused
+    # A refusal is never dispatched: the core's gates' (and a drain's) 400/429/503.
+    for reason in refused:
+        assert reason.status in (400, 429, 503), reason
+        assert set(reason.gates) <= {"admission", "queue", "dispatch", "drain"}, reason
+    for reason in reasons_counted_in("backend_errors"):
+        assert reason.status >= 500 or reason.gates == ("upstream",), reason
+    with pytest.raises(ValueError, match="counter: 'nope'"):
+        reasons_counted_in("nope")
+
+
+def _answer_table() -> dict[str, int]:
+    """``docs/sidecar.md``'s "status | code | when" table: each code (or tokenfair_reason)
+    and the status it is answered with."""
+    text = (DOCS / "sidecar.md").read_text(encoding="utf-8")
+    start = text.index("| status | `code` | when |")
+    rows: dict[str, int] = {}
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        status, code = (cell.strip() for cell in line.split("|")[1:3])
+        names = re.findall(r"`([a-z_]+)`", code)
+        match = re.search(r"tokenfair_reason: ([a-z_]+)", code)
+        rows[match.group(1) if match else names[0]] = int(status)
+    return rows
+
+
+def test_the_sidecars_answers_table_agrees() -> None:
+    table = _answer_table()
+    for code, status in table.items():
+        assert BY_VALUE[code].status == status, code
+    # Every reason the sidecar answers with an error is in the table; the 499s are clients
+    # that went away (no answer), `upstream_aborted` a stream cut after its 200.
+    answered = {
+        reason.value
+        for reason in Reason
+        if reason.status >= 400 and reason.status != 499 and reason is not Reason.UPSTREAM_ABORTED
+    }
+    assert answered == set(table)
+
+
+_CODE_ARGUMENT = {"error_response": (0, 2), "_invalid": (1, 3), "UpstreamError": (0, 1)}
+"""Callee name -> (index of the status argument, index of the code argument)."""
+
+
+def _code(node: ast.expr) -> str | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "Reason"
+    ):
+        return Reason[node.attr].value
+    return None  # a name or an expression: its value is not known here
+
+
+def test_the_servers_literal_error_codes_are_members() -> None:
+    checked = 0
+    for path in sorted(SERVER.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            callee = node.func
+            name = callee.id if isinstance(callee, ast.Name) else getattr(callee, "attr", "")
+            if name not in _CODE_ARGUMENT:
+                continue
+            status_at, code_at = _CODE_ARGUMENT[name]
+            if len(node.args) <= code_at:
+                continue
+            code = _code(node.args[code_at])
+            status = node.args[status_at]
+            if code is None or not isinstance(status, ast.Constant):
+                continue
+            where = f"{path.relative_to(REPO_ROOT)}:{node.lineno}"
+            assert code in BY_VALUE, where
+            assert BY_VALUE[code].status == status.value, where
+            checked += 1
+    assert checked >= 20  # the scan sees the answers (it would pass vacuously otherwise)
