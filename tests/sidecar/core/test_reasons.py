@@ -31,7 +31,7 @@ from tokenfair.core.reasons import (
     reasons_counted_in,
     update,
 )
-from tokenfair.server import engine_state, errors, lifecycle, proxy
+from tokenfair.server import connections, engine_state, errors, lifecycle, proxy
 from tokenfair.server.accesslog import json_line
 from tokenfair.server.backends import base
 from tokenfair.sim.records import encode_decision
@@ -89,6 +89,10 @@ def test_the_old_constants_are_the_members() -> None:
     assert engine_state.ROUTE_NOT_SERVED is Reason.ROUTE_NOT_SERVED
     assert base.BAD_USAGE is Reason.UPSTREAM_BAD_USAGE
     assert set(base.CLIENT_MESSAGES) <= set(Reason)
+    # The connection cap's canned answer (bytes, written before any handler runs).
+    refusal = Reason.TOO_MANY_CONNECTIONS
+    assert connections.CAP_ANSWER.startswith(b"HTTP/1.1 %d " % refusal.status)
+    assert b'"code":"%s"' % refusal.value.encode() in connections.CAP_ANSWER
 
 
 def test_the_docs_blocks_are_the_enums() -> None:
