@@ -6,7 +6,9 @@ msgspec, the record encoder, the access log's string encoder), so records are th
 whether a member or the string is held; the old constants are the members; the generated
 blocks of ``docs/records.md`` and ``docs/sidecar.md`` are what the enum makes now (and a stale
 block is caught); the sidecar's table of answers in ``docs/sidecar.md`` and the literal codes
-of the server's error answers agree with the members' statuses.
+of the server's error answers agree with the members' statuses; ``tokenfair reasons`` writes
+the blocks, says when they were up to date, names ``--write`` on a file it cannot read, and
+lists every member as JSON.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from __future__ import annotations
 import ast
 import json
 import re
+from pathlib import Path
 
 import msgspec
 import pytest
 from repo_paths import REPO_ROOT
 
+from tokenfair.cli import main
 from tokenfair.core import Decision, jobs, scheduler
 from tokenfair.core.reasons import (
     BLOCKS,
@@ -197,3 +201,20 @@ def test_the_servers_literal_error_codes_are_members() -> None:
             assert BY_VALUE[code].status == status.value, where
             checked += 1
     assert checked >= 20  # the scan sees the answers (it would pass vacuously otherwise)
+
+
+def test_the_command_writes_and_checks_the_blocks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = tmp_path / "doc.md"
+    doc.write_text(f"# t\n\n{begin_marker('reasons')}\n| old |\n{end_marker('reasons')}\n")
+    assert main(["reasons", "--write", str(doc)]) == 0
+    assert f"| `{Reason.SHED_QUEUE_TIMEOUT.value}` | 429 | queue |" in doc.read_text()
+    assert main(["reasons", "--write", str(doc)]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"{doc}: regenerated", f"{doc}: up to date"]
+    assert main(["reasons", "--write", str(tmp_path / "missing.md")]) == 2
+    assert "--write" in capsys.readouterr().err
+    assert main(["reasons", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["reason"] for row in rows] == [reason.value for reason in Reason]
+    assert rows[0]["status"] == next(iter(Reason)).status
