@@ -6,7 +6,8 @@ msgspec, the record encoder, the access log's string encoder), so records are th
 whether a member or the string is held; the old constants are the members; the generated
 blocks of ``docs/records.md`` and ``docs/sidecar.md`` are what the enum makes now (and a stale
 block is caught); the sidecar's table of answers in ``docs/sidecar.md`` and the literal codes
-of the server's error answers agree with the members' statuses; ``tokenfair reasons`` writes
+of the server's error answers agree with the members' statuses; the sidecar counts each
+reason a record can end with in the counter (and under the label) its member names; ``tokenfair reasons`` writes
 the blocks, says when they were up to date, names ``--write`` on a file it cannot read, and
 lists every member as JSON.
 """
@@ -23,7 +24,7 @@ import pytest
 from repo_paths import REPO_ROOT
 
 from tokenfair.cli import main
-from tokenfair.core import Decision, jobs, scheduler
+from tokenfair.core import Decision, Request, jobs, scheduler
 from tokenfair.core.reasons import (
     BLOCKS,
     COUNTERS,
@@ -218,3 +219,34 @@ def test_the_command_writes_and_checks_the_blocks(
     rows = json.loads(capsys.readouterr().out)
     assert [row["reason"] for row in rows] == [reason.value for reason in Reason]
     assert rows[0]["status"] == next(iter(Reason)).status
+
+
+def test_the_sidecar_counts_each_reason_where_its_member_says() -> None:
+    # Each reason a record can end with, through the sidecar's outcome counting: it lands in
+    # the counter (and, for refusals and backend errors, under the label) `Reason.counter` says.
+    from sidecar_support import keyed_config
+
+    from tokenfair.core.cost import CostModel
+    from tokenfair.server import Sidecar, make_backend
+    from tokenfair.server.runtime_settings import SidecarSettings
+
+    settings = SidecarSettings()
+    sidecar = Sidecar(settings, keyed_config(), make_backend(settings, CostModel()))
+    recorded = [
+        r for r in Reason if r.counter in ("admitted", "refused", "cancelled", "backend_errors")
+    ]
+    for number, reason in enumerate(recorded):
+        request = Request(f"r{number}", "tenant_chat_pro", 0.0, 10, 10, "interactive")
+        # Decided before dispatch: the core's queue and admission gates, a drain at the door.
+        never_dispatched = reason.gates[0] in ("admission", "queue") or reason is Reason.DRAINING
+        decision = Decision(
+            request.request_id, request.tenant_id, "interactive", reason.status, reason,
+            reason.gates[0], 30, 0.0, dispatch_ms=None if never_dispatched else 0.0,
+        )  # fmt: skip
+        sidecar.completed(request, decision, status_code=reason.status, reason=reason)
+    (series,) = sidecar.metrics.series.values()
+    assert set(series.refused) == {r.value for r in reasons_counted_in("refused")}
+    assert set(series.backend_errors) == {r.value for r in reasons_counted_in("backend_errors")}
+    assert series.cancelled == len(reasons_counted_in("cancelled"))
+    counts = sidecar.tenant_counts["tenant_chat_pro"]
+    assert counts["served"] == len(reasons_counted_in("admitted"))
