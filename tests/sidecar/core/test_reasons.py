@@ -7,9 +7,9 @@ whether a member or the string is held; the old constants are the members; the g
 blocks of ``docs/records.md`` and ``docs/sidecar.md`` are what the enum makes now (and a stale
 block is caught); the sidecar's table of answers in ``docs/sidecar.md`` and the literal codes
 of the server's error answers agree with the members' statuses; the sidecar counts each
-reason a record can end with in the counter (and under the label) its member names; ``tokenfair reasons`` writes
-the blocks, says when they were up to date, names ``--write`` on a file it cannot read, and
-lists every member as JSON.
+reason a record can end with in the counter (and under the label) its member names;
+``tokenfair reasons`` writes the blocks, says when they were up to date, names ``--write`` on a
+file it cannot read, and lists every member as JSON.
 """
 
 from __future__ import annotations
