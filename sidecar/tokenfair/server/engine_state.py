@@ -43,6 +43,8 @@ from typing import Any, Final
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tokenfair.core.reasons import Reason
+
 log = logging.getLogger("tokenfair.sidecar")
 
 MAX_METRICS_BYTES: Final = 8 << 20
@@ -197,9 +199,9 @@ class EngineLimits:
         return None
 
 
-ROUTE_NOT_SERVED: Final = "route_not_served"
+ROUTE_NOT_SERVED: Final = Reason.ROUTE_NOT_SERVED
 """``404`` code: the engine does not serve this route (e.g. embeddings of a generative model)."""
-CONTEXT_LENGTH_EXCEEDED: Final = "context_length_exceeded"
+CONTEXT_LENGTH_EXCEEDED: Final = Reason.CONTEXT_LENGTH_EXCEEDED
 """``400`` code (OpenAI's): the request asks for more tokens than the model's context holds."""
 
 
