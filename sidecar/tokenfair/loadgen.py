@@ -61,8 +61,8 @@ from tokenfair.core.jobs import (
     STATUS_OK,
     STATUS_SHED,
 )
-from tokenfair.records.codec import RecordLine, decision_line
 from tokenfair.core.reasons import Reason
+from tokenfair.records.codec import RecordLine, decision_line
 
 _QUEUE_REASONS: Final = frozenset(
     {SHED_QUEUE_TIMEOUT, SHED_TENANT_CONCURRENCY, SHED_TENANT_KV_SHARE}

@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, Final
 
 from tokenfair.core import Decision, Request
 from tokenfair.core.jobs import ADMITTED, CANCELLED, STATUS_CLIENT_CLOSED
-from tokenfair.records.live import NO_USAGE, Usage
 from tokenfair.core.reasons import Reason
+from tokenfair.records.live import NO_USAGE, Usage
 from tokenfair.server.accesslog import RequestFacts
 from tokenfair.server.backends import BAD_USAGE, BackendCall
 from tokenfair.server.errors import INTERNAL_ERROR

@@ -36,10 +36,10 @@ from tokenfair.core.reasons import (
     reasons_counted_in,
     update,
 )
+from tokenfair.records.codec import encode_decision
 from tokenfair.server import connections, engine_state, errors, lifecycle, proxy
 from tokenfair.server.accesslog import json_line
 from tokenfair.server.backends import base
-from tokenfair.records.codec import encode_decision
 
 DOCS = REPO_ROOT / "docs"
 SERVER = REPO_ROOT / "sidecar" / "tokenfair" / "server"

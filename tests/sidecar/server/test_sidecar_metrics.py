@@ -20,8 +20,8 @@ from sidecar_support import keyed_config
 
 from tokenfair.config import PriorityClass
 from tokenfair.core import DEFAULT_POLICY, Decision, Request, make_scheduler
-from tokenfair.records.live import Usage, encode_record, request_record
 from tokenfair.core.reasons import Reason
+from tokenfair.records.live import Usage, encode_record, request_record
 from tokenfair.server.metrics import E2E_BUCKETS_S, LATENCY_BUCKETS_S, Metrics
 
 # Bounds themselves (a value equal to ``le`` counts in that bucket), between them, 0, past the
