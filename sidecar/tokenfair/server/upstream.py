@@ -556,8 +556,9 @@ class UpstreamClient:
             connection = idle.pop()
             if connection.closed:
                 continue
-            if now - connection.idle_since > connection.idle_limit_s:
-                connection.release()  # too old to trust
+            if now - connection.idle_since >= connection.idle_limit_s:
+                # Too old to trust; a limit of 0 s is never trusted, even on a coarse clock.
+                connection.release()
                 continue
             if connection.reusable_now():
                 return connection

@@ -52,6 +52,8 @@ from tokenfair.server.engine_state import (
 )
 from tokenfair.server.runtime_settings import SidecarSettings, settings_from_section
 
+pytestmark = pytest.mark.virtual_time
+
 ServerFactory = Callable[..., Awaitable[TestServer]]
 
 VLLM_PAGE = """\

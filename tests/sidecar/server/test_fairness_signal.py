@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
+from clock_support import ManualClock
 from prometheus_client.parser import text_string_to_metric_families
 from sidecar_support import (
     CHAT,
@@ -219,6 +220,33 @@ def scrape_of(signal: FairnessSignal) -> dict[str, dict[tuple[tuple[str, str], .
     metrics = Metrics(lambda: (scheduler, False, config.version, ""))
     metrics.registry.register(FluidFairnessCollector(signal))
     return fluid_samples(metrics.render())
+
+
+async def test_the_refresh_task_refreshes_once_per_interval_of_its_clock() -> None:
+    clock = ManualClock()
+    model_ms = [0.0]
+    signal = FairnessSignal(
+        HAND_CONFIG, now_ms=lambda: model_ms[0], refresh_interval_s=1.0, clock=clock
+    )
+    task = asyncio.create_task(signal.run())
+    try:
+        await asyncio.sleep(0)  # the task waits on the clock now
+        clock.advance(0.999)
+        await asyncio.sleep(0)
+        assert signal.refreshed_at_ms is None  # not a moment early
+        model_ms[0] = 1000.0
+        assert clock.advance(0.001) == 1
+        await asyncio.sleep(0)
+        assert signal.refreshed_at_ms == 1000.0
+        model_ms[0] = 3500.0
+        assert clock.advance(2.5) == 1  # the next wait starts after the refresh: one more
+        await asyncio.sleep(0)
+        assert signal.refreshed_at_ms == 3500.0
+        assert clock.pending == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert clock.pending == 0  # a cancelled wait leaves no timer behind
 
 
 def test_a_hand_worked_case_on_a_fake_clock() -> None:

@@ -60,6 +60,8 @@ from tokenfair.server.runtime_settings import (
     settings_from_section,
 )
 
+pytestmark = pytest.mark.virtual_time
+
 EXAMPLE = REPO_ROOT / "examples" / "sidecar-standalone.yaml"
 
 
