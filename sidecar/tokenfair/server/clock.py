@@ -55,12 +55,15 @@ class EventClock(Protocol):
 
 
 def _loop_time() -> Callable[[], float]:
-    """The running loop's clock; :func:`time.monotonic` (the standard loops' clock) when the
-    clock is made outside one."""
+    """The running loop's clock: :func:`time.monotonic` itself when it is the standard loops'
+    (one call less per reading) or the clock is made outside a loop."""
     try:
-        return asyncio.get_running_loop().time
+        loop = asyncio.get_running_loop()
     except RuntimeError:
         return time.monotonic
+    if type(loop).time is asyncio.BaseEventLoop.time:  # `return time.monotonic()`
+        return time.monotonic
+    return loop.time
 
 
 class ModelClock:
