@@ -199,8 +199,7 @@ class LessonDrrScheduler(Scheduler):
                     deficits[tenant_id] = 0.0
                     at += 1
                     continue
-                # `tenant_quantum`, inline
-                deficits[tenant_id] += self._base_quantum_tokens * tenant.weight
+                deficits[tenant_id] += self.tenant_quantum(tenant)
                 in_visit = True
             if queue:
                 job = queue[0]

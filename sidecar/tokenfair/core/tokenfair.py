@@ -277,7 +277,7 @@ class TokenfairScheduler(Scheduler):
         self._credit_spend = spend
         self._kv_residency = policy.kv_residency_factor
         self._lend = policy.lend_idle_capacity
-        # `watermark * total_kv_blocks` per lane: `kv_wait_ms`'s bound, the same product.
+        # `watermark * total_kv_blocks` per lane: the blocks a lane's requests may fill.
         self._kv_limits = tuple(mark * policy.total_kv_blocks for mark in self._watermarks)
         curve = BatchingCurve.from_policy(policy)
         if curve != self._curve:
@@ -731,22 +731,12 @@ class TokenfairScheduler(Scheduler):
                 max_kv_share=tenant.max_kv_share,
             )
         # From its arrival: a replay submits the arrivals of a busy stretch when it ends.
-        queue = drr.queues[tenant_id]
-        # `_join_rank`'s first test, inline: a backlogged or indebted tenant joins at the tail.
-        join_rank = (
-            None if queue.in_active or queue.deficit_units < 0 else self._join_rank(job, now_ms)
-        )
+        join_rank = self._join_rank(job, now_ms)
         elapsed_ms = now_ms - job.arrival_ms
         turn_wait_ms = self.predicted_wait_ms(
             tenant_id, lane, service_tokens, now_ms, join_rank, job.kv_blocks
         )
-        if (
-            self.resident_blocks + self.kv_correction_blocks + job.kv_blocks - self._kv_limits[lane]
-            > 0
-        ):
-            kv_wait_ms = self.kv_wait_ms(job, now_ms)
-        else:
-            kv_wait_ms = 0.0  # it fits now (`kv_wait_ms`'s first test, inline)
+        kv_wait_ms = self.kv_wait_ms(job, now_ms)
         model_wait_ms = turn_wait_ms if turn_wait_ms > kv_wait_ms else kv_wait_ms
         waited_ms = elapsed_ms if elapsed_ms > 0.0 else 0.0
         if lane == _INTERACTIVE:
@@ -769,29 +759,16 @@ class TokenfairScheduler(Scheduler):
                 predicted_wait_ms=predicted_wait_ms,
                 max_wait_ms=wait_limit_ms,
             )
-        # Gate 4 (`_budget_gate`): its first step inline, the rest only if the budget is short.
-        bucket = tenant.bucket
-        # Its wait is the engine model's (not its budget's): a sample of the wait correction.
-        model_bound = True
-        if service_tokens > bucket.burst:
-            refusal = self._budget_gate(job, tenant, wait_limit_ms, now_ms, None)
+        # Gate 4: the rest of `_budget_gate` only if the budget is short. If it is not, the
+        # request's wait is the engine model's: a sample of the wait correction.
+        budget_wait_ms = self._budget_wait_ms(tenant, service_tokens, now_ms)
+        model_bound = budget_wait_ms is not None and not (
+            budget_wait_ms > 0.0 or budget_wait_ms > wait_limit_ms
+        )
+        if not model_bound:
+            refusal = self._budget_gate(job, tenant, wait_limit_ms, now_ms, budget_wait_ms)
             if refusal is not None:
                 return refusal
-            model_bound = False
-        else:
-            ratio = tenant.usage_ratio
-            # An integer at a ratio up to 1: the bucket compares it exactly, without rounding.
-            needed: int | float = (
-                tenant.queued_tokens * ratio + service_tokens
-                if ratio > 1.0
-                else tenant.queued_tokens + service_tokens
-            )
-            budget_wait_ms = bucket.ms_until(needed, now_ms)
-            if budget_wait_ms > 0.0 or budget_wait_ms > wait_limit_ms:
-                refusal = self._budget_gate(job, tenant, wait_limit_ms, now_ms, budget_wait_ms)
-                if refusal is not None:
-                    return refusal
-                model_bound = False
         # The expected cost in units: exact at a usage ratio of 1, else the nearest unit of
         # estimate x ratio (the one rounding: 0.5 unit + 2^-53 of the value at most, per job).
         ratio = tenant.usage_ratio
@@ -799,7 +776,7 @@ class TokenfairScheduler(Scheduler):
         job.expected_units = units
         job.expected_tokens = expected_tokens = units / _UNIT
         self._push_ahead = join_rank
-        competition.admitted(tenant_id, queue.quantum, now_ms)
+        competition.admitted(tenant_id, drr.queues[tenant_id].quantum, now_ms)
         self._lane_demand[lane].add(expected_tokens, now_ms, wait_limit_ms)
         job.lifted = join_rank is not None
         if model_bound and lane == _BATCH:
@@ -884,12 +861,7 @@ class TokenfairScheduler(Scheduler):
         ``t`` holds them until ``t + kv_residency_factor * expected / rate``, corrected to its
         actual usage when it settles. 0 if it fits now. O(r log r) in the resident requests,
         and only for a request that does not fit now."""
-        excess = (
-            self.resident_blocks
-            + self.kv_correction_blocks
-            + job.kv_blocks
-            - (self.watermark(job.lane) * self.policy.total_kv_blocks)
-        )
+        excess = self.kv_gate_blocks + job.kv_blocks - self._kv_limits[job.lane]
         if excess <= 0:
             return 0.0
         jobs = self.jobs
@@ -920,6 +892,23 @@ class TokenfairScheduler(Scheduler):
     def _kv_released(self, job: Job) -> None:
         self._kv_release_ms.pop(job.request_id, None)
 
+    @staticmethod
+    def _budget_wait_ms(tenant: TenantState, service_tokens: int, now_ms: float) -> float | None:
+        """Gate 4's first step: how long until the tenant's bucket covers its queued work (at
+        the usage ratio, if above 1) and ``service_tokens``; None if they are above the burst
+        (never coverable). The bucket is read once per admission."""
+        bucket = tenant.bucket
+        if service_tokens > bucket.burst:
+            return None
+        ratio = tenant.usage_ratio
+        # An integer at a ratio up to 1: the bucket compares it exactly, without rounding.
+        needed: int | float = (
+            tenant.queued_tokens * ratio + service_tokens
+            if ratio > 1.0
+            else tenant.queued_tokens + service_tokens
+        )
+        return bucket.ms_until(needed, now_ms)
+
     def _budget_gate(
         self,
         job: Job,
@@ -937,9 +926,7 @@ class TokenfairScheduler(Scheduler):
         passes if its queue can be served in time at the capacity that work within budget has
         left lately (``R`` minus the recent within-budget dispatch rate).
 
-        ``budget_wait_ms`` is ``bucket.ms_until(queued_tokens * max(1, usage_ratio) + cost)``
-        as :meth:`_admit` read it (the bucket is read once per admission), or None when the
-        cost is above the burst (never coverable)."""
+        ``budget_wait_ms`` is :meth:`_budget_wait_ms`, as :meth:`_admit` read it."""
         policy = self.policy
         bucket = tenant.bucket
         elapsed_ms = max(0.0, now_ms - job.arrival_ms)
@@ -1014,10 +1001,7 @@ class TokenfairScheduler(Scheduler):
             self._cheapest_batch_units = None
 
     def _eligible(self, job: Job) -> bool:
-        # `kv_fits`, inline: this runs for every head a selection looks at.
-        if (
-            self.resident_blocks + self.kv_correction_blocks + job.kv_blocks
-        ) / self._total_kv_blocks > (self._watermarks[job.lane]):
+        if not self.kv_fits(job):
             return False
         if self._lending:
             return True
@@ -1033,10 +1017,16 @@ class TokenfairScheduler(Scheduler):
         if tenant.running >= tenant.max_running:
             job.held |= HELD_CONCURRENCY
             return False
-        if (tenant.resident_blocks + job.kv_blocks) / self._total_kv_blocks > tenant.max_kv_share:
+        if self._past_kv_share(tenant, job):
             job.held |= HELD_KV_SHARE
             return False
         return self._eligible(job)
+
+    def _past_kv_share(self, tenant: TenantState, job: Job) -> bool:
+        """``job``'s blocks would take the tenant's resident blocks past ``maxKvShare``."""
+        return (tenant.resident_blocks + job.kv_blocks) / self._total_kv_blocks > (
+            tenant.max_kv_share
+        )
 
     def _held_at_expiry(self, job: Job, decision: Decision) -> None:
         """A queued request expires ``shed_tenant_concurrency`` if its tenant runs
@@ -1049,9 +1039,7 @@ class TokenfairScheduler(Scheduler):
             decision.reason = SHED_TENANT_CONCURRENCY
             observed["max_concurrent_requests"] = tenant.max_running
             observed["tenant_running_requests"] = tenant.running
-        elif (tenant.resident_blocks + job.kv_blocks) / self._total_kv_blocks > (
-            tenant.max_kv_share
-        ):
+        elif self._past_kv_share(tenant, job):
             decision.reason = SHED_TENANT_KV_SHARE
             observed["max_kv_share"] = tenant.max_kv_share
             observed["tenant_kv_share"] = round(tenant.resident_blocks / self._total_kv_blocks, 4)
@@ -1130,16 +1118,9 @@ class TokenfairScheduler(Scheduler):
             engine.start(job.request_id, expected_tokens, now_ms)
         if self._predicted_ms:  # a batch request whose wait admission sampled
             self._waited_for(job.request_id, job.lane, now_ms - job.arrival_ms, now_ms)
-        # `_record_service`, inline
-        lane = job.lane
-        memory_ms = self._memories_ms[lane]
-        served_rates = self._served[lane]
-        served = served_rates.get(job.tenant_id)
-        if served is None:
-            served = served_rates[job.tenant_id] = DemandRate()
-        served.add(expected_tokens, now_ms, memory_ms)
-        self._lane_served[lane].add(expected_tokens, now_ms, memory_ms)
+        self._record_service(job, expected_tokens, now_ms)
         if job.lifted:
+            lane = job.lane
             self._lane_lifted[lane].add(expected_tokens, now_ms, self._wait_limits[lane])
         if job.borrowed:
             return
