@@ -101,8 +101,6 @@ from tokenfair.core.shares import (
     water_level,
 )
 
-_INTERACTIVE: Final = LANE_INTERACTIVE
-_BATCH: Final = LANE_BATCH
 _UNIT: Final = UNITS_PER_TOKEN
 
 SERVICE_MEMORY_LIMITS = 10.0
@@ -400,7 +398,7 @@ class TokenfairScheduler(Scheduler):
         )
         rate = self._rate
         lane_slots = 0  # the batch lane's `batch_concurrency` on a batching engine
-        if lane == _INTERACTIVE:
+        if lane == LANE_INTERACTIVE:
             if self.queued_count[1]:  # else no batch intrusion (`ahead + 0.0`)
                 ahead += self._batch_intrusion(ahead)
         else:
@@ -500,7 +498,7 @@ class TokenfairScheduler(Scheduler):
         whoever's (a lower bound of its own next end)."""
         free_slots = self.policy.max_batch_requests - self.running
         lane_full = False  # the batch lane holds every slot the reserve and KV leave it
-        if lane == _BATCH:
+        if lane == LANE_BATCH:
             batch_free = lane_slots - self._batch_running
             if batch_free < free_slots:
                 free_slots = batch_free
@@ -540,12 +538,12 @@ class TokenfairScheduler(Scheduler):
         does not read it: a request starts whenever its blocks fit (``kv_fits``); this is the
         concurrency its lane's waits are priced at. O(1)."""
         slots = self.batch_slots(now_ms)
-        queued = self.queued_count[_BATCH]
-        blocks = self.queued_blocks[_BATCH] + kv_blocks
+        queued = self.queued_count[LANE_BATCH]
+        blocks = self.queued_blocks[LANE_BATCH] + kv_blocks
         count = queued + 1 if kv_blocks > 0 else queued
         if count == 0 or blocks <= 0:
             return slots
-        kv_slots = math.floor(self._kv_limits[_BATCH] * count / blocks)
+        kv_slots = math.floor(self._kv_limits[LANE_BATCH] * count / blocks)
         if kv_slots < 1:
             kv_slots = 1
         return kv_slots if kv_slots < slots else slots
@@ -658,18 +656,18 @@ class TokenfairScheduler(Scheduler):
         # predicted: a later, less served joiner no longer goes before it. Ranked by the ratio
         # (bench_fairness, scenario 3, seed 3), 52 % of the batch service given between the
         # admission and the expiry of the batch requests that expired went to later joiners.
-        return ratio if lane == _INTERACTIVE else 0.0
+        return ratio if lane == LANE_INTERACTIVE else 0.0
 
     def _batch_intrusion(self, interactive_tokens: float) -> float:
         """Batch service tokens the minimum share lets run while ``interactive_tokens`` are
         served: none until the credit ``c + X * s / (1 - s)`` covers the cheapest batch head,
         else that credit plus one head — the front's of the batch ring, the one its round robin
         sends next, if dearer than the cheapest (a due head may cost more than the credit)."""
-        if not self.queued_count[_BATCH]:
+        if not self.queued_count[LANE_BATCH]:
             return 0.0
         cheapest_units = self._cheapest_batch_units
         if cheapest_units is None:
-            cheapest_units = self._cheapest_batch_units = self._lanes[_BATCH].min_head_units()
+            cheapest_units = self._cheapest_batch_units = self._lanes[LANE_BATCH].min_head_units()
             if cheapest_units is None:
                 return 0.0
         cheapest = cheapest_units / _UNIT
@@ -683,7 +681,7 @@ class TokenfairScheduler(Scheduler):
         # Due: the batch lane sends the head its round robin picks, which is the front's
         # (usually), not the cheapest one.
         head = cheapest
-        active = self._lanes[_BATCH].active
+        active = self._lanes[LANE_BATCH].active
         if active:
             front = active[0].head()
             if front is not None and front.expected_tokens > head:
@@ -739,7 +737,7 @@ class TokenfairScheduler(Scheduler):
         kv_wait_ms = self.kv_wait_ms(job, now_ms)
         model_wait_ms = turn_wait_ms if turn_wait_ms > kv_wait_ms else kv_wait_ms
         waited_ms = elapsed_ms if elapsed_ms > 0.0 else 0.0
-        if lane == _INTERACTIVE:
+        if lane == LANE_INTERACTIVE:
             predicted_wait_ms = waited_ms + model_wait_ms
         else:
             # The batch lane: the model's wait times how much longer the lane's requests have
@@ -779,11 +777,11 @@ class TokenfairScheduler(Scheduler):
         competition.admitted(tenant_id, drr.queues[tenant_id].quantum, now_ms)
         self._lane_demand[lane].add(expected_tokens, now_ms, wait_limit_ms)
         job.lifted = join_rank is not None
-        if model_bound and lane == _BATCH:
+        if model_bound and lane == LANE_BATCH:
             sampled_ms = waited_ms + model_wait_ms
             self._predicted_ms[job.request_id] = sampled_ms
             self._admitted_order[lane].append((job.request_id, job.arrival_ms, sampled_ms))
-        if lane == _INTERACTIVE:
+        if lane == LANE_INTERACTIVE:
             if self._tenant_limits and tenant.running + tenant.queued >= tenant.max_running:
                 job.held |= DEMAND_AT_DISPATCH  # counted when it can run (`batch_slots`)
             else:
@@ -996,7 +994,7 @@ class TokenfairScheduler(Scheduler):
         if not drr.backlogged(tenant_id):
             self._competition[lane].drained(tenant_id)
         # Called before the totals drop the job: the batch lane empties if this is its last job.
-        if self.queued_count[_BATCH] == int(lane == _BATCH):
+        if self.queued_count[LANE_BATCH] == int(lane == LANE_BATCH):
             self._batch_credit_scaled = 0
             self._cheapest_batch_units = None
 
@@ -1104,7 +1102,7 @@ class TokenfairScheduler(Scheduler):
         rate = self._rate
         expected_tokens = job.expected_tokens
         self._running_expected += expected_tokens
-        if job.lane == _BATCH:
+        if job.lane == LANE_BATCH:
             self._batch_running += 1
         elif job.held & DEMAND_AT_DISPATCH:
             self._interactive_demand.add(job.service_tokens, now_ms, self._wait_limits[1])
@@ -1148,7 +1146,7 @@ class TokenfairScheduler(Scheduler):
         running_expected = self._running_expected - job.expected_tokens
         # Exactly 0 when nothing runs (float residue of the sums otherwise).
         self._running_expected = running_expected if self.running and running_expected > 0 else 0.0
-        if job.lane == _BATCH:
+        if job.lane == LANE_BATCH:
             self._batch_running -= 1
         engine = self._engine
         if engine is not None:
@@ -1268,7 +1266,7 @@ class TokenfairScheduler(Scheduler):
         # Batch work held back by the interactive reserve starts when the reserve shrinks, as
         # the interactive demand fades: time alone moves it, so the dispatcher must wake then
         # (not only at an arrival, an end or the work's own deadline, where it would expire).
-        if self._engine is not None and self.queued_count[_BATCH]:
+        if self._engine is not None and self.queued_count[LANE_BATCH]:
             grows_ms = self._batch_slots_grow_ms(now_ms)
             if grows_ms is not None and (wakeup is None or grows_ms < wakeup):
                 wakeup = grows_ms
