@@ -118,7 +118,7 @@ class TenantQueue:
 
     def head(self) -> Job | None:
         jobs = self.jobs
-        while jobs and jobs[0].state is not JobState.QUEUED:
+        while jobs and jobs[0].state is not _QUEUED:
             jobs.popleft()
         return jobs[0] if jobs else None
 
