@@ -61,12 +61,8 @@ lint: $(STAMP) ## ruff check, ruff format --check, mypy --strict
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-test: lint native ## lint, then the whole test suite (and the sidecar's tests on the interpreted core)
+test: lint native ## lint, then the whole test suite once (on the compiled core when built; tests/sidecar/native compares both cores)
 	$(BIN)/pytest
-	@if $(BIN)/tokenfair native status >/dev/null; then \
-		echo "the sidecar package's tests again, on the interpreted core (TOKENFAIR_NATIVE=0):"; \
-		TOKENFAIR_NATIVE=0 $(BIN)/pytest -q tests/sidecar; \
-	fi
 
 format: $(STAMP) ## apply ruff's formatting and safe fixes
 	$(BIN)/ruff check --fix .

@@ -48,23 +48,29 @@ from typing import NamedTuple, TypeVar
 # The oracle is a test helper (tests/ is on sys.path under pytest; here we put it there).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from lesson_bridge import DRR, NAIVE, ORACLES, oracle_inputs
-from lesson_reference import (
+from tokenfair import native
+
+# Before the core is imported, as the `tokenfair` command does: this process times the
+# compiled core when a fresh build is there (docs/native.md).
+native.activate()
+
+from lesson_bridge import DRR, NAIVE, ORACLES, oracle_inputs  # noqa: E402
+from lesson_reference import (  # noqa: E402
     OracleOutcome,
     run_service_token_drr,
 )
 
-from tokenfair import core as core_package
-from tokenfair.config import (
+from tokenfair import core as core_package  # noqa: E402
+from tokenfair.config import (  # noqa: E402
     Config,
     PolicyConfig,
     PriorityClass,
     TenantConfig,
     build_config,
 )
-from tokenfair.core import Decision, Lane, Request, make_scheduler
-from tokenfair.sim.scenarios import LESSON_TENANTS
-from tokenfair.sim.simulator import simulate
+from tokenfair.core import Decision, Lane, Request, make_scheduler  # noqa: E402
+from tokenfair.sim.scenarios import LESSON_TENANTS  # noqa: E402
+from tokenfair.sim.simulator import simulate  # noqa: E402
 
 TOKENFAIR = "tokenfair"
 RELAXED_WAIT_MS = 1e12

@@ -10,6 +10,13 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from tokenfair import native
+
+# Before any test imports the core, as the `tokenfair` command does: the suite runs on the
+# compiled core when a fresh build is there (TOKENFAIR_NATIVE=0: the interpreted one), and
+# tests/sidecar/native replays traces on both cores in subprocesses and compares the bytes.
+native.activate()
+
 pytest_plugins = [
     "kubecluster",
     "kubenode",

@@ -13,10 +13,8 @@ other (tests/test_layout.py checks):
 * :mod:`tokenfair.server` — the sidecar process (aiohttp proxy, dispatcher, backends);
 * :mod:`tokenfair.cli` and :mod:`tokenfair.commands` — the ``tokenfair`` command, one module per
   subcommand, imported only by ``cli``.
+
+Importing the package activates nothing: the compiled core (:mod:`tokenfair.native`) is
+switched on by the entry points (the ``tokenfair`` command, hence the sidecar), or by a library
+user calling ``tokenfair.native.activate()`` before importing the core.
 """
-
-from tokenfair import native as _native
-
-# Before any module of the core is imported: the compiled core if a fresh build is there
-# (tokenfair/native.py), else the interpreted one.
-_native.activate()

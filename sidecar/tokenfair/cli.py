@@ -7,7 +7,8 @@ must not pay for aiohttp, the server or loadgen. Errors a user can fix (bad conf
 bad flag) print one line to stderr and exit 2; an error of the system (``OSError``: a full disk)
 one line and exit 1; nothing prints a traceback for them.
 ``tokenfair --version`` prints the installed distribution's version (its metadata, read only
-when asked).
+when asked). :func:`main` first switches on the compiled core if a fresh build is there
+(:func:`tokenfair.native.activate`; ``import tokenfair`` does not).
 
 The console script is :func:`console`: :func:`main`, then the exit. For the subcommands of
 :data:`FAST_EXIT` it flushes stdout and stderr and ends the process with ``os._exit``, skipping
@@ -24,6 +25,7 @@ import sys
 from collections.abc import Collection, Sequence
 from typing import Any, Final, NoReturn
 
+from tokenfair import native
 from tokenfair.commands import COMMANDS, load
 from tokenfair.config import ConfigError
 
@@ -93,6 +95,9 @@ def build_parser(full: Collection[str] | None = None) -> argparse.ArgumentParser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Before any subcommand imports the core: the compiled core if a fresh build is there
+    # (tokenfair/native.py), else the interpreted one. The sidecar starts here too.
+    native.activate()
     arguments = sys.argv[1:] if argv is None else list(argv)
     command = _chosen(arguments)
     # `tokenfair`, `tokenfair --help`, a typo: the summaries suffice.

@@ -17,13 +17,19 @@ How:
   file of each module, the interpreter's extension suffix, and the SHA-256 of every source the
   compiled code was built against (:data:`HASHED`: the compiled modules and everything they
   import, since mypyc may inline another module's ``Final`` constants).
-* At the first import of :mod:`tokenfair`, :func:`activate` reads the manifest of
-  ``$TOKENFAIR_NATIVE_DIR`` (default ``<sys.prefix>/tokenfair-native``, where ``make native``
-  puts it in the venv) and, if every digest matches the sources of this installation and the
-  suffix this interpreter's, puts an import finder for those modules first on
-  ``sys.meta_path``. Otherwise — no build, a source edited since (a stale build never runs),
-  another interpreter, ``TOKENFAIR_NATIVE=0`` — the pure-Python modules are imported, as
-  always. :func:`status` says which, and why (``tokenfair native status`` prints it).
+* :func:`activate`, called by the entry points before they import the core (the ``tokenfair``
+  command in :func:`tokenfair.cli.main`, hence the sidecar it starts; the test suite's
+  ``tests/conftest.py``; the benchmarks), reads the manifest of ``$TOKENFAIR_NATIVE_DIR``
+  (default ``<sys.prefix>/tokenfair-native``, where ``make native`` puts it in the venv) and,
+  if every digest matches the sources of this installation and the suffix this interpreter's,
+  puts an import finder for those modules first on ``sys.meta_path``. Otherwise — no build, a
+  source edited since (a stale build never runs), another interpreter, ``TOKENFAIR_NATIVE=0``,
+  or a compiled module imported already (a process never mixes the two cores) — the
+  pure-Python modules are imported, as always. :func:`status` says which, and why
+  (``tokenfair native status`` prints it).
+* ``import tokenfair`` activates nothing: the operator imports ``tokenfair.config`` and does
+  not pay for the check. A library user who wants the compiled core calls
+  ``tokenfair.native.activate()`` before importing ``tokenfair.core`` or ``tokenfair.sim``.
 
 The check hashes ~0.2 MB of source once per process (under a millisecond).
 """
@@ -200,13 +206,19 @@ def check_build(directory: Path) -> tuple[dict[str, Path] | None, str]:
 
 def activate() -> Status:
     """Use the build at :func:`native_dir` if it is fresh (see the module's docstring); once per
-    process, before any compiled module is imported. Returns :func:`status`."""
+    process, before any compiled module is imported (if one is imported already, the process
+    keeps the interpreted core: it never mixes the two). Returns :func:`status`."""
     global _status
     if _status is not None:
         return _status
     directory = native_dir()
+    imported = [name for name in COMPILED if name in sys.modules]
     if os.environ.get(SWITCH_ENV) == "0":
         _status = Status(False, directory, f"{SWITCH_ENV}=0")
+        return _status
+    if imported:
+        reason = f"activated after {imported[0]} was imported (call activate() first)"
+        _status = Status(False, directory, reason)
         return _status
     try:
         files, reason = check_build(directory)
@@ -220,9 +232,15 @@ def activate() -> Status:
     return _status
 
 
+NOT_ACTIVATED: Final = "not activated (tokenfair.native.activate() was not called)"
+
+
 def status() -> Status:
-    """Whether this process uses the compiled modules (``activate`` has run at import)."""
-    return activate()
+    """Whether this process uses the compiled modules: :func:`activate`'s answer, or, if it
+    was never called, the interpreted core (:data:`NOT_ACTIVATED`)."""
+    if _status is None:
+        return Status(False, native_dir(), NOT_ACTIVATED)
+    return _status
 
 
 MARKER: Final = ".tokenfair-native"

@@ -44,8 +44,7 @@ class TokenBucket:
         self.refilled_at_ms = now_ms
 
     def refill(self, now_ms: float) -> float:
-        """Bring the level up to ``now_ms`` (a time before the last refill is a no-op).
-        :func:`refill_all` runs this step inline for every bucket at once: change both."""
+        """Bring the level up to ``now_ms`` (a time before the last refill is a no-op)."""
         elapsed_s = (now_ms - self.refilled_at_ms) / 1000.0
         if elapsed_s > 0.0:
             # min(burst, level + refill), as a conditional: the same comparison, no call
@@ -183,10 +182,7 @@ class ExactTokenBucket:
         """Milliseconds from ``now_ms`` until the level reaches ``tokens`` (0 if it has)."""
         if now_ms > self.refilled_at_ms:
             self.refill(now_ms)
-        # `_units(tokens)`, inline: this runs at every admission
-        missing = (
-            tokens * _UNIT if type(tokens) is int else round(tokens * _UNIT)
-        ) - self.level_units
+        missing = _units(tokens) - self.level_units
         return 0.0 if missing <= 0 else missing / self._rate_units_per_ms
 
     def settle(self, refund_tokens: int | float) -> None:
@@ -222,20 +218,14 @@ class HasBucket:
 
 
 def refill_all(tenants: Iterable[HasBucket], now_ms: float) -> None:
-    """``tenant.bucket.refill(now_ms)`` for each of ``tenants``: a plain :class:`TokenBucket`'s
-    refill inline (the same operations as :meth:`TokenBucket.refill`, no call per bucket), any
-    other bucket's by its own ``refill``. The lesson's policies refill every bucket at every
-    event: this is their loop, and the one copy of ``refill``'s step
-    (``tests/sidecar/core/test_core_inline_paths.py`` checks it against ``refill``)."""
+    """``tenant.bucket.refill(now_ms)`` for each of ``tenants``: the lesson's policies refill
+    every bucket at every event."""
     for tenant in tenants:
         bucket = tenant.bucket
         if type(bucket) is TokenBucket:
-            elapsed_s = (now_ms - bucket.refilled_at_ms) / 1000.0
-            if elapsed_s > 0.0:
-                cap = float(bucket.burst)
-                level = bucket.level + elapsed_s * bucket.sustained_per_second
-                bucket.level = level if level < cap else cap
-                bucket.refilled_at_ms = now_ms
+            # The same call, on the known class: compiled, a direct call (on the union type,
+            # a lookup of the method by name for each bucket at every event).
+            bucket.refill(now_ms)
         else:
             bucket.refill(now_ms)
 

@@ -118,7 +118,7 @@ class TenantQueue:
 
     def head(self) -> Job | None:
         jobs = self.jobs
-        while jobs and jobs[0].state is not JobState.QUEUED:
+        while jobs and jobs[0].state is not _QUEUED:
             jobs.popleft()
         return jobs[0] if jobs else None
 
@@ -452,19 +452,13 @@ class DeficitRoundRobin:
 
     def _pick_round_robin(self, eligible: Callable[[Job], bool]) -> Job | None:
         """The round robin's pick (the module docstring's rules)."""
-        # `_front_changed`, `TenantQueue.head`, `_credit_moved` and `_head_changed` are inline
-        # where the usual case is decided: this runs at every dispatch.
         active = self.active
         while active:
             candidates: list[TenantQueue] | None = None  # built only when a deficit falls short
             for _ in range(len(active)):
                 queue = active[0]
-                if queue.joined_ahead:
-                    self._front_changed()
-                jobs = queue.jobs
-                head = jobs[0] if jobs else None
-                if head is not None and head.state is not _QUEUED:
-                    head = queue.head()
+                self._front_changed()
+                head = queue.head()
                 if head is None:
                     # Emptied by cancellations: leave the round robin, bank nothing.
                     self._leave(queue)
@@ -480,12 +474,10 @@ class DeficitRoundRobin:
                     before = deficit
                     queue.deficit_units = deficit = deficit + queue.quantum_units
                     queue.turn_open = True
-                    self.credit_units += (deficit if deficit > 0 else 0) - (
-                        before if before > 0 else 0
-                    )
+                    self._credit_moved(before, deficit)
                 cost = head.expected_units
                 if deficit >= cost:
-                    jobs.popleft()
+                    queue.jobs.popleft()
                     queue.live -= 1
                     queue.queued_units -= cost
                     self.queued_units -= cost
@@ -494,10 +486,8 @@ class DeficitRoundRobin:
                     if self.order is not None:  # counted while the pool's store is down
                         self.order.served(queue.tenant_id, cost)
                     if queue.live:
-                        next_head = jobs[0] if jobs else None
-                        if next_head is not None and next_head.state is not _QUEUED:
-                            next_head = queue.head()
-                        if next_head is not None and self._heads_indexed:
+                        next_head = queue.head()
+                        if next_head is not None:
                             self._head_changed(next_head)
                     else:
                         self._leave(queue)

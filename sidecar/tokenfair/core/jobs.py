@@ -42,9 +42,10 @@ STATUS_CLIENT_CLOSED: Final = 499
 
 
 class Lane(IntEnum):
-    """Priority lanes, highest first. The core keeps a job's lane as a plain ``int`` of the same
-    value (``Job.lane``; :data:`LANE_INTERACTIVE`, :data:`LANE_BATCH`): compare lanes with
-    ``==``, not ``is``."""
+    """Priority lanes, highest first: the API's names for the core's one representation of a
+    lane, the plain ``int`` :data:`LANE_INTERACTIVE` or :data:`LANE_BATCH` that ``Job.lane``
+    holds and per-lane state is indexed by (a member equals its ``int``: compare lanes with
+    ``==``, not ``is``)."""
 
     INTERACTIVE = 0
     BATCH = 1

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Final
 
 from tokenfair.config import Config
 from tokenfair.core.bucket import refill_all
@@ -43,9 +42,6 @@ from tokenfair.core.jobs import (
     Job,
 )
 from tokenfair.core.scheduler import Scheduler, TenantState, shed_kv
-
-_INTERACTIVE: Final = LANE_INTERACTIVE
-_BATCH: Final = LANE_BATCH
 
 
 class RequestCountScheduler(Scheduler):
@@ -173,7 +169,7 @@ class LessonDrrScheduler(Scheduler):
         in_visit = self._in_visit
         while True:
             if lane is None:
-                lane = _INTERACTIVE if queued_count[0] else _BATCH
+                lane = LANE_INTERACTIVE if queued_count[0] else LANE_BATCH
                 if not queued_count[lane]:
                     self._round_lane = None
                     self._round_at = at
@@ -182,7 +178,7 @@ class LessonDrrScheduler(Scheduler):
                 at = 0
                 in_visit = False
                 self._round_dispatched = False
-            elif lane == _BATCH and queued_count[0]:
+            elif lane == LANE_BATCH and queued_count[0]:
                 # Interactive work arrived after a batch dispatch: the batch round ends.
                 lane = None
                 continue
@@ -199,8 +195,7 @@ class LessonDrrScheduler(Scheduler):
                     deficits[tenant_id] = 0.0
                     at += 1
                     continue
-                # `tenant_quantum`, inline
-                deficits[tenant_id] += self._base_quantum_tokens * tenant.weight
+                deficits[tenant_id] += self.tenant_quantum(tenant)
                 in_visit = True
             if queue:
                 job = queue[0]

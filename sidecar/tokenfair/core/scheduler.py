@@ -41,13 +41,11 @@ from tokenfair.core.jobs import (
     CANCELLED,
     HELD_CONCURRENCY,
     HELD_KV_SHARE,
-    LANE_INTERACTIVE,
     SHED_KV_WATERMARK,
     SHED_QUEUE_TIMEOUT,
     STATUS_CLIENT_CLOSED,
     STATUS_OK,
     STATUS_SHED,
-    UNITS_PER_TOKEN,
     Decision,
     Job,
     JobState,
@@ -523,15 +521,9 @@ class Scheduler(ABC):
         if job is None:
             return None
         tenant = self.tenants[job.tenant_id]
-        # `_unqueue`, inline
-        lane = job.lane
+        self._unqueue(job, tenant)
         service_tokens = job.service_tokens
         kv_blocks = job.kv_blocks
-        self.queued_count[lane] -= 1
-        self.queued_tokens[lane] -= service_tokens
-        self.queued_blocks[lane] -= kv_blocks
-        tenant.queued -= 1
-        tenant.queued_tokens -= service_tokens
         if self.gates_at_dispatch:
             refusal = self._dispatch_gate(job, tenant, now_ms)
             if refusal is not None:
@@ -605,19 +597,10 @@ class Scheduler(ABC):
         if actual_kv_blocks is not None:
             kv_blocks = _checked_settled("actual_kv_blocks", actual_kv_blocks)
         refund = job.service_tokens - actual
-        if refund:
+        if refund or self.settles_every_request:
             tenant = self.tenants[job.tenant_id]
             tenant.served_tokens -= refund
             self._settle(job, tenant, refund, now_ms)
-        elif self.settles_every_request:
-            tenant = self.tenants[job.tenant_id]
-            # At the estimate, expected at it, usage ratio 1: `_settle` would change nothing
-            # (its first test, inline; the policies that settle every request start with it).
-            if (
-                tenant.usage_ratio != 1.0
-                or job.expected_units != job.service_tokens * UNITS_PER_TOKEN
-            ):
-                self._settle(job, tenant, refund, now_ms)
         if self._tenant_limits:
             limited = self.tenants[job.tenant_id]
             limited.running -= 1
@@ -731,18 +714,10 @@ class Scheduler(ABC):
     # -- helpers ----------------------------------------------------------------------------
 
     def watermark(self, lane: int) -> float:
-        policy = self.policy
-        return (
-            policy.interactive_kv_watermark
-            if lane == LANE_INTERACTIVE
-            else policy.batch_kv_watermark
-        )
+        return self._watermarks[lane]
 
     def wait_limit_ms(self, lane: int) -> float:
-        policy = self.policy
-        return (
-            policy.max_interactive_wait_ms if lane == LANE_INTERACTIVE else policy.max_batch_wait_ms
-        )
+        return self._wait_limits[lane]
 
     def _unqueue(self, job: Job, tenant: TenantState) -> None:
         lane = job.lane
@@ -782,7 +757,7 @@ class Scheduler(ABC):
     def kv_fits(self, job: Job) -> bool:
         return (
             self.resident_blocks + self.kv_correction_blocks + job.kv_blocks
-        ) / self.policy.total_kv_blocks <= (self.watermark(job.lane))
+        ) / self._total_kv_blocks <= self._watermarks[job.lane]
 
     # -- policy hooks -----------------------------------------------------------------------
 

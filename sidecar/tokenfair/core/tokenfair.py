@@ -101,8 +101,6 @@ from tokenfair.core.shares import (
     water_level,
 )
 
-_INTERACTIVE: Final = LANE_INTERACTIVE
-_BATCH: Final = LANE_BATCH
 _UNIT: Final = UNITS_PER_TOKEN
 
 SERVICE_MEMORY_LIMITS = 10.0
@@ -277,7 +275,7 @@ class TokenfairScheduler(Scheduler):
         self._credit_spend = spend
         self._kv_residency = policy.kv_residency_factor
         self._lend = policy.lend_idle_capacity
-        # `watermark * total_kv_blocks` per lane: `kv_wait_ms`'s bound, the same product.
+        # `watermark * total_kv_blocks` per lane: the blocks a lane's requests may fill.
         self._kv_limits = tuple(mark * policy.total_kv_blocks for mark in self._watermarks)
         curve = BatchingCurve.from_policy(policy)
         if curve != self._curve:
@@ -400,7 +398,7 @@ class TokenfairScheduler(Scheduler):
         )
         rate = self._rate
         lane_slots = 0  # the batch lane's `batch_concurrency` on a batching engine
-        if lane == _INTERACTIVE:
+        if lane == LANE_INTERACTIVE:
             if self.queued_count[1]:  # else no batch intrusion (`ahead + 0.0`)
                 ahead += self._batch_intrusion(ahead)
         else:
@@ -500,7 +498,7 @@ class TokenfairScheduler(Scheduler):
         whoever's (a lower bound of its own next end)."""
         free_slots = self.policy.max_batch_requests - self.running
         lane_full = False  # the batch lane holds every slot the reserve and KV leave it
-        if lane == _BATCH:
+        if lane == LANE_BATCH:
             batch_free = lane_slots - self._batch_running
             if batch_free < free_slots:
                 free_slots = batch_free
@@ -540,12 +538,12 @@ class TokenfairScheduler(Scheduler):
         does not read it: a request starts whenever its blocks fit (``kv_fits``); this is the
         concurrency its lane's waits are priced at. O(1)."""
         slots = self.batch_slots(now_ms)
-        queued = self.queued_count[_BATCH]
-        blocks = self.queued_blocks[_BATCH] + kv_blocks
+        queued = self.queued_count[LANE_BATCH]
+        blocks = self.queued_blocks[LANE_BATCH] + kv_blocks
         count = queued + 1 if kv_blocks > 0 else queued
         if count == 0 or blocks <= 0:
             return slots
-        kv_slots = math.floor(self._kv_limits[_BATCH] * count / blocks)
+        kv_slots = math.floor(self._kv_limits[LANE_BATCH] * count / blocks)
         if kv_slots < 1:
             kv_slots = 1
         return kv_slots if kv_slots < slots else slots
@@ -658,18 +656,18 @@ class TokenfairScheduler(Scheduler):
         # predicted: a later, less served joiner no longer goes before it. Ranked by the ratio
         # (bench_fairness, scenario 3, seed 3), 52 % of the batch service given between the
         # admission and the expiry of the batch requests that expired went to later joiners.
-        return ratio if lane == _INTERACTIVE else 0.0
+        return ratio if lane == LANE_INTERACTIVE else 0.0
 
     def _batch_intrusion(self, interactive_tokens: float) -> float:
         """Batch service tokens the minimum share lets run while ``interactive_tokens`` are
         served: none until the credit ``c + X * s / (1 - s)`` covers the cheapest batch head,
         else that credit plus one head — the front's of the batch ring, the one its round robin
         sends next, if dearer than the cheapest (a due head may cost more than the credit)."""
-        if not self.queued_count[_BATCH]:
+        if not self.queued_count[LANE_BATCH]:
             return 0.0
         cheapest_units = self._cheapest_batch_units
         if cheapest_units is None:
-            cheapest_units = self._cheapest_batch_units = self._lanes[_BATCH].min_head_units()
+            cheapest_units = self._cheapest_batch_units = self._lanes[LANE_BATCH].min_head_units()
             if cheapest_units is None:
                 return 0.0
         cheapest = cheapest_units / _UNIT
@@ -683,7 +681,7 @@ class TokenfairScheduler(Scheduler):
         # Due: the batch lane sends the head its round robin picks, which is the front's
         # (usually), not the cheapest one.
         head = cheapest
-        active = self._lanes[_BATCH].active
+        active = self._lanes[LANE_BATCH].active
         if active:
             front = active[0].head()
             if front is not None and front.expected_tokens > head:
@@ -731,25 +729,15 @@ class TokenfairScheduler(Scheduler):
                 max_kv_share=tenant.max_kv_share,
             )
         # From its arrival: a replay submits the arrivals of a busy stretch when it ends.
-        queue = drr.queues[tenant_id]
-        # `_join_rank`'s first test, inline: a backlogged or indebted tenant joins at the tail.
-        join_rank = (
-            None if queue.in_active or queue.deficit_units < 0 else self._join_rank(job, now_ms)
-        )
+        join_rank = self._join_rank(job, now_ms)
         elapsed_ms = now_ms - job.arrival_ms
         turn_wait_ms = self.predicted_wait_ms(
             tenant_id, lane, service_tokens, now_ms, join_rank, job.kv_blocks
         )
-        if (
-            self.resident_blocks + self.kv_correction_blocks + job.kv_blocks - self._kv_limits[lane]
-            > 0
-        ):
-            kv_wait_ms = self.kv_wait_ms(job, now_ms)
-        else:
-            kv_wait_ms = 0.0  # it fits now (`kv_wait_ms`'s first test, inline)
+        kv_wait_ms = self.kv_wait_ms(job, now_ms)
         model_wait_ms = turn_wait_ms if turn_wait_ms > kv_wait_ms else kv_wait_ms
         waited_ms = elapsed_ms if elapsed_ms > 0.0 else 0.0
-        if lane == _INTERACTIVE:
+        if lane == LANE_INTERACTIVE:
             predicted_wait_ms = waited_ms + model_wait_ms
         else:
             # The batch lane: the model's wait times how much longer the lane's requests have
@@ -769,29 +757,16 @@ class TokenfairScheduler(Scheduler):
                 predicted_wait_ms=predicted_wait_ms,
                 max_wait_ms=wait_limit_ms,
             )
-        # Gate 4 (`_budget_gate`): its first step inline, the rest only if the budget is short.
-        bucket = tenant.bucket
-        # Its wait is the engine model's (not its budget's): a sample of the wait correction.
-        model_bound = True
-        if service_tokens > bucket.burst:
-            refusal = self._budget_gate(job, tenant, wait_limit_ms, now_ms, None)
+        # Gate 4: the rest of `_budget_gate` only if the budget is short. If it is not, the
+        # request's wait is the engine model's: a sample of the wait correction.
+        budget_wait_ms = self._budget_wait_ms(tenant, service_tokens, now_ms)
+        model_bound = budget_wait_ms is not None and not (
+            budget_wait_ms > 0.0 or budget_wait_ms > wait_limit_ms
+        )
+        if not model_bound:
+            refusal = self._budget_gate(job, tenant, wait_limit_ms, now_ms, budget_wait_ms)
             if refusal is not None:
                 return refusal
-            model_bound = False
-        else:
-            ratio = tenant.usage_ratio
-            # An integer at a ratio up to 1: the bucket compares it exactly, without rounding.
-            needed: int | float = (
-                tenant.queued_tokens * ratio + service_tokens
-                if ratio > 1.0
-                else tenant.queued_tokens + service_tokens
-            )
-            budget_wait_ms = bucket.ms_until(needed, now_ms)
-            if budget_wait_ms > 0.0 or budget_wait_ms > wait_limit_ms:
-                refusal = self._budget_gate(job, tenant, wait_limit_ms, now_ms, budget_wait_ms)
-                if refusal is not None:
-                    return refusal
-                model_bound = False
         # The expected cost in units: exact at a usage ratio of 1, else the nearest unit of
         # estimate x ratio (the one rounding: 0.5 unit + 2^-53 of the value at most, per job).
         ratio = tenant.usage_ratio
@@ -799,14 +774,14 @@ class TokenfairScheduler(Scheduler):
         job.expected_units = units
         job.expected_tokens = expected_tokens = units / _UNIT
         self._push_ahead = join_rank
-        competition.admitted(tenant_id, queue.quantum, now_ms)
+        competition.admitted(tenant_id, drr.queues[tenant_id].quantum, now_ms)
         self._lane_demand[lane].add(expected_tokens, now_ms, wait_limit_ms)
         job.lifted = join_rank is not None
-        if model_bound and lane == _BATCH:
+        if model_bound and lane == LANE_BATCH:
             sampled_ms = waited_ms + model_wait_ms
             self._predicted_ms[job.request_id] = sampled_ms
             self._admitted_order[lane].append((job.request_id, job.arrival_ms, sampled_ms))
-        if lane == _INTERACTIVE:
+        if lane == LANE_INTERACTIVE:
             if self._tenant_limits and tenant.running + tenant.queued >= tenant.max_running:
                 job.held |= DEMAND_AT_DISPATCH  # counted when it can run (`batch_slots`)
             else:
@@ -884,12 +859,7 @@ class TokenfairScheduler(Scheduler):
         ``t`` holds them until ``t + kv_residency_factor * expected / rate``, corrected to its
         actual usage when it settles. 0 if it fits now. O(r log r) in the resident requests,
         and only for a request that does not fit now."""
-        excess = (
-            self.resident_blocks
-            + self.kv_correction_blocks
-            + job.kv_blocks
-            - (self.watermark(job.lane) * self.policy.total_kv_blocks)
-        )
+        excess = self.kv_gate_blocks + job.kv_blocks - self._kv_limits[job.lane]
         if excess <= 0:
             return 0.0
         jobs = self.jobs
@@ -920,6 +890,23 @@ class TokenfairScheduler(Scheduler):
     def _kv_released(self, job: Job) -> None:
         self._kv_release_ms.pop(job.request_id, None)
 
+    @staticmethod
+    def _budget_wait_ms(tenant: TenantState, service_tokens: int, now_ms: float) -> float | None:
+        """Gate 4's first step: how long until the tenant's bucket covers its queued work (at
+        the usage ratio, if above 1) and ``service_tokens``; None if they are above the burst
+        (never coverable). The bucket is read once per admission."""
+        bucket = tenant.bucket
+        if service_tokens > bucket.burst:
+            return None
+        ratio = tenant.usage_ratio
+        # An integer at a ratio up to 1: the bucket compares it exactly, without rounding.
+        needed: int | float = (
+            tenant.queued_tokens * ratio + service_tokens
+            if ratio > 1.0
+            else tenant.queued_tokens + service_tokens
+        )
+        return bucket.ms_until(needed, now_ms)
+
     def _budget_gate(
         self,
         job: Job,
@@ -937,9 +924,7 @@ class TokenfairScheduler(Scheduler):
         passes if its queue can be served in time at the capacity that work within budget has
         left lately (``R`` minus the recent within-budget dispatch rate).
 
-        ``budget_wait_ms`` is ``bucket.ms_until(queued_tokens * max(1, usage_ratio) + cost)``
-        as :meth:`_admit` read it (the bucket is read once per admission), or None when the
-        cost is above the burst (never coverable)."""
+        ``budget_wait_ms`` is :meth:`_budget_wait_ms`, as :meth:`_admit` read it."""
         policy = self.policy
         bucket = tenant.bucket
         elapsed_ms = max(0.0, now_ms - job.arrival_ms)
@@ -1009,15 +994,12 @@ class TokenfairScheduler(Scheduler):
         if not drr.backlogged(tenant_id):
             self._competition[lane].drained(tenant_id)
         # Called before the totals drop the job: the batch lane empties if this is its last job.
-        if self.queued_count[_BATCH] == int(lane == _BATCH):
+        if self.queued_count[LANE_BATCH] == int(lane == LANE_BATCH):
             self._batch_credit_scaled = 0
             self._cheapest_batch_units = None
 
     def _eligible(self, job: Job) -> bool:
-        # `kv_fits`, inline: this runs for every head a selection looks at.
-        if (
-            self.resident_blocks + self.kv_correction_blocks + job.kv_blocks
-        ) / self._total_kv_blocks > (self._watermarks[job.lane]):
+        if not self.kv_fits(job):
             return False
         if self._lending:
             return True
@@ -1033,10 +1015,16 @@ class TokenfairScheduler(Scheduler):
         if tenant.running >= tenant.max_running:
             job.held |= HELD_CONCURRENCY
             return False
-        if (tenant.resident_blocks + job.kv_blocks) / self._total_kv_blocks > tenant.max_kv_share:
+        if self._past_kv_share(tenant, job):
             job.held |= HELD_KV_SHARE
             return False
         return self._eligible(job)
+
+    def _past_kv_share(self, tenant: TenantState, job: Job) -> bool:
+        """``job``'s blocks would take the tenant's resident blocks past ``maxKvShare``."""
+        return (tenant.resident_blocks + job.kv_blocks) / self._total_kv_blocks > (
+            tenant.max_kv_share
+        )
 
     def _held_at_expiry(self, job: Job, decision: Decision) -> None:
         """A queued request expires ``shed_tenant_concurrency`` if its tenant runs
@@ -1049,9 +1037,7 @@ class TokenfairScheduler(Scheduler):
             decision.reason = SHED_TENANT_CONCURRENCY
             observed["max_concurrent_requests"] = tenant.max_running
             observed["tenant_running_requests"] = tenant.running
-        elif (tenant.resident_blocks + job.kv_blocks) / self._total_kv_blocks > (
-            tenant.max_kv_share
-        ):
+        elif self._past_kv_share(tenant, job):
             decision.reason = SHED_TENANT_KV_SHARE
             observed["max_kv_share"] = tenant.max_kv_share
             observed["tenant_kv_share"] = round(tenant.resident_blocks / self._total_kv_blocks, 4)
@@ -1116,7 +1102,7 @@ class TokenfairScheduler(Scheduler):
         rate = self._rate
         expected_tokens = job.expected_tokens
         self._running_expected += expected_tokens
-        if job.lane == _BATCH:
+        if job.lane == LANE_BATCH:
             self._batch_running += 1
         elif job.held & DEMAND_AT_DISPATCH:
             self._interactive_demand.add(job.service_tokens, now_ms, self._wait_limits[1])
@@ -1130,16 +1116,9 @@ class TokenfairScheduler(Scheduler):
             engine.start(job.request_id, expected_tokens, now_ms)
         if self._predicted_ms:  # a batch request whose wait admission sampled
             self._waited_for(job.request_id, job.lane, now_ms - job.arrival_ms, now_ms)
-        # `_record_service`, inline
-        lane = job.lane
-        memory_ms = self._memories_ms[lane]
-        served_rates = self._served[lane]
-        served = served_rates.get(job.tenant_id)
-        if served is None:
-            served = served_rates[job.tenant_id] = DemandRate()
-        served.add(expected_tokens, now_ms, memory_ms)
-        self._lane_served[lane].add(expected_tokens, now_ms, memory_ms)
+        self._record_service(job, expected_tokens, now_ms)
         if job.lifted:
+            lane = job.lane
             self._lane_lifted[lane].add(expected_tokens, now_ms, self._wait_limits[lane])
         if job.borrowed:
             return
@@ -1167,7 +1146,7 @@ class TokenfairScheduler(Scheduler):
         running_expected = self._running_expected - job.expected_tokens
         # Exactly 0 when nothing runs (float residue of the sums otherwise).
         self._running_expected = running_expected if self.running and running_expected > 0 else 0.0
-        if job.lane == _BATCH:
+        if job.lane == LANE_BATCH:
             self._batch_running -= 1
         engine = self._engine
         if engine is not None:
@@ -1287,7 +1266,7 @@ class TokenfairScheduler(Scheduler):
         # Batch work held back by the interactive reserve starts when the reserve shrinks, as
         # the interactive demand fades: time alone moves it, so the dispatcher must wake then
         # (not only at an arrival, an end or the work's own deadline, where it would expire).
-        if self._engine is not None and self.queued_count[_BATCH]:
+        if self._engine is not None and self.queued_count[LANE_BATCH]:
             grows_ms = self._batch_slots_grow_ms(now_ms)
             if grows_ms is not None and (wakeup is None or grows_ms < wakeup):
                 wakeup = grows_ms

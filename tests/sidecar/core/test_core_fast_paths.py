@@ -114,8 +114,8 @@ def replay_all(config: Config, requests: list[Request]) -> dict[str, list[Decisi
 
 @pytest.mark.skipif(
     native.status().active,
-    reason="patches a module constant that the compiled core has inlined: `make test` runs "
-    "this file again with TOKENFAIR_NATIVE=0",
+    reason="patches a module constant that the compiled core has inlined: "
+    "tests/sidecar/native runs it on the interpreted core",
 )
 @settings(max_examples=40, deadline=None)
 @given(REQUESTS)

@@ -14,8 +14,7 @@ path. Behaviours under test:
   on and off and batch minimum shares from 0 to 0.5, for the lesson DRR and ``tokenfair``;
 * at the end the policies' state is equal too: bucket levels, the ``DemandRate`` averages,
   the DRR deficits and usage ratios;
-* ``bucket.refill_all`` (the one inline copy of ``TokenBucket.refill``'s step) does what
-  ``refill`` of each bucket does (plain buckets inline, any other by its own method);
+* ``bucket.refill_all`` does what ``refill`` of each bucket does (plain buckets and others);
 * ``report.percentiles`` gives what ``percentile`` gave, one sort for several ranks.
 """
 
@@ -374,7 +373,7 @@ def end_state(scheduler: Scheduler) -> dict[str, Any]:
 @pytest.mark.skipif(
     native.status().active,
     reason="the reference subclasses are interpreted classes, which cannot subclass the compiled "
-    "core: `make test` runs this file again with TOKENFAIR_NATIVE=0",
+    "core: tests/sidecar/native runs it on the interpreted core",
 )
 @settings(max_examples=60, deadline=None)
 @given(ROWS, st.booleans(), st.sampled_from([0.0, 0.1, 0.3, 0.5]), st.sampled_from([420.0, 90.0]))

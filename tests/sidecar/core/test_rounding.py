@@ -3,6 +3,11 @@
 Behaviours under test: the same float (compared by ``float.hex``, so the sign of a zero counts)
 for decimal ties and their neighbours one ulp away, values across the fast path's bound, signed
 zeros, small negatives, NaN and infinities, and random floats of every magnitude (hypothesis).
+
+One test case per distinct behaviour: a tie that rounds up, one that rounds down (binary
+``x.xx5`` is below or above the decimal), each sign, the first ties either side of zero (a zero
+result keeps the sign), ties at the fast path's bound; the brute-force grid of every
+third-decimal tie in [-2, 2) is one case (it was 800), as are the two random searches.
 """
 
 from __future__ import annotations
@@ -24,8 +29,14 @@ def same(value: float) -> None:
         assert got.hex() == expected.hex(), (value, got, expected)
 
 
-TIES = [n / 1000.0 for n in range(-2000, 2000, 5)] + [
-    0.125,
+TIES = [
+    -1.005,  # negative, the binary value below the decimal tie
+    -0.015,
+    -0.005,  # the first ties either side of zero: a zero result keeps its sign
+    0.005,
+    0.015,
+    0.125,  # exact binary ties: half to even, down then up
+    0.375,
     0.375,
     2.675,
     1.005,
@@ -42,6 +53,13 @@ TIES = [n / 1000.0 for n in range(-2000, 2000, 5)] + [
 def test_decimal_ties_and_their_neighbours(tie: float) -> None:
     for value in (tie, math.nextafter(tie, -math.inf), math.nextafter(tie, math.inf)):
         same(value)
+
+
+def test_every_third_decimal_tie_in_two_units_either_side_of_zero() -> None:
+    for n in range(-2000, 2000, 5):
+        tie = n / 1000.0
+        for value in (tie, math.nextafter(tie, -math.inf), math.nextafter(tie, math.inf)):
+            same(value)
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from repo_paths import REPO_ROOT
 
 from tokenfair import native
 
@@ -393,6 +394,7 @@ def test_a_fault_in_the_check_leaves_the_interpreted_core(monkeypatch: pytest.Mo
         raise ValueError("a manifest nobody foresaw")
 
     monkeypatch.setattr(native, "_status", None)
+    monkeypatch.setattr(native, "COMPILED", ("tokenfair.core.never_imported",))
     monkeypatch.setattr(native, "check_build", broken)
     monkeypatch.delenv(native.SWITCH_ENV, raising=False)
     finders = list(sys.meta_path)
@@ -406,10 +408,13 @@ def test_a_fault_in_the_check_leaves_the_interpreted_core(monkeypatch: pytest.Mo
 # -- a real build, in real processes ------------------------------------------------------------
 
 
-def _loaded_file(env: dict[str, str], cwd: Path) -> tuple[str, str]:
-    """What a fresh interpreter imports for ``tokenfair.core.drr``, and its native status."""
+def _loaded_file(
+    env: dict[str, str], cwd: Path, prelude: str = "import tokenfair.native as n; n.activate()"
+) -> tuple[str, str]:
+    """What a fresh interpreter imports for ``tokenfair.core.drr`` after ``prelude`` (by
+    default the entry points' activation), and its native status."""
     script = (
-        "import tokenfair.core.drr as m, tokenfair.native as n; "
+        f"{prelude}; import tokenfair.core.drr as m, tokenfair.native as n; "
         "print(m.__file__); print(n.status().describe())"
     )
     done = subprocess.run(
@@ -422,6 +427,32 @@ def _loaded_file(env: dict[str, str], cwd: Path) -> tuple[str, str]:
     )
     path, described = done.stdout.splitlines()
     return path, described
+
+
+def test_only_an_entry_point_activates_the_compiled_core(tmp_path: Path) -> None:
+    build = _build()
+    env = {native.SWITCH_ENV: "1", native.DIR_ENV: str(build)}
+    # `import tokenfair` (or its config, as the operator does) activates nothing
+    path, described = _loaded_file(env, tmp_path, prelude="import tokenfair, tokenfair.config")
+    assert path.endswith(".py")
+    assert native.NOT_ACTIVATED in described
+    # activation after a compiled module was imported keeps the process on one core
+    late = "import tokenfair.core.bucket; import tokenfair.native as n; n.activate()"
+    path, described = _loaded_file(env, tmp_path, prelude=late)
+    assert path.endswith(".py")
+    assert "activated after tokenfair.core." in described  # the package imports them all
+    # the `tokenfair` command activates it (the sidecar runs under it)
+    done = _run("native", "status", env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout
+    assert done.stdout.startswith("compiled")
+
+
+def test_the_operator_contract_does_not_load_the_native_loader(tmp_path: Path) -> None:
+    script = "import sys, tokenfair.config; print('tokenfair.native' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, check=True
+    )
+    assert done.stdout.strip() == "False"
 
 
 def test_a_stale_build_never_runs_and_the_switch_turns_a_fresh_one_off(tmp_path: Path) -> None:
@@ -566,13 +597,42 @@ def test_the_compiled_and_interpreted_cores_write_the_same_bytes(
         assert compiled == interpreted
 
 
+INTERPRETED_ONLY = (
+    "tests/sidecar/core/test_core_inline_paths.py::test_the_inline_paths_decide_and_end_as_the_reference",
+    "tests/sidecar/core/test_core_fast_paths.py::test_the_rounded_occupancy_cache_changes_no_decision",
+)
+"""Tests that skip on the compiled core: reference subclasses of the core's classes (an
+interpreted class cannot subclass a compiled one), a patched module constant (the compiled core
+has inlined it)."""
+
+
+def test_the_tests_only_the_interpreted_core_can_run_pass_on_it(tmp_path: Path) -> None:
+    if not native.status().active:
+        pytest.skip("this run is on the interpreted core: they ran in it")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *INTERPRETED_ONLY],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, native.SWITCH_ENV: "0"},
+        check=False,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert f"{len(INTERPRETED_ONLY)} passed" in done.stdout, done.stdout[-4000:]
+
+
 def _both_cores(script: str, build: Path, cwd: Path) -> list[tuple[str, str]]:
     """``script``'s standard output under the compiled core (``"1"``) and the interpreted one
-    (``"0"``), each in a fresh interpreter."""
+    (``"0"``), each in a fresh interpreter that activates the build first."""
     outputs = []
     for switch in ("1", "0"):
         done = subprocess.run(
-            [sys.executable, "-c", script],
+            [
+                sys.executable,
+                "-c",
+                f"import tokenfair.native\ntokenfair.native.activate()\n{script}",
+            ],
             capture_output=True,
             text=True,
             cwd=cwd,
