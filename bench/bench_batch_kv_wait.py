@@ -29,6 +29,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import compiled_core  # noqa: F401  (the compiled core, before the first tokenfair import)
+
 from tokenfair.config import PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Request
 from tokenfair.core.jobs import LANE_BATCH, SHED_QUEUE_TIMEOUT, STATUS_OK

@@ -81,6 +81,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import compiled_core  # noqa: F401  (the compiled core, before the first tokenfair import)
 from bench_engine_model import compare, format_comparison
 from engine_support import EngineSidecar, sidecar_in_front_of
 from sidecar_support import KEYS

@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import compiled_core  # noqa: F401  (the compiled core, before the first tokenfair import)
 import yaml
 
 from tokenfair.config import Config, apply_overrides, config_to_document, load_config

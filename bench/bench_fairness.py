@@ -122,6 +122,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Literal
 
+import compiled_core  # noqa: F401  (the compiled core, before the first tokenfair import)
 from bench_core import core_kind
 
 from tokenfair.config import (

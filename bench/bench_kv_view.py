@@ -60,6 +60,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+import compiled_core  # noqa: F401  (the compiled core, before the first tokenfair import)
 from engine_support import SIDECAR_LOG, EngineSidecar, engine_document, wait_ready
 from kubecluster import start_process, stop_process
 from loopback_support import free_ports

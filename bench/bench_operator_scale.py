@@ -65,6 +65,8 @@ from typing import Any, Final
 ROOT: Final = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # kubecluster: the control plane the tests build
 
+import compiled_core  # noqa: E402, F401  (the compiled core, before the first tokenfair import)
+
 from tokenfair.config import api_key_digest  # noqa: E402
 from tokenfair.core import make_scheduler  # noqa: E402
 from tokenfair.core.jobs import Request  # noqa: E402

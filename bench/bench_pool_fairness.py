@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
+import compiled_core  # noqa: F401  (the compiled core, before the first tokenfair import)
 from bench_pool import TENANT_HEADER, TOKENFAIR, Cluster, Sidecar, cluster, free_port, status_of
 from bench_pool import wait_port as wait_for_port
 

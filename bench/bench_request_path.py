@@ -30,6 +30,7 @@ from types import FrameType
 from typing import Any
 
 import aiohttp
+import compiled_core  # noqa: F401  (the compiled core, before the first tokenfair import)
 from aiohttp import web
 
 from tokenfair.config import (

@@ -89,6 +89,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import compiled_core  # noqa: F401  (the compiled core, before the first tokenfair import)
 from bench_core import core_kind, default_config, overloaded_trace, relaxed_config
 from lesson_bridge import DRR, oracle_inputs
 from lesson_reference import OracleRequest, lab_summary, run_service_token_drr
