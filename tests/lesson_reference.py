@@ -1,7 +1,7 @@
 """Oracle: the reference lesson's two scheduling policies, restated naively and independently.
 
 What it is for: the parity tests (``tests/sidecar/core/test_lesson_parity.py``) run it next to the
-scheduling core (``tokenfair.core.lesson`` driven by ``tokenfair.sim.simulator``) and require the
+scheduling core (``tokenfair.core.baselines`` driven by ``tokenfair.sim.simulator``) and require the
 same per-request decisions on any trace; ``bench/bench_core.py`` uses it as the baseline whose cost
 grows with the backlog. It imports nothing from the sidecar, so a bug in the core's cost model,
 clock or queues cannot hide in both.

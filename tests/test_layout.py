@@ -151,7 +151,7 @@ def test_the_operator_rule_sees_an_import_of_the_server(tmp_path: Path) -> None:
     source.write_text(
         "from tokenfair.server.remote import GENERATION_HEADER\n"
         "from tokenfair.config.wire import GENERATION_FILE\n"
-        "from .model import GROUP\n",
+        "from .views import GROUP\n",
         encoding="utf-8",
     )
     assert _operator_leaks([("tokenfair_operator.probe", source)]) == [

@@ -20,7 +20,7 @@ It speaks to the API server through three clients, each for what the others cann
   TokenReviews, the admission-time reads, and the configuration itself (kubeconfig or in-cluster
   credentials, their refresh). Kopf's client is not a public API, and its calls run on the event
   loop, where a write's wait would hold every handler.
-* **a lean GET path** (:mod:`.leanhttp`), for key Secret reads in bulk only: pipelined keep-alive
+* **a lean GET path** (:mod:`.bulk_get`), for key Secret reads in bulk only: pipelined keep-alive
   GETs over a raw socket, configured from the ``kubernetes`` client's configuration (its server,
   CA, client certificate, auth headers). Measured on the test control plane: ~0.05 ms of the
   operator's CPU per read against ~0.5 ms through the client (docs/operator.md), which is what
@@ -30,9 +30,9 @@ It speaks to the API server through three clients, each for what the others cann
 
 from .budgets import split_budgets
 from .conditions import Check, conditions_for
-from .model import PolicyView, QuotaView, configmap_name, secret_name
 from .render import KeyProblem, Rendering, Verdict, render_config
 from .status import policy_status, quota_status
+from .views import PolicyView, QuotaView, configmap_name, secret_name
 
 __all__ = [
     "Check",

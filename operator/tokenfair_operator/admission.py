@@ -28,8 +28,8 @@ from tokenfair.config import ConfigError, PolicyConfig
 from tokenfair.config.document import check_tenant_limits, parse_tenant
 
 from .kube import KubeApi
-from .model import QuotaView
 from .render import KeyLookup, render_config
+from .views import QuotaView
 
 # Sorts after any RFC 3339 timestamp: a quota being created is younger than every stored one.
 NOT_YET_CREATED = "~"

@@ -62,10 +62,10 @@ from . import events, runtime, startup, webhooks
 from .indexes import Indexes, policy_entry, quota_entry, sidecar_entry
 from .inject import POLICY_LABEL
 from .listing import linear_index_prepopulation
-from .model import GROUP, POLICY_PLURAL, QUOTA_PLURAL, VERSION, PolicyView, QuotaView, SidecarView
 from .passes import event_passes, news, prefetch_while_listing, sidecars_moved
 from .reconcile import PolicyKey
 from .settings import OperatorConfig, quiet_successes
+from .views import GROUP, POLICY_PLURAL, QUOTA_PLURAL, VERSION, PolicyView, QuotaView, SidecarView
 
 ADMIT_QUOTA_ID: Final = "admit-quota"
 ADMIT_POLICY_ID: Final = "admit-policy"
@@ -156,7 +156,7 @@ async def sidecars_by_policy(
 @kopf.on.event(GROUP, VERSION, QUOTA_PLURAL)
 async def quota_event(
     *,
-    type: str | None,
+    event: kopf.RawEvent,
     body: kopf.Body,
     namespace: str | None,
     spec: kopf.Spec,
@@ -169,14 +169,14 @@ async def quota_event(
     no handler before its listing is over: the first call says so (:mod:`.listing`)."""
     events.remember_queue()
     runtime.listing(memo).mark_complete(runtime.indexes(memo).size)
-    if news(memo, type, body):
+    if news(memo, event["type"], body):
         event_passes(memo).ask((namespace or "", str(spec.get("policyName", ""))), logger)
 
 
 @kopf.on.event(GROUP, VERSION, POLICY_PLURAL)
 async def policy_event(
     *,
-    type: str | None,
+    event: kopf.RawEvent,
     body: kopf.Body,
     namespace: str | None,
     name: str | None,
@@ -188,7 +188,7 @@ async def policy_event(
     quotas ``PolicyNotFound``; no finalizer: deletion never waits for us)."""
     events.remember_queue()
     runtime.listing(memo).mark_complete(runtime.indexes(memo).size)
-    if news(memo, type, body):
+    if news(memo, event["type"], body):
         event_passes(memo).ask((namespace or "", name or ""), logger)
 
 

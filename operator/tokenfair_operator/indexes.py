@@ -21,9 +21,9 @@ from typing import Any, Final
 import kopf
 
 from .inject import ADMIN_PORT, ADMIN_PORT_ANNOTATION, CONTAINER, POLICY_LABEL
-from .model import PolicyView, QuotaView, SidecarView
 from .reconcile import PolicyKey, Snapshot
 from .selector import ready_sidecars
+from .views import PolicyView, QuotaView, SidecarView
 
 POLICIES: Final = "policies_by_name"
 QUOTAS: Final = "quotas_by_policy"

@@ -66,8 +66,8 @@ from tokenfair.config.wire import (
     URL_ENV,
 )
 
-from .model import GROUP, configmap_name, secret_name
 from .render import PASSWORD_ENV
+from .views import GROUP, configmap_name, secret_name
 
 POLICY_LABEL: Final = f"{GROUP}/policy"
 UPSTREAM_PORT_ANNOTATION: Final = f"{GROUP}/upstream-port"

@@ -3,7 +3,7 @@
 Small on purpose: read a key Secret, publish a policy's ConfigMap and Secret (with the document's
 generation, :mod:`.documents`), patch a status subresource, and (for admission, which must not trust
 a lagging watch) read a policy and list quotas as stored now. GETs go over plain keep-alive HTTP
-where the configuration allows (:mod:`.leanhttp`: half the CPU per read), key Secrets in bulk
+where the configuration allows (:mod:`.bulk_get`: half the CPU per read), key Secrets in bulk
 pipelined (:meth:`KubeApi.key_hashes_many`: a fifth of the operator's CPU per read and two thirds
 of the API server's; the resync's at a fresh resourceVersion, :meth:`KubeApi.fresh_version`,
 as fresh as a quorum read for the cost of a cached one). Writes are conditional on
@@ -29,6 +29,7 @@ from kubernetes.client import ApiException
 
 from tokenfair.config import ConfigError, api_key_digest, document_text, loads_config
 
+from .bulk_get import LeanGetter
 from .documents import (
     GENERATION_ANNOTATION,
     GENERATION_KEY,
@@ -36,8 +37,9 @@ from .documents import (
     next_generation,
     parse_generation,
 )
-from .leanhttp import LeanGetter
-from .model import (
+from .payload import is_text
+from .render import KeyLookup, KeyProblem
+from .views import (
     CONFIG_KEY,
     GROUP,
     MANAGED_BY,
@@ -52,8 +54,6 @@ from .model import (
     configmap_name,
     secret_name,
 )
-from .payload import is_text
-from .render import KeyLookup, KeyProblem
 
 NOT_FOUND: Final = 404
 FORBIDDEN: Final = 403
@@ -110,7 +110,7 @@ class KubeApi:
         self._lean = LeanGetter.from_configuration(
             getattr(api, "configuration", None), API_TIMEOUT_S
         )
-        """Plain keep-alive GETs for reads in bulk (:mod:`.leanhttp`); None: the client's."""
+        """Plain keep-alive GETs for reads in bulk (:mod:`.bulk_get`); None: the client's."""
         self.may_write = may_write
         """Asked right before every write; the handlers set it to the elector's verdict."""
 
@@ -287,7 +287,7 @@ class KubeApi:
     ) -> dict[str, Any] | None:
         """GET ``path`` as a plain dict (None: 404); any other failure raises ApiException
         (a transport failure too, as the client's own ``ApiException``). Through
-        :mod:`.leanhttp` when the configuration allows (half the operator's CPU per read)."""
+        :mod:`.bulk_get` when the configuration allows (half the operator's CPU per read)."""
         query = [*(query or []), *([("resourceVersion", "0")] if any_version else [])]
         lean = self._lean
         if lean is None:

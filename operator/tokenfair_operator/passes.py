@@ -31,8 +31,8 @@ import kopf
 
 from . import runtime
 from .kube import NotLeader, is_conflict
-from .model import QuotaView
 from .reconcile import PolicyKey, Snapshot
+from .views import QuotaView
 
 CONFLICT_RETRIES: Final = 3
 """Passes tried when one loses a race (409 Conflict: another writer, e.g. a leader stepping
@@ -46,8 +46,8 @@ PASSES: Final = "event_passes"
 object's copy of the memo, as :mod:`.runtime` explains)."""
 
 
-def news(memo: kopf.Memo, type: str | None, body: kopf.Body) -> bool:
-    """True for an event a pass must follow: the object is new to us (``type`` None is the
+def news(memo: kopf.Memo, event_type: str | None, body: kopf.Body) -> bool:
+    """True for an event a pass must follow: the object is new to us (``event_type`` None is the
     initial listing), deleted, being deleted, or at a generation not seen yet. Recorded on
     every replica, leader or not, so a standby that takes over starts from the same place
     (and runs a full pass anyway). ``memo`` is the object's copy of the operator's memo; the
@@ -56,7 +56,7 @@ def news(memo: kopf.Memo, type: str | None, body: kopf.Body) -> bool:
     seen = runtime.generations(memo)
     meta = body.get("metadata", {})
     uid = str(meta.get("uid", ""))
-    if type == "DELETED":
+    if event_type == "DELETED":
         seen.pop(uid, None)
         return True
     state = (int(meta.get("generation", 0)), bool(meta.get("deletionTimestamp")))

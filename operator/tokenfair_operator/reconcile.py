@@ -65,7 +65,13 @@ from .conditions import SIDECARS_INJECTED, ready_reason
 from .documents import Document, DocumentStore
 from .kube import KubeApi, NotLeader, is_conflict
 from .metrics import OperatorMetrics
-from .model import (
+from .prefetch import KeyPrefetch
+from .render import KeyLookup, Rendering, render_config
+from .rollout import rollout_changed, rollout_status
+from .selector import ready_sidecars
+from .status import differs, orphan_verdict, policy_status, published_at, quota_status
+from .usage import aggregate_usage, usage_changed
+from .views import (
     POLICY_PLURAL,
     QUOTA_PLURAL,
     ObjectView,
@@ -76,12 +82,6 @@ from .model import (
     object_reference,
     secret_name,
 )
-from .prefetch import KeyPrefetch
-from .render import KeyLookup, Rendering, render_config
-from .rollout import rollout_changed, rollout_status
-from .selector import ready_sidecars
-from .status import differs, orphan_verdict, policy_status, published_at, quota_status
-from .usage import aggregate_usage, usage_changed
 
 PolicyKey = tuple[str, str]
 """(namespace, policy name)."""
@@ -95,7 +95,7 @@ IO_CONCURRENCY: Final = 16
 take :data:`READ_CONNECTIONS` of them)."""
 READ_CONNECTIONS: Final = 4
 """Connections the key Secret reads of one pass (or the resync's re-read) use at once, each a
-thread writing up to 16 GETs ahead (:mod:`.leanhttp`): a first pass over 10,000 new quotas
+thread writing up to 16 GETs ahead (:mod:`.bulk_get`): a first pass over 10,000 new quotas
 reads 10,000 key Secrets, ~0.25-0.3 ms of the API server's CPU and ~0.05-0.07 ms of ours each.
 The reads are bound by that CPU, not by round trips: 2, 4, 8 and 16 connections read 10,000 in
 the same time on the 2-core test machine; 4 x 16 requests in flight keep the API server's

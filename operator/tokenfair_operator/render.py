@@ -49,9 +49,9 @@ from tokenfair.config.budget_store import BudgetStoreConfig, parse_budget_store
 from tokenfair.config.document import check_tenant_limits
 
 from .budgets import split_budgets, split_concurrency
-from .model import CONFIG_KEY, PolicyView, QuotaView
 from .payload import oversize, pack
 from .selector import parse_selector
+from .views import CONFIG_KEY, PolicyView, QuotaView
 
 VERSION_HEX_DIGITS: Final = 16
 PASSWORD_ENV: Final = "TOKENFAIR_BUDGET_STORE_PASSWORD"

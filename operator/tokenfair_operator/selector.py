@@ -22,7 +22,7 @@ from typing import Final
 
 from tokenfair.config import ConfigError
 
-from .model import PolicyView, SidecarView
+from .views import PolicyView, SidecarView
 
 IN: Final = "In"
 NOT_IN: Final = "NotIn"

@@ -41,7 +41,7 @@ from kubernetes.client import ApiException
 from .certs import CA_KEY
 from .inject import TRUST_CONFIGMAP
 from .kube import API_TIMEOUT_S, NOT_FOUND, NotLeader
-from .model import GROUP, VERSION, PolicyView
+from .views import GROUP, VERSION, PolicyView
 
 MANAGED_BY: Final = {"app.kubernetes.io/managed-by": "tokenfair-operator"}
 RECHECK_ROUNDS: Final = 10

@@ -30,7 +30,7 @@ from .inject import (
     checked_log_level,
     checked_max_in_flight,
 )
-from .model import GROUP
+from .views import GROUP
 
 FINALIZER: Final = f"{GROUP}/finalizer"
 KOPF_OBJECTS_LOGGER: Final = "kopf.objects"

@@ -57,8 +57,8 @@ import click
 from .indexes import sidecar_entry
 from .inject import POLICY_LABEL
 from .kube import KubeApi
-from .model import GROUP, POLICY_PLURAL, QUOTA_PLURAL, VERSION, PolicyView, QuotaView, SidecarView
 from .reconcile import PolicyKey, Snapshot
+from .views import GROUP, POLICY_PLURAL, QUOTA_PLURAL, VERSION, PolicyView, QuotaView, SidecarView
 
 log = logging.getLogger("tokenfair.operator")
 

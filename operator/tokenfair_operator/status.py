@@ -25,8 +25,8 @@ from .conditions import (
     condition_for,
     conditions_for,
 )
-from .model import PolicyView, QuotaView, configmap_name, secret_name
 from .render import Rendering, Verdict
+from .views import PolicyView, QuotaView, configmap_name, secret_name
 
 POLICY_NOT_FOUND = "PolicyNotFound"
 DOCUMENT_TOO_LARGE = "DocumentTooLarge"

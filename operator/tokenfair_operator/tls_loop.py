@@ -12,9 +12,9 @@ import kopf
 
 from . import runtime
 from .indexes import Indexes
-from .model import PolicyView
 from .periodic import PeriodicRound
 from .serving_tls import ServingTLS, TrustPublisher
+from .views import PolicyView
 from .webhook_certs import CertKeeper
 
 

@@ -23,9 +23,9 @@ from .admission import policy_refusal, quota_refusal
 from .indexes import PolicyIndex
 from .inject import POLICY_LABEL, InjectionError, injected, scrape_annotations, store_password_key
 from .kube import FORBIDDEN
-from .model import PolicyView, QuotaView
 from .reconcile import PolicyKey
 from .selector import parse_selector
+from .views import PolicyView, QuotaView
 
 
 def spec_changed(review: Mapping[str, Any]) -> bool:

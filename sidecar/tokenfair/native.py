@@ -49,13 +49,13 @@ from types import ModuleType
 from typing import Final
 
 COMPILED: Final = (
+    "tokenfair.core.baselines",
     "tokenfair.core.batching",
     "tokenfair.core.bucket",
     "tokenfair.core.cost",
     "tokenfair.core.deadlines",
     "tokenfair.core.drr",
     "tokenfair.core.jobs",
-    "tokenfair.core.lesson",
     "tokenfair.core.pool_order",
     "tokenfair.core.rounding",
     "tokenfair.core.scheduler",

@@ -59,8 +59,8 @@ from tokenfair_operator.certs import (
     issue,
     trust_settle,
 )
-from tokenfair_operator.model import PolicyView
 from tokenfair_operator.serving_tls import NO_NAMESPACE_SINCE, TrustPublisher
+from tokenfair_operator.views import PolicyView
 
 T0 = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.UTC)
 SETTLE = TRUST_SETTLE

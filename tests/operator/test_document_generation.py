@@ -52,8 +52,8 @@ from tokenfair_operator.documents import (
 )
 from tokenfair_operator.kube import KubeApi
 from tokenfair_operator.metrics import OperatorMetrics
-from tokenfair_operator.model import PolicyView
 from tokenfair_operator.serve import TokenAuthenticator, create_app
+from tokenfair_operator.views import PolicyView
 
 KEY = ("ns", "pool")
 

@@ -56,7 +56,6 @@ from tokenfair.server.remote import RemoteFeed, RemoteSource
 from tokenfair_operator.certs import RENEW_BEFORE, TRUST_SETTLE, VALIDITY, ServingCerts, issue
 from tokenfair_operator.documents import Document, DocumentStore
 from tokenfair_operator.metrics import OperatorMetrics
-from tokenfair_operator.model import PolicyView
 from tokenfair_operator.serve import (
     TokenAuthenticator,
     audience_reviewer,
@@ -64,6 +63,7 @@ from tokenfair_operator.serve import (
     start_server,
 )
 from tokenfair_operator.serving_tls import ServingTLS, TrustPublisher
+from tokenfair_operator.views import PolicyView
 
 NOW = datetime.datetime(2026, 12, 1, tzinfo=datetime.UTC)
 KEY = ("ns", "pool")

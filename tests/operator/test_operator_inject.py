@@ -59,10 +59,10 @@ from tokenfair_operator.inject import (
     sidecar_runtime,
     store_password_key,
 )
-from tokenfair_operator.model import PolicyView
 from tokenfair_operator.reconcile import Reconciler
 from tokenfair_operator.render import PASSWORD_ENV
 from tokenfair_operator.settings import SIDECAR_ENV, OperatorConfig, injection_from_env
+from tokenfair_operator.views import PolicyView
 
 SETTINGS = InjectionSettings(image="registry.local/tokenfair:test")
 

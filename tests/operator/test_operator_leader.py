@@ -45,7 +45,6 @@ from tokenfair_operator.leader import (
     LeaderElector,
 )
 from tokenfair_operator.metrics import OperatorMetrics
-from tokenfair_operator.model import PolicyView
 from tokenfair_operator.serve import (
     REJECTED_TTL_S,
     REVIEW_THREADS,
@@ -54,6 +53,7 @@ from tokenfair_operator.serve import (
     TokenAuthenticator,
     create_app,
 )
+from tokenfair_operator.views import PolicyView
 
 LEASE = "tokenfair-test"
 

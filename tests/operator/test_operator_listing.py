@@ -39,9 +39,9 @@ from kopf._cogs.aiokits import aiotoggles
 from tokenfair_operator import handlers, listing, passes, resync, runtime
 from tokenfair_operator.indexes import Indexes
 from tokenfair_operator.listing import Listing
-from tokenfair_operator.model import PolicyView, QuotaView
 from tokenfair_operator.passes import PASSES, EventPasses, event_passes
 from tokenfair_operator.reconcile import Reconciler
+from tokenfair_operator.views import PolicyView, QuotaView
 
 OBJECTS = 2_000
 LOG = logging.getLogger("test")
@@ -190,6 +190,7 @@ async def test_every_event_handler_marks_the_listing_over(
     raw = {"metadata": {"uid": "u", "generation": 1, "name": "pool", "namespace": "ns"}}
     kwargs: dict[str, Any] = {
         "type": None,
+        "event": {"type": None, "object": raw},
         "body": kopf.Body(cast(Any, raw)),
         "namespace": "ns",
         "name": "pool",

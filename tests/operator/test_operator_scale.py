@@ -55,10 +55,10 @@ from tokenfair.config import MAX_DOCUMENT_BYTES, ConfigError
 from tokenfair.server.runtime_settings import loads_sidecar_file
 from tokenfair_operator import PolicyView, QuotaView, render_config
 from tokenfair_operator.kube import KubeApi, api_client
-from tokenfair_operator.model import QUOTA_PLURAL, VERSION_ANNOTATION
 from tokenfair_operator.payload import COMPRESS_ABOVE_BYTES, MAX_OBJECT_DATA_BYTES
 from tokenfair_operator.reconcile import Reconciler
 from tokenfair_operator.status import policy_status, quota_status
+from tokenfair_operator.views import QUOTA_PLURAL, VERSION_ANNOTATION
 
 QUOTAS = 1_000
 KEYS_PER_QUOTA = 16
@@ -265,7 +265,7 @@ def test_key_secrets_read_in_bulk_and_as_of_now(
     :meth:`KubeApi.fresh_version` (the resync's: served by the watch cache) sees a change
     made just before, every time. (A local watch cache is never behind, so this cannot tell
     a read at that version from one at ``0``: that the version is sent, and a 504 falls back
-    to etcd, is checked on a recording server, ``test_operator_leanhttp.py``.)"""
+    to etcd, is checked on a recording server, ``test_operator_bulk_get.py``.)"""
     ns = kube_namespace
     values = {"good": {"a": "sk-1", "b": " sk-2 "}, "empty": {"k": " "}}
     for name, data in values.items():

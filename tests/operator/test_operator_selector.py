@@ -24,7 +24,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenfair_operator import PolicyView, QuotaView, policy_status, render_config
-from tokenfair_operator.model import SidecarView
 from tokenfair_operator.selector import (
     LabelSelector,
     Requirement,
@@ -33,6 +32,7 @@ from tokenfair_operator.selector import (
     ready_sidecars,
     selected_sidecars,
 )
+from tokenfair_operator.views import SidecarView
 
 POD: dict[str, str] = {"tokenfair.io/policy": "pool", "app": "llm", "tier": "gpu"}
 TENANT = {

@@ -53,10 +53,10 @@ from tokenfair_operator.gcwindow import StartupCollection
 from tokenfair_operator.indexes import Indexes
 from tokenfair_operator.kube import KubeApi
 from tokenfair_operator.listing import Listing
-from tokenfair_operator.model import PolicyView, QuotaView
 from tokenfair_operator.passes import PASSES, EventPasses, prefetch_while_listing, run_pass
 from tokenfair_operator.reconcile import Reconciler
 from tokenfair_operator.startview import StartupView, watched_scope
+from tokenfair_operator.views import PolicyView, QuotaView
 
 LOG = logging.getLogger("test")
 NS = "ns"

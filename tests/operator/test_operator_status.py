@@ -55,12 +55,12 @@ from tokenfair_operator import (
     split_budgets,
 )
 from tokenfair_operator.kube import NotLeader
-from tokenfair_operator.model import SidecarView
 from tokenfair_operator.passes import news
 from tokenfair_operator.reconcile import Reconciler, Written
 from tokenfair_operator.render import KeyLookup
 from tokenfair_operator.resync import prune_generations
 from tokenfair_operator.status import differs, orphan_verdict
+from tokenfair_operator.views import SidecarView
 
 T1, T2 = "2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z"
 OK_A = Check("Accepted", True, "Valid", "accepted")

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Final
 
 from tokenfair.config import Config
+from tokenfair.core.baselines import LessonDrrScheduler, RequestCountScheduler
 from tokenfair.core.errors import DuplicateRequestError, SimulationStuckError, UnknownTenantError
 from tokenfair.core.jobs import Decision, Lane, Request
-from tokenfair.core.lesson import LessonDrrScheduler, RequestCountScheduler
 from tokenfair.core.scheduler import Books, Scheduler
 from tokenfair.core.tokenfair import TokenfairScheduler
 

@@ -12,7 +12,7 @@ Two implementations of that rule:
   DRR state): debits, refunds and leases are exact, and the refill has one rounding that never
   accumulates (see the class);
 * :class:`TokenBucket` keeps the lesson's float arithmetic: the reference lesson's policies
-  (:mod:`.lesson`) must decide exactly as the lab's float oracle does, rounding included.
+  (:mod:`.baselines`) must decide exactly as the lab's float oracle does, rounding included.
 
 :class:`LeasedBucket` is the exact bucket fed by leases from a pool-wide bucket instead of time.
 """

@@ -38,6 +38,7 @@ from tokenfair.config import (
     TenantConfig,
     build_config,
 )
+from tokenfair.core.baselines import LessonDrrScheduler
 from tokenfair.core.bucket import (
     Bucket,
     ExactTokenBucket,
@@ -56,7 +57,6 @@ from tokenfair.core.jobs import (
     Lane,
     Request,
 )
-from tokenfair.core.lesson import LessonDrrScheduler
 from tokenfair.core.scheduler import Scheduler, TenantState, _checked_settled, shed_kv
 from tokenfair.core.shares import DemandRate
 from tokenfair.core.tokenfair import TokenfairScheduler

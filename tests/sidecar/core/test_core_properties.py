@@ -41,9 +41,9 @@ from tokenfair.core import (
     Scheduler,
     make_scheduler,
 )
+from tokenfair.core.baselines import LessonDrrScheduler
 from tokenfair.core.cost import CostModel
 from tokenfair.core.jobs import JobState
-from tokenfair.core.lesson import LessonDrrScheduler
 from tokenfair.core.tokenfair import TokenfairScheduler
 from tokenfair.sim.simulator import simulate
 

@@ -32,7 +32,7 @@ from tokenfair.config import (
     replace_policy,
 )
 from tokenfair.core import Books, Decision, Lane, Request, UnknownTenantError
-from tokenfair.core.lesson import LessonDrrScheduler
+from tokenfair.core.baselines import LessonDrrScheduler
 from tokenfair.core.tokenfair import DEMAND_WARMUP_FLOOR, TokenfairScheduler
 from tokenfair.sim.report import summarize
 from tokenfair.sim.scenarios import noisy_neighbor, starvation

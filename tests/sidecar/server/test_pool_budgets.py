@@ -67,8 +67,8 @@ from tokenfair.core.bucket import LeasedBucket
 from tokenfair.server import load_sidecar_file
 from tokenfair.server.pool import BudgetPool
 from tokenfair.server.runtime_settings import SidecarSettings
-from tokenfair_operator.model import PolicyView, QuotaView
 from tokenfair_operator.render import PASSWORD_ENV, render_config
+from tokenfair_operator.views import PolicyView, QuotaView
 
 __all__ = ["redis_server"]  # the fixture, used by name
 

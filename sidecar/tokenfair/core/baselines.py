@@ -1,4 +1,4 @@
-"""The reference lesson's two policies, rebuilt on the core with running totals.
+"""The baselines: the reference lesson's two policies, rebuilt on the core with running totals.
 
 They make the same per-request decisions as the lesson's lab (status, reason, TTFT, queue wait)
 on any trace, so the published figures can be reproduced and compared against. The lesson's

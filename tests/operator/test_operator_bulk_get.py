@@ -1,4 +1,4 @@
-"""The operator's plain keep-alive GETs (``leanhttp.py``), against real HTTP servers.
+"""The operator's plain keep-alive GETs (``bulk_get.py``), against real HTTP servers.
 
 Behaviours: a configuration with a proxy, a TLS server name or a hostname override gets no
 getter (the client stays in charge); an ``http`` and an ``https`` host get one, the latter
@@ -34,8 +34,8 @@ import pytest
 from kubernetes import client
 from kubernetes.client import ApiException
 
+from tokenfair_operator.bulk_get import IDLE_CLOSE_S, LeanGetter, ProtocolError, _Pipe
 from tokenfair_operator.kube import KubeApi
-from tokenfair_operator.leanhttp import IDLE_CLOSE_S, LeanGetter, ProtocolError, _Pipe
 from tokenfair_operator.render import KeyLookup, KeyProblem
 
 
