@@ -40,8 +40,8 @@ Status codes the client can get from the sidecar itself (OpenAI-style error bodi
        ``shed_tenant_kv_share`` (waited past the class limit, held by the tenant's
        ``maxConcurrentRequests`` / ``maxKvShare``: :data:`TENANT_LIMIT_HEADERS` say the limit
        and where the tenant stood); with ``Retry-After``,
-       ``retry-after-ms`` and the rate-limit headers (:meth:`~tokenfair.server.state.
-       Sidecar.ratelimit_headers`)
+       ``retry-after-ms`` and the rate-limit headers (:meth:`RateLimits.headers
+       <tokenfair.server.ratelimit.RateLimits.headers>`)
 500    ``internal_error`` (the sidecar failed on the request: a bug, logged with its traceback)
 502    ``upstream_error`` (refused, reset, broken response) — ``openai`` backend; the message
        is generic, the upstream's address and errno go to the log
@@ -165,7 +165,7 @@ def _draining(sidecar: Sidecar) -> web.Response:
         503,
         "the sidecar is shutting down; retry (another replica will serve you)",
         DRAINING,
-        headers={"Retry-After": str(sidecar.retry_after_s(None))},
+        headers={"Retry-After": str(sidecar.ratelimits.retry_after_s(None))},
     )
 
 
@@ -176,21 +176,24 @@ def _drain_aborted(sidecar: Sidecar, request_id: str) -> web.Response:
         "the sidecar is shutting down and cut this request before it finished; retry (another "
         "replica will serve you)",
         DRAIN_ABORTED,
-        headers={"Retry-After": str(sidecar.retry_after_s(None)), REQUEST_ID_HEADER: request_id},
+        headers={
+            "Retry-After": str(sidecar.ratelimits.retry_after_s(None)),
+            REQUEST_ID_HEADER: request_id,
+        },
     )
 
 
 def _refusal(sidecar: Sidecar, decision: Decision, mix: tuple[int, int]) -> web.Response:
     """The ``429`` of a gate (OpenAI's shape: :func:`rate_limit_response`); ``mix`` is the
     request's ``(usage tokens, service tokens)`` for the rate-limit headers."""
-    sidecar.stamp_retry_after(decision)  # the record says what the client is told
+    sidecar.ratelimits.stamp_retry_after(decision)  # the record says what the client is told
     observed = ", ".join(f"{k}={v:g}" for k, v in decision.observed.items())
     message = f"refused by the {decision.gate} gate: {decision.reason}"
     if observed:
         message += f" ({observed})"
-    headers = sidecar.ratelimit_headers(decision.tenant_id, mix)
-    headers["Retry-After"] = str(sidecar.retry_after_s(decision))
-    headers[RETRY_AFTER_MS_HEADER] = str(sidecar.retry_after_ms(decision))
+    headers = sidecar.ratelimits.headers(decision.tenant_id, mix)
+    headers["Retry-After"] = str(sidecar.ratelimits.retry_after_s(decision))
+    headers[RETRY_AFTER_MS_HEADER] = str(sidecar.ratelimits.retry_after_ms(decision))
     headers[REQUEST_ID_HEADER] = decision.request_id
     headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
     headers.update(tenant_limit_headers(decision))
@@ -491,7 +494,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         estimated, stream = _estimate_route(sidecar, request.path, body, stream)
     except EstimateError as exc:
         return _invalid(sidecar, 400, str(exc), "invalid_value", exc.param)
-    refused = sidecar.engine_refusal(request.path, body)  # what the engine would refuse
+    refused = sidecar.engine_link.refusal(request.path, body)  # what the engine would refuse
     if refused is not None:
         return _invalid(sidecar, refused.status, refused.message, refused.code, refused.param)
     core_request = Request(
@@ -503,12 +506,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         priority,
     )
     try:
-        lifecycle = begin(sidecar, core_request)
+        lifecycle = begin(sidecar.ports, core_request)
     except UnknownTenantError:  # removed by a reload while its body was being read
         return _invalid(sidecar, 401, "the tenant of this key no longer exists", "invalid_api_key")
     except Exception:  # a bug in admission: nothing was queued; one record says so
         log.exception("request %s: admission failed in the sidecar", core_request.request_id)
-        sidecar.record(core_request, None, status_code=500, reason=INTERNAL_ERROR)
+        sidecar.outcomes.record(core_request, None, status_code=500, reason=INTERNAL_ERROR)
         return _internal_error(core_request.request_id)
     if lifecycle.phase is Phase.REFUSED:
         return _answer_refusal(sidecar, lifecycle, estimated)
@@ -533,7 +536,7 @@ def _answer_refusal(sidecar: Sidecar, lifecycle: Lifecycle, estimated: Estimate)
         met = Outcome(500, INTERNAL_ERROR)
         return _internal_error(lifecycle.request.request_id)
     finally:
-        lifecycle.complete(sidecar, met)
+        lifecycle.complete(sidecar.ports, met)
 
 
 def _internal_error(request_id: str) -> web.Response:
@@ -578,8 +581,8 @@ async def _serve(
             return _internal_error(core_request.request_id)
         if not decision.admitted:
             return _refusal(sidecar, decision, _usage_mix(sidecar, estimated))
-        sidecar.dispatched(decision)
-        headers = sidecar.ratelimit_headers(core_request.tenant_id, _usage_mix(sidecar, estimated))
+        sidecar.outcomes.dispatched(decision)
+        headers = sidecar.ratelimits.headers(core_request.tenant_id, _usage_mix(sidecar, estimated))
         headers[REQUEST_ID_HEADER] = core_request.request_id
         headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
         path = request.path
@@ -621,7 +624,7 @@ async def _serve(
             # A whole answer: the backend's work is over, so the request is settled now (its
             # slot and KV free for the next one), and the answer is written here, bounded by
             # the write timeout like a stream, not left to aiohttp to write unbounded.
-            lifecycle.settle_run(sidecar, call, first_byte_ms[0] if first_byte_ms else None)
+            lifecycle.settle_run(sidecar.ports, call, first_byte_ms[0] if first_byte_ms else None)
             await call.send(response)
         met = Outcome(response.status, call.usage_error or ADMITTED)
         return response
@@ -660,7 +663,7 @@ async def _serve(
             if call is not None:
                 call.close()
                 try:  # the view and the ratio only: never worth the request's slot
-                    sidecar.request_ended(
+                    sidecar.engine_link.request_ended(
                         core_request.request_id, core_request.prefill_tokens, call.prompt_tokens
                     )
                 except Exception:
@@ -669,7 +672,9 @@ async def _serve(
                         core_request.request_id,
                     )
         finally:  # whatever raised above: the slot and the KV reservation are released
-            lifecycle.complete(sidecar, met, call, first_byte_ms[0] if first_byte_ms else None)
+            lifecycle.complete(
+                sidecar.ports, met, call, first_byte_ms[0] if first_byte_ms else None
+            )
             if handler is not None:
                 handlers.discard(handler)
 
@@ -723,7 +728,7 @@ def _estimate_route(
 def _usage_mix(sidecar: Sidecar, estimated: Estimate) -> tuple[int, int]:
     """The request's ``(usage tokens, service tokens)``: its estimate's ``prompt + max_tokens``
     and their service tokens, the ratio that converts the tenant's service-token bucket into
-    the tokens clients count (:meth:`~tokenfair.server.state.Sidecar.
-    ratelimit_headers`)."""
+    the tokens clients count (:meth:`RateLimits.headers
+    <tokenfair.server.ratelimit.RateLimits.headers>`)."""
     prefill, decode = estimated.prefill_tokens, estimated.decode_tokens
     return prefill + decode, sidecar.scheduler.cost.service_tokens(prefill, decode)

@@ -165,8 +165,8 @@ async def _run(records: Path) -> LiveRun:
             done.set()
             await watchdog
         books = await books_when_settled(live.sidecar)
-        assert live.sidecar.record_writer is not None
-        live.sidecar.record_writer.flush()
+        assert live.sidecar.outcomes.record_writer is not None
+        live.sidecar.outcomes.record_writer.flush()
         served_tokens = {
             tenant_id: state.served_tokens
             for tenant_id, state in live.sidecar.scheduler.tenants.items()
