@@ -394,31 +394,75 @@ async def expect_continue(request: web.Request) -> web.Response | None:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+    """``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/embeddings``:
+    authenticate → read the body → estimate → admit → wait → run → answer. Each step before
+    admission answers a request it refuses (the ``web.Response`` it returns)."""
     sidecar = request.app[SIDECAR]
     arrival_ms = round(sidecar.clock.now_ms(), 3)
     if sidecar.dispatcher.draining:
         return _draining(sidecar)
-    headers = request.headers
     tenant = authenticate_request(sidecar, request)
     if tenant is None:
         return _unauthenticated(sidecar)
+    priority = _priority(sidecar, tenant, request.headers.get(PRIORITY_HEADER))
+    if isinstance(priority, web.Response):
+        return priority
+    intake = await read_body(sidecar, request)
+    if isinstance(intake, web.Response):
+        return intake
+    body, raw = intake
+    sized = _estimate_request(sidecar, request.path, body)
+    if isinstance(sized, web.Response):
+        return sized
+    estimated, stream = sized
+    core_request = Request(
+        _request_id(sidecar, request.headers.get(REQUEST_ID_HEADER)),
+        tenant.tenant_id,
+        arrival_ms,
+        estimated.prefill_tokens,
+        estimated.decode_tokens,
+        priority,
+    )
+    lifecycle = _admit(sidecar, core_request)
+    if isinstance(lifecycle, web.Response):
+        return lifecycle
+    if lifecycle.phase is Phase.REFUSED:
+        return _answer_refusal(sidecar, lifecycle, estimated)
+    return await _serve(sidecar, request, lifecycle, body, raw, stream, estimated)
+
+
+def _priority(
+    sidecar: Sidecar, tenant: TenantConfig, asked: str | None
+) -> PriorityClass | web.Response:
+    """The request's class: the tenant's, or ``batch`` if the priority header lowers it (a
+    header asking for anything else is a ``400``)."""
     priority: PriorityClass = tenant.priority_class
-    asked = headers.get(PRIORITY_HEADER)
-    if asked is not None:
-        wanted = asked.strip().lower()
-        if wanted not in PRIORITY_CLASSES or (wanted == "interactive" and priority == "batch"):
-            return _invalid(
-                sidecar,
-                400,
-                f"{PRIORITY_HEADER}: may only lower the class to batch "
-                f"(tenant class {priority}, asked {asked!r})",
-                "invalid_value",
-                PRIORITY_HEADER,
-            )
-        priority = "batch" if wanted == "batch" else priority
+    if asked is None:
+        return priority
+    wanted = asked.strip().lower()
+    if wanted not in PRIORITY_CLASSES or (wanted == "interactive" and priority == "batch"):
+        return _invalid(
+            sidecar,
+            400,
+            f"{PRIORITY_HEADER}: may only lower the class to batch "
+            f"(tenant class {priority}, asked {asked!r})",
+            "invalid_value",
+            PRIORITY_HEADER,
+        )
+    return "batch" if wanted == "batch" else priority
+
+
+async def read_body(
+    sidecar: Sidecar, request: web.Request
+) -> tuple[dict[str, Any], bytes] | web.Response:
+    """Body intake: the request's JSON object and the bytes it came in (decoded), or the
+    answer refusing it: a coding the sidecar does not decode (``415``), a body over
+    ``max_body_bytes`` sent or decoded (``413``), one slower than ``client_body_timeout_s``
+    (``408``) or whose transfer is broken (``400``; both close the connection), one that does
+    not decode as its coding says, is not UTF-8, not a JSON object or nested beyond the
+    parser (``400``), or over the JSON shape limits (``400 body_too_complex``)."""
     settings = sidecar.settings
-    coding = headers.get("Content-Encoding")
+    coding = request.headers.get("Content-Encoding")
     decoded_as = "" if coding is None or not coding.isascii() else coding.lower()
     if coding is not None and decoded_as not in DECODED_REQUEST_CODINGS:
         # Any other coding would reach the JSON parser (and the upstream) still encoded.
@@ -487,35 +531,38 @@ async def completions(request: web.Request) -> web.StreamResponse:
         check_json_shape(body, settings.max_json_depth, settings.max_json_values)
     except BodyShapeError as exc:
         return _invalid(sidecar, 400, f"{exc} (the sidecar's {exc.rule})", BODY_TOO_COMPLEX)
+    return body, raw
+
+
+def _estimate_request(
+    sidecar: Sidecar, path: str, body: dict[str, Any]
+) -> tuple[Estimate, bool] | web.Response:
+    """The request's estimate and whether it streams, or the ``400`` naming a bad field, or
+    the answer the engine would give a request it refuses for certain."""
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         return _invalid(sidecar, 400, "stream: must be a boolean", "invalid_value", "stream")
     try:
-        estimated, stream = _estimate_route(sidecar, request.path, body, stream)
+        estimated, stream = _estimate_route(sidecar, path, body, stream)
     except EstimateError as exc:
         return _invalid(sidecar, 400, str(exc), "invalid_value", exc.param)
-    refused = sidecar.engine_link.refusal(request.path, body)  # what the engine would refuse
+    refused = sidecar.engine_link.refusal(path, body)  # what the engine would refuse
     if refused is not None:
         return _invalid(sidecar, refused.status, refused.message, refused.code, refused.param)
-    core_request = Request(
-        _request_id(sidecar, headers.get(REQUEST_ID_HEADER)),
-        tenant.tenant_id,
-        arrival_ms,
-        estimated.prefill_tokens,
-        estimated.decode_tokens,
-        priority,
-    )
+    return estimated, stream
+
+
+def _admit(sidecar: Sidecar, core_request: Request) -> Lifecycle | web.Response:
+    """Admission (:func:`~tokenfair.server.lifecycle.begin`): the request's lifecycle, or the
+    answer when its tenant is gone (``401``) or admission failed (``500``, recorded)."""
     try:
-        lifecycle = begin(sidecar.ports, core_request)
+        return begin(sidecar.ports, core_request)
     except UnknownTenantError:  # removed by a reload while its body was being read
         return _invalid(sidecar, 401, "the tenant of this key no longer exists", "invalid_api_key")
     except Exception:  # a bug in admission: nothing was queued; one record says so
         log.exception("request %s: admission failed in the sidecar", core_request.request_id)
         sidecar.outcomes.record(core_request, None, status_code=500, reason=INTERNAL_ERROR)
         return _internal_error(core_request.request_id)
-    if lifecycle.phase is Phase.REFUSED:
-        return _answer_refusal(sidecar, lifecycle, estimated)
-    return await _serve(sidecar, request, lifecycle, body, raw, stream, estimated)
 
 
 def _answer_refusal(sidecar: Sidecar, lifecycle: Lifecycle, estimated: Estimate) -> web.Response:
