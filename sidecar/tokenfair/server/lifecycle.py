@@ -150,6 +150,12 @@ class OutcomeSink(Protocol):
     ) -> None: ...
 
 
+class KvHold(Protocol):
+    """The backend as a lifecycle sees it (:class:`~tokenfair.server.backends.Backend`)."""
+
+    def kv_hold_ms(self, call: BackendCall) -> float: ...
+
+
 @dataclass(frozen=True, slots=True)
 class RequestPorts:
     """What a lifecycle needs of the sidecar, and nothing else (wired by its composition root,
@@ -158,10 +164,11 @@ class RequestPorts:
     dispatcher: Slots
     now_ms: Callable[[], float]
     """Model time now (the dispatcher's clock)."""
-    kv_hold_ms: Callable[[BackendCall], float]
-    """How long after dispatch the request's KV stays held (the backend's)."""
+    backend: KvHold
+    """How long after dispatch the request's KV stays held."""
     service_tokens: Callable[[int, int], int]
-    """The service tokens of ``(prompt, completion)`` tokens, as the core prices them now."""
+    """The service tokens of ``(prompt, completion)`` tokens, as the core prices them now
+    (:meth:`Scheduler.service_tokens <tokenfair.core.scheduler.Scheduler.service_tokens>`)."""
     outcomes: OutcomeSink
 
 
@@ -383,7 +390,7 @@ class Lifecycle:
                 prompt = completion = None
                 reason = BAD_USAGE
         try:
-            kv_hold_ms = ports.kv_hold_ms(call)
+            kv_hold_ms = ports.backend.kv_hold_ms(call)
         except Exception:
             log.exception("request %s: KV hold time failed; releasing at once", request.request_id)
             kv_hold_ms = 0.0

@@ -337,9 +337,10 @@ def _request_id(sidecar: Sidecar, asked: str | None) -> str:
     """A new id, unique in the records file; a valid client ``x-request-id`` is appended to it
     (``<prefix>-<n>-<client id>``), so records can be joined with the client's own while a
     client that reuses its ids (retries, a second run) still never duplicates a record id."""
+    own = f"{sidecar.id_prefix}-{next(sidecar.id_counter):08d}"
     if asked is not None and REQUEST_ID_RE.fullmatch(asked) is not None:
-        return f"{sidecar.next_request_id()}-{asked}"
-    return sidecar.next_request_id()
+        return f"{own}-{asked}"
+    return own
 
 
 def _unauthenticated(sidecar: Sidecar) -> web.Response:

@@ -15,6 +15,7 @@ gates); the pool-wide budgets and fair shares. A request's
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 from pathlib import Path
@@ -97,18 +98,16 @@ class Sidecar:
         """The scaling signal's window (``tokenfair_demand_ratio``), fed at admission."""
         metrics.registry.register(DemandCollector(self.demand_ratios))
 
-        def service_tokens(prompt: int, completion: int) -> int:  # as the core prices now
-            return scheduler.cost.service_tokens(prompt, completion)
-
         access_log = None if settings.access_log == "off" else AccessLog(settings.access_log,
                                                                          access_writer)  # fmt: skip
-        self.outcomes = Outcomes(metrics, clock, self.fairness, self.demand, service_tokens,
-                                 access_log, self.policy_name)  # fmt: skip
+        self.outcomes = Outcomes(metrics, clock, self.fairness, self.demand,
+                                 scheduler.service_tokens, access_log,
+                                 self.policy_name)  # fmt: skip
         self.ports = RequestPorts(
             dispatcher=dispatcher,
             now_ms=clock.now_ms,
-            kv_hold_ms=lambda call: backend.kv_hold_ms(call),
-            service_tokens=service_tokens,
+            backend=backend,
+            service_tokens=scheduler.service_tokens,
             outcomes=self.outcomes,
         )
         """All a request's :class:`~tokenfair.server.lifecycle.Lifecycle` sees of the sidecar."""
@@ -144,8 +143,10 @@ class Sidecar:
         self.budget_store_notice = ""
         """Why the budgets enforced differ from the document's until a restart ("" if not):
         a reload added, removed or moved the budget store (``reload.enforceable``)."""
-        self._id_prefix = secrets.token_hex(4)
-        self._next_id = 0
+        self.id_prefix = secrets.token_hex(4)
+        self.id_counter = itertools.count(1)
+        """Request ids ``<id_prefix>-<counter:08d>``: unique per process, and across restarts
+        appending to one records file (made by the proxy)."""
         self.usage_bounds = UsageBounds(settings.model_context_tokens)
         """The bounds reported usage is checked against (the one place that holds the model's
         context window: a later, better source of it updates this object)."""
@@ -213,8 +214,3 @@ class Sidecar:
         writer = self.outcomes.record_writer
         if writer is not None:
             writer.reopen()
-
-    def next_request_id(self) -> str:
-        """Unique per process, and across restarts appending to one records file."""
-        self._next_id += 1
-        return f"{self._id_prefix}-{self._next_id:08d}"
