@@ -11,6 +11,7 @@ is served (one slot: a leak would block it) and the books return to zero.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from sidecar_support import (
 )
 
 from tokenfair.core import Decision, Request
+from tokenfair.server import lifecycle as lifecycle_module
 from tokenfair.server.lifecycle import (
     CLIENT_LEFT,
     Lifecycle,
@@ -312,3 +314,26 @@ async def test_a_core_that_cannot_dispatch_ends_its_queue_with_500s(
     ]
     lines = [r for r in caplog.records if "dispatching" in r.getMessage()]
     assert 2 <= len(lines) <= 6  # the first, the 2nd/4th/8th, the giving up: not one per retry
+
+
+# -- the lifecycle's ports: no module on the request's path reaches back to the sidecar object -----
+
+
+def test_no_module_on_the_request_path_imports_the_sidecar_object() -> None:
+    """The lifecycle, the dispatcher, the outcome sink and the rate limits see the sidecar
+    through their ports only: none imports ``tokenfair.server.state`` (not even for typing),
+    so ``dispatcher → lifecycle → state → dispatcher`` cannot close again."""
+    server = Path(lifecycle_module.__file__).parent
+    for name in ("lifecycle", "dispatcher", "outcomes", "ratelimit"):
+        tree = ast.parse((server / f"{name}.py").read_text())
+        imported = {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module is not None
+        } | {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        }
+        assert "tokenfair.server.state" not in imported, name
