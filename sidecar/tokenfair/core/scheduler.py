@@ -29,7 +29,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar, Final
+from typing import ClassVar, Final, NamedTuple
 
 from tokenfair.config import Config, TenantConfig
 from tokenfair.core.bucket import Bucket, ExactTokenBucket, HasBucket, TokenBucket
@@ -146,10 +146,10 @@ class Books:
     resident_kv_blocks: int
 
 
-@dataclass(frozen=True, slots=True)
-class BudgetView:
+class BudgetView(NamedTuple):
     """A tenant's token bucket as read at one instant (:meth:`Scheduler.budget`): its burst,
-    its level then (negative: in debt) and its sustained refill, in service tokens."""
+    its level then (negative: in debt) and its sustained refill, in service tokens (a named
+    tuple: read once per answered request, built cheaply)."""
 
     burst: int
     level: float

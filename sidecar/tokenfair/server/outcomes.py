@@ -56,7 +56,9 @@ REFUSAL_STATUSES: Final = frozenset({400, 429, 503})
 
 class Outcomes:
     """The one outcome sink of a sidecar (metrics series, per-tenant counters for ``/status``,
-    records, access log, tracing, the fairness signal and the scaling signal). Never raises."""
+    records, access log, tracing, the fairness signal and the scaling signal). Its reports of
+    admission and of an outcome never raise; :meth:`dispatched` (counted while the request is
+    served) may, and the proxy answers that request ``500 internal_error``."""
 
     def __init__(
         self,
@@ -153,6 +155,8 @@ class Outcomes:
         actual_service_tokens: int | None,
         usage: Usage,
     ) -> None:
+        """The counting step of :meth:`completed`: the lane's metrics series and the tenant's
+        counters for ``/status`` (a failure here is guarded by :meth:`completed`)."""
         tenant = request.tenant_id
         series = self._series(tenant, request.priority_class)
         counts = self.tenant_counts.get(tenant)
