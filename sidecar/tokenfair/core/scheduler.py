@@ -749,10 +749,6 @@ class Scheduler(ABC):
         level = bucket.refill(now_ms)
         return BudgetView(bucket.burst, level, bucket.sustained_per_second)
 
-    def service_tokens(self, prefill_tokens: int, decode_tokens: int) -> int:
-        """The service tokens of a usage, as the policy in force prices it."""
-        return self.cost.service_tokens(prefill_tokens, decode_tokens)
-
     def running_backlog(self) -> list[int]:
         """Per lane, the service tokens of the dispatched requests not yet settled."""
         backlog = [0, 0]

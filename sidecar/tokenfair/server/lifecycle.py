@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from tokenfair.core import Decision, Request
+from tokenfair.core.cost import CostModel
 from tokenfair.core.jobs import ADMITTED, CANCELLED, STATUS_CLIENT_CLOSED
 from tokenfair.server.accesslog import RequestFacts
 from tokenfair.server.backends import BAD_USAGE, BackendCall
@@ -150,6 +151,14 @@ class OutcomeSink(Protocol):
     ) -> None: ...
 
 
+class Pricing(Protocol):
+    """The core's pricing as a lifecycle sees it: the cost model in force (the scheduler's
+    ``cost``, replaced by a reload)."""
+
+    @property
+    def cost(self) -> CostModel: ...
+
+
 class KvHold(Protocol):
     """The backend as a lifecycle sees it (:class:`~tokenfair.server.backends.Backend`)."""
 
@@ -166,9 +175,8 @@ class RequestPorts:
     """Model time now (the dispatcher's clock)."""
     backend: KvHold
     """How long after dispatch the request's KV stays held."""
-    service_tokens: Callable[[int, int], int]
-    """The service tokens of ``(prompt, completion)`` tokens, as the core prices them now
-    (:meth:`Scheduler.service_tokens <tokenfair.core.scheduler.Scheduler.service_tokens>`)."""
+    pricing: Pricing
+    """The service tokens of ``(prompt, completion)`` tokens, as the core prices them now."""
     outcomes: OutcomeSink
 
 
@@ -328,7 +336,7 @@ class Lifecycle:
         request = self.request
         prompt, completion = call.prompt_tokens, call.completion_tokens
         try:
-            self.booked_service_tokens = ports.service_tokens(
+            self.booked_service_tokens = ports.pricing.cost.service_tokens(
                 request.prefill_tokens if prompt is None else prompt,
                 request.decode_tokens if completion is None else completion,
             )
@@ -380,7 +388,7 @@ class Lifecycle:
         reason: str | None = None
         if prompt is not None or completion is not None:  # a missing count stands in as estimated
             try:
-                actual = ports.service_tokens(
+                actual = ports.pricing.cost.service_tokens(
                     request.prefill_tokens if prompt is None else prompt,
                     request.decode_tokens if completion is None else completion,
                 )

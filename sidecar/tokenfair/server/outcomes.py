@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from tokenfair.config import PriorityClass
@@ -46,6 +45,7 @@ from tokenfair.server.tracing import RequestTracer, wall_ns_of
 
 if TYPE_CHECKING:
     from tokenfair.server.dispatcher import ModelClock
+    from tokenfair.server.lifecycle import Pricing
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -66,7 +66,7 @@ class Outcomes:
         clock: ModelClock,
         fairness: FairnessSignal,
         demand: DemandGauge,
-        service_tokens: Callable[[int, int], int],
+        pricing: Pricing,
         access_log: AccessLog | None,
         policy_name: str,
     ) -> None:
@@ -74,7 +74,7 @@ class Outcomes:
         self.clock = clock
         self.fairness = fairness
         self.demand = demand
-        self._service_tokens = service_tokens
+        self.pricing = pricing
         self.access_log = access_log
         self.policy_name = policy_name
         self.record_writer: RecordWriter | None = None
@@ -91,7 +91,8 @@ class Outcomes:
         shadow mode); the scaling signal counts what was offered. Never raises."""
         try:
             if decision is None:
-                tokens = self._service_tokens(request.prefill_tokens, request.decode_tokens)
+                cost = self.pricing.cost
+                tokens = cost.service_tokens(request.prefill_tokens, request.decode_tokens)
                 self.demand.admitted(LANE_OF[request.priority_class], tokens, self.clock.now_ms())
             else:
                 self.demand.refused(decision, self.clock.now_ms())

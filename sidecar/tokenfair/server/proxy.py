@@ -406,14 +406,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if tenant is None:
         return _unauthenticated(sidecar)
     priority = _priority(sidecar, tenant, request.headers.get(PRIORITY_HEADER))
-    if isinstance(priority, web.Response):
+    if not isinstance(priority, str):  # (not `web.Response`: an ABC, its check costs more)
         return priority
     intake = await read_body(sidecar, request)
-    if isinstance(intake, web.Response):
+    if not isinstance(intake, tuple):
         return intake
     body, raw = intake
     sized = _estimate_request(sidecar, request.path, body)
-    if isinstance(sized, web.Response):
+    if not isinstance(sized, tuple):
         return sized
     estimated, stream = sized
     core_request = Request(
@@ -425,7 +425,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         priority,
     )
     lifecycle = _admit(sidecar, core_request)
-    if isinstance(lifecycle, web.Response):
+    if not isinstance(lifecycle, Lifecycle):
         return lifecycle
     if lifecycle.phase is Phase.REFUSED:
         return _answer_refusal(sidecar, lifecycle, estimated)

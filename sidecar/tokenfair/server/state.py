@@ -100,14 +100,13 @@ class Sidecar:
 
         access_log = None if settings.access_log == "off" else AccessLog(settings.access_log,
                                                                          access_writer)  # fmt: skip
-        self.outcomes = Outcomes(metrics, clock, self.fairness, self.demand,
-                                 scheduler.service_tokens, access_log,
-                                 self.policy_name)  # fmt: skip
+        self.outcomes = Outcomes(metrics, clock, self.fairness, self.demand, scheduler,
+                                 access_log, self.policy_name)  # fmt: skip
         self.ports = RequestPorts(
             dispatcher=dispatcher,
             now_ms=clock.now_ms,
             backend=backend,
-            service_tokens=scheduler.service_tokens,
+            pricing=scheduler,
             outcomes=self.outcomes,
         )
         """All a request's :class:`~tokenfair.server.lifecycle.Lifecycle` sees of the sidecar."""
