@@ -96,6 +96,7 @@ from vllm_support import (
 from tokenfair.config import PolicyConfig, apply_overrides
 from tokenfair.config.document import replace_policy
 from tokenfair.core.cost import CostModel
+from tokenfair.records.codec import read_trace
 from tokenfair.sim.calibrate import (
     Calibration,
     CalibrationError,
@@ -105,7 +106,6 @@ from tokenfair.sim.calibrate import (
     samples_from_records,
 )
 from tokenfair.sim.concurrency import ConcurrencyProfile
-from tokenfair.sim.records import read_trace
 from tokenfair.sim.report import percentile
 
 TOKENFAIR: Final = Path(sys.executable).with_name("tokenfair")

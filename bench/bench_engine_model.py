@@ -52,9 +52,9 @@ import yaml
 from tokenfair.config import Config, apply_overrides, config_to_document, load_config
 from tokenfair.core.cost import CostModel
 from tokenfair.core.jobs import STATUS_OK
+from tokenfair.records.codec import TraceRecord, read_trace
 from tokenfair.server.runtime_settings import load_sidecar_file
 from tokenfair.sim.calibrate import Calibration, calibrate, read_outcomes
-from tokenfair.sim.records import TraceRecord, read_trace
 from tokenfair.sim.report import percentile
 from tokenfair.sim.simulator import Arrival, EngineFacts, replay
 

@@ -53,7 +53,7 @@ Ratios are lab / command (above 1: the command is faster). Each run is the best 
     .venv/bin/python bench/bench_simulate.py --records-only --tree ../old-tree   # records only
 
 **Records** (``--records``, or ``--records-only`` for that section alone): the trace reader and
-the record writers of ``sim/records.py``, in microseconds per record (best of ``--repeat``, at
+the record writers of ``records/codec.py``, in microseconds per record (best of ``--repeat``, at
 least 3; ``--records-count`` records, 100k): decoding a trace (``stream_requests``, what the
 replay reads once per policy; ``iter_trace_lines``, validated with unique ids) and encoding the
 records each writer writes (the sidecar's ``encode_record``, ``simulate --records``'
@@ -333,8 +333,8 @@ def _records_child(count: int, repeat: int) -> None:
 
     from tokenfair import loadgen
     from tokenfair.core import Decision, Request
-    from tokenfair.server.record_writer import Usage, encode_record
-    from tokenfair.sim import records
+    from tokenfair.records import codec as records
+    from tokenfair.records.live import Usage, encode_record
 
     requests, decisions, usages = [], [], []
     for i in range(count):
@@ -459,8 +459,8 @@ def _phases_child(trace: str, tenants: str, policy: str) -> None:
 
     from tokenfair.commands import simulate
     from tokenfair.config import load_tenants_file
+    from tokenfair.records.codec import TraceReading, stream_validated
     from tokenfair.sim.fairness import FairnessTally
-    from tokenfair.sim.records import TraceReading, stream_validated
     from tokenfair.sim.report import SummaryTally
     from tokenfair.sim.simulator import replay
 

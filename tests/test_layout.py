@@ -1,14 +1,17 @@
 """Architecture rules that keep the components and the packages apart.
 
 - The sidecar's package never imports Kopf, the Kubernetes client or the operator package (the
-  sidecar owns the config contract; the operator depends on it, never the reverse).
+  sidecar owns the config contract; the operator depends on it, never the reverse), and the
+  operator imports of ``tokenfair`` the config contract only (``tokenfair.config``, its wire
+  names included), never the sidecar's server, core or simulator.
 - Inside ``tokenfair`` each package imports only what is below it (read from every ``import``
   statement, function-level ones included, so a lazy import cannot hide a dependency):
   ``config`` only itself; ``core`` no asyncio, no aiohttp and nothing of ours but ``config``;
-  ``sim`` not the server, the load generator or the command line; ``loadgen`` (a client) and
-  ``server`` not each other nor the command line; only ``cli`` imports ``commands`` (whose
-  modules may import each other); ``native`` (the compiled core's loader, imported first of
-  all) nothing of ours.
+  ``records`` (the record format, a contract) nothing of ours but ``config`` and ``core``, no
+  asyncio, no aiohttp; ``sim`` not the server, the load generator or the command line;
+  ``loadgen`` (a client) and ``server`` not each other nor the command line; only ``cli``
+  imports ``commands`` (whose modules may import each other); ``native`` (the compiled core's
+  loader, imported first of all) nothing of ours.
 - Tests mirror the packages: ``tests/sidecar/<package>/`` for each package of ``tokenfair``,
   ``tests/operator/`` for ``tokenfair_operator``; no test module imports another one (shared
   helpers live in the support modules at ``tests/``).
@@ -28,12 +31,15 @@ import pytest
 from repo_paths import REPO_ROOT, TESTS_DIR
 
 PACKAGE_DIR = REPO_ROOT / "sidecar" / "tokenfair"
+OPERATOR_DIR = REPO_ROOT / "operator" / "tokenfair_operator"
+OPERATOR_MAY_IMPORT = ("tokenfair.config",)
 FORBIDDEN_IN_SIDECAR = ("kopf", "kubernetes", "tokenfair_operator")
 
 # package (first component under tokenfair) -> import prefixes its modules must not use
 FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
     "config": (
         "tokenfair.core",
+        "tokenfair.records",
         "tokenfair.sim",
         "tokenfair.loadgen",
         "tokenfair.server",
@@ -43,6 +49,16 @@ FORBIDDEN_IMPORTS: dict[str, tuple[str, ...]] = {
         "aiohttp",
     ),
     "core": (
+        "tokenfair.records",
+        "tokenfair.sim",
+        "tokenfair.loadgen",
+        "tokenfair.server",
+        "tokenfair.commands",
+        "tokenfair.cli",
+        "asyncio",
+        "aiohttp",
+    ),
+    "records": (
         "tokenfair.sim",
         "tokenfair.loadgen",
         "tokenfair.server",
@@ -105,6 +121,84 @@ def test_every_package_imports_only_what_is_below_it() -> None:
         if _leaks(imported, FORBIDDEN_IMPORTS[name.split(".")[1]])
     ]
     assert broken == []
+
+
+def _operator_modules() -> list[tuple[str, Path]]:
+    return [
+        (".".join(path.relative_to(OPERATOR_DIR.parent).with_suffix("").parts), path)
+        for path in sorted(OPERATOR_DIR.rglob("*.py"))
+    ]
+
+
+def _operator_leaks(modules: list[tuple[str, Path]]) -> list[str]:
+    return [
+        f"{name} imports {imported}"
+        for name, path in modules
+        for imported in sorted(set(_imports(name, path)))
+        if imported.startswith("tokenfair.") and not _leaks(imported, OPERATOR_MAY_IMPORT)
+    ]
+
+
+def test_the_operator_imports_only_the_config_contract() -> None:
+    modules = _operator_modules()
+    assert "tokenfair_operator.serve" in {name for name, _ in modules}
+    assert _operator_leaks(modules) == []
+
+
+def test_the_operator_rule_sees_an_import_of_the_server(tmp_path: Path) -> None:
+    # The rule's teeth: what the operator imported before the wire names moved to the contract.
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "from tokenfair.server.remote import GENERATION_HEADER\n"
+        "from tokenfair.config.wire import GENERATION_FILE\n"
+        "from .model import GROUP\n",
+        encoding="utf-8",
+    )
+    assert _operator_leaks([("tokenfair_operator.probe", source)]) == [
+        "tokenfair_operator.probe imports tokenfair.server.remote",
+        "tokenfair_operator.probe imports tokenfair.server.remote.GENERATION_HEADER",
+    ]
+
+
+@pytest.mark.parametrize("package", ["config", "records"])
+def test_the_contract_packages_have_no_import_cycle(package: str) -> None:
+    # A contract is a floor: its modules import one another in one direction only (main had
+    # config.document -> config.budget_store -> config.document, hidden in a lazy import).
+    prefix = f"tokenfair.{package}"
+    modules = {name: path for name, path in _package_modules() if _leaks(name, (prefix,))}
+    assert len(modules) > 2
+    edges = {
+        name: {
+            target
+            for imported in _imports(name, path)
+            for target in modules
+            if target != prefix and target != name and _leaks(imported, (target,))
+        }
+        for name, path in modules.items()
+    }
+    assert _cycles(edges) == []
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Every module that reaches itself, with the path back."""
+    found = []
+    for start in sorted(edges):
+        stack = [(start, [start])]
+        seen: set[str] = set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(edges.get(node, ())):
+                if nxt == start:
+                    found.append([*path, start])
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    return found
+
+
+def test_the_cycle_finder_finds_a_lazy_circle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b", "a"], ["b", "a", "b"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
 def test_only_the_command_line_imports_the_subcommands() -> None:

@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from tokenfair.server.remote import GENERATION_FILE
+from tokenfair.config.wire import GENERATION_FILE, read_generation
 
 GENERATION_ANNOTATION: Final = "tokenfair.io/config-generation"
 GENERATION_KEY: Final = GENERATION_FILE
@@ -173,9 +173,8 @@ def clock_floor() -> int:
 
 
 def parse_generation(value: object) -> int:
-    """An annotation's generation; 0 when absent or not 1 to 18 ASCII digits (the rule the
-    sidecar reads it by: a number it would refuse must not be continued from)."""
-    text = str(value).strip()
-    if not (text.isascii() and text.isdigit()) or len(text) > 18:
-        return 0
-    return int(text)
+    """An annotation's generation; 0 when absent or not what the sidecar reads as one
+    (:func:`tokenfair.config.wire.read_generation`: a number it would refuse must not be continued
+    from)."""
+    parsed = read_generation(str(value))
+    return 0 if parsed is None else parsed

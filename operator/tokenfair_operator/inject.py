@@ -55,6 +55,17 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, Final
 
+from tokenfair.config import ConfigError
+from tokenfair.config.fields import Parser, flag_number, in_flight_limit, positive
+from tokenfair.config.wire import (
+    CA_FILE_ENV,
+    CONFIG_FILE,
+    INSECURE_HTTP_ENV,
+    SOURCE_PARAM,
+    TOKEN_FILE_ENV,
+    URL_ENV,
+)
+
 from .model import GROUP, configmap_name, secret_name
 from .render import PASSWORD_ENV
 
@@ -85,7 +96,6 @@ SCRAPE_ANNOTATIONS: Final = ("prometheus.io/scrape", "prometheus.io/port", "prom
 community chart's ``kubernetes-pods`` job): one port per Pod, so a Pod that names any of them
 keeps its own choice."""
 LOG_LEVELS: Final = ("debug", "info", "warning", "error")
-MAX_IN_FLIGHT_LIMIT: Final = 100_000
 DEFAULT_TERMINATION_GRACE_S: Final = 30
 CONTAINER: Final = "tokenfair-sidecar"
 VOLUME: Final = "tokenfair-config"
@@ -299,15 +309,21 @@ def checked_log_level(value: object, where: str) -> str:
     return level.upper()
 
 
+def _sidecar_value(parse: Parser, value: object, where: str) -> Any:
+    """``value`` (an annotation's or a setting's text) read as the sidecar reads the flag it
+    becomes (:func:`tokenfair.config.fields.flag_number`, then the key's parser: one rule on
+    both sides); InjectionError naming ``where``."""
+    try:
+        return parse(where, flag_number(str(value).strip()))
+    except ConfigError as exc:
+        raise InjectionError(str(exc)) from None
+
+
 def checked_max_in_flight(value: object, where: str) -> int:
-    """``value`` as ``--max-in-flight``; InjectionError naming ``where``."""
-    text = str(value).strip()
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_IN_FLIGHT_LIMIT:
-        raise InjectionError(
-            f"{where}: must be an integer 1..{MAX_IN_FLIGHT_LIMIT}, the requests the backend "
-            f"runs at once (got {value!r})"
-        )
-    return int(text)
+    """``value`` as ``--max-in-flight`` (the sidecar's ``maxInFlight`` rule,
+    :data:`tokenfair.config.fields.in_flight_limit`: the requests the backend runs at once);
+    InjectionError naming ``where``."""
+    return int(_sidecar_value(in_flight_limit, value, where))
 
 
 DRAIN_EXIT_MARGIN_S: Final = 3.0
@@ -324,12 +340,7 @@ def checked_drain_grace_s(
     Pod's grace period (when given) is refused; within it but without
     :data:`DRAIN_EXIT_MARGIN_S` to spare, it is shortened to leave them (a Pod valid before the
     margin existed is still admitted: refusing it would stop its rollout)."""
-    try:
-        seconds = float(str(value).strip())
-    except ValueError:
-        seconds = float("nan")
-    if not seconds > 0 or seconds == float("inf"):
-        raise InjectionError(f"{where}: must be a number of seconds > 0 (got {value!r})")
+    seconds = float(_sidecar_value(positive, value, where))  # the sidecar's drainGraceSeconds
     if pod_spec is not None:
         period = _termination_grace_s(pod_spec)
         if seconds > period:
@@ -441,14 +452,15 @@ def injected(
 
 
 def _long_poll_env(base: str, policy: str, source: str) -> list[dict[str, Any]]:
-    """The sidecar's long-poll URL (``tokenfair.server.remote``): the Pod's namespace
-    comes from the downward API and is expanded by the kubelet (``$(VAR)``), since a Pod being
-    created may not carry ``metadata.namespace`` in the admission request. Over TLS, the CA
-    bundle to verify the server with; over plain HTTP (unsafe), the sidecar's consent."""
+    """The sidecar's long-poll URL (``tokenfair.server.remote``; the names both sides use are
+    ``tokenfair.config.wire``'s): the Pod's namespace comes from the downward API and is
+    expanded by the kubelet (``$(VAR)``), since a Pod being created may not carry
+    ``metadata.namespace`` in the admission request. Over TLS, the CA bundle to verify the
+    server with; over plain HTTP (unsafe), the sidecar's consent."""
     transport = (
-        {"name": "TOKENFAIR_CONFIG_CA_FILE", "value": f"{TOKEN_MOUNT_PATH}/{CA_FILE}"}
+        {"name": CA_FILE_ENV, "value": f"{TOKEN_MOUNT_PATH}/{CA_FILE}"}
         if base.startswith("https://")
-        else {"name": "TOKENFAIR_CONFIG_INSECURE_HTTP", "value": "true"}
+        else {"name": INSECURE_HTTP_ENV, "value": "true"}
     )
     return [
         {
@@ -456,11 +468,11 @@ def _long_poll_env(base: str, policy: str, source: str) -> list[dict[str, Any]]:
             "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
         },
         {
-            "name": "TOKENFAIR_CONFIG_URL",
+            "name": URL_ENV,
             "value": f"{base.rstrip('/')}/v1/config/$(TOKENFAIR_POD_NAMESPACE)/{policy}"
-            f"?source={source}",
+            f"?{SOURCE_PARAM}={source}",
         },
-        {"name": "TOKENFAIR_CONFIG_TOKEN_FILE", "value": f"{TOKEN_MOUNT_PATH}/token"},
+        {"name": TOKEN_FILE_ENV, "value": f"{TOKEN_MOUNT_PATH}/token"},
         transport,
     ]
 
@@ -508,7 +520,7 @@ def _container(
         "command": ["tokenfair"],
         "args": [
             "sidecar",
-            f"--config={MOUNT_PATH}/config.yaml",
+            f"--config={MOUNT_PATH}/{CONFIG_FILE}",
             f"--listen=0.0.0.0:{PROXY_PORT}",
             f"--admin-listen=0.0.0.0:{ADMIN_PORT}",
             "--backend=openai",

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final, Self
 
+from tokenfair.config.wire import CONFIG_FILE
+
 GROUP: Final = "tokenfair.io"
 VERSION: Final = "v1alpha1"
 API_VERSION: Final = f"{GROUP}/{VERSION}"
@@ -19,7 +21,7 @@ QUOTA_PLURAL: Final = "tenantquotas"
 POLICY_KIND: Final = "SchedulingPolicy"
 QUOTA_KIND: Final = "TenantQuota"
 
-CONFIG_KEY: Final = "config.yaml"
+CONFIG_KEY: Final = CONFIG_FILE
 """Key of the config document in the published ConfigMap and Secret."""
 VERSION_ANNOTATION: Final = f"{GROUP}/config-version"
 POLICY_LABEL: Final = f"{GROUP}/policy"

@@ -19,7 +19,9 @@ from typing import Any, Final
 
 from prometheus_client.parser import text_string_to_metric_families
 
-CONFIG_INFO: Final = "tokenfair_config_info"
+from tokenfair.config.wire import CONFIG_INFO_METRIC
+
+CONFIG_INFO: Final = CONFIG_INFO_METRIC
 
 
 def running_version(scrape: str) -> str | None:

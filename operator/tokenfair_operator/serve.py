@@ -69,14 +69,19 @@ import aiohttp
 from aiohttp import web
 from kubernetes import client
 
-from tokenfair.server.remote import GENERATION_HEADER
+from tokenfair.config.wire import (
+    GENERATION_HEADER,
+    SOURCE_PARAM,
+    VERSION_HEADER,
+    VERSION_PARAM,
+    WAIT_PARAM,
+)
 
 from .documents import SOURCES, DocumentStore, Source
 from .kube import REVIEW_TIMEOUT_S
 from .metrics import OperatorMetrics
 from .serving_tls import ServingTLS
 
-VERSION_HEADER: Final = "X-Tokenfair-Config-Version"
 DEFAULT_WAIT_S: Final = 30
 """A long-poll's default wait: well under proxies' and load balancers' idle timeouts (60 s)."""
 MAX_WAIT_S: Final = 60
@@ -296,10 +301,10 @@ def _refuse(status: type[web.HTTPException], reason: str) -> web.HTTPException:
 
 
 def _query(request: web.Request) -> tuple[Source, str, float]:
-    source = request.query.get("source", "secret")
+    source = request.query.get(SOURCE_PARAM, "secret")
     if source not in SOURCES:
         raise _refuse(web.HTTPBadRequest, f"source: must be one of {', '.join(SOURCES)}")
-    raw_wait = request.query.get("waitSeconds", str(DEFAULT_WAIT_S))
+    raw_wait = request.query.get(WAIT_PARAM, str(DEFAULT_WAIT_S))
     try:
         wait_s = int(raw_wait)
     except ValueError:
@@ -308,7 +313,7 @@ def _query(request: web.Request) -> tuple[Source, str, float]:
         shown = raw_wait[:20]
         message = f"waitSeconds: must be an integer 0..{MAX_WAIT_S} (got {shown!r})"
         raise _refuse(web.HTTPBadRequest, message)
-    version = request.query.get("version", "")
+    version = request.query.get(VERSION_PARAM, "")
     if len(version) > 256:
         raise _refuse(web.HTTPBadRequest, "version: must be at most 256 characters")
     return ("secret" if source == "secret" else "configmap"), version, float(wait_s)

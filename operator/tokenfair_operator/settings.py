@@ -10,7 +10,6 @@ the one older versions put on policies.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 import uuid
@@ -19,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import kopf
+
+from tokenfair.config.fields import flag_number, positive, positive_int
 
 from .inject import (
     CONFIG_AUDIENCE,
@@ -299,31 +300,17 @@ def _invalid(name: str, rule: str, value: str) -> ValueError:
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    """A positive, finite number of seconds."""
+    """A number of seconds > 0: the sidecar's rule for its own (``fields.positive``), read from
+    the text as the sidecar reads a flag (``fields.flag_number``); ConfigError (a ValueError)
+    naming ``$name``."""
     value = _text(env, name)
-    if value is None:
-        return default
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = math.nan
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise _invalid(name, "must be a positive number of seconds", value)
-    return seconds
+    return default if value is None else positive(f"${name}", flag_number(value))
 
 
 def _count(env: Mapping[str, str], name: str, default: int) -> int:
-    """A positive whole number."""
+    """An integer > 0 (``fields.positive_int``: ``2`` or ``2.0``, never ``2.5``)."""
     value = _text(env, name)
-    if value is None:
-        return default
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise _invalid(name, "must be a positive whole number", value)
-    return count
+    return default if value is None else positive_int(f"${name}", flag_number(value))
 
 
 def _port(env: Mapping[str, str], name: str) -> int | None:

@@ -26,9 +26,10 @@ from typing import Any, Final
 
 from prometheus_client.parser import text_string_to_metric_families
 
-ADMITTED: Final = "tokenfair_estimated_service_tokens"
-REFUSED: Final = "tokenfair_refused_requests"
-QUEUE_WAIT: Final = "tokenfair_queue_wait_seconds"
+from tokenfair.config.wire import ADMITTED_TOKENS_METRIC as ADMITTED
+from tokenfair.config.wire import QUEUE_WAIT_METRIC as QUEUE_WAIT
+from tokenfair.config.wire import REFUSED_METRIC as REFUSED
+
 P99: Final = 0.99
 
 

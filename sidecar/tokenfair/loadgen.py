@@ -61,7 +61,8 @@ from tokenfair.core.jobs import (
     STATUS_OK,
     STATUS_SHED,
 )
-from tokenfair.sim.records import RecordLine, decision_line
+from tokenfair.core.reasons import Reason
+from tokenfair.records.codec import RecordLine, decision_line
 
 _QUEUE_REASONS: Final = frozenset(
     {SHED_QUEUE_TIMEOUT, SHED_TENANT_CONCURRENCY, SHED_TENANT_KV_SHARE}
@@ -82,11 +83,11 @@ PRIORITY_HEADER: Final = "x-tokenfair-priority"
 """Sent as ``batch`` for batch records: a tenant may lower its class, never raise it, so
 interactive records rely on the tenant's own class."""
 
-CLIENT_TIMEOUT: Final = "client_timeout"
+CLIENT_TIMEOUT: Final = Reason.CLIENT_TIMEOUT
 """The request (or the run) timed out before the response was complete."""
-CONNECTION_ERROR: Final = "connection_error"
+CONNECTION_ERROR: Final = Reason.CONNECTION_ERROR
 """The connection failed or broke (refused, reset, malformed HTTP)."""
-NOT_SENT: Final = "not_sent"
+NOT_SENT: Final = Reason.NOT_SENT
 """The run's timeout passed before the request's send time."""
 STATUS_NO_RESPONSE: Final = 0
 KV_GAUGE: Final = "tokenfair_kv_occupancy_ratio"
@@ -557,7 +558,7 @@ def to_decision(observation: Observation, settings: LoadgenSettings) -> Decision
 
 def record_line(observation: Observation, decision: Decision) -> RecordLine:
     """One line of ``--records``: the decision's outcome fields plus the request in trace format
-    (the sidecar's record line, see ``sim/records.py``), so ``tokenfair simulate --trace`` can
+    (the sidecar's record line, see ``records/codec.py``), so ``tokenfair simulate --trace`` can
     replay a live run; ``e2e_ms`` is the decision's ``observed["e2e_ms"]`` when there is one."""
     request = observation.request
     return decision_line(

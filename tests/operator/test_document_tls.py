@@ -51,13 +51,13 @@ from loopback_support import free_ports
 from operator_support import get
 from propagation_support import AUDIENCE, audience_token
 
+from tokenfair.config.wire import VERSION_HEADER
 from tokenfair.server.remote import RemoteFeed, RemoteSource
 from tokenfair_operator.certs import RENEW_BEFORE, TRUST_SETTLE, VALIDITY, ServingCerts, issue
 from tokenfair_operator.documents import Document, DocumentStore
 from tokenfair_operator.metrics import OperatorMetrics
 from tokenfair_operator.model import PolicyView
 from tokenfair_operator.serve import (
-    VERSION_HEADER,
     TokenAuthenticator,
     audience_reviewer,
     create_app,

@@ -35,6 +35,7 @@ Behaviours under test:
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -43,6 +44,9 @@ import kopf
 import pytest
 from kubecluster import KubeCluster
 
+from tokenfair.config import ConfigError
+from tokenfair.config.fields import flag_number
+from tokenfair.server.runtime_settings import SECTION_FIELDS
 from tokenfair_operator import handlers, runtime
 from tokenfair_operator.indexes import Indexes
 from tokenfair_operator.inject import (
@@ -271,14 +275,18 @@ def test_annotations_override_resources_and_flags() -> None:
             "tokenfair.io/sidecar-cpu",
             "raise the limit with tokenfair.io/sidecar-cpu-limit",
         ),
-        ({"tokenfair.io/sidecar-max-in-flight": "0"}, "tokenfair.io/sidecar-max-in-flight", "1.."),
+        (
+            {"tokenfair.io/sidecar-max-in-flight": "0"},
+            "tokenfair.io/sidecar-max-in-flight",
+            r"must be in \[1, 100000\]",
+        ),
         ({"tokenfair.io/sidecar-max-in-flight": "many"}, "max-in-flight", "integer"),
         # Unicode digits that str.isdigit() accepts and int() refuses: still the clear error.
         ({"tokenfair.io/sidecar-max-in-flight": "\u00b2"}, "max-in-flight", "integer"),
         ({"tokenfair.io/sidecar-memory": "1e999999"}, "tokenfair.io/sidecar-memory", "2\\^63-1"),
         ({"tokenfair.io/sidecar-log-level": "verbose"}, "tokenfair.io/sidecar-log-level", "debug"),
         ({"tokenfair.io/sidecar-drain-grace-seconds": "0"}, "drain-grace-seconds", "> 0"),
-        ({"tokenfair.io/sidecar-drain-grace-seconds": "nan"}, "drain-grace-seconds", "> 0"),
+        ({"tokenfair.io/sidecar-drain-grace-seconds": "nan"}, "drain-grace-seconds", "finite"),
         (
             {"tokenfair.io/sidecar-drain-grace-seconds": "45"},  # the Pod's default grace is 30
             "tokenfair.io/sidecar-drain-grace-seconds",
@@ -293,6 +301,26 @@ def test_bad_sidecar_annotations_name_the_annotation_and_rule(
     with pytest.raises(InjectionError, match=rule) as caught:
         injected(pod(annotations=annotations), SETTINGS)
     assert f"metadata.annotations[{field}" in str(caught.value) or field in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "text", ["1", "8", "2.0", "1e3", " 16 ", "100000", "100001", "0", "-1", "2.5", "many", "true"]
+)
+def test_the_injector_takes_the_max_in_flight_the_sidecar_takes(text: str) -> None:
+    # One rule (issue 31): the injector passes the annotation on as --max-in-flight, so it takes
+    # exactly the values the sidecar's own flag takes, and refuses the others by name.
+    _, parse = SECTION_FIELDS["maxInFlight"]  # what `tokenfair sidecar` checks the flag with
+    try:
+        sidecar_takes: int | None = parse("--max-in-flight", flag_number(text.strip()))
+    except ConfigError:
+        sidecar_takes = None
+    annotations = {"tokenfair.io/sidecar-max-in-flight": text}
+    if sidecar_takes is None:
+        with pytest.raises(InjectionError, match=re.escape("tokenfair.io/sidecar-max-in-flight")):
+            injected(pod(annotations=annotations), SETTINGS)
+    else:
+        args = sidecar_of(pod(annotations=annotations), SETTINGS)["args"]
+        assert f"--max-in-flight={sidecar_takes}" in args
 
 
 def test_operator_defaults_come_from_its_environment() -> None:
@@ -407,9 +435,9 @@ def test_the_api_server_accepts_the_projected_volume(
     [
         ("TOKENFAIR_SIDECAR_CPU_REQUEST", "fast", "positive Kubernetes quantity"),
         ("TOKENFAIR_SIDECAR_MEMORY_REQUEST", "1Gi", "above the memory limit 512Mi"),
-        ("TOKENFAIR_SIDECAR_MAX_IN_FLIGHT", "-3", "integer 1.."),
+        ("TOKENFAIR_SIDECAR_MAX_IN_FLIGHT", "-3", r"must be in \[1, 100000\]"),
         ("TOKENFAIR_SIDECAR_LOG_LEVEL", "trace", "one of debug, info, warning, error"),
-        ("TOKENFAIR_SIDECAR_DRAIN_GRACE_SECONDS", "soon", "seconds > 0"),
+        ("TOKENFAIR_SIDECAR_DRAIN_GRACE_SECONDS", "soon", "must be a number"),
         ("TOKENFAIR_SIDECAR_SCRAPE_ANNOTATIONS", "yes", "true or false"),
     ],
 )

@@ -69,28 +69,28 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 @pytest.mark.parametrize(
     ("variable", "value", "rule"),
     [
-        ("TOKENFAIR_RESYNC_SECONDS", "abc", "positive number of seconds"),
-        ("TOKENFAIR_RESYNC_SECONDS", "0", "positive number of seconds"),
-        ("TOKENFAIR_USAGE_SECONDS", "nan", "positive number of seconds"),
-        ("TOKENFAIR_USAGE_SECONDS", "-5", "positive number of seconds"),
+        ("TOKENFAIR_RESYNC_SECONDS", "abc", "must be a number"),
+        ("TOKENFAIR_RESYNC_SECONDS", "0", "must be > 0"),
+        ("TOKENFAIR_USAGE_SECONDS", "nan", "must be finite"),
+        ("TOKENFAIR_USAGE_SECONDS", "-5", "must be > 0"),
         ("TOKENFAIR_HTTP_PORT", "x", "TCP port"),
         ("TOKENFAIR_HTTPS_PORT", "70000", "TCP port"),
         ("TOKENFAIR_WEBHOOK_PORT", "eight", "TCP port"),
-        ("TOKENFAIR_RELAY_CONNECTIONS", "lots", "positive whole number"),
-        ("TOKENFAIR_RELAY_CONNECTIONS", "0", "positive whole number"),
+        ("TOKENFAIR_RELAY_CONNECTIONS", "lots", "must be an integer"),
+        ("TOKENFAIR_RELAY_CONNECTIONS", "0", "must be > 0"),
         ("TOKENFAIR_WEBHOOK_CERT_SECRET", "bad", "namespace/name"),
         ("TOKENFAIR_WEBHOOK_CERT_SECRET", "ns/a/b", "namespace/name"),
         ("TOKENFAIR_LEADER_ELECTION", "yes", "true or false"),
         ("TOKENFAIR_CONFIG_INSECURE_HTTP", "maybe", "true or false"),
         ("TOKENFAIR_INJECTION_FAILURE_POLICY", "Sometimes", "one of Fail, Ignore"),
-        ("TOKENFAIR_SIDECAR_MAX_IN_FLIGHT", "-3", "integer 1.."),
+        ("TOKENFAIR_SIDECAR_MAX_IN_FLIGHT", "-3", r"must be in \[1, 100000\]"),
     ],
 )
 def test_a_bad_setting_names_its_variable(variable: str, value: str, rule: str) -> None:
     with pytest.raises(ValueError, match=rule) as caught:
         OperatorConfig.from_env({variable: value})
     assert f"${variable}:" in str(caught.value)
-    assert repr(value) in str(caught.value)
+    assert f"(got {value}" in str(caught.value).replace("'", "")
 
 
 def test_good_settings_parse_and_other_variables_stay_out() -> None:

@@ -9,13 +9,19 @@ Behaviours under test (``tokenfair_operator.usage``), on metrics texts produced 
   merged over sidecars (and lanes), reported as the upper bound of the bucket holding the 99th
   percentile (ms); a tenant with no observation reports 0;
 - ``sidecars`` counts the texts; a tenant absent from every sidecar gets zeros;
-- ``usage_changed`` ignores ``updatedAt``, so unchanged numbers cause no write.
+- ``usage_changed`` ignores ``updatedAt``, so unchanged numbers cause no write;
+- the families are the ones a real sidecar writes (``tokenfair.server.metrics.Metrics``): the
+  names live in ``tokenfair.config.wire``, and the operator's readers find them in its text.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from sidecar_support import keyed_config
 
+from tokenfair.core import DEFAULT_POLICY, make_scheduler
+from tokenfair.server.metrics import Metrics
+from tokenfair_operator.rollout import running_version
 from tokenfair_operator.usage import aggregate_usage, usage_changed
 
 BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1)
@@ -126,3 +132,23 @@ def test_usage_changed_ignores_the_timestamp() -> None:
     assert not usage_changed(stored, fresh)
     assert usage_changed(stored, {**fresh, "admittedServiceTokens": 6})
     assert usage_changed(None, fresh)
+
+
+def test_the_operator_reads_what_a_real_sidecar_writes() -> None:
+    config = keyed_config()
+    scheduler = make_scheduler(DEFAULT_POLICY, config, 0.0)
+    metrics = Metrics(lambda: (scheduler, False, "v7", ""))
+    chat = metrics.lane_series("chat", "interactive")
+    chat.estimated_tokens += 1_234
+    chat.count_refused("rate_limited")
+    chat.queue_wait.observe(0.2)
+    text = metrics.render()
+    usage = aggregate_usage([text], ["chat", "rag"])
+    assert usage["chat"] == {
+        "admittedServiceTokens": 1_234,
+        "refusals": {"rate_limited": 1},
+        "p99QueueWaitMs": 250.0,
+        "sidecars": 1,
+    }
+    assert usage["rag"]["admittedServiceTokens"] == 0
+    assert running_version(text) == "v7"

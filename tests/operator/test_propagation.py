@@ -69,11 +69,11 @@ from propagation_support import (
     token_file,
 )
 
+from tokenfair.config.wire import VERSION_HEADER
 from tokenfair_operator.certs import issue
 from tokenfair_operator.inject import InjectionSettings, injected
 
 SIDECARS = 3
-VERSION_HEADER = "X-Tokenfair-Config-Version"
 
 
 @contextlib.contextmanager

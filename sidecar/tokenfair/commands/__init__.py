@@ -45,6 +45,7 @@ COMMANDS: Final[dict[str, Command]] = {
         "sidecar", "run the admission and fair-scheduling proxy in front of one model server"
     ),
     "native": Command("native", "build the compiled core (mypyc), or say whether it is in use"),
+    "reasons": Command("reasons", "list every outcome reason with its status, gate and meaning"),
 }
 """Every subcommand by name, in the order ``tokenfair --help`` lists them."""
 

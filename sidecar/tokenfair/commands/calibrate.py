@@ -27,6 +27,7 @@ from tokenfair.config.fields import (
     shown,
 )
 from tokenfair.config.files import InputFileError, open_regular
+from tokenfair.records.codec import TraceError, TraceRecord, iter_trace_lines
 from tokenfair.sim.batchfit import BatchingFit
 from tokenfair.sim.calibrate import (
     DEFAULT_MAX_RELATIVE_STDERR,
@@ -37,7 +38,6 @@ from tokenfair.sim.calibrate import (
     calibrate,
     read_outcomes,
 )
-from tokenfair.sim.records import TraceError, TraceRecord, iter_trace_lines
 
 
 def register(subparsers: Any) -> None:

@@ -43,7 +43,7 @@ from tokenfair.loadgen import (
     replay,
     to_decision,
 )
-from tokenfair.sim.records import encode_record_line, read_trace
+from tokenfair.records.codec import encode_record_line, read_trace
 from tokenfair.sim.report import summarize
 from tokenfair.sim.scenarios import SCENARIOS
 
@@ -265,7 +265,7 @@ def build_report(result: ReplayResult) -> dict[str, Any]:
 
 
 def write_records(path: Path, result: ReplayResult) -> None:
-    """One record line per request (``sim/records.py``'s schema and encoder), policy ``live``."""
+    """One record line per request (``records/codec.py``'s schema and encoder), policy ``live``."""
     with path.open("wb") as handle:
         for observation in result.observations:
             line = record_line(observation, to_decision(observation, result.settings))

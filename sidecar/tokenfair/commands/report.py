@@ -17,9 +17,9 @@ from typing import Any
 
 from tokenfair.commands import add_format_flag
 from tokenfair.config import Config, PolicyConfig, load_tenants_file
+from tokenfair.records.codec import read_decisions
 from tokenfair.sim.fairness import fairness_report, fairness_to_json, format_fairness
 from tokenfair.sim.pool_maxmin import pool_shares
-from tokenfair.sim.records import read_decisions
 
 DEFAULT_RATE = PolicyConfig().service_tokens_per_ms
 

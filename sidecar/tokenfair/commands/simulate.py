@@ -22,15 +22,7 @@ from tokenfair.core import (
     DuplicateRequestError,
 )
 from tokenfair.core.cost import CostModel
-from tokenfair.sim.fairness import (
-    ArrivalsRead,
-    FairnessReport,
-    FairnessTally,
-    fairness_to_json,
-    format_fairness,
-)
-from tokenfair.sim.fold import fold_decisions
-from tokenfair.sim.records import (
+from tokenfair.records.codec import (
     TraceLine,
     TraceOutOfOrder,
     TraceReading,
@@ -41,6 +33,14 @@ from tokenfair.sim.records import (
     stream_arrivals,
     stream_validated,
 )
+from tokenfair.sim.fairness import (
+    ArrivalsRead,
+    FairnessReport,
+    FairnessTally,
+    fairness_to_json,
+    format_fairness,
+)
+from tokenfair.sim.fold import fold_decisions
 from tokenfair.sim.report import SummaryTally
 from tokenfair.sim.scenarios import SCENARIOS
 from tokenfair.sim.simulator import Arrival, replay
@@ -511,8 +511,8 @@ def _run(args: argparse.Namespace, records: _RecordsFile | None) -> _Replayed:
 def _autoscale(args: argparse.Namespace) -> int:
     """``--autoscale``: the autoscaled replay and the fixed ones (``sim/autoscale.py``)."""
     from tokenfair.core import make_scheduler
+    from tokenfair.records.codec import read_trace
     from tokenfair.sim.autoscale import Autoscaler, Slo, compare
-    from tokenfair.sim.records import read_trace
 
     for flag, given in (
         ("--records", args.records), ("--plot", args.plot), ("--replicas", args.replicas),

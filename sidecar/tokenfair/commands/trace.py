@@ -21,9 +21,9 @@ from tokenfair.config.fields import (
     shown,
 )
 from tokenfair.core.cost import CostModel
-from tokenfair.sim.records import TraceRecord, dump_trace
+from tokenfair.records.codec import TraceRecord, dump_trace
+from tokenfair.records.schema import MAX_RECORD_MS
 from tokenfair.sim.scenarios import lesson_config
-from tokenfair.sim.schema import MAX_RECORD_MS
 from tokenfair.sim.tracegen import (
     ARRIVAL_PROCESSES,
     DEFAULT_BURST_OFF_MS,

@@ -11,7 +11,14 @@ Modules:
 * :mod:`tokenfair.config.budget_store` — the ``budgetStore:`` section (pool-wide budgets) and
   the split of a tenant's budgets over ``n`` replicas;
 * :mod:`tokenfair.config.files` — every file a user names is opened there, and only if it is a
-  regular file (never a FIFO, a device, a directory), reads bounded in size.
+  regular file (never a FIFO, a device, a directory), reads bounded in size;
+* :mod:`tokenfair.config.wire` — the names both sides of the config feed use (the published
+  data keys, the document server's headers and query parameters, the environment the injector
+  sets, the metric families the operator scrapes) and the generation's rule: the operator
+  imports them from here, never from the server.
+
+The modules import one another one way only: ``document`` -> ``budget_store`` -> ``fields``
+(tests/test_layout.py).
 
 The names below are the contract's public surface; import them from here.
 """

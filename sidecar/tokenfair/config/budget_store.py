@@ -30,9 +30,8 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final, cast
+from typing import Any, ClassVar, Final, Protocol, TypeVar, cast
 
-from tokenfair.config.document import TenantConfig
 from tokenfair.config.fields import (
     ConfigError,
     FieldTable,
@@ -43,6 +42,23 @@ from tokenfair.config.fields import (
     shown,
     unknown_keys,
 )
+
+
+class TenantBudgets(Protocol):
+    """What this module reads of a tenant (a :class:`tokenfair.config.TenantConfig`): its two
+    budgets. A protocol, so that the section does not import the document module, which
+    imports it (one direction: ``document`` -> ``budget_store`` -> ``fields``)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def burst_service_tokens(self) -> int: ...
+
+    @property
+    def sustained_service_tokens_per_second(self) -> float: ...
+
+
+Tenant = TypeVar("Tenant", bound=TenantBudgets)
 
 DEFAULT_KEY_PREFIX: Final = "tokenfair"
 MAX_LEASE_MS: Final = 60_000
@@ -96,13 +112,13 @@ class BudgetStoreConfig:
     the pool-wide bound (docs/fairness.md §9.2; smaller: a tighter bound, more store calls,
     about ``request cost / L`` per request)."""
 
-    def lease_tokens(self, tenant: TenantConfig) -> int:
+    def lease_tokens(self, tenant: TenantBudgets) -> int:
         """Chunk of one lease: ``max(1, min(burst // 2, ceil(sustained * lease_ms / 1000)))``."""
         chunk = -(-tenant.sustained_service_tokens_per_second * self.lease_ms // 1000)
         return max(1, min(tenant.burst_service_tokens // 2, int(chunk)))
 
 
-def split_budgets(tenant: TenantConfig, replicas: int) -> TenantConfig:
+def split_budgets(tenant: Tenant, replicas: int) -> Tenant:
     """One replica's share of ``tenant``'s budgets when each of ``replicas`` sidecars enforces
     its own bucket (weight and keys unchanged):
 

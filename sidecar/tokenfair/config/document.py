@@ -22,10 +22,15 @@ import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Literal, cast
+from typing import Any, Final, Literal, cast
 
 import yaml
 
+from tokenfair.config.budget_store import (
+    BudgetStoreConfig,
+    budget_store_to_dict,
+    parse_budget_store,
+)
 from tokenfair.config.fields import (
     ConfigError,
     Parser,
@@ -43,9 +48,6 @@ from tokenfair.config.fields import (
     unknown_keys,
 )
 from tokenfair.config.files import InputFileError, read_regular
-
-if TYPE_CHECKING:  # budget_store imports this module; its parser is imported where it is used
-    from tokenfair.config.budget_store import BudgetStoreConfig
 
 API_VERSION: Final = "tokenfair.io/v1alpha1"
 CONFIG_KIND: Final = "TokenfairConfig"
@@ -458,8 +460,6 @@ def parse_documents(documents: Iterable[object], source: str = "<config>") -> Co
 
 
 def _budget_store(earlier: BudgetStoreConfig | None, data: object, where: str) -> BudgetStoreConfig:
-    from tokenfair.config.budget_store import parse_budget_store
-
     if earlier is not None:
         raise ConfigError(f"{where}: the budgetStore is defined twice")
     return parse_budget_store(data, f"{where}.budgetStore")
@@ -620,8 +620,6 @@ def config_to_document(config: Config) -> dict[str, object]:
         doc["version"] = config.version
     doc["policy"] = policy_to_dict(config.policy)
     if config.budget_store is not None:
-        from tokenfair.config.budget_store import budget_store_to_dict
-
         doc["budgetStore"] = budget_store_to_dict(config.budget_store)
     doc["tenants"] = [tenant_to_dict(t) for t in config.tenants]
     return doc

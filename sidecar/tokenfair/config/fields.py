@@ -185,6 +185,15 @@ def integer_in(low: int, high: int) -> Parser:
     return parse
 
 
+MAX_IN_FLIGHT: Final = 100_000
+"""Most requests a sidecar lets its backend run at once."""
+
+in_flight_limit: Final = integer_in(1, MAX_IN_FLIGHT)
+"""The requests the backend runs at once, an integer in [1, :data:`MAX_IN_FLIGHT`]: the
+``sidecar.maxInFlight`` key, the ``--max-in-flight`` flag, and the operator's injector (its
+annotation and its setting, which it passes on as the flag), one rule for all four."""
+
+
 def boolean(name: str, value: object) -> bool:
     """``true`` or ``false``; never a number or a string."""
     if not isinstance(value, bool):

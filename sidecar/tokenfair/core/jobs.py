@@ -1,25 +1,9 @@
 """Requests, queued jobs and decision records: the data the scheduling core passes around.
 
-Reasons (``Decision.reason``) and the gate that produces each:
-
-=========================  ===========  ========  ==============================================
-reason                     gate         status    meaning
-=========================  ===========  ========  ==============================================
-``admitted``               dispatch     200       dispatched to the backend
-``shed_kv_watermark``      admission    429       KV occupancy would pass the class watermark
-                           / dispatch
-``shed_queue_wait_slo``    admission    429       predicted queue wait above the class limit
-``shed_tenant_token_quota``admission    429       the tenant's token budget cannot cover it in
-                                                  time (lesson: bucket below the cost)
-``queue_full``             admission    429       a queue bound (all tenants, or this tenant)
-``shed_queue_timeout``     queue        429       waited in the queue past the class limit
-``shed_tenant_concurrency``queue        429       waited past the class limit, held at the end by
-                                                  its tenant's ``maxConcurrentRequests``
-``shed_tenant_kv_share``   queue        429       waited past the class limit, held at the end by
-                           / admission            its tenant's ``maxKvShare`` (admission: the
-                                                  request alone is above that share)
-``cancelled``              queue        499       the client went away before dispatch
-=========================  ===========  ========  ==============================================
+Reasons (``Decision.reason``), their status codes and the gate that produces each are
+:class:`~tokenfair.core.reasons.Reason`'s members (the table in ``docs/records.md`` is generated
+from it); the constants below are those members, read once at import (compiled, a ``Final``
+module constant is a static, not an attribute lookup per decision).
 """
 
 from __future__ import annotations
@@ -29,18 +13,19 @@ from enum import IntEnum
 from typing import Final
 
 from tokenfair.config import PriorityClass
+from tokenfair.core.reasons import Reason
 from tokenfair.core.request import Request
 
 __all__ = ["Request"]  # its home is `request.py`; imported from here too
 
-ADMITTED: Final = "admitted"
-SHED_KV_WATERMARK: Final = "shed_kv_watermark"
-SHED_QUEUE_WAIT_SLO: Final = "shed_queue_wait_slo"
-SHED_TENANT_TOKEN_QUOTA: Final = "shed_tenant_token_quota"
-QUEUE_FULL: Final = "queue_full"
-SHED_QUEUE_TIMEOUT: Final = "shed_queue_timeout"
-SHED_TENANT_CONCURRENCY: Final = "shed_tenant_concurrency"
-SHED_TENANT_KV_SHARE: Final = "shed_tenant_kv_share"
+ADMITTED: Final = Reason.ADMITTED
+SHED_KV_WATERMARK: Final = Reason.SHED_KV_WATERMARK
+SHED_QUEUE_WAIT_SLO: Final = Reason.SHED_QUEUE_WAIT_SLO
+SHED_TENANT_TOKEN_QUOTA: Final = Reason.SHED_TENANT_TOKEN_QUOTA
+QUEUE_FULL: Final = Reason.QUEUE_FULL
+SHED_QUEUE_TIMEOUT: Final = Reason.SHED_QUEUE_TIMEOUT
+SHED_TENANT_CONCURRENCY: Final = Reason.SHED_TENANT_CONCURRENCY
+SHED_TENANT_KV_SHARE: Final = Reason.SHED_TENANT_KV_SHARE
 HELD_CONCURRENCY: Final = 1
 """``Job.held`` bit: passed over at a selection because its tenant ran ``maxConcurrentRequests``."""
 HELD_KV_SHARE: Final = 2
@@ -49,7 +34,7 @@ DEMAND_AT_DISPATCH: Final = 4
 """``Job.held`` bit, not a hold (no record mark): an interactive request admitted while its
 tenant's running and queued requests already filled ``maxConcurrentRequests``; ``tokenfair``
 counts it in the interactive demand when it starts, not at admission (the interactive reserve)."""
-CANCELLED: Final = "cancelled"
+CANCELLED: Final = Reason.CANCELLED
 
 STATUS_OK: Final = 200
 STATUS_SHED: Final = 429

@@ -3,7 +3,7 @@
 ``Request`` is a msgspec ``Struct`` (frozen, not tracked by the cyclic collector): built in
 ~0.06 µs where a frozen dataclass took ~1.3 µs (its ``__init__`` sets each field through
 ``object.__setattr__``), and decoded from a trace line without an intermediate object. The
-trace schema (``tokenfair.sim.records.TraceLine``) subclasses it with each field's rules, so a
+trace schema (``tokenfair.records.codec.TraceLine``) subclasses it with each field's rules, so a
 validated line *is* a request. mypyc cannot compile a ``Struct``: this module stays interpreted
 when the core is compiled (``tokenfair.native``); the compiled modules read its fields as
 attributes, as they read a dataclass's slots. No ``from __future__ import annotations``: msgspec

@@ -54,6 +54,7 @@ from tokenfair.core.jobs import (
     Lane,
     Request,
 )
+from tokenfair.core.reasons import Reason
 from tokenfair.core.rounding import round_hundredths
 
 _QUEUED: Final = JobState.QUEUED
@@ -65,12 +66,12 @@ NO_REQUEST_LIMIT: Final = 1 << 60
 """``TenantState.max_running`` of a tenant without ``maxConcurrentRequests``."""
 STATUS_NEVER_ADMISSIBLE: Final = 400
 """Status of a request no state of the running configuration could admit (not retryable)."""
-OVER_KV_CAPACITY: Final = "request_over_kv_capacity"
+OVER_KV_CAPACITY: Final = Reason.REQUEST_OVER_KV_CAPACITY
 """Reason: the request's own KV blocks pass its class watermark of the whole cache."""
-OVER_TENANT_KV_SHARE: Final = "request_over_tenant_kv_share"
+OVER_TENANT_KV_SHARE: Final = Reason.REQUEST_OVER_TENANT_KV_SHARE
 """Reason: the request's own KV blocks pass its tenant's ``maxKvShare`` of the whole cache (a
 policy that enforces the tenant limits: ``tokenfair``)."""
-OVER_TENANT_BURST: Final = "request_over_tenant_burst"
+OVER_TENANT_BURST: Final = Reason.REQUEST_OVER_TENANT_BURST
 """Reason: the request costs more service tokens than its tenant's bucket can ever hold (and
 no capacity is lent to tenants over their budget)."""
 

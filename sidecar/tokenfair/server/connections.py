@@ -55,6 +55,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from tokenfair.server.clock import EventClock, ModelClock, Timer
+
 log = logging.getLogger("tokenfair.sidecar")
 
 SWEEPS_PER_TIMEOUT: Final = 4
@@ -165,10 +167,13 @@ class ConnectionCap:
         factory: Callable[[], asyncio.Protocol],
         limits: ConnectionLimits,
         on_refused: Callable[[], object],
+        clock: EventClock | None = None,
     ) -> None:
         self.factory = factory
         self.limits = limits
         self.on_refused = on_refused
+        self._clock: EventClock = clock or ModelClock()
+        """The write-timeout sweep's timer; on the event loop's line, as the transports' times."""
         self.open = 0
         self.connections: set[CappedConnection] = set()
         self.unauthenticated: dict[CappedConnection, None] = {}
@@ -177,7 +182,7 @@ class ConnectionCap:
         self.refused = 0
         self.evicted = 0
         self.write_timeouts = 0
-        self._sweeper: asyncio.TimerHandle | None = None
+        self._sweeper: Timer | None = None
 
     def __call__(self) -> asyncio.Protocol:
         return CappedConnection(self)
@@ -187,9 +192,8 @@ class ConnectionCap:
     def start(self) -> None:
         """Arm the sweep (in the running loop)."""
         if self._sweeper is None:
-            loop = asyncio.get_running_loop()
             interval_s = self.limits.write_timeout_s / SWEEPS_PER_TIMEOUT
-            self._sweeper = loop.call_later(interval_s, self._sweep)
+            self._sweeper = self._clock.call_later(interval_s, self._sweep)
 
     def close(self) -> None:
         if self._sweeper is not None:
@@ -197,15 +201,14 @@ class ConnectionCap:
             self._sweeper = None
 
     def _sweep(self) -> None:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
+        now = self._clock.monotonic_s()
         interval_s = self.limits.write_timeout_s / SWEEPS_PER_TIMEOUT
         stalled_for_s = self.limits.write_timeout_s + interval_s
         for connection in tuple(self.connections):
             if connection.stalled_since(now) <= now - stalled_for_s:
                 self.write_timeouts += 1
                 connection.abort_stalled(self.limits.write_timeout_s)
-        self._sweeper = loop.call_at(now + interval_s, self._sweep)
+        self._sweeper = self._clock.call_later(interval_s, self._sweep)
 
     # -- admission of a connection --------------------------------------------------------------
 

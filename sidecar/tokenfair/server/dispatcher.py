@@ -31,11 +31,11 @@ import asyncio
 import dataclasses
 import logging
 import math
-import time
 from typing import Any, Final
 
 from tokenfair.core import Decision, Request, Scheduler
 from tokenfair.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED
+from tokenfair.server.clock import ModelClock as ModelClock  # re-exported until callers move
 from tokenfair.server.errors import INTERNAL_ERROR
 from tokenfair.server.lifecycle import (
     DRAINING,
@@ -55,22 +55,6 @@ PUMP_FAILURES_TO_GIVE_UP: Final = 10
 """Pumps failing in a row (~4 s of retries) after which every queued request is ended
 ``500 internal_error`` (its reservation refunded): a core that cannot dispatch would otherwise
 hold its waiters until their clients give up."""
-
-
-class ModelClock:
-    """Monotonic model time in milliseconds; ``time_scale`` real seconds per model second."""
-
-    __slots__ = ("_origin", "time_scale")
-
-    def __init__(self, time_scale: float = 1.0) -> None:
-        self.time_scale = time_scale
-        self._origin = time.monotonic()
-
-    def now_ms(self) -> float:
-        return (time.monotonic() - self._origin) * 1000.0 / self.time_scale
-
-    def real_seconds(self, model_ms: float) -> float:
-        return model_ms * self.time_scale / 1000.0
 
 
 class Dispatcher:

@@ -31,7 +31,6 @@ Bounded: one poll at a time, each within the interval (at least 1 s) and
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -42,6 +41,9 @@ from typing import Any, Final
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from tokenfair.core.reasons import Reason
+from tokenfair.server.clock import EventClock, ModelClock
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -197,9 +199,9 @@ class EngineLimits:
         return None
 
 
-ROUTE_NOT_SERVED: Final = "route_not_served"
+ROUTE_NOT_SERVED: Final = Reason.ROUTE_NOT_SERVED
 """``404`` code: the engine does not serve this route (e.g. embeddings of a generative model)."""
-CONTEXT_LENGTH_EXCEEDED: Final = "context_length_exceeded"
+CONTEXT_LENGTH_EXCEEDED: Final = Reason.CONTEXT_LENGTH_EXCEEDED
 """``400`` code (OpenAI's): the request asks for more tokens than the model's context holds."""
 
 
@@ -303,8 +305,11 @@ class EngineState:
         on_report: Callable[[EngineReport], None],
         on_stale: Callable[[str], None],
         on_limits: Callable[[EngineLimits], None],
+        clock: EventClock | None = None,
     ) -> None:
         self._get = get
+        self._clock: EventClock = clock or ModelClock()
+        """The poll's timer and the freshness of reports (real seconds)."""
         self.engine = engine
         """``auto``, a name of :data:`ENGINES`, or ``custom``."""
         self._custom = custom
@@ -317,7 +322,7 @@ class EngineState:
         self.names: EngineMetricNames | None = custom if engine == "custom" else ENGINES.get(engine)
         self.last: EngineReport | None = None
         self.last_at_s: float | None = None
-        """Loop time of the last fresh report."""
+        """Clock time (real seconds) of the last fresh report."""
         self.fresh = False
         self.problem = "no report yet"
         """Why there is no fresh report ("" while fresh)."""
@@ -352,10 +357,10 @@ class EngineState:
 
     async def run(self) -> None:
         """Poll until cancelled; never raises otherwise."""
-        loop = asyncio.get_running_loop()
+        clock = self._clock
         next_limits_s = 0.0
         while True:
-            started = loop.time()
+            started = clock.monotonic_s()
             if not self._limits_read and started >= next_limits_s:
                 try:
                     await self._read_limits()
@@ -368,8 +373,8 @@ class EngineState:
             except Exception:
                 log.exception("polling the engine's metrics failed")
                 self._failed("the poll raised (see the log)")
-            elapsed = loop.time() - started
-            await asyncio.sleep(max(0.0, self.interval_s - elapsed))
+            elapsed = clock.monotonic_s() - started
+            await clock.sleep(max(0.0, self.interval_s - elapsed))
 
     async def poll_once(self) -> None:
         """One poll: a fresh report goes to ``on_report``; a failure is counted, and once the
@@ -396,7 +401,7 @@ class EngineState:
             return
         was_fresh = self.fresh
         self.last = report
-        self.last_at_s = asyncio.get_running_loop().time()
+        self.last_at_s = self._clock.monotonic_s()
         self.fresh = True
         self.problem = ""
         if not was_fresh:
@@ -418,7 +423,7 @@ class EngineState:
     def _failed(self, problem: str) -> None:
         self.failures += 1
         self.problem = problem
-        now_s = asyncio.get_running_loop().time()
+        now_s = self._clock.monotonic_s()
         if self.fresh and (self.last_at_s is None or now_s - self.last_at_s > self.stale_s):
             self.fresh = False
             log.warning("engine metrics: no fresh report for %g s (%s); KV gates use the "

@@ -17,8 +17,9 @@ from typing import Final
 from aiohttp import web
 
 from tokenfair.core.jobs import SHED_TENANT_TOKEN_QUOTA
+from tokenfair.core.reasons import Reason
 
-INTERNAL_ERROR: Final = "internal_error"
+INTERNAL_ERROR: Final = Reason.INTERNAL_ERROR
 """The code (and record reason) of a request the sidecar itself failed on (a bug, logged)."""
 RATE_LIMIT_EXCEEDED: Final = "rate_limit_exceeded"
 """The ``code`` of every ``429`` the sidecar answers (OpenAI's)."""

@@ -46,12 +46,12 @@ next refresh, and cover the time since the reload until a window has passed); ot
 (budgets, the KV geometry, the version) keep it.
 
 Time is model milliseconds, the clock of the decisions (``now_ms`` is injected: the sidecar's
-:class:`~tokenfair.server.dispatcher.ModelClock`, a test's fake).
+:class:`~tokenfair.server.clock.ModelClock`, a test's fake); the refresh task waits on an
+:class:`~tokenfair.server.clock.EventClock` (by default the event loop's).
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import logging
 import math
@@ -60,6 +60,7 @@ from typing import Final
 
 from tokenfair.config import Config
 from tokenfair.core import Decision
+from tokenfair.server.clock import EventClock, ModelClock
 from tokenfair.sim.fairness import decision_size
 from tokenfair.sim.fluid_window import FluidWindow, WindowFairness
 
@@ -108,6 +109,7 @@ class FairnessSignal:
         window_s: float = DEFAULT_WINDOW_S,
         top_tenants: int = DEFAULT_TOP_TENANTS,
         refresh_interval_s: float = REFRESH_INTERVAL_S,
+        clock: EventClock | None = None,
     ) -> None:
         if not MIN_WINDOW_S <= window_s <= MAX_WINDOW_S:
             raise ValueError(
@@ -119,6 +121,8 @@ class FairnessSignal:
         self.top_tenants = top_tenants
         self.refresh_interval_s = refresh_interval_s
         self._now_ms = now_ms
+        self._clock: EventClock = clock or ModelClock()
+        """What :meth:`run` waits on between refreshes."""
         self._key = fairness_key(config)
         self._window = self._new_window(config)
         self._late_before = 0
@@ -168,7 +172,7 @@ class FairnessSignal:
     async def run(self) -> None:
         """Refresh every :attr:`refresh_interval_s` real seconds until cancelled."""
         while True:
-            await asyncio.sleep(self.refresh_interval_s)
+            await self._clock.sleep(self.refresh_interval_s)
             try:
                 self.refresh()
             except Exception:  # a bug: logged; the last figures stay, the next tick tries again

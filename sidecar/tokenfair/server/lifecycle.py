@@ -58,16 +58,17 @@ from typing import Final, Protocol
 from tokenfair.core import Decision, Request
 from tokenfair.core.cost import CostModel
 from tokenfair.core.jobs import ADMITTED, CANCELLED, STATUS_CLIENT_CLOSED
+from tokenfair.core.reasons import Reason
+from tokenfair.records.live import NO_USAGE, Usage
 from tokenfair.server.accesslog import RequestFacts
 from tokenfair.server.backends import BAD_USAGE, BackendCall
 from tokenfair.server.errors import INTERNAL_ERROR
-from tokenfair.server.record_writer import NO_USAGE, Usage
 
 log = logging.getLogger("tokenfair.sidecar")
 
-DRAINING: Final = "draining"
+DRAINING: Final = Reason.DRAINING
 """Reason (status 503) of a request refused at the door, or taken out of the queue, by a drain."""
-DRAIN_ABORTED: Final = "drain_aborted"
+DRAIN_ABORTED: Final = Reason.DRAIN_ABORTED
 """Reason (status 503) of a request still running (or still waiting) when the drain grace ran
 out: the sidecar cut it (a stream ends incomplete; a request with nothing sent yet is answered
 ``503 drain_aborted`` with ``Retry-After``)."""

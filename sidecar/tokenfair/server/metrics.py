@@ -3,26 +3,24 @@
 Counters (labels ``tenant``, ``lane`` and, for refusals, ``reason``):
 
 * ``tokenfair_admitted_requests_total`` — dispatched to the backend;
-* ``tokenfair_refused_requests_total`` — refused, never dispatched: the core's reasons
-  (``shed_kv_watermark``, ``shed_queue_wait_slo``, ``shed_tenant_token_quota``, ``queue_full``,
-  ``shed_queue_timeout``, ``shed_tenant_concurrency``, ``shed_tenant_kv_share``),
-  ``request_over_kv_capacity`` / ``request_over_tenant_burst`` /
-  ``request_over_tenant_kv_share`` (never admissible) and ``draining`` (an upstream's own
-  400/429/503 is not a refusal);
+* ``tokenfair_refused_requests_total`` — refused, never dispatched: the core's gates' reasons
+  (``shed_*``, ``queue_full``, the never admissible ``request_over_*``) and ``draining`` (an
+  upstream's own 400/429/503 is not a refusal); the values are the
+  :class:`~tokenfair.core.reasons.Reason` members whose ``counter`` is ``refused``;
 * ``tokenfair_shadow_refusals_total`` — shadow mode (``enforcement: Shadow``): requests a gate
   refused and the sidecar served anyway, by the refusal's ``reason`` (they are counted admitted
   too: they ran);
 * ``tokenfair_cancelled_requests_total`` — the client went away (queued or mid-response);
-* ``tokenfair_backend_errors_total`` (``code``: ``upstream_error``, ``upstream_timeout``,
-  ``upstream_aborted``, ``upstream_bad_usage``, ``upstream_too_large``,
-  ``upstream_unavailable``, ``internal_error`` for the sidecar's own failures, and
-  ``drain_aborted`` for requests the drain cut);
+* ``tokenfair_backend_errors_total`` (``code``: the ``upstream_*`` reasons, ``internal_error``
+  for the sidecar's own failures and ``drain_aborted`` for requests the drain cut — the
+  :class:`~tokenfair.core.reasons.Reason` members whose ``counter`` is ``backend_errors`` — and
+  ``admitted`` for an upstream's own 5xx answer);
 * ``tokenfair_estimated_service_tokens_total`` (charged at dispatch) and
   ``tokenfair_actual_service_tokens_total`` (settled at completion);
 * ``tokenfair_prompt_tokens_total`` and ``tokenfair_completion_tokens_total`` — the usage the
   backend reported for requests that ran (``usage.prompt_tokens`` / ``completion_tokens``: the
   tokens clients count); a count that was not reported, or not believed, adds nothing;
-* ``tokenfair_invalid_requests_total`` (``status``: 400, 401, 408, 413, 415, 417) — before any
+* ``tokenfair_invalid_requests_total`` (``status``: 400, 401, 404, 408, 413, 415, 417) — before any
   tenant is charged;
 * ``tokenfair_config_reloads_total`` (``result``: ``applied``, ``invalid``, ``error``);
 * ``tokenfair_records_dropped_total`` — request records dropped while the records file refused

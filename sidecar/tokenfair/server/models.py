@@ -14,6 +14,7 @@ import logging
 
 from aiohttp import web
 
+from tokenfair.core.reasons import Reason
 from tokenfair.server.backends import UpstreamError
 from tokenfair.server.errors import error_response
 from tokenfair.server.proxy import SIDECAR, authenticate_request
@@ -27,7 +28,7 @@ async def list_models(request: web.Request) -> web.StreamResponse:
     if tenant is None:
         sidecar.metrics.count_invalid(401)
         return error_response(
-            401, "missing or unknown API key (Authorization: Bearer <key>)", "invalid_api_key"
+            401, "missing or unknown API key (Authorization: Bearer <key>)", Reason.INVALID_API_KEY
         )
     try:
         return await sidecar.backend.models(request)

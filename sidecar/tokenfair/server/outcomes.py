@@ -21,6 +21,7 @@ from tokenfair.config import PriorityClass
 from tokenfair.core import Decision, Lane, Request
 from tokenfair.core.demand import DemandGauge
 from tokenfair.core.jobs import LANE_OF
+from tokenfair.records.live import NO_USAGE, Usage, encode_record, minimal_record
 from tokenfair.server.accesslog import (
     CURRENT_SCOPE,
     NO_FACTS,
@@ -34,17 +35,11 @@ from tokenfair.server.accesslog import (
 from tokenfair.server.errors import INTERNAL_ERROR
 from tokenfair.server.fairness_signal import FairnessSignal
 from tokenfair.server.metrics import LANE_NAMES, LaneSeries, Metrics
-from tokenfair.server.record_writer import (
-    NO_USAGE,
-    RecordWriter,
-    Usage,
-    encode_record,
-    minimal_record,
-)
+from tokenfair.server.record_writer import RecordWriter
 from tokenfair.server.tracing import RequestTracer, wall_ns_of
 
 if TYPE_CHECKING:
-    from tokenfair.server.dispatcher import ModelClock
+    from tokenfair.server.clock import ModelClock
     from tokenfair.server.lifecycle import Pricing
 
 log = logging.getLogger("tokenfair.sidecar")

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
@@ -51,6 +50,7 @@ from tokenfair.config.budget_store import BudgetStoreConfig
 from tokenfair.core.jobs import UNITS_PER_TOKEN
 from tokenfair.core.pool_order import PoolService
 from tokenfair.core.tokenfair import TokenfairScheduler
+from tokenfair.server.clock import EventClock, ModelClock
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -126,8 +126,9 @@ class PoolFairness:
 
     ``client`` is a ``redis.asyncio.Redis`` (the budget pool's); ``monotonic_ms`` the clock of
     ``fairnessSyncMs`` (the sidecar's model milliseconds, like ``leaseMs``), ``real_ms`` the
-    clock of ``probeIntervalMs`` (real milliseconds); both default to the real monotonic clock
-    and are injected by tests."""
+    clock of ``probeIntervalMs`` (real milliseconds); both default to ``clock``'s real seconds
+    (in ms), and ``clock`` (an :class:`~tokenfair.server.clock.EventClock`, by default the event
+    loop's) times the passes. Tests inject them."""
 
     def __init__(
         self,
@@ -137,11 +138,15 @@ class PoolFairness:
         *,
         monotonic_ms: Callable[[], float] | None = None,
         real_ms: Callable[[], float] | None = None,
+        clock: EventClock | None = None,
     ) -> None:
         self.store = store
         self.client = client
-        self.monotonic_ms = monotonic_ms or (lambda: time.monotonic() * 1000.0)
-        self.real_ms = real_ms or monotonic_ms or (lambda: time.monotonic() * 1000.0)
+        self._clock: EventClock = clock or ModelClock()
+        """The passes' timer, and the default of both clocks (its real seconds, in ms)."""
+        real_clock_ms = self._real_clock_ms
+        self.monotonic_ms = monotonic_ms or real_clock_ms
+        self.real_ms = real_ms or monotonic_ms or real_clock_ms
         self.service = PoolService()
         scheduler.share_pool_service(self.service)
         self.keys = [f"{store.key_prefix}:fair:{lane}" for lane in LANE_KEYS]
@@ -177,7 +182,10 @@ class PoolFairness:
                 await self.refresh()
             except Exception:
                 log.exception("pool fairness: a pass failed")
-            await asyncio.sleep(PASS_INTERVAL_S)
+            await self._clock.sleep(PASS_INTERVAL_S)
+
+    def _real_clock_ms(self) -> float:
+        return self._clock.monotonic_s() * 1000.0
 
     async def refresh(self) -> None:
         """One pass: probe the store if fallen back (and due), then send a batch if due."""

@@ -94,6 +94,7 @@ from tokenfair.core.jobs import (
     SHED_TENANT_KV_SHARE,
     STATUS_CLIENT_CLOSED,
 )
+from tokenfair.core.reasons import Reason
 from tokenfair.core.scheduler import (
     OVER_KV_CAPACITY,
     OVER_TENANT_KV_SHARE,
@@ -133,8 +134,8 @@ QUEUE_WAIT_HEADER: Final = "x-tokenfair-queue-wait-ms"
 REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}")
 """A client's request id is honoured when it matches this: 1-128 letters, digits and ``_.:-``
 (the trace ids of ``tokenfair trace``, e.g. ``tenant_chat_pro-000001``, and UUIDs)."""
-BODY_TOO_COMPLEX: Final = "body_too_complex"
-CLIENT_WRITE_TIMEOUT: Final = "client_write_timeout"
+BODY_TOO_COMPLEX: Final = Reason.BODY_TOO_COMPLEX
+CLIENT_WRITE_TIMEOUT: Final = Reason.CLIENT_WRITE_TIMEOUT
 HAS_BROTLI: Final[bool] = getattr(compression_utils, "HAS_BROTLI", False)
 HAS_ZSTD: Final[bool] = getattr(compression_utils, "HAS_ZSTD", False)
 DECODED_REQUEST_CODINGS: Final = frozenset(
@@ -200,7 +201,7 @@ def _refusal(sidecar: Sidecar, decision: Decision, mix: tuple[int, int]) -> web.
     return rate_limit_response(message, decision.reason, headers=headers)
 
 
-TENANT_LIMIT_HEADERS: Final = {
+TENANT_LIMIT_HEADERS: Final[dict[str, tuple[tuple[str, str], ...]]] = {
     # refusal reason -> (header, the decision's observed value it carries)
     SHED_TENANT_CONCURRENCY: (
         ("x-tokenfair-limit-concurrent-requests", "max_concurrent_requests"),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Final
 from tokenfair.core import Decision, Scheduler
 
 if TYPE_CHECKING:
-    from tokenfair.server.dispatcher import ModelClock
+    from tokenfair.server.clock import ModelClock
 
 FALLBACK_RETRY_AFTER_S: Final = 1
 """``Retry-After`` when the gate gives no time (a request that can never fit as sized)."""

@@ -1,13 +1,9 @@
-"""Request records: one JSONL line per request that reached admission.
+"""Request records: the sidecar's records file, one JSONL line per request that reached admission.
 
-A record is a :class:`tokenfair.sim.records.RecordLine` (the one schema and encoder of record
-lines, shared with ``tokenfair simulate --records`` and loadgen): the core's decision record,
-with ``policy``, plus the trace fields
-``prefill_tokens`` / ``decode_tokens`` (the estimate), ``actual_prefill_tokens`` /
-``actual_decode_tokens`` (the usage the backend reported), ``ttft_ms`` and ``e2e_ms``;
-``status_code`` and ``reason`` are the outcome the client saw (e.g. ``502 upstream_error``,
-``499 cancelled``, ``503 draining``). So ``tokenfair simulate --trace FILE`` replays the recorded
-traffic as it is. Times are model milliseconds since the sidecar started.
+The line is encoded by :mod:`tokenfair.records.live` (the records' contract package: one schema
+and one encoder, shared with ``tokenfair simulate --records`` and loadgen), so
+``tokenfair simulate --trace FILE`` replays the recorded traffic as it is. Times are model
+milliseconds since the sidecar started. This module writes the lines.
 
 Writes are buffered and flushed once per event-loop iteration (``loop.call_soon``), so one
 ``write(2)`` covers every request finished in that iteration rather than one per line; a crash
@@ -33,19 +29,10 @@ import errno
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 from tokenfair.config.files import open_regular
-from tokenfair.core import Decision, Request
-from tokenfair.sim.records import (
-    RecordLine,
-    decision_line,
-    dumps_fields,
-    encode_record_line,
-    line_fields,
-)
 
 MAX_PENDING_RECORDS: Final = 10_000
 """Records kept in memory while the file refuses writes (~500 bytes each: ~5 MiB); beyond it
@@ -54,83 +41,6 @@ RETRY_INTERVAL_S: Final = 1.0
 """How often a failing records file is tried again (a full disk frees up in seconds at best)."""
 
 log = logging.getLogger("tokenfair.sidecar")
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """What a finished request reported (None: unknown) and when its bytes went out."""
-
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-    ttft_ms: float | None = None
-    e2e_ms: float | None = None
-
-
-NO_USAGE: Final = Usage()
-
-
-def record_line(
-    request: Request, decision: Decision, *, status_code: int, reason: str, usage: Usage = NO_USAGE
-) -> RecordLine:
-    """The request's record line (:class:`~tokenfair.sim.records.RecordLine`): the decision with
-    the outcome the client saw (``status_code``, ``reason``), the measured ``ttft_ms`` when there
-    is one, the estimate and the reported usage. Times measured here are rounded to 0.01 ms."""
-    ttft_ms, e2e_ms = usage.ttft_ms, usage.e2e_ms
-    return decision_line(
-        decision, status_code, reason, None if ttft_ms is None else round(ttft_ms, 2),
-        request.prefill_tokens, request.decode_tokens, usage.prompt_tokens,
-        usage.completion_tokens, None if e2e_ms is None else round(e2e_ms, 2),
-    )  # fmt: skip
-
-
-def request_record(
-    request: Request,
-    decision: Decision,
-    policy: str,
-    *,
-    status_code: int,
-    reason: str,
-    usage: Usage = NO_USAGE,
-) -> dict[str, Any]:
-    """The record as a dict (the shape; :func:`encode_record` writes the same as JSON text)."""
-    line = record_line(request, decision, status_code=status_code, reason=reason, usage=usage)
-    return line_fields(line, policy)
-
-
-def encode_record(
-    request: Request,
-    decision: Decision,
-    policy: str,
-    *,
-    status_code: int,
-    reason: str,
-    usage: Usage = NO_USAGE,
-) -> str:
-    """The record's JSON text (one line, no newline): :func:`request_record` by the records'
-    one encoder (:func:`tokenfair.sim.records.encode_record_line`), which writes what ``json``
-    writes, byte for byte."""
-    line = record_line(request, decision, status_code=status_code, reason=reason, usage=usage)
-    return encode_record_line(line, policy).decode()
-
-
-def minimal_record(request: Request, policy: str, *, status_code: int, reason: str) -> str:
-    """A record of the request's own fields and its outcome only (JSON text): written when the
-    full record cannot be encoded (a bug), so that the request still has its one record. It
-    holds the trace fields a replay needs; the decision's fields are missing. Encoded plainly
-    (:func:`tokenfair.sim.records.dumps_fields`), in the schema's key order."""
-    return dumps_fields(
-        {
-            "policy": policy,
-            "request_id": request.request_id,
-            "tenant_id": request.tenant_id,
-            "priority_class": request.priority_class,
-            "status_code": status_code,
-            "reason": reason,
-            "arrival_ms": request.arrival_ms,
-            "prefill_tokens": request.prefill_tokens,
-            "decode_tokens": request.decode_tokens,
-        }
-    ).decode()
 
 
 class RecordSink(Protocol):
@@ -148,9 +58,10 @@ class RecordSink(Protocol):
 class RecordWriter:
     """Appends records to a JSONL file (opened and closed by the app's cleanup context).
 
-    ``write`` queues an encoded line (:func:`encode_record`); one flush per event-loop
-    iteration writes the queued lines together (outside a running loop, at once). If the file
-    refuses a write, the lines wait (bounded, see the module docstring) and are retried.
+    ``write`` queues an encoded line (:func:`tokenfair.records.live.encode_record`); one flush
+    per event-loop iteration writes the queued lines together (outside a running loop, at
+    once). If the file refuses a write, the lines wait (bounded, see the module docstring) and
+    are retried.
     """
 
     def __init__(

@@ -52,14 +52,10 @@ from typing import TYPE_CHECKING, Final, Literal
 from tokenfair.config import Config, ConfigError, read_config_file
 from tokenfair.config.budget_store import split_budgets
 from tokenfair.config.files import InputFileError, read_regular
+from tokenfair.config.wire import GENERATION_FILE
 from tokenfair.server.auth import Authenticator
 from tokenfair.server.backends import CostModelBackend, default_max_in_flight
-from tokenfair.server.remote import (
-    GENERATION_FILE,
-    RemoteFeed,
-    RemoteSource,
-    parse_generation,
-)
+from tokenfair.server.remote import RemoteFeed, RemoteSource, parse_generation
 from tokenfair.server.runtime_settings import LoadedFile, loads_sidecar_file
 
 if TYPE_CHECKING:

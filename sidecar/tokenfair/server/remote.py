@@ -6,7 +6,8 @@ serves the same bytes the moment it has stored them (``tokenfair_operator.serve`
 moves bytes; :mod:`.reload` decides what to do with them (the same loader, the same
 refusals, the mounted file as the fallback).
 
-Configured by the environment, which the injector sets:
+Configured by the environment, which the injector sets (the names, headers and files both sides
+use live in :mod:`tokenfair.config.wire`):
 
 * ``TOKENFAIR_CONFIG_URL`` — ``https://<operator>/v1/config/<namespace>/<policy>?source=...``;
   unset: no long-poll, the file alone (a standalone sidecar);
@@ -27,9 +28,9 @@ config stays and the mounted file is the fallback.
 
 The loop: ``GET <url>&version=<the version we run>&waitSeconds=`` :data:`WAIT_S`. ``200``: a
 new document, handed over with its version and its generation (header
-:data:`GENERATION_HEADER`, a counter that only grows per policy; None from an operator that
-sends none; :mod:`.reload` refuses to go back to a lower one); ``304``: nothing new, ask again
-at once. Anything
+:data:`~tokenfair.config.wire.GENERATION_HEADER`, a counter that only grows per policy; None
+from an operator that sends none; :mod:`.reload` refuses to go back to a lower one); ``304``:
+nothing new, ask again at once. Anything
 else (a ``200`` without the version header, a refusal, a 404 from an operator that has not
 rendered the policy yet, a connection error, a timeout) waits ``min(`` :data:`MAX_BACKOFF_S`
 ``, 2^failures)`` seconds and asks again, and marks the feed unhealthy at once. The feed is
@@ -54,23 +55,26 @@ import aiohttp
 
 from tokenfair.config import MAX_DOCUMENT_BYTES
 from tokenfair.config.files import InputFileError, read_regular
+from tokenfair.config.wire import (
+    CA_FILE_ENV,
+    GENERATION_HEADER,
+    INSECURE_HTTP_ENV,
+    MAX_GENERATION_DIGITS,
+    TOKEN_FILE_ENV,
+    URL_ENV,
+    VERSION_HEADER,
+    VERSION_PARAM,
+    WAIT_PARAM,
+    read_generation,
+)
 
 log = logging.getLogger("tokenfair.sidecar")
 
-URL_ENV: Final = "TOKENFAIR_CONFIG_URL"
-TOKEN_FILE_ENV: Final = "TOKENFAIR_CONFIG_TOKEN_FILE"
-CA_FILE_ENV: Final = "TOKENFAIR_CONFIG_CA_FILE"
-INSECURE_HTTP_ENV: Final = "TOKENFAIR_CONFIG_INSECURE_HTTP"
 DEFAULT_TOKEN_FILE: Final = "/var/run/secrets/kubernetes.io/serviceaccount/token"
-VERSION_HEADER: Final = "X-Tokenfair-Config-Version"
-GENERATION_HEADER: Final = "X-Tokenfair-Config-Generation"
-GENERATION_FILE: Final = "generation"
 MAX_TOKEN_BYTES: Final = 64 * 1024
 """Largest ServiceAccount token read (a projected token is ~1 KB)."""
 MAX_CA_BUNDLE_BYTES: Final = 1024 * 1024
 """Largest CA bundle read (a few certificates: a few KB)."""
-"""The generation's file beside the mounted ``config.yaml`` (a data key of the ConfigMap and
-Secret the operator publishes; the kubelet swaps both files at once)."""
 WAIT_S: Final = 30
 """Seconds the operator may hold one request (its default; under common idle timeouts)."""
 CONNECT_TIMEOUT_S: Final = 5.0
@@ -145,8 +149,8 @@ class RemoteFeed:
 
     async def _poll(self, session: aiohttp.ClientSession) -> None:
         separator = "&" if "?" in self.source.url else "?"
-        url = f"{self.source.url}{separator}waitSeconds={WAIT_S}"
-        params = {"version": self.version}
+        url = f"{self.source.url}{separator}{WAIT_PARAM}={WAIT_S}"
+        params = {VERSION_PARAM: self.version}
         headers = {"Authorization": f"Bearer {self._token()}"}
         context = self._ssl()
         async with session.get(url, params=params, headers=headers, ssl=context) as response:
@@ -226,10 +230,13 @@ def parse_generation(value: str | None) -> int | None:
     """A generation header or file: None when absent; a non-negative integer, else refused."""
     if value is None:
         return None
-    text = value.strip()
-    if not text.isascii() or not text.isdigit() or len(text) > 18:
-        raise RuntimeError(f"generation must be a non-negative integer (got {text[:40]!r})")
-    return int(text)
+    parsed = read_generation(value)
+    if parsed is None:
+        raise RuntimeError(
+            f"generation must be a non-negative integer of 1 to {MAX_GENERATION_DIGITS} digits "
+            f"(got {value.strip()[:40]!r})"
+        )
+    return parsed
 
 
 async def _bounded_body(response: aiohttp.ClientResponse) -> bytes:

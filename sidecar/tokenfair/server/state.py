@@ -28,8 +28,9 @@ from tokenfair.server.accesslog import AccessLog, LineWriter
 from tokenfair.server.auth import Authenticator
 from tokenfair.server.backends import Backend, default_max_in_flight
 from tokenfair.server.backends.base import UsageBounds
+from tokenfair.server.clock import ModelClock
 from tokenfair.server.connections import ConnectionCap
-from tokenfair.server.dispatcher import Dispatcher, ModelClock
+from tokenfair.server.dispatcher import Dispatcher
 from tokenfair.server.engine_link import EngineLink
 from tokenfair.server.engine_state import EngineCollector, EngineMetricNames, EngineState
 from tokenfair.server.estimate import ESTIMATORS, PromptEstimator

@@ -53,6 +53,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from tokenfair.config import ConfigError
+from tokenfair.core.reasons import Reason
 from tokenfair.server.backends import BACKENDS
 
 if TYPE_CHECKING:
@@ -171,7 +172,7 @@ class RequestTracer:
         attributes.update((key, value) for key, value in optional if value is not None)
         status = fields["status"]
         reason = fields.get("reason")
-        if status >= 400 and reason and reason != "admitted":
+        if status >= 400 and reason and reason != Reason.ADMITTED:
             attributes["error.type"] = reason
         context = None
         if traceparent:

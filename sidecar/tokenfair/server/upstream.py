@@ -4,7 +4,7 @@ responses parsed by httptools (llhttp, the parser of Node.js, in C).
 Why not ``aiohttp.ClientSession``: the relay needs one POST per request to one origin, and the
 session's generality (URL objects, cookie jar, redirects, tracing, per-read timer re-arming)
 cost ~100 µs of CPU per request in ``bench/bench_sidecar.py``, more than all of the sidecar's
-own work; this client costs ~15 µs (the numbers are in bench/README.md).
+own work; this client costs ~15 µs (the numbers are in bench/HISTORY.md).
 
 What it does, and nothing else:
 
@@ -556,8 +556,9 @@ class UpstreamClient:
             connection = idle.pop()
             if connection.closed:
                 continue
-            if now - connection.idle_since > connection.idle_limit_s:
-                connection.release()  # too old to trust
+            if now - connection.idle_since >= connection.idle_limit_s:
+                # Too old to trust; a limit of 0 s is never trusted, even on a coarse clock.
+                connection.release()
                 continue
             if connection.reusable_now():
                 return connection

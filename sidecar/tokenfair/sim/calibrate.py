@@ -64,9 +64,9 @@ from typing import Final
 
 from tokenfair.config import PolicyConfig
 from tokenfair.core.jobs import STATUS_OK
+from tokenfair.records.codec import TraceRecord, open_lines
 from tokenfair.sim.batchfit import BatchingFit, BatchingFitError, Run, fit_batching, records_needed
 from tokenfair.sim.concurrency import ConcurrencyProfile
-from tokenfair.sim.records import TraceRecord, open_lines
 
 DEFAULT_MIN_RECORDS: Final = 20
 DEFAULT_PREFILL_FLOOR_MS: Final = PolicyConfig().prefill_floor_ms

@@ -82,8 +82,8 @@ from typing import Final
 from tokenfair.config import PRIORITY_CLASSES, Config
 from tokenfair.core import Decision
 from tokenfair.core.jobs import ADMITTED, STATUS_CLIENT_CLOSED, STATUS_OK, STATUS_SHED
+from tokenfair.records.reading import TraceReading
 from tokenfair.sim.fluid import FluidRequest, fluid_reference
-from tokenfair.sim.reading import TraceReading
 
 DEFAULT_WEIGHT: Final = 1.0
 """Weight of a tenant the config does not know (e.g. ``tokenfair report`` without --tenants)."""
@@ -362,7 +362,7 @@ def fairness_report(
 
 ArrivalsRead = TraceReading
 """The arrivals of a trace still being read, in ``(arrival_ms, request_id)`` order
-(:class:`tokenfair.sim.reading.TraceReading`, which :func:`records.stream_validated` updates):
+(:class:`tokenfair.records.reading.TraceReading`, which :func:`records.stream_validated` updates):
 the default window is ``[first_arrival_ms, last_arrival_ms]`` once ``complete``; before,
 ``last_arrival_ms`` is the latest read, a lower bound of the end. The class itself, not a
 protocol: compiled, its fields are read directly at every dispatch past the latest arrival."""

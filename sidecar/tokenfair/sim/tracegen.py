@@ -65,7 +65,7 @@ from typing import Final, Literal
 from tokenfair.config import PriorityClass
 from tokenfair.core import Request
 from tokenfair.core.cost import CostModel
-from tokenfair.sim.records import TraceRecord
+from tokenfair.records.codec import TraceRecord
 
 ArrivalProcess = Literal["poisson", "constant", "bursty", "periodic"]
 ARRIVAL_PROCESSES: Final[tuple[ArrivalProcess, ...]] = ("poisson", "constant", "bursty", "periodic")

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tokenfair.sim.records import encode_decision
+from tokenfair.records.codec import encode_decision
 from tokenfair.sim.scenarios import pool_skewed
 from tokenfair.sim.simulator import simulate
 

@@ -41,13 +41,13 @@ from tokenfair.commands.simulate import fold
 from tokenfair.config import PolicyConfig, TenantConfig, build_config, load_config
 from tokenfair.core import Decision
 from tokenfair.core.cost import CostModel
+from tokenfair.records.codec import encode_decision, read_trace
 from tokenfair.sim.fairness import (
     FairnessTally,
     decision_size,
     fairness_report,
     fairness_to_json,
 )
-from tokenfair.sim.records import encode_decision, read_trace
 from tokenfair.sim.report import SummaryTally, percentile, summarize
 from tokenfair.sim.simulator import simulate
 

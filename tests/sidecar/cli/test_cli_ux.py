@@ -163,7 +163,7 @@ def _format_actions() -> dict[str, Any]:
 
 def test_every_format_flag_offers_table_and_json() -> None:
     actions = _format_actions()
-    assert set(actions) == {"simulate", "loadgen", "calibrate", "report"}
+    assert set(actions) == {"simulate", "loadgen", "calibrate", "report", "reasons"}
     for name, action in actions.items():
         assert action.default == "table", name
         assert action.metavar == "{table,json}", name

@@ -11,7 +11,8 @@ Behaviours under test:
 * the same bad value is refused by the same rule from a YAML policy, a ``sidecar:`` section and
   a ``tokenfair sidecar`` flag — read from real YAML files and a real ``tokenfair sidecar``
   process (which stops with the message before it listens) — and an integral float is taken
-  by all three;
+  by all three; ``maxInFlight`` is one rule (``in_flight_limit``: 1..100,000) wherever it comes
+  from, the operator's injector included (tests/operator/test_operator_inject.py);
 * the integer rule keeps the CRDs' contract: every ``type: integer`` field of the CRDs takes its
   minimum written as a float and refuses a fraction above it; every number field refuses a bool;
 * the backend names are listed once, in ``tokenfair.server.backends.BACKENDS``: the classes'
@@ -252,11 +253,13 @@ def rule_of(message: str, name: str) -> str:
     return message.split(f"{name}: ", 1)[1].strip()
 
 
-# (policy key, sidecar: key, flag, YAML text of the value = the flag's text)
+# (policy key with the same rule, or None: the rule itself; sidecar: key, flag, YAML text of the
+# value = the flag's text)
 SAME_RULE = [
     ("totalKvBlocks", "maxInFlight", "--max-in-flight", "2.5"),
-    ("totalKvBlocks", "maxInFlight", "--max-in-flight", "0"),
-    ("totalKvBlocks", "maxInFlight", "--max-in-flight", "-3"),
+    ("must be in [1, 100000] (got 0)", "maxInFlight", "--max-in-flight", "0"),
+    ("must be in [1, 100000] (got -3)", "maxInFlight", "--max-in-flight", "-3"),
+    ("must be in [1, 100000] (got 100001)", "maxInFlight", "--max-in-flight", "100001"),
     ("totalKvBlocks", "maxInFlight", "--max-in-flight", "many"),
     ("totalKvBlocks", "maxInFlight", "--max-in-flight", "9007199254740993"),
     ("decodeWeight", "timeScale", "--time-scale", "0"),
@@ -274,10 +277,13 @@ def test_the_same_value_is_refused_by_the_same_rule_from_yaml_section_and_flag(
     from tokenfair.server import load_sidecar_file
 
     value = yaml.safe_load(text)  # what a YAML file holds for `key: <text>`
-    bad_policy = write_file(tmp_path, {policy_key: value}, {})
-    with pytest.raises(ConfigError) as from_policy:
-        load_config(bad_policy)
-    rule = rule_of(str(from_policy.value), f"policy.{policy_key}")
+    if policy_key.startswith("must "):
+        rule = policy_key
+    else:
+        bad_policy = write_file(tmp_path, {policy_key: value}, {})
+        with pytest.raises(ConfigError) as from_policy:
+            load_config(bad_policy)
+        rule = rule_of(str(from_policy.value), f"policy.{policy_key}")
 
     bad_section = write_file(tmp_path, {}, {section_key: value})
     with pytest.raises(ConfigError) as from_section:

@@ -30,8 +30,8 @@ from tokenfair.config import (
 )
 from tokenfair.core import Decision, Request, make_scheduler
 from tokenfair.core.jobs import STATUS_OK
+from tokenfair.records.codec import decision_line, encode_record_line, line_fields, parse_decision
 from tokenfair.sim.fairness import fairness_report
-from tokenfair.sim.records import decision_line, encode_record_line, line_fields, parse_decision
 from tokenfair.sim.report import summarize
 from tokenfair.sim.simulator import simulate
 

@@ -47,6 +47,8 @@ from tokenfair.server.metrics import LaneSeries
 from tokenfair.server.status import STATUS_CHUNK
 from tokenfair.sim.scenarios import LESSON_TENANTS
 
+pytestmark = pytest.mark.virtual_time
+
 TENANTS = 10_000
 ACTIVE = 2_000
 
@@ -109,6 +111,7 @@ async def turns_until(done: Callable[[], bool], touched: Touched) -> None:
         touched.turn()
 
 
+@pytest.mark.wall_time  # the ticker turns the loop without pause: virtual time would stand still
 async def test_metrics_are_written_a_chunk_at_a_time_and_a_request_goes_between(
     aiohttp_client: ClientFactory,
 ) -> None:

@@ -17,17 +17,20 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
+from tokenfair.config.wire import VERSION_HEADER
 from tokenfair.server.remote import RemoteFeed, RemoteSource
 from tokenfair_operator.documents import Document, DocumentStore
 from tokenfair_operator.metrics import OperatorMetrics
 from tokenfair_operator.serve import (
     DEFAULT_RELAY_CONNECTIONS,
-    VERSION_HEADER,
     TokenAuthenticator,
     create_app,
 )
+
+pytestmark = pytest.mark.virtual_time
 
 
 def leader_app(headers: dict[str, str], hits: list[str]) -> web.Application:
@@ -116,6 +119,7 @@ async def test_a_publish_still_wakes_every_waiter_and_leaves_no_event() -> None:
     assert store._waiters == {}
 
 
+@pytest.mark.wall_time  # 150 connects at once: the kernel retries a dropped SYN in real time
 async def test_the_standby_relays_more_than_100_long_polls_at_once(
     aiohttp_server: Any, aiohttp_client: Any
 ) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from clock_support import ManualClock
 from sidecar_support import (
     CHAT,
     ZERO_BOOKS,
@@ -46,11 +47,14 @@ from tokenfair.config.document import load_documents
 from tokenfair.server.engine_state import (
     ENGINES,
     EngineMetricNames,
+    EngineState,
     parse_engine_metrics,
     parse_models,
     parse_routes,
 )
 from tokenfair.server.runtime_settings import SidecarSettings, settings_from_section
+
+pytestmark = pytest.mark.virtual_time
 
 ServerFactory = Callable[..., Awaitable[TestServer]]
 
@@ -142,6 +146,36 @@ def test_settings_by_name() -> None:
     for section, message in refused:
         with pytest.raises(ConfigError, match=message):
             settings_from_section(section)
+
+
+async def test_reports_go_stale_after_stale_s_on_the_engine_states_clock() -> None:
+    clock = ManualClock()
+    answers: list[tuple[int, bytes]] = [(200, VLLM_PAGE.encode())]
+    stale: list[str] = []
+
+    async def get(path: str, timeout_s: float, most_bytes: int) -> tuple[int, bytes]:
+        return answers[-1]
+
+    engine = EngineState(
+        get, engine="vllm", custom=None, metrics_path="/metrics", interval_s=1.0, stale_s=2.5,
+        on_report=lambda report: None, on_stale=stale.append, on_limits=lambda limits: None,
+        clock=clock,
+    )  # fmt: skip
+    await engine.poll_once()
+    assert (engine.fresh, engine.last_at_s) == (True, 0.0)
+    answers.append((503, b""))  # the engine stops answering
+    clock.advance(2.5)
+    await engine.poll_once()
+    assert (engine.fresh, stale) == (True, [])  # 2.5 s old: not older than stale_s yet
+    clock.advance(0.001)
+    await engine.poll_once()
+    assert not engine.fresh
+    assert stale == ["GET /metrics: HTTP 503"]
+    answers.append((200, VLLM_PAGE.encode()))
+    clock.advance(10.0)
+    await engine.poll_once()
+    assert engine.fresh
+    assert engine.last_at_s == pytest.approx(12.501)
 
 
 def test_an_unquoted_off_in_yaml_is_off() -> None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
+from clock_support import ManualClock
 from prometheus_client.parser import text_string_to_metric_families
 from sidecar_support import (
     CHAT,
@@ -54,13 +55,13 @@ from tokenfair.config import (
 )
 from tokenfair.core import DEFAULT_POLICY, Decision, make_scheduler
 from tokenfair.core.cost import CostModel
+from tokenfair.records.codec import read_decisions
 from tokenfair.server import SIDECAR, create_admin_app, create_app, make_backend
 from tokenfair.server.fairness_signal import FairnessSignal
 from tokenfair.server.metrics import FluidFairnessCollector, Metrics
 from tokenfair.server.runtime_settings import SidecarSettings, settings_from_section
 from tokenfair.sim.fairness import decision_size, fairness_report, jain_index
 from tokenfair.sim.fluid_window import OTHER, FluidWindow
-from tokenfair.sim.records import read_decisions
 
 A, B = "tenant_chat_pro", "tenant_ide_assist"  # both interactive, weights 2.0 and 1.5
 LONG_WAIT_MS = 600_000.0
@@ -219,6 +220,33 @@ def scrape_of(signal: FairnessSignal) -> dict[str, dict[tuple[tuple[str, str], .
     metrics = Metrics(lambda: (scheduler, False, config.version, ""))
     metrics.registry.register(FluidFairnessCollector(signal))
     return fluid_samples(metrics.render())
+
+
+async def test_the_refresh_task_refreshes_once_per_interval_of_its_clock() -> None:
+    clock = ManualClock()
+    model_ms = [0.0]
+    signal = FairnessSignal(
+        HAND_CONFIG, now_ms=lambda: model_ms[0], refresh_interval_s=1.0, clock=clock
+    )
+    task = asyncio.create_task(signal.run())
+    try:
+        await asyncio.sleep(0)  # the task waits on the clock now
+        clock.advance(0.999)
+        await asyncio.sleep(0)
+        assert signal.refreshed_at_ms is None  # not a moment early
+        model_ms[0] = 1000.0
+        assert clock.advance(0.001) == 1
+        await asyncio.sleep(0)
+        assert signal.refreshed_at_ms == 1000.0
+        model_ms[0] = 3500.0
+        assert clock.advance(2.5) == 1  # the next wait starts after the refresh: one more
+        await asyncio.sleep(0)
+        assert signal.refreshed_at_ms == 3500.0
+        assert clock.pending == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert clock.pending == 0  # a cancelled wait leaves no timer behind
 
 
 def test_a_hand_worked_case_on_a_fake_clock() -> None:

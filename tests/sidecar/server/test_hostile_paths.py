@@ -39,6 +39,8 @@ from tokenfair.config import ConfigError, config_to_document, load_config, load_
 from tokenfair.server.record_writer import RecordWriter
 from tokenfair.server.runtime_settings import SidecarSettings, read_upstream_api_key
 
+pytestmark = pytest.mark.virtual_time
+
 TOKENFAIR = Path(sys.executable).with_name("tokenfair")
 MEMORY_LIMIT_BYTES = 2 << 30
 START_BUDGET_S = 30.0
@@ -182,6 +184,7 @@ async def until(probe: Callable[[], Any], budget_s: float = START_BUDGET_S) -> b
     return False
 
 
+@pytest.mark.wall_time  # the sidecar is a process
 async def test_a_running_sidecar_refuses_a_config_path_turned_hostile_and_keeps_serving(
     running: tuple[Running, Path], tmp_path: Path
 ) -> None:

@@ -60,6 +60,8 @@ from tokenfair.core import Request, make_scheduler
 from tokenfair.server.kv_view import KvView, StreamProgress
 from tokenfair.server.runtime_settings import SidecarSettings
 
+pytestmark = pytest.mark.virtual_time
+
 ServerFactory = Callable[..., Awaitable[TestServer]]
 
 BLOCK = 32

@@ -39,9 +39,9 @@ from sidecar_support import (
 
 from tokenfair import native
 from tokenfair.config import PolicyConfig, build_config
+from tokenfair.records.codec import read_trace
 from tokenfair.server.reload import apply_config
 from tokenfair.server.runtime_settings import LoadedFile, SidecarSettings
-from tokenfair.sim.records import read_trace
 
 CHAT_BODY = {
     "model": "m",

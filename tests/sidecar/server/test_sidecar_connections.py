@@ -31,6 +31,8 @@ from tokenfair.server.connections import (
     peer_key,
 )
 
+pytestmark = pytest.mark.virtual_time
+
 WRITE_TIMEOUT_S = 0.2
 
 

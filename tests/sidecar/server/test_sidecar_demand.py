@@ -28,7 +28,7 @@ from sidecar_support import (
 
 from tokenfair.config import Config, PolicyConfig, build_config
 from tokenfair.server import LoadedFile, state
-from tokenfair.server.dispatcher import ModelClock
+from tokenfair.server.clock import ModelClock
 from tokenfair.server.reload import apply_config
 from tokenfair.server.runtime_settings import SidecarSettings
 

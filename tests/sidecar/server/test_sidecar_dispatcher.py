@@ -1,4 +1,4 @@
-"""The dispatcher between asyncio and the scheduling core, on a fake clock (no sleeping).
+"""The dispatcher between asyncio and the scheduling core, on virtual time (no wall clock).
 
 Behaviours: the in-flight limit holds requests in the core's queue; a completion dispatches the
 next one at once; a waiter cancelled while queued leaves the queue (refunded); a waiter cancelled
@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from sidecar_support import ZERO_BOOKS, keyed_config
 
 from tokenfair.core import Decision, Request, make_scheduler
-from tokenfair.server.dispatcher import Dispatcher, ModelClock
+from tokenfair.server.clock import ModelClock
+from tokenfair.server.dispatcher import Dispatcher
 from tokenfair.server.lifecycle import Lifecycle, Phase
+
+pytestmark = pytest.mark.virtual_time
 
 
 class FakeClock(ModelClock):
@@ -102,17 +106,16 @@ async def test_cancelled_in_the_instant_of_dispatch_settles_at_zero() -> None:
 
 
 async def test_kv_is_held_after_completion_then_released() -> None:
-    dispatcher, _ = make_dispatcher()
+    dispatcher, clock = make_dispatcher()
     lifecycle = queued(dispatcher.submit(chat("a")))
-    # Held 100 model ms after dispatch = 0.1 real ms at time_scale 0.001.
+    # Held 100 model ms after dispatch = 0.1 real ms at time_scale 0.001, on virtual time.
     dispatcher.complete(lifecycle, None, kv_hold_ms=100.0)
     assert dispatcher.scheduler.books().resident_kv_blocks == 24
     assert dispatcher.scheduler.books().running_requests == 0
     assert await dispatcher.wait_idle(1.0)
-    for _ in range(100):
-        if dispatcher.scheduler.books() == ZERO_BOOKS:
-            break
-        await asyncio.sleep(0.001)
+    await asyncio.sleep(clock.real_seconds(99.0))
+    assert dispatcher.scheduler.books().resident_kv_blocks == 24  # not a moment early
+    await asyncio.sleep(clock.real_seconds(2.0))
     assert dispatcher.scheduler.books() == ZERO_BOOKS
 
 

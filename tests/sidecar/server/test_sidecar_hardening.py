@@ -81,11 +81,14 @@ from sidecar_support import (
 from tokenfair.core import Request, make_scheduler
 from tokenfair.server.backends.base import MAX_USAGE_TOKENS, BackendCall
 from tokenfair.server.backends.openai import MAX_HELD_EVENT_BYTES, UsageEventFilter
-from tokenfair.server.dispatcher import Dispatcher, ModelClock
+from tokenfair.server.clock import ModelClock
+from tokenfair.server.dispatcher import Dispatcher
 from tokenfair.server.lifecycle import Lifecycle, Phase, Settlement
 from tokenfair.server.proxy import HAS_BROTLI, HAS_ZSTD
 from tokenfair.server.record_writer import RecordWriter
 from tokenfair.server.runtime_settings import SidecarSettings
+
+pytestmark = pytest.mark.virtual_time
 
 # -- reported usage --------------------------------------------------------------------------------
 

@@ -20,8 +20,9 @@ from sidecar_support import keyed_config
 
 from tokenfair.config import PriorityClass
 from tokenfair.core import DEFAULT_POLICY, Decision, Request, make_scheduler
+from tokenfair.core.reasons import Reason
+from tokenfair.records.live import Usage, encode_record, request_record
 from tokenfair.server.metrics import E2E_BUCKETS_S, LATENCY_BUCKETS_S, Metrics
-from tokenfair.server.record_writer import Usage, encode_record, request_record
 
 # Bounds themselves (a value equal to ``le`` counts in that bucket), between them, 0, past the
 # last bound (+Inf only).
@@ -155,7 +156,7 @@ _NAMES = st.text(min_size=1, max_size=12) | st.sampled_from(["bench", "tenant_in
     tenant_id=_NAMES,
     priority=st.sampled_from(["interactive", "batch"]),
     status_code=st.sampled_from([200, 429, 499, 502, 503, 504]),
-    reason=st.sampled_from(["admitted", "shed_kv_watermark", "upstream_error", "cancelled"]),
+    reason=st.sampled_from([*Reason, *(member.value for member in Reason)]),  # member or str
     numbers=st.tuples(_FLOATS, _FLOATS, _FLOATS, _FLOATS),
     dispatch_ms=st.none() | _FLOATS,
     retry_after_ms=st.none() | _FLOATS,

@@ -54,6 +54,8 @@ from tokenfair.server.runtime_settings import (
     settings_from_section,
 )
 
+pytestmark = pytest.mark.virtual_time
+
 ServerFactory = Callable[..., Awaitable[TestServer]]
 UPSTREAM_KEY = "sk-upstream-secret-0123456789"
 MODELS = {

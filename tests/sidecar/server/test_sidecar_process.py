@@ -39,7 +39,7 @@ from raw_upstream_support import connection_cut
 from sidecar_support import CHAT, keyed_config, until_ready
 
 from tokenfair.config import PolicyConfig, config_to_document
-from tokenfair.sim.records import read_trace
+from tokenfair.records.codec import read_trace
 
 TOKENFAIR = Path(sys.executable).with_name("tokenfair")
 ZERO_BOOKS = {
@@ -50,6 +50,8 @@ ZERO_BOOKS = {
     "resident_kv_blocks": 0,
 }
 STREAM_CHUNKS = 50
+WAIT_S = 30.0
+"""Upper bound for waiting on the sidecar's state (never reached when all is well)."""
 
 
 # -- the stub upstream ------------------------------------------------------------------------
@@ -140,6 +142,13 @@ class SidecarProcess:
         async with session.get(f"{self.admin}/status") as response:
             payload: dict[str, Any] = await response.json()
             return payload
+
+    async def books_reach(self, session: aiohttp.ClientSession, field: str, value: int) -> None:
+        """Wait (bounded by a generous deadline: a failure, not a speed) until ``/status``'s
+        books show ``field`` at ``value``."""
+        async with asyncio.timeout(WAIT_S):
+            while (await self.status(session))["books"][field] != value:
+                await asyncio.sleep(0.01)
 
     async def settled_books(self, session: aiohttp.ClientSession) -> dict[str, int]:
         """Books from /status once they are zero, or as they are after 5 s."""
@@ -340,12 +349,9 @@ async def test_sigterm_drains(stub: Stub, tmp_path: Path) -> None:
 
             # 50 chunks 20 ms apart: the in-flight request runs ~1 s; the next one queues.
             in_flight = asyncio.create_task(post("slowstream"))
-            await asyncio.sleep(0.2)
+            await sidecar.books_reach(session, "running_requests", 1)
             queued = asyncio.create_task(post("stream"))
-            for _ in range(200):
-                if (await sidecar.status(session))["books"]["queued_requests"] == 1:
-                    break
-                await asyncio.sleep(0.01)
+            await sidecar.books_reach(session, "queued_requests", 1)
             sidecar.process.send_signal(signal.SIGTERM)
             status, queued_headers, queued_body = await queued
             assert status == 503

@@ -38,6 +38,8 @@ from tokenfair.server import create_app, load_sidecar_file, make_backend
 from tokenfair.server.runner import quiet_malformed_requests
 from tokenfair.server.runtime_settings import SidecarSettings
 
+pytestmark = pytest.mark.virtual_time
+
 KEY = KEYS["tenant_chat_pro"]
 BODY = b'{"model":"m","prompt":"hi","max_tokens":2}'
 

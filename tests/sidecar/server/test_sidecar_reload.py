@@ -48,6 +48,7 @@ from tokenfair.config import (
     files,
 )
 from tokenfair.core import Decision
+from tokenfair.records.codec import decision_to_json, read_trace
 from tokenfair.server import LoadedFile, load_sidecar_file
 from tokenfair.server.backends.openai import with_include_usage
 from tokenfair.server.estimate import EstimateError, chars4, decode_tokens
@@ -58,7 +59,8 @@ from tokenfair.server.runtime_settings import (
     loads_sidecar_file,
     settings_from_section,
 )
-from tokenfair.sim.records import decision_to_json, read_trace
+
+pytestmark = pytest.mark.virtual_time
 
 EXAMPLE = REPO_ROOT / "examples" / "sidecar-standalone.yaml"
 

@@ -56,6 +56,8 @@ from sidecar_support import (
 
 from tokenfair.server.backends.base import MAX_USAGE_TOKENS, UsageBounds
 
+pytestmark = pytest.mark.virtual_time
+
 CONTEXT_TOKENS = 4096
 DECODE_WEIGHT = 4  # the lesson's policy
 

@@ -8,9 +8,11 @@ zero."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from sidecar_support import (
     CHAT,
     IDE,
@@ -26,6 +28,8 @@ from sidecar_support import (
 
 from tokenfair.config import Config, PolicyConfig, build_config
 from tokenfair.server.runtime_settings import SidecarSettings
+
+pytestmark = pytest.mark.virtual_time
 
 # A batching engine (4 slots): a request that finds a slot free is predicted to wait 0, so the
 # held one is admitted, and only its tenant's limit keeps it from starting.
@@ -130,15 +134,6 @@ async def test_held_requests_start_as_their_tenants_running_ones_end(
     )
     clients = await start(aiohttp_client, build_config(policy, tenants, "t"), settings)
     proxy, sidecar = clients.proxy, clients.sidecar
-    most_running = 0
-
-    async def watch() -> None:
-        nonlocal most_running
-        while True:
-            most_running = max(most_running, sidecar.scheduler.tenants["tenant_chat_pro"].running)
-            await asyncio.sleep(0)
-
-    watcher = asyncio.create_task(watch())
     answers = await asyncio.gather(
         *(
             proxy.post(
@@ -147,9 +142,13 @@ async def test_held_requests_start_as_their_tenants_running_ones_end(
             for _ in range(4)
         )
     )
-    watcher.cancel()
     assert [a.status for a in answers] == [200] * 4
-    assert most_running == 1
     assert await books_when_settled(sidecar) == ZERO_BOOKS
+    # Never two at once: on virtual time each request runs from its dispatch to its end
+    # (arrival + e2e, settled in the same instant) and the next starts no sooner.
+    runs = sorted((r["dispatch_ms"], r["arrival_ms"] + r["e2e_ms"]) for r in records_of(sidecar))
+    assert len(runs) == 4
+    for (_, end), (start_next, _) in itertools.pairwise(runs):
+        assert start_next >= end - 0.01, runs
     held = [r for r in records_of(sidecar) if "held_by_max_concurrent_requests" in r["observed"]]
     assert len(held) >= 1

@@ -40,6 +40,11 @@ from tokenfair.server.upstream import (
 SOCKET_READ_BYTES = 256 * 1024
 """The most asyncio's socket transport reads at once: the client may buffer one such read past
 HIGH_WATER_BYTES before it pauses reading."""
+
+pytestmark = pytest.mark.virtual_time
+"""Every wait here is on the event loop's clock, virtual (tests/clock_support.py): a peer's
+pauses, the client's read timeouts and the bounds on waiting for something that must happen."""
+
 WAIT_S = 5.0
 """Upper bound for waiting on something that must happen (never reached when all is well)."""
 
@@ -1353,6 +1358,7 @@ def closing_upstream() -> Iterator[ClosingUpstream]:
     server.stop()
 
 
+@pytest.mark.wall_time  # the upstream is a thread
 async def test_a_connection_the_upstream_closed_unseen_by_the_loop_is_not_used(
     closing_upstream: ClosingUpstream, clients: ClientFactory
 ) -> None:

@@ -31,6 +31,7 @@ import pytest
 
 from tokenfair.core import Request
 from tokenfair.core.cost import CostModel
+from tokenfair.records.codec import TraceRecord, read_trace
 from tokenfair.sim.calibrate import (
     NO_ACTUAL_TOKENS,
     NO_E2E,
@@ -41,7 +42,6 @@ from tokenfair.sim.calibrate import (
     calibrate,
     read_outcomes,
 )
-from tokenfair.sim.records import TraceRecord, read_trace
 from tokenfair.sim.tracegen import MIXES, TenantWorkload, WorkloadSpec, generate, observe
 
 TOKENFAIR = str(Path(sys.executable).parent / "tokenfair")

@@ -39,6 +39,7 @@ import pytest
 from tokenfair.config import PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Request
 from tokenfair.core.cost import CostModel
+from tokenfair.records.codec import TraceRecord
 from tokenfair.sim.calibrate import (
     CalibrationError,
     Outcome,
@@ -50,7 +51,6 @@ from tokenfair.sim.calibrate import (
 )
 from tokenfair.sim.calibrate import fit_service as serial_fit
 from tokenfair.sim.concurrency import ConcurrencyProfile
-from tokenfair.sim.records import TraceRecord
 from tokenfair.sim.simulator import replay_timed
 from tokenfair.sim.tracegen import MIXES, TenantWorkload, WorkloadSpec, generate
 

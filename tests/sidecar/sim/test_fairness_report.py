@@ -42,14 +42,14 @@ from hypothesis import strategies as st
 from tokenfair.cli import main
 from tokenfair.config import Config, PolicyConfig, PriorityClass, TenantConfig
 from tokenfair.core import Decision, Request
-from tokenfair.server.record_writer import Usage, encode_record
+from tokenfair.records.codec import read_decisions, write_decisions
+from tokenfair.records.live import Usage, encode_record
 from tokenfair.sim.fairness import (
     fairness_report,
     format_fairness,
     jain_index,
     water_fill,
 )
-from tokenfair.sim.records import read_decisions, write_decisions
 
 # ---------------------------------------------------------------------------------------------
 # water_fill

@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 
 from tokenfair import cli
 from tokenfair.core import Request
-from tokenfair.sim.records import TraceRecord, read_trace
+from tokenfair.records.codec import TraceRecord, read_trace
 from tokenfair.sim.tracegen import (
     ARRIVAL_PROCESSES,
     MIXES,

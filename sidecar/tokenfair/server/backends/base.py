@@ -31,6 +31,7 @@ from aiohttp import web
 from tokenfair.config import PolicyConfig
 from tokenfair.core import Decision
 from tokenfair.core.cost import MAX_REQUEST_TOKENS
+from tokenfair.core.reasons import Reason
 from tokenfair.server.connections import reset, unacknowledged_bytes
 from tokenfair.server.estimate import Estimate, prompts, sequences
 from tokenfair.server.kv_view import StreamProgress
@@ -50,20 +51,20 @@ MAX_USAGE_TOKENS: Final = MAX_REQUEST_TOKENS
 ``[0, MAX_USAGE_TOKENS]`` is a protocol error: the request settles at its estimate and its record
 says ``upstream_bad_usage``. An integer in that range but over the request's own bound
 (:class:`UsageBounds`) settles at the bound, also recorded ``upstream_bad_usage``."""
-BAD_USAGE: Final = "upstream_bad_usage"
-UPSTREAM_ABORTED: Final = "upstream_aborted"
-UPSTREAM_TOO_LARGE: Final = "upstream_too_large"
+BAD_USAGE: Final = Reason.UPSTREAM_BAD_USAGE
+UPSTREAM_ABORTED: Final = Reason.UPSTREAM_ABORTED
+UPSTREAM_TOO_LARGE: Final = Reason.UPSTREAM_TOO_LARGE
 """502 code and record reason: the upstream's response head (over 64 KiB) or non-streamed body
 (over 8 MiB) passed the client's bounds (:class:`~tokenfair.server.upstream.
 UpstreamTooLargeError`); the connection was dropped."""
 
-CLIENT_MESSAGES: Final = {
-    "upstream_error": "the model server failed to answer (refused, reset or a malformed "
+CLIENT_MESSAGES: Final[dict[str, str]] = {
+    Reason.UPSTREAM_ERROR: "the model server failed to answer (refused, reset or a malformed "
     "response); the sidecar's log has the details under this request's x-request-id",
-    "upstream_timeout": "the model server did not answer in time; the sidecar's log has the "
+    Reason.UPSTREAM_TIMEOUT: "the model server did not answer in time; the sidecar's log has the "
     "details under this request's x-request-id",
-    "upstream_unavailable": "the model server is not available",
-    "upstream_too_large": "the model server's answer was larger than the sidecar relays; the "
+    Reason.UPSTREAM_UNAVAILABLE: "the model server is not available",
+    Reason.UPSTREAM_TOO_LARGE: "the model server's answer was larger than the sidecar relays; the "
     "sidecar's log has the details under this request's x-request-id",
 }
 """What a tenant reads in a 502/504: no upstream host, port or errno (those go to the log)."""
@@ -89,7 +90,7 @@ class UpstreamError(Exception):
 
     @property
     def client_message(self) -> str:
-        return CLIENT_MESSAGES.get(self.code, CLIENT_MESSAGES["upstream_error"])
+        return CLIENT_MESSAGES.get(self.code, CLIENT_MESSAGES[Reason.UPSTREAM_ERROR])
 
 
 class StreamAbortedError(Exception):

@@ -58,6 +58,7 @@ from aiohttp import web
 
 from tokenfair.core.batching import BatchingCurve
 from tokenfair.core.cost import CostModel
+from tokenfair.core.reasons import Reason
 from tokenfair.server.backends.base import (
     EMBEDDINGS_ROUTE,
     Backend,
@@ -206,7 +207,7 @@ class CostModelBackend(Backend):
                 400,
                 f"dimensions: {len(inputs)} inputs of {dimensions} dimensions are over the "
                 f"cost-model engine's {MAX_FAKE_EMBEDDING_VALUES} values per answer",
-                "invalid_value",
+                Reason.INVALID_VALUE,
                 param="dimensions",
                 headers=call.response_headers,
             )

@@ -50,6 +50,7 @@ from typing import Any, ClassVar, Final
 from aiohttp import web
 from multidict import CIMultiDict
 
+from tokenfair.core.reasons import Reason
 from tokenfair.server.backends.base import (
     UPSTREAM_TOO_LARGE,
     Backend,
@@ -450,10 +451,10 @@ def with_include_usage(raw: bytes) -> bytes | None:
 def _upstream_failure(exc: Exception, where: str) -> UpstreamError:
     """The 502/504 for an upstream failure before the response started (details: the log)."""
     if isinstance(exc, TimeoutError):
-        return UpstreamError(504, "upstream_timeout", f"upstream {where} timed out: {exc}")
+        return UpstreamError(504, Reason.UPSTREAM_TIMEOUT, f"upstream {where} timed out: {exc}")
     if isinstance(exc, UpstreamTooLargeError):
         return UpstreamError(502, UPSTREAM_TOO_LARGE, f"upstream {where} refused: {exc}")
-    return UpstreamError(502, "upstream_error", f"upstream {where} failed: {exc}")
+    return UpstreamError(502, Reason.UPSTREAM_ERROR, f"upstream {where} failed: {exc}")
 
 
 def _decoded(decoder: BodyDecoder, data: bytes, coding: str | None, what: str) -> bytes:
@@ -465,7 +466,7 @@ def _decoded(decoder: BodyDecoder, data: bytes, coding: str | None, what: str) -
         raise _upstream_failure(exc, what) from None
     except (zlib.error, ValueError) as exc:
         raise UpstreamError(
-            502, "upstream_error", f"upstream {coding} {what} body undecodable: {exc}"
+            502, Reason.UPSTREAM_ERROR, f"upstream {coding} {what} body undecodable: {exc}"
         ) from None
 
 
@@ -525,7 +526,7 @@ class OpenAIBackend(Backend):
     async def respond(self, call: BackendCall) -> web.StreamResponse:
         client = self._client
         if client is None:
-            raise UpstreamError(502, "upstream_unavailable", "the upstream client is closed")
+            raise UpstreamError(502, Reason.UPSTREAM_UNAVAILABLE, "the upstream client is closed")
         request = call.request
         payload, injected = self._payload(call)
         try:
@@ -581,7 +582,7 @@ class OpenAIBackend(Backend):
     async def _relay_models(self, request: web.Request) -> web.Response:
         client = self._client
         if client is None:
-            raise UpstreamError(502, "upstream_unavailable", "the upstream client is closed")
+            raise UpstreamError(502, Reason.UPSTREAM_UNAVAILABLE, "the upstream client is closed")
         headers = [("Accept", "application/json"), ("Accept-Encoding", "identity")]
         if self._api_key is not None:
             headers.append(("Authorization", f"Bearer {self._api_key}"))
@@ -601,7 +602,7 @@ class OpenAIBackend(Backend):
         if upstream.status in (401, 403):
             # The sidecar's own key (or its absence) was refused: not the client's key.
             raise UpstreamError(
-                502, "upstream_error",
+                502, Reason.UPSTREAM_ERROR,
                 f"upstream refused the sidecar's models request (HTTP {upstream.status}): "
                 "check the upstream API key setting",
             )  # fmt: skip
@@ -618,7 +619,7 @@ class OpenAIBackend(Backend):
         ``limit_bytes``."""
         client = self._client
         if client is None:
-            raise UpstreamError(502, "upstream_unavailable", "the upstream client is closed")
+            raise UpstreamError(502, Reason.UPSTREAM_UNAVAILABLE, "the upstream client is closed")
         headers = [("Accept", "*/*"), ("Accept-Encoding", "identity")]
         if self._api_key is not None:
             headers.append(("Authorization", f"Bearer {self._api_key}"))

@@ -20,8 +20,9 @@ Writing: every record line of the project is written here, by one encoder. A req
 is a :class:`TraceLine` (:func:`dump_trace`: ``tokenfair trace generate``), a decision record a
 :class:`RecordLine` (the ``Decision``'s fields, then the request fields of a live record):
 ``tokenfair simulate --records`` (:func:`encode_decision`), the sidecar's records file
-(``server/record_writer.py``) and ``tokenfair loadgen --records`` (``loadgen.record_line``) all
-build one with :func:`decision_line` and write it with :func:`encode_record_line`. The encoding
+(``records/live.py``, written by ``server/record_writer.py``) and ``tokenfair loadgen
+--records`` (``loadgen.record_line``) all build one with :func:`decision_line` and write it
+with :func:`encode_record_line`. The encoding
 rule is ``json.dumps`` compact (ASCII only); :func:`plain_line` applies it plainly (the
 reference) and the encoders apply it fast (msgspec, checked byte for byte against it). Decision
 records are read back into ``Decision`` objects by :func:`read_decisions` (``tokenfair report``).
@@ -45,12 +46,12 @@ from tokenfair.config import PRIORITY_CLASSES, PriorityClass, shown
 from tokenfair.config.files import InputFileError, open_regular
 from tokenfair.core import Decision, Request
 from tokenfair.core.cost import service_tokens
-from tokenfair.sim.reading import IdHashes, validated_arrivals
-from tokenfair.sim.reading import TraceReading as TraceReading  # re-exported: part of the API
-from tokenfair.sim.schema import MAX_RECORD_MS as MAX_RECORD_MS
-from tokenfair.sim.schema import RecordLine as RecordLine
-from tokenfair.sim.schema import TraceLine as TraceLine
-from tokenfair.sim.schema import TraceRequest as TraceRequest
+from tokenfair.records.reading import IdHashes, validated_arrivals
+from tokenfair.records.reading import TraceReading as TraceReading  # re-exported: part of the API
+from tokenfair.records.schema import MAX_RECORD_MS as MAX_RECORD_MS
+from tokenfair.records.schema import RecordLine as RecordLine
+from tokenfair.records.schema import TraceLine as TraceLine
+from tokenfair.records.schema import TraceRequest as TraceRequest
 
 # ---------------------------------------------------------------------------------------------
 # The request record schema: one definition, read by a compiled decoder (msgspec).
@@ -570,14 +571,14 @@ def stream_validated(
     ``(Request(...), None, None)`` (a plain request: the replay holds it while it is queued, not
     the line). ``reading`` is updated at each line and marked complete at the end.
 
-    Unique ids are checked through their hashes (:class:`~tokenfair.sim.reading.IdHashes`, 8
+    Unique ids are checked through their hashes (:class:`~tokenfair.records.reading.IdHashes`, 8
     bytes a line): at the end of the file, and before any other error is raised (so a repeated
     id earlier in the file is the error reported, as :func:`iter_trace_lines` would). A
     repeated id is therefore reported when the file has been read, not at its line: a consumer
     that must not act on a trace with a bad line (write records, print a report) waits for the
     end.
 
-    The per-line loop is :func:`tokenfair.sim.reading.validated_arrivals` (compiled with the
+    The per-line loop is :func:`tokenfair.records.reading.validated_arrivals` (compiled with the
     core, docs/native.md); the rules and words it hands back are here (``_StreamHooks``).
     Nothing is read before the first arrival is asked for.
     """

@@ -38,7 +38,7 @@ from repo_paths import REPO_ROOT
 
 from tokenfair.config import Config, PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Decision, Request
-from tokenfair.sim.records import (
+from tokenfair.records.codec import (
     OBSERVED_FIELDS,
     REQUIRED_FIELDS,
     TraceError,

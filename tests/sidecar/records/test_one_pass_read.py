@@ -36,9 +36,8 @@ import pytest
 from tokenfair.config import PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Decision, Request
 from tokenfair.core.cost import CostModel
-from tokenfair.sim import records
-from tokenfair.sim.fairness import FairnessTally, decision_size
-from tokenfair.sim.records import (
+from tokenfair.records import codec as records
+from tokenfair.records.codec import (
     TraceError,
     TraceLine,
     TraceOutOfOrder,
@@ -49,6 +48,7 @@ from tokenfair.sim.records import (
     scan_trace,
     stream_validated,
 )
+from tokenfair.sim.fairness import FairnessTally, decision_size
 from tokenfair.sim.simulator import Arrival, replay
 
 TENANTS = ("tenant_a", "tenant_b", "tenant_c")

@@ -1,6 +1,6 @@
 """The loop of a validating read of a trace (:func:`records.stream_validated`), compiled.
 
-:mod:`tokenfair.sim.records` owns the schema, the decoders and every error's wording; this
+:mod:`tokenfair.records.codec` owns the schema, the decoders and every error's wording; this
 module holds only the per-line loop that a replay pays for at every request, so that it runs as
 compiled code (docs/native.md) next to the replay that consumes it, rather than as an
 interpreted generator resumed once a line (~3,000 instructions a line of interpreter work at

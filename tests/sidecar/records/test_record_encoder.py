@@ -1,4 +1,4 @@
-"""The one schema and encoder of record lines (``sim/records.py``), and the writers that use it.
+"""The one schema and encoder of record lines (``records/codec.py``), and the writers that use it.
 
 Behaviours under test:
 
@@ -39,9 +39,8 @@ from tokenfair.loadgen import (
     record_line,
     to_decision,
 )
-from tokenfair.server.record_writer import Usage, encode_record, request_record
-from tokenfair.sim import records
-from tokenfair.sim.records import (
+from tokenfair.records import codec as records
+from tokenfair.records.codec import (
     DECISION_FIELDS,
     RECORD_FIELDS,
     RecordLine,
@@ -56,6 +55,7 @@ from tokenfair.sim.records import (
     line_fields,
     plain_line,
 )
+from tokenfair.records.live import Usage, encode_record, request_record
 
 DOCS = REPO_ROOT / "docs" / "records.md"
 

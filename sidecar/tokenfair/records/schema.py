@@ -1,6 +1,6 @@
 """The record schemas: a request record (:class:`TraceLine`, its required part
 :class:`TraceRequest`) and a decision record (:class:`RecordLine`), as msgspec structs
-(docs/records.md). :mod:`tokenfair.sim.records` decodes, validates, words the errors and
+(docs/records.md). :mod:`tokenfair.records.codec` decodes, validates, words the errors and
 encodes with them, and re-exports them.
 
 A module of its own, without ``from __future__ import annotations``: msgspec reads a struct's

@@ -1,0 +1,182 @@
+"""Time for tests that does not depend on the machine's speed.
+
+Two fakes of the server's time line (:mod:`tokenfair.server.clock`):
+
+* :class:`VirtualTimeLoop` — an event loop whose ``time()`` is virtual and moves only when the
+  loop has nothing else to do: no callback ready, no I/O readable or writable, no work in its
+  executor threads. It then jumps straight to its next timer. Everything that waits on the
+  loop's clock (``asyncio.sleep``, ``call_later``, ``asyncio.timeout``, the sidecar's
+  :class:`~tokenfair.server.clock.ModelClock` made inside the loop, the ``costmodel`` backend)
+  sees the same virtual time, and a busy or slow machine cannot make any of it late: work
+  takes no virtual time at all. Real sockets still work (bytes written on loopback are readable
+  when the write returns; the loop looks before it jumps). Run a coroutine on one with
+  :func:`run_virtual`, or ask for the ``virtual_loop`` fixture in an async test.
+* :class:`ManualClock` — an :class:`~tokenfair.server.clock.EventClock` stepped by hand
+  (:meth:`ManualClock.advance`), for a unit whose timers should fire exactly when the test says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import selectors
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import Executor
+from concurrent.futures import Future as ThreadFuture
+from typing import Any, TypeVar, TypeVarTuple
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+THREAD_POLL_S = 0.001
+"""Real seconds the virtual loop waits for I/O, at a time, while a thread of its executor works
+(time does not move then: the thread's result may be what the loop is waiting for)."""
+
+
+class _VirtualSelector(selectors.BaseSelector):
+    """The loop's selector, but a wait for a timer is a jump of the virtual clock."""
+
+    def __init__(self, loop_time: VirtualTimeLoop) -> None:
+        self._real = selectors.DefaultSelector()
+        self._loop = loop_time
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._real.register(fileobj, events, data)
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._real.unregister(fileobj)
+
+    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._real.modify(fileobj, events, data)
+
+    def get_map(self) -> Mapping[Any, selectors.SelectorKey]:
+        return self._real.get_map()
+
+    def close(self) -> None:
+        self._real.close()
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        ready = self._real.select(0)
+        if ready or timeout == 0:
+            return ready
+        if self._loop.threads_working:
+            return self._real.select(
+                THREAD_POLL_S if timeout is None else min(timeout, THREAD_POLL_S)
+            )
+        if timeout is None:  # no timer at all: only the outside world can wake the loop
+            return self._real.select(None)
+        self._loop.advance(timeout)
+        return []
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop on virtual time (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._virtual_now = time.monotonic()
+        self.threads_working = 0
+        """Calls running in the executor (time stands still until they are done)."""
+        self.jumps = 0
+        """How many times the clock jumped to the next timer."""
+        super().__init__(selector=_VirtualSelector(self))
+
+    def time(self) -> float:
+        return self._virtual_now
+
+    def advance(self, seconds: float) -> None:
+        self._virtual_now += seconds
+        self.jumps += 1
+
+    def run_in_executor(
+        self, executor: Executor | None, func: Callable[[*Ts], T], *args: *Ts
+    ) -> asyncio.Future[T]:
+        future = super().run_in_executor(executor, func, *args)
+        self.threads_working += 1
+        future.add_done_callback(self._thread_done)
+        return future
+
+    def _thread_done(self, _: asyncio.Future[Any] | ThreadFuture[Any]) -> None:
+        self.threads_working -= 1
+
+
+def run_virtual(coroutine: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on a :class:`VirtualTimeLoop`."""
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        return runner.run(coroutine)
+
+
+class _ManualTimer:
+    __slots__ = ("args", "callback", "cancelled", "when")
+
+    def __init__(self, when: float, callback: Callable[..., object], args: tuple[Any, ...]) -> None:
+        self.when = when
+        self.callback = callback
+        self.args = args
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class ManualClock:
+    """An :class:`~tokenfair.server.clock.EventClock` that moves only in :meth:`advance`."""
+
+    def __init__(self, time_scale: float = 1.0, start_s: float = 0.0) -> None:
+        self.time_scale = time_scale
+        self._now_s = start_s
+        self._origin_s = start_s
+        self._timers: list[tuple[float, int, _ManualTimer]] = []
+        self._order = itertools.count()
+
+    def now_ms(self) -> float:
+        return (self._now_s - self._origin_s) * 1000.0 / self.time_scale
+
+    def real_seconds(self, model_ms: float) -> float:
+        return model_ms * self.time_scale / 1000.0
+
+    def monotonic_s(self) -> float:
+        return self._now_s
+
+    def call_later(
+        self, delay_s: float, callback: Callable[..., object], *args: Any
+    ) -> _ManualTimer:
+        timer = _ManualTimer(self._now_s + max(0.0, delay_s), callback, args)
+        heapq.heappush(self._timers, (timer.when, next(self._order), timer))
+        return timer
+
+    async def sleep(self, delay_s: float) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def wake() -> None:
+            if not future.done():
+                future.set_result(None)
+
+        timer = self.call_later(delay_s, wake)
+        try:
+            await future
+        finally:
+            timer.cancel()
+
+    @property
+    def pending(self) -> int:
+        """Timers not yet run nor cancelled."""
+        return sum(not timer.cancelled for _, _, timer in self._timers)
+
+    def advance(self, seconds: float) -> int:
+        """Move time ``seconds`` forward, running each timer due on the way at its own time,
+        in order (a timer a callback sets within the step runs too if it is due). Returns how
+        many ran. A sleeper woken here resumes when the event loop next turns: ``await
+        asyncio.sleep(0)`` after a step lets it."""
+        end = self._now_s + seconds
+        ran = 0
+        while self._timers and self._timers[0][0] <= end:
+            when, _, timer = heapq.heappop(self._timers)
+            if timer.cancelled:
+                continue
+            self._now_s = max(self._now_s, when)
+            timer.callback(*timer.args)
+            ran += 1
+        self._now_s = end
+        return ran
