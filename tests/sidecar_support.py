@@ -149,7 +149,7 @@ async def one_running_one_queued(
 
 def records_of(sidecar: Sidecar) -> list[dict[str, Any]]:
     """The sidecar's request records so far (flushed first), one dict per JSON line."""
-    record_writer = sidecar.record_writer
+    record_writer = sidecar.outcomes.record_writer
     assert record_writer is not None
     record_writer.flush()
     path = sidecar.settings.records_path

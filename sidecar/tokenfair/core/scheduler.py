@@ -29,7 +29,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import ClassVar, Final
+from typing import ClassVar, Final, NamedTuple
 
 from tokenfair.config import Config, TenantConfig
 from tokenfair.core.bucket import Bucket, ExactTokenBucket, HasBucket, TokenBucket
@@ -143,6 +143,16 @@ class Books:
     queued_kv_blocks: int
     running_requests: int
     resident_kv_blocks: int
+
+
+class BudgetView(NamedTuple):
+    """A tenant's token bucket as read at one instant (:meth:`Scheduler.budget`): its burst,
+    its level then (negative: in debt) and its sustained refill, in service tokens (a named
+    tuple: read once per answered request, built cheaply)."""
+
+    burst: int
+    level: float
+    sustained_per_second: float
 
 
 class Scheduler(ABC):
@@ -710,6 +720,39 @@ class Scheduler(ABC):
             running_requests=self.running,
             resident_kv_blocks=self.resident_blocks,
         )
+
+    # -- read-only queries (the server asks; it never reads ``jobs`` or a bucket) ------------
+
+    def budget(self, tenant_id: str, now_ms: float) -> BudgetView | None:
+        """``tenant_id``'s budget at ``now_ms`` (its bucket refilled to then, as admission
+        would); None for a tenant the scheduler does not know."""
+        state = self.tenants.get(tenant_id)
+        if state is None:
+            return None
+        bucket = state.bucket
+        level = bucket.refill(now_ms)
+        return BudgetView(bucket.burst, level, bucket.sustained_per_second)
+
+    def running_backlog(self) -> list[int]:
+        """Per lane, the service tokens of the dispatched requests not yet settled."""
+        backlog = [0, 0]
+        for job in self.jobs.values():
+            if job.state is JobState.DISPATCHED:
+                backlog[job.lane] += job.service_tokens
+        return backlog
+
+    def is_running(self, request_id: str) -> bool:
+        """``request_id`` is dispatched and not yet settled."""
+        job = self.jobs.get(request_id)
+        return job is not None and job.state is JobState.DISPATCHED
+
+    def held_job(self, request_id: str) -> Job | None:
+        """The job of a dispatched request whose KV the books still hold (running, or settled
+        with its KV held until its hold time), for reading only; None if queued or gone."""
+        job = self.jobs.get(request_id)
+        if job is None or job.state is JobState.QUEUED:
+            return None
+        return job
 
     # -- helpers ----------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """The access log: one structured line per proxy request, on the ``tokenfair.access`` logger.
 
-A request that reached admission is logged by :meth:`Sidecar.completed
-<tokenfair.server.state.Sidecar.completed>`, the one place its completion is counted (called
+A request that reached admission is logged by the outcome sink (:meth:`Outcomes.completed
+<tokenfair.server.outcomes.Outcomes.completed>`), the one place its completion is counted (called
 once by :meth:`Lifecycle.complete <tokenfair.server.lifecycle.Lifecycle.complete>`); a request
 answered before admission (``401``, ``400`` invalid, ``413``, ``404``, ``503 draining`` at the
 door, ``GET /v1/models``) by the proxy app's middleware, which sees that nothing accounted it.

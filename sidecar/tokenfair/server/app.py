@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -42,7 +43,7 @@ from tokenfair.server.proxy import (
     not_found,
 )
 from tokenfair.server.record_writer import RecordWriter
-from tokenfair.server.reload import watch_config
+from tokenfair.server.reload import apply_config, refuse_config, reload_failed, watch_config
 from tokenfair.server.runtime_settings import SidecarSettings
 from tokenfair.server.state import Sidecar
 from tokenfair.server.tracing import (
@@ -126,7 +127,7 @@ async def observe_requests(request: web.Request, handler: Handler) -> web.Stream
     scope = RequestScope(
         bounded(request.method) or "", bounded(request.path) or "", sidecar.clock.now_ms()
     )
-    if sidecar.tracer is not None:  # tracing off costs nothing here
+    if sidecar.outcomes.tracer is not None:  # tracing off costs nothing here
         headers = request.headers
         scope.traceparent = headers.get("traceparent")
         scope.tracestate = headers.get("tracestate")
@@ -149,7 +150,7 @@ async def observe_requests(request: web.Request, handler: Handler) -> web.Stream
         metrics.in_flight -= 1
         CURRENT_SCOPE.reset(token)
         if not scope.accounted:
-            sidecar.observe_unadmitted(scope, status, reason)
+            sidecar.outcomes.observe_unadmitted(scope, status, reason)
 
 
 def _error_code(response: web.StreamResponse) -> str | None:
@@ -168,7 +169,7 @@ async def _access_log_ctx(app: web.Application) -> AsyncIterator[None]:
     """Torn down last: the buffered access lines (the drain's included) go to the writer's
     thread (``tokenfair sidecar`` waits for them to be written before it exits)."""
     yield
-    access = app[SIDECAR].access_log
+    access = app[SIDECAR].outcomes.access_log
     if access is not None and access.writer is not None:
         access.writer.flush()
 
@@ -186,9 +187,9 @@ async def _tracing_ctx(app: web.Application) -> AsyncIterator[None]:
         tracer = RequestTracer(provider, sidecar.backend.name, owned=True)
     else:
         tracer = RequestTracer(given, sidecar.backend.name, owned=False)  # type: ignore[arg-type]
-    sidecar.tracer = tracer
+    sidecar.outcomes.tracer = tracer
     yield
-    sidecar.tracer = None
+    sidecar.outcomes.tracer = None
     await tracer.close()
 
 
@@ -202,12 +203,13 @@ async def _backend_ctx(app: web.Application) -> AsyncIterator[None]:
 async def _records_ctx(app: web.Application) -> AsyncIterator[None]:
     sidecar = app[SIDECAR]
     path = sidecar.settings.records_path
+    outcomes = sidecar.outcomes
     if path is not None:
-        sidecar.record_writer = RecordWriter(path, on_dropped=sidecar.metrics.records_dropped.inc)
+        outcomes.record_writer = RecordWriter(path, on_dropped=sidecar.metrics.records_dropped.inc)
     yield
-    if sidecar.record_writer is not None:
-        sidecar.record_writer.close()
-        sidecar.record_writer = None
+    if outcomes.record_writer is not None:
+        outcomes.record_writer.close()
+        outcomes.record_writer = None
 
 
 async def _pool_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -278,9 +280,9 @@ async def _watcher_ctx(app: web.Application) -> AsyncIterator[None]:
             sidecar.config_path,
             sidecar.settings.reload_interval_s,
             sidecar.config_sha256,
-            sidecar.apply_config,
-            sidecar.refuse_config,
-            sidecar.reload_failed,
+            functools.partial(apply_config, sidecar),
+            functools.partial(refuse_config, sidecar),
+            functools.partial(reload_failed, sidecar),
         ),
         name="tokenfair-config-watcher",
     )

@@ -34,7 +34,7 @@ import math
 from typing import Any, Final
 
 from tokenfair.core import Decision, Request, Scheduler
-from tokenfair.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED, JobState
+from tokenfair.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED
 from tokenfair.server.clock import ModelClock as ModelClock  # re-exported until callers move
 from tokenfair.server.errors import INTERNAL_ERROR
 from tokenfair.server.lifecycle import (
@@ -317,8 +317,7 @@ class Dispatcher:
                     settlement = Settlement.CORE_FAILED
         if not math.isfinite(kv_hold_ms):
             kv_hold_ms = 0.0
-        job = scheduler.jobs.get(request_id)
-        if job is not None and job.state is not JobState.DONE:  # still running: not settled
+        if scheduler.is_running(request_id):  # the core did not settle it
             settlement = Settlement.CORE_FAILED
             self.release_unsettled(request_id)
         else:

@@ -21,7 +21,7 @@ wait limit. So a tenant held back by its own budget reads as under-served here: 
 asks how the lane's service was split, not whether the split followed the budgets
 (``tokenfair_refused_requests_total``'s ``reason`` says which gate refused it).
 
-**Feed.** :meth:`Sidecar.completed <tokenfair.server.state.Sidecar.completed>` calls
+**Feed.** :meth:`Outcomes.completed <tokenfair.server.outcomes.Outcomes.completed>` calls
 :meth:`FairnessSignal.completed` once per request that reached admission, with the outcome its
 client met: O(log pending) (a heap push), never O(tenants), and it never raises.
 

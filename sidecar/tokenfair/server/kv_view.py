@@ -61,7 +61,6 @@ from typing import Final
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenfair.core.jobs import JobState
 from tokenfair.core.scheduler import Scheduler
 
 
@@ -210,7 +209,7 @@ class KvView:
         total is at most the engine's ``used_blocks``: it cannot surely hold more than it
         reports in use."""
         block = scheduler.policy.kv_block_tokens
-        jobs = scheduler.jobs
+        held_job = scheduler.held_job
         preempted: set[str] = set()
         if running is not None:
             started = [
@@ -229,8 +228,8 @@ class KvView:
         held = 0
         tracked = 0
         for request_id, progress in self._running.items():
-            job = jobs.get(request_id)
-            if job is None or job.state is JobState.QUEUED:
+            job = held_job(request_id)
+            if job is None:
                 continue
             tracked += job.kv_blocks
             if progress.events and request_id not in preempted:
@@ -257,12 +256,12 @@ class KvView:
         arrived_before = (
             None if self._clock is None or not self._room else self._clock() - self.intake_ms
         )
-        jobs = scheduler.jobs
+        held_job = scheduler.held_job
         held = 0
         tracked = 0
         for request_id, progress in self._running.items():
-            job = jobs.get(request_id)
-            if job is None or job.state is JobState.QUEUED:
+            job = held_job(request_id)
+            if job is None:
                 continue
             tracked += job.kv_blocks
             request = job.request

@@ -32,8 +32,12 @@ and each move has one place that makes it::
 A request's end is ``complete`` at every layer: :meth:`Lifecycle.complete` settles through
 :meth:`Dispatcher.complete <tokenfair.server.dispatcher.Dispatcher.complete>`, which calls the
 core's contract verb (:meth:`Scheduler.complete <tokenfair.core.scheduler.Scheduler.complete>`),
-and has the outcome counted and recorded by :meth:`Sidecar.completed
-<tokenfair.server.state.Sidecar.completed>`.
+and has the outcome counted and recorded by the outcome sink (:meth:`Outcomes.completed
+<tokenfair.server.outcomes.Outcomes.completed>`).
+
+The lifecycle sees the rest of the sidecar through narrow ports (:class:`RequestPorts`): the
+dispatcher's slots, the model clock, the backend's KV hold time, the cost of a usage in service
+tokens and the outcome sink; never the sidecar object.
 
 The outcome (:meth:`Lifecycle.outcome_of`): a request that never ran ends with the decision that
 ended its wait (the refusal at the door, the expiry, the cancellation ``499``, ``503 draining``);
@@ -47,19 +51,18 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
 from tokenfair.core import Decision, Request
+from tokenfair.core.cost import CostModel
 from tokenfair.core.jobs import ADMITTED, CANCELLED, STATUS_CLIENT_CLOSED
 from tokenfair.core.reasons import Reason
 from tokenfair.records.live import NO_USAGE, Usage
 from tokenfair.server.accesslog import RequestFacts
 from tokenfair.server.backends import BAD_USAGE, BackendCall
 from tokenfair.server.errors import INTERNAL_ERROR
-
-if TYPE_CHECKING:
-    from tokenfair.server.state import Sidecar
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -112,6 +115,70 @@ class Outcome:
 
     status_code: int
     reason: str
+
+
+class Slots(Protocol):
+    """The dispatcher as a lifecycle sees it (:class:`~tokenfair.server.dispatcher.Dispatcher`)."""
+
+    def submit(self, request: Request) -> Lifecycle: ...
+
+    def complete(
+        self, lifecycle: Lifecycle, actual_service_tokens: int | None, kv_hold_ms: float
+    ) -> Settlement | None: ...
+
+    def release_unsettled(self, request_id: str) -> None: ...
+
+    def pump(self) -> None: ...
+
+
+class OutcomeSink(Protocol):
+    """Where a request's admission, dispatch and one outcome go
+    (:class:`~tokenfair.server.outcomes.Outcomes`). Its methods never raise."""
+
+    def admission(self, request: Request, decision: Decision | None) -> None: ...
+
+    def dispatched(self, decision: Decision) -> None: ...
+
+    def completed(
+        self,
+        request: Request,
+        decision: Decision | None,
+        *,
+        status_code: int,
+        reason: str,
+        actual_service_tokens: int | None = None,
+        usage: Usage | None = None,
+        facts: RequestFacts | None = None,
+    ) -> None: ...
+
+
+class Pricing(Protocol):
+    """The core's pricing as a lifecycle sees it: the cost model in force (the scheduler's
+    ``cost``, replaced by a reload)."""
+
+    @property
+    def cost(self) -> CostModel: ...
+
+
+class KvHold(Protocol):
+    """The backend as a lifecycle sees it (:class:`~tokenfair.server.backends.Backend`)."""
+
+    def kv_hold_ms(self, call: BackendCall) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPorts:
+    """What a lifecycle needs of the sidecar, and nothing else (wired by its composition root,
+    :class:`~tokenfair.server.state.Sidecar`)."""
+
+    dispatcher: Slots
+    now_ms: Callable[[], float]
+    """Model time now (the dispatcher's clock)."""
+    backend: KvHold
+    """How long after dispatch the request's KV stays held."""
+    pricing: Pricing
+    """The service tokens of ``(prompt, completion)`` tokens, as the core prices them now."""
+    outcomes: OutcomeSink
 
 
 CLIENT_LEFT: Final = Outcome(STATUS_CLIENT_CLOSED, CANCELLED)
@@ -205,7 +272,7 @@ class Lifecycle:
 
     def complete(
         self,
-        sidecar: Sidecar,
+        ports: RequestPorts,
         met: Outcome = CLIENT_LEFT,
         call: BackendCall | None = None,
         first_byte_ms: float | None = None,
@@ -216,14 +283,13 @@ class Lifecycle:
         call if one was made (its reported usage is settled), ``first_byte_ms`` the model time
         from arrival to the first byte sent. Exactly once: a later call logs and returns the
         first outcome. Never raises; each step is guarded on its own, so that whatever raises,
-        the slot and KV are released and one record is written (by :meth:`Sidecar.completed
-        <tokenfair.server.state.Sidecar.completed>`, or if that raised by ``record`` alone,
-        which counts a record it cannot write as dropped)."""
+        the slot and KV are released and one record is written (by the outcome sink, which
+        never raises and counts a record it cannot write as dropped)."""
         if self.outcome is not None:
             log.error("request %s: completed twice; the second completion (%s) changes nothing",
                       self.request.request_id, met)  # fmt: skip
             return self.outcome
-        self.settle_run(sidecar, call, first_byte_ms)
+        self.settle_run(ports, call, first_byte_ms)
         reason = met.reason
         if reason == ADMITTED and self.usage_reason is not None:
             reason = self.usage_reason
@@ -231,11 +297,11 @@ class Lifecycle:
         if reason == ADMITTED and decision is not None and decision.would_refuse:
             reason = decision.reason  # served in shadow mode: the record keeps what was refused
         outcome = self.outcome = self.outcome_of(Outcome(met.status_code, reason))
-        self._record_outcome(sidecar, outcome, self.run_usage, call)
+        self._record_outcome(ports, outcome, self.run_usage, call)
         return outcome
 
     def settle_run(
-        self, sidecar: Sidecar, call: BackendCall | None, first_byte_ms: float | None = None
+        self, ports: RequestPorts, call: BackendCall | None, first_byte_ms: float | None = None
     ) -> None:
         """RUNNING → SETTLED (nothing otherwise): book the usage ``call`` reports and release
         the running slot and (at its hold time) the KV. :meth:`complete` does it for a request
@@ -243,21 +309,21 @@ class Lifecycle:
         before the answer is written to the client (the slot is not held while a client reads).
         Keeps the usage and any :attr:`usage_reason` for the record. Never raises."""
         if self.phase is Phase.BESIDE:
-            self._settle_beside(sidecar, call, first_byte_ms)
+            self._settle_beside(ports, call, first_byte_ms)
             return
         if self.phase is not Phase.RUNNING:
             return
         try:
-            self.run_usage, self.usage_reason = self._complete_run(sidecar, call, first_byte_ms)
+            self.run_usage, self.usage_reason = self._complete_run(ports, call, first_byte_ms)
         except Exception:  # a bug: logged; released at its estimate below
             log.exception("request %s: settlement failed", self.request.request_id)
             self.run_usage, self.usage_reason = NO_USAGE, INTERNAL_ERROR
         if self.phase is Phase.RUNNING:  # the settlement raised before the slot was freed
-            self._release_unsettled(sidecar)
+            self._release_unsettled(ports)
             self.usage_reason = INTERNAL_ERROR
 
     def _settle_beside(
-        self, sidecar: Sidecar, call: BackendCall | None, first_byte_ms: float | None
+        self, ports: RequestPorts, call: BackendCall | None, first_byte_ms: float | None
     ) -> None:
         """BESIDE → SETTLED: the usage of a request served beside the books, for its record and
         counters only (the core never held it: nothing to book there). Never raises."""
@@ -271,7 +337,7 @@ class Lifecycle:
         request = self.request
         prompt, completion = call.prompt_tokens, call.completion_tokens
         try:
-            self.booked_service_tokens = sidecar.scheduler.cost.service_tokens(
+            self.booked_service_tokens = ports.pricing.cost.service_tokens(
                 request.prefill_tokens if prompt is None else prompt,
                 request.decode_tokens if completion is None else completion,
             )
@@ -282,7 +348,7 @@ class Lifecycle:
             self.booked_service_tokens = None
             self.usage_reason = BAD_USAGE
         self.run_usage = Usage(
-            prompt, completion, first_byte_ms, sidecar.clock.now_ms() - request.arrival_ms
+            prompt, completion, first_byte_ms, ports.now_ms() - request.arrival_ms
         )
         decision = self.decision
         if decision is not None:  # the record's usage, as the core's settlement writes it
@@ -292,11 +358,11 @@ class Lifecycle:
                 else self.booked_service_tokens
             )
 
-    def _release_unsettled(self, sidecar: Sidecar) -> None:
+    def _release_unsettled(self, ports: RequestPorts) -> None:
         """The last resort when settling raised: the slot and KV are taken off the books
         without the core's settlement code (the tenant keeps the estimate charged at dispatch),
         and the request is SETTLED (``CORE_FAILED``) whatever that raises."""
-        dispatcher = sidecar.dispatcher
+        dispatcher = ports.dispatcher
         try:
             dispatcher.release_unsettled(self.request.request_id)
         except Exception:
@@ -309,11 +375,11 @@ class Lifecycle:
                           self.request.request_id)  # fmt: skip
 
     def _complete_run(
-        self, sidecar: Sidecar, call: BackendCall | None, first_byte_ms: float | None
+        self, ports: RequestPorts, call: BackendCall | None, first_byte_ms: float | None
     ) -> tuple[Usage, str | None]:
         """Settle a RUNNING request: its usage for the record, and why it was not booked as
         reported (None if it was)."""
-        dispatcher = sidecar.dispatcher
+        dispatcher = ports.dispatcher
         if call is None:  # dispatched but no backend call made (its client left, or a failure)
             dispatcher.complete(self, 0, 0.0)
             return NO_USAGE, None
@@ -323,7 +389,7 @@ class Lifecycle:
         reason: str | None = None
         if prompt is not None or completion is not None:  # a missing count stands in as estimated
             try:
-                actual = sidecar.scheduler.cost.service_tokens(
+                actual = ports.pricing.cost.service_tokens(
                     request.prefill_tokens if prompt is None else prompt,
                     request.decode_tokens if completion is None else completion,
                 )
@@ -333,7 +399,7 @@ class Lifecycle:
                 prompt = completion = None
                 reason = BAD_USAGE
         try:
-            kv_hold_ms = sidecar.backend.kv_hold_ms(call)
+            kv_hold_ms = ports.backend.kv_hold_ms(call)
         except Exception:
             log.exception("request %s: KV hold time failed; releasing at once", request.request_id)
             kv_hold_ms = 0.0
@@ -342,9 +408,7 @@ class Lifecycle:
             # Not booked as reported: settled at the estimate (or released unsettled), recorded so.
             prompt = completion = None
             reason = BAD_USAGE if settlement is Settlement.AT_ESTIMATE else INTERNAL_ERROR
-        usage = Usage(
-            prompt, completion, first_byte_ms, sidecar.clock.now_ms() - request.arrival_ms
-        )
+        usage = Usage(prompt, completion, first_byte_ms, ports.now_ms() - request.arrival_ms)
         return usage, reason
 
     def facts(self, call: BackendCall | None) -> RequestFacts:
@@ -359,42 +423,34 @@ class Lifecycle:
         )
 
     def _record_outcome(
-        self, sidecar: Sidecar, outcome: Outcome, usage: Usage, call: BackendCall | None = None
+        self, ports: RequestPorts, outcome: Outcome, usage: Usage, call: BackendCall | None = None
     ) -> None:
-        """Count and record the outcome; never raises."""
-        request = self.request
-        decision = self.decision
-        if decision is None:  # cannot happen (logged where it left the queue): record it anyway
-            sidecar.record(request, None, status_code=outcome.status_code, reason=outcome.reason)
-            return
+        """Give the outcome to the sink (which never raises)."""
         actual = self.booked_service_tokens if self.settlement is Settlement.AS_REPORTED else None
         try:
-            sidecar.completed(
-                request,
-                decision,
-                status_code=outcome.status_code,
-                reason=outcome.reason,
-                actual_service_tokens=actual,
-                usage=usage,
-                facts=self.facts(call),
-            )
-        except Exception:  # a bug: the record is still written, alone
-            log.exception("request %s: accounting failed; writing its record alone",
-                          request.request_id)  # fmt: skip
-            sidecar.record(
-                request, decision, status_code=outcome.status_code, reason=outcome.reason,
-                usage=usage,
-            )  # fmt: skip
+            facts = self.facts(call)
+        except Exception:  # a bug: the record does not need the facts
+            log.exception("request %s: its facts failed", self.request.request_id)
+            facts = None
+        ports.outcomes.completed(
+            self.request,
+            self.decision,
+            status_code=outcome.status_code,
+            reason=outcome.reason,
+            actual_service_tokens=actual,
+            usage=usage,
+            facts=facts,
+        )
 
 
-def begin(sidecar: Sidecar, request: Request) -> Lifecycle:
+def begin(ports: RequestPorts, request: Request) -> Lifecycle:
     """Admission: a QUEUED lifecycle, or a REFUSED one (whoever answers its client completes it,
     once the answer is built, so that its record says what the client got). Raises
     :class:`~tokenfair.core.UnknownTenantError` if the tenant is gone (a reload removed
     it while the body was read): nothing is booked then."""
-    admission_ms = sidecar.clock.now_ms()  # before submit: it may dispatch at once
-    lifecycle = sidecar.dispatcher.submit(request)
+    admission_ms = ports.now_ms()  # before submit: it may dispatch at once
+    lifecycle = ports.dispatcher.submit(request)
     lifecycle.admission_ms = admission_ms
     refused = lifecycle.phase is Phase.REFUSED or lifecycle.phase is Phase.BESIDE
-    sidecar.admission(request, lifecycle.decision if refused else None)
+    ports.outcomes.admission(request, lifecycle.decision if refused else None)
     return lifecycle

@@ -3,7 +3,10 @@
 The scheduling core never waits for Redis. Each tenant's bucket in the core is a
 :class:`~tokenfair.core.bucket.LeasedBucket` whose level is a local **lease balance**;
 :class:`BudgetPool` (one asyncio task per sidecar) keeps it topped up and returns what is not
-needed, in one pipelined round trip per pass for every tenant that needs a call.
+needed, in one pipelined round trip per pass for every tenant that needs a call. This module
+is the pool's port to the core's buckets: the one place in the server that holds a tenant's
+bucket itself (to grant and surrender leases); everything else reads a budget through the
+core's read-only view (:meth:`Scheduler.budget <tokenfair.core.scheduler.Scheduler.budget>`).
 
 **The shared bucket** (hash ``<keyPrefix>:<tenantId>``: ``level``, ``at_ms``) is refilled and
 leased by one Lua script, atomically (:data:`LEASE_SCRIPT`): ``level = min(burst, level +

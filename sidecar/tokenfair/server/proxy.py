@@ -40,8 +40,8 @@ Status codes the client can get from the sidecar itself (OpenAI-style error bodi
        ``shed_tenant_kv_share`` (waited past the class limit, held by the tenant's
        ``maxConcurrentRequests`` / ``maxKvShare``: :data:`TENANT_LIMIT_HEADERS` say the limit
        and where the tenant stood); with ``Retry-After``,
-       ``retry-after-ms`` and the rate-limit headers (:meth:`~tokenfair.server.state.
-       Sidecar.ratelimit_headers`)
+       ``retry-after-ms`` and the rate-limit headers (:meth:`RateLimits.headers
+       <tokenfair.server.ratelimit.RateLimits.headers>`)
 500    ``internal_error`` (the sidecar failed on the request: a bug, logged with its traceback)
 502    ``upstream_error`` (refused, reset, broken response) — ``openai`` backend; the message
        is generic, the upstream's address and errno go to the log
@@ -166,7 +166,7 @@ def _draining(sidecar: Sidecar) -> web.Response:
         503,
         "the sidecar is shutting down; retry (another replica will serve you)",
         DRAINING,
-        headers={"Retry-After": str(sidecar.retry_after_s(None))},
+        headers={"Retry-After": str(sidecar.ratelimits.retry_after_s(None))},
     )
 
 
@@ -177,21 +177,24 @@ def _drain_aborted(sidecar: Sidecar, request_id: str) -> web.Response:
         "the sidecar is shutting down and cut this request before it finished; retry (another "
         "replica will serve you)",
         DRAIN_ABORTED,
-        headers={"Retry-After": str(sidecar.retry_after_s(None)), REQUEST_ID_HEADER: request_id},
+        headers={
+            "Retry-After": str(sidecar.ratelimits.retry_after_s(None)),
+            REQUEST_ID_HEADER: request_id,
+        },
     )
 
 
 def _refusal(sidecar: Sidecar, decision: Decision, mix: tuple[int, int]) -> web.Response:
     """The ``429`` of a gate (OpenAI's shape: :func:`rate_limit_response`); ``mix`` is the
     request's ``(usage tokens, service tokens)`` for the rate-limit headers."""
-    sidecar.stamp_retry_after(decision)  # the record says what the client is told
+    sidecar.ratelimits.stamp_retry_after(decision)  # the record says what the client is told
     observed = ", ".join(f"{k}={v:g}" for k, v in decision.observed.items())
     message = f"refused by the {decision.gate} gate: {decision.reason}"
     if observed:
         message += f" ({observed})"
-    headers = sidecar.ratelimit_headers(decision.tenant_id, mix)
-    headers["Retry-After"] = str(sidecar.retry_after_s(decision))
-    headers[RETRY_AFTER_MS_HEADER] = str(sidecar.retry_after_ms(decision))
+    headers = sidecar.ratelimits.headers(decision.tenant_id, mix)
+    headers["Retry-After"] = str(sidecar.ratelimits.retry_after_s(decision))
+    headers[RETRY_AFTER_MS_HEADER] = str(sidecar.ratelimits.retry_after_ms(decision))
     headers[REQUEST_ID_HEADER] = decision.request_id
     headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
     headers.update(tenant_limit_headers(decision))
@@ -335,9 +338,10 @@ def _request_id(sidecar: Sidecar, asked: str | None) -> str:
     """A new id, unique in the records file; a valid client ``x-request-id`` is appended to it
     (``<prefix>-<n>-<client id>``), so records can be joined with the client's own while a
     client that reuses its ids (retries, a second run) still never duplicates a record id."""
+    own = f"{sidecar.id_prefix}-{next(sidecar.id_counter):08d}"
     if asked is not None and REQUEST_ID_RE.fullmatch(asked) is not None:
-        return f"{sidecar.next_request_id()}-{asked}"
-    return sidecar.next_request_id()
+        return f"{own}-{asked}"
+    return own
 
 
 def _unauthenticated(sidecar: Sidecar) -> web.Response:
@@ -392,31 +396,75 @@ async def expect_continue(request: web.Request) -> web.Response | None:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+    """``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/embeddings``:
+    authenticate → read the body → estimate → admit → wait → run → answer. Each step before
+    admission answers a request it refuses (the ``web.Response`` it returns)."""
     sidecar = request.app[SIDECAR]
     arrival_ms = round(sidecar.clock.now_ms(), 3)
     if sidecar.dispatcher.draining:
         return _draining(sidecar)
-    headers = request.headers
     tenant = authenticate_request(sidecar, request)
     if tenant is None:
         return _unauthenticated(sidecar)
+    priority = _priority(sidecar, tenant, request.headers.get(PRIORITY_HEADER))
+    if not isinstance(priority, str):  # (not `web.Response`: an ABC, its check costs more)
+        return priority
+    intake = await read_body(sidecar, request)
+    if not isinstance(intake, tuple):
+        return intake
+    body, raw = intake
+    sized = _estimate_request(sidecar, request.path, body)
+    if not isinstance(sized, tuple):
+        return sized
+    estimated, stream = sized
+    core_request = Request(
+        _request_id(sidecar, request.headers.get(REQUEST_ID_HEADER)),
+        tenant.tenant_id,
+        arrival_ms,
+        estimated.prefill_tokens,
+        estimated.decode_tokens,
+        priority,
+    )
+    lifecycle = _admit(sidecar, core_request)
+    if not isinstance(lifecycle, Lifecycle):
+        return lifecycle
+    if lifecycle.phase is Phase.REFUSED:
+        return _answer_refusal(sidecar, lifecycle, estimated)
+    return await _serve(sidecar, request, lifecycle, body, raw, stream, estimated)
+
+
+def _priority(
+    sidecar: Sidecar, tenant: TenantConfig, asked: str | None
+) -> PriorityClass | web.Response:
+    """The request's class: the tenant's, or ``batch`` if the priority header lowers it (a
+    header asking for anything else is a ``400``)."""
     priority: PriorityClass = tenant.priority_class
-    asked = headers.get(PRIORITY_HEADER)
-    if asked is not None:
-        wanted = asked.strip().lower()
-        if wanted not in PRIORITY_CLASSES or (wanted == "interactive" and priority == "batch"):
-            return _invalid(
-                sidecar,
-                400,
-                f"{PRIORITY_HEADER}: may only lower the class to batch "
-                f"(tenant class {priority}, asked {asked!r})",
-                "invalid_value",
-                PRIORITY_HEADER,
-            )
-        priority = "batch" if wanted == "batch" else priority
+    if asked is None:
+        return priority
+    wanted = asked.strip().lower()
+    if wanted not in PRIORITY_CLASSES or (wanted == "interactive" and priority == "batch"):
+        return _invalid(
+            sidecar,
+            400,
+            f"{PRIORITY_HEADER}: may only lower the class to batch "
+            f"(tenant class {priority}, asked {asked!r})",
+            "invalid_value",
+            PRIORITY_HEADER,
+        )
+    return "batch" if wanted == "batch" else priority
+
+
+async def read_body(
+    sidecar: Sidecar, request: web.Request
+) -> tuple[dict[str, Any], bytes] | web.Response:
+    """Body intake: the request's JSON object and the bytes it came in (decoded), or the
+    answer refusing it: a coding the sidecar does not decode (``415``), a body over
+    ``max_body_bytes`` sent or decoded (``413``), one slower than ``client_body_timeout_s``
+    (``408``) or whose transfer is broken (``400``; both close the connection), one that does
+    not decode as its coding says, is not UTF-8, not a JSON object or nested beyond the
+    parser (``400``), or over the JSON shape limits (``400 body_too_complex``)."""
     settings = sidecar.settings
-    coding = headers.get("Content-Encoding")
+    coding = request.headers.get("Content-Encoding")
     decoded_as = "" if coding is None or not coding.isascii() else coding.lower()
     if coding is not None and decoded_as not in DECODED_REQUEST_CODINGS:
         # Any other coding would reach the JSON parser (and the upstream) still encoded.
@@ -485,35 +533,38 @@ async def completions(request: web.Request) -> web.StreamResponse:
         check_json_shape(body, settings.max_json_depth, settings.max_json_values)
     except BodyShapeError as exc:
         return _invalid(sidecar, 400, f"{exc} (the sidecar's {exc.rule})", BODY_TOO_COMPLEX)
+    return body, raw
+
+
+def _estimate_request(
+    sidecar: Sidecar, path: str, body: dict[str, Any]
+) -> tuple[Estimate, bool] | web.Response:
+    """The request's estimate and whether it streams, or the ``400`` naming a bad field, or
+    the answer the engine would give a request it refuses for certain."""
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         return _invalid(sidecar, 400, "stream: must be a boolean", "invalid_value", "stream")
     try:
-        estimated, stream = _estimate_route(sidecar, request.path, body, stream)
+        estimated, stream = _estimate_route(sidecar, path, body, stream)
     except EstimateError as exc:
         return _invalid(sidecar, 400, str(exc), "invalid_value", exc.param)
-    refused = sidecar.engine_refusal(request.path, body)  # what the engine would refuse
+    refused = sidecar.engine_link.refusal(path, body)  # what the engine would refuse
     if refused is not None:
         return _invalid(sidecar, refused.status, refused.message, refused.code, refused.param)
-    core_request = Request(
-        _request_id(sidecar, headers.get(REQUEST_ID_HEADER)),
-        tenant.tenant_id,
-        arrival_ms,
-        estimated.prefill_tokens,
-        estimated.decode_tokens,
-        priority,
-    )
+    return estimated, stream
+
+
+def _admit(sidecar: Sidecar, core_request: Request) -> Lifecycle | web.Response:
+    """Admission (:func:`~tokenfair.server.lifecycle.begin`): the request's lifecycle, or the
+    answer when its tenant is gone (``401``) or admission failed (``500``, recorded)."""
     try:
-        lifecycle = begin(sidecar, core_request)
+        return begin(sidecar.ports, core_request)
     except UnknownTenantError:  # removed by a reload while its body was being read
         return _invalid(sidecar, 401, "the tenant of this key no longer exists", "invalid_api_key")
     except Exception:  # a bug in admission: nothing was queued; one record says so
         log.exception("request %s: admission failed in the sidecar", core_request.request_id)
-        sidecar.record(core_request, None, status_code=500, reason=INTERNAL_ERROR)
+        sidecar.outcomes.record(core_request, None, status_code=500, reason=INTERNAL_ERROR)
         return _internal_error(core_request.request_id)
-    if lifecycle.phase is Phase.REFUSED:
-        return _answer_refusal(sidecar, lifecycle, estimated)
-    return await _serve(sidecar, request, lifecycle, body, raw, stream, estimated)
 
 
 def _answer_refusal(sidecar: Sidecar, lifecycle: Lifecycle, estimated: Estimate) -> web.Response:
@@ -534,7 +585,7 @@ def _answer_refusal(sidecar: Sidecar, lifecycle: Lifecycle, estimated: Estimate)
         met = Outcome(500, INTERNAL_ERROR)
         return _internal_error(lifecycle.request.request_id)
     finally:
-        lifecycle.complete(sidecar, met)
+        lifecycle.complete(sidecar.ports, met)
 
 
 def _internal_error(request_id: str) -> web.Response:
@@ -579,8 +630,8 @@ async def _serve(
             return _internal_error(core_request.request_id)
         if not decision.admitted:
             return _refusal(sidecar, decision, _usage_mix(sidecar, estimated))
-        sidecar.dispatched(decision)
-        headers = sidecar.ratelimit_headers(core_request.tenant_id, _usage_mix(sidecar, estimated))
+        sidecar.outcomes.dispatched(decision)
+        headers = sidecar.ratelimits.headers(core_request.tenant_id, _usage_mix(sidecar, estimated))
         headers[REQUEST_ID_HEADER] = core_request.request_id
         headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
         path = request.path
@@ -622,7 +673,7 @@ async def _serve(
             # A whole answer: the backend's work is over, so the request is settled now (its
             # slot and KV free for the next one), and the answer is written here, bounded by
             # the write timeout like a stream, not left to aiohttp to write unbounded.
-            lifecycle.settle_run(sidecar, call, first_byte_ms[0] if first_byte_ms else None)
+            lifecycle.settle_run(sidecar.ports, call, first_byte_ms[0] if first_byte_ms else None)
             await call.send(response)
         met = Outcome(response.status, call.usage_error or ADMITTED)
         return response
@@ -661,7 +712,7 @@ async def _serve(
             if call is not None:
                 call.close()
                 try:  # the view and the ratio only: never worth the request's slot
-                    sidecar.request_ended(
+                    sidecar.engine_link.request_ended(
                         core_request.request_id, core_request.prefill_tokens, call.prompt_tokens
                     )
                 except Exception:
@@ -670,7 +721,9 @@ async def _serve(
                         core_request.request_id,
                     )
         finally:  # whatever raised above: the slot and the KV reservation are released
-            lifecycle.complete(sidecar, met, call, first_byte_ms[0] if first_byte_ms else None)
+            lifecycle.complete(
+                sidecar.ports, met, call, first_byte_ms[0] if first_byte_ms else None
+            )
             if handler is not None:
                 handlers.discard(handler)
 
@@ -724,7 +777,7 @@ def _estimate_route(
 def _usage_mix(sidecar: Sidecar, estimated: Estimate) -> tuple[int, int]:
     """The request's ``(usage tokens, service tokens)``: its estimate's ``prompt + max_tokens``
     and their service tokens, the ratio that converts the tenant's service-token bucket into
-    the tokens clients count (:meth:`~tokenfair.server.state.Sidecar.
-    ratelimit_headers`)."""
+    the tokens clients count (:meth:`RateLimits.headers
+    <tokenfair.server.ratelimit.RateLimits.headers>`)."""
     prefill, decode = estimated.prefill_tokens, estimated.decode_tokens
     return prefill + decode, sidecar.scheduler.cost.service_tokens(prefill, decode)

@@ -41,18 +41,26 @@ permission fixed with ``chmod`` (which does not change the mtime) is picked up o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
-from tokenfair.config import ConfigError, read_config_file
+from tokenfair.config import Config, ConfigError, read_config_file
+from tokenfair.config.budget_store import split_budgets
 from tokenfair.config.files import InputFileError, read_regular
 from tokenfair.config.wire import GENERATION_FILE
+from tokenfair.server.auth import Authenticator
+from tokenfair.server.backends import CostModelBackend, default_max_in_flight
 from tokenfair.server.remote import RemoteFeed, RemoteSource, parse_generation
 from tokenfair.server.runtime_settings import LoadedFile, loads_sidecar_file
+
+if TYPE_CHECKING:
+    from tokenfair.server.pool import BudgetPool
+    from tokenfair.server.state import Sidecar
 
 log = logging.getLogger("tokenfair.sidecar")
 
@@ -264,3 +272,119 @@ async def watch_config(
         while True:
             await asyncio.sleep(interval_s)
             watcher.tick()
+
+
+# -- the reload plan: what a running sidecar adopts of a new document ------------------------
+
+
+def apply_config(sidecar: Sidecar, loaded: LoadedFile) -> None:
+    """Adopt a valid new config: queued and running requests keep going. A document whose
+    budget store this sidecar cannot honour until a restart is enforced as it can
+    (:func:`enforceable`) or refused (the last good config stays)."""
+    config = loaded.config
+    enforced, notice = enforceable(sidecar.pool, config)
+    if enforced is None:
+        sidecar.budget_store_notice = notice
+        refuse_config(sidecar, notice)
+        return
+    sidecar.engine_link.enforce(enforced)
+    if sidecar.pool is not None:
+        sidecar.pool.adopt(enforced)
+    if sidecar.pool_fairness is not None and enforced.budget_store is not None:
+        sidecar.pool_fairness.adopt(enforced.budget_store)
+        present = {tenant.tenant_id for tenant in config.tenants}
+        before = {tenant.tenant_id for tenant in sidecar.config.tenants}
+        sidecar.pool_fairness.forget(before - present, present)
+    if notice:
+        log.warning("config reload: %s", notice)
+    sidecar.budget_store_notice = notice
+    sidecar.auth = Authenticator(config, sidecar.settings.trusted_tenant_header)
+    if isinstance(sidecar.backend, CostModelBackend):
+        sidecar.backend.retune(sidecar.scheduler.cost)  # the policy's, as the scheduler prices
+    if not sidecar.settings.max_in_flight:  # the default follows maxBatchRequests
+        sidecar.dispatcher.max_in_flight = default_max_in_flight(sidecar.backend, enforced.policy)
+    sidecar.config = config
+    sidecar.config_sha256 = loaded.sha256
+    sidecar.fairness.reconfigure(config)
+    sidecar.demand.retune(
+        (enforced.policy.max_interactive_wait_ms, enforced.policy.max_batch_wait_ms),
+        sidecar.scheduler.cost.service_tokens_per_ms,
+    )
+    sidecar.metrics.reloads.labels("applied").inc()
+    if loaded.section != sidecar.section:
+        log.warning("config reload: the sidecar: section changed; restart to apply it")
+    log.info("config reloaded: version %r, sha256 %s", config.version, loaded.sha256[:12])
+    sidecar.dispatcher.pump()
+
+
+def enforceable(pool: BudgetPool | None, config: Config) -> tuple[Config | None, str]:
+    """What of ``config`` a sidecar running ``pool`` (None: started without a budget store)
+    enforces, and why it differs (or "").
+
+    The store's connection (and the lease client) is made at start only, and a document's
+    budgets are the pool's with a store but one sidecar's share without one. So:
+
+    * started without a store, the document adds one: its budgets are the pool's, and no
+      lease client runs here; each tenant gets ``split_budgets(tenant, replicas)`` (the
+      store's fallback split) on a local bucket, until a restart;
+    * started with a store, the document removes it: its budgets are one sidecar's share,
+      wrong for the running pool; refused (None), the last good config stays;
+    * the store's identity (url, passwordEnv, keyPrefix) changes: the budgets are still
+      the pool's; the running store keeps serving them (its replicas and lease settings
+      follow the document), until a restart;
+    * ``fairness`` flips: the fair shares' task is made at start only; the running mode
+      (pool-wide or per sidecar) stays, until a restart.
+    """
+    new = config.budget_store
+    if pool is None:
+        if new is None:
+            return config, ""
+        shares = tuple(split_budgets(tenant, new.replicas) for tenant in config.tenants)
+        return dataclasses.replace(config, tenants=shares, budget_store=None), (
+            f"budgetStore added ({new.url}, key prefix {new.key_prefix!r}) but this sidecar "
+            f"started without one: each tenant's pool budget is enforced here as "
+            f"1/{new.replicas} on a local bucket until the sidecar is restarted"
+        )
+    running = pool.store
+    if new is None:
+        return None, (
+            f"budgetStore removed, but this sidecar leases from {running.url} (key prefix "
+            f"{running.key_prefix!r}) and the document's budgets are per-sidecar shares; "
+            "reload refused, the last good config and its pool stay until the sidecar is "
+            "restarted"
+        )
+    notices: list[str] = []
+    if new.fairness != running.fairness:
+        notices.append(
+            f"budgetStore.fairness changed to {str(new.fairness).lower()}; this sidecar keeps "
+            f"fairness: {str(running.fairness).lower()} until it is restarted"
+        )
+        new = dataclasses.replace(new, fairness=running.fairness)
+    identity = (running.url, running.password_env, running.key_prefix)
+    if (new.url, new.password_env, new.key_prefix) != identity:
+        notices.append(
+            f"budgetStore changed to {new.url} (key prefix {new.key_prefix!r}); this sidecar "
+            f"keeps leasing from {running.url} (key prefix {running.key_prefix!r}) until it "
+            "is restarted"
+        )
+        new = dataclasses.replace(
+            new,
+            url=running.url,
+            password_env=running.password_env,
+            key_prefix=running.key_prefix,
+        )
+    if not notices:
+        return config, ""
+    return dataclasses.replace(config, budget_store=new), "; ".join(notices)
+
+
+def refuse_config(sidecar: Sidecar, message: str) -> None:
+    """Count and log a document refused (the last good config stays)."""
+    sidecar.metrics.reloads.labels("invalid").inc()
+    log.error("config reload refused, keeping the last good config: %s", message)
+
+
+def reload_failed(sidecar: Sidecar, message: str) -> None:
+    """Count a reload that failed unexpectedly (the watcher logged it, with its traceback,
+    and tries again on its next tick)."""
+    sidecar.metrics.reloads.labels("error").inc()

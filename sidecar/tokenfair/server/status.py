@@ -104,15 +104,16 @@ def slots_status(sidecar: Sidecar) -> dict[str, object]:
 
 
 def tenant_entry(sidecar: Sidecar, tenant_id: str, state: TenantState, now_ms: float) -> Any:
+    budget = sidecar.scheduler.budget(tenant_id, now_ms)
     return {
         "priority_class": state.config.priority_class,
         "weight": state.config.weight,
         "queued_requests": state.queued,
         "queued_service_tokens": state.queued_tokens,
         "served_service_tokens": state.served_tokens,
-        "bucket_service_tokens": round(state.bucket.refill(now_ms), 3),
-        "burst_service_tokens": state.bucket.burst,
-        "counts": dict(sidecar.tenant_counts.get(tenant_id, {})),
+        "bucket_service_tokens": None if budget is None else round(budget.level, 3),
+        "burst_service_tokens": None if budget is None else budget.burst,
+        "counts": dict(sidecar.outcomes.tenant_counts.get(tenant_id, {})),
     }
 
 

@@ -243,10 +243,10 @@ def test_the_sidecar_counts_each_reason_where_its_member_says() -> None:
             request.request_id, request.tenant_id, "interactive", reason.status, reason,
             reason.gates[0], 30, 0.0, dispatch_ms=None if never_dispatched else 0.0,
         )  # fmt: skip
-        sidecar.completed(request, decision, status_code=reason.status, reason=reason)
+        sidecar.outcomes.completed(request, decision, status_code=reason.status, reason=reason)
     (series,) = sidecar.metrics.series.values()
     assert set(series.refused) == {r.value for r in reasons_counted_in("refused")}
     assert set(series.backend_errors) == {r.value for r in reasons_counted_in("backend_errors")}
     assert series.cancelled == len(reasons_counted_in("cancelled"))
-    counts = sidecar.tenant_counts["tenant_chat_pro"]
+    counts = sidecar.outcomes.tenant_counts["tenant_chat_pro"]
     assert counts["served"] == len(reasons_counted_in("admitted"))

@@ -165,7 +165,7 @@ async def test_status_is_written_a_chunk_at_a_time(aiohttp_client: ClientFactory
             touched.touch(key)
             return super().get(key, default)
 
-    clients.sidecar.tenant_counts = WatchedCounts()
+    clients.sidecar.outcomes.tenant_counts = WatchedCounts()
     scrape = asyncio.create_task(fetch(clients, "/status"))
     ticker = asyncio.create_task(turns_until(scrape.done, touched))
     status, content_type, text = await scrape

@@ -43,6 +43,7 @@ from tokenfair.config import PolicyConfig
 from tokenfair.core.cost import CostModel
 from tokenfair.server import LoadedFile
 from tokenfair.server.backends import CostModelBackend
+from tokenfair.server.reload import apply_config
 from tokenfair.server.runtime_settings import SidecarSettings
 
 RATE = 45.0
@@ -87,10 +88,10 @@ async def test_in_flight_defaults_to_the_batch_and_follows_a_reload(
     status = await (await clients.admin.get("/status")).json()
     assert status["max_in_flight"] == 4
     config = keyed_config(batching_policy(6, 3.0))
-    clients.sidecar.apply_config(LoadedFile(replace(config, version="test-2"), {}, "2"))
+    apply_config(clients.sidecar, LoadedFile(replace(config, version="test-2"), {}, "2"))
     status = await (await clients.admin.get("/status")).json()
     assert status["max_in_flight"] == 6
-    clients.sidecar.apply_config(LoadedFile(replace(keyed_config(), version="test-3"), {}, "3"))
+    apply_config(clients.sidecar, LoadedFile(replace(keyed_config(), version="test-3"), {}, "3"))
     assert (await (await clients.admin.get("/status")).json())["max_in_flight"] == 2  # serial
     pinned = await start(
         aiohttp_client, keyed_config(batching_policy(4, 2.0)), settings(tmp_path, max_in_flight=3)
@@ -107,7 +108,7 @@ async def test_status_shows_the_batch_lanes_slots(
     status = await (await clients.admin.get("/status")).json()
     assert status["slots"] == {"engine": 4, "batch": 3, "batch_running": 0}
     # A serial engine has no reserve to show.
-    clients.sidecar.apply_config(LoadedFile(replace(keyed_config(), version="test-2"), {}, "2"))
+    apply_config(clients.sidecar, LoadedFile(replace(keyed_config(), version="test-2"), {}, "2"))
     assert "slots" not in await (await clients.admin.get("/status")).json()
 
 

@@ -339,7 +339,7 @@ async def test_what_the_engine_would_refuse_is_refused_before_admission(
     )
     assert fits.status == 200  # the prompt's fit is the engine's to judge
     assert engine.requests == ["/v1/chat/completions"]
-    assert clients.sidecar.tenant_counts["tenant_chat_pro"]["served"] == 1
+    assert clients.sidecar.outcomes.tenant_counts["tenant_chat_pro"]["served"] == 1
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
 
 

@@ -40,6 +40,7 @@ from sidecar_support import (
 from tokenfair import native
 from tokenfair.config import PolicyConfig, build_config
 from tokenfair.records.codec import read_trace
+from tokenfair.server.reload import apply_config
 from tokenfair.server.runtime_settings import LoadedFile, SidecarSettings
 
 CHAT_BODY = {
@@ -98,7 +99,7 @@ async def test_trusted_tenant_header_when_enabled(aiohttp_client: ClientFactory)
         headers={"x-tokenfair-tenant": "tenant_ide_assist"},
     )
     assert response.status == 200
-    assert clients.sidecar.tenant_counts["tenant_ide_assist"]["served"] == 1
+    assert clients.sidecar.outcomes.tenant_counts["tenant_ide_assist"]["served"] == 1
     response = await clients.proxy.post(
         "/v1/completions", json=completion_body(10, 5), headers={"x-tokenfair-tenant": "nobody"}
     )
@@ -258,7 +259,7 @@ async def test_oversized_requests_are_shed_at_the_kv_gate(aiohttp_client: Client
     assert "needs 94 KV blocks" in payload["error"]["message"]
     assert "at most 90" in payload["error"]["message"]
     assert "Retry-After" not in response.headers
-    assert clients.sidecar.tenant_counts["tenant_chat_pro"]["refused"] == 1
+    assert clients.sidecar.outcomes.tenant_counts["tenant_chat_pro"]["refused"] == 1
     # 1300 + 100 tokens need 88 blocks: it fits an empty cache, so a refusal is only "not now".
     # Here the cache is empty: it is served.
     response = await clients.proxy.post(
@@ -290,7 +291,7 @@ async def test_queue_full_expiry_and_cancellation(aiohttp_client: ClientFactory)
     # The queued client goes away: it leaves the queue and its reservation with it.
     queued.cancel()
     assert await wait_for(lambda: sidecar.scheduler.books().queued_requests == 0)
-    assert sidecar.tenant_counts["tenant_chat_pro"]["cancelled"] == 1
+    assert sidecar.outcomes.tenant_counts["tenant_chat_pro"]["cancelled"] == 1
     assert (await long).status == 200
     assert await books_when_settled(sidecar) == ZERO_BOOKS
 
@@ -326,7 +327,7 @@ async def test_queued_request_past_its_wait_limit_gets_429(
         replace(t, burst_service_tokens=500) if t.tenant_id == "tenant_chat_pro" else t
         for t in config.tenants
     ]
-    sidecar.apply_config(LoadedFile(build_config(policy, shrunk, "test-2"), {}, "2"))
+    apply_config(sidecar, LoadedFile(build_config(policy, shrunk, "test-2"), {}, "2"))
     answer = await late
     assert answer.status == 429
     assert refusal_reason(await answer.json()) == "shed_queue_timeout"
@@ -423,8 +424,8 @@ async def test_request_id_and_queue_wait_headers(
 
     # The header is the recorded queue wait (model ms) times time_scale (10 real ms per model
     # ms), to 3 decimals; the twin waited behind the 89 model ms request.
-    assert sidecar.record_writer is not None
-    sidecar.record_writer.flush()
+    assert sidecar.outcomes.record_writer is not None
+    sidecar.outcomes.record_writer.flush()
     by_id: dict[str, list[dict[str, Any]]] = {}
     for line in records.read_text().splitlines():
         record = json.loads(line)

@@ -29,6 +29,7 @@ from sidecar_support import (
 from tokenfair.config import Config, PolicyConfig, build_config
 from tokenfair.server import LoadedFile, state
 from tokenfair.server.clock import ModelClock
+from tokenfair.server.reload import apply_config
 from tokenfair.server.runtime_settings import SidecarSettings
 
 WAIT_MS = 60_000.0  # the window
@@ -90,7 +91,7 @@ async def test_the_gauge_is_offered_service_over_capacity(
     assert ratio(metrics, "batch") == 0.0
     # A reload halves the wait limit: the same offered tokens over half the capacity-window.
     halved = replace(policy, max_interactive_wait_ms=WAIT_MS / 2)
-    clients.sidecar.apply_config(LoadedFile(replace(config_with(halved), version="2"), {}, "2"))
+    apply_config(clients.sidecar, LoadedFile(replace(config_with(halved), version="2"), {}, "2"))
     metrics = await (await clients.admin.get("/metrics")).text()
     assert ratio(metrics, "interactive") == pytest.approx(3 * 2000 / (rate * WAIT_MS / 2))
     # Just within the new limit they still count; once it has passed they have left.

@@ -993,11 +993,11 @@ async def test_records_survive_a_full_disk(aiohttp_client: ClientFactory, tmp_pa
     settings = SidecarSettings(time_scale=0.01, records_path=str(path))
     clients = await start(aiohttp_client, keyed_config(), settings)
     sidecar = clients.sidecar
-    assert sidecar.record_writer is not None
-    sidecar.record_writer.close()
+    assert sidecar.outcomes.record_writer is not None
+    sidecar.outcomes.record_writer.close()
     disk = FullDisk(path)
     # Five records may wait; retried every 10 ms (the defaults: 10,000 and 1 s).
-    sidecar.record_writer = RecordWriter.to_file(
+    sidecar.outcomes.record_writer = RecordWriter.to_file(
         disk,
         str(path),
         max_pending=5,
@@ -1022,12 +1022,12 @@ async def test_records_survive_a_full_disk(aiohttp_client: ClientFactory, tmp_pa
     disk.full = False  # space again: the waiting records go out on the next retry
     assert await wait_for(lambda: len(path.read_bytes().splitlines()) == 2 + 1 + 5)
     await send(2)
-    assert sidecar.record_writer.flush()
+    assert sidecar.outcomes.record_writer.flush()
     lines = path.read_text().splitlines()
     assert len(lines) == 10
     ids = [json.loads(line)["request_id"] for line in lines]  # every line whole JSON
     assert len(set(ids)) == 10
-    assert sidecar.record_writer.dropped == 2
+    assert sidecar.outcomes.record_writer.dropped == 2
     text = await metrics_text(clients)
     assert "tokenfair_records_dropped_total 2.0" in text
     assert await books_when_settled(sidecar) == ZERO_BOOKS
@@ -1045,7 +1045,7 @@ async def test_a_failure_inside_the_sidecar_is_one_500_record_and_no_leak(
     clients = await start(aiohttp_client, keyed_config(), settings)
     sidecar = clients.sidecar
     lines: list[str] = []
-    monkeypatch.setattr(sidecar, "record_writer", RecordWriter.to_file(_Lines(lines)))
+    monkeypatch.setattr(sidecar.outcomes, "record_writer", RecordWriter.to_file(_Lines(lines)))
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
     async def broken(call: Any) -> Any:
@@ -1069,8 +1069,8 @@ async def test_a_failure_inside_the_sidecar_is_one_500_record_and_no_leak(
         )
     assert response.status == 200
     assert await books_when_settled(sidecar) == ZERO_BOOKS
-    assert sidecar.record_writer is not None
-    sidecar.record_writer.flush()
+    assert sidecar.outcomes.record_writer is not None
+    sidecar.outcomes.record_writer.flush()
     rows = [json.loads(line) for line in "".join(lines).splitlines()]
     outcomes = [(row["status_code"], row["reason"]) for row in rows]
     assert outcomes == [(500, "internal_error"), (200, "admitted")]
@@ -1141,7 +1141,7 @@ async def test_an_accounting_failure_still_writes_one_record(
     )
     clients = await start(aiohttp_client, keyed_config(), settings)
     sidecar = clients.sidecar
-    completed = sidecar.completed
+    count = sidecar.outcomes.count  # the counting step of the outcome sink
     failed = False
 
     def failing(*args: Any, **kwargs: Any) -> None:
@@ -1149,9 +1149,9 @@ async def test_an_accounting_failure_still_writes_one_record(
         if not failed:
             failed = True
             raise RuntimeError("injected accounting bug")
-        completed(*args, **kwargs)
+        count(*args, **kwargs)
 
-    monkeypatch.setattr(sidecar, "completed", failing)
+    monkeypatch.setattr(sidecar.outcomes, "count", failing)
     responses = await post_twice(clients)
     assert failed
     assert [r.status for r in responses] == [200, 200]
@@ -1163,17 +1163,17 @@ async def test_an_accounting_failure_still_writes_one_record(
     def broken_encoding(*args: Any, **kwargs: Any) -> str:
         raise RuntimeError("injected encoding bug")
 
-    monkeypatch.setattr("tokenfair.server.state.encode_record", broken_encoding)
+    monkeypatch.setattr("tokenfair.server.outcomes.encode_record", broken_encoding)
     responses += await post_twice(clients)
     rows = one_record_each(clients, responses)
     assert [(row["status_code"], row["reason"]) for row in rows[2:]] == [(200, "admitted")] * 2
     assert "dispatch_ms" not in rows[2]  # minimal: the request's own fields and its outcome
-    assert sidecar.record_writer is not None
+    assert sidecar.outcomes.record_writer is not None
 
     def broken_write(line: str) -> None:
         raise RuntimeError("injected write bug")
 
-    monkeypatch.setattr(sidecar.record_writer, "write", broken_write)
+    monkeypatch.setattr(sidecar.outcomes.record_writer, "write", broken_write)
     responses += await post_twice(clients)
     assert "tokenfair_records_dropped_total 2.0" in await metrics_text(clients)
     assert await books_when_settled(sidecar) == ZERO_BOOKS

@@ -11,6 +11,7 @@ is served (one slot: a leak would block it) and the books return to zero.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from sidecar_support import (
 )
 
 from tokenfair.core import Decision, Request
+from tokenfair.server import lifecycle as lifecycle_module
 from tokenfair.server.lifecycle import (
     CLIENT_LEFT,
     Lifecycle,
@@ -103,18 +105,18 @@ async def test_end_is_exactly_once(aiohttp_client: ClientFactory, tmp_path: Path
     settings = SidecarSettings(time_scale=0.01, records_path=str(tmp_path / "records.jsonl"))
     clients = await start(aiohttp_client, keyed_config(), settings)
     sidecar = clients.sidecar
-    lifecycle = begin(sidecar, chat_request())
+    lifecycle = begin(sidecar.ports, chat_request())
     assert lifecycle.phase is Phase.RUNNING  # an idle server dispatches at once
-    first = lifecycle.complete(sidecar, Outcome(200, "admitted"))
+    first = lifecycle.complete(sidecar.ports, Outcome(200, "admitted"))
     assert phase_of(lifecycle) is Phase.SETTLED
-    second = lifecycle.complete(sidecar, Outcome(500, "internal_error"))
+    second = lifecycle.complete(sidecar.ports, Outcome(500, "internal_error"))
     assert first == second == Outcome(200, "admitted")
     # A request no configuration admits is refused; whoever answers it ends it, once.
-    refused = begin(sidecar, chat_request("r-2", decode_tokens=10**6))
+    refused = begin(sidecar.ports, chat_request("r-2", decode_tokens=10**6))
     assert refused.phase is Phase.REFUSED
     assert refused.outcome is None
-    assert refused.complete(sidecar) == Outcome(400, "request_over_kv_capacity")
-    assert refused.complete(sidecar, Outcome(500, "internal_error")) == refused.outcome
+    assert refused.complete(sidecar.ports) == Outcome(400, "request_over_kv_capacity")
+    assert refused.complete(sidecar.ports, Outcome(500, "internal_error")) == refused.outcome
     assert await books_when_settled(sidecar) == ZERO_BOOKS
     rows = records_of(sidecar)
     assert [(row["request_id"], row["status_code"]) for row in rows] == [("r-1", 200), ("r-2", 400)]
@@ -125,12 +127,12 @@ async def test_end_is_exactly_once(aiohttp_client: ClientFactory, tmp_path: Path
 
 FAULTS = {
     # where: (object path on the sidecar, attribute, the outcome the client sees)
-    "dispatch-metrics": ("", "dispatched", Outcome(500, "internal_error")),
-    "ratelimit-headers": ("", "ratelimit_headers", Outcome(500, "internal_error")),
+    "dispatch-metrics": ("outcomes", "dispatched", Outcome(500, "internal_error")),
+    "ratelimit-headers": ("ratelimits", "headers", Outcome(500, "internal_error")),
     "backend": ("backend", "respond", Outcome(500, "internal_error")),
     "kv-hold-time": ("backend", "kv_hold_ms", Outcome(200, "admitted")),
     "dispatcher-complete": ("dispatcher", "complete", Outcome(200, "internal_error")),
-    "accounting": ("", "completed", Outcome(200, "admitted")),
+    "accounting": ("outcomes", "count", Outcome(200, "admitted")),
     # The core failing while dispatching (a bug): the pump logs it and tries again shortly.
     "core-dispatch": ("scheduler", "next_dispatch", Outcome(200, "admitted")),
     "core-expiry": ("scheduler", "expire", Outcome(200, "admitted")),
@@ -204,10 +206,11 @@ async def test_a_shed_with_no_wait_left_is_not_retried_within_a_millisecond(
     sidecar = clients.sidecar
     shed = decision(429, "shed_queue_timeout")
     shed.retry_after_ms = 0.0
-    assert (sidecar.retry_after_ms(shed), sidecar.retry_after_s(shed)) == (1000, 1)
+    ratelimits = sidecar.ratelimits
+    assert (ratelimits.retry_after_ms(shed), ratelimits.retry_after_s(shed)) == (1000, 1)
     waited = decision(429, "shed_queue_wait_slo")
     waited.retry_after_ms = 12.0  # model ms at time_scale 0.01: 0.12 real ms, rounded up
-    assert sidecar.retry_after_ms(waited) == 1
+    assert ratelimits.retry_after_ms(waited) == 1
 
 
 # -- refusals: the record says what the client got -------------------------------------------------
@@ -232,7 +235,7 @@ async def test_a_refusal_that_cannot_be_answered_is_recorded_as_the_500_sent(
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("injected fault while answering a refusal")
 
-    monkeypatch.setattr(sidecar, "retry_after_ms", broken)
+    monkeypatch.setattr(sidecar.ratelimits, "retry_after_ms", broken)
     second = await clients.proxy.post("/v1/completions", json=body, headers=auth)
     assert second.status == 500
     assert (await second.json())["error"]["code"] == "internal_error"
@@ -261,11 +264,11 @@ async def test_a_request_reaching_admission_during_a_drain_is_a_recorded_503(
     clients = await start(aiohttp_client, keyed_config(), settings)
     sidecar = clients.sidecar
     sidecar.dispatcher.draining = True  # as `drain()` leaves it, after the handler's first check
-    lifecycle = begin(sidecar, chat_request())
+    lifecycle = begin(sidecar.ports, chat_request())
     assert lifecycle.phase is Phase.REFUSED
     assert lifecycle.decision is not None
     assert (lifecycle.decision.status_code, lifecycle.decision.reason) == (503, "draining")
-    assert lifecycle.complete(sidecar) == Outcome(503, "draining")
+    assert lifecycle.complete(sidecar.ports) == Outcome(503, "draining")
     # A request cut by the drain's abort is recorded as cut, whatever phase it was in.
     waiting = Lifecycle(chat_request("r-2"), Phase.QUEUED)
     waiting.left_queue(decision(499, "cancelled"))
@@ -311,3 +314,26 @@ async def test_a_core_that_cannot_dispatch_ends_its_queue_with_500s(
     ]
     lines = [r for r in caplog.records if "dispatching" in r.getMessage()]
     assert 2 <= len(lines) <= 6  # the first, the 2nd/4th/8th, the giving up: not one per retry
+
+
+# -- the lifecycle's ports: no module on the request's path reaches back to the sidecar object -----
+
+
+def test_no_module_on_the_request_path_imports_the_sidecar_object() -> None:
+    """The lifecycle, the dispatcher, the outcome sink and the rate limits see the sidecar
+    through their ports only: none imports ``tokenfair.server.state`` (not even for typing),
+    so ``dispatcher → lifecycle → state → dispatcher`` cannot close again."""
+    server = Path(lifecycle_module.__file__).parent
+    for name in ("lifecycle", "dispatcher", "outcomes", "ratelimit"):
+        tree = ast.parse((server / f"{name}.py").read_text())
+        imported = {
+            node.module
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.module is not None
+        } | {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        }
+        assert "tokenfair.server.state" not in imported, name

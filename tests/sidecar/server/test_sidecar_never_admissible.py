@@ -66,8 +66,8 @@ async def test_over_burst_is_400_recorded_with_its_reason(
     )
     assert served.status == 200
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
-    assert clients.sidecar.record_writer is not None
-    clients.sidecar.record_writer.flush()
+    assert clients.sidecar.outcomes.record_writer is not None
+    clients.sidecar.outcomes.record_writer.flush()
     outcomes = [(r["status_code"], r["reason"]) for r in records(path)]
     assert outcomes == [(400, OVER_TENANT_BURST), (200, "admitted")]
     metrics = await (await clients.admin.get("/metrics")).text()

@@ -119,8 +119,8 @@ async def _run(records: Path) -> LiveRun:
 
         results = await asyncio.gather(*(send(r) for r in requests))
         books = await books_when_settled(live.sidecar)
-        assert live.sidecar.record_writer is not None
-        live.sidecar.record_writer.flush()
+        assert live.sidecar.outcomes.record_writer is not None
+        live.sidecar.outcomes.record_writer.flush()
         served_tokens = {
             tenant_id: state.served_tokens
             for tenant_id, state in live.sidecar.scheduler.tenants.items()

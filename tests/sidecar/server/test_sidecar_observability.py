@@ -156,7 +156,7 @@ async def test_text_format_and_off(
 
     quiet = await start(aiohttp_client, keyed_config(), SidecarSettings(
         time_scale=0.01, access_log="off"))  # fmt: skip
-    assert quiet.sidecar.access_log is None
+    assert quiet.sidecar.outcomes.access_log is None
     response = await quiet.proxy.post(
         "/v1/completions", json=completion_body(10, 2), headers={"Authorization": CHAT}
     )

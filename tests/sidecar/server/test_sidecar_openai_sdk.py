@@ -101,7 +101,7 @@ async def test_rate_limit_error_and_the_sdk_retry_honour_retry_after_ms(
         PolicyConfig(), burst_service_tokens=5000, sustained_service_tokens_per_second=2000.0
     )
     clients = await start(aiohttp_client, config, SidecarSettings(time_scale=1.0))
-    counts = clients.sidecar.tenant_counts
+    counts = clients.sidecar.outcomes.tenant_counts
     body: dict[str, Any] = {"model": "m", "prompt": "x" * 4000, "max_tokens": 750}
 
     async with sdk(clients, max_retries=0) as client:

@@ -46,13 +46,13 @@ from tokenfair.core.cost import CostModel
 from tokenfair.server import make_backend
 from tokenfair.server.backends.openai import request_headers
 from tokenfair.server.estimate import MAX_BATCH_INPUTS, MAX_TOKEN_ID
+from tokenfair.server.ratelimit import ietf_ratelimit_fields
 from tokenfair.server.runtime_settings import (
     UPSTREAM_API_KEY_FILE_ENV,
     SidecarSettings,
     read_upstream_api_key,
     settings_from_section,
 )
-from tokenfair.server.state import ietf_ratelimit_fields
 
 pytestmark = pytest.mark.virtual_time
 
@@ -150,7 +150,7 @@ async def test_models_from_config_with_the_costmodel_engine(aiohttp_client: Clie
     assert [m["id"] for m in listed["data"]] == ["small", "large"]
     assert all(m["object"] == "model" and m["owned_by"] == "tokenfair" for m in listed["data"])
     # Listing is not model work: nothing admitted or counted.
-    assert clients.sidecar.tenant_counts == {}
+    assert clients.sidecar.outcomes.tenant_counts == {}
     # Other methods on the route are still 404s.
     assert (await proxy.post("/v1/models", headers={"Authorization": CHAT})).status == 404
 
@@ -171,7 +171,7 @@ async def test_models_relayed_from_the_upstream_with_its_own_key(
     assert (method, path) == ("GET", "/v1/models")
     assert headers["Authorization"] == f"Bearer {UPSTREAM_KEY}"
     assert KEYS["tenant_batch_rag"] not in json.dumps(headers)
-    assert clients.sidecar.tenant_counts == {}
+    assert clients.sidecar.outcomes.tenant_counts == {}
     assert not Path(tmp_path / "records.jsonl").exists() or not records_of(clients.sidecar)
     # The key is nowhere in /status.
     status = await (await clients.admin.get("/status")).text()

@@ -32,6 +32,7 @@ from sidecar_support import (
 from tokenfair.config import Config, PolicyConfig, build_config
 from tokenfair.config.document import Enforcement
 from tokenfair.server import LoadedFile
+from tokenfair.server.reload import apply_config
 from tokenfair.server.runtime_settings import SidecarSettings
 
 # chat: burst 5000 service tokens, refilled at 0.001 a second (never, within a test). Each
@@ -139,7 +140,7 @@ async def test_a_reload_to_shadow_drops_nothing_queued(
     )
     assert refused.status == 429
     shadow = keyed_config(replace(policy, enforcement="Shadow"))
-    sidecar.apply_config(LoadedFile(replace(shadow, version="test-2"), {}, "2"))
+    apply_config(sidecar, LoadedFile(replace(shadow, version="test-2"), {}, "2"))
     assert sidecar.scheduler.books().queued_requests == 1  # the waiting request is still there
     served = await clients.proxy.post(
         "/v1/completions", json=completion_body(10, 10), headers={"Authorization": CHAT}

@@ -201,7 +201,7 @@ async def test_a_request_that_leaves_the_queue_has_a_left_queue_event(
 
 async def test_tracing_off_makes_no_tracer(aiohttp_client: ClientFactory) -> None:
     clients = await start(aiohttp_client, keyed_config())
-    assert clients.sidecar.tracer is None
+    assert clients.sidecar.outcomes.tracer is None
     response = await clients.proxy.post(
         "/v1/completions", json=completion_body(10, 2), headers={"Authorization": CHAT}
     )
