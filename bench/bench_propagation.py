@@ -3,7 +3,7 @@
 A real etcd + kube-apiserver (``tests/kubecluster.py``, needs ``make controlplane``), the
 operator (``kopf run -m tokenfair_operator.handlers``) with the shipped RBAC, the shipped resync
 and usage periods and its document server on its TLS port, and ``N`` ``tokenfair sidecar``
-processes long-polling it (``tokenfair.server.remote``) as the injected Pods of one
+processes long-polling it (``tokenfair.server.config_feed``) as the injected Pods of one
 policy do: over TLS, verifying the server with the CA bundle the operator publishes into the
 namespace (ConfigMap ``tokenfair.io-ca.crt``), showing a TokenRequest token of their
 ServiceAccount for the audience ``tokenfair-config``. The wiring is

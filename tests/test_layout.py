@@ -149,14 +149,14 @@ def test_the_operator_rule_sees_an_import_of_the_server(tmp_path: Path) -> None:
     # The rule's teeth: what the operator imported before the wire names moved to the contract.
     source = tmp_path / "probe.py"
     source.write_text(
-        "from tokenfair.server.remote import GENERATION_HEADER\n"
+        "from tokenfair.server.config_feed import GENERATION_HEADER\n"
         "from tokenfair.config.wire import GENERATION_FILE\n"
         "from .views import GROUP\n",
         encoding="utf-8",
     )
     assert _operator_leaks([("tokenfair_operator.probe", source)]) == [
-        "tokenfair_operator.probe imports tokenfair.server.remote",
-        "tokenfair_operator.probe imports tokenfair.server.remote.GENERATION_HEADER",
+        "tokenfair_operator.probe imports tokenfair.server.config_feed",
+        "tokenfair_operator.probe imports tokenfair.server.config_feed.GENERATION_HEADER",
     ]
 
 

@@ -452,7 +452,7 @@ def injected(
 
 
 def _long_poll_env(base: str, policy: str, source: str) -> list[dict[str, Any]]:
-    """The sidecar's long-poll URL (``tokenfair.server.remote``; the names both sides use are
+    """The sidecar's long-poll URL (``tokenfair.server.config_feed``; the names both sides use are
     ``tokenfair.config.wire``'s): the Pod's namespace comes from the downward API and is
     expanded by the kubelet (``$(VAR)``), since a Pod being created may not carry
     ``metadata.namespace`` in the admission request. Over TLS, the CA bundle to verify the

@@ -41,8 +41,8 @@ from sidecar_support import keyed_config
 
 from tokenfair.config import config_to_document
 from tokenfair.config.wire import GENERATION_HEADER
+from tokenfair.server.config_feed import RemoteFeed, RemoteSource
 from tokenfair.server.reload import ConfigWatcher
-from tokenfair.server.remote import RemoteFeed, RemoteSource
 from tokenfair.server.runtime_settings import LoadedFile
 from tokenfair_operator.documents import (
     Document,

@@ -52,7 +52,7 @@ from operator_support import get
 from propagation_support import AUDIENCE, audience_token
 
 from tokenfair.config.wire import VERSION_HEADER
-from tokenfair.server.remote import RemoteFeed, RemoteSource
+from tokenfair.server.config_feed import RemoteFeed, RemoteSource
 from tokenfair_operator.certs import RENEW_BEFORE, TRUST_SETTLE, VALIDITY, ServingCerts, issue
 from tokenfair_operator.documents import Document, DocumentStore
 from tokenfair_operator.metrics import OperatorMetrics

@@ -1,5 +1,5 @@
 """The names both sides of the config feed use: the operator publishes and serves a policy's
-document, the sidecar reads it (the mounted file and the long-poll, ``server/remote.py``).
+document, the sidecar reads it (the mounted file and the long-poll, ``server/config_feed.py``).
 
 One home for each name, so that the writer and the reader cannot drift apart: the operator
 (``tokenfair_operator``) imports them from here, never from the sidecar's server package.

@@ -11,7 +11,7 @@ from tokenfair.server.runtime_settings import (
     load_sidecar_file,
     settings_from_section,
 )
-from tokenfair.server.state import Sidecar
+from tokenfair.server.sidecar import Sidecar
 
 __all__ = [
     "SIDECAR",

@@ -21,7 +21,7 @@ from typing import Final
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tokenfair.server.state import Sidecar
+from tokenfair.server.sidecar import Sidecar
 from tokenfair.server.status import status_chunks
 
 ADMIN_SIDECAR: Final = web.AppKey("admin_sidecar", Sidecar)

@@ -45,7 +45,7 @@ from tokenfair.server.proxy import (
 from tokenfair.server.record_writer import RecordWriter
 from tokenfair.server.reload import apply_config, refuse_config, reload_failed, watch_config
 from tokenfair.server.runtime_settings import SidecarSettings
-from tokenfair.server.state import Sidecar
+from tokenfair.server.sidecar import Sidecar
 from tokenfair.server.tracing import (
     RequestTracer,
     check_tracing_available,

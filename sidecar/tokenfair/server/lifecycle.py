@@ -169,7 +169,7 @@ class KvHold(Protocol):
 @dataclass(frozen=True, slots=True)
 class RequestPorts:
     """What a lifecycle needs of the sidecar, and nothing else (wired by its composition root,
-    :class:`~tokenfair.server.state.Sidecar`)."""
+    :class:`~tokenfair.server.sidecar.Sidecar`)."""
 
     dispatcher: Slots
     now_ms: Callable[[], float]

@@ -125,7 +125,7 @@ from tokenfair.server.lifecycle import (
     Phase,
     begin,
 )
-from tokenfair.server.state import Sidecar
+from tokenfair.server.sidecar import Sidecar
 
 SIDECAR: Final = web.AppKey("sidecar", Sidecar)
 PRIORITY_HEADER: Final = "x-tokenfair-priority"

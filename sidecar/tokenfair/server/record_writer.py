@@ -19,7 +19,7 @@ logged once when it starts and once when writing works again.
 The path must name a regular file (or nothing yet: it is created); a FIFO, a device or a
 directory is refused at start (:mod:`tokenfair.config.files`). :meth:`RecordWriter.reopen`
 opens it anew after log rotation (the sidecar calls it on ``SIGHUP``:
-:meth:`Sidecar.reopen_logs <tokenfair.server.state.Sidecar.reopen_logs>`).
+:meth:`Sidecar.reopen_logs <tokenfair.server.sidecar.Sidecar.reopen_logs>`).
 """
 
 from __future__ import annotations

@@ -55,12 +55,12 @@ from tokenfair.config.files import InputFileError, read_regular
 from tokenfair.config.wire import GENERATION_FILE
 from tokenfair.server.auth import Authenticator
 from tokenfair.server.backends import CostModelBackend, default_max_in_flight
-from tokenfair.server.remote import RemoteFeed, RemoteSource, parse_generation
+from tokenfair.server.config_feed import RemoteFeed, RemoteSource, parse_generation
 from tokenfair.server.runtime_settings import LoadedFile, loads_sidecar_file
 
 if TYPE_CHECKING:
     from tokenfair.server.pool import BudgetPool
-    from tokenfair.server.state import Sidecar
+    from tokenfair.server.sidecar import Sidecar
 
 log = logging.getLogger("tokenfair.sidecar")
 

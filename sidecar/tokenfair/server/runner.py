@@ -56,7 +56,7 @@ from tokenfair.server.admin import create_admin_app
 from tokenfair.server.app import SIDECAR
 from tokenfair.server.connections import ConnectionCap, ConnectionLimits
 from tokenfair.server.runtime_settings import SidecarSettings, parse_address
-from tokenfair.server.state import Sidecar
+from tokenfair.server.sidecar import Sidecar
 
 log = logging.getLogger("tokenfair.sidecar")
 

@@ -20,7 +20,7 @@ from tokenfair import native
 from tokenfair.core.scheduler import TenantState
 from tokenfair.core.tokenfair import TokenfairScheduler
 from tokenfair.server.metrics import LANE_NAMES
-from tokenfair.server.state import Sidecar
+from tokenfair.server.sidecar import Sidecar
 
 STATUS_CHUNK: Final = 100
 """Tenants' entries encoded between two yields to the event loop (~1 ms)."""

@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from tokenfair.config.wire import VERSION_HEADER
-from tokenfair.server.remote import RemoteFeed, RemoteSource
+from tokenfair.server.config_feed import RemoteFeed, RemoteSource
 from tokenfair_operator.documents import Document, DocumentStore
 from tokenfair_operator.metrics import OperatorMetrics
 from tokenfair_operator.serve import (

@@ -27,7 +27,8 @@ from sidecar_support import (
 )
 
 from tokenfair.config import Config, PolicyConfig, build_config
-from tokenfair.server import LoadedFile, state
+from tokenfair.server import LoadedFile
+from tokenfair.server import sidecar as sidecar_module
 from tokenfair.server.clock import ModelClock
 from tokenfair.server.reload import apply_config
 from tokenfair.server.runtime_settings import SidecarSettings
@@ -69,7 +70,7 @@ def ratio(metrics: str, lane: str) -> float:
 async def test_the_gauge_is_offered_service_over_capacity(
     aiohttp_client: ClientFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(state, "ModelClock", TestClock)
+    monkeypatch.setattr(sidecar_module, "ModelClock", TestClock)
     policy = PolicyConfig(max_interactive_wait_ms=WAIT_MS, max_batch_wait_ms=WAIT_MS)
     rate = policy.service_tokens_per_ms
     settings = SidecarSettings(time_scale=0.01, max_in_flight=1)

@@ -321,7 +321,7 @@ async def test_a_core_that_cannot_dispatch_ends_its_queue_with_500s(
 
 def test_no_module_on_the_request_path_imports_the_sidecar_object() -> None:
     """The lifecycle, the dispatcher, the outcome sink and the rate limits see the sidecar
-    through their ports only: none imports ``tokenfair.server.state`` (not even for typing),
+    through their ports only: none imports ``tokenfair.server.sidecar`` (not even for typing),
     so ``dispatcher → lifecycle → state → dispatcher`` cannot close again."""
     server = Path(lifecycle_module.__file__).parent
     for name in ("lifecycle", "dispatcher", "outcomes", "ratelimit"):
@@ -336,4 +336,4 @@ def test_no_module_on_the_request_path_imports_the_sidecar_object() -> None:
             if isinstance(node, ast.Import)
             for alias in node.names
         }
-        assert "tokenfair.server.state" not in imported, name
+        assert "tokenfair.server.sidecar" not in imported, name
