@@ -7,6 +7,8 @@ over real loopback HTTP, and follows every Python call made while each is served
 
 * the distinct ``tokenfair.server`` modules whose code ran (the files a reader must open to
   follow the request; ``server/backends/`` included) and their lines;
+* of those, the ones that call into another server module (the request's spine: the files
+  whose code hands it on; the others are leaves it calls and returns from);
 * the returns: how often the path came back to a server module it had already left (a call
   chain A → B → A counts one);
 * every ``tokenfair`` module whose Python code ran, with its lines (the compiled core's modules
@@ -61,17 +63,29 @@ class PathRecorder:
 
     def __init__(self) -> None:
         self.sequence: list[str] = []
+        self.calls: set[tuple[str, str]] = set()
+        """(caller, callee) module pairs: a server module calling into another one."""
         self.on = False
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
         if not self.on or event != "call":
             return
         name = package_module(frame.f_code.co_filename)
-        if name is not None and (not self.sequence or self.sequence[-1] != name):
+        if name is None:
+            return
+        if not self.sequence or self.sequence[-1] != name:
             self.sequence.append(name)
+        caller = frame.f_back
+        while caller is not None:  # the nearest tokenfair frame below (skipping asyncio, aiohttp)
+            below = package_module(caller.f_code.co_filename)
+            if below is not None:
+                if below != name:
+                    self.calls.add((below, name))
+                break
+            caller = caller.f_back
 
 
-def summarise(sequence: list[str]) -> dict[str, Any]:
+def summarise(sequence: list[str], calls: set[tuple[str, str]]) -> dict[str, Any]:
     server = [name for name in sequence if name.startswith("server/")]
     server = [name for i, name in enumerate(server) if i == 0 or server[i - 1] != name]
     modules = sorted(set(server))
@@ -82,8 +96,10 @@ def summarise(sequence: list[str]) -> dict[str, Any]:
             returns += 1
         seen.add(name)
     lines = {m: sum(1 for _ in (PACKAGE / m).open()) for m in sorted(set(sequence))}
+    callers = sorted({a for a, b in calls if a in modules and b in modules})
     return {
         "server_modules": len(modules),
+        "server_callers": callers,
         "server_lines": sum(lines[m] for m in modules),
         "server_returns": returns,
         "package_modules": len(lines),
@@ -96,7 +112,10 @@ async def measure() -> dict[str, Any]:
         replace(t, api_key_sha256=(api_key_digest(KEY),)) if t.tenant_id == "tenant_chat_pro" else t
         for t in LESSON_TENANTS
     ]
-    config = build_config(PolicyConfig(), tenants, "bench-path")
+    # Long wait limits: the profiler slows the event loop, and a request shed for its predicted
+    # wait would not walk the path being measured.
+    policy = PolicyConfig(max_interactive_wait_ms=60_000, max_batch_wait_ms=60_000)
+    config = build_config(policy, tenants, "bench-path")
     settings = SidecarSettings(time_scale=0.01)
     backend = make_backend(settings, CostModel.from_policy(config.policy))
     app = create_app(settings, config, backend)
@@ -117,6 +136,7 @@ async def measure() -> dict[str, Any]:
             ):
                 for measured in (False, True):
                     recorder.sequence.clear()
+                    recorder.calls.clear()
                     sys.setprofile(recorder)
                     recorder.on = measured
                     async with session.post(url, json=body, headers=headers) as response:
@@ -127,7 +147,7 @@ async def measure() -> dict[str, Any]:
                     sys.setprofile(None)
                     if status != 200:
                         raise SystemExit(f"request {kind} answered {status}")
-                results[kind] = summarise(recorder.sequence)
+                results[kind] = summarise(recorder.sequence, recorder.calls)
     finally:
         await runner.cleanup()
     return results
@@ -146,6 +166,10 @@ def main() -> None:
             f"{kind}: {figures['server_modules']} server modules "
             f"({figures['server_lines']} lines, {figures['server_returns']} returns to one "
             f"already left); {figures['package_modules']} tokenfair modules in all"
+        )
+        print(
+            f"  of them {len(figures['server_callers'])} hand the request on to another server "
+            f"module: {', '.join(figures['server_callers'])}"
         )
         for module, lines in figures["per_module_lines"].items():
             print(f"  {module:40} {lines:5}")
