@@ -68,6 +68,12 @@ class Reason(StrEnum):
         member.meaning = meaning
         return member
 
+    def __repr__(self) -> str:
+        """The wire string's own repr (``'shed_kv_watermark'``): a member prints as the string it
+        replaced wherever a container of reasons is printed (the simulate report's shed tallies,
+        log lines of an outcome), not as ``<Reason.X: '...'>``."""
+        return str.__repr__(self)
+
     # -- the sidecar's checks, before admission ---------------------------------------------
     INVALID_JSON = (
         "invalid_json", 400, ("sidecar",), "invalid",

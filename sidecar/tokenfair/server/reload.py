@@ -1,6 +1,6 @@
 """Hot reload: the operator's long-poll first, the config file as the fallback.
 
-With ``$TOKENFAIR_CONFIG_URL`` set (the injector sets it), a :class:`~.remote.RemoteFeed`
+With ``$TOKENFAIR_CONFIG_URL`` set (the injector sets it), a :class:`~.config_feed.RemoteFeed`
 long-polls the operator for the document and hands each new one to :meth:`ConfigWatcher.offer`:
 applied within about a second of the operator storing it. While that feed is healthy the file
 is not read (the kubelet refreshes it up to ~60 s late and could briefly bring back an older

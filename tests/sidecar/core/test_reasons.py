@@ -69,6 +69,9 @@ def test_a_member_encodes_as_its_string() -> None:
         assert reason == plain
         assert hash(reason) == hash(plain)
         assert str(reason) == f"{reason}" == "{}".format(reason) == plain  # noqa: UP032
+        # Printed in a container (the simulate report's shed tallies), it reads as the string.
+        assert repr(reason) == repr(plain)
+        assert str({reason: 1}) == str({plain: 1})
         assert json.dumps({reason: reason}) == json.dumps({plain: plain})
         assert msgspec.json.encode({reason: reason}) == msgspec.json.encode({plain: plain})
         assert json_line({"reason": reason}) == json_line({"reason": plain})
