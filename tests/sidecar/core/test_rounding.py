@@ -37,7 +37,7 @@ TIES = [
     0.015,
     0.125,  # exact binary ties: half to even, down then up
     0.375,
-    0.375,
+    0.625,
     2.675,
     1.005,
     1.015,
