@@ -622,6 +622,35 @@ def test_the_tests_only_the_interpreted_core_can_run_pass_on_it(tmp_path: Path) 
     assert f"{len(INTERPRETED_ONLY)} passed" in done.stdout, done.stdout[-4000:]
 
 
+INTERPRETED_PASS = (
+    "tests/sidecar/core",
+    "tests/sidecar/server/test_sidecar_lifecycle.py",
+    "tests/sidecar/server/test_sidecar_settlement.py",
+    "tests/sidecar/server/test_sidecar_app.py",
+)
+"""What runs a second time on the interpreted core when the suite runs on the compiled one: the
+core's own tests and the sidecar's request path, which calls the core's queries that no replay
+reaches (``budget``, ``running_backlog``, ``is_running``, ``held_job``, ``release_unsettled``).
+The image ships the interpreted core (no C compiler in it); the replay differential above covers
+only what ``simulate`` calls."""
+
+
+def test_the_core_and_the_request_path_pass_on_the_interpreted_core() -> None:
+    if not native.status().active:
+        pytest.skip("this run is on the interpreted core: they ran in it")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *INTERPRETED_PASS],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, native.SWITCH_ENV: "0"},
+        check=False,
+        timeout=1800,
+    )
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert " passed" in done.stdout and "failed" not in done.stdout, done.stdout[-4000:]
+
+
 def _both_cores(script: str, build: Path, cwd: Path) -> list[tuple[str, str]]:
     """``script``'s standard output under the compiled core (``"1"``) and the interpreted one
     (``"0"``), each in a fresh interpreter that activates the build first."""
