@@ -35,7 +35,7 @@ import logging
 import math
 from typing import Any, Final
 
-from tokenfair.core import Decision, Request, Scheduler
+from tokenfair.core import Decision, Request, Scheduler, Settled
 from tokenfair.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED
 from tokenfair.server.clock import EventClock, Timer
 from tokenfair.server.errors import INTERNAL_ERROR
@@ -297,8 +297,11 @@ class Dispatcher:
         now_ms = self.clock.now_ms()
         settlement = Settlement.AS_REPORTED
         scheduler = self.scheduler
+        settled: Settled | None = None
         try:
-            scheduler.complete(request_id, now_ms, actual_service_tokens, release_kv=False)
+            settled = scheduler.complete(
+                request_id, now_ms, actual_service_tokens, release_kv=False
+            )
         except Exception as exc:
             if actual_service_tokens is None:  # the estimate itself: nothing else to try
                 settlement = Settlement.CORE_FAILED
@@ -313,12 +316,14 @@ class Dispatcher:
                     settlement = Settlement.CORE_FAILED
                     log.exception("request %s: the core failed to settle it; settling at the "
                                   "estimate", request_id)  # fmt: skip
-                if not self._complete_at_estimate(request_id, now_ms):
-                    settlement = Settlement.CORE_FAILED
+                settled = self._complete_at_estimate(request_id, now_ms)
+        if settled is None:  # neither `complete` returned
+            settlement = Settlement.CORE_FAILED
         if not math.isfinite(kv_hold_ms):
             kv_hold_ms = 0.0
-        if scheduler.is_running(request_id):  # the core did not settle it
-            settlement = Settlement.CORE_FAILED
+        # Only a `complete` that raised leaves the question whether the core settled it (it
+        # may have raised after): then, and only then, the core is asked.
+        if settled is None and scheduler.is_running(request_id):  # it did not
             self.release_unsettled(request_id)
         else:
             dispatch_ms = lifecycle.decision.dispatch_ms
@@ -332,10 +337,10 @@ class Dispatcher:
                 self._kv_timers[request_id] = self.clock.call_later(
                     delay_s, self._release, request_id
                 )
-        lifecycle.settled(
-            settlement,
-            actual_service_tokens if settlement is Settlement.AS_REPORTED else None,
-        )
+        booked = None  # the estimate, as the outcome sink reads None
+        if settlement is Settlement.AS_REPORTED and settled is not None and not settled.at_estimate:
+            booked = settled.service_tokens
+        lifecycle.settled(settlement, booked)
         if scheduler.running == 0:
             self._idle.set()
         try:
@@ -344,15 +349,14 @@ class Dispatcher:
             log.exception("request %s: dispatching after its settlement failed", request_id)
         return settlement
 
-    def _complete_at_estimate(self, request_id: str, now_ms: float) -> bool:
-        """``complete`` at the estimate; False (logged) if the core raised even for that."""
+    def _complete_at_estimate(self, request_id: str, now_ms: float) -> Settled | None:
+        """``complete`` at the estimate; None (logged) if the core raised even for that."""
         try:
-            self.scheduler.complete(request_id, now_ms, None, release_kv=False)
+            return self.scheduler.complete(request_id, now_ms, None, release_kv=False)
         except Exception:
             log.exception("request %s: the core failed to settle it at the estimate too",
                           request_id)  # fmt: skip
-            return False
-        return True
+            return None
 
     def release_unsettled(self, request_id: str) -> None:
         """The last resort when the core raised while settling or releasing a request:
