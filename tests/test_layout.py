@@ -160,10 +160,13 @@ def test_the_operator_rule_sees_an_import_of_the_server(tmp_path: Path) -> None:
     ]
 
 
-@pytest.mark.parametrize("package", ["config", "records"])
-def test_the_contract_packages_have_no_import_cycle(package: str) -> None:
+@pytest.mark.parametrize("package", ["config", "records", "server"])
+def test_the_packages_have_no_import_cycle(package: str) -> None:
     # A contract is a floor: its modules import one another in one direction only (main had
     # config.document -> config.budget_store -> config.document, hidden in a lazy import).
+    # The server too (it had backends -> runtime_settings -> backends, the way back lazy).
+    # Importing a module of a subpackage runs the subpackage's __init__ first, so an import
+    # of `a.b.c` is an arrow to `a.b` as well, but not from a module inside `a.b` itself.
     prefix = f"tokenfair.{package}"
     modules = {name: path for name, path in _package_modules() if _leaks(name, (prefix,))}
     assert len(modules) > 2
@@ -172,7 +175,10 @@ def test_the_contract_packages_have_no_import_cycle(package: str) -> None:
             target
             for imported in _imports(name, path)
             for target in modules
-            if target != prefix and target != name and _leaks(imported, (target,))
+            if target != prefix
+            and target != name
+            and not name.startswith(target + ".")
+            and _leaks(imported, (target,))
         }
         for name, path in modules.items()
     }

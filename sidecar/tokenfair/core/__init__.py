@@ -8,7 +8,7 @@ from tokenfair.config import Config
 from tokenfair.core.baselines import LessonDrrScheduler, RequestCountScheduler
 from tokenfair.core.errors import DuplicateRequestError, SimulationStuckError, UnknownTenantError
 from tokenfair.core.jobs import Decision, Lane, Request
-from tokenfair.core.scheduler import Books, Scheduler
+from tokenfair.core.scheduler import Books, Scheduler, Settled, TenantView
 from tokenfair.core.tokenfair import TokenfairScheduler
 
 POLICIES: Final[dict[str, type[Scheduler]]] = {
@@ -38,7 +38,9 @@ __all__ = [
     "Lane",
     "Request",
     "Scheduler",
+    "Settled",
     "SimulationStuckError",
+    "TenantView",
     "UnknownTenantError",
     "make_scheduler",
 ]

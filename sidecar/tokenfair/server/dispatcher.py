@@ -22,7 +22,9 @@ Each request's phase lives in its :class:`~tokenfair.server.lifecycle.Lifecycle`
 dispatcher makes the moves that belong to the queue and the books, and
 :meth:`Lifecycle.complete <tokenfair.server.lifecycle.Lifecycle.complete>` the one outcome.
 
-Time: the scheduler's clock is model milliseconds, ``real_seconds * 1000 / time_scale`` since start.
+Time: the scheduler's clock is model milliseconds, ``real_seconds * 1000 / time_scale`` since start;
+it, the dispatch instants and the dispatcher's timers all go through the injected
+:class:`~tokenfair.server.clock.EventClock` (a test steps a fake one).
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ import logging
 import math
 from typing import Any, Final
 
-from tokenfair.core import Decision, Request, Scheduler
+from tokenfair.core import Decision, Request, Scheduler, Settled
 from tokenfair.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED
-from tokenfair.server.clock import ModelClock as ModelClock  # re-exported until callers move
+from tokenfair.server.clock import EventClock, Timer
 from tokenfair.server.errors import INTERNAL_ERROR
 from tokenfair.server.lifecycle import (
     DRAINING,
@@ -60,7 +62,7 @@ hold its waiters until their clients give up."""
 class Dispatcher:
     """Drives one :class:`Scheduler` in real time. All methods run on the event loop thread."""
 
-    def __init__(self, scheduler: Scheduler, clock: ModelClock, max_in_flight: int) -> None:
+    def __init__(self, scheduler: Scheduler, clock: EventClock, max_in_flight: int) -> None:
         self.scheduler = scheduler
         self.clock = clock
         self.max_in_flight = max_in_flight
@@ -72,8 +74,8 @@ class Dispatcher:
         """Tasks of the handlers between admission and their record (:meth:`abort_handlers`)."""
         self._queued: dict[str, Lifecycle] = {}
         """Lifecycles of the requests in the core's queue, by request id."""
-        self._kv_timers: dict[str, asyncio.TimerHandle] = {}
-        self._timer: asyncio.TimerHandle | None = None
+        self._kv_timers: dict[str, Timer] = {}
+        self._timer: Timer | None = None
         self._pumping = False
         self._again = False
         self._pump_failures = 0
@@ -98,11 +100,10 @@ class Dispatcher:
             refusal = scheduler.submit(request, self.clock.now_ms())
         if refusal is not None:
             if refusal.would_refuse:  # shadow mode: served anyway, beside the core's books
-                loop = asyncio.get_running_loop()
-                future = loop.create_future()
+                future = asyncio.get_running_loop().create_future()
                 future.set_result(self._beside(refusal))
                 return Lifecycle(request, Phase.BESIDE, decision=refusal, future=future,
-                                 dispatched_at_s=loop.time())  # fmt: skip
+                                 dispatched_at_s=self.clock.monotonic_s())  # fmt: skip
             return Lifecycle(request, Phase.REFUSED, decision=refusal)
         lifecycle = Lifecycle(
             request, Phase.QUEUED, future=asyncio.get_running_loop().create_future()
@@ -237,11 +238,11 @@ class Dispatcher:
         assert future is not None  # QUEUED lifecycles have one
         if decision.would_refuse and not future.cancelled():
             # Shadow mode: refused from the queue (expired, or at dispatch), served anyway.
-            lifecycle.served_beside(self._beside(decision), asyncio.get_running_loop().time())
+            lifecycle.served_beside(self._beside(decision), self.clock.monotonic_s())
             future.set_result(decision)
             return
         if decision.admitted:
-            lifecycle.dispatched(decision, asyncio.get_running_loop().time())
+            lifecycle.dispatched(decision, self.clock.monotonic_s())
             self._idle.clear()
         elif future.cancelled():  # its client left first: that is its outcome, not the expiry
             lifecycle.left_queue(
@@ -264,7 +265,6 @@ class Dispatcher:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        loop = asyncio.get_running_loop()
         try:
             wakeup_ms = self.scheduler.next_wakeup_ms(now_ms)
         except Exception:
@@ -278,7 +278,7 @@ class Dispatcher:
             backoff_s = min(PUMP_RETRY_MAX_S, PUMP_RETRY_S * 2**exponent)
             delay_s = backoff_s if delay_s is None else min(delay_s, backoff_s)
         if delay_s is not None:
-            self._timer = loop.call_later(delay_s, self.pump)
+            self._timer = self.clock.call_later(delay_s, self.pump)
 
     # -- settlement ------------------------------------------------------------------------
 
@@ -297,8 +297,11 @@ class Dispatcher:
         now_ms = self.clock.now_ms()
         settlement = Settlement.AS_REPORTED
         scheduler = self.scheduler
+        settled: Settled | None = None
         try:
-            scheduler.complete(request_id, now_ms, actual_service_tokens, release_kv=False)
+            settled = scheduler.complete(
+                request_id, now_ms, actual_service_tokens, release_kv=False
+            )
         except Exception as exc:
             if actual_service_tokens is None:  # the estimate itself: nothing else to try
                 settlement = Settlement.CORE_FAILED
@@ -313,12 +316,14 @@ class Dispatcher:
                     settlement = Settlement.CORE_FAILED
                     log.exception("request %s: the core failed to settle it; settling at the "
                                   "estimate", request_id)  # fmt: skip
-                if not self._complete_at_estimate(request_id, now_ms):
-                    settlement = Settlement.CORE_FAILED
+                settled = self._complete_at_estimate(request_id, now_ms)
+        if settled is None:  # neither `complete` returned
+            settlement = Settlement.CORE_FAILED
         if not math.isfinite(kv_hold_ms):
             kv_hold_ms = 0.0
-        if scheduler.is_running(request_id):  # the core did not settle it
-            settlement = Settlement.CORE_FAILED
+        # Only a `complete` that raised leaves the question whether the core settled it (it
+        # may have raised after): then, and only then, the core is asked.
+        if settled is None and scheduler.is_running(request_id):  # it did not
             self.release_unsettled(request_id)
         else:
             dispatch_ms = lifecycle.decision.dispatch_ms
@@ -329,12 +334,13 @@ class Dispatcher:
                 self._release(request_id, timer=False)
             else:
                 delay_s = self.clock.real_seconds(release_ms - now_ms)
-                loop = asyncio.get_running_loop()
-                self._kv_timers[request_id] = loop.call_later(delay_s, self._release, request_id)
-        lifecycle.settled(
-            settlement,
-            actual_service_tokens if settlement is Settlement.AS_REPORTED else None,
-        )
+                self._kv_timers[request_id] = self.clock.call_later(
+                    delay_s, self._release, request_id
+                )
+        booked = None  # the estimate, as the outcome sink reads None
+        if settlement is Settlement.AS_REPORTED and settled is not None and not settled.at_estimate:
+            booked = settled.service_tokens
+        lifecycle.settled(settlement, booked)
         if scheduler.running == 0:
             self._idle.set()
         try:
@@ -343,15 +349,14 @@ class Dispatcher:
             log.exception("request %s: dispatching after its settlement failed", request_id)
         return settlement
 
-    def _complete_at_estimate(self, request_id: str, now_ms: float) -> bool:
-        """``complete`` at the estimate; False (logged) if the core raised even for that."""
+    def _complete_at_estimate(self, request_id: str, now_ms: float) -> Settled | None:
+        """``complete`` at the estimate; None (logged) if the core raised even for that."""
         try:
-            self.scheduler.complete(request_id, now_ms, None, release_kv=False)
+            return self.scheduler.complete(request_id, now_ms, None, release_kv=False)
         except Exception:
             log.exception("request %s: the core failed to settle it at the estimate too",
                           request_id)  # fmt: skip
-            return False
-        return True
+            return None
 
     def release_unsettled(self, request_id: str) -> None:
         """The last resort when the core raised while settling or releasing a request:
@@ -420,8 +425,8 @@ class Dispatcher:
         """Wait until nothing runs on the backend and every handler has ended (a whole answer,
         settled before it is written, may still be on its way to its client); False if
         ``timeout_s`` passed first."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        clock = self.clock
+        deadline = clock.monotonic_s() + timeout_s
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
@@ -429,7 +434,7 @@ class Dispatcher:
         tasks = [task for task in self.handlers if not task.done()]
         if not tasks:
             return True
-        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - clock.monotonic_s()))
         return not pending
 
     def close(self) -> None:

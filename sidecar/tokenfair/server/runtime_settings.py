@@ -53,6 +53,16 @@ from tokenfair.server.estimate import (
 )
 from tokenfair.server.upstream import parse_origin
 
+COSTMODEL_BACKEND: Final = "costmodel"
+OPENAI_BACKEND: Final = "openai"
+BACKEND_NAMES: Final = (COSTMODEL_BACKEND, OPENAI_BACKEND)
+"""The backend names, in the order ``--help`` lists them: the registry
+:data:`tokenfair.server.backends.BACKENDS` builds one backend per name. They live here, below the
+registry (which builds from :class:`SidecarSettings`), so the settings check ``backend`` without
+importing the backends."""
+UPSTREAM_BACKENDS: Final = frozenset({OPENAI_BACKEND})
+"""The backends that relay to ``upstreamUrl`` (``--upstream``), which must then be set."""
+
 DEFAULT_SERVED_MODEL_NAMES: Final = ("tokenfair-costmodel",)
 DEFAULT_MODEL_CONTEXT_TOKENS: Final = 131_072
 """The default of :attr:`SidecarSettings.model_context_tokens`: 128 Ki tokens, the context
@@ -69,7 +79,7 @@ class SidecarSettings:
     """Proxy listener, ``HOST:PORT`` (tenants' traffic)."""
     admin_listen: str = "127.0.0.1:9090"
     """Admin listener, ``HOST:PORT`` (health, metrics, status); never reachable via ``listen``."""
-    backend: str = "costmodel"
+    backend: str = COSTMODEL_BACKEND
     """The model server: a name in the registry
     :data:`tokenfair.server.backends.BACKENDS` (the embedded cost-model engine, or an
     OpenAI-compatible upstream)."""
@@ -222,11 +232,8 @@ def _address(name: str, value: object) -> str:
 
 
 def _backend(name: str, value: object) -> str:
-    """A name in the backend registry (imported here: the registry's modules import this
-    one)."""
-    from tokenfair.server.backends import BACKENDS
-
-    return str(one_of(BACKENDS)(name, value))
+    """One of :data:`BACKEND_NAMES`."""
+    return str(one_of(BACKEND_NAMES)(name, value))
 
 
 def _header(name: str, value: object) -> str:
@@ -377,9 +384,7 @@ def settings_from_section(
 
 def check_settings(settings: SidecarSettings) -> SidecarSettings:
     """Cross-field rules."""
-    from tokenfair.server.backends import BACKENDS  # the registry's modules import this one
-
-    if BACKENDS[_backend("backend", settings.backend)].needs_upstream and not settings.upstream_url:
+    if _backend("backend", settings.backend) in UPSTREAM_BACKENDS and not settings.upstream_url:
         raise ConfigError(
             f"the {settings.backend} backend needs an upstream URL (--upstream / upstreamUrl)"
         )

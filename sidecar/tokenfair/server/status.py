@@ -17,7 +17,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Final
 
 from tokenfair import native
-from tokenfair.core.scheduler import TenantState
 from tokenfair.core.tokenfair import TokenfairScheduler
 from tokenfair.server.metrics import LANE_NAMES
 from tokenfair.server.sidecar import Sidecar
@@ -103,16 +102,21 @@ def slots_status(sidecar: Sidecar) -> dict[str, object]:
     }
 
 
-def tenant_entry(sidecar: Sidecar, tenant_id: str, state: TenantState, now_ms: float) -> Any:
-    budget = sidecar.scheduler.budget(tenant_id, now_ms)
+def tenant_entry(sidecar: Sidecar, tenant_id: str, now_ms: float) -> Any:
+    """One tenant's entry, from the core's read-only view of it (None: a tenant the core does
+    not know; the core never forgets one, a reload only adds)."""
+    view = sidecar.scheduler.tenant_view(tenant_id, now_ms)
+    if view is None:
+        return None
+    budget = view.budget
     return {
-        "priority_class": state.config.priority_class,
-        "weight": state.config.weight,
-        "queued_requests": state.queued,
-        "queued_service_tokens": state.queued_tokens,
-        "served_service_tokens": state.served_tokens,
-        "bucket_service_tokens": None if budget is None else round(budget.level, 3),
-        "burst_service_tokens": None if budget is None else budget.burst,
+        "priority_class": view.priority_class,
+        "weight": view.weight,
+        "queued_requests": view.queued_requests,
+        "queued_service_tokens": view.queued_service_tokens,
+        "served_service_tokens": view.served_service_tokens,
+        "bucket_service_tokens": round(budget.level, 3),
+        "burst_service_tokens": budget.burst,
         "counts": dict(sidecar.outcomes.tenant_counts.get(tenant_id, {})),
     }
 
@@ -139,11 +143,11 @@ def status_chunks(sidecar: Sidecar) -> Iterator[str]:
 
 
 def _tenant_entries(sidecar: Sidecar) -> Iterator[tuple[str, object]]:
-    tenants = list(sidecar.scheduler.tenants.items())  # added during the scrape: the next one
+    tenants = sidecar.scheduler.tenant_ids()  # added during the scrape: the next one
     for start in range(0, len(tenants), STATUS_CHUNK):
         now_ms = sidecar.clock.now_ms()  # per chunk: the clock moves while the loop runs
-        for tenant_id, state in tenants[start : start + STATUS_CHUNK]:
-            yield tenant_id, tenant_entry(sidecar, tenant_id, state, now_ms)
+        for tenant_id in tenants[start : start + STATUS_CHUNK]:
+            yield tenant_id, tenant_entry(sidecar, tenant_id, now_ms)
 
 
 def mapping_chunks(entries: Iterable[tuple[str, object]]) -> Iterator[str]:

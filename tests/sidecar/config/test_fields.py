@@ -15,8 +15,9 @@ Behaviours under test:
   from, the operator's injector included (tests/operator/test_operator_inject.py);
 * the integer rule keeps the CRDs' contract: every ``type: integer`` field of the CRDs takes its
   minimum written as a float and refuses a fraction above it; every number field refuses a bool;
-* the backend names are listed once, in ``tokenfair.server.backends.BACKENDS``: the classes'
-  names, the ``sidecar:`` key's rule, the ``--backend`` choices and help, the default.
+* the backend names are listed once, in ``tokenfair.server.runtime_settings.BACKEND_NAMES``
+  (below the registry ``tokenfair.server.backends.BACKENDS``, which builds one per name): the
+  classes' names, the ``sidecar:`` key's rule, the ``--backend`` choices and help, the default.
 """
 
 from __future__ import annotations
@@ -432,9 +433,15 @@ def test_a_crd_integer_field_takes_an_integral_float_and_refuses_a_fraction(
 def test_the_backend_names_are_listed_once_in_the_registry() -> None:
     from tokenfair.cli import build_parser
     from tokenfair.server.backends import BACKENDS, CostModelBackend, OpenAIBackend
-    from tokenfair.server.runtime_settings import SidecarSettings, settings_from_section
+    from tokenfair.server.runtime_settings import (
+        BACKEND_NAMES,
+        UPSTREAM_BACKENDS,
+        SidecarSettings,
+        settings_from_section,
+    )
 
-    assert tuple(BACKENDS) == (CostModelBackend.name, OpenAIBackend.name)
+    assert tuple(BACKENDS) == (CostModelBackend.name, OpenAIBackend.name) == BACKEND_NAMES
+    assert {name for name, kind in BACKENDS.items() if kind.needs_upstream} == UPSTREAM_BACKENDS
     assert SidecarSettings().backend in BACKENDS
     parser = build_parser({"sidecar"})
     (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

@@ -57,7 +57,13 @@ from tokenfair.core.jobs import (
     Lane,
     Request,
 )
-from tokenfair.core.scheduler import Scheduler, TenantState, _checked_settled, shed_kv
+from tokenfair.core.scheduler import (
+    Scheduler,
+    Settled,
+    TenantState,
+    _checked_settled,
+    shed_kv,
+)
 from tokenfair.core.shares import DemandRate
 from tokenfair.core.tokenfair import TokenfairScheduler
 from tokenfair.sim.report import percentile, percentiles
@@ -223,7 +229,7 @@ class ReferenceTokenfair(TokenfairScheduler):
         *,
         actual_kv_blocks: object = None,
         release_kv: bool = True,
-    ) -> Decision:
+    ) -> Settled:
         """Settle a dispatched request against its actual usage (default: the estimate).
 
         ``actual_kv_blocks`` replaces the KV reservation with what the request really held
@@ -253,7 +259,7 @@ class ReferenceTokenfair(TokenfairScheduler):
         decision.actual_service_tokens = actual
         if release_kv:
             self.release_kv(request_id)
-        return decision
+        return Settled(actual, actual_service_tokens is None)
 
 
 class Recording:

@@ -7,7 +7,10 @@ whether a member or the string is held; the old constants are the members; the g
 blocks of ``docs/records.md`` and ``docs/sidecar.md`` are what the enum makes now (and a stale
 block is caught); the sidecar's table of answers in ``docs/sidecar.md`` and the literal codes
 of the server's error answers agree with the members' statuses; the sidecar counts each
-reason a record can end with in the counter (and under the label) its member names;
+reason a record can end with in the counter (and under the label) its member names, except
+the two outcomes whose reason alone would mislead (an upstream's own 5xx relayed to a served
+request, a request served beside the books in shadow mode), which is why the counting reads the
+status and the dispatch beside the reason;
 ``tokenfair reasons`` writes the blocks, says when they were up to date, names ``--write`` on a
 file it cannot read, and lists every member as JSON.
 """
@@ -253,3 +256,42 @@ def test_the_sidecar_counts_each_reason_where_its_member_says() -> None:
     assert series.cancelled == len(reasons_counted_in("cancelled"))
     counts = sidecar.outcomes.tenant_counts["tenant_chat_pro"]
     assert counts["served"] == len(reasons_counted_in("admitted"))
+
+
+def test_two_outcomes_the_reason_alone_would_count_wrong() -> None:
+    # Why the sidecar's counting is not `Reason.counter` alone: (1) a request the upstream
+    # answered with its own 5xx is recorded `admitted` (the answer is the upstream's, relayed)
+    # and counted a backend error, under the code `admitted`; (2) a request refused in shadow
+    # mode and served anyway keeps the refusal's reason (`refused` by its member) and is counted
+    # served, and as a would-be refusal. Counting by the member would call (1) served and (2)
+    # refused.
+    from sidecar_support import keyed_config
+
+    from tokenfair.core.cost import CostModel
+    from tokenfair.server import Sidecar, make_backend
+    from tokenfair.server.runtime_settings import SidecarSettings
+
+    settings = SidecarSettings()
+    sidecar = Sidecar(settings, keyed_config(), make_backend(settings, CostModel()))
+    relayed = Request("r1", "tenant_chat_pro", 0.0, 10, 10, "interactive")
+    decision = Decision(
+        relayed.request_id, relayed.tenant_id, "interactive", 200, Reason.ADMITTED,
+        "dispatch", 30, 0.0, dispatch_ms=0.0,
+    )  # fmt: skip
+    sidecar.outcomes.completed(relayed, decision, status_code=503, reason=Reason.ADMITTED)
+    assert Reason.ADMITTED.counter == "admitted"
+    (series,) = sidecar.metrics.series.values()
+    assert series.backend_errors == {"admitted": 1}
+    counts = sidecar.outcomes.tenant_counts["tenant_chat_pro"]
+    assert (counts["backend_errors"], counts["served"]) == (1, 0)
+
+    beside = Request("r2", "tenant_chat_pro", 0.0, 10, 10, "interactive")
+    decision = Decision(
+        beside.request_id, beside.tenant_id, "interactive", 200, Reason.QUEUE_FULL,
+        "admission", 30, 0.0, dispatch_ms=0.0, would_refuse=True,
+    )  # fmt: skip
+    sidecar.outcomes.completed(beside, decision, status_code=200, reason=Reason.QUEUE_FULL)
+    assert Reason.QUEUE_FULL.counter == "refused"
+    assert series.refused == {}
+    assert series.would_refuse == {"queue_full": 1}
+    assert (counts["served"], counts["refused"], counts["would_refuse"]) == (1, 0, 1)

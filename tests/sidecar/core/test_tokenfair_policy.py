@@ -31,7 +31,7 @@ from tokenfair.config import (
     build_config,
     replace_policy,
 )
-from tokenfair.core import Books, Decision, Lane, Request, UnknownTenantError
+from tokenfair.core import Books, Decision, Lane, Request, Settled, UnknownTenantError
 from tokenfair.core.baselines import LessonDrrScheduler
 from tokenfair.core.tokenfair import DEMAND_WARMUP_FLOOR, TokenfairScheduler
 from tokenfair.sim.report import summarize
@@ -205,8 +205,7 @@ def test_cancel_and_unused_work_refund_everything() -> None:
     assert bucket.level == 10_000 - 640  # queued work was never charged, nothing to refund
     assert scheduler.books() == Books(0, 0, 0, 1, 24)
     # The client went away after the first token: it used 100 of the 640 estimated.
-    settled = scheduler.complete("c0", 1000.0, 100)
-    assert settled.actual_service_tokens == 100
+    assert scheduler.complete("c0", 1000.0, 100) == Settled(100, at_estimate=False)
     # 9360 + 1 s * 1 token/s of refill + 540 refunded = 9901.
     assert bucket.level == 10_000 - 640 + 1 + 540
     assert scheduler.tenants["chat"].served_tokens == 100

@@ -29,6 +29,7 @@ from tokenfair.server.backends.base import (
 from tokenfair.server.backends.costmodel import CostModelBackend
 from tokenfair.server.backends.openai import OpenAIBackend
 from tokenfair.server.runtime_settings import (
+    UPSTREAM_BACKENDS,
     SidecarSettings,
     read_upstream_api_key,
     upstream_api_key_path,
@@ -46,7 +47,8 @@ class BackendKind:
     genai_provider: str
     """Its ``gen_ai.provider.name`` in trace spans (OpenTelemetry's GenAI conventions)."""
     needs_upstream: bool = False
-    """It relays to ``upstreamUrl`` (``--upstream``), which must then be set."""
+    """It relays to ``upstreamUrl`` (``--upstream``), which must then be set
+    (:data:`~tokenfair.server.runtime_settings.UPSTREAM_BACKENDS`)."""
 
 
 def _costmodel(settings: SidecarSettings, cost: CostModel, environ: Mapping[str, str]) -> Backend:
@@ -73,17 +75,22 @@ def _openai(settings: SidecarSettings, cost: CostModel, environ: Mapping[str, st
 BACKENDS: Final[Mapping[str, BackendKind]] = MappingProxyType(
     {
         CostModelBackend.name: BackendKind(
-            "the embedded cost-model engine", _costmodel, genai_provider="tokenfair.costmodel"
+            "the embedded cost-model engine",
+            _costmodel,
+            genai_provider="tokenfair.costmodel",
+            needs_upstream=CostModelBackend.name in UPSTREAM_BACKENDS,
         ),
         OpenAIBackend.name: BackendKind(
             "an OpenAI-compatible upstream such as vLLM",
             _openai,
             genai_provider="openai",
-            needs_upstream=True,
+            needs_upstream=OpenAIBackend.name in UPSTREAM_BACKENDS,
         ),
     }
 )
-"""Backend name -> :class:`BackendKind`: the one list of backend names."""
+"""Backend name -> :class:`BackendKind`, one per name of
+:data:`~tokenfair.server.runtime_settings.BACKEND_NAMES` (the settings check ``backend`` against
+those names without importing the backends)."""
 
 
 def make_backend(

@@ -68,6 +68,7 @@ from tokenfair.server.backends.base import (
 from tokenfair.server.backends.batching import BatchingEngine
 from tokenfair.server.errors import error_response
 from tokenfair.server.runtime_settings import (
+    COSTMODEL_BACKEND,
     DEFAULT_EMBEDDING_DIMENSIONS,
     DEFAULT_SERVED_MODEL_NAMES,
 )
@@ -113,7 +114,7 @@ def sse(data: object) -> bytes:
 
 
 class CostModelBackend(Backend):
-    name: ClassVar[str] = "costmodel"
+    name: ClassVar[str] = COSTMODEL_BACKEND
     default_max_in_flight: ClassVar[int] = 2
 
     def __init__(

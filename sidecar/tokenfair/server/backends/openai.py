@@ -59,6 +59,7 @@ from tokenfair.server.backends.base import (
     UpstreamError,
     UsageError,
 )
+from tokenfair.server.runtime_settings import OPENAI_BACKEND
 from tokenfair.server.upstream import (
     MAX_BUFFERED_BODY_BYTES,
     UpstreamClient,
@@ -471,7 +472,7 @@ def _decoded(decoder: BodyDecoder, data: bytes, coding: str | None, what: str) -
 
 
 class OpenAIBackend(Backend):
-    name: ClassVar[str] = "openai"
+    name: ClassVar[str] = OPENAI_BACKEND
     default_max_in_flight: ClassVar[int] = 64
 
     def __init__(
