@@ -425,22 +425,26 @@ class Lifecycle:
     def _record_outcome(
         self, ports: RequestPorts, outcome: Outcome, usage: Usage, call: BackendCall | None = None
     ) -> None:
-        """Give the outcome to the sink (which never raises)."""
+        """Give the outcome to the sink (which never raises; if it does, a bug, it is logged
+        here: the slot and KV were released before, and the handler ends normally)."""
         actual = self.booked_service_tokens if self.settlement is Settlement.AS_REPORTED else None
         try:
             facts = self.facts(call)
         except Exception:  # a bug: the record does not need the facts
             log.exception("request %s: its facts failed", self.request.request_id)
             facts = None
-        ports.outcomes.completed(
-            self.request,
-            self.decision,
-            status_code=outcome.status_code,
-            reason=outcome.reason,
-            actual_service_tokens=actual,
-            usage=usage,
-            facts=facts,
-        )
+        try:
+            ports.outcomes.completed(
+                self.request,
+                self.decision,
+                status_code=outcome.status_code,
+                reason=outcome.reason,
+                actual_service_tokens=actual,
+                usage=usage,
+                facts=facts,
+            )
+        except Exception:  # the sink broke its promise (a bug): the request still ends cleanly
+            log.exception("request %s: the outcome sink raised", self.request.request_id)
 
 
 def begin(ports: RequestPorts, request: Request) -> Lifecycle:

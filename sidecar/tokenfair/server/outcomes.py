@@ -122,10 +122,11 @@ class Outcomes:
     ) -> None:
         """Count, measure and record one request's outcome, then log and trace it and give it to
         the fairness signal (called once per request, by :meth:`Lifecycle.complete
-        <tokenfair.server.lifecycle.Lifecycle.complete>`). Never raises: a failure while
-        counting (a bug, logged) does not stop the record, nor a failure of either the log
-        line or the span. A request without a decision (which cannot happen: the lifecycle
-        logs it) is recorded alone."""
+        <tokenfair.server.lifecycle.Lifecycle.complete>`). Never raises, and this is the one
+        place that makes sure of it: each step is guarded here, whatever guards it has of its
+        own (:meth:`record` never raises: a record it cannot write is counted as dropped), so a
+        failing step (a bug, logged) stops none of the others. A request without a decision
+        (which cannot happen: the lifecycle logs it) is recorded alone."""
         if usage is None:
             usage = NO_USAGE
         if decision is None:
@@ -137,10 +138,16 @@ class Outcomes:
             log.exception("request %s: counting its outcome failed; its record is still written",
                           request.request_id)  # fmt: skip
         self.record(request, decision, status_code=status_code, reason=reason, usage=usage)
-        self.observe(request, decision, status_code=status_code, reason=reason,
-                     actual_service_tokens=actual_service_tokens, usage=usage,
-                     facts=facts)  # fmt: skip
-        self.fairness.completed(decision, status_code)  # never raises
+        try:
+            self.observe(request, decision, status_code=status_code, reason=reason,
+                         actual_service_tokens=actual_service_tokens, usage=usage,
+                         facts=facts)  # fmt: skip
+        except Exception:  # its own guards failed (a bug): the fairness signal still sees it
+            log.exception("request %s: its access-log line or span failed", request.request_id)
+        try:
+            self.fairness.completed(decision, status_code)
+        except Exception:  # its own guard failed (a bug)
+            log.exception("request %s: the fairness signal failed", request.request_id)
 
     def count(
         self,

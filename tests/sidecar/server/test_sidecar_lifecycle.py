@@ -133,6 +133,8 @@ FAULTS = {
     "kv-hold-time": ("backend", "kv_hold_ms", Outcome(200, "admitted")),
     "dispatcher-complete": ("dispatcher", "complete", Outcome(200, "internal_error")),
     "accounting": ("outcomes", "count", Outcome(200, "admitted")),
+    "access-log-and-span": ("outcomes", "observe", Outcome(200, "admitted")),
+    "fairness-signal": ("fairness", "completed", Outcome(200, "admitted")),
     # The core failing while dispatching (a bug): the pump logs it and tries again shortly.
     "core-dispatch": ("scheduler", "next_dispatch", Outcome(200, "admitted")),
     "core-expiry": ("scheduler", "expire", Outcome(200, "admitted")),
