@@ -321,21 +321,58 @@ async def test_a_core_that_cannot_dispatch_ends_its_queue_with_500s(
 # -- the lifecycle's ports: no module on the request's path reaches back to the sidecar object -----
 
 
+def _imported_names(source: str, package: str) -> set[str]:
+    """Every dotted name a module's imports reach: ``from a import b`` gives ``a`` and ``a.b``;
+    relative imports resolved against ``package``."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _reaches_the_sidecar(names: set[str]) -> bool:
+    return any(
+        name == "tokenfair.server.Sidecar"
+        or name == "tokenfair.server.sidecar"
+        or name.startswith("tokenfair.server.sidecar.")
+        for name in names
+    )
+
+
 def test_no_module_on_the_request_path_imports_the_sidecar_object() -> None:
-    """The lifecycle, the dispatcher, the outcome sink and the rate limits see the sidecar
-    through their ports only: none imports ``tokenfair.server.sidecar`` (not even for typing),
-    so ``dispatcher → lifecycle → state → dispatcher`` cannot close again."""
+    """The lifecycle, the dispatcher, the outcome sink, the rate limits and the engine link see
+    the sidecar through their ports only: none imports ``tokenfair.server.sidecar`` or the
+    package's re-export of ``Sidecar`` (not even for typing, nor relatively), so ``dispatcher →
+    lifecycle → state → dispatcher`` cannot close again."""
     server = Path(lifecycle_module.__file__).parent
-    for name in ("lifecycle", "dispatcher", "outcomes", "ratelimit"):
-        tree = ast.parse((server / f"{name}.py").read_text())
-        imported = {
-            node.module
-            for node in ast.walk(tree)
-            if isinstance(node, ast.ImportFrom) and node.module is not None
-        } | {
-            alias.name
-            for node in ast.walk(tree)
-            if isinstance(node, ast.Import)
-            for alias in node.names
-        }
-        assert "tokenfair.server.sidecar" not in imported, name
+    for name in ("lifecycle", "dispatcher", "outcomes", "ratelimit", "engine_link"):
+        imported = _imported_names((server / f"{name}.py").read_text(), "tokenfair.server")
+        assert not _reaches_the_sidecar(imported), name
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "from tokenfair.server.sidecar import Sidecar",
+        "from tokenfair.server import Sidecar",
+        "from tokenfair.server import sidecar",
+        "from .sidecar import Sidecar",
+        "from . import sidecar",
+        "import tokenfair.server.sidecar",
+    ],
+)
+def test_the_rule_sees_every_way_to_import_the_sidecar(line: str) -> None:
+    assert _reaches_the_sidecar(_imported_names(line + "\n", "tokenfair.server"))
+    assert not _reaches_the_sidecar(
+        _imported_names("from .clock import ModelClock\n", "tokenfair.server")
+    )
