@@ -35,6 +35,9 @@ from typing import Any, cast
 import kopf
 import pytest
 from kopf._cogs.aiokits import aiotoggles
+from kopf._cogs.structs import bodies, ephemera, patches, references
+from kopf._core.actions import invocation
+from kopf._core.intents import causes
 
 from tokenfair_operator import handlers, listing, passes, resync, runtime
 from tokenfair_operator.indexes import Indexes
@@ -274,3 +277,35 @@ async def test_kopf_lists_gently_while_the_startup_view_works(
         assert slept[3:] == [0]
     finally:
         listing.yield_while(lambda: False)
+
+
+@pytest.mark.parametrize("handler", ["quota_event", "policy_event"])
+@pytest.mark.parametrize("event_type", [None, "ADDED", "MODIFIED", "DELETED"])
+async def test_the_event_handlers_read_the_type_kopf_gives_them(
+    handler: str, event_type: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Called the way Kopf calls them (its own watching cause and invocation: the kwargs a
+    # handler gets are Kopf's, not ours), for the initial listing (None) and each event type:
+    # `news` must see the type, or a deletion would not count as news.
+    seen: list[str | None] = []
+
+    def recorded_news(memo: kopf.Memo, event_type: str | None, body: kopf.Body) -> bool:
+        seen.append(event_type)
+        return False
+
+    monkeypatch.setattr(handlers, "news", recorded_news)
+    raw = {
+        "metadata": {"uid": "u", "generation": 1, "name": "pool", "namespace": "ns"},
+        "spec": {"policyName": "pool"},
+    }
+    cause = causes.detect_watching_cause(
+        raw_event=cast(bodies.RawEvent, {"type": event_type, "object": raw}),
+        body=bodies.Body(cast(Any, raw)),
+        resource=references.Resource("tokenfair.io", "v1alpha1", "x"),
+        logger=LOG,
+        patch=patches.Patch(),
+        memo=copy.copy(operator_memo()),
+        indices=cast(ephemera.Indices, {}),
+    )
+    await invocation.invoke(getattr(handlers, handler), kwargsrc=cause)
+    assert seen == [event_type]
