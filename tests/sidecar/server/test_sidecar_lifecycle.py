@@ -22,6 +22,7 @@ from sidecar_support import (
     CHAT,
     ZERO_BOOKS,
     ClientFactory,
+    Clients,
     books_when_settled,
     completion_body,
     keyed_config,
@@ -191,6 +192,96 @@ async def test_a_fault_anywhere_is_one_record_and_no_leak(
     assert [row["request_id"] for row in rows] == [r.headers["x-request-id"] for r in responses]
     outcomes = [Outcome(row["status_code"], row["reason"]) for row in rows]
     assert outcomes == [expected, Outcome(200, "admitted")]
+
+
+async def _one_request_with(
+    aiohttp_client: ClientFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    faults: set[tuple[str, str]],
+) -> tuple[Clients, int, list[object]]:
+    """One chat request with each ``(part, method)`` of the sidecar raising; the fairness
+    signal's calls are recorded, whether it raises or not."""
+    settings = SidecarSettings(
+        time_scale=0.01, max_in_flight=1, records_path=str(tmp_path / "records.jsonl")
+    )
+    clients = await start(aiohttp_client, keyed_config(), settings)
+    fairness_calls: list[object] = []
+    for part, method in faults:
+        target = getattr(clients.sidecar, part)
+
+        def broken(*args: Any, _where: str = f"{part}.{method}", **kwargs: Any) -> Any:
+            if _where == "fairness.completed":
+                fairness_calls.append(_where)
+            raise RuntimeError(f"injected fault at {_where}")
+
+        monkeypatch.setattr(target, method, broken)
+    if ("fairness", "completed") not in faults:
+        original = clients.sidecar.fairness.completed
+
+        def seen(*args: Any, **kwargs: Any) -> None:
+            fairness_calls.append("fairness.completed")
+            original(*args, **kwargs)
+
+        monkeypatch.setattr(clients.sidecar.fairness, "completed", seen)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with asyncio.timeout(30):
+        response = await clients.proxy.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": CHAT}
+        )
+        await response.read()
+    return clients, response.status, fairness_calls
+
+
+async def test_a_failing_log_line_and_span_still_reach_the_fairness_signal(
+    aiohttp_client: ClientFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sink's own guard around the access-log line and span: without it the fault would
+    skip the fairness signal (the lifecycle's last resort would still end the request)."""
+    clients, status, fairness_calls = await _one_request_with(
+        aiohttp_client, tmp_path, monkeypatch, {("outcomes", "observe")}
+    )
+    assert status == 200
+    assert fairness_calls == ["fairness.completed"]
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+    assert [row["reason"] for row in records_of(clients.sidecar)] == ["admitted"]
+
+
+async def test_the_sink_keeps_a_failing_fairness_signal_to_itself(
+    aiohttp_client: ClientFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``Outcomes.completed`` never raises: the fairness signal's fault is logged there, and
+    the lifecycle's last resort never sees it."""
+    clients, status, fairness_calls = await _one_request_with(
+        aiohttp_client, tmp_path, monkeypatch, {("fairness", "completed")}
+    )
+    assert status == 200
+    assert fairness_calls == ["fairness.completed"]
+    assert "the fairness signal failed" in caplog.text
+    assert "the outcome sink raised" not in caplog.text
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+
+
+async def test_a_sink_that_raises_anyway_ends_the_request_cleanly(
+    aiohttp_client: ClientFactory,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The lifecycle's last resort: an outcome sink that breaks its promise (a bug) is logged;
+    the client has its answer, the slot and KV are free, the handler leaves the dispatcher."""
+    clients, status, _ = await _one_request_with(
+        aiohttp_client, tmp_path, monkeypatch, {("outcomes", "completed")}
+    )
+    assert status == 200
+    assert "the outcome sink raised" in caplog.text
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+    async with asyncio.timeout(30):
+        while clients.sidecar.dispatcher.handlers:
+            await asyncio.sleep(0.01)
 
 
 def phase_of(lifecycle: Lifecycle) -> Phase:
