@@ -424,9 +424,10 @@ class Dispatcher:
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait until nothing runs on the backend and every handler has ended (a whole answer,
         settled before it is written, may still be on its way to its client); False if
-        ``timeout_s`` passed first."""
-        clock = self.clock
-        deadline = clock.monotonic_s() + timeout_s
+        ``timeout_s`` passed first. Both waits are the event loop's, so the deadline is read on
+        the loop's clock too (an injected clock that is not the loop's would split it)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
@@ -434,7 +435,7 @@ class Dispatcher:
         tasks = [task for task in self.handlers if not task.done()]
         if not tasks:
             return True
-        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - clock.monotonic_s()))
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
         return not pending
 
     def close(self) -> None:
