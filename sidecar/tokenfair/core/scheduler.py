@@ -764,7 +764,8 @@ class Scheduler(ABC):
             resident_kv_blocks=self.resident_blocks,
         )
 
-    # -- read-only queries (the server asks; it never reads ``jobs`` or a bucket) ------------
+    # -- read-only queries (the request path asks; it never reads ``jobs`` or a bucket; the pool
+    # budgets of ``server/pool.py`` are the one port that holds buckets, to lease into them) ---
 
     def budget(self, tenant_id: str, now_ms: float) -> BudgetView | None:
         """``tenant_id``'s budget at ``now_ms`` (its bucket refilled to then, as admission
