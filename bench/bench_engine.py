@@ -559,12 +559,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             replayed = apply_overrides(base, overrides)
             queue = None if isinstance(calibration, str) else calibration.prefill_queue
             speed = None if queue is None else queue.prefill_tokens_per_ms
+            overhead_ms = 0.0 if queue is None else queue.prefill_overhead_ms
             floor_ms = replayed.policy.prefill_floor_ms
             comparison = (
-                compare(fitted.records_path, replayed, prefill_tokens_per_ms=speed),
+                compare(fitted.records_path, replayed, prefill_tokens_per_ms=speed,
+                        prefill_overhead_ms=overhead_ms),
                 compare(fitted.records_path, replayed, facts=False),
-                first_tokens_on_live_dispatch(fitted.records, speed, floor_ms),
-            )
+                first_tokens_on_live_dispatch(fitted.records, speed, floor_ms, overhead_ms),
+            )  # fmt: skip
             if args.keep:
                 _keep(work, Path(args.keep))
         print_calibration(warm, calibration, steps)
@@ -666,19 +668,20 @@ def print_calibration(warm: Phase, calibration: Calibration | str,
                f"{weight_error:.0%}, {rate_error:.0%}", "-", None))  # fmt: skip
     queue = calibration.prefill_queue
     if queue is not None:
-        print(line("engine prefill, first come first served (prompt tokens/ms)",
-                   f"{queue.prefill_tokens_per_ms:.3g} (RMS log {queue.rms_log_error:.2f})", "-",
-                   None))  # fmt: skip
+        print(line("engine prefill, first come first served (prompt tokens/ms + ms a prompt)",
+                   f"{queue.prefill_tokens_per_ms:.3g} + {queue.prefill_overhead_ms:.3g} ms "
+                   f"(RMS log {queue.rms_log_error:.2f})", "-", None))  # fmt: skip
     for problem in calibration.problems:
         print(f"    problem: {problem}")
 
 
 def first_tokens_on_live_dispatch(
-    records: list[dict[str, Any]], speed: float | None, floor_ms: float
+    records: list[dict[str, Any]], speed: float | None, floor_ms: float, overhead_ms: float = 0.0
 ) -> tuple[list[float], list[float]]:
     """The engine's first-token model alone, on the live run's own dispatch times: the served
     interactive requests' TTFTs, and those the prefill queue (``EngineFacts``: prompts at the
-    engine's count, first come first served at ``speed``) predicts from when the sidecar sent
+    engine's count, first come first served at ``speed``, ``overhead_ms`` a prompt) predicts
+    from when the sidecar sent
     each request. What it misses is the first-token model's error; the rest of the replay's is
     the dispatch times' (the engine's run times and the sidecar's decisions, replayed)."""
     if speed is None:
@@ -693,7 +696,7 @@ def first_tokens_on_live_dispatch(
     live, predicted = [], []
     for record in started:
         start = record["dispatch_ms"]
-        done = max(done, start) + record["actual_prefill_tokens"] / speed
+        done = max(done, start) + overhead_ms + record["actual_prefill_tokens"] / speed
         if record["priority_class"] == "interactive":
             live.append(record["ttft_ms"])
             predicted.append(start - record["arrival_ms"] + max(floor_ms, done - start))

@@ -123,14 +123,16 @@ def engine_facts(
     config: Config,
     prefill_tokens_per_ms: float | None = None,
     kv_prompt_ratio: str = "learned",
+    prefill_overhead_ms: float = 0.0,
 ) -> EngineFacts:
     """What the live run's records say of the engine (:class:`~tokenfair.sim.simulator.
     EngineFacts`): each request's prompt as the engine counted it (``actual_prefill_tokens``),
     the engine's KV cache (the policy's ``totalKvBlocks``: the sidecar adopts the engine's, and
     the bench's config copies them), and a sidecar that read the engine's KV every 250 ms (its
     default ``engineMetricsIntervalSeconds``); the engine's prefill throughput, first come first
-    served, ``prefill_tokens_per_ms`` (``tokenfair calibrate``'s ``prefill_queue`` of the
-    *calibration* records; None: the policy's ``prefillTokensPerMs``); KV booked as the live
+    served, ``prefill_tokens_per_ms`` with ``prefill_overhead_ms`` a prompt (``tokenfair
+    calibrate``'s ``prefill_queue`` of the *calibration* records; None: the policy's
+    ``prefillTokensPerMs``, no overhead); KV booked as the live
     sidecar's ``kvPromptRatio`` (``"learned"``, its default: at the engine's prompt count over
     the estimate, learned as requests end; ``"off"``: at the estimate)."""
     prompts = {
@@ -144,6 +146,7 @@ def engine_facts(
         ENGINE_REPORT_MS,
         prefill_tokens_per_ms,
         kv_prompt_ratio,
+        prefill_overhead_ms,
     )
 
 
@@ -179,14 +182,20 @@ def compare(
     facts: bool = True,
     prefill_tokens_per_ms: float | None = None,
     kv_prompt_ratio: str = "learned",
+    prefill_overhead_ms: float = 0.0,
 ) -> EngineModelComparison:
     """The live run's interactive TTFT beside the replay's of the same requests under
     ``config`` (the calibrated policy), on the engine the records describe (``facts``:
-    :func:`engine_facts`, with the engine's prefill throughput ``prefill_tokens_per_ms``;
+    :func:`engine_facts`, with the engine's prefill throughput ``prefill_tokens_per_ms`` and
+    per-prompt ``prefill_overhead_ms``;
     False: the policy's engine alone, as ``tokenfair simulate``; ``kv_prompt_ratio``: the live
     sidecar's ``kvPromptRatio``)."""
     live, trace = live_interactive_ttfts(records)
-    engine = engine_facts(trace, config, prefill_tokens_per_ms, kv_prompt_ratio) if facts else None
+    engine = (
+        engine_facts(trace, config, prefill_tokens_per_ms, kv_prompt_ratio, prefill_overhead_ms)
+        if facts
+        else None
+    )
     replayed = replay_interactive_ttfts(trace, config, policy, engine)
     return EngineModelComparison(_side(live), _side(replayed), len(trace))
 
@@ -337,6 +346,17 @@ def positive_finite(text: str) -> float:
     return value
 
 
+def at_least_zero(text: str) -> float:
+    """An argparse type: a finite number of at least 0 (the engine's per-prompt overhead)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number; got {text!r}") from None
+    if not math.isfinite(value) or value < 0.0:
+        raise argparse.ArgumentTypeError(f"must be finite and at least 0; got {text!r}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=Path, help="a live run's request records (JSONL)")
@@ -349,6 +369,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=positive_finite,
         help="the engine's prefill throughput, first come first served (calibrate's "
         "prefill_queue of the calibration records; default: prefillTokensPerMs)",
+    )
+    parser.add_argument(
+        "--engine-prefill-overhead-ms",
+        type=at_least_zero,
+        default=0.0,
+        help="what each prompt costs the engine's prefill queue beyond its tokens (calibrate's "
+        "prefill_queue prefill_overhead_ms; default 0)",
     )
     parser.add_argument(
         "--kv-prompt-ratio",
@@ -390,6 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         facts=not args.no_engine_facts,
         prefill_tokens_per_ms=args.engine_prefill_tokens_per_ms,
         kv_prompt_ratio=args.kv_prompt_ratio,
+        prefill_overhead_ms=args.engine_prefill_overhead_ms,
     )
     if args.json:
         report = {

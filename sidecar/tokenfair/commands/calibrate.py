@@ -224,8 +224,9 @@ def format_table(result: Calibration) -> str:
     queue = result.prefill_queue
     if queue is not None:
         lines.append(
-            f"  engine prefill      {queue.prefill_tokens_per_ms:10.4g}  prompt tokens/ms, first "
-            f"come first served, from {queue.records_used} TTFTs (RMS log error "
+            f"  engine prefill      {queue.prefill_tokens_per_ms:10.4g}  prompt tokens/ms + "
+            f"{queue.prefill_overhead_ms:.3g} ms a prompt, first come first served, from "
+            f"{queue.records_used} TTFTs (RMS log error "
             f"{queue.rms_log_error:.2f}; for a replay of these records' engine, not a policy "
             "field)"
         )

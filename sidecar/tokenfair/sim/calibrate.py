@@ -145,6 +145,8 @@ class PrefillQueueFit:
     rms_log_error: float
     """RMS of ``ln(observed / predicted)`` of the times to the first token."""
     records_used: int
+    prefill_overhead_ms: float = 0.0
+    """What each prompt costs the queue beyond ``prompt / prefill_tokens_per_ms`` (ms)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -533,7 +535,12 @@ def calibrate(
 QUEUE_SPEEDS: Final = (0.01, 100_000.0)
 """The prompt tokens per ms :func:`fit_prefill_queue` searches between."""
 QUEUE_STEPS: Final = 80
-"""Golden-section steps of that search (each narrows the log range by 0.618: to ~1e-16)."""
+"""Golden-section steps of the search of ``ln P`` (each narrows the range by 0.618: to ~1e-16)."""
+OVERHEAD_STEPS: Final = 30
+"""Golden-section steps of the search of the overhead (to ~5e-7 of its range), each searching
+``ln P`` in :data:`OVERHEAD_SPEED_STEPS` (the best overhead's ``P`` then in :data:`QUEUE_STEPS`)."""
+OVERHEAD_SPEED_STEPS: Final = 40
+"""The steps of ``ln P``'s search within the overhead's (to ~4e-9 of its range)."""
 QUEUE_FLAT: Final = 1e-9
 """A loss within this (relative) of an instant prefill's is no better than it: ``P`` is not
 identified."""
@@ -541,21 +548,45 @@ QUEUE_BOUND_MARGIN: Final = 1e-6
 """A best ``ln P`` this close to the search's lower bound is that bound, not a fit."""
 
 
+def _golden(loss: Callable[[float], float], low: float, high: float, steps: int) -> float:
+    """The minimum of ``loss`` over ``[low, high]`` by golden-section search (one minimum
+    assumed), each step one evaluation."""
+    ratio = (math.sqrt(5.0) - 1.0) / 2.0
+    left, right = high - ratio * (high - low), low + ratio * (high - low)
+    at_left, at_right = loss(left), loss(right)
+    for _ in range(steps):
+        if at_left < at_right:
+            high, right, at_right = right, left, at_left
+            left = high - ratio * (high - low)
+            at_left = loss(left)
+        else:
+            low, left, at_left = left, right, at_right
+            right = low + ratio * (high - low)
+            at_right = loss(right)
+    return (low + high) / 2.0
+
+
 def fit_prefill_queue(
     samples: Sequence[Sample], floor_ms: float, min_records: int = DEFAULT_MIN_RECORDS
 ) -> PrefillQueueFit | str | None:
-    """The prefill throughput ``P`` of an engine that prefills the prompts it starts first come
-    first served: a record started (dispatched) at ``t`` with a prompt of ``p`` tokens (the
-    engine's count) has its first token at ``max(t + floor, done)``, ``done = max(t, done of the
-    one started before it) + p / P``; ``P`` minimises the squared ``ln(observed / predicted)``
-    of the times to the first token (``ttft_ms - queue wait``) over the records under load that
-    have one (a golden-section search over :data:`QUEUE_SPEEDS`, the loss being smooth in
-    ``ln P`` away from the floor). A wave of long prompts started together delays a first token
-    behind them by all of their prefill, which a slowdown by the concurrency alone does not
-    (docs/capacity.md). None: fewer than ``min_records`` such records. A string: why ``P`` is
-    not identified: the fit sits on the search's lower bound (or that bound's loss is less
-    than the search's best: it assumes one minimum), or an instant prefill explains
-    the first tokens as well as the best ``P`` (every prediction at the floor from some ``P``
+    """The prefill throughput ``P`` and per-prompt overhead ``o`` of an engine that prefills
+    the prompts it starts first come first served: a record started (dispatched) at ``t`` with
+    a prompt of ``p`` tokens (the engine's count) has its first token at ``max(t + floor,
+    done)``, ``done = max(t, done of the one started before it) + o + p / P``; ``P`` and ``o``
+    minimise the squared ``ln(observed / predicted)`` of the times to the first token
+    (``ttft_ms - queue wait``) over the records under load that have one: ``o`` by a
+    golden-section search between 0 and the quickest first token observed (no prompt alone
+    comes sooner than its overhead), ``P`` at each ``o`` by one over :data:`QUEUE_SPEEDS` (the
+    loss being smooth in ``ln P`` away from the floor), and ``o = 0`` kept where it fits as well
+    (the queue of the tokens alone). A wave of long prompts started together delays a first
+    token behind them by all of their prefill, which a slowdown by the concurrency alone does
+    not (docs/capacity.md); the overhead is each prompt's engine step (its fixed cost and the
+    running batch's decode in it), which a throughput alone reads as a slower ``P`` from the
+    short prompts, and then replays a wave of long ones too slowly. None: fewer than
+    ``min_records`` such records. A string: why ``P`` is not identified: the fit of the tokens
+    alone (``o = 0``) sits on the search's lower bound (or that bound's loss is less than the
+    search's best: it assumes one minimum), or an instant prefill explains the first tokens as
+    well as the best ``P`` (every prediction at the floor, or at the overhead, from some ``P``
     on: the loss is flat up to the upper bound, where the search would end)."""
     rows = sorted(
         (s.span[0], s.prefill_tokens, s.prefill_ms)
@@ -565,36 +596,41 @@ def fit_prefill_queue(
     if len(rows) < max(min_records, 3):
         return None
 
-    def loss(log_speed: float) -> float:
+    def loss(log_speed: float, overhead_ms: float) -> float:
         speed = math.exp(log_speed)
         done = -math.inf
         total = 0.0
         for start, prompt, observed in rows:
-            done = (done if done > start else start) + prompt / speed
+            done = (done if done > start else start) + overhead_ms + prompt / speed
             predicted = max(floor_ms, done - start, 1e-9)
             total += math.log(observed / predicted) ** 2
         return total
 
     low, high = math.log(QUEUE_SPEEDS[0]), math.log(QUEUE_SPEEDS[1])
-    ratio = (math.sqrt(5.0) - 1.0) / 2.0
-    for _ in range(QUEUE_STEPS):
-        left, right = high - ratio * (high - low), low + ratio * (high - low)
-        if loss(left) < loss(right):
-            high = right
-        else:
-            low = left
-    best = (low + high) / 2.0
-    best_loss = loss(best)
-    slowest = math.log(QUEUE_SPEEDS[0])
+
+    def speed_at(overhead_ms: float, steps: int = QUEUE_STEPS) -> tuple[float, float]:
+        best = _golden(lambda x: loss(x, overhead_ms), low, high, steps)
+        return best, loss(best, overhead_ms)
+
+    plain, plain_loss = speed_at(0.0)
     # (The search assumes one minimum: where the loss is flat over the fast speeds, it walks
-    # to the upper bound even when the lower bound's loss is less.)
-    if best - slowest < QUEUE_BOUND_MARGIN or loss(slowest) < best_loss:
+    # to the upper bound even when the lower bound's loss is less.) Checked on the queue of
+    # the tokens alone: an overhead refines a throughput the first tokens show, it does not
+    # stand in for one (a constant of seconds would "fit" first tokens no queue explains).
+    if plain - low < QUEUE_BOUND_MARGIN or loss(low, 0.0) < plain_loss:
         return (
             f"engine prefill not identified: the best fit of {len(rows)} first tokens is the "
             f"search's lower bound, {QUEUE_SPEEDS[0]:g} prompt tokens/ms (first tokens slower "
             "than any first-come-first-served prefill of these prompts explains)"
         )
-    instant = loss(math.log(QUEUE_SPEEDS[1]))
+    quickest = min(observed for _, _, observed in rows)
+    overhead = _golden(
+        lambda o: speed_at(o, OVERHEAD_SPEED_STEPS)[1], 0.0, quickest, OVERHEAD_STEPS
+    )
+    best, best_loss = speed_at(overhead)
+    if plain_loss <= best_loss:
+        overhead, best, best_loss = 0.0, plain, plain_loss
+    instant = loss(high, overhead)
     if best_loss >= instant - QUEUE_FLAT * max(1.0, instant):
         return (
             f"engine prefill not identified: {len(rows)} first tokens are explained as well by "
@@ -602,7 +638,7 @@ def fit_prefill_queue(
             "the queue's prediction at any speed): no prompt's prefill delayed a first token "
             "measurably; the records give no speed to replay"
         )
-    return PrefillQueueFit(math.exp(best), math.sqrt(best_loss / len(rows)), len(rows))
+    return PrefillQueueFit(math.exp(best), math.sqrt(best_loss / len(rows)), len(rows), overhead)
 
 
 def _records_show(samples: Sequence[Sample], profile: ConcurrencyProfile) -> str:

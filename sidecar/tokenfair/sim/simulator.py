@@ -116,6 +116,10 @@ class EngineFacts:
     * ``prefill_tokens_per_ms``: the engine's prefill throughput, first come first served
       (``tokenfair calibrate``'s ``prefill_queue``, fitted by this very rule); None: the policy's
       ``prefillTokensPerMs``;
+    * ``prefill_overhead_ms``: what each prompt costs the queue beyond its tokens (the
+      ``prefill_queue``'s ``prefill_overhead_ms``: the engine step a prompt's last chunk rides
+      in, whose decode of the running batch and fixed cost a prompt pays whatever its length);
+      0: a prompt costs its tokens alone (the queue before this field);
     * ``kv_prompt_ratio``: how the sidecar booked the prompts' KV (its ``kvPromptRatio``):
       ``"learned"`` (its default), at the engine's prompt count over the estimate as the sidecar
       learns it (``server/kv_view.py``: decayed sums over the requests ended, with their
@@ -127,21 +131,27 @@ class EngineFacts:
 
     Every field is checked (``ValueError`` naming it): the prompts are integers of at least 0
     by request id, ``kv_blocks`` an integer of at least 1, ``report_interval_ms`` finite and at
-    least 0, ``prefill_tokens_per_ms`` finite and above 0 (the compiled core and the
-    interpreted one take the same values and refuse the same ones).
+    least 0, ``prefill_tokens_per_ms`` finite and above 0, ``prefill_overhead_ms`` finite and
+    at least 0 (the compiled core and the interpreted one take the same values and refuse the
+    same ones).
 
     The first token, with facts: the engine prefills the prompts of the requests it starts
-    first come first served at that throughput (chunked prefill: each step's token
-    budget goes to the waiting prompts in order, the running requests' decode tokens taking
-    little of it), so a request's first token comes once the prompts started before it and its
-    own are done (at least ``prefillFloorMs`` after its start), not at a slowdown of its prompt
-    alone: a wave of long batch prompts started together delays an interactive request sent
-    just after them by all of their prefill.
+    first come first served, each taking ``prefill_overhead_ms + prompt / prefill_tokens_per_ms``
+    of the queue (chunked prefill: each step's token budget goes to the waiting prompts in
+    order, the running requests' decode riding in the same steps), so a request's first token
+    comes once the prompts started before it and its own are done (at least
+    ``prefillFloorMs`` after its start), not at a slowdown of its prompt alone: a wave of long
+    batch prompts started together delays an interactive request sent just after them by all
+    of their prefill. The overhead is what makes one throughput fit short and long prompts
+    alike: fitted without it, the short prompts' step cost is read as a slower throughput, and
+    a long prompt's wave is then replayed longer than the engine takes
+    (``bench/HISTORY.md#bench_engine_model``).
     """
 
     __slots__ = (
         "kv_blocks",
         "kv_prompt_ratio",
+        "prefill_overhead_ms",
         "prefill_tokens_per_ms",
         "prompt_tokens",
         "report_interval_ms",
@@ -154,6 +164,7 @@ class EngineFacts:
         report_interval_ms: object,
         prefill_tokens_per_ms: object = None,
         kv_prompt_ratio: object = "learned",
+        prefill_overhead_ms: object = 0.0,
     ) -> None:
         # Typed `object` and checked here: a compiled `int` parameter would refuse a float
         # with a TypeError naming no field, and the interpreted core would take it.
@@ -190,6 +201,9 @@ class EngineFacts:
                 f"{', '.join(KV_PROMPT_RATIO_MODES)} (got {kv_prompt_ratio!r})"
             )
         self.kv_prompt_ratio: str = str(kv_prompt_ratio)
+        self.prefill_overhead_ms: float = _finite(
+            "prefill_overhead_ms", prefill_overhead_ms, "at least 0", False
+        )
 
 
 def _whole(field: str, value: object, least: int) -> int:
@@ -471,6 +485,7 @@ def _replay_batching(
     prefill_speed = cost.prefill_tokens_per_ms
     if facts is not None and facts.prefill_tokens_per_ms is not None:
         prefill_speed = facts.prefill_tokens_per_ms
+    prefill_overhead_ms = 0.0 if facts is None else facts.prefill_overhead_ms
     # The sidecar's prompt ratio, learned as requests end (EngineFacts.kv_prompt_ratio).
     learns = facts is not None and facts.kv_prompt_ratio == "learned"
     estimated_sum = 0.0
@@ -592,12 +607,13 @@ def _replay_batching(
             booked_running += booked
             started.append((decision, prompt))
         if started and facts is not None:
-            # The engine prefills the prompts first come first served at the prefill speed
-            # (EngineFacts): a first token after the prompts started before it.
+            # The engine prefills the prompts first come first served, each its overhead and
+            # its tokens at the prefill speed (EngineFacts): a first token after the prompts
+            # started before it.
             for admitted, prompt in started:
                 wait_ms = clock_ms - admitted.arrival_ms
                 begin_ms = prefilled_ms if prefilled_ms > clock_ms else clock_ms
-                prefilled_ms = begin_ms + prompt / prefill_speed
+                prefilled_ms = begin_ms + prefill_overhead_ms + prompt / prefill_speed
                 first_ms = prefilled_ms - clock_ms
                 floor_ms = cost.prefill_floor_ms
                 admitted.ttft_ms = round_hundredths(

@@ -704,7 +704,9 @@ def test_both_cores_check_the_engine_facts_alike(tmp_path: Path) -> None:
         "from tokenfair.sim.simulator import EngineFacts, replay\n"
         "bad = [({'r0': 96.0}, None, None), ({'r0': 96}, 10.5, None), ({'r0': 96}, -5, None),\n"
         "       ({'r0': 96}, 10, math.nan), ({'r0': 96}, None, None, 0.0),\n"
-        "       ({'r0': 96}, None, None, -8.0), ({'r0': 96}, None, None, math.nan)]\n"
+        "       ({'r0': 96}, None, None, -8.0), ({'r0': 96}, None, None, math.nan),\n"
+        "       ({'r0': 96}, None, None, None, 'learned', -1.0),\n"
+        "       ({'r0': 96}, None, None, None, 'learned', math.inf)]\n"
         "for args in bad:\n"
         "    try:\n"
         "        EngineFacts(*args)\n"
@@ -720,10 +722,15 @@ def test_both_cores_check_the_engine_facts_alike(tmp_path: Path) -> None:
         "facts = EngineFacts({f'r{i}': 48 for i in range(4)}, 10, 0, 16)\n"
         "print([(d.request_id, d.dispatch_ms, d.ttft_ms, d.kv_occupancy_ratio)\n"
         "       for d, _ in replay(cfg, arrivals, 'tokenfair', facts)])\n"
+        "facts = EngineFacts({f'r{i}': 48 for i in range(4)}, 10, 0, 16, 'learned', 3)\n"
+        "print([(d.request_id, d.dispatch_ms, d.ttft_ms, d.kv_occupancy_ratio)\n"
+        "       for d, _ in replay(cfg, arrivals, 'tokenfair', facts)])\n"
         "print('native', native.status().active)\n"
     )
     lines = {switch: out.splitlines() for switch, out in _both_cores(script, build, tmp_path)}
     assert lines["1"][-1] == "native True"
     assert lines["0"][-1] == "native False"
     assert lines["1"][:-1] == lines["0"][:-1]
-    assert all(line.startswith("ValueError EngineFacts.") for line in lines["0"][:7])
+    assert all(line.startswith("ValueError EngineFacts.") for line in lines["0"][:9])
+    # The overhead reaches the first tokens (3 ms a prompt more than without it).
+    assert lines["0"][-3] != lines["0"][-2]

@@ -197,6 +197,22 @@ def test_the_first_token_comes_after_the_engines_prompts_first_come_first_served
     assert [fast[r][0].ttft_ms for r in ("r0", "r1")] == [8.0, 11.0]  # 6 (the floor: 8), 12 - 1
 
 
+def test_each_prompt_costs_the_engines_prefill_queue_its_overhead_too() -> None:
+    # The engine's prefill at 16 prompt tokens/ms and 4 ms a prompt (its step): r0's 96
+    # tokens are done at 4 + 6 = 10 ms (above the 8 ms floor); r1, sent at 1 ms, waits for
+    # them and then pays its own 4 + 6: done at 20 ms, 19 ms after its start. Without the
+    # overhead the same queue gives 8 (the floor) and 11 ms.
+    out = timed(ENGINE_CFG, TWICE, engine=EngineFacts(PROMPTS, None, None, 16.0, "learned", 4.0))
+    assert [out[r][0].ttft_ms for r in ("r0", "r1")] == [10.0, 19.0]
+    # The ends are the fluid's: the overhead is the first token's alone.
+    assert [out[r][1] for r in ("r0", "r1")] == [pytest.approx(20.0), pytest.approx(21.0)]
+    # An integer overhead is the same number; 0 is the queue of the tokens alone.
+    assert timed(ENGINE_CFG, TWICE, engine=EngineFacts(
+        PROMPTS, None, None, 16, prefill_overhead_ms=4))["r1"][0].ttft_ms == 19.0  # fmt: skip
+    assert timed(ENGINE_CFG, TWICE, engine=EngineFacts(
+        PROMPTS, None, None, 16.0, prefill_overhead_ms=0))["r1"][0].ttft_ms == 11.0  # fmt: skip
+
+
 def test_a_request_the_engines_kv_cannot_hold_waits_in_the_engine() -> None:
     out = timed(ENGINE_CFG, TWICE, engine=EngineFacts(PROMPTS, 10, None))
     # The sidecar sent r1 at 1 ms (its books had room); the engine held it until r0 ended at
@@ -306,6 +322,10 @@ def test_the_replays_ratio_learner_is_the_sidecars() -> None:
         ((PROMPTS, None, None, math.nan), {}, r"prefill_tokens_per_ms: must be finite and above"),
         ((PROMPTS, None, None, math.inf), {}, r"prefill_tokens_per_ms: must be finite and above"),
         ((PROMPTS, None, None), {"kv_prompt_ratio": "on"}, r"kv_prompt_ratio: must be one of"),
+        ((PROMPTS, None, None), {"prefill_overhead_ms": -1.0}, r"prefill_overhead_ms: must be fin"),
+        ((PROMPTS, None, None), {"prefill_overhead_ms": math.inf}, r"prefill_overhead_ms: must"),
+        ((PROMPTS, None, None), {"prefill_overhead_ms": None}, r"prefill_overhead_ms: must be a n"),
+        ((PROMPTS, None, None), {"prefill_overhead_ms": True}, r"prefill_overhead_ms: must be a n"),
     ],
 )
 def test_engine_facts_refuse_what_the_replay_cannot_run(

@@ -352,6 +352,44 @@ def test_the_engines_prefill_queue_is_fitted_first_come_first_served() -> None:
     assert fit_prefill_queue(samples[:19], 8.0) is None  # fewer than 20
 
 
+def test_the_prefill_queue_fits_each_prompts_overhead_beside_the_throughput() -> None:
+    # An engine whose prompts each cost 10 ms (their step) plus their tokens at 12 prompt
+    # tokens/ms, prompts started in waves: a 1,200-token prompt alone takes 10 + 100 = 110 ms,
+    # a 120-token one 10 + 10 = 20 ms, and one started 5 ms after a long one 110 - 5 + 20 =
+    # 125 ms. The fit finds both; the throughput alone cannot explain a short prompt at twice
+    # its tokens' time and a long one at 1.1x, and settles on a slower engine between them.
+    rng = random.Random(11)
+    samples: list[Sample] = []
+    done = -math.inf
+    for wave in range(30):
+        at = wave * 3000.0
+        for _ in range(rng.randint(1, 5)):
+            prompt = rng.choice((1200, 960, 240, 120))
+            at += rng.uniform(1.0, 300.0)
+            done = max(done, at) + 10.0 + prompt / 12.0
+            first = done - at
+            samples.append(Sample(prompt, 50, first + 500.0, first, (at, at + first + 500.0)))
+    fit = fit_prefill_queue(samples, 8.0)
+    assert isinstance(fit, PrefillQueueFit)
+    assert fit.prefill_tokens_per_ms == pytest.approx(12.0, rel=1e-4)
+    assert fit.prefill_overhead_ms == pytest.approx(10.0, rel=1e-4)
+    assert fit.rms_log_error == pytest.approx(0.0, abs=1e-4)
+    # The same records with every prompt's overhead left out: the queue of the tokens alone
+    # (the exact fit of the test above), overhead 0.
+    plain: list[Sample] = []
+    done = -math.inf
+    for sample in samples:
+        assert sample.span is not None
+        at = sample.span[0]
+        done = max(done, at) + sample.prefill_tokens / 12.0
+        first = max(8.0, done - at)
+        plain.append(dataclasses.replace(sample, prefill_ms=first))
+    alone = fit_prefill_queue(plain, 8.0)
+    assert isinstance(alone, PrefillQueueFit)
+    assert alone.prefill_overhead_ms == 0.0
+    assert alone.prefill_tokens_per_ms == pytest.approx(12.0, rel=1e-6)
+
+
 def test_a_prefill_the_first_tokens_do_not_show_is_not_identified() -> None:
     # Every first token at the 8 ms floor: any speed from ~12.5 prompt tokens/ms up explains
     # them equally (the loss is flat), and the search would end on its upper bound, 1e5.
@@ -387,6 +425,7 @@ def test_records_under_load_carry_the_prefill_queue_fit() -> None:
         "prefill_tokens_per_ms": result.prefill_queue.prefill_tokens_per_ms,
         "rms_log_error": result.prefill_queue.rms_log_error,
         "records_used": result.prefill_queue.records_used,
+        "prefill_overhead_ms": result.prefill_queue.prefill_overhead_ms,
     }
     # Not a policy field: the --set flags are those of the fit.
     assert not any("prefill_queue" in item for item in result.overrides())
