@@ -478,3 +478,21 @@ def test_the_engine_model_bench_refuses_a_prefill_speed_it_cannot_replay(
     assert done.returncode == 2
     assert "--engine-prefill-tokens-per-ms" in done.stderr
     assert ("must be a number" if speed == "fast" else "must be finite and above 0") in done.stderr
+
+
+@pytest.mark.parametrize("overhead", ["-1", "nan", "inf", "step"])
+def test_the_engine_model_bench_refuses_a_prefill_overhead_it_cannot_replay(
+    overhead: str, tmp_path: Path
+) -> None:
+    # 0 is a valid overhead (the queue of the tokens alone); below it, or not finite, the
+    # parser refuses with the flag named, before any file is read.
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "bench_engine_model.py"),
+         "--records", str(tmp_path / "none.jsonl"), "--config", str(tmp_path / "none.yaml"),
+         f"--engine-prefill-overhead-ms={overhead}"],
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--engine-prefill-overhead-ms" in done.stderr
+    expected = "must be a number" if overhead == "step" else "must be finite and at least 0"
+    assert expected in done.stderr
