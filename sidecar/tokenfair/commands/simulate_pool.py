@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenfair.config import Config
+from tokenfair.core import Decision
+from tokenfair.core.jobs import STATUS_OK, STATUS_SHED
 from tokenfair.sim.pool_maxmin import MAX_REPLICAS, constrained_max_min
 from tokenfair.sim.pool_replay import (
     DEFAULT_LEASE_TOKENS,
@@ -30,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--replicas",
         type=int,
-        help=f"replay over this many replicas (1-{MAX_REPLICAS}), each its own serial server "
-        "and scheduler; tokenfair runs twice: per replica, and with pool-wide fairness (+pool)",
+        help=f"replay over this many replicas (1-{MAX_REPLICAS}), each its own server "
+        "(serial, or batching with maxBatchRequests above 1) and scheduler; tokenfair runs "
+        "twice: per replica, and with pool-wide fairness (+pool)",
     )
     group.add_argument(
         "--routing",
@@ -130,16 +133,47 @@ def _run_one(
 ) -> dict[str, Any]:
     outcome = PoolReplay(args.replicas)
     summary = SummaryTally()
+    expiries = ExpiryTally()
     for decision, _ in replay_pool(
         config, arrivals, policy, args.replicas, args.routing,
         pool=shared, pinned=pinned, sync_ms=args.pool_sync_ms,
         lease_tokens=args.pool_lease_tokens, outcome=outcome,
     ):  # fmt: skip
         summary.add(decision)
-    return pool_figures(config, outcome, summary.summary())
+        expiries.add(decision)
+    return pool_figures(config, outcome, summary.summary(), expiries)
 
 
-def pool_figures(config: Config, outcome: PoolReplay, summary: dict[str, Any]) -> dict[str, Any]:
+class ExpiryTally:
+    """Per tenant, the requests that passed admission (served, or expired from the queue) and
+    those of them that expired: the admitted-then-expired of docs/fairness.md."""
+
+    def __init__(self) -> None:
+        self.admitted: dict[str, int] = {}
+        self.expired: dict[str, int] = {}
+
+    def add(self, decision: Decision) -> None:
+        tenant_id = decision.tenant_id
+        if decision.status_code == STATUS_OK:
+            self.admitted[tenant_id] = self.admitted.get(tenant_id, 0) + 1
+        elif decision.status_code == STATUS_SHED and decision.gate == "queue":
+            self.admitted[tenant_id] = self.admitted.get(tenant_id, 0) + 1
+            self.expired[tenant_id] = self.expired.get(tenant_id, 0) + 1
+
+    def ratio(self, tenant_id: str | None = None) -> float | None:
+        """Expired over admitted, of one tenant or of all; None if none was admitted."""
+        if tenant_id is None:
+            admitted = sum(self.admitted.values())
+            expired = sum(self.expired.values())
+        else:
+            admitted = self.admitted.get(tenant_id, 0)
+            expired = self.expired.get(tenant_id, 0)
+        return round(expired / admitted, 4) if admitted else None
+
+
+def pool_figures(
+    config: Config, outcome: PoolReplay, summary: dict[str, Any], expiries: ExpiryTally
+) -> dict[str, Any]:
     """Each tenant's pool-wide service beside its constrained max-min share: the capacity of a
     replica is what it served (a serial server serves whenever it has work)."""
     replicas = len(outcome.served)
@@ -157,14 +191,19 @@ def pool_figures(config: Config, outcome: PoolReplay, summary: dict[str, Any]) -
             "served_service_tokens": served,
             "max_min_service_tokens": round(share, 2),
             "of_max_min": round(served / share, 4) if share > 0 else None,
+            "admitted_then_expired": expiries.ratio(tenant_id),
             "replicas": [r for r in range(replicas) if outcome.offered[r].get(tenant_id)],
         }
     ratios = [row["of_max_min"] for row in rows.values() if row["of_max_min"] is not None]
-    jain = sum(ratios) ** 2 / (len(ratios) * sum(r * r for r in ratios)) if ratios else None
+    jain = _jain(ratios)
+    sliced = sliced_jain(outcome, weights)
     dispatched = sum(row["admitted"] for row in summary["tenants"].values())
     return {
         "tenants": rows,
         "jain_of_max_min": None if jain is None else round(jain, 4),
+        "jain_of_sliced_max_min": None if sliced is None else round(sliced, 4),
+        "slice_ms": outcome.slice_ms,
+        "admitted_then_expired": expiries.ratio(),
         "store_calls": outcome.store_calls,
         "requests": outcome.requests,
         "admitted_requests": dispatched,
@@ -173,6 +212,42 @@ def pool_figures(config: Config, outcome: PoolReplay, summary: dict[str, Any]) -
         ),
         "summary": summary,
     }
+
+
+def _jain(ratios: list[float]) -> float | None:
+    return sum(ratios) ** 2 / (len(ratios) * sum(r * r for r in ratios)) if ratios else None
+
+
+def sliced_jain(outcome: PoolReplay, weights: dict[str, float]) -> float | None:
+    """Jain's index of each tenant's service over its constrained max-min share computed per
+    slice of :attr:`PoolReplay.slice_ms` (offers by arrival, capacities and service by end)
+    and summed: the reference constrained by when each request could run too (within about
+    a slice of its arrival, as a wait limit allows), where :func:`pool_figures`' one over the
+    whole window lets an offer of the first second be served in the last. A slice with
+    service and no offer adds to the service (not to any share)."""
+    replicas = len(outcome.served)
+    # Grouped by slice once: O(entries + slices x max-min), not O(slices x entries).
+    offers: dict[int, dict[str, list[float]]] = {}
+    capacities: dict[int, list[float]] = {}
+    served: dict[str, float] = {}
+    for replica in range(replicas):
+        for (number, tenant_id), tokens in outcome.sliced_offered[replica].items():
+            row = offers.setdefault(number, {}).setdefault(tenant_id, [0.0] * replicas)
+            row[replica] += tokens
+        for (number, tenant_id), tokens in outcome.sliced_served[replica].items():
+            capacities.setdefault(number, [0.0] * replicas)[replica] += tokens
+            served[tenant_id] = served.get(tenant_id, 0.0) + tokens  # every slice's service
+    shares: dict[str, float] = {}
+    for number in sorted(offers):
+        offered = offers[number]
+        fair = constrained_max_min(
+            capacities.get(number, [0.0] * replicas),
+            offered,
+            {t: weights[t] for t in offered},
+        )
+        for tenant_id, share in fair.items():
+            shares[tenant_id] = shares.get(tenant_id, 0.0) + share
+    return _jain([served.get(t, 0.0) / share for t, share in shares.items() if share > 0])
 
 
 def format_pool(pool: dict[str, Any]) -> str:
@@ -187,19 +262,24 @@ def format_pool(pool: dict[str, Any]) -> str:
         lines.append(
             f"{name}: store calls {run['store_calls']} for {run['requests']} requests "
             f"({run['store_calls_per_request']:g} per request); Jain index of the tenants' "
-            f"service / max-min share {run['jain_of_max_min']}"
+            f"service / max-min share {run['jain_of_max_min']} (per {run['slice_ms']:g} ms "
+            f"slice {run['jain_of_sliced_max_min']}); admitted-then-expired "
+            f"{_percent(run['admitted_then_expired'])}"
         )
         lines.append(
             f"  {'tenant':<22}{'weight':>7}{'served':>12}{'max-min':>12}{'of max-min':>12}"
-            f"  replicas"
+            f"{'expired':>10}  replicas"
         )
         for tenant_id, row in run["tenants"].items():
-            ratio = row["of_max_min"]
             lines.append(
                 f"  {tenant_id:<22}{row['weight']:>7g}{row['served_service_tokens']:>12}"
-                f"{row['max_min_service_tokens']:>12.0f}"
-                f"{'-' if ratio is None else f'{ratio * 100:.1f} %':>12}"
+                f"{row['max_min_service_tokens']:>12.0f}{_percent(row['of_max_min']):>12}"
+                f"{_percent(row['admitted_then_expired']):>10}"
                 f"  {','.join(str(r) for r in row['replicas'])}"
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def _percent(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio * 100:.1f} %"

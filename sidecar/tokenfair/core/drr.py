@@ -223,7 +223,7 @@ class DeficitRoundRobin:
         if not queue.in_active:
             order = self.order
             if order is not None:
-                order.joined(queue.tenant_id, queue.quantum_units, self._least_counter(order))
+                order.joined(queue.tenant_id, queue.quantum_units, self.least_counter(order))
             queue.in_active = True
             self.active_quanta_units += queue.quantum_units
             active = self.active
@@ -410,7 +410,7 @@ class DeficitRoundRobin:
         """The tenants with live jobs queued in this lane, in ring order."""
         return [queue.tenant_id for queue in self.active]
 
-    def _least_counter(self, order: LaneOrder) -> float | None:
+    def least_counter(self, order: LaneOrder) -> float | None:
         """The least pool-wide counter among the backlogged tenants (None if none)."""
         least: float | None = None
         for queue in self.active:

@@ -44,11 +44,23 @@ so clock skew between replicas changes nothing.
 each replica's own fairness, as without a store — and service keeps being counted, to be sent
 when the store is back.
 
+**Admission** (:meth:`LaneOrder.ahead_tokens`, docs/fairness.md §9.2.1): while the counters
+order the lane, a new request's predicted wait follows them — its tenant's queue here, then
+the work of the tenants whose counters are below its own until they catch up, the counters
+moving meanwhile by what each tenant is served elsewhere (:attr:`LaneOrder.elsewhere_rate`,
+read from the store's totals) — so a tenant served elsewhere faster than the tenants below it
+are served here is refused at the door, not left to expire in the queue. The pick itself is
+the least counter always (no exception for a head near its deadline: one starved a bursty
+tenant, docs/fairness.md §9.2.1). The prediction weighs the tenants backlogged here one by one
+and the tenants idle here but sending here as one aggregate: its cost is O(b log b) in the
+``b`` backlogged tenants of the lane, whatever the number of tenants served lately.
+
 The bound this gives pool-wide is derived in docs/fairness.md ("Pool-wide fairness").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Final
 
@@ -65,6 +77,16 @@ IDLE_EPOCHS: Final = 2
 """A tenant is idle pool-wide (and clamped when it joins) once neither this replica served it
 nor its pool-wide total moved over this many batches of this replica."""
 
+ELSEWHERE_MEMORY_MS: Final = 2_000.0
+"""Time constant of a tenant's service elsewhere (:attr:`LaneOrder.elsewhere_rate`), in ms of
+the batches' clock: a few batches at the default ``sync_ms`` of 500."""
+
+AWAY_QUANTA: Final = 32.0
+"""A tenant whose counter stays this many of its quanta above another's level until the
+admission's horizon is taken to take nothing here before it (:meth:`LaneOrder.ahead_tokens`'s
+``away``): farther than the view's staleness moves the order (a few leases of service; 16 to 64
+gave the same expiries within 0.3 points on the ``pool-*`` scenarios, 1 up to 2.6 %)."""
+
 _UNIT: Final = UNITS_PER_TOKEN
 
 
@@ -75,6 +97,8 @@ class LaneOrder:
     __slots__ = (
         "active_epoch",
         "backlog",
+        "elsewhere_at_ms",
+        "elsewhere_rate",
         "epoch",
         "offsets",
         "pool_units",
@@ -99,6 +123,12 @@ class LaneOrder:
         """Per tenant, the last epoch in which it was served here or its pool-wide total moved."""
         self.sharing = True
         """The DRR orders by the counters (True) or by its own round robin (the store is down)."""
+        self.elsewhere_rate: dict[str, float] = {}
+        """Per tenant, the service the other replicas gave it lately, in units per ms of the
+        batches' clock (:meth:`PoolService.absorb`; time constant :data:`ELSEWHERE_MEMORY_MS`):
+        how fast its counter rises without this replica (:meth:`ahead_tokens`)."""
+        self.elsewhere_at_ms: dict[str, float] = {}
+        """Per tenant, when the batch that last read its total was taken."""
 
     def service_units(self, tenant_id: str) -> int:
         """The tenant's pool-wide service as this replica knows it, in units."""
@@ -123,18 +153,150 @@ class LaneOrder:
         backlogged before it (None: none was). A tenant served anywhere in the pool within the
         last :data:`IDLE_EPOCHS` batches is not idle: its counter is left as it is (its queue
         here emptied, its share did not)."""
-        if floor is None:
-            return
-        if self.active_epoch.get(tenant_id, -IDLE_EPOCHS - 1) >= self.epoch - IDLE_EPOCHS:
-            return
         current = self.counter(tenant_id, quantum_units)
-        wanted = current
-        if wanted < floor - JOIN_LAG_QUANTA:
-            wanted = floor - JOIN_LAG_QUANTA
-        elif wanted > floor + JOIN_GAP_QUANTA:
-            wanted = floor + JOIN_GAP_QUANTA
+        wanted = self.joining_counter(tenant_id, quantum_units, floor)
         if wanted != current:
             self.offsets[tenant_id] = self.offsets.get(tenant_id, 0.0) + (wanted - current)
+
+    def joining_counter(self, tenant_id: str, quantum_units: int, floor: float | None) -> float:
+        """The tenant's counter once it joins the backlog now (:meth:`joined`'s clamp)."""
+        current = self.counter(tenant_id, quantum_units)
+        if floor is None:
+            return current
+        if self.active_epoch.get(tenant_id, -IDLE_EPOCHS - 1) >= self.epoch - IDLE_EPOCHS:
+            return current
+        if current < floor - JOIN_LAG_QUANTA:
+            return floor - JOIN_LAG_QUANTA
+        if current > floor + JOIN_GAP_QUANTA:
+            return floor + JOIN_GAP_QUANTA
+        return current
+
+    def ahead_tokens(
+        self,
+        own: tuple[str, int, int],
+        joining: bool,
+        floor: float | None,
+        others: list[tuple[str, int, int, float]],
+        idle_rate: float,
+        rate: float,
+        horizon_ms: float,
+        away: list[str],
+    ) -> float:
+        """Service tokens this replica gives, in the lane, before a new request of tenant
+        ``i`` can start, when it serves the least counter first (docs/fairness.md §9.2.1).
+
+        ``own`` is ``(i, Q_i, q_i)`` (quantum and queued work here, in units); ``joining``:
+        ``i`` is not backlogged here and joins with this request (its counter clamped as
+        :meth:`joined` would, ``floor`` the least backlogged counter); ``others``: every other
+        tenant backlogged here, ``(j, Q_j, q_j, lambda_j)`` with ``lambda_j`` its recent
+        service here, tokens per ms (what it will add meanwhile); ``idle_rate``: what the
+        tenants idle here send here, tokens per ms, one aggregate all taken ahead
+        (``w_idle(t) = idle_rate t``: their counters are not read); ``rate`` the lane's service
+        rate here, tokens per ms.
+
+        ``i``'s request starts once its queue here is served and its counter, ``L_i = V_i +
+        q_i/Q_i`` then, is the least. A tenant ``j`` whose counter is below that goes first
+        until it reaches it, with what it has queued and what it sends meanwhile; the counters
+        move meanwhile by the others' service too, ``e_i`` and ``e_j`` (:attr:`elsewhere_rate`,
+        quanta per ms once divided by the quantum). So by ``t`` ms ``j`` takes::
+
+            w_j(t) = max(0, min(q_j + lambda_j t, (L_i - V_j) Q_j + (e_i/Q_i - e_j/Q_j) Q_j t))
+
+        and the request starts at the first ``t`` with ``rate * t >= q_i + sum_j w_j(t) +
+        w_idle(t)``
+        (:func:`first_crossing_ms`): what is ahead is ``rate * t`` then. A tenant served
+        elsewhere faster than the tenants below it are served here never catches up with
+        them: no such ``t`` within ``horizon_ms``, and the work ahead at ``horizon_ms`` is
+        returned (more than ``rate * horizon_ms``). O(n log n) in ``others``: one
+        :meth:`counter` and at most one piece per backlogged tenant, and nothing per idle one.
+
+        ``away`` receives the tenants with work queued here whose counters stay at least
+        :data:`AWAY_QUANTA` of their quanta above ``L_i`` until ``horizon_ms``: they take
+        nothing here before it."""
+        tenant_id, quantum_units, queued_units = own
+        if joining:
+            counter = self.joining_counter(tenant_id, quantum_units, floor)
+        else:
+            counter = self.counter(tenant_id, quantum_units)
+        level = counter + queued_units / quantum_units
+        rates = self.elsewhere_rate
+        rise = rates.get(tenant_id, 0.0) / quantum_units  # quanta per ms
+        pieces: list[tuple[float, float, float, float]] = []
+        for other_id, other_quantum, other_queued, arrival_rate in others:
+            gap = (level - self.counter(other_id, other_quantum)) * other_quantum / _UNIT
+            drift = (rise - rates.get(other_id, 0.0) / other_quantum) * other_quantum / _UNIT
+            highest = gap + drift * horizon_ms if drift > 0.0 else gap
+            if highest <= 0.0:  # never below the level within the horizon: w_j = 0
+                if other_queued and highest <= -AWAY_QUANTA * other_quantum / _UNIT:
+                    away.append(other_id)
+                continue
+            pieces.append((other_queued / _UNIT, arrival_rate, gap, drift))
+        return first_crossing_tokens(queued_units / _UNIT, rate, pieces, horizon_ms, idle_rate)
+
+
+def first_crossing_tokens(
+    base_tokens: float,
+    rate: float,
+    pieces: list[tuple[float, float, float, float]],
+    horizon_ms: float,
+    steady_rate: float = 0.0,
+) -> float:
+    """``rate * t`` at the first ``t`` in ``[0, horizon_ms]`` where ``rate * t >= base +
+    steady_rate * t + sum_j w_j(t)``, ``w_j(t) = max(0, min(a_j + b_j t, g_j + d_j t))`` for
+    each piece ``(a_j, b_j, g_j, d_j)`` (``a_j, b_j >= 0``); if there is none, ``base +
+    steady_rate * horizon_ms + sum_j w_j(horizon_ms)``.
+
+    Each ``w_j`` is piecewise linear with at most two breakpoints (where its two lines cross,
+    where the second crosses 0): the difference is swept from 0 over the breakpoints in
+    order, its value and slope updated at each, O(n log n)."""
+    value = -base_tokens  # rate * t - base - steady_rate * t - sum_j w_j(t), at t
+    slope = rate - steady_rate
+    events: list[tuple[float, float]] = []  # (t, change of the sum's slope)
+    for a, b, g, d in pieces:
+        lows = [0.0]
+        if b != d:
+            cross = (g - a) / (b - d)
+            if 0.0 < cross < horizon_ms:
+                lows.append(cross)
+        if d != 0.0:
+            zero = -g / d
+            if 0.0 < zero < horizon_ms:
+                lows.append(zero)
+        lows.sort()
+        start = a if a < g else g
+        value -= start if start > 0.0 else 0.0
+        before = 0.0
+        for index, low in enumerate(lows):
+            high = lows[index + 1] if index + 1 < len(lows) else horizon_ms
+            middle = (low + high) / 2.0
+            first = a + b * middle
+            second = g + d * middle
+            piece_slope = 0.0
+            if first <= second:
+                if first > 0.0:
+                    piece_slope = b
+            elif second > 0.0:
+                piece_slope = d
+            if index == 0:
+                slope -= piece_slope
+            elif piece_slope != before:
+                events.append((low, piece_slope - before))
+            before = piece_slope
+    if value >= 0.0:
+        return 0.0
+    events.sort()
+    at_ms = 0.0
+    for event_ms, change in events:
+        reached = value + slope * (event_ms - at_ms)
+        if reached >= 0.0:
+            return rate * (at_ms - value / slope)
+        value = reached
+        at_ms = event_ms
+        slope -= change
+    reached = value + slope * (horizon_ms - at_ms)
+    if reached >= 0.0:
+        return rate * (at_ms - value / slope)
+    return rate * horizon_ms - reached
 
 
 class PoolService:
@@ -218,11 +380,14 @@ class PoolService:
     ) -> None:
         """The store answered ``batch`` with each named tenant's pool-wide total (whole service
         tokens, this batch included), in the batch's order."""
+        taken_ms = self.synced_at_ms
         for lane, entries, values in zip(self.lanes, batch, totals, strict=True):
             pool = lane.pool_units
             pushing = lane.pushing_units
             active = lane.active_epoch
             epoch = lane.epoch
+            rates = lane.elsewhere_rate
+            seen = lane.elsewhere_at_ms
             for (tenant_id, tokens), total in zip(entries, values, strict=True):
                 if tokens:
                     left = pushing.get(tenant_id, 0) - tokens * _UNIT
@@ -231,8 +396,18 @@ class PoolService:
                     else:
                         pushing.pop(tenant_id, None)
                 units = total * _UNIT
-                if pool.get(tenant_id, 0) + tokens * _UNIT != units:
+                known = pool.get(tenant_id)
+                elsewhere = units - (0 if known is None else known) - tokens * _UNIT
+                if elsewhere:
                     active[tenant_id] = epoch  # served elsewhere since the last answer
+                last_ms = seen.get(tenant_id)
+                seen[tenant_id] = taken_ms
+                if known is not None and last_ms is not None and taken_ms > last_ms:
+                    # (A total that went down — a store restarted, repaired — says nothing.)
+                    span_ms = taken_ms - last_ms
+                    observed = (elsewhere if elsewhere > 0 else 0) / span_ms
+                    kept = math.exp(-span_ms / ELSEWHERE_MEMORY_MS)
+                    rates[tenant_id] = rates.get(tenant_id, 0.0) * kept + observed * (1.0 - kept)
                 pool[tenant_id] = units
             lane.epoch = epoch + 1
 

@@ -73,7 +73,7 @@ from typing import Final
 from tokenfair.config import Config
 from tokenfair.core.batching import BatchingCurve, RunningWork
 from tokenfair.core.bucket import ExactTokenBucket
-from tokenfair.core.drr import DeficitRoundRobin
+from tokenfair.core.drr import DeficitRoundRobin, TenantQueue
 from tokenfair.core.jobs import (
     DEMAND_AT_DISPATCH,
     HELD_CONCURRENCY,
@@ -168,6 +168,11 @@ request served in time there would be refused)."""
 
 FORGOTTEN_RATE = 1e-9
 """An offered rate (service tokens per ms) below which a tenant's offer is forgotten."""
+
+POOL_HORIZON_LIMITS = 2.0
+"""How far ahead, in wait limits of the lane, the pool's order is followed for a prediction
+(:meth:`TokenfairScheduler._pool_ahead`): a tenant whose turn here does not come by then is
+predicted to wait at least that long (its ``Retry-After`` at least one limit)."""
 
 MIN_LANE_RATE_FRACTION = 1e-3
 """Floor of a lane's predicted rate, as a fraction of the service rate: with ``batchMinShare``
@@ -373,6 +378,8 @@ class TokenfairScheduler(Scheduler):
         counts in the batch lane's KV-bound concurrency (:meth:`batch_concurrency`)."""
         drr = self._lanes[lane]
         queue = drr.queues[tenant_id]
+        order = drr.order
+        pooled = order is not None and order.sharing  # the pool's order (`_pooled_ahead`)
         competition = self._competition[lane]
         # The state in units, read in tokens: a prediction is a float estimate.
         competing = competition.competing_units / _UNIT
@@ -399,6 +406,10 @@ class TokenfairScheduler(Scheduler):
         rate = self._rate
         lane_slots = 0  # the batch lane's `batch_concurrency` on a batching engine
         if lane == LANE_INTERACTIVE:
+            if pooled:
+                ahead, later_turns = self._pooled_ahead(drr, queue, lane, ahead, later_turns,
+                                                        expected_tokens, first_turn, rate,
+                                                        now_ms)  # fmt: skip
             if self.queued_count[1]:  # else no batch intrusion (`ahead + 0.0`)
                 ahead += self._batch_intrusion(ahead)
         else:
@@ -416,6 +427,10 @@ class TokenfairScheduler(Scheduler):
                     lane_rate = slots_rate
             floor = rate * MIN_LANE_RATE_FRACTION
             rate = floor if floor > lane_rate else lane_rate
+            if pooled:
+                ahead, later_turns = self._pooled_ahead(drr, queue, lane, ahead, later_turns,
+                                                        expected_tokens, first_turn, rate,
+                                                        now_ms)  # fmt: skip
             if self.queued_count[0]:
                 # Credit-gated start (docs/fairness.md §5.1): while interactive work waits, a
                 # batch request starts only once the minimum share's credit covers it, and the
@@ -469,6 +484,105 @@ class TokenfairScheduler(Scheduler):
             watched_ms = watched_ms if watched_ms > floor_ms else floor_ms
             demand /= -math.expm1(-watched_ms / tau_ms)
         return demand
+
+    def _pooled_ahead(
+        self,
+        drr: DeficitRoundRobin,
+        queue: TenantQueue,
+        lane: int,
+        round_robin_ahead: float,
+        later_turns: int,
+        expected_tokens: float,
+        first_turn: float | None,
+        rate: float,
+        now_ms: float,
+    ) -> tuple[float, int]:
+        """What is ahead of a new request of ``queue``'s tenant while the lane orders by the
+        pool's counters (docs/fairness.md §9.2.1), and the round robin's later turns: the more
+        of the counters' order (:meth:`_pool_ahead`) and the round robin's
+        (``round_robin_ahead`` and ``later_turns``, :func:`tokens_ahead`) without the tenants
+        the counters keep above it until the horizon (they take nothing here meanwhile). The
+        round robin's, with its later turns and its joiners (the caller's), stands for what the
+        counters' snapshot cannot foresee: the others' service comes in batches, and a batch
+        can reverse the order; an idle tenant below comes back with a burst, all of it ahead."""
+        away: list[str] = []
+        ahead = self._pool_ahead(drr, queue, lane, rate, now_ms, away)
+        if away:
+            quanta = queued = credit = 0
+            front = drr.active[0] if drr.active else None
+            for other_id in away:
+                other = drr.queues[other_id]
+                quanta += other.quantum_units
+                queued += other.queued_units
+                if other.deficit_units > 0:
+                    credit += other.deficit_units
+                if other is front:
+                    front = None
+            competition = self._competition[lane]
+            own = 0 if queue.in_active else queue.quantum_units
+            round_robin_ahead, later_turns = tokens_ahead(
+                queue.queued_units / _UNIT,
+                expected_tokens,
+                queue,
+                (competition.competing_units - quanta
+                 + (0 if competition.competes(queue.tenant_id) else queue.quantum_units)) / _UNIT,
+                (drr.active_quanta_units + own - quanta) / _UNIT,
+                (drr.queued_units - queued) / _UNIT,
+                (drr.credit_units - credit) / _UNIT,
+                front,
+                first_turn,
+            )  # fmt: skip
+        return (ahead if ahead > round_robin_ahead else round_robin_ahead), later_turns
+
+    def _pool_ahead(
+        self,
+        drr: DeficitRoundRobin,
+        queue: TenantQueue,
+        lane: int,
+        rate: float,
+        now_ms: float,
+        away: list[str],
+    ) -> float:
+        """What the lane serves here before a new request of ``queue``'s tenant while the
+        round robin orders by the pool's counters (:meth:`LaneOrder.ahead_tokens
+        <tokenfair.core.pool_order.LaneOrder.ahead_tokens>`, docs/fairness.md §9.2.1): its own
+        queue, and the work of the tenants whose counters are below its own, queued here or
+        sent here meanwhile at their recent rate of service here, until they catch up.
+
+        Only the tenants backlogged here are weighed one by one. The tenants idle here that
+        were served here lately are one aggregate: the lane's recent service rate less that of
+        the backlogged tenants and of this one, taken as all ahead (``idle_rate``: an idle
+        tenant that sends joins below the level at most that fast). O(b log b) in the ``b``
+        backlogged tenants of the lane, never in the tenants served lately."""
+        order = drr.order
+        if order is None:
+            return 0.0
+        tenant_id = queue.tenant_id
+        memory_ms = self._memories_ms[lane]
+        served = self._served[lane]
+        others: list[tuple[str, int, int, float]] = []
+        idle_rate = self._lane_served[lane].rate(now_ms, memory_ms)
+        recent = served.get(tenant_id)
+        if recent is not None:
+            idle_rate -= recent.rate(now_ms, memory_ms)
+        for other in drr.active:
+            if other is queue:
+                continue
+            recent = served.get(other.tenant_id)
+            sending = 0.0 if recent is None else recent.rate(now_ms, memory_ms)
+            idle_rate -= sending
+            others.append((other.tenant_id, other.quantum_units, other.queued_units, sending))
+        joining = not queue.in_active
+        return order.ahead_tokens(
+            (tenant_id, queue.quantum_units, queue.queued_units),
+            joining,
+            drr.least_counter(order) if joining else None,
+            others,
+            idle_rate if idle_rate > FORGOTTEN_RATE else 0.0,
+            rate,
+            self._wait_limits[lane] * POOL_HORIZON_LIMITS,
+            away,
+        )
 
     def _batch_wait_ms(
         self,

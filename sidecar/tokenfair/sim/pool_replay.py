@@ -1,5 +1,6 @@
-"""Replay a trace over a pool of ``N`` replicas, each its own serial model server and scheduler,
-with or without pool-wide fairness (:mod:`tokenfair.core.pool_order`) shared between them.
+"""Replay a trace over a pool of ``N`` replicas, each its own model server (serial or batching)
+and scheduler, with or without pool-wide fairness (:mod:`tokenfair.core.pool_order`) shared
+between them.
 
 **Routing** (where each request lands; it runs there or nowhere):
 
@@ -26,7 +27,12 @@ the answer at once: the simulator models the batching interval, not the store's 
 sidecar does not wait for it either; its order uses the previous answer meanwhile). The same
 :class:`~tokenfair.core.pool_order.PoolService` methods run as in the sidecar.
 
-Only a serial engine (``maxBatchRequests`` 1) is replayed as a pool (``ValueError`` otherwise).
+**A batching engine** (``maxBatchRequests`` above 1) is replayed on each replica by the
+single-replica batching replay itself (:func:`tokenfair.sim.simulator.replay_batching`, the
+same loop, paced): it stops before each of its events, and the pool resumes the replica whose
+next event is the earliest (replica index among equals), so here too a replica acts at time
+``t`` after every other replica has acted up to ``t``; the batch to the store is sent at each
+event, after the expiries and before the dispatches, when ``due``.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from __future__ import annotations
 import heapq
 import math
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
 from tokenfair.config import Config
@@ -45,13 +51,17 @@ from tokenfair.core.pool_order import PoolService
 from tokenfair.core.rounding import round_hundredths
 from tokenfair.core.scheduler import Scheduler
 from tokenfair.core.tokenfair import TokenfairScheduler
-from tokenfair.sim.simulator import Arrival
+from tokenfair.sim.simulator import PACE, Arrival, replay_batching
 
 ROUTINGS: Final = ("round-robin", "affinity", "skewed")
 AFFINITY_RUN: Final = 16
 """Consecutive requests of a tenant that ``affinity`` routing sends to one replica."""
 DEFAULT_SYNC_MS: Final = 500.0
 DEFAULT_LEASE_TOKENS: Final = 20_000
+DEFAULT_SLICE_MS: Final = 1_000.0
+"""The slices of the time-constrained reference (:attr:`PoolReplay.sliced_served`): a request
+waits at most a wait limit, so service offered in one second cannot be given ten seconds later
+(the reference over the whole window assumes it can)."""
 
 
 class MemoryPoolStore:
@@ -105,7 +115,8 @@ def route(
 
 
 class _Replica:
-    """One serial replica's state between its steps (``_replay``'s locals)."""
+    """One replica's state between its steps (a serial one's: ``_replay``'s locals; a batching
+    one uses its scheduler, arrivals and pool only, the rest is its replay's)."""
 
     def __init__(
         self, index: int, scheduler: Scheduler, arrivals: list[Arrival], pool: PoolService | None
@@ -127,9 +138,15 @@ class PoolReplay:
     """A pool replay's outcome besides its decisions: the store's calls, and per replica the
     service each tenant offered there and was given there (in the arrival window)."""
 
-    def __init__(self, replicas: int) -> None:
+    def __init__(self, replicas: int, slice_ms: float = DEFAULT_SLICE_MS) -> None:
         self.served: list[dict[str, int]] = [{} for _ in range(replicas)]
         self.offered: list[dict[str, int]] = [{} for _ in range(replicas)]
+        self.slice_ms = slice_ms
+        """The length of the slices of :attr:`sliced_served` and :attr:`sliced_offered`."""
+        self.sliced_served: list[dict[tuple[int, str], int]] = [{} for _ in range(replicas)]
+        """Per replica, :attr:`served` by ``(slice, tenant)``: the slice its request ended in."""
+        self.sliced_offered: list[dict[tuple[int, str], int]] = [{} for _ in range(replicas)]
+        """Per replica, :attr:`offered` by ``(slice, tenant)``: the slice its request arrived in."""
         self.store_calls = 0
         self.requests = 0
         self.schedulers: list[Scheduler] = []
@@ -137,6 +154,24 @@ class PoolReplay:
         self.window_end_ms = math.inf
         """Service counts in :attr:`served` only for requests that ended by then (the last
         arrival: past it the offers are over and every replica serves what is left)."""
+
+    def add_served(self, replica: int, tenant_id: str, tokens: int, end_ms: float) -> None:
+        """A request of ``tenant_id`` that ran on ``replica`` ended at ``end_ms`` with
+        ``tokens`` of service (counted if it ended in the arrival window)."""
+        if end_ms > self.window_end_ms:
+            return
+        served = self.served[replica]
+        served[tenant_id] = served.get(tenant_id, 0) + tokens
+        key = (int(end_ms // self.slice_ms), tenant_id)
+        sliced = self.sliced_served[replica]
+        sliced[key] = sliced.get(key, 0) + tokens
+
+    def add_offered(self, replica: int, tenant_id: str, tokens: int, arrival_ms: float) -> None:
+        offered = self.offered[replica]
+        offered[tenant_id] = offered.get(tenant_id, 0) + tokens
+        key = (int(arrival_ms // self.slice_ms), tenant_id)
+        sliced = self.sliced_offered[replica]
+        sliced[key] = sliced.get(key, 0) + tokens
 
 
 def replay_pool(
@@ -168,10 +203,6 @@ def replay_pool(
     members: list[_Replica] = []
     for index in range(replicas):
         scheduler = make_scheduler(policy, config)
-        if scheduler.cost.max_batch_requests > 1:
-            raise ValueError(
-                "--replicas: only a serial engine (maxBatchRequests 1) is replayed as a pool"
-            )
         service = None
         if store is not None and isinstance(scheduler, TokenfairScheduler):
             service = PoolService()
@@ -179,13 +210,19 @@ def replay_pool(
         members.append(_Replica(index, scheduler, routed[index], service))
         result.schedulers.append(scheduler)
         for arrival in routed[index]:
-            offered = result.offered[index]
-            tenant_id = arrival[0].tenant_id
             request = arrival[0]
             asked = scheduler.cost.service_tokens(request.prefill_tokens, request.decode_tokens)
-            offered[tenant_id] = offered.get(tenant_id, 0) + (
-                asked if arrival[1] is None else arrival[1]
+            result.add_offered(
+                index,
+                request.tenant_id,
+                asked if arrival[1] is None else arrival[1],
+                request.arrival_ms,
             )
+    if config.policy.max_batch_requests > 1:
+        yield from _replay_batching_pool(members, store, sync_ms, lease_tokens, policy, result)
+        if store is not None:
+            result.store_calls = store.calls
+        return
     ready = [(member.clock_ms, member.index) for member in members if member.clock_ms < math.inf]
     heapq.heapify(ready)
     while ready:
@@ -275,7 +312,57 @@ def _step(
     scheduler.complete(
         decision.request_id, clock_ms, used, actual_kv_blocks=used_kv, release_kv=False
     )
-    if clock_ms <= result.window_end_ms:
-        served = result.served[member.index]
-        served[decision.tenant_id] = served.get(decision.tenant_id, 0) + served_tokens
+    result.add_served(member.index, decision.tenant_id, served_tokens, clock_ms)
     yield decision, used
+
+
+def _replay_batching_pool(
+    members: list[_Replica],
+    store: MemoryPoolStore | None,
+    sync_ms: float,
+    lease_tokens: int,
+    policy: str,
+    result: PoolReplay,
+) -> Iterator[tuple[Decision, int | None]]:
+    """Each replica's batching replay, resumed in the order of the clocks it stops at."""
+    replays: list[Iterator[tuple[Decision, int | None, float | None]]] = []
+    ready: list[tuple[float, int]] = []
+    for member in members:
+        sync = None
+        if member.pool is not None and store is not None:
+            sync = _sync(member.pool, store, sync_ms, lease_tokens)
+        replay = replay_batching(member.scheduler, iter(member.arrivals), policy, sync)
+        replays.append(replay)
+        for decision, _, clock_ms in replay:  # its first stop, before it acts
+            if decision is PACE and clock_ms is not None:
+                heapq.heappush(ready, (clock_ms, member.index))
+            break
+    while ready:
+        _, index = heapq.heappop(ready)
+        for decision, used, end_ms in replays[index]:
+            if decision is PACE:
+                if end_ms is not None:
+                    heapq.heappush(ready, (end_ms, index))
+                break
+            if (
+                end_ms is not None
+                and decision.status_code == STATUS_OK
+                and not decision.would_refuse  # served beside the modeled engine (shadow)
+            ):
+                tokens = decision.service_tokens if used is None else used
+                result.add_served(index, decision.tenant_id, tokens, end_ms)
+            yield decision, used
+
+
+def _sync(
+    service: PoolService, store: MemoryPoolStore, sync_ms: float, lease_tokens: int
+) -> Callable[[float], None]:
+    """A replica's exchange with the store before its dispatches (the serial step's rule)."""
+
+    def sync(clock_ms: float) -> None:
+        backlogged = service.backlogged()
+        if service.due(clock_ms, sync_ms, lease_tokens, backlogged):
+            batch = service.take_batch(backlogged, clock_ms)
+            service.absorb(batch, store.apply(batch))
+
+    return sync

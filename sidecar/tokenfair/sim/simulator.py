@@ -63,7 +63,7 @@ import gc
 import heapq
 import math
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Final, TypeAlias
 
 from tokenfair.config import Config
@@ -461,15 +461,38 @@ def _beside_end(decision: Decision, used: int | None, cost: CostModel) -> float 
     )
 
 
+PACE: Final = Decision("", "", "interactive", 0, "", "", 0, 0.0)
+"""What a paced replay (:func:`replay_batching`) yields, as ``(PACE, None, clock_ms)``, before
+it acts at ``clock_ms``: not a decision, the point where a pool of replicas
+(:mod:`tokenfair.sim.pool_replay`) holds it until every other replica has acted up to then."""
+
+
+def replay_batching(
+    scheduler: Scheduler,
+    arrivals: Iterator[Arrival],
+    policy: str,
+    before_dispatch: Callable[[float], object] | None = None,
+) -> Iterator[tuple[Decision, int | None, float | None]]:
+    """The batching engine's replay of ``scheduler`` (the module docstring's second set of
+    rules), **paced** for a pool of replicas: before each event it yields ``(PACE, None,
+    clock_ms)`` (the consumer resumes it when it may act at ``clock_ms``), and it calls
+    ``before_dispatch(clock_ms)`` once per event, after the expiries and before the dispatches
+    (the pool's batch to its store). The decisions are those of the unpaced replay."""
+    return _replay_batching(scheduler, arrivals, policy, None, True, before_dispatch)
+
+
 def _replay_batching(
     scheduler: Scheduler,
     arrivals: Iterator[Arrival],
     policy: str,
     facts: EngineFacts | None = None,
+    paced: bool = False,
+    before_dispatch: Callable[[float], object] | None = None,
 ) -> Iterator[tuple[Decision, int | None, float | None]]:
     """The replay of a batching engine (the module docstring's second set of rules): yields
     each decision once final, with the request's recorded usage and, if it ran, its end.
-    ``facts``: :class:`EngineFacts` (None: the policy's engine alone)."""
+    ``facts``: :class:`EngineFacts` (None: the policy's engine alone); ``paced`` and
+    ``before_dispatch``: :func:`replay_batching`'s."""
     cost = scheduler.cost
     engine = RunningWork(BatchingCurve.from_cost(cost))
     curve = engine.curve
@@ -504,6 +527,8 @@ def _replay_batching(
     upcoming_ms = 0.0 if upcoming is None else upcoming[0].arrival_ms
     last_ms, last_id = float("-inf"), ""
     while True:
+        if paced:
+            yield PACE, None, clock_ms
         started: list[tuple[Decision, int]] = []  # (decision, prompt tokens)
         if due_ms <= clock_ms:
             # The forecast's next end, and any tied with it (its tag was reached exactly).
@@ -572,6 +597,8 @@ def _replay_batching(
             for expired in scheduler.expire(clock_ms):
                 shed, used = _ended(expired, pop_pending(expired.request_id), clock_ms, cost)
                 yield shed, used, _beside_end(shed, used, cost)
+        if before_dispatch is not None:
+            before_dispatch(clock_ms)
         while scheduler.running < batch:
             decision = scheduler.next_dispatch(clock_ms)
             if decision is None:

@@ -597,13 +597,33 @@ def test_the_compiled_and_interpreted_cores_write_the_same_bytes(
         assert compiled == interpreted
 
 
+@pytest.mark.parametrize("engine", [[], ["--set", "maxBatchRequests=8", "--set",
+                                          "batchThroughputGain=4", "--set",
+                                          "serviceTokensPerMs=53"]])  # fmt: skip
+def test_the_pool_replay_is_the_same_on_both_cores(tmp_path: Path, engine: list[str]) -> None:
+    # The pool's order and its admission (core/pool_order.py: float sweeps, sorted events, the
+    # elsewhere rates) reach no single-replica replay: `simulate --replicas` with the counters
+    # shared (+pool), serial and batching, byte for byte.
+    build = _build()
+    outputs = []
+    for switch in ("1", "0"):
+        env = {native.SWITCH_ENV: switch, native.DIR_ENV: str(build)}
+        done = _run("simulate", "--scenario", "pool-skewed", "--replicas", "4", "--routing",
+                    "skewed", *engine, "--format", "json", env=env, cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        outputs.append(done.stdout)
+    assert '"tokenfair+pool"' in outputs[0]
+    assert outputs[0] == outputs[1]
+
+
 INTERPRETED_ONLY = (
     "tests/sidecar/core/test_core_inline_paths.py::test_the_inline_paths_decide_and_end_as_the_reference",
     "tests/sidecar/core/test_core_fast_paths.py::test_the_rounded_occupancy_cache_changes_no_decision",
+    "tests/sidecar/core/test_pool_order.py::test_admission_with_a_store_weighs_only_the_backlogged_tenants",
 )
 """Tests that skip on the compiled core: reference subclasses of the core's classes (an
 interpreted class cannot subclass a compiled one), a patched module constant (the compiled core
-has inlined it)."""
+has inlined it), methods patched to count calls."""
 
 
 INTERPRETED_PASS = (
