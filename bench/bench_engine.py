@@ -619,6 +619,9 @@ def print_booking_comparison(phases: dict[str, Phase], calibrated: PolicyConfig)
         ("capacity refusals while the engine had a slot and KV for it",
          lambda ph: str(capacity_refusals_with_room(ph, calibrated.max_batch_requests,
                                                     calibrated))),
+        ("  the same, the engine's KV alone below the watermark",
+         lambda ph: str(capacity_refusals_with_room(ph, calibrated.max_batch_requests,
+                                                    calibrated, False))),
         ("vLLM preemptions (num_preemptions_total growth)", lambda ph: f"{ph.preemptions:.0f}"),
         ("interactive TTFT p50 / p99 (ms)",
          lambda ph: f"{p(interactive_ttfts(ph.client), 0.5):.0f} / "
