@@ -98,6 +98,8 @@ from tokenfair.config import PolicyConfig, apply_overrides
 from tokenfair.config.document import replace_policy
 from tokenfair.core.cost import CostModel
 from tokenfair.records.codec import read_trace
+from tokenfair.server.kv_view import KV_DECODE_BOOKING_MODES
+from tokenfair.server.runtime_settings import SidecarSettings
 from tokenfair.sim.calibrate import (
     Calibration,
     CalibrationError,
@@ -224,6 +226,12 @@ def _one(samples: dict[str, float], name: str) -> float:
 def engine_tokens(engine: VllmServer) -> tuple[float, float]:
     samples = parse_samples(engine.get("/metrics")[1].decode())
     return _one(samples, "vllm:prompt_tokens_total"), _one(samples, "vllm:generation_tokens_total")
+
+
+def engine_preemptions(engine: VllmServer) -> float:
+    """vLLM's ``vllm:num_preemptions_total``: requests it preempted (freed their KV blocks and
+    requeued them) for want of a block."""
+    return _one(parse_samples(engine.get("/metrics")[1].decode()), "vllm:num_preemptions_total")
 
 
 def wait_counters(engine: VllmServer, before: tuple[float, float], expected: tuple[float, float],
@@ -385,18 +393,23 @@ class Phase:
     tokens: tuple[float, float]
     samples: list[dict[str, float]]
     records_path: Path
+    preemptions: float = 0.0
+    """The growth of vLLM's ``vllm:num_preemptions_total`` over the phase."""
 
 
 def through_sidecar(engine: VllmServer, work: Path, name: str, trace: Path | None, keys: Path,
                     policy: dict[str, Any],
                     drive: Callable[[EngineSidecar, Path], dict[str, Any]] | None = None,
+                    sidecar_settings: dict[str, Any] | None = None,
                     ) -> Phase:  # fmt: skip
-    """A phase through a sidecar of ``policy``: ``trace`` sent by loadgen, or ``drive``
-    called with the sidecar and the clients' records file (it writes them)."""
+    """A phase through a sidecar of ``policy`` (and ``sidecar_settings``: ``sidecar:`` keys):
+    ``trace`` sent by loadgen, or ``drive`` called with the sidecar and the clients' records
+    file (it writes them)."""
     folder = work / name
     folder.mkdir()
-    with sidecar_in_front_of(engine, folder, **policy) as sidecar:
+    with sidecar_in_front_of(engine, folder, sidecar_settings, **policy) as sidecar:
         before = engine_tokens(engine)
+        preempted = engine_preemptions(engine)
         sampler = Sampler(engine, sidecar)
         sampler.start()
         if drive is not None:
@@ -415,8 +428,9 @@ def through_sidecar(engine: VllmServer, work: Path, name: str, trace: Path | Non
             sum(r.get("actual_decode_tokens") or 0 for r in records if r["status_code"] == 200),
         )
         tokens = wait_counters(engine, before, expected)
+        preempted = engine_preemptions(engine) - preempted
     return Phase(name, read_lines(folder / "client.jsonl"), records, report, tokens,
-                 sampler.samples, sidecar.records_path)  # fmt: skip
+                 sampler.samples, sidecar.records_path, preempted)  # fmt: skip
 
 
 def capacity_refusals_with_room(
@@ -498,7 +512,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engine", metavar="URL",
                         help="a vLLM already running with the suite's settings "
                              "(tests/vllm_support.py) instead of starting one")  # fmt: skip
+    parser.add_argument("--kv-decode-booking", choices=(*KV_DECODE_BOOKING_MODES, "both"),
+                        default="both",
+                        help="the calibrated phase's kvDecodeBooking; both (the default): the "
+                             "sidecar's default there, and the calibrated policy again with "
+                             "the other mode, compared")  # fmt: skip
     args = parser.parse_args(argv)
+    default_booking = SidecarSettings().kv_decode_booking
+    booking = default_booking if args.kv_decode_booking == "both" else args.kv_decode_booking
+    other_booking = (
+        None if args.kv_decode_booking != "both"
+        else next(m for m in KV_DECODE_BOOKING_MODES if m != booking)
+    )  # fmt: skip
     settings = VllmSettings()
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         work = Path(tmp)
@@ -542,8 +567,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{args.interactive_rps:g}/s each")  # fmt: skip
             # 2. direct
             direct_client = work / "direct.jsonl"
+            direct_preempted = engine_preemptions(engine)
             loadgen(engine.base_url, flood_trace, direct_client, engine.model, keys)
             direct = read_lines(direct_client)
+            direct_preempted = engine_preemptions(engine) - direct_preempted
             # 3. calibrated, 4. hand-set
             calibrated_fields = {
                 "service_tokens_per_ms": calibrated.service_tokens_per_ms,
@@ -554,7 +581,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 **WAITS,
             }
             fitted = through_sidecar(engine, work, "calibrated", flood_trace, keys,
-                                     calibrated_fields)  # fmt: skip
+                                     calibrated_fields,
+                                     sidecar_settings={"kvDecodeBooking": booking})  # fmt: skip
+            other = None
+            if other_booking is not None:
+                other = through_sidecar(
+                    engine, work, f"calibrated-{other_booking}", flood_trace, keys,
+                    calibrated_fields, sidecar_settings={"kvDecodeBooking": other_booking},
+                )  # fmt: skip
             hand = through_sidecar(engine, work, "hand-set", flood_trace, keys, dict(WAITS))
             replayed = apply_overrides(base, overrides)
             queue = None if isinstance(calibration, str) else calibration.prefill_queue
@@ -570,8 +604,52 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.keep:
                 _keep(work, Path(args.keep))
         print_calibration(warm, calibration, steps)
+        print(f"\ncalibrated phase: kvDecodeBooking {booking}; vLLM preemptions direct "
+              f"{direct_preempted:.0f}")  # fmt: skip
         print_report(args, direct, fitted, hand, comparison, calibrated)
+        if other is not None:
+            print_booking_comparison({booking: fitted, str(other_booking): other}, calibrated)
     return 0
+
+
+def print_booking_comparison(phases: dict[str, Phase], calibrated: PolicyConfig) -> None:
+    """The calibrated policy under each ``kvDecodeBooking`` (same engine, same trace, phases
+    run one after the other): the figures the choice trades."""
+    print()
+    print("kvDecodeBooking, the calibrated policy under each (same engine, same trace):")
+    rows: list[tuple[str, Callable[[Phase], str]]] = [
+        ("capacity refusals while the engine had a slot and KV for it",
+         lambda ph: str(capacity_refusals_with_room(ph, calibrated.max_batch_requests,
+                                                    calibrated))),
+        ("  the same, the engine's KV alone below the watermark",
+         lambda ph: str(capacity_refusals_with_room(ph, calibrated.max_batch_requests,
+                                                    calibrated, False))),
+        ("vLLM preemptions (num_preemptions_total growth)", lambda ph: f"{ph.preemptions:.0f}"),
+        ("interactive TTFT p50 / p99 (ms)",
+         lambda ph: f"{p(interactive_ttfts(ph.client), 0.5):.0f} / "
+                    f"{p(interactive_ttfts(ph.client), 0.99):.0f}"),
+        ("service tokens served",
+         lambda ph: str(sum(r["service_tokens"] for r in ph.records if r["status_code"] == 200))),
+        ("requests served / sent",
+         lambda ph: f"{sum(1 for c in ph.client if c['status_code'] == 200)}/{len(ph.client)}"),
+        ("admitted then expired", lambda ph: _expired(ph)),
+        ("engine KV p50 / max (of the cache)",
+         lambda ph: f"{p(sorted(s['engine_kv'] for s in ph.samples), 0.5):.2f} / "
+                    f"{max((s['engine_kv'] for s in ph.samples), default=math.nan):.2f}"),
+        ("engine running p50 / max",
+         lambda ph: f"{p(sorted(s['engine_running'] for s in ph.samples), 0.5):.0f} / "
+                    f"{max((s['engine_running'] for s in ph.samples), default=math.nan):.0f}"),
+    ]  # fmt: skip
+    names = list(phases)
+    print(f"  {'':<58} " + " ".join(f"{n:>22}" for n in names))
+    for label, figure in rows:
+        print(f"  {label:<58} " + " ".join(f"{figure(phases[n]):>22}" for n in names))
+
+
+def _expired(phase: Phase) -> str:
+    admitted = [r for r in phase.records if r["gate"] != "admission"]
+    expired = sum(1 for r in admitted if r["reason"] == "shed_queue_timeout")
+    return f"{expired}/{len(admitted)}"
 
 
 # The coefficients the calibration phase runs with, and the calibrated phase falls back to when

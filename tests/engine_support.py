@@ -122,17 +122,19 @@ class EngineSidecar:
         return log_tail(self.workdir, SIDECAR_LOG, 40)
 
 
-def engine_document(vllm: VllmServer, **policy: Any) -> dict[str, Any]:
+def engine_document(
+    vllm: VllmServer, sidecar_settings: dict[str, Any] | None = None, **policy: Any
+) -> dict[str, Any]:
     """The lesson's tenants with local keys, under a policy that describes ``vllm`` (its block
     size and count) with ``policy``'s changes, and a ``sidecar:`` section (``maxInFlight`` = the
-    engine's ``--max-num-seqs``)."""
+    engine's ``--max-num-seqs``, and ``sidecar_settings``' keys)."""
     changes = {
         "kv_block_tokens": vllm.block_size_tokens,
         "total_kv_blocks": vllm.kv_blocks,
         **policy,
     }
     document = config_to_document(keyed_config(replace(PATIENT_POLICY, **changes)))
-    document["sidecar"] = {"maxInFlight": vllm.settings.max_num_seqs}
+    document["sidecar"] = {"maxInFlight": vllm.settings.max_num_seqs, **(sidecar_settings or {})}
     return document
 
 
@@ -151,11 +153,18 @@ def wait_ready(admin: str, process: subprocess.Popen[bytes], workdir: Path) -> N
 
 
 @contextlib.contextmanager
-def sidecar_in_front_of(vllm: VllmServer, workdir: Path, **policy: Any) -> Iterator[EngineSidecar]:
+def sidecar_in_front_of(
+    vllm: VllmServer,
+    workdir: Path,
+    sidecar_settings: dict[str, Any] | None = None,
+    **policy: Any,
+) -> Iterator[EngineSidecar]:
     """``tokenfair sidecar --backend openai --upstream <vllm>`` on free loopback ports, with
-    :func:`engine_document`'s config and ``--records``; stopped (SIGTERM, drain) on exit."""
+    :func:`engine_document`'s config (``sidecar_settings``: more ``sidecar:`` keys) and
+    ``--records``; stopped (SIGTERM, drain) on exit."""
     config = workdir / "sidecar.yaml"
-    config.write_text(yaml.safe_dump(engine_document(vllm, **policy)), encoding="utf-8")
+    document = engine_document(vllm, sidecar_settings, **policy)
+    config.write_text(yaml.safe_dump(document), encoding="utf-8")
     proxy_port, admin_port = free_ports(2)
     sidecar = EngineSidecar(
         proxy=f"http://127.0.0.1:{proxy_port}",

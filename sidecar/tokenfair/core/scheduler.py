@@ -239,6 +239,12 @@ class Scheduler(ABC):
         without a fresh report from the engine. KV gates read ``resident_blocks +
         kv_correction_blocks``; the books (``resident_blocks``) never change by it."""
         self._kv_prompt_ratio = 1.0  # `kv_prompt_ratio`, validated by its setter
+        self.kv_decode_allowance_tokens = -1
+        """How the gates book a request dispatched now (:meth:`kv_gate_job_blocks`): negative
+        (the default, and always without a fresh report of the engine) its whole reservation,
+        prompt and ``max_tokens``; else its prompt and this many tokens of decode (the growth
+        the engine may give it before its next report), at most its reservation
+        (:meth:`observe_engine_kv`, ``kvDecodeBooking: engine``)."""
         self.running = 0
         self._deadlines = DeadlineQueue()
         self._apply_tenants(config.tenants, now_ms)
@@ -478,7 +484,9 @@ class Scheduler(ABC):
             refusal.would_refuse = True
         return refusal
 
-    def observe_engine_kv(self, used_blocks: int | None, held_blocks: int = 0) -> None:
+    def observe_engine_kv(
+        self, used_blocks: int | None, held_blocks: int = 0, decode_allowance_tokens: int = -1
+    ) -> None:
         """The engine reported its KV cache just now: ``used_blocks`` in use, where the
         running requests surely hold ``held_blocks`` (:mod:`tokenfair.server.kv_view`: each
         one that has shown tokens its prompt and the tokens so far, at most its reservation;
@@ -495,11 +503,21 @@ class Scheduler(ABC):
         holds once every running request reaches its reservation. The correction is what the
         books and the engine disagree on besides that growth (prompt estimates, shared
         prefixes, other clients of the engine). ``None``: no fresh report (stale or missing
-        metrics): the books alone."""
+        metrics): the books alone.
+
+        ``decode_allowance_tokens`` (``kvDecodeBooking: engine``; negative: the above, the
+        default) books decode as the engine does: the caller's ``held_blocks`` then also takes
+        off each running request's reservation beyond its prompt, the tokens it has shown and
+        this allowance (:meth:`~tokenfair.server.kv_view.KvView.gate_blocks_held`), and a
+        request dispatched before the next report counts its prompt and the allowance
+        (:meth:`kv_gate_job_blocks`), not its ``max_tokens``. Decode beyond the allowance is
+        then the watermark's headroom's to absorb (the engine preempts past it)."""
         if used_blocks is None:
             self.kv_correction_blocks = 0
+            self.kv_decode_allowance_tokens = -1
             return
         self.kv_correction_blocks = used_blocks - held_blocks
+        self.kv_decode_allowance_tokens = decode_allowance_tokens
 
     @property
     def kv_prompt_ratio(self) -> float:
@@ -558,6 +576,18 @@ class Scheduler(ABC):
         # Clamped: the prompt that fills `cap` blocks (at least the estimate's, as cap is).
         return max(prefill, cap * cost.kv_block_tokens - decode), cap
 
+    def kv_gate_job_blocks(self, job: Job) -> int:
+        """The blocks the KV gates book ``job`` at: its reservation (``job.kv_blocks``), or,
+        while :attr:`kv_decode_allowance_tokens` is set (a fresh report, ``kvDecodeBooking:
+        engine``), ``ceil((kv_prompt_tokens + allowance) / block)`` if that is less."""
+        allowance = self.kv_decode_allowance_tokens
+        blocks = job.kv_blocks
+        if allowance < 0:
+            return blocks
+        block = self.policy.kv_block_tokens
+        booked = -(-(job.kv_prompt_tokens + allowance) // block)
+        return booked if booked < blocks else blocks
+
     @property
     def kv_gate_blocks(self) -> int:
         """KV blocks the gates see in use: the books corrected by the engine's last report."""
@@ -584,6 +614,11 @@ class Scheduler(ABC):
                 refusal.queue_wait_ms = round_hundredths(max(0.0, now_ms - job.arrival_ms))
                 return self.shadowed(refusal)
         blocks = self.resident_blocks + kv_blocks
+        if self.kv_decode_allowance_tokens >= 0:
+            # Booked at its prompt and the decode allowance until the next report: the
+            # correction takes off the rest of its reservation (a credit `_free_blocks` gives
+            # back, if it ends first).
+            self.kv_correction_blocks -= kv_blocks - self.kv_gate_job_blocks(job)
         seen = blocks + self.kv_correction_blocks  # the occupancy it brings the cache to
         rounded = self._rounded_occupancy
         occupancy = rounded.get(seen)
@@ -845,7 +880,7 @@ class Scheduler(ABC):
         job.state = JobState.CANCELLED if status == STATUS_CLIENT_CLOSED else JobState.REFUSED
         del self.jobs[job.request_id]
         occupancy = (
-            self.resident_blocks + self.kv_correction_blocks + job.kv_blocks
+            self.resident_blocks + self.kv_correction_blocks + self.kv_gate_job_blocks(job)
         ) / self.policy.total_kv_blocks
         decision = job.outcome(status, reason, gate, round(occupancy, 4))
         decision.queue_wait_ms = round_hundredths(max(0.0, now_ms - job.arrival_ms))
@@ -866,7 +901,7 @@ class Scheduler(ABC):
 
     def kv_fits(self, job: Job) -> bool:
         return (
-            self.resident_blocks + self.kv_correction_blocks + job.kv_blocks
+            self.resident_blocks + self.kv_correction_blocks + self.kv_gate_job_blocks(job)
         ) / self._total_kv_blocks <= self._watermarks[job.lane]
 
     # -- policy hooks -----------------------------------------------------------------------

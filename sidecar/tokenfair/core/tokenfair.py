@@ -964,7 +964,7 @@ class TokenfairScheduler(Scheduler):
     def _occupancy(self, job: Job) -> float:
         """The KV occupancy ``job`` attempts: resident blocks and its own, of the whole cache."""
         return (
-            self.resident_blocks + self.kv_correction_blocks + job.kv_blocks
+            self.resident_blocks + self.kv_correction_blocks + self.kv_gate_job_blocks(job)
         ) / self._total_kv_blocks
 
     def kv_wait_ms(self, job: Job, now_ms: float) -> float:
@@ -973,7 +973,7 @@ class TokenfairScheduler(Scheduler):
         ``t`` holds them until ``t + kv_residency_factor * expected / rate``, corrected to its
         actual usage when it settles. 0 if it fits now. O(r log r) in the resident requests,
         and only for a request that does not fit now."""
-        excess = self.kv_gate_blocks + job.kv_blocks - self._kv_limits[job.lane]
+        excess = self.kv_gate_blocks + self.kv_gate_job_blocks(job) - self._kv_limits[job.lane]
         if excess <= 0:
             return 0.0
         jobs = self.jobs

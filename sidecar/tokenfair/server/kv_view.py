@@ -41,6 +41,25 @@ Each fresh report of the engine (``used`` blocks, running and waiting requests:
 Without a fresh report (engine metrics off, stale or missing) there is no correction: the gates
 use the books and the view is the model alone (``kv.source: books``).
 
+**Decode booked as the engine books it** (``kvDecodeBooking: engine``; ``upfront``, the
+default, is the above): while a report is fresh, the gates count a running stream's decode only
+as far as the engine will have allocated it by the next report, not to its ``max_tokens``::
+
+    gate = used + sum over running streams (soon - held)   (whole answers: reservation - held)
+    soon = min(reservation, ceil((prompt + shown + allowance) / block))
+    allowance = max(block, ceil(rate * 2 * gap))
+
+``shown``: the tokens relayed; ``rate``: the fastest stream's tokens per ms between the last two
+fresh reports, ``gap`` the time between them (:meth:`KvView._decode_allowance`): every stream
+decoding no faster than the fastest seen stays within its booking for two report intervals
+(one report late), and the next token of a stream at a block's end has its block. A request
+dispatched before the next report is booked at ``min(reservation, ceil((prompt + allowance) /
+block))`` (``Scheduler.kv_gate_job_blocks``). The books, the tenants' ``maxKvShare``, service
+tokens and records are unchanged. The trade-off: decode the gates did not count grows into the
+watermark's headroom (``1 - kvWatermark`` of the cache); past the cache the engine preempts
+(vLLM: frees a running request's blocks and recomputes it later). Stale or missing reports:
+the gates book up front again at once.
+
 **The prompt ratio in the books** (``kvPromptRatio: learned``, the default): the gates book a
 request admitted now at the engine's prompt count too — its estimated prompt times the learned
 ratio, within :data:`GATE_PROMPT_RATIO_BOUNDS`
@@ -67,7 +86,7 @@ from tokenfair.core.scheduler import Scheduler
 class StreamProgress:
     """What the sidecar has relayed of one running request's answer."""
 
-    __slots__ = ("done", "events", "sent_ms", "sequence", "stream")
+    __slots__ = ("done", "events", "events_at_report", "sent_ms", "sequence", "stream")
 
     def __init__(self, sequence: int, stream: bool, sent_ms: float = 0.0) -> None:
         self.sequence = sequence
@@ -81,6 +100,9 @@ class StreamProgress:
         self.done = False
         """Its ``data: [DONE]`` was relayed: the engine has finished it (the request is
         forgotten once the sidecar has closed it)."""
+        self.events_at_report = -1
+        """:attr:`events` at the engine's last fresh report (-1: none since it was sent): the
+        decode rate's evidence (``kvDecodeBooking: engine``)."""
 
     def relayed(self, data: bytes) -> None:
         """Count the events in a piece of the stream relayed to the client."""
@@ -108,6 +130,13 @@ tokenizer and chat template move a prompt's count by ~2x (loadgen's text on the 
 (the gates' correction) cover as before."""
 
 
+KV_DECODE_BOOKING_MODES: Final = ("upfront", "engine")
+"""The sidecar's ``kvDecodeBooking`` settings (:attr:`KvView.decode_booking`)."""
+DECODE_HORIZON_REPORTS: Final = 2.0
+"""``kvDecodeBooking: engine`` books each running stream's decode for this many of the
+engine's report intervals at the fastest decode rate seen (one report late is covered)."""
+
+
 class KvView:
     """The running requests' stream progress, and the KV blocks it says the engine holds."""
 
@@ -116,7 +145,26 @@ class KvView:
         follows_streams: bool = True,
         books_prompt_ratio: bool = True,
         clock: Callable[[], float] | None = None,
+        decode_booking: str = "upfront",
     ) -> None:
+        if decode_booking not in KV_DECODE_BOOKING_MODES:
+            raise ValueError(
+                f"KvView.decode_booking: must be one of {', '.join(KV_DECODE_BOOKING_MODES)} "
+                f"(got {decode_booking!r})"
+            )
+        self.decode_booking = decode_booking if follows_streams else "upfront"
+        """``upfront``: the gates book every running request's decode to its ``max_tokens``
+        (the default); ``engine``: while the engine's report is fresh, its prompt, the tokens
+        relayed and :attr:`decode_allowance_tokens` (the module's docstring)."""
+        self.decode_allowance_tokens = -1
+        """The decode tokens the gates booked each running stream beyond what it has shown
+        at the last fresh report (``engine`` mode; -1: none, the reservations in full)."""
+        self.decode_rate = 0.0
+        """The fastest stream's decode, in tokens per ms, over the last interval between
+        two fresh reports (0: not seen yet)."""
+        self.report_gap_ms = 0.0
+        """The last interval between two fresh reports (ms; 0: not seen yet)."""
+        self._report_ms: float | None = None
         self.follows_streams = follows_streams
         """False: a backend whose streams are no engine's (the ``costmodel`` engine's chunks
         are not tokens): nothing is tracked, and the view is the books."""
@@ -191,7 +239,11 @@ class KvView:
         return len(self._running)
 
     def gate_blocks_held(
-        self, scheduler: Scheduler, running: int | None = None, used_blocks: int | None = None
+        self,
+        scheduler: Scheduler,
+        running: int | None = None,
+        used_blocks: int | None = None,
+        decode_allowance_tokens: int = -1,
     ) -> int:
         """The blocks the engine surely holds for the running requests, by the gates' model:
         each stream that has shown tokens its prompt as booked (``Job.kv_prompt_tokens``: the
@@ -207,7 +259,14 @@ class KvView:
         preempted request's blocks and requeues it, newest first): the most recently sent of
         the streams that have shown tokens, as many as that difference, hold nothing. And the
         total is at most the engine's ``used_blocks``: it cannot surely hold more than it
-        reports in use."""
+        reports in use.
+
+        ``decode_allowance_tokens`` (``kvDecodeBooking: engine``; negative: none) adds, for
+        each tracked stream, its reservation beyond what it will hold by the next report:
+        ``kv_blocks - max(held, min(kv_blocks, ceil((prompt + shown + allowance) / block)))``
+        (``shown``: the tokens relayed, at most ``max_tokens``; a whole answer, whose progress
+        does not show, keeps its reservation), so the gates see the engine's blocks plus each
+        running stream's growth over the allowance, not to its ``max_tokens``."""
         block = scheduler.policy.kv_block_tokens
         held_job = scheduler.held_job
         preempted: set[str] = set()
@@ -227,16 +286,26 @@ class KvView:
                 preempted = {request_id for _, request_id in streamed[-excess:]}
         held = 0
         tracked = 0
+        beyond = 0  # the reservations beyond the decode allowance (engine booking)
         for request_id, progress in self._running.items():
             job = held_job(request_id)
             if job is None:
                 continue
-            tracked += job.kv_blocks
+            reserved = job.kv_blocks
+            tracked += reserved
+            shown = min(progress.events, job.request.decode_tokens)
+            surely = 0
             if progress.events and request_id not in preempted:
-                tokens = job.kv_prompt_tokens + min(progress.events, job.request.decode_tokens)
-                held += min(job.kv_blocks, -(-tokens // block))
+                surely = min(reserved, -(-(job.kv_prompt_tokens + shown) // block))
+                held += surely
+            if decode_allowance_tokens >= 0 and progress.stream:
+                tokens = job.kv_prompt_tokens + shown + decode_allowance_tokens
+                soon = min(reserved, -(-tokens // block))
+                beyond += reserved - max(soon, surely)
         held += max(0, scheduler.resident_blocks - tracked)
-        return held if used_blocks is None else min(held, max(0, used_blocks))
+        if used_blocks is not None:
+            held = min(held, max(0, used_blocks))
+        return held + beyond
 
     def modelled_blocks(self, scheduler: Scheduler) -> int:
         """The blocks the engine holds now by the view's model (the module's docstring), each
@@ -292,6 +361,8 @@ class KvView:
             self._room_from = None
             self._room = False
             self._view_correction = None
+            self._report_ms = None
+            self.decode_allowance_tokens = -1
             scheduler.observe_engine_kv(None)
             return
         pending = [p for p in self._running.values() if p.stream and not p.events]
@@ -315,10 +386,42 @@ class KvView:
         # before the first token shows) once it has it; one with a queue queues it.
         self._room = waiting == 0
         self._room_from = self._sent if waiting == 0 and self._clock is None else None
+        allowance = self._decode_allowance(scheduler.policy.kv_block_tokens)
+        self.decode_allowance_tokens = allowance
         scheduler.observe_engine_kv(
-            used_blocks, self.gate_blocks_held(scheduler, running, used_blocks)
+            used_blocks,
+            self.gate_blocks_held(scheduler, running, used_blocks, allowance),
+            allowance,
         )
         self._view_correction = used_blocks - self.modelled_blocks(scheduler)
+
+    def _decode_allowance(self, block_tokens: int) -> int:
+        """At a fresh report: the decode tokens the gates book each running stream beyond
+        what it has shown (``engine`` mode; -1 in ``upfront``)::
+
+            allowance = max(block, ceil(rate * DECODE_HORIZON_REPORTS * gap))
+
+        ``rate``: the fastest stream's tokens relayed per ms since the previous fresh report,
+        ``gap``: the time since it (:attr:`decode_rate`, :attr:`report_gap_ms`; both 0 at the
+        first report, or without a clock). At least one block: a stream's next token may open
+        one. Learns the rate from the streams' events at this report and the last."""
+        now_ms = None if self._clock is None else self._clock()
+        last_ms = self._report_ms
+        self._report_ms = now_ms
+        if now_ms is not None and last_ms is not None and now_ms > last_ms:
+            gap_ms = now_ms - last_ms
+            fastest = 0
+            for progress in self._running.values():
+                if progress.events_at_report >= 0:
+                    fastest = max(fastest, progress.events - progress.events_at_report)
+            self.report_gap_ms = gap_ms
+            self.decode_rate = fastest / gap_ms
+        for progress in self._running.values():
+            progress.events_at_report = progress.events
+        if self.decode_booking != "engine":
+            return -1
+        growth = self.decode_rate * DECODE_HORIZON_REPORTS * self.report_gap_ms
+        return max(block_tokens, math.ceil(round(growth, 9)))
 
     def _learn_intake(
         self, pending: list[StreamProgress], most: int, least: int, now_ms: float

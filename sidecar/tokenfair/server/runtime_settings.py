@@ -51,6 +51,7 @@ from tokenfair.server.estimate import (
     MAX_JSON_DEPTH,
     MAX_JSON_VALUES,
 )
+from tokenfair.server.kv_view import KV_DECODE_BOOKING_MODES
 from tokenfair.server.upstream import parse_origin
 
 COSTMODEL_BACKEND: Final = "costmodel"
@@ -208,6 +209,11 @@ class SidecarSettings:
     prompt tokens per estimated one, learned from the usage it reports, within 0.5-4:
     :mod:`~tokenfair.server.kv_view`) or ``off`` (the estimate). Backends with an upstream
     engine only; service tokens, budgets and records keep the estimate either way."""
+    kv_decode_booking: str = "upfront"
+    """How the KV gates book a running request's decode: ``upfront`` (its whole
+    ``max_tokens`` from dispatch) or ``engine`` (while the engine's report is fresh: its prompt,
+    the tokens relayed and the growth to the next report, as the engine allocates;
+    :mod:`~tokenfair.server.kv_view`). Backends with an upstream engine only."""
     tracing: bool = False
     """Export one OpenTelemetry span per request over OTLP/HTTP (needs the ``tracing`` extra;
     see :mod:`~tokenfair.server.tracing`). Off by default: it needs a collector."""
@@ -344,6 +350,7 @@ SECTION_FIELDS: Final[FieldTable] = {
     "engineWaitingMetric": ("engine_waiting_metric", _metric_name),
     "adoptEngineKvGeometry": ("adopt_engine_kv_geometry", boolean),
     "kvPromptRatio": ("kv_prompt_ratio", _mode(KV_PROMPT_RATIO_MODES)),
+    "kvDecodeBooking": ("kv_decode_booking", one_of(KV_DECODE_BOOKING_MODES)),
     "tracing": ("tracing", boolean),
     "tracingEndpoint": ("tracing_endpoint", _http_url),
     "fairnessWindowSeconds": (

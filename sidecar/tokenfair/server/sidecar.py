@@ -158,6 +158,7 @@ class Sidecar:
             follows_streams=has_engine,
             books_prompt_ratio=settings.kv_prompt_ratio == "learned",
             clock=clock.now_ms,
+            decode_booking=settings.kv_decode_booking,
         )
         """The running requests' progress: the engine's KV as the sidecar sees it (a backend
         with no engine behind it: the books), and the prompt ratio the gates book at."""

@@ -64,7 +64,8 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
         # running requests' growth to their reservations counted in full); without a fresh
         # report ("source": "books", "engine" says why) the gates use the books alone. The
         # prompt ratio learned from the engine's usage, the one reservations are booked at
-        # (kvPromptRatio), and the engine's intake delay the view learned.
+        # (kvPromptRatio), the engine's intake delay the view learned, and how running
+        # requests' decode is booked (kvDecodeBooking; the allowance -1: in full).
         "kv": {
             "view_blocks": sidecar.kv_view.view_blocks(sidecar.scheduler),
             "gate_blocks": max(0, sidecar.scheduler.kv_gate_blocks),
@@ -72,6 +73,8 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
             "prompt_ratio": round(sidecar.kv_view.prompt_ratio, 4),
             "gate_prompt_ratio": round(sidecar.scheduler.kv_prompt_ratio, 4),
             "intake_ms": round(sidecar.kv_view.intake_ms, 1),
+            "decode_booking": sidecar.kv_view.decode_booking,
+            "decode_allowance_tokens": sidecar.scheduler.kv_decode_allowance_tokens,
             "total_blocks": sidecar.scheduler.policy.total_kv_blocks,
             "block_tokens": sidecar.scheduler.policy.kv_block_tokens,
             "source": "engine" if engine is not None and engine.fresh else "books",

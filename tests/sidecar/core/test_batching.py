@@ -18,6 +18,10 @@ Behaviours under test:
   prefix) let one start; that credit leaves with the requests it may have come from (up to
   each one's reservation), blocks held beyond the books stay until the next report, and no
   report means the books alone.
+- with a decode allowance (``kvDecodeBooking: engine``): a request dispatched is booked at its
+  prompt and the allowance, not its ``max_tokens`` (the books keep the reservation), a request
+  ending before the next report credits nothing, and no report means every reservation in
+  full again.
 """
 
 from __future__ import annotations
@@ -231,3 +235,38 @@ def test_what_the_engine_holds_beyond_the_books_stays_until_its_next_report() ->
     assert (fair.resident_blocks, fair.kv_gate_blocks) == (0, 100)
     fair.observe_engine_kv(0, 0)
     assert fair.kv_gate_blocks == 0
+
+
+def test_with_a_decode_allowance_a_request_dispatched_is_booked_at_its_prompt_and_it() -> None:
+    # kvDecodeBooking: engine, on the core alone. 440 blocks of 16, watermark 0.9 (396). Two
+    # requests book 157 each (125 prompt blocks, 32 of max_tokens). The engine's report: 250
+    # held, and the view's figure takes off each reservation beyond its prompt and an
+    # allowance of 16 tokens (one block): 2 x 31 blocks, `held` 250 + 62 = 312. The gates see
+    # 250 + 2 x 1 = 252, and a third request, booked at 125 + 1 blocks (not 157), starts.
+    fair = scheduler(total_kv_blocks=440, kv_block_tokens=16, max_batch_requests=8)
+    run(fair, "a", "chat", 0.0)
+    run(fair, "b", "ide", 0.0)
+    assert fair.submit(Request("c", "chat", 1.0, 2000, 500, "interactive"), 1.0) is None
+    assert fair.next_dispatch(1.0) is None  # 314 + 157 > 396
+    job = fair.jobs["c"]
+    assert fair.kv_gate_job_blocks(job) == job.kv_blocks == 157  # no allowance: in full
+    fair.observe_engine_kv(250, 312, 16)
+    assert (fair.kv_decode_allowance_tokens, fair.kv_gate_blocks) == (16, 252)
+    assert fair.kv_gate_job_blocks(job) == 126
+    decision = fair.next_dispatch(1.0)
+    assert decision is not None
+    assert decision.request_id == "c"
+    assert decision.kv_occupancy_ratio == round((252 + 126) / 440, 4)
+    assert (fair.resident_blocks, fair.kv_gate_blocks) == (471, 378)  # the books: in full
+    assert fair.kv_correction_blocks == 250 - 312 - (157 - 126)
+    # a ends before the next report: the credit goes with it, up to its reservation (-93 +
+    # 157 > 0: none is left): the gates see b's and c's reservations until the next report.
+    fair.complete("a", 5.0)
+    assert (fair.kv_correction_blocks, fair.kv_gate_blocks) == (0, 314)
+    # Stale: every reservation in full again, at once.
+    fair.observe_engine_kv(None)
+    assert (fair.kv_decode_allowance_tokens, fair.kv_gate_blocks) == (-1, 314)
+    assert fair.kv_gate_job_blocks(job) == 157
+    fair.complete("b", 6.0)
+    fair.complete("c", 7.0)
+    assert fair.books() == Books(0, 0, 0, 0, 0)

@@ -135,6 +135,8 @@ def test_settings_by_name() -> None:
     assert (settings.engine_metrics, settings.engine_metrics_path) == ("sglang", "/m")
     assert settings.kv_prompt_ratio == "learned"
     assert settings_from_section({"kvPromptRatio": "off"}).kv_prompt_ratio == "off"
+    assert settings.kv_decode_booking == "upfront"
+    assert settings_from_section({"kvDecodeBooking": "engine"}).kv_decode_booking == "engine"
     refused: list[tuple[dict[str, object], str]] = [
         ({"engineMetrics": "prometheus"}, "sidecar.engineMetrics: must be one of auto"),
         ({"engineMetricsPath": "metrics"}, "sidecar.engineMetricsPath: must be a path"),
@@ -142,6 +144,11 @@ def test_settings_by_name() -> None:
         ({"engineKvUsageMetric": "kv usage"}, "sidecar.engineKvUsageMetric: must be a Prom"),
         ({"engineMetrics": "custom"}, "engineMetrics: custom needs engineKvUsageMetric"),
         ({"kvPromptRatio": 2}, r"sidecar\.kvPromptRatio: must be one of learned, off \(got 2\)"),
+        (
+            {"kvDecodeBooking": "lazy"},
+            r"sidecar\.kvDecodeBooking: must be one of upfront, engine \(got 'lazy'\)",
+        ),
+        ({"kvDecodeBooking": False}, r"sidecar\.kvDecodeBooking: must be one of upfront, engine"),
     ]
     for section, message in refused:
         with pytest.raises(ConfigError, match=message):

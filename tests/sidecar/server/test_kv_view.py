@@ -17,6 +17,11 @@ Behaviours under test:
   engine holds now but not once the running one has decoded its ``max_tokens`` waits while
   fresh reports come in, and starts when the running one ends; at a report the view is what the
   engine said; blocks the engine holds for another client count in the gates;
+- ``kvDecodeBooking: engine``: the gates count a running stream's decode only to what it may
+  decode before the next report (an allowance learned from the streams' rate), and a request
+  dispatched meanwhile at its prompt and that allowance: the second request above starts while
+  the first runs; its growth to the next report counted, a request ending between reports
+  credits nothing until the engine says so; stale metrics: its reservation in full again;
 - stale metrics: the gates fall back to the books and the view to the model, visibly
   (``kv.source: books``, ``engine.fresh``);
 - the model on the core's objects: an unstarted stream holds its prompt only if the engine's
@@ -172,6 +177,7 @@ async def start_sidecar(
     engine_metrics: str,
     kv_prompt_ratio: str = "learned",
     records_path: str | None = None,
+    kv_decode_booking: str = "upfront",
     **policy_changes: Any,
 ) -> Clients:
     server = await aiohttp_server(engine.app())
@@ -183,6 +189,7 @@ async def start_sidecar(
         engine_metrics_stale_s=0.2,
         kv_prompt_ratio=kv_prompt_ratio,
         records_path=records_path,
+        kv_decode_booking=kv_decode_booking,
     )
     policy = dataclasses.replace(
         PATIENT_POLICY,
@@ -415,6 +422,66 @@ async def test_the_gates_keep_room_for_the_running_requests_decode(
     engine.release(None)
     await (await second).read()
     assert await books_when_settled(sidecar) == ZERO_BOOKS
+
+
+async def test_engine_decode_booking_starts_what_fits_the_engine_now(
+    aiohttp_client: ClientFactory, aiohttp_server: ServerFactory
+) -> None:
+    # The previous test's workload with kvDecodeBooking: engine. The second request fits what
+    # the engine holds and what the first may decode before the next report: it starts while
+    # the first runs (up front, it waited for the first to end).
+    engine = StreamingEngine()
+    clients = await start_sidecar(
+        aiohttp_client, aiohttp_server, engine, "vllm", kv_decode_booking="engine"
+    )
+    scheduler = clients.sidecar.scheduler
+    limit = int(scheduler.policy.interactive_kv_watermark * BLOCKS)  # 180 blocks
+    first = asyncio.create_task(
+        clients.proxy.post(
+            "/v1/chat/completions", json=chat_body(3000), headers={"Authorization": CHAT}
+        )
+    )
+
+    async def running(count: int) -> bool:
+        return len(engine.queues) == count and scheduler.running == count
+
+    await eventually(lambda: running(1))
+    engine.release(64)
+    response = await first
+    await read_events(response, 64)
+    (job,) = scheduler.jobs.values()
+    assert job.kv_blocks * 2 > limit  # two reservations do not fit the watermark
+
+    polls = engine.metrics_served
+
+    async def reported() -> bool:  # a report taken since the 64 tokens were relayed
+        kv = await kv_of(clients)
+        return bool(
+            engine.metrics_served >= polls + 2
+            and kv["source"] == "engine"
+            and kv["view_blocks"] == engine.used_blocks()
+            and kv["decode_allowance_tokens"] >= BLOCK
+        )
+
+    await eventually(reported)
+    kv = await kv_of(clients)
+    assert kv["decode_booking"] == "engine"
+    # The gates: the engine's blocks and the first's allowance, not its max_tokens.
+    allowance = kv["decode_allowance_tokens"]
+    prompt = job.kv_prompt_tokens
+    soon = min(job.kv_blocks, blocks(prompt + 64 + allowance))
+    assert kv["gate_blocks"] == engine.used_blocks() + soon - blocks(prompt + 64) < limit
+    second = asyncio.create_task(
+        clients.proxy.post(
+            "/v1/chat/completions", json=chat_body(3000), headers={"Authorization": IDE}
+        )
+    )
+    await eventually(lambda: running(2))
+    assert scheduler.queued_total == 0
+    engine.release(None)
+    await response.read()
+    await (await second).read()
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
 
 
 async def test_stale_metrics_fall_back_to_the_books_and_the_model(
@@ -771,3 +838,102 @@ def test_the_intake_delay_learns_only_from_what_the_report_surely_says() -> None
     now[0] = 1600.0
     view.observe(scheduler, 0, running=0, waiting=0)
     assert view.intake_ms == 500.0  # b: on its way for 500 ms
+
+
+def test_engine_decode_booking_counts_the_growth_to_the_next_report_not_max_tokens() -> None:
+    # kvDecodeBooking: engine. Two streams run (2000-token prompts, max_tokens 3000: 157 blocks
+    # of 32 booked each, 314 of a 360-block watermark), each has shown 100 tokens (66 blocks).
+    # Up front, a third does not fit; booked as the engine books decode, it does.
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=400, max_batch_requests=16
+    )
+    now = [0.0]
+    views = {
+        mode: KvView(clock=lambda: now[0], decode_booking=mode) for mode in ("upfront", "engine")
+    }
+    schedulers = {mode: make_scheduler("tokenfair", keyed_config(policy)) for mode in views}
+    progress: dict[str, dict[str, StreamProgress]] = {mode: {} for mode in views}
+
+    def send(mode: str, request_id: str) -> None:
+        scheduler = schedulers[mode]
+        request = Request(request_id, "tenant_chat_pro", now[0], 2000, 3000, "interactive")
+        assert scheduler.submit(request, now[0]) is None
+        assert scheduler.next_dispatch(now[0]) is not None
+        tracked = views[mode].track(request_id)
+        assert tracked is not None
+        progress[mode][request_id] = tracked
+
+    for mode in views:
+        for number in range(2):
+            send(mode, f"r{number}")
+        for tracked in progress[mode].values():
+            tracked.relayed(b"data: {}\n\n" * 100)
+    third = Request("r2", "tenant_chat_pro", 0.0, 2000, 3000, "interactive")
+    used = 2 * blocks(2100)
+    for mode, view in views.items():
+        view.observe(schedulers[mode], used, running=2, waiting=0)
+    upfront, engine = schedulers["upfront"], schedulers["engine"]
+    # Up front: the engine's blocks plus each stream's growth to its max_tokens (as before).
+    assert upfront.kv_decode_allowance_tokens == views["upfront"].decode_allowance_tokens == -1
+    assert upfront.kv_gate_blocks == used + 2 * (blocks(5000) - blocks(2100)) == 314
+    # Engine: no decode rate seen yet (the first report), so one block's allowance: each
+    # stream's prompt, its 100 tokens and 32 more.
+    assert engine.kv_decode_allowance_tokens == views["engine"].decode_allowance_tokens == BLOCK
+    assert engine.kv_gate_blocks == used + 2 * (blocks(2100 + BLOCK) - blocks(2100)) == 134
+    assert upfront.resident_blocks == engine.resident_blocks == 2 * blocks(5000)  # the books
+    for scheduler in schedulers.values():
+        assert scheduler.submit(third, 0.0) is None
+    assert upfront.next_dispatch(0.0) is None  # 314 + 157 > 360: it waits
+    before = engine.kv_gate_blocks
+    assert engine.next_dispatch(0.0) is not None  # booked at its prompt and the allowance
+    assert engine.kv_gate_blocks == before + blocks(2000 + BLOCK)
+    assert engine.resident_blocks == 3 * blocks(5000)
+    views["engine"].track("r2")
+    # 250 ms later every stream has shown 100 more: the fastest decodes 0.4 tokens per ms,
+    # and the allowance covers two report intervals at that rate: 200 tokens.
+    now[0] = 250.0
+    for tracked in progress["engine"].values():
+        tracked.relayed(b"data: {}\n\n" * 100)
+    used = 2 * blocks(2200)  # r2 not started yet: it holds nothing the engine reports
+    views["engine"].observe(engine, used, running=2, waiting=1)
+    assert views["engine"].decode_rate == pytest.approx(0.4)
+    assert engine.kv_decode_allowance_tokens == 200
+    growth = 2 * (blocks(2200 + 200) - blocks(2200)) + blocks(2000 + 200)
+    assert engine.kv_gate_blocks == used + growth
+    # One ends before the next report: its blocks are not credited until the engine says so
+    # (the gates never drop below the engine's blocks and the others' allowance).
+    gate = engine.kv_gate_blocks
+    engine.complete("r0", 300.0)
+    views["engine"].forget("r0")
+    assert engine.kv_gate_blocks == gate
+    # Stale: the books at once, decode up front (as `upfront` books it).
+    views["engine"].observe(engine, None)
+    assert engine.kv_decode_allowance_tokens == -1
+    assert engine.kv_gate_blocks == engine.resident_blocks == 2 * blocks(5000)
+    assert engine.kv_gate_job_blocks(engine.jobs["r1"]) == blocks(5000)
+
+
+def test_engine_decode_booking_never_books_more_than_the_reservation() -> None:
+    # A short answer (max_tokens 10) is booked at most its reservation, whatever the
+    # allowance; a whole (non-streamed) answer shows no progress and keeps its reservation.
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=1000, max_batch_requests=16
+    )
+    scheduler = make_scheduler("tokenfair", keyed_config(policy))
+    view = KvView(decode_booking="engine")
+    for request_id, decode, stream in (("short", 10, True), ("whole", 3000, False)):
+        request = Request(request_id, "tenant_chat_pro", 0.0, 2000, decode, "interactive")
+        assert scheduler.submit(request, 0.0) is None
+        assert scheduler.next_dispatch(0.0) is not None
+        view.track(request_id, stream=stream)
+    view.observe(scheduler, 0, running=0, waiting=0)
+    assert scheduler.kv_decode_allowance_tokens == BLOCK
+    assert scheduler.kv_gate_blocks == blocks(2010) + blocks(5000)
+    assert view.gate_blocks_held(scheduler, 0, 0, BLOCK) == 0
+
+
+def test_the_decode_booking_is_upfront_or_engine() -> None:
+    with pytest.raises(ValueError, match=r"KvView\.decode_booking: must be one of upfront, engine"):
+        KvView(decode_booking="lazy")
+    assert KvView(follows_streams=False, decode_booking="engine").decode_booking == "upfront"
+    assert SidecarSettings().kv_decode_booking == "upfront"
