@@ -111,7 +111,7 @@ class PolicyConfig:
     batch_min_share: float = 0.10
     """Share of service (0..0.5] the batch lane is guaranteed under interactive overload
     (``tokenfair`` policy only; the lesson's policies have strict priority)."""
-    batch_rate_margin_sigmas: float = 1.25
+    batch_rate_margin_sigmas: float = 1.0
     """The batch lane's admission reads the interactive demand this many standard deviations
     above its recent average (the spread of the interactive work that may arrive within
     ``maxBatchWaitMs``, from the recent requests' sizes; ``tokenfair`` policy only, docs/
