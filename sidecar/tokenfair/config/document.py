@@ -111,6 +111,12 @@ class PolicyConfig:
     batch_min_share: float = 0.10
     """Share of service (0..0.5] the batch lane is guaranteed under interactive overload
     (``tokenfair`` policy only; the lesson's policies have strict priority)."""
+    batch_rate_margin_sigmas: float = 1.0
+    """The batch lane's admission reads the interactive demand this many standard deviations
+    above its recent average (the spread of the interactive work that may arrive within
+    ``maxBatchWaitMs``, from the recent requests' sizes; ``tokenfair`` policy only, docs/
+    fairness.md §5.5). Higher: fewer admitted batch requests expire in the queue and more are
+    refused at the door; 0: the average alone."""
     lend_idle_capacity: bool = False
     """Let a tenant over its token budget use capacity nobody within budget is waiting for
     (``tokenfair`` policy only). Off by default: budgets are caps a platform sells, and a
@@ -236,6 +242,7 @@ POLICY_FIELDS: Final[dict[str, tuple[str, Parser]]] = {
     "maxBatchRequests": ("max_batch_requests", integer_in(1, MAX_BATCH_REQUESTS)),
     "batchThroughputGain": ("batch_throughput_gain", number_in(1.0, MAX_BATCH_REQUESTS)),
     "batchMinShare": ("batch_min_share", share),
+    "batchRateMarginSigmas": ("batch_rate_margin_sigmas", number_in(0.0, 4.0)),
     "lendIdleCapacity": ("lend_idle_capacity", boolean),
     "maxQueuedRequests": ("max_queued_requests", positive_int),
     "maxQueuedRequestsPerTenant": ("max_queued_requests_per_tenant", positive_int),

@@ -20,8 +20,11 @@ Admission (at arrival; the first gate that fails decides, with a ``Retry-After``
    requests waited lately, an expiry counted as three limits), so an engine that does not keep
    to the model, or a lane whose rate the model misjudges, does not have requests admitted that
    then expire; its rate reads the interactive demand corrected for its warm-up
-   (:data:`DEMAND_WARMUP_FLOOR`), and a batch request that joins at the ring's tail is admitted
-   on :data:`TAIL_WAIT_FACTOR` times its model wait.
+   (:data:`DEMAND_WARMUP_FLOOR`) and ``batchRateMarginSigmas`` standard deviations above its
+   average (the spread of the interactive work that may arrive within its wait limit, from the
+   recent requests' sizes), the rate of joiners ahead is corrected for its warm-up too, and a
+   batch request that joins at the ring's tail is admitted on :data:`TAIL_WAIT_FACTOR` times
+   its model wait.
 4. ``shed_tenant_token_quota`` — the tenant's budget cannot cover its queued work plus this
    request before the class wait limit: ``(queued_tenant_tokens + cost - bucket_level) /
    sustained_rate > max_wait``, or ``cost > burst`` (never coverable). With
@@ -202,6 +205,9 @@ class TokenfairScheduler(Scheduler):
             self._lanes[1].backlogged,
         )
         self._interactive_demand = DemandRate()  # time constant: maxBatchWaitMs
+        # The same sum of each request's service tokens squared: their spread
+        # (`_interactive_demand_rate`'s margin, batchRateMarginSigmas).
+        self._interactive_squares = DemandRate()
         self._started_ms = now_ms  # since when it has been measured (`_interactive_demand_rate`)
         # Per lane, over the lane's wait limit: admitted service, and the part of it that
         # joined ahead of the ring's tail.
@@ -257,6 +263,7 @@ class TokenfairScheduler(Scheduler):
         )
         self._rate = policy.service_tokens_per_ms
         self._interactive_cap = self._rate * (1.0 - policy.batch_min_share)
+        self._rate_margin = policy.batch_rate_margin_sigmas
         # The minimum share as the decimal it was written as, s = p / q (0.1 -> 1/10): an
         # interactive dispatch of `e` units earns the batch lane e * s / (1 - s) units of
         # credit, kept times (q - p) so that it is an exact integer, e * p; a batch dispatch
@@ -462,6 +469,10 @@ class TokenfairScheduler(Scheduler):
         if first_turn is None:
             # Tenants joining ahead send their first request before it: T = wait + λ_lift T.
             lifted = self._lane_lifted[lane].rate(now_ms, horizon_ms)
+            if lifted > 0.0 and lane == LANE_BATCH:
+                # Corrected for its warm-up, as the interactive demand is: in the first wait
+                # limits every tenant is new and joins ahead (docs/fairness.md §5.5).
+                lifted /= self._seen(now_ms, horizon_ms)
             if lifted > 0.0:
                 share_left = 1.0 - lifted / rate
                 wait_ms /= (
@@ -469,21 +480,53 @@ class TokenfairScheduler(Scheduler):
                 )
         return wait_ms
 
-    def _interactive_demand_rate(self, now_ms: float) -> float:
-        """The interactive lane's recent admitted demand, in service tokens per ms, as the batch
-        lane's predicted rate reads it: the average (time constant ``maxBatchWaitMs``, ``tau``)
-        divided by ``1 - exp(-t / tau)``, ``t`` the time since the scheduler started and at
-        least :data:`DEMAND_WARMUP_FLOOR` ``tau`` — the part of a steady rate an average that
-        started from nothing reads after ``t``. Past 40 ``tau`` the divisor is 1 to the last
-        bit and is left out."""
+    def _interactive_demand_add(self, service_tokens: int, now_ms: float) -> None:
+        """An interactive request's demand counts (at admission, or at dispatch when its
+        tenant's concurrency held it): its service tokens, and their square."""
         tau_ms = self._wait_limits[1]
-        demand = self._interactive_demand.rate(now_ms, tau_ms)
+        self._interactive_demand.add(service_tokens, now_ms, tau_ms)
+        self._interactive_squares.add(float(service_tokens) * service_tokens, now_ms, tau_ms)
+
+    def _seen(self, now_ms: float, tau_ms: float) -> float:
+        """The part of a steady rate that an average with time constant ``tau`` started from
+        nothing when the scheduler did reads now: ``1 - exp(-t / tau)``, ``t`` the time since
+        the start and at least :data:`DEMAND_WARMUP_FLOOR` ``tau``; 1 past 40 ``tau`` (to
+        the last bit)."""
         watched_ms = now_ms - self._started_ms
-        if demand > 0.0 and watched_ms < 40.0 * tau_ms:
-            floor_ms = DEMAND_WARMUP_FLOOR * tau_ms
-            watched_ms = watched_ms if watched_ms > floor_ms else floor_ms
-            demand /= -math.expm1(-watched_ms / tau_ms)
-        return demand
+        if watched_ms >= 40.0 * tau_ms:
+            return 1.0
+        floor_ms = DEMAND_WARMUP_FLOOR * tau_ms
+        watched_ms = watched_ms if watched_ms > floor_ms else floor_ms
+        return -math.expm1(-watched_ms / tau_ms)
+
+    def _interactive_demand_rate(self, now_ms: float) -> float:
+        """The interactive demand as the batch lane's predicted rate reads it, in service tokens
+        per ms (docs/fairness.md §5.5): the recent admitted demand (an average with time
+        constant ``maxBatchWaitMs``, ``tau``) corrected for its warm-up (:meth:`_seen`: divided
+        by ``seen``), ``λ``, plus ``z`` (``batchRateMarginSigmas``) standard deviations of the
+        interactive work the batch lane must leave room for within ``tau``, as a rate::
+
+            λ + z sqrt(1.5 λ m / tau),   m = Σ c² / Σ c
+
+        ``m`` over the same recent requests (their size-weighted mean size). A Poisson stream
+        of requests of random size ``c`` at ``n`` per ms (``λ = n E[c]``) brings work of
+        variance ``n tau E[c²] = λ m tau`` within ``tau`` (the ``1`` of 1.5), and the average
+        ``λ`` is read from has variance ``λ m / (2 tau)`` (the ``0.5``). Heavy-tailed sizes
+        make ``m`` large, and the batch lane gets what is left, ``R - λ``, so a small relative
+        error in ``λ`` is a large one in its rate. (The average's variance is larger while it
+        warms up — about 4 times at the warm-up floor — but counting that refuses a batch
+        request of the lesson's fixture, a burst at the start, that is served in time.)"""
+        tau_ms = self._wait_limits[1]
+        measured = self._interactive_demand.rate(now_ms, tau_ms)
+        if measured <= 0.0:
+            return measured
+        seen = self._seen(now_ms, tau_ms)
+        demand = measured if seen == 1.0 else measured / seen
+        margin = self._rate_margin
+        if margin <= 0.0:
+            return demand
+        size = self._interactive_squares.rate(now_ms, tau_ms) / measured
+        return demand + margin * math.sqrt(1.5 * demand * size / tau_ms)
 
     def _pooled_ahead(
         self,
@@ -899,7 +942,7 @@ class TokenfairScheduler(Scheduler):
             if self._tenant_limits and tenant.running + tenant.queued >= tenant.max_running:
                 job.held |= DEMAND_AT_DISPATCH  # counted when it can run (`batch_slots`)
             else:
-                self._interactive_demand.add(service_tokens, now_ms, self._wait_limits[1])
+                self._interactive_demand_add(service_tokens, now_ms)
         return None
 
     def wait_correction(self, lane: int, now_ms: float) -> float:
@@ -1219,7 +1262,7 @@ class TokenfairScheduler(Scheduler):
         if job.lane == LANE_BATCH:
             self._batch_running += 1
         elif job.held & DEMAND_AT_DISPATCH:
-            self._interactive_demand.add(job.service_tokens, now_ms, self._wait_limits[1])
+            self._interactive_demand_add(job.service_tokens, now_ms)
         engine = self._engine
         if engine is None:
             self._kv_release_ms[job.request_id] = (

@@ -161,6 +161,8 @@ def test_decode_weight_must_be_a_positive_number(tmp_path: Path, value: object) 
         ({"serviceTokensPerMs": 0}, "serviceTokensPerMs: must be > 0"),
         ({"maxBatchWaitMs": 0}, "maxBatchWaitMs: must be > 0"),
         ({"batchMinShare": 0.6}, "batchMinShare: must be in [0, 0.5]"),
+        ({"batchRateMarginSigmas": -0.5}, "batchRateMarginSigmas: must be in [0, 4]"),
+        ({"batchRateMarginSigmas": "high"}, "batchRateMarginSigmas: must be a number"),
         (
             {"maxQueuedRequests": 10, "maxQueuedRequestsPerTenant": 11},
             "maxQueuedRequestsPerTenant: must be <= maxQueuedRequests",

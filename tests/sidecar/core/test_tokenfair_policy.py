@@ -642,8 +642,11 @@ def test_a_batch_request_waits_for_its_own_credit_while_interactive_work_waits()
     assert scheduler.submit(chat("c0", "chat"), 0.0) is None  # queued, not dispatched
     # λ_int: 400 tokens admitted at 0 over maxBatchWaitMs (3500 ms) = 400 / 3500 tokens per ms,
     # read at the start as the part of a steady rate an average shows after a quarter of its
-    # time constant (the warm-up's floor), 1 - exp(-0.25).
-    batch_rate = 45.0 - 400 / 3500 / (1.0 - math.exp(-DEMAND_WARMUP_FLOOR))
+    # time constant (the warm-up's floor), 1 - exp(-0.25); and batchRateMarginSigmas (z)
+    # standard deviations above it, z sqrt(1.5 λ m / 3500), m = 400 (one request's size).
+    demand = 400 / 3500 / (1.0 - math.exp(-DEMAND_WARMUP_FLOOR))
+    margin = PolicyConfig().batch_rate_margin_sigmas * math.sqrt(1.5 * demand * 400 / 3500)
+    batch_rate = 45.0 - demand - margin
     assert scheduler.predicted_wait_ms("rag", Lane.BATCH, cost, 0.0) == pytest.approx(
         cost / batch_rate
     )
