@@ -420,6 +420,8 @@ def _shown(value: object) -> str:
 
 def sequences(body: Mapping[str, object]) -> int:
     """Sequences the request generates: ``max(n, best_of)`` (each default 1)."""
+    if body.get("n") is None and body.get("best_of") is None:  # the common request
+        return 1
     n = _choices_param(body, "n") or 1
     best_of = _choices_param(body, "best_of")
     if best_of is None:
