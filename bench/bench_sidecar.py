@@ -694,6 +694,8 @@ def _run(
 
 CALLGRIND_CONNECTIONS: Final = 8
 CALLGRIND_SECONDS: Final = 10
+CALLGRIND_SETTLE_S: Final = 3
+"""After a timed run, before the idle count: the requests still in flight finish."""
 
 
 def _instructions(tmp: Path, procs: Processes, variants: dict[str, Variant]) -> int:
@@ -739,7 +741,11 @@ def _instructions(tmp: Path, procs: Processes, variants: dict[str, Variant]) -> 
                        capture_output=True)  # fmt: skip
         # Then as long with no load: the proxy's own timers (sweeps, refreshes, flushes) cost
         # instructions per second, not per request; on a loaded machine the proxy serves fewer
-        # requests in the same time and they would weigh more per request.
+        # requests in the same time and they would weigh more per request. Counted once the
+        # requests still in flight when wrk stopped are done (as the warm-up's were before).
+        time.sleep(CALLGRIND_SETTLE_S)
+        subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True,
+                       capture_output=True)  # fmt: skip
         time.sleep(CALLGRIND_SECONDS)
         subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True,
                        capture_output=True)  # fmt: skip
