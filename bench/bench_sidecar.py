@@ -26,11 +26,14 @@ queues). Every process started here is killed in ``finally:``; everything listen
 
 Each measurement runs 3 rounds interleaved over the targets; a figure is the target's best round.
 ``--instructions`` instead counts instructions per request of each proxy under callgrind (the
-figure to trust on a loaded machine: it does not move with the load).
+figure to trust on a loaded machine), net of what the proxy executes idle (its timers: counted
+as long again with no load). It still moves with the request rate the proxy reaches under
+callgrind: at a lower rate the event loop handles fewer requests per wake-up (and the access
+log writes fewer lines per batch), so compare runs whose request counts are alike.
 
     .venv/bin/python bench/bench_sidecar.py                 # 3 rounds of 10 s (~10 min)
     .venv/bin/python bench/bench_sidecar.py --quick         # 1 round of 3 s (~2 min)
-    .venv/bin/python bench/bench_sidecar.py --instructions  # callgrind (~3 min)
+    .venv/bin/python bench/bench_sidecar.py --instructions  # callgrind (~5 min)
 """
 
 from __future__ import annotations
