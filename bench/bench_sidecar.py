@@ -26,11 +26,14 @@ queues). Every process started here is killed in ``finally:``; everything listen
 
 Each measurement runs 3 rounds interleaved over the targets; a figure is the target's best round.
 ``--instructions`` instead counts instructions per request of each proxy under callgrind (the
-figure to trust on a loaded machine: it does not move with the load).
+figure to trust on a loaded machine), net of what the proxy executes idle (its timers: counted
+as long again with no load). It still moves with the request rate the proxy reaches under
+callgrind: at a lower rate the event loop handles fewer requests per wake-up (and the access
+log writes fewer lines per batch), so compare runs whose request counts are alike.
 
     .venv/bin/python bench/bench_sidecar.py                 # 3 rounds of 10 s (~10 min)
     .venv/bin/python bench/bench_sidecar.py --quick         # 1 round of 3 s (~2 min)
-    .venv/bin/python bench/bench_sidecar.py --instructions  # callgrind (~3 min)
+    .venv/bin/python bench/bench_sidecar.py --instructions  # callgrind (~5 min)
 """
 
 from __future__ import annotations
@@ -694,6 +697,8 @@ def _run(
 
 CALLGRIND_CONNECTIONS: Final = 8
 CALLGRIND_SECONDS: Final = 10
+CALLGRIND_SETTLE_S: Final = 3
+"""After a timed run, before the idle count: the requests still in flight finish."""
 
 
 def _instructions(tmp: Path, procs: Processes, variants: dict[str, Variant]) -> int:
@@ -737,15 +742,26 @@ def _instructions(tmp: Path, procs: Processes, variants: dict[str, Variant]) -> 
         result = run_wrk(url, stage.chat_lua, CALLGRIND_CONNECTIONS, CALLGRIND_SECONDS)
         subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True,
                        capture_output=True)  # fmt: skip
+        # Then as long with no load: the proxy's own timers (sweeps, refreshes, flushes) cost
+        # instructions per second, not per request; on a loaded machine the proxy serves fewer
+        # requests in the same time and they would weigh more per request. Counted once the
+        # requests still in flight when wrk stopped are done (as the warm-up's were before).
+        time.sleep(CALLGRIND_SETTLE_S)
+        subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True,
+                       capture_output=True)  # fmt: skip
+        time.sleep(CALLGRIND_SECONDS)
+        subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True,
+                       capture_output=True)  # fmt: skip
         procs.stop(proc)
-        dump = next(path for path in tmp.glob(f"callgrind.{name}.*"))  # the -d dump only
-        totals = re.search(r"^(?:summary|totals): (\d+)", dump.read_text(), re.MULTILINE)
-        if totals is None or not result.requests or result.non_2xx:
-            raise RuntimeError(f"{name}: no usable callgrind dump or failed requests ({result})")
-        counts[name] = per_request = int(totals.group(1)) / result.requests
-        print(f"  {name:<13} {result.requests:>6} requests  {per_request / 1000:>8.0f}k "
-              f"instructions per request, {per_request / counts['minimal']:.2f}x minimal",
-              flush=True)  # fmt: skip
+        if not result.requests or result.non_2xx:
+            raise RuntimeError(f"{name}: failed requests ({result})")
+        loaded = _callgrind_total(tmp / f"callgrind.{name}.1")
+        idle = _callgrind_total(tmp / f"callgrind.{name}.2")
+        per_request = loaded / result.requests
+        counts[name] = net = (loaded - idle) / result.requests
+        print(f"  {name:<13} {result.requests:>6} requests  {net / 1000:>8.0f}k instructions "
+              f"per request, {net / counts['minimal']:.2f}x minimal  (raw {per_request / 1000:.0f}k"
+              f", idle {idle / CALLGRIND_SECONDS / 1000:.0f}k a second)", flush=True)  # fmt: skip
     op, target = TARGETS["access log share of cpu"]
     for name in ("sidecar", "base"):
         if name in counts:
@@ -753,6 +769,14 @@ def _instructions(tmp: Path, procs: Processes, variants: dict[str, Variant]) -> 
             print(f"  access log share of {name}'s instructions: {share:.3f}  target {op} "
                   f"{target:g}  {'met' if share <= target else 'NOT met'}")  # fmt: skip
     return 0
+
+
+def _callgrind_total(dump: Path) -> int:
+    """The instructions a ``callgrind_control -d`` dump counted (since the last zeroing)."""
+    totals = re.search(r"^(?:summary|totals): (\d+)", dump.read_text(), re.MULTILINE)
+    if totals is None:
+        raise RuntimeError(f"{dump.name}: no usable callgrind dump")
+    return int(totals.group(1))
 
 
 def _env(pythonpath: str | None) -> dict[str, str] | None:

@@ -273,7 +273,11 @@ def _structured_chars(body: Mapping[str, object]) -> int:
 
 def _message_chars(i: int, message: Mapping[str, object]) -> tuple[int, int]:
     """``(characters, image parts)`` of ``messages[i]``."""
-    chars, images = _content(f"messages[{i}].content", message.get("content"))
+    content = message.get("content")
+    if type(content) is str:  # the common message: no parameter name to build for an error
+        chars, images = len(content), 0
+    else:
+        chars, images = _content(f"messages[{i}].content", content)
     name = message.get("name")
     if name is not None:
         if not isinstance(name, str):
@@ -307,7 +311,7 @@ def chars4(body: Mapping[str, object]) -> int:
             raise EstimateError("messages", "messages: must be a list")
         tokens = math.ceil(structured / CHARS_PER_TOKEN)
         for i, message in enumerate(messages):
-            if not isinstance(message, Mapping):
+            if type(message) is not dict and not isinstance(message, Mapping):  # (an ABC check)
                 raise EstimateError(f"messages[{i}]", f"messages[{i}]: must be an object")
             chars, images = _message_chars(i, message)
             tokens += math.ceil(chars / CHARS_PER_TOKEN) + images * IMAGE_TOKENS
@@ -416,6 +420,8 @@ def _shown(value: object) -> str:
 
 def sequences(body: Mapping[str, object]) -> int:
     """Sequences the request generates: ``max(n, best_of)`` (each default 1)."""
+    if body.get("n") is None and body.get("best_of") is None:  # the common request
+        return 1
     n = _choices_param(body, "n") or 1
     best_of = _choices_param(body, "best_of")
     if best_of is None:

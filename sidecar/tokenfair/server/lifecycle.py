@@ -414,12 +414,14 @@ class Lifecycle:
     def facts(self, call: BackendCall | None) -> RequestFacts:
         """What the access log and the span need besides the decision and the usage."""
         model = call.body.get("model") if call is not None else None
+        settlement = self.settlement
         return RequestFacts(
             route=call.path if call is not None else None,
             model=model if isinstance(model, str) else None,
             admission_ms=self.admission_ms,
             queued=self.phase is not Phase.REFUSED,
-            settlement=self.settlement.value if self.settlement is not None else None,
+            # `_value_`, not `.value` (a descriptor run in Python, on the hot path)
+            settlement=settlement._value_ if settlement is not None else None,
         )
 
     def _record_outcome(

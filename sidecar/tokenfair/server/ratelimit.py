@@ -97,17 +97,19 @@ class RateLimits:
         reset_s = clock.real_seconds(reset_ms)
         usage, service = mix if mix is not None else (1, 1)
         ratio = usage / service if service > 0 else 1.0
+        reset = f"{reset_s:.3f}s"
+        limit_service, remaining_service = math.floor(burst), math.floor(level)
         headers = {
             "x-ratelimit-limit-tokens": str(math.floor(burst * ratio)),
             "x-ratelimit-remaining-tokens": str(math.floor(level * ratio)),
-            "x-ratelimit-reset-tokens": f"{reset_s:.3f}s",
-            "x-tokenfair-ratelimit-limit-service-tokens": str(math.floor(burst)),
-            "x-tokenfair-ratelimit-remaining-service-tokens": str(math.floor(level)),
-            "x-tokenfair-ratelimit-reset-service-tokens": f"{reset_s:.3f}s",
+            "x-ratelimit-reset-tokens": reset,
+            "x-tokenfair-ratelimit-limit-service-tokens": str(limit_service),
+            "x-tokenfair-ratelimit-remaining-service-tokens": str(remaining_service),
+            "x-tokenfair-ratelimit-reset-service-tokens": reset,
         }
         if self.ietf:
             window_s = clock.real_seconds(burst * 1000.0 / sustained)
             headers.update(
-                ietf_ratelimit_fields(math.floor(burst), math.floor(level), window_s, reset_s)
+                ietf_ratelimit_fields(limit_service, remaining_service, window_s, reset_s)
             )
         return headers

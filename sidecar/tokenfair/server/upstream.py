@@ -32,8 +32,9 @@ What it does, and nothing else:
   that can hold one.
 * Timeouts: connecting longer than ``connect_timeout_s`` raises :class:`TimeoutError`; so does
   ``read_timeout_s`` without a byte from the upstream while a response is awaited (one timer per
-  request, re-armed only when it fires early — not per read). The clock stops while the reader
-  is the slow side (reading paused, see below).
+  connection, kept from one request to the next and re-armed only when it fires early — not per
+  read, nor per request). The clock stops while the reader is the slow side (reading paused,
+  see below).
 * Back-pressure: a response's unread bytes past :data:`HIGH_WATER_BYTES` pause reading from the
   socket until ``next_chunk()`` takes them, so a slow client never makes the sidecar buffer a
   whole stream.
@@ -217,6 +218,13 @@ class _Connection(asyncio.Protocol):
         self.idle_limit_s = IDLE_KEEPALIVE_S
         """How long it may stay idle in the pool and still be reused (the upstream's own
         ``Keep-Alive: timeout`` can shorten it)."""
+        self.timer: asyncio.TimerHandle | None = None
+        """The read timeout's timer: armed by the first exchange, kept while the connection is
+        pooled (it fires at most once more, finds nothing to time and stays off until the next
+        exchange), re-armed when it fires early; cancelled when the connection closes."""
+        self._poller: select.poll | None = None
+        """Polls the idle socket before reuse (:meth:`reusable_now`); made once, with the
+        transport."""
         self._reset()
 
     def _reset(self) -> None:
@@ -241,7 +249,6 @@ class _Connection(asyncio.Protocol):
         self.error: Exception | None = None
         self.waiter: asyncio.Future[None] | None = None
         self.last_read = 0.0
-        self.timer: asyncio.TimerHandle | None = None
 
     # -- the exchange ---------------------------------------------------------------------------
 
@@ -253,7 +260,10 @@ class _Connection(asyncio.Protocol):
         assert transport is not None
         self.active = True
         self.last_read = self.loop.time()
-        self.timer = self.loop.call_at(self.last_read + self.client.read_timeout_s, self._on_timer)
+        if self.timer is None:  # a pooled connection's timer still runs: it re-arms when it fires
+            self.timer = self.loop.call_at(
+                self.last_read + self.client.read_timeout_s, self._on_timer
+            )
         transport.write(data)
         # asyncio's write sends at once when nothing is buffered, and closes the transport on
         # the spot if that send fails: closing now means no byte was sent.
@@ -267,11 +277,9 @@ class _Connection(asyncio.Protocol):
         transport = self.transport
         if self.closed or transport is None or transport.is_closing():
             return False
-        sock = transport.get_extra_info("socket")
-        if sock is None:
+        poller = self._poller
+        if poller is None:
             return True
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN | select.POLLPRI)
         return not poller.poll(0)  # POLLHUP and POLLERR are reported whatever was asked
 
     async def wait(self) -> None:
@@ -303,9 +311,7 @@ class _Connection(asyncio.Protocol):
 
     def release(self) -> None:
         """The exchange is over: pool the connection if it can carry another one, else close it
-        (a connection's end, not a request's)."""
-        if self.timer is not None:
-            self.timer.cancel()
+        (a connection's end, not a request's). A pooled connection keeps its timer."""
         reusable = (
             self.complete and self.keep_alive and self.error is None and not self.closed
             and not self.paused
@@ -320,8 +326,14 @@ class _Connection(asyncio.Protocol):
         """Close the connection now, from our side (``abort``, not ``close``: an unread response
         is not drained). ``closed`` is set first: see :meth:`connection_lost`."""
         self.closed = True
+        self._cancel_timer()
         if self.transport is not None:
             self.transport.abort()
+
+    def _cancel_timer(self) -> None:
+        timer, self.timer = self.timer, None
+        if timer is not None:
+            timer.cancel()
 
     def _fail(self, error: Exception) -> None:
         if self.error is None and not self.complete:
@@ -336,7 +348,7 @@ class _Connection(asyncio.Protocol):
     def _on_timer(self) -> None:
         self.timer = None
         if not self.active or self.complete or self.error is not None:
-            return
+            return  # idle (pooled), or its exchange is over: the next exchange arms it again
         now = self.loop.time()
         if self.paused:  # the reader is the slow side, not the upstream
             deadline = now + self.client.read_timeout_s
@@ -354,6 +366,10 @@ class _Connection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         self.client.connections.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self._poller = select.poll()
+            self._poller.register(sock.fileno(), select.POLLIN | select.POLLPRI)
 
     def data_received(self, data: bytes) -> None:
         if not self.active or self.complete:  # nothing was asked: the connection must be silent
@@ -396,6 +412,8 @@ class _Connection(asyncio.Protocol):
         # `close()`): then the end of the connection is not the end of a body framed by it.
         aborted_here = self.closed
         self.closed = True
+        self._cancel_timer()
+        self._poller = None
         self.client.connections.discard(self)
         if self.active and not self.complete:
             if self.head_done and self.until_eof and exc is None and not aborted_here:
@@ -483,10 +501,7 @@ class _Connection(asyncio.Protocol):
             return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self._wake()
+        self._wake()  # the timer, left running, finds the exchange over when it fires
 
 
 class UpstreamClient:
@@ -589,6 +604,7 @@ class UpstreamClient:
     def pool(self, connection: _Connection) -> None:
         if self._closed or len(self._idle) >= MAX_IDLE_CONNECTIONS:
             connection.closed = True
+            connection._cancel_timer()
             if connection.transport is not None:
                 connection.transport.close()
             return

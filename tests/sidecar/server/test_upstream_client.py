@@ -809,6 +809,61 @@ async def test_read_timeout_counts_from_the_last_byte_not_the_request(
     response.release()
 
 
+async def test_a_pooled_connection_keeps_one_read_timer_across_its_requests(
+    serve: ServerFactory, clients: ClientFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read timeout's timer belongs to the connection: sequential requests on one pooled
+    connection arm it once, not once a request (a timer handle, a heap push and a cancel saved
+    per request on the hot path)."""
+    server = await serve(answer_each(ok(b"again")))
+    client = clients(server.url(), read_timeout_s=60.0)
+    loop = asyncio.get_running_loop()
+    armed: list[float] = []
+    call_at = loop.call_at
+
+    def counting_call_at(when: float, callback: Any, *args: Any) -> asyncio.TimerHandle:
+        if getattr(callback, "__name__", "") == "_on_timer":  # not the connect's timeout
+            armed.append(when)
+        return call_at(when, callback, *args)
+
+    monkeypatch.setattr(loop, "call_at", counting_call_at)
+    for _ in range(5):
+        assert await fetch(client) == b"again"
+    assert server.accepted == 1
+    assert len(armed) == 1
+
+
+async def test_read_timeout_on_a_reused_connection_counts_from_its_own_request(
+    serve: ServerFactory, clients: ClientFactory
+) -> None:
+    """The timer kept from the connection's first request fires early for the second one (the
+    second was sent later): it re-arms, and the second request times out a whole read timeout
+    after it was sent, never at the first one's deadline."""
+    answered = 0
+
+    async def script(peer: Peer) -> None:
+        nonlocal answered
+        await peer.read_request()
+        await peer.send(ok(b"first"))
+        answered += 1
+        await peer.read_request()
+        await peer.until_client_gone()  # the second request is never answered
+
+    server = await serve(script)
+    client = clients(server.url(), read_timeout_s=0.4)
+    assert await fetch(client) == b"first"
+    await asyncio.sleep(0.25)  # the first request's deadline falls during the second's wait
+    loop = asyncio.get_running_loop()
+    sent_at = loop.time()
+    with pytest.raises(TimeoutError, match=re.escape("no upstream bytes for 0.4 s")):
+        async with asyncio.timeout(WAIT_S):
+            await client.request("POST", "/", [], b"")
+    assert loop.time() - sent_at >= 0.4  # not at the first request's deadline (~0.15 s in)
+    assert server.accepted == 1
+    assert answered == 1
+    await gone(server.peers[0])
+
+
 async def test_read_timeout_on_a_body_framed_by_the_connection_end_is_not_its_end(
     serve: ServerFactory, clients: ClientFactory
 ) -> None:

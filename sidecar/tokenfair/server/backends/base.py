@@ -295,7 +295,10 @@ class BackendCall:
         that takes none of it for ``client_write_timeout_s`` is cut (the answer is not left to
         aiohttp to write, unbounded, after the handler)."""
         await response.prepare(self.request)
-        body = response.body if isinstance(response, web.Response) else None
+        body = None
+        # (`type() is` first: aiohttp's responses are ABCs, whose `isinstance` runs in Python)
+        if type(response) is web.Response or isinstance(response, web.Response):
+            body = response.body
         size = len(body) if isinstance(body, bytes | bytearray) else 0
         transport = self.request.transport
         if transport is not None and (

@@ -145,13 +145,20 @@ def response_headers(
     drop = _DROP_RESPONSE
     if drop_encoding:
         drop = drop | {"content-encoding"}
-    lowered = [(name.lower(), name, value) for name, value in headers]
-    if any(lower == "connection" for lower, _, _ in lowered):
-        drop = drop | connection_tokens(headers)
-    out: CIMultiDict[str] = CIMultiDict()
-    for lower, name, value in lowered:
+    kept: list[tuple[str, str]] = []
+    connection: list[str] = []  # the Connection headers' values: they name more hop-by-hop ones
+    for name, value in headers:
+        lower = name.lower()
         if lower not in drop:
-            out.add(name, value)
+            kept.append((name, value))
+        elif lower == "connection":
+            connection.append(value)
+    if connection:
+        named = {token.strip().lower() for value in connection for token in value.split(",")}
+        if not named <= drop:  # (``Connection: keep-alive`` names one dropped anyway)
+            drop = drop | named
+            kept = [(name, value) for name, value in kept if name.lower() not in drop]
+    out: CIMultiDict[str] = CIMultiDict(kept)
     out.update(extra)
     return out
 
