@@ -191,6 +191,22 @@ def model_server_pod(name: str) -> dict[str, Any]:
                         f"--trusted-tenant-header={MODEL_TENANT_HEADER}",
                     ],
                     "volumeMounts": [{"name": "model-config", "mountPath": "/etc/model"}],
+                    # Ready once its admin listener answers, which opens after the proxy
+                    # listener: without it the Pod is Ready when the injected sidecar is, and
+                    # on a busy node the first request could reach a model not yet listening.
+                    # Loopback only, so an exec probe (a kubelet httpGet goes to the Pod IP).
+                    "readinessProbe": {
+                        "exec": {
+                            "command": [
+                                "python",
+                                "-c",
+                                "import urllib.request as u; "
+                                "u.urlopen('http://127.0.0.1:9191/readyz', timeout=4)",
+                            ]
+                        },
+                        "periodSeconds": 2,
+                        "timeoutSeconds": 5,
+                    },
                     "securityContext": {
                         "runAsNonRoot": True,
                         "readOnlyRootFilesystem": True,
@@ -228,10 +244,29 @@ def test_webhook_injects_the_sidecar_through_its_service(release: KubeCluster) -
     created = release.expect(
         201, "POST", f"/api/v1/namespaces/{NAMESPACE}/pods", model_server_pod("model-e2e")
     ).body
+    pod_path = f"/api/v1/namespaces/{NAMESPACE}/pods/model-e2e"
+    try:
+        check_injected_pod(release, created, pod_path)
+    except AssertionError:
+        for pod in get_json(release, f"/api/v1/namespaces/{NAMESPACE}/pods")["items"]:
+            name = pod["metadata"]["name"]
+            for container in pod["spec"]["containers"]:
+                tail = container_log(name, container["name"])[-4000:]
+                print(f"--- {name}/{container['name']} ---\n{tail}")
+        raise
+    finally:
+        # Gone before the next test, pass or fail: the uninstall test counts what is left in
+        # the namespace.
+        release.expect((200, 202), "DELETE", pod_path + "?gracePeriodSeconds=1")
+        poll("injected Pod deleted", lambda: release.request("GET", pod_path).status == 404, 90, 2)
+
+
+def check_injected_pod(release: KubeCluster, created: dict[str, Any], pod_path: str) -> None:
+    """The injected Pod, once Ready, serves through its sidecar, and the sidecar's long-poll
+    reaches the operator over TLS."""
     names = [c["name"] for c in created["spec"]["containers"]]
     # failurePolicy is Ignore: without a working call through the Service, no sidecar.
     assert names == ["tokenfair-sidecar", "model"], names
-    pod_path = f"/api/v1/namespaces/{NAMESPACE}/pods/model-e2e"
 
     def ready_ip() -> str | None:
         status = get_json(release, pod_path)["status"]
@@ -255,25 +290,14 @@ def test_webhook_injects_the_sidecar_through_its_service(release: KubeCluster) -
         f"config long-poll of https://{OPERATOR_SERVICE}.{NAMESPACE}.svc:8443/v1/config/"
         f"{NAMESPACE}/{POLICY}?source=secret answers (server verified with "
     )
-    try:
-        bundle = poll("the CA bundle published", lambda: get_or_none(release, bundle_path), 60, 2)
-        assert bundle["data"]["ca.crt"].startswith("-----BEGIN CERTIFICATE-----")
-        poll(
-            "the sidecar's long-poll answered over TLS",
-            lambda: answered in container_log("model-e2e", "tokenfair-sidecar"),
-            120,
-            2,
-        )
-    except AssertionError:
-        for pod in get_json(release, f"/api/v1/namespaces/{NAMESPACE}/pods")["items"]:
-            name = pod["metadata"]["name"]
-            for container in pod["spec"]["containers"]:
-                tail = container_log(name, container["name"])[-4000:]
-                print(f"--- {name}/{container['name']} ---\n{tail}")
-        raise
-    release.expect((200, 202), "DELETE", pod_path + "?gracePeriodSeconds=1")
-    # Gone before the next test: the uninstall test counts what is left in the namespace.
-    poll("injected Pod deleted", lambda: release.request("GET", pod_path).status == 404, 90, 2)
+    bundle = poll("the CA bundle published", lambda: get_or_none(release, bundle_path), 60, 2)
+    assert bundle["data"]["ca.crt"].startswith("-----BEGIN CERTIFICATE-----")
+    poll(
+        "the sidecar's long-poll answered over TLS",
+        lambda: answered in container_log("model-e2e", "tokenfair-sidecar"),
+        120,
+        2,
+    )
 
 
 def get_or_none(cluster: KubeCluster, path: str) -> dict[str, Any] | None:
