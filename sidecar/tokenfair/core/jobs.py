@@ -206,6 +206,8 @@ class Job:
         "expected_units",
         "held",
         "kv_blocks",
+        "kv_credit_epoch",
+        "kv_gate_credit",
         "kv_prompt_tokens",
         "lane",
         "lifted",
@@ -254,6 +256,9 @@ class Job:
         # round robin's charge (`expected_tokens` is always `expected_units / UNITS_PER_TOKEN`)
         self.lifted = False  # its tenant joined the ring ahead with it (drr.push join_ahead)
         self.held = 0  # HELD_* bits: the tenant limits that passed it over at a selection
+        self.kv_gate_credit = 0  # blocks of `kv_blocks` the KV gates do not count (engine
+        # booking: `Scheduler.kv_gate_credit_blocks`), valid in report epoch `kv_credit_epoch`
+        self.kv_credit_epoch = -1
 
     def outcome(
         self, status_code: int, reason: str, gate: str, occupancy: float, **observed: float

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Final, NamedTuple, final
 
@@ -215,6 +215,10 @@ class Scheduler(ABC):
     called."""
     tracks_kv_releases: ClassVar[bool] = False
     """``_kv_released`` is called when a request's KV is freed."""
+    takes_decode_allowance: ClassVar[bool] = False
+    """:meth:`observe_engine_kv` takes a decode allowance and per-request credits
+    (``kvDecodeBooking: engine``); False (the lesson's policies): they are ignored, and the
+    gates book every running request up front whatever the sidecar's setting."""
     tracks_completions: ClassVar[bool] = False
     """``_finished`` is called when a dispatched request stops running (settled, or released
     unsettled)."""
@@ -237,7 +241,14 @@ class Scheduler(ABC):
         self.kv_correction_blocks = 0
         """The engine's view of the KV cache minus the books (:meth:`observe_engine_kv`); 0
         without a fresh report from the engine. KV gates read ``resident_blocks +
-        kv_correction_blocks``; the books (``resident_blocks``) never change by it."""
+        kv_correction_blocks - kv_gate_credit_blocks``; the books (``resident_blocks``) never
+        change by it."""
+        self.kv_gate_credit_blocks = 0
+        """The blocks of the running requests' reservations the gates do not count
+        (``kvDecodeBooking: engine``, a fresh report): the sum of their ``Job.kv_gate_credit``
+        of the current report epoch. Each request's credit is given back exactly when it ends;
+        a report or a stale one replaces them all."""
+        self._kv_epoch = 0
         self._kv_prompt_ratio = 1.0  # `kv_prompt_ratio`, validated by its setter
         self.kv_decode_allowance_tokens = -1
         """How the gates book a request dispatched now (:meth:`kv_gate_job_blocks`): negative
@@ -485,7 +496,11 @@ class Scheduler(ABC):
         return refusal
 
     def observe_engine_kv(
-        self, used_blocks: int | None, held_blocks: int = 0, decode_allowance_tokens: int = -1
+        self,
+        used_blocks: int | None,
+        held_blocks: int = 0,
+        decode_allowance_tokens: int = -1,
+        gate_credits: Mapping[str, int] | None = None,
     ) -> None:
         """The engine reported its KV cache just now: ``used_blocks`` in use, where the
         running requests surely hold ``held_blocks`` (:mod:`tokenfair.server.kv_view`: each
@@ -506,18 +521,42 @@ class Scheduler(ABC):
         metrics): the books alone.
 
         ``decode_allowance_tokens`` (``kvDecodeBooking: engine``; negative: the above, the
-        default) books decode as the engine does: the caller's ``held_blocks`` then also takes
-        off each running request's reservation beyond its prompt, the tokens it has shown and
-        this allowance (:meth:`~tokenfair.server.kv_view.KvView.gate_blocks_held`), and a
-        request dispatched before the next report counts its prompt and the allowance
-        (:meth:`kv_gate_job_blocks`), not its ``max_tokens``. Decode beyond the allowance is
-        then the watermark's headroom's to absorb (the engine preempts past it)."""
+        default) books decode as the engine does: ``gate_credits`` maps each running request
+        to the blocks of its reservation beyond its prompt, the tokens it has shown and this
+        allowance (:meth:`~tokenfair.server.kv_view.KvView.gate_blocks_held`), which the gates
+        do not count (:attr:`kv_gate_credit_blocks`), and a request dispatched before the next
+        report counts its prompt and the allowance (:meth:`kv_gate_job_blocks`), not its
+        ``max_tokens``. Each credit is the request's own: given back exactly when it ends
+        (:meth:`_free_blocks`), whatever the correction's sign, so the gates never see fewer
+        blocks than the report less what the requests ended since surely held in it. Decode
+        beyond the allowance is the watermark's headroom's to absorb (the engine preempts past
+        it). A policy that does not take the allowance (:attr:`takes_decode_allowance`, the
+        lesson's) ignores both."""
+        self._kv_epoch += 1
+        self.kv_gate_credit_blocks = 0
         if used_blocks is None:
             self.kv_correction_blocks = 0
             self.kv_decode_allowance_tokens = -1
             return
         self.kv_correction_blocks = used_blocks - held_blocks
+        if not self.takes_decode_allowance or decode_allowance_tokens < 0:
+            self.kv_decode_allowance_tokens = -1
+            return
         self.kv_decode_allowance_tokens = decode_allowance_tokens
+        if gate_credits is None:
+            return
+        epoch = self._kv_epoch
+        jobs = self.jobs
+        total = 0
+        for request_id, credit in gate_credits.items():
+            job = jobs.get(request_id)
+            if job is None or job.state is not _DISPATCHED or credit <= 0:
+                continue
+            credit = min(credit, job.kv_blocks)
+            job.kv_gate_credit = credit
+            job.kv_credit_epoch = epoch
+            total += credit
+        self.kv_gate_credit_blocks = total
 
     @property
     def kv_prompt_ratio(self) -> float:
@@ -588,10 +627,18 @@ class Scheduler(ABC):
         booked = -(-(job.kv_prompt_tokens + allowance) // block)
         return booked if booked < blocks else blocks
 
+    def kv_gate_freed_blocks(self, job: Job) -> int:
+        """The blocks the gates stop counting when running ``job`` ends (:meth:`_free_blocks`):
+        its reservation less its gate credit of the current report epoch."""
+        if job.kv_credit_epoch == self._kv_epoch:
+            return job.kv_blocks - job.kv_gate_credit
+        return job.kv_blocks
+
     @property
     def kv_gate_blocks(self) -> int:
-        """KV blocks the gates see in use: the books corrected by the engine's last report."""
-        return self.resident_blocks + self.kv_correction_blocks
+        """KV blocks the gates see in use: the books corrected by the engine's last report,
+        less the running requests' decode the gates do not count (engine booking)."""
+        return self.resident_blocks + self.kv_correction_blocks - self.kv_gate_credit_blocks
 
     @property
     def queued_total(self) -> int:
@@ -615,11 +662,14 @@ class Scheduler(ABC):
                 return self.shadowed(refusal)
         blocks = self.resident_blocks + kv_blocks
         if self.kv_decode_allowance_tokens >= 0:
-            # Booked at its prompt and the decode allowance until the next report: the
-            # correction takes off the rest of its reservation (a credit `_free_blocks` gives
-            # back, if it ends first).
-            self.kv_correction_blocks -= kv_blocks - self.kv_gate_job_blocks(job)
-        seen = blocks + self.kv_correction_blocks  # the occupancy it brings the cache to
+            # Booked at its prompt and the decode allowance until the next report: the rest
+            # of its reservation is its credit, given back when it ends (`_free_blocks`).
+            credit = kv_blocks - self.kv_gate_job_blocks(job)
+            job.kv_gate_credit = credit
+            job.kv_credit_epoch = self._kv_epoch
+            self.kv_gate_credit_blocks += credit
+        # the occupancy it brings the cache to
+        seen = blocks + self.kv_correction_blocks - self.kv_gate_credit_blocks
         rounded = self._rounded_occupancy
         occupancy = rounded.get(seen)
         if occupancy is None:
@@ -712,18 +762,24 @@ class Scheduler(ABC):
         if job is None or job.state is not _DONE:
             raise ValueError(f"request {request_id!r} has no KV to release (not completed)")
         del self.jobs[request_id]
-        self._free_blocks(job.kv_blocks)
+        self._free_blocks(job)
         if self._tenant_limits:
             self.tenants[job.tenant_id].resident_blocks -= job.kv_blocks
         if self.tracks_kv_releases:
             self._kv_released(job)
 
-    def _free_blocks(self, blocks: int) -> None:
-        """Take ``blocks`` off the books. A negative correction (the engine holds less than
-        modelled) may have been this request's: it gives back up to its whole reservation
-        (``min(0, correction + blocks)``), so no credit outlives the requests it came from; a
-        positive one (the engine holds more) stays until the next report."""
+    def _free_blocks(self, job: Job) -> None:
+        """Take ``job``'s reservation off the books, and its gate credit of the current report
+        epoch (engine booking) off :attr:`kv_gate_credit_blocks`: exactly the blocks the gates
+        did not count for it. A negative correction (the engine holds less than modelled) may
+        have been this request's: it gives back up to its whole reservation (``min(0,
+        correction + blocks)``), so no credit outlives the requests it came from; a positive
+        one (the engine holds more) stays until the next report."""
+        blocks = job.kv_blocks
         self.resident_blocks -= blocks
+        if job.kv_credit_epoch == self._kv_epoch:
+            self.kv_gate_credit_blocks -= job.kv_gate_credit
+            job.kv_credit_epoch = -1
         correction = self.kv_correction_blocks
         if correction < 0:
             self.kv_correction_blocks = min(0, correction + blocks)
@@ -745,7 +801,7 @@ class Scheduler(ABC):
                 tenant.running -= 1
             if self.tracks_completions:
                 self._finished(job, None)
-        self._free_blocks(job.kv_blocks)
+        self._free_blocks(job)
         if self._tenant_limits:
             tenant.resident_blocks -= job.kv_blocks
         self._kv_released(job)
@@ -880,7 +936,7 @@ class Scheduler(ABC):
         job.state = JobState.CANCELLED if status == STATUS_CLIENT_CLOSED else JobState.REFUSED
         del self.jobs[job.request_id]
         occupancy = (
-            self.resident_blocks + self.kv_correction_blocks + self.kv_gate_job_blocks(job)
+            self.kv_gate_blocks + self.kv_gate_job_blocks(job)
         ) / self.policy.total_kv_blocks
         decision = job.outcome(status, reason, gate, round(occupancy, 4))
         decision.queue_wait_ms = round_hundredths(max(0.0, now_ms - job.arrival_ms))
@@ -901,7 +957,7 @@ class Scheduler(ABC):
 
     def kv_fits(self, job: Job) -> bool:
         return (
-            self.resident_blocks + self.kv_correction_blocks + self.kv_gate_job_blocks(job)
+            self.kv_gate_blocks + self.kv_gate_job_blocks(job)
         ) / self._total_kv_blocks <= self._watermarks[job.lane]
 
     # -- policy hooks -----------------------------------------------------------------------

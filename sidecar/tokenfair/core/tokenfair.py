@@ -193,6 +193,7 @@ class TokenfairScheduler(Scheduler):
     settles_every_request = True  # the expected cost (estimate x usage ratio) may differ
     tracks_kv_releases = True  # the KV forecast of `kv_wait_ms`
     tracks_completions = True  # the work running on the engine (`_finished`)
+    takes_decode_allowance = True  # `kvDecodeBooking: engine` (the lesson's policies: up front)
     bucket_type = ExactTokenBucket  # budgets in integer units, like the DRR state
 
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:
@@ -1006,16 +1007,15 @@ class TokenfairScheduler(Scheduler):
 
     def _occupancy(self, job: Job) -> float:
         """The KV occupancy ``job`` attempts: resident blocks and its own, of the whole cache."""
-        return (
-            self.resident_blocks + self.kv_correction_blocks + self.kv_gate_job_blocks(job)
-        ) / self._total_kv_blocks
+        return (self.kv_gate_blocks + self.kv_gate_job_blocks(job)) / self._total_kv_blocks
 
     def kv_wait_ms(self, job: Job, now_ms: float) -> float:
         """How long until the KV cache has room for ``job`` under its class watermark, if the
-        resident requests free their blocks when the cost model says: a request dispatched at
-        ``t`` holds them until ``t + kv_residency_factor * expected / rate``, corrected to its
-        actual usage when it settles. 0 if it fits now. O(r log r) in the resident requests,
-        and only for a request that does not fit now."""
+        resident requests free their blocks (those the gates count: :meth:`kv_gate_freed_blocks`)
+        when the cost model says: a request dispatched at ``t`` holds them until ``t +
+        kv_residency_factor * expected / rate``, corrected to its actual usage when it settles.
+        0 if it fits now. O(r log r) in the resident requests, and only for a request that does
+        not fit now."""
         excess = self.kv_gate_blocks + self.kv_gate_job_blocks(job) - self._kv_limits[job.lane]
         if excess <= 0:
             return 0.0
@@ -1030,7 +1030,7 @@ class TokenfairScheduler(Scheduler):
                 held = jobs.get(request_id)
                 if held is None:
                     continue
-                freed += held.kv_blocks
+                freed += self.kv_gate_freed_blocks(held)
                 last_ms = now_ms + in_ms
                 if freed >= excess:
                     break
@@ -1038,7 +1038,7 @@ class TokenfairScheduler(Scheduler):
         for release_ms, request_id in sorted(
             (ms, rid) for rid, ms in self._kv_release_ms.items() if rid in jobs
         ):
-            freed += jobs[request_id].kv_blocks
+            freed += self.kv_gate_freed_blocks(jobs[request_id])
             last_ms = release_ms
             if freed >= excess:
                 break

@@ -146,6 +146,7 @@ class KvView:
         books_prompt_ratio: bool = True,
         clock: Callable[[], float] | None = None,
         decode_booking: str = "upfront",
+        stale_after_ms: float = 0.0,
     ) -> None:
         if decode_booking not in KV_DECODE_BOOKING_MODES:
             raise ValueError(
@@ -165,6 +166,17 @@ class KvView:
         self.report_gap_ms = 0.0
         """The last interval between two fresh reports (ms; 0: not seen yet)."""
         self._report_ms: float | None = None
+        if not (math.isfinite(stale_after_ms) and stale_after_ms >= 0):
+            raise ValueError(
+                "KvView.stale_after_ms: must be a finite number of ms >= 0 "
+                f"(got {stale_after_ms!r})"
+            )
+        self.stale_after_ms = float(stale_after_ms)
+        """The longest a report can stay fresh without a newer one (ms): the engine poller's
+        ``engineMetricsStaleSeconds`` plus one failed poll (its timeout and interval). The
+        decode allowance covers at least this long (``kvDecodeBooking: engine``): the gates
+        book up front again only once the report is declared stale. 0: unknown (two report
+        intervals only; tests)."""
         self.follows_streams = follows_streams
         """False: a backend whose streams are no engine's (the ``costmodel`` engine's chunks
         are not tokens): nothing is tracked, and the view is the books."""
@@ -244,6 +256,7 @@ class KvView:
         running: int | None = None,
         used_blocks: int | None = None,
         decode_allowance_tokens: int = -1,
+        gate_credits: dict[str, int] | None = None,
     ) -> int:
         """The blocks the engine surely holds for the running requests, by the gates' model:
         each stream that has shown tokens its prompt as booked (``Job.kv_prompt_tokens``: the
@@ -266,7 +279,10 @@ class KvView:
         ``kv_blocks - max(held, min(kv_blocks, ceil((prompt + shown + allowance) / block)))``
         (``shown``: the tokens relayed, at most ``max_tokens``; a whole answer, whose progress
         does not show, keeps its reservation), so the gates see the engine's blocks plus each
-        running stream's growth over the allowance, not to its ``max_tokens``."""
+        running stream's growth over the allowance, not to its ``max_tokens``. Each tracked
+        stream's share of that (its gate credit) goes into ``gate_credits`` if given (by request
+        id): :meth:`~tokenfair.core.scheduler.Scheduler.observe_engine_kv` gives it back exactly
+        when the request ends."""
         block = scheduler.policy.kv_block_tokens
         held_job = scheduler.held_job
         preempted: set[str] = set()
@@ -301,7 +317,10 @@ class KvView:
             if decode_allowance_tokens >= 0 and progress.stream:
                 tokens = job.kv_prompt_tokens + shown + decode_allowance_tokens
                 soon = min(reserved, -(-tokens // block))
-                beyond += reserved - max(soon, surely)
+                credit = reserved - max(soon, surely)
+                beyond += credit
+                if gate_credits is not None and credit > 0:
+                    gate_credits[request_id] = credit
         held += max(0, scheduler.resident_blocks - tracked)
         if used_blocks is not None:
             held = min(held, max(0, used_blocks))
@@ -387,24 +406,26 @@ class KvView:
         self._room = waiting == 0
         self._room_from = self._sent if waiting == 0 and self._clock is None else None
         allowance = self._decode_allowance(scheduler.policy.kv_block_tokens)
+        if not scheduler.takes_decode_allowance:
+            allowance = -1  # the lesson's policies book up front whatever the setting
         self.decode_allowance_tokens = allowance
-        scheduler.observe_engine_kv(
-            used_blocks,
-            self.gate_blocks_held(scheduler, running, used_blocks, allowance),
-            allowance,
-        )
+        credits: dict[str, int] = {}
+        held = self.gate_blocks_held(scheduler, running, used_blocks, allowance, credits)
+        scheduler.observe_engine_kv(used_blocks, held - sum(credits.values()), allowance, credits)
         self._view_correction = used_blocks - self.modelled_blocks(scheduler)
 
     def _decode_allowance(self, block_tokens: int) -> int:
         """At a fresh report: the decode tokens the gates book each running stream beyond
         what it has shown (``engine`` mode; -1 in ``upfront``)::
 
-            allowance = max(block, ceil(rate * DECODE_HORIZON_REPORTS * gap))
+            allowance = max(block, ceil(rate * max(DECODE_HORIZON_REPORTS * gap, stale_after)))
 
         ``rate``: the fastest stream's tokens relayed per ms since the previous fresh report,
         ``gap``: the time since it (:attr:`decode_rate`, :attr:`report_gap_ms`; both 0 at the
-        first report, or without a clock). At least one block: a stream's next token may open
-        one. Learns the rate from the streams' events at this report and the last."""
+        first report, or without a clock); ``stale_after``: :attr:`stale_after_ms` (the gates
+        keep this booking until the report is declared stale). At least one block: a stream's
+        next token may open one. Learns the rate from the streams' events at this report and
+        the last."""
         now_ms = None if self._clock is None else self._clock()
         last_ms = self._report_ms
         self._report_ms = now_ms
@@ -420,7 +441,8 @@ class KvView:
             progress.events_at_report = progress.events
         if self.decode_booking != "engine":
             return -1
-        growth = self.decode_rate * DECODE_HORIZON_REPORTS * self.report_gap_ms
+        horizon_ms = max(DECODE_HORIZON_REPORTS * self.report_gap_ms, self.stale_after_ms)
+        growth = self.decode_rate * horizon_ms
         return max(block_tokens, math.ceil(round(growth, 9)))
 
     def _learn_intake(

@@ -159,6 +159,14 @@ class Sidecar:
             books_prompt_ratio=settings.kv_prompt_ratio == "learned",
             clock=clock.now_ms,
             decode_booking=settings.kv_decode_booking,
+            # A report stays fresh this long at most: the stale limit, then one failed poll
+            # (`EngineState.poll_once`: its timeout, then the interval).
+            stale_after_ms=1000.0
+            * (
+                settings.engine_metrics_stale_s
+                + max(1.0, settings.engine_metrics_interval_s)
+                + settings.engine_metrics_interval_s
+            ),
         )
         """The running requests' progress: the engine's KV as the sidecar sees it (a backend
         with no engine behind it: the books), and the prompt ratio the gates book at."""

@@ -19,9 +19,13 @@ Behaviours under test:
   each one's reservation), blocks held beyond the books stay until the next report, and no
   report means the books alone.
 - with a decode allowance (``kvDecodeBooking: engine``): a request dispatched is booked at its
-  prompt and the allowance, not its ``max_tokens`` (the books keep the reservation), a request
-  ending before the next report credits nothing, and no report means every reservation in
-  full again.
+  prompt and the allowance, not its ``max_tokens`` (the books keep the reservation); each
+  request's credit (the reservation the gates do not count) is its own and leaves exactly when
+  it ends, whatever the correction's sign: blocks another client holds stay counted however
+  many short requests end between two reports, and, over random dispatches, relays, endings,
+  fresh and stale reports, the gates never see fewer blocks than the engine's last report less
+  what the requests ended since held in it; no report means every reservation in full again;
+  the lesson's policies ignore the allowance (up-front booking whatever the setting).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import math
 import pytest
 
 from tokenfair.config import PolicyConfig, PriorityClass, TenantConfig, build_config
-from tokenfair.core import Books, Request
+from tokenfair.core import Books, Request, make_scheduler
 from tokenfair.core.batching import BatchingCurve, RunningWork
 from tokenfair.core.tokenfair import TokenfairScheduler
 
@@ -240,9 +244,9 @@ def test_what_the_engine_holds_beyond_the_books_stays_until_its_next_report() ->
 def test_with_a_decode_allowance_a_request_dispatched_is_booked_at_its_prompt_and_it() -> None:
     # kvDecodeBooking: engine, on the core alone. 440 blocks of 16, watermark 0.9 (396). Two
     # requests book 157 each (125 prompt blocks, 32 of max_tokens). The engine's report: 250
-    # held, and the view's figure takes off each reservation beyond its prompt and an
-    # allowance of 16 tokens (one block): 2 x 31 blocks, `held` 250 + 62 = 312. The gates see
-    # 250 + 2 x 1 = 252, and a third request, booked at 125 + 1 blocks (not 157), starts.
+    # held, and the view credits each its reservation beyond its prompt and an allowance of
+    # 16 tokens (one block): 31 blocks each. The gates see 250 + 2 x 1 = 252, and a third
+    # request, booked at 125 + 1 blocks (not 157), starts.
     fair = scheduler(total_kv_blocks=440, kv_block_tokens=16, max_batch_requests=8)
     run(fair, "a", "chat", 0.0)
     run(fair, "b", "ide", 0.0)
@@ -250,7 +254,7 @@ def test_with_a_decode_allowance_a_request_dispatched_is_booked_at_its_prompt_an
     assert fair.next_dispatch(1.0) is None  # 314 + 157 > 396
     job = fair.jobs["c"]
     assert fair.kv_gate_job_blocks(job) == job.kv_blocks == 157  # no allowance: in full
-    fair.observe_engine_kv(250, 312, 16)
+    fair.observe_engine_kv(250, 250, 16, {"a": 31, "b": 31})
     assert (fair.kv_decode_allowance_tokens, fair.kv_gate_blocks) == (16, 252)
     assert fair.kv_gate_job_blocks(job) == 126
     decision = fair.next_dispatch(1.0)
@@ -258,11 +262,11 @@ def test_with_a_decode_allowance_a_request_dispatched_is_booked_at_its_prompt_an
     assert decision.request_id == "c"
     assert decision.kv_occupancy_ratio == round((252 + 126) / 440, 4)
     assert (fair.resident_blocks, fair.kv_gate_blocks) == (471, 378)  # the books: in full
-    assert fair.kv_correction_blocks == 250 - 312 - (157 - 126)
-    # a ends before the next report: the credit goes with it, up to its reservation (-93 +
-    # 157 > 0: none is left): the gates see b's and c's reservations until the next report.
+    assert (fair.kv_correction_blocks, fair.kv_gate_credit_blocks) == (0, 31 + 31 + 31)
+    # a ends before the next report: its own credit (31) goes with it, no more: the gates see
+    # b and c at their prompt and allowance (126 each) until the next report.
     fair.complete("a", 5.0)
-    assert (fair.kv_correction_blocks, fair.kv_gate_blocks) == (0, 314)
+    assert (fair.kv_correction_blocks, fair.kv_gate_blocks) == (0, 252)
     # Stale: every reservation in full again, at once.
     fair.observe_engine_kv(None)
     assert (fair.kv_decode_allowance_tokens, fair.kv_gate_blocks) == (-1, 314)
@@ -270,3 +274,39 @@ def test_with_a_decode_allowance_a_request_dispatched_is_booked_at_its_prompt_an
     fair.complete("b", 6.0)
     fair.complete("c", 7.0)
     assert fair.books() == Books(0, 0, 0, 0, 0)
+
+
+def test_with_a_decode_allowance_blocks_another_client_holds_stay_counted() -> None:
+    # The engine holds 300 blocks for another client, nothing of ours runs: a positive
+    # correction. Four requests (157 blocks booked, 126 by the gates with an allowance of 16
+    # tokens) each start and end before the next report: each takes its own credit (31
+    # blocks) back, and the gates still see the 300 blocks (the old credit, taken off the
+    # correction and given back only while it was negative, erased them: 300, 207, ..., 0).
+    fair = scheduler(total_kv_blocks=1000, kv_block_tokens=16, max_batch_requests=8)
+    fair.observe_engine_kv(300, 0, 16, {})
+    assert fair.kv_gate_blocks == 300
+    for n in range(4):
+        run(fair, f"r{n}", "chat", float(n))
+        assert fair.kv_gate_blocks == 300 + 126
+        fair.complete(f"r{n}", n + 0.5)
+        assert (fair.kv_correction_blocks, fair.kv_gate_blocks) == (300, 300)
+    assert fair.books() == Books(0, 0, 0, 0, 0)
+
+
+def test_the_lesson_policies_book_up_front_whatever_the_allowance() -> None:
+    # kvDecodeBooking is the sidecar's, but the lesson's policies keep their decisions: a
+    # report with an allowance and credits sets neither (docs/capacity.md).
+    policy = PolicyConfig(total_kv_blocks=1000, kv_block_tokens=16, max_batch_requests=8)
+    config = build_config(policy, tenants())
+    for name in ("request_count_no_admission", "service_token_drr_with_admission"):
+        lesson = make_scheduler(name, config)
+        assert lesson.submit(Request("a", "chat", 0.0, 2000, 500, "interactive"), 0.0) is None
+        assert lesson.next_dispatch(0.0) is not None
+        lesson.observe_engine_kv(125, 125, 16, {"a": 31})
+        assert (lesson.kv_decode_allowance_tokens, lesson.kv_gate_credit_blocks) == (-1, 0), name
+        assert lesson.kv_gate_blocks == 157, name
+        assert lesson.submit(Request("b", "ide", 1.0, 2000, 500, "interactive"), 1.0) is None
+        decision = lesson.next_dispatch(1.0)
+        assert decision is not None
+        assert decision.kv_occupancy_ratio == round((157 + 157) / 1000, 4), name
+        assert lesson.kv_gate_blocks == 314, name

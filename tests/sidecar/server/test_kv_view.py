@@ -21,7 +21,10 @@ Behaviours under test:
   decode before the next report (an allowance learned from the streams' rate), and a request
   dispatched meanwhile at its prompt and that allowance: the second request above starts while
   the first runs; its growth to the next report counted, a request ending between reports
-  credits nothing until the engine says so; stale metrics: its reservation in full again;
+  frees what the gates counted for it (never blocks another client holds: a positive
+  correction stays); the allowance covers the time until the report is declared stale
+  (``engineMetricsStaleSeconds`` and one failed poll), not two intervals only; the lesson's
+  policies take no allowance; stale metrics: its reservation in full again;
 - stale metrics: the gates fall back to the books and the view to the model, visibly
   (``kv.source: books``, ``engine.fresh``);
 - the model on the core's objects: an unstarted stream holds its prompt only if the engine's
@@ -435,6 +438,9 @@ async def test_engine_decode_booking_starts_what_fits_the_engine_now(
         aiohttp_client, aiohttp_server, engine, "vllm", kv_decode_booking="engine"
     )
     scheduler = clients.sidecar.scheduler
+    # The allowance covers the time a report stays fresh: the stale limit (0.2 s) and one
+    # failed poll (its 1 s timeout, then the 0.02 s interval).
+    assert clients.sidecar.kv_view.stale_after_ms == pytest.approx(1000.0 * (0.2 + 1.0 + 0.02))
     limit = int(scheduler.policy.interactive_kv_watermark * BLOCKS)  # 180 blocks
     first = asyncio.create_task(
         clients.proxy.post(
@@ -900,12 +906,14 @@ def test_engine_decode_booking_counts_the_growth_to_the_next_report_not_max_toke
     assert engine.kv_decode_allowance_tokens == 200
     growth = 2 * (blocks(2200 + 200) - blocks(2200)) + blocks(2000 + 200)
     assert engine.kv_gate_blocks == used + growth
-    # One ends before the next report: its blocks are not credited until the engine says so
-    # (the gates never drop below the engine's blocks and the others' allowance).
+    # One ends before the next report: the gates stop counting what they counted for it (its
+    # prompt, 200 tokens shown, the allowance), no more: never below the report less what it
+    # held in it.
     gate = engine.kv_gate_blocks
     engine.complete("r0", 300.0)
     views["engine"].forget("r0")
-    assert engine.kv_gate_blocks == gate
+    assert engine.kv_gate_blocks == gate - blocks(2200 + 200)
+    assert engine.kv_gate_blocks >= used - blocks(2200)
     # Stale: the books at once, decode up front (as `upfront` books it).
     views["engine"].observe(engine, None)
     assert engine.kv_decode_allowance_tokens == -1
@@ -930,6 +938,99 @@ def test_engine_decode_booking_never_books_more_than_the_reservation() -> None:
     assert scheduler.kv_decode_allowance_tokens == BLOCK
     assert scheduler.kv_gate_blocks == blocks(2010) + blocks(5000)
     assert view.gate_blocks_held(scheduler, 0, 0, BLOCK) == 0
+
+
+def test_engine_decode_booking_keeps_counting_blocks_another_client_holds() -> None:
+    # The engine holds 300 blocks for another client; requests of ours start and end between
+    # two reports (short answers, errors): each takes back what the gates counted for it, and
+    # the 300 blocks stay counted until the next report, as up front.
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=1000, max_batch_requests=16
+    )
+    now = [0.0]
+    for mode in ("upfront", "engine"):
+        scheduler = make_scheduler("tokenfair", keyed_config(policy))
+        view = KvView(clock=lambda: now[0], decode_booking=mode)
+        view.observe(scheduler, 300, running=0, waiting=0)
+        assert scheduler.kv_gate_blocks == 300, mode
+        for number in range(4):
+            request_id = f"r{number}"
+            request = Request(request_id, "tenant_chat_pro", now[0], 2000, 3000, "interactive")
+            assert scheduler.submit(request, now[0]) is None
+            assert scheduler.next_dispatch(now[0]) is not None
+            view.track(request_id)
+            now[0] += 5000.0
+            scheduler.complete(request_id, now[0])
+            view.forget(request_id)
+            assert (scheduler.resident_blocks, scheduler.kv_gate_blocks) == (0, 300), mode
+
+
+def test_engine_decode_booking_covers_the_time_until_the_report_is_stale() -> None:
+    # Two streams decode 0.4 tokens per ms; reports every 250 ms, declared stale only after
+    # `stale_after_ms` (3250: the defaults' 2 s, a failed poll's 1 s timeout and 0.25 s). The
+    # allowance covers that long (1300 tokens), not two intervals (200): a stream decoding at
+    # the rate seen stays within its booking until the gates book up front again.
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=4000, max_batch_requests=16
+    )
+    settings = SidecarSettings()
+    stale_after_ms = 1000.0 * (
+        settings.engine_metrics_stale_s
+        + max(1.0, settings.engine_metrics_interval_s)
+        + settings.engine_metrics_interval_s
+    )
+    assert stale_after_ms == 3250.0
+    now = [0.0]
+    scheduler = make_scheduler("tokenfair", keyed_config(policy))
+    view = KvView(clock=lambda: now[0], decode_booking="engine", stale_after_ms=stale_after_ms)
+    streams = []
+    for number in range(2):
+        request = Request(f"r{number}", "tenant_chat_pro", 0.0, 1000, 4000, "interactive")
+        assert scheduler.submit(request, 0.0) is None
+        assert scheduler.next_dispatch(0.0) is not None
+        tracked = view.track(f"r{number}")
+        assert tracked is not None
+        tracked.relayed(b"data: {}\n\n")
+        streams.append(tracked)
+    view.observe(scheduler, 2 * blocks(1001), running=2, waiting=0)
+    shown = 1
+    for step_ms in (250.0, stale_after_ms):
+        now[0] += step_ms
+        added = round(0.4 * step_ms)
+        shown += added
+        for tracked in streams:
+            tracked.relayed(b"data: {}\n\n" * added)
+        if step_ms == 250.0:
+            view.observe(scheduler, 2 * blocks(1000 + shown), running=2, waiting=0)
+            assert view.decode_allowance_tokens == round(0.4 * stale_after_ms)
+    # No report for `stale_after_ms` since the last: not stale yet, and the gates still count
+    # at least what the engine holds.
+    assert scheduler.kv_gate_blocks >= 2 * blocks(1000 + shown)
+    assert KvView(stale_after_ms=0.0).stale_after_ms == 0.0  # unknown: two intervals only
+    with pytest.raises(ValueError, match="stale_after_ms: must be a finite number"):
+        KvView(stale_after_ms=math.nan)
+
+
+def test_the_lesson_policies_take_no_decode_allowance() -> None:
+    # kvDecodeBooking: engine is the sidecar's setting; the lesson's policies keep up-front
+    # booking (their decisions do not change), tokenfair takes the allowance.
+    policy = dataclasses.replace(
+        PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=1000, max_batch_requests=16
+    )
+    for name in ("tokenfair", "request_count_no_admission", "service_token_drr_with_admission"):
+        scheduler = make_scheduler(name, keyed_config(policy))
+        view = KvView(decode_booking="engine")
+        request = Request("r0", "tenant_chat_pro", 0.0, 2000, 3000, "interactive")
+        assert scheduler.submit(request, 0.0) is None
+        assert scheduler.next_dispatch(0.0) is not None
+        view.track("r0")
+        view.observe(scheduler, 0, running=0, waiting=0)
+        takes = name == "tokenfair"
+        assert (view.decode_allowance_tokens, scheduler.kv_decode_allowance_tokens) == (
+            (BLOCK, BLOCK) if takes else (-1, -1)
+        ), name
+        booked = blocks(2000 + BLOCK) if takes else blocks(5000)
+        assert scheduler.kv_gate_blocks == booked, name
 
 
 def test_the_decode_booking_is_upfront_or_engine() -> None:
