@@ -96,7 +96,9 @@ class LaneOrder:
 
     __slots__ = (
         "active_epoch",
+        "asking",
         "backlog",
+        "clock_ms",
         "elsewhere_at_ms",
         "elsewhere_rate",
         "epoch",
@@ -129,6 +131,12 @@ class LaneOrder:
         how fast its counter rises without this replica (:meth:`ahead_tokens`)."""
         self.elsewhere_at_ms: dict[str, float] = {}
         """Per tenant, when the batch that last read its total was taken."""
+        self.clock_ms = float("-inf")
+        """When the last answered batch was taken (the batches' clock)."""
+        self.asking: dict[str, None] = {}
+        """Tenants whose :attr:`elsewhere_rate` an admission read although the last answered
+        batch did not name them (idle here): the next batch names them, so their rate is
+        observed again (:meth:`ahead_tokens`)."""
 
     def service_units(self, tenant_id: str) -> int:
         """The tenant's pool-wide service as this replica knows it, in units."""
@@ -139,8 +147,15 @@ class LaneOrder:
         )
 
     def counter(self, tenant_id: str, quantum_units: int) -> float:
-        """Pool-wide service per quantum, plus the local lift: least is served first."""
-        return self.service_units(tenant_id) / quantum_units + self.offsets.get(tenant_id, 0.0)
+        """Pool-wide service per quantum, plus the local lift: least is served first.
+
+        ``float(units) / quantum_units``, not ``units / quantum_units``: past 2**53 units
+        (~9 M tokens of pool-wide service) CPython rounds the int quotient once and the
+        compiled core (int to double twice, then divides) twice; the explicit conversion is
+        the same float division on both cores (exact below 2**53, so unchanged there)."""
+        return float(self.service_units(tenant_id)) / quantum_units + self.offsets.get(
+            tenant_id, 0.0
+        )
 
     def served(self, tenant_id: str, units: int) -> None:
         """This replica gave ``units`` (negative: a settlement's refund) to the tenant."""
@@ -218,9 +233,18 @@ class LaneOrder:
             counter = self.joining_counter(tenant_id, quantum_units, floor)
         else:
             counter = self.counter(tenant_id, quantum_units)
-        level = counter + queued_units / quantum_units
+        level = counter + float(queued_units) / quantum_units  # (float: see `counter`)
         rates = self.elsewhere_rate
-        rise = rates.get(tenant_id, 0.0) / quantum_units  # quanta per ms
+        own_rate = rates.get(tenant_id, 0.0)
+        if own_rate and self.elsewhere_at_ms.get(tenant_id, self.clock_ms) < self.clock_ms:
+            # Not named by the last batch (idle here), so its rate is as old as that: read it
+            # again with the next batch. Without this, a tenant served fast elsewhere and then
+            # idle everywhere kept that rate, and coming back here was predicted never to
+            # catch up with the tenants below it — refused at the door, never backlogged here,
+            # never named again: refused for good. Its old rate still answers meanwhile (a
+            # tenant still flooding elsewhere must not be admitted to expire here).
+            self.asking[tenant_id] = None  # (a dict: batches in a reproducible order)
+        rise = own_rate / quantum_units  # quanta per ms
         pieces: list[tuple[float, float, float, float]] = []
         for other_id, other_quantum, other_queued, arrival_rate in others:
             gap = (level - self.counter(other_id, other_quantum)) * other_quantum / _UNIT
@@ -230,8 +254,10 @@ class LaneOrder:
                 if other_queued and highest <= -AWAY_QUANTA * other_quantum / _UNIT:
                     away.append(other_id)
                 continue
-            pieces.append((other_queued / _UNIT, arrival_rate, gap, drift))
-        return first_crossing_tokens(queued_units / _UNIT, rate, pieces, horizon_ms, idle_rate)
+            pieces.append((float(other_queued) / _UNIT, arrival_rate, gap, drift))
+        return first_crossing_tokens(
+            float(queued_units) / _UNIT, rate, pieces, horizon_ms, idle_rate
+        )
 
 
 def first_crossing_tokens(
@@ -326,7 +352,11 @@ class PoolService:
             return True
         if now_ms - self.synced_at_ms < sync_ms:
             return False
-        return unsynced > 0 or any(len(tenants) > 1 for tenants in backlogged)
+        return (
+            unsynced > 0
+            or any(len(tenants) > 1 for tenants in backlogged)
+            or any(lane.asking for lane in self.lanes)
+        )
 
     @property
     def sharing(self) -> bool:
@@ -345,7 +375,8 @@ class PoolService:
         self, backlogged: tuple[list[str], ...], now_ms: float
     ) -> tuple[list[tuple[str, int]], ...]:
         """Per lane, ``(tenant, whole service tokens to add)`` for every tenant with service to
-        send or backlogged here (``backlogged[lane]``: their totals are read back; 0 to add).
+        send, backlogged here (``backlogged[lane]``) or asked for by an admission
+        (:attr:`LaneOrder.asking`): every named tenant's total is read back; 0 to add.
         The sent part moves from ``unsynced`` to ``pushing`` (the remainder below a token
         stays)."""
         self.synced_at_ms = now_ms
@@ -356,7 +387,8 @@ class PoolService:
             unsynced = lane.unsynced
             pushing = lane.pushing_units
             for tenant_id, units in list(unsynced.items()):
-                tokens = int(units / _UNIT)  # toward zero: the remainder keeps its sign
+                # Toward zero, the remainder keeping its sign; in integers (exact at any size).
+                tokens = units // _UNIT if units >= 0 else -(-units // _UNIT)
                 if tokens:
                     sent = tokens * _UNIT
                     rest = units - sent
@@ -372,6 +404,11 @@ class PoolService:
                 if tenant_id not in named:
                     entries.append((tenant_id, 0))
                     named.add(tenant_id)
+            for tenant_id in lane.asking:
+                if tenant_id not in named:
+                    entries.append((tenant_id, 0))
+                    named.add(tenant_id)
+            lane.asking.clear()
             batch.append(entries)
         return tuple(batch)
 
@@ -410,6 +447,8 @@ class PoolService:
                     rates[tenant_id] = rates.get(tenant_id, 0.0) * kept + observed * (1.0 - kept)
                 pool[tenant_id] = units
             lane.epoch = epoch + 1
+            if taken_ms > lane.clock_ms:
+                lane.clock_ms = taken_ms
 
     def lost(self, batch: tuple[list[tuple[str, int]], ...]) -> None:
         """The answer to ``batch`` never came: its service counts as delivered here (into

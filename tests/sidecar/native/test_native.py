@@ -754,3 +754,36 @@ def test_both_cores_check_the_engine_facts_alike(tmp_path: Path) -> None:
     assert all(line.startswith("ValueError EngineFacts.") for line in lines["0"][:9])
     # The overhead reaches the first tokens (3 ms a prompt more than without it).
     assert lines["0"][-3] != lines["0"][-2]
+
+
+def test_both_cores_divide_pool_counters_past_2_53_alike(tmp_path: Path) -> None:
+    # Pool-wide counters are in units (10**9 a token): past 2**53 (~9 M tokens of a tenant's
+    # service) the compiled `int / int` rounded twice (int to double, then divide) where
+    # CPython rounds once: the counters, the admission's level and a batch's whole tokens
+    # differed in the last bit. Both cores now convert explicitly and agree.
+    build = _build()
+    script = (
+        "from tokenfair.core.jobs import UNITS_PER_TOKEN as U\n"
+        "from tokenfair.core.pool_order import PoolService\n"
+        "from tokenfair import native\n"
+        "pool = PoolService(lanes=1)\n"
+        "lane = pool.lanes[0]\n"
+        "quantum = 300 * U + 7\n"
+        "values = []\n"
+        "for k in range(200):\n"
+        "    units = 9_100_000 * U + 12_345_678_901 * k + 1\n"
+        "    assert units > 2**53\n"
+        "    lane.pool_units['a'] = units\n"
+        "    lane.pool_units['b'] = units + 3 * quantum + k\n"
+        "    values.append(lane.counter('a', quantum).hex())\n"
+        "    ahead = lane.ahead_tokens(('a', quantum, units), False, None,\n"
+        "                              [('b', quantum, 2000 * U, 1.0)], 0.0, 10.0, 2000.0, [])\n"
+        "    values.append(ahead.hex())\n"
+        "lane.served('c', 2**60 + 999_999_999)\n"
+        "values.append(repr(pool.take_batch(([],), 0.0)))\n"
+        "print(native.status().active, ' '.join(values))\n"
+    )
+    lines = {switch: out.split(" ", 1) for switch, out in _both_cores(script, build, tmp_path)}
+    assert lines["1"][0] == "True"
+    assert lines["0"][0] == "False"
+    assert lines["1"][1] == lines["0"][1]
