@@ -22,9 +22,10 @@ Admission (at arrival; the first gate that fails decides, with a ``Retry-After``
    then expire; its rate reads the interactive demand corrected for its warm-up
    (:data:`DEMAND_WARMUP_FLOOR`) and ``batchRateMarginSigmas`` standard deviations above its
    average (the spread of the interactive work that may arrive within its wait limit, from the
-   recent requests' sizes), the rate of joiners ahead is corrected for its warm-up too, and a
-   batch request that joins at the ring's tail is admitted on :data:`TAIL_WAIT_FACTOR` times
-   its model wait.
+   recent requests' sizes), the rate of joiners ahead is corrected for its warm-up too (and,
+   in the first wait limit, read at least as the lane's demand times the part of the batch
+   tenants not seen yet), and a batch request that joins at the ring's tail, or ahead behind
+   other joiners, is admitted on :data:`TAIL_WAIT_FACTOR` times its model wait.
 4. ``shed_tenant_token_quota`` — the tenant's budget cannot cover its queued work plus this
    request before the class wait limit: ``(queued_tenant_tokens + cost - bucket_level) /
    sustained_rate > max_wait``, or ``cost > burst`` (never coverable). With
@@ -167,7 +168,10 @@ bursts their recent rate does not show). bench_fairness, 32 seeds: scenario 5b's
 (one tenant at its minimum share, always at the tail) expired 2.5 % of what it admitted without
 it (worst seed 4.6 %), 0.1 % with it (worst 1.6 %); scenarios 3 and 9 within noise (1.2: the
 same in 5b, scenario 3's batch Jain 0.004 lower). 1.3 changes the lesson's fixture (a batch
-request served in time there would be refused)."""
+request served in time there would be refused). So is a request that joins ahead behind other
+joiners still waiting for their first turn (the first joiner waits for the front's turn
+alone): it waits through their turns too, which come two or three at a time (scenario 3 at
+seeds 22 and 23: 7 of 10 expiries were such joiners; docs/fairness.md §5.5, change 8)."""
 
 FORGOTTEN_RATE = 1e-9
 """An offered rate (service tokens per ms) below which a tenant's offer is forgotten."""
@@ -234,6 +238,7 @@ class TokenfairScheduler(Scheduler):
         self._curve: BatchingCurve | None = None  # the engine model they measure
         self._batch_floor_slots = 1  # max(1, ceil(batchMinShare * S)) (`_adopt_cost_model`)
         self._interactive_tenants = False  # the configuration has an interactive tenant
+        self._batch_tenants = 0  # batch tenants configured
         # The interactive tenants if every one has maxConcurrentRequests, else None (`batch_slots`).
         self._interactive_capped: tuple[str, ...] | None = None
         # Recent service per lane, per tenant and in all (time constant: SERVICE_MEMORY_LIMITS).
@@ -278,6 +283,7 @@ class TokenfairScheduler(Scheduler):
         self._batch_floor_slots = batch_floor if batch_floor > 1 else 1
         interactive = [t for t in self.config.tenants if t.priority_class == "interactive"]
         self._interactive_tenants = bool(interactive)
+        self._batch_tenants = len(self.config.tenants) - len(interactive)
         self._interactive_capped = (
             tuple(t.tenant_id for t in interactive)
             if all(t.max_concurrent_requests is not None for t in interactive)
@@ -474,6 +480,22 @@ class TokenfairScheduler(Scheduler):
                 # Corrected for its warm-up, as the interactive demand is: in the first wait
                 # limits every tenant is new and joins ahead (docs/fairness.md §5.5).
                 lifted /= self._seen(now_ms, horizon_ms)
+            if lane == LANE_BATCH and now_ms - self._started_ms < horizon_ms:
+                # Start-up (docs/fairness.md §5.5, change 7): in the first wait limit nearly
+                # every tenant's first request joins ahead, and the lifted rate has seen few of
+                # them (none before the first lift). The batch tenants that have not sent yet
+                # are read as lifts at the lane's demand (corrected for its warm-up) times the
+                # part they are of the batch tenants (`unseen > 0`, so there is one at least).
+                unseen = self._batch_tenants - len(self._offered[lane])
+                if unseen > 0:
+                    newcomers = (
+                        self._lane_demand[lane].rate(now_ms, horizon_ms)
+                        / self._seen(now_ms, horizon_ms)
+                        * unseen
+                        / self._batch_tenants
+                    )
+                    if newcomers > lifted:
+                        lifted = newcomers
             if lifted > 0.0:
                 share_left = 1.0 - lifted / rate
                 wait_ms /= (
@@ -900,9 +922,9 @@ class TokenfairScheduler(Scheduler):
         else:
             # The batch lane: the model's wait times how much longer the lane's requests have
             # waited than it predicted lately (`wait_correction`), and a request that joins at
-            # the ring's tail times TAIL_WAIT_FACTOR more.
+            # the ring's tail, or ahead behind other joiners, times TAIL_WAIT_FACTOR more.
             correction = self.wait_correction(lane, now_ms)
-            if join_rank is None:
+            if join_rank is None or drr.ahead_joiners:
                 correction *= TAIL_WAIT_FACTOR
             predicted_wait_ms = waited_ms + model_wait_ms * correction
         if predicted_wait_ms > wait_limit_ms:

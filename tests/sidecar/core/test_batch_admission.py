@@ -13,6 +13,11 @@ Behaviours under test:
 - A batch request that joins at the ring's tail is admitted on 1.1 times its model wait: a
   batch lane at its minimum share, its tenant always backlogged, has at most 2 % of what it
   admitted expire, and still gets its share.
+- So is a batch request that joins ahead behind other joiners still waiting for their first
+  turn: it waits through their turns too (the first joiner, for the front's turn alone).
+- In the first wait limit the batch tenants not seen yet are read as joiners to come: a flood
+  admitted before the first lift is refused at the door, not passed by twenty first requests
+  and expired.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import pytest
 from tokenfair.config import PolicyConfig, PriorityClass, TenantConfig, build_config
 from tokenfair.core import Request
 from tokenfair.core.jobs import LANE_BATCH, SHED_QUEUE_TIMEOUT, SHED_QUEUE_WAIT_SLO
-from tokenfair.core.tokenfair import TokenfairScheduler
+from tokenfair.core.tokenfair import TAIL_WAIT_FACTOR, TokenfairScheduler
 from tokenfair.sim.simulator import simulate
 
 UNBOUNDED = 10**12
@@ -237,3 +242,69 @@ def test_batch_work_beside_heavy_tailed_interactive_work_is_served_once_admitted
     admitted, expired, served = heavy_tailed_neighbours(seed)
     assert expired <= 0.02 * admitted
     assert served >= 0.1 * R * 60_000.0  # the lane still gets its minimum share (0.1)
+
+
+def start_up_flood(policy: PolicyConfig) -> Counter[tuple[bool, str]]:
+    """21 batch tenants: ``heavy`` sends sixty 3200+350 requests (4,600 service tokens), one
+    every 20 ms from 0 ms (5 C for 1.2 s); the twenty others are light, one such request each,
+    50 ms apart from 400 ms, and join ahead of heavy's backlog. Per (heavy?, reason)."""
+    names = ["heavy", *(f"light{i:02d}" for i in range(20))]
+    tenants = [TenantConfig(name, 1.0, UNBOUNDED, UNBOUNDED, "batch") for name in names]
+    requests = [Request(f"h{i:03d}", "heavy", 20.0 * i, 3200, 350, "batch") for i in range(60)]
+    requests += [
+        Request(f"l{i:02d}", f"light{i:02d}", 400.0 + 50.0 * i, 3200, 350, "batch")
+        for i in range(20)
+    ]
+    requests.sort(key=lambda r: (r.arrival_ms, r.request_id))
+    decisions = simulate(build_config(policy, tenants), requests, "tokenfair")
+    return Counter((d.tenant_id == "heavy", d.reason) for d in decisions)
+
+
+def test_batch_tenants_not_seen_yet_count_as_joiners_at_start_up() -> None:
+    # Heavy's requests admitted before 400 ms saw no lift at all (the lifted rate reads 0), so
+    # each was priced on heavy's own backlog; then twenty first requests joined ahead of them.
+    # Before the start-up rule 12 of heavy's 21 admitted requests expired in the queue. With
+    # it the 20 tenants not seen yet are read, in the first wait limit, as bringing 20/21 of the
+    # lane's demand as lifts: heavy is refused at the door instead, and the 8 requests it is
+    # admitted are served, beside 18 of the 20 light ones.
+    outcomes = start_up_flood(PolicyConfig())
+    assert outcomes[True, SHED_QUEUE_TIMEOUT] == 0
+    assert outcomes[False, SHED_QUEUE_TIMEOUT] == 0
+    assert outcomes[True, "admitted"] >= 5
+    assert outcomes[False, "admitted"] >= 15
+
+
+def test_a_batch_joiner_behind_other_joiners_is_admitted_on_the_tail_factor() -> None:
+    # It waits through their first turns, which the model prices at the lane's rate and which
+    # come two or three at a time mid-run (bench_fairness, scenario 3: 7 of 10 expiries at
+    # seeds 22 and 23 were such joiners). Past the start-up (5 s), with nothing recorded by
+    # the wait correction: heavy is backlogged and running at 5000 ms; ``first`` joins ahead,
+    # then ``second`` behind it. Both arrived ``waited`` ms before, so that what is left of the
+    # limit holds the second's model wait but not TAIL_WAIT_FACTOR times it. Before, it was
+    # admitted like the first (whose wait is the front's turn alone).
+    tenants = [
+        TenantConfig(name, 1.0, UNBOUNDED, UNBOUNDED, "batch")
+        for name in ("heavy", "first", "second")
+    ]
+    policy = PolicyConfig()
+    limit = policy.max_batch_wait_ms
+    fair = TokenfairScheduler(build_config(policy, tenants))
+    now = 5000.0
+    for i in range(3):
+        assert fair.submit(Request(f"h{i}", "heavy", now, 3200, 350, "batch"), now) is None
+    assert fair.next_dispatch(now) is not None
+    now += 10.0
+    assert fair.wait_correction(LANE_BATCH, now) == 1.0
+    first_wait = fair.predicted_wait_ms("first", LANE_BATCH, 4600, now, 0.0)
+    # The second waits for the first's turn as well (one 4,600-token request at R).
+    second_wait = first_wait + 4600 / R
+    waited = limit - (1.0 + TAIL_WAIT_FACTOR) / 2 * second_wait
+    arrival = now - waited
+    assert fair.submit(Request("f0", "first", arrival, 3200, 350, "batch"), now) is None
+    assert fair.predicted_wait_ms("second", LANE_BATCH, 4600, now, 0.0) == pytest.approx(
+        second_wait, rel=1e-9
+    )
+    assert waited + second_wait < limit < waited + TAIL_WAIT_FACTOR * second_wait
+    refused = fair.submit(Request("s0", "second", arrival, 3200, 350, "batch"), now)
+    assert refused is not None
+    assert refused.reason == SHED_QUEUE_WAIT_SLO
