@@ -311,79 +311,75 @@ def test_service_elsewhere_is_read_from_the_totals() -> None:
     assert lane.elsewhere_rate["a"] == pytest.approx(2.0 * U * (1.0 - kept) * kept)
 
 
+class _ThreeTenants:
+    """One lane where `b` and `c` stay backlogged (2,000 tokens queued each, sending 6 tokens
+    per ms), batches every 500 ms of a virtual clock answered from :attr:`totals`, and `a`'s
+    prediction for one 200-token request (10 tokens per ms, a horizon of 2 s)."""
+
+    QUANTUM = 100 * U
+
+    def __init__(self) -> None:
+        self.pool = PoolService(lanes=1)
+        self.lane = self.pool.lanes[0]
+        self.totals = {"a": 0, "b": 0, "c": 0}
+        self.now_ms = 0.0
+
+    def batch(self, backlogged: list[str], a_elsewhere_tokens: int = 0) -> list[str]:
+        """500 ms on, `a` served ``a_elsewhere_tokens`` elsewhere meanwhile: the names sent."""
+        self.now_ms += 500.0
+        self.totals["a"] += a_elsewhere_tokens
+        taken = self.pool.take_batch((backlogged,), self.now_ms)
+        self.pool.absorb(taken, ([self.totals[tenant_id] for tenant_id, _ in taken[0]],))
+        return [tenant_id for tenant_id, _ in taken[0]]
+
+    def ahead(self) -> float:
+        q = self.QUANTUM
+        floor = min(self.lane.counter("b", q), self.lane.counter("c", q))
+        others = [("b", q, 2000 * U, 6.0), ("c", q, 2000 * U, 6.0)]
+        own = ("a", q, 200 * U)
+        return self.lane.ahead_tokens(own, True, floor, others, 0.0, 10.0, 2000.0, [])
+
+
+HORIZON_TOKENS = 10.0 * 2000.0  # more ahead than this: refused
+
+
 def test_a_tenant_idle_here_has_its_service_elsewhere_read_again_when_it_comes_back() -> None:
     # `a` served 10,000 tokens elsewhere every 500 ms batch for 5 s (backlogged here too),
     # then idle everywhere for 10 minutes while `b` and `c` stay backlogged here: the batches
-    # (a virtual clock, every 500 ms) no longer name `a`, so its rate is as old as that. It
-    # used to stay so for good: `a` coming back with one request was predicted never to catch
-    # up with `b` and `c` (more than `rate * horizon` ahead: refused at the door, never
-    # backlogged here, never named again). Now the admission that reads the old rate asks for
-    # `a` in the next batch, which observes that nothing was served elsewhere since.
-    q = 100 * U
-    pool = PoolService(lanes=1)
-    lane = pool.lanes[0]
-    totals = {"a": 0, "b": 0, "c": 0}
-    now_ms = 0.0
-
-    def batch(backlogged: list[str]) -> list[str]:
-        taken = pool.take_batch((backlogged,), now_ms)
-        pool.absorb(taken, ([totals[tenant_id] for tenant_id, _ in taken[0]],))
-        return [tenant_id for tenant_id, _ in taken[0]]
-
-    def ahead() -> float:
-        floor = min(lane.counter("b", q), lane.counter("c", q))
-        others = [("b", q, 2000 * U, 6.0), ("c", q, 2000 * U, 6.0)]
-        return lane.ahead_tokens(("a", q, 200 * U), True, floor, others, 0.0, 10.0, 2000.0, [])
-
+    # no longer name `a`, so its rate is as old as that. It used to stay so for good: `a`
+    # coming back with one request was predicted never to catch up with `b` and `c` (refused
+    # at the door, never backlogged here, never named again). Now the admission that reads
+    # the old rate asks for `a` in the next batch, which observes that nothing was served
+    # elsewhere since.
+    lane = _ThreeTenants()
     for _ in range(10):
-        now_ms += 500.0
-        totals["a"] += 10_000
-        batch(["a", "b", "c"])
-    assert lane.elsewhere_rate["a"] > 10.0 * U
-    assert ahead() > 10.0 * 2000.0  # served elsewhere: past the horizon, refused
-    assert not lane.asking  # named by the last batch: nothing to ask
+        lane.batch(["a", "b", "c"], a_elsewhere_tokens=10_000)
+    assert lane.lane.elsewhere_rate["a"] > 10.0 * U
+    assert lane.ahead() > HORIZON_TOKENS  # served elsewhere: past the horizon, refused
+    assert not lane.lane.asking  # named by the last batch: nothing to ask
     for _ in range(1200):
-        now_ms += 500.0
-        assert batch(["b", "c"]) == ["b", "c"]
+        assert lane.batch(["b", "c"]) == ["b", "c"]
     # The rate is as old as the last batch that named `a`: it still answers, and `a` is asked.
-    assert ahead() > 10.0 * 2000.0
-    assert list(lane.asking) == ["a"]
-    assert pool.due(now_ms + 500.0, 500.0, 10**9, ([],))  # asked: a batch is due
-    now_ms += 500.0
-    assert batch([]) == ["a"]  # named, and the ask is answered
-    assert not lane.asking
-    assert lane.elsewhere_rate["a"] < 1e-6 * U  # nothing elsewhere for 10 minutes
-    assert ahead() < 10.0 * 2000.0  # its wait fits the horizon: admitted
+    assert lane.ahead() > HORIZON_TOKENS
+    assert list(lane.lane.asking) == ["a"]
+    assert lane.pool.due(lane.now_ms + 500.0, 500.0, 10**9, ([],))  # asked: a batch is due
+    assert lane.batch([]) == ["a"]  # named, and the ask is answered
+    assert not lane.lane.asking
+    assert lane.lane.elsewhere_rate["a"] < 1e-6 * U  # nothing elsewhere for 10 minutes
+    assert lane.ahead() < HORIZON_TOKENS  # its wait fits the horizon: admitted
 
 
 def test_a_tenant_still_served_elsewhere_stays_refused_after_its_rate_is_read_again() -> None:
     # The same, but `a` keeps being served elsewhere while idle here: the batch that names it
     # again observes its rate, and the admission still refuses it (it would expire here).
-    q = 100 * U
-    pool = PoolService(lanes=1)
-    lane = pool.lanes[0]
-    totals = {"a": 0, "b": 0, "c": 0}
-    now_ms = 0.0
-
-    def batch(backlogged: list[str]) -> None:
-        taken = pool.take_batch((backlogged,), now_ms)
-        pool.absorb(taken, ([totals[tenant_id] for tenant_id, _ in taken[0]],))
-
-    def ahead() -> float:
-        floor = min(lane.counter("b", q), lane.counter("c", q))
-        others = [("b", q, 2000 * U, 6.0), ("c", q, 2000 * U, 6.0)]
-        return lane.ahead_tokens(("a", q, 200 * U), True, floor, others, 0.0, 10.0, 2000.0, [])
-
+    lane = _ThreeTenants()
     for step in range(40):
-        now_ms += 500.0
-        totals["a"] += 10_000
-        batch(["a", "b", "c"] if step < 10 else ["b", "c"])
-    assert ahead() > 10.0 * 2000.0
-    now_ms += 500.0
-    totals["a"] += 10_000
-    batch([])
-    assert lane.elsewhere_rate["a"] == pytest.approx(20.0 * U, rel=1e-3)  # 10,000 a 500 ms
-    assert ahead() > 10.0 * 2000.0
+        lane.batch(["a", "b", "c"] if step < 10 else ["b", "c"], a_elsewhere_tokens=10_000)
+    assert lane.ahead() > HORIZON_TOKENS
+    assert list(lane.lane.asking) == ["a"]
+    assert lane.batch([], a_elsewhere_tokens=10_000) == ["a"]
+    assert lane.lane.elsewhere_rate["a"] == pytest.approx(20.0 * U, rel=1e-3)  # 10,000 a 500 ms
+    assert lane.ahead() > HORIZON_TOKENS
 
 
 def _pinned_flooding(pool: PoolService | None) -> TokenfairScheduler:
