@@ -461,11 +461,15 @@ class PoolService:
 
     def lost(self, batch: tuple[list[tuple[str, int]], ...]) -> None:
         """The answer to ``batch`` never came: its service counts as delivered here (into
-        ``pool``) and is not sent again."""
+        ``pool``) and is not sent again; a tenant it named with a stale rate elsewhere is
+        asked for again (:attr:`LaneOrder.asking`)."""
         for lane, entries in zip(self.lanes, batch, strict=True):
             pool = lane.pool_units
             pushing = lane.pushing_units
+            seen = lane.elsewhere_at_ms
             for tenant_id, tokens in entries:
+                if tenant_id in lane.elsewhere_rate and seen.get(tenant_id, 0.0) < lane.clock_ms:
+                    lane.asking[tenant_id] = None
                 if tokens:
                     units = tokens * _UNIT
                     left = pushing.get(tenant_id, 0) - units

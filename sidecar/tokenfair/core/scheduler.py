@@ -747,6 +747,11 @@ class Scheduler(ABC):
         if kv_blocks is not None:
             self.resident_blocks += kv_blocks - job.kv_blocks
             job.kv_blocks = kv_blocks
+            if job.kv_credit_epoch == self._kv_epoch:
+                # What it holds is known now: no decode to come, so no credit (the gates count
+                # the blocks it holds until its release, as the books do).
+                self.kv_gate_credit_blocks -= job.kv_gate_credit
+                job.kv_credit_epoch = -1
         job.state = _DONE
         self.running -= 1
         if self.tracks_completions:

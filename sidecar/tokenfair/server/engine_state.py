@@ -14,7 +14,8 @@ engine says what it holds: this module polls the upstream's Prometheus ``/metric
 
 and, at start (again every :data:`LIMITS_REFRESH_S` while it fails), ``GET /v1/models`` for each
 model's ``max_model_len`` and ``GET /openapi.json`` for the routes the engine serves (vLLM
-registers ``/v1/embeddings`` only for a model that can embed).
+registers ``/v1/embeddings`` only for a model that can embed), in a task beside the polls (a
+slow answer never delays one).
 
 Each report corrects the sidecar's model of the engine's KV (:mod:`tokenfair.server.kv_view`,
 :meth:`~tokenfair.core.scheduler.Scheduler.observe_engine_kv`): KV gates then see the engine's
@@ -31,6 +32,7 @@ Bounded: one poll at a time, each within the interval (at least 1 s) and
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -359,22 +361,36 @@ class EngineState:
         """Poll until cancelled; never raises otherwise."""
         clock = self._clock
         next_limits_s = 0.0
-        while True:
-            started = clock.monotonic_s()
-            if not self._limits_read and started >= next_limits_s:
-                try:
-                    await self._read_limits()
-                except Exception:  # a bug here must not stop the poller
-                    log.exception("reading the engine's models and routes failed")
-                if not self._limits_read:
+        reading: asyncio.Task[None] | None = None
+        try:
+            while True:
+                started = clock.monotonic_s()
+                if (
+                    not self._limits_read
+                    and started >= next_limits_s
+                    and (reading is None or reading.done())
+                ):
+                    # In a task of its own: its requests (5 s timeouts) never hold a poll back,
+                    # so a report is declared stale on time (the stale limit and one failed
+                    # poll: the horizon of kvDecodeBooking: engine's allowance, KvView).
+                    reading = asyncio.create_task(self._read_limits_logged())
                     next_limits_s = started + LIMITS_REFRESH_S
-            try:
-                await self.poll_once()
-            except Exception:
-                log.exception("polling the engine's metrics failed")
-                self._failed("the poll raised (see the log)")
-            elapsed = clock.monotonic_s() - started
-            await clock.sleep(max(0.0, self.interval_s - elapsed))
+                try:
+                    await self.poll_once()
+                except Exception:
+                    log.exception("polling the engine's metrics failed")
+                    self._failed("the poll raised (see the log)")
+                elapsed = clock.monotonic_s() - started
+                await clock.sleep(max(0.0, self.interval_s - elapsed))
+        finally:
+            if reading is not None:
+                reading.cancel()
+
+    async def _read_limits_logged(self) -> None:
+        try:
+            await self._read_limits()
+        except Exception:  # a bug here must not stop the poller
+            log.exception("reading the engine's models and routes failed")
 
     async def poll_once(self) -> None:
         """One poll: a fresh report goes to ``on_report``; a failure is counted, and once the

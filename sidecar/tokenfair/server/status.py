@@ -60,8 +60,10 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
             "resident_kv_blocks": books.resident_kv_blocks,
         },
         # The KV cache (server/kv_view.py): what the engine holds now as the sidecar sees it
-        # (view), and what the gates see (the books corrected by the engine's last report: the
-        # running requests' growth to their reservations counted in full); without a fresh
+        # (view), and what the gates see (the books corrected by the engine's last report, less
+        # the running requests' decode credits with kvDecodeBooking: engine, `gate_blocks =
+        # resident + correction_blocks - gate_credit_blocks`; upfront: no credit, the growth
+        # to their reservations counted in full); without a fresh
         # report ("source": "books", "engine" says why) the gates use the books alone. The
         # prompt ratio learned from the engine's usage, the one reservations are booked at
         # (kvPromptRatio), the engine's intake delay the view learned, and how running
@@ -70,6 +72,7 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
             "view_blocks": sidecar.kv_view.view_blocks(sidecar.scheduler),
             "gate_blocks": max(0, sidecar.scheduler.kv_gate_blocks),
             "correction_blocks": sidecar.scheduler.kv_correction_blocks,
+            "gate_credit_blocks": sidecar.scheduler.kv_gate_credit_blocks,
             "prompt_ratio": round(sidecar.kv_view.prompt_ratio, 4),
             "gate_prompt_ratio": round(sidecar.scheduler.kv_prompt_ratio, 4),
             "intake_ms": round(sidecar.kv_view.intake_ms, 1),

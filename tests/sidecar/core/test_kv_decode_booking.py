@@ -107,3 +107,25 @@ def run_sequence(mode: str, seed: int) -> int:
 def test_the_gates_never_see_less_than_the_report_less_what_ended_since(mode: str) -> None:
     checked = sum(run_sequence(mode, seed) for seed in range(40))
     assert checked > 4000  # the invariant was checked at many fresh-report steps
+
+
+def test_a_request_settled_with_its_actual_kv_has_no_credit_left() -> None:
+    # A request settled with its actual KV (`actual_kv_blocks`) but released later: its
+    # reservation shrinks to what it holds, and its gate credit (decode to come) goes, so the
+    # gates count those blocks until the release, as the books do (they read -194).
+    policy = dataclasses.replace(PATIENT_POLICY, kv_block_tokens=BLOCK, total_kv_blocks=100_000)
+    config = keyed_config(
+        policy, burst_service_tokens=10**12, sustained_service_tokens_per_second=10**9
+    )
+    scheduler = make_scheduler("tokenfair", config)
+    scheduler.observe_engine_kv(0, 0, BLOCK)  # fresh, engine booking, an allowance of a block
+    assert scheduler.submit(Request("a", TENANTS[0], 0.0, 160, 3200, "interactive"), 0.0) is None
+    assert scheduler.next_dispatch(0.0) is not None
+    job = scheduler.jobs["a"]
+    assert job.kv_gate_credit == job.kv_blocks - 11 > 5  # booked at 160 + 16 tokens: 11 blocks
+    scheduler.complete("a", 1.0, actual_kv_blocks=5, release_kv=False)
+    assert (scheduler.resident_blocks, scheduler.kv_gate_credit_blocks) == (5, 0)
+    assert scheduler.kv_gate_blocks == 5
+    scheduler.release_kv("a")
+    assert (scheduler.resident_blocks, scheduler.kv_gate_credit_blocks) == (0, 0)
+    assert scheduler.kv_gate_blocks == 0

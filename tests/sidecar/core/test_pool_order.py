@@ -382,6 +382,23 @@ def test_a_tenant_still_served_elsewhere_stays_refused_after_its_rate_is_read_ag
     assert lane.ahead() > HORIZON_TOKENS
 
 
+def test_an_ask_whose_batch_is_lost_is_asked_again() -> None:
+    # The batch that named `a` for its stale rate never came back (the store timed out): the
+    # ask is kept for the next batch, which reads `a` again.
+    lane = _ThreeTenants()
+    for step in range(20):
+        lane.batch(["a", "b", "c"] if step < 10 else ["b", "c"], a_elsewhere_tokens=10_000)
+    lane.ahead()
+    assert list(lane.lane.asking) == ["a"]
+    taken = lane.pool.take_batch((["b", "c"],), lane.now_ms + 500.0)
+    assert [tenant_id for tenant_id, _ in taken[0]] == ["b", "c", "a"]
+    assert not lane.lane.asking
+    lane.pool.lost(taken)
+    assert list(lane.lane.asking) == ["a"]  # `b` and `c` were read by the last answer: not asked
+    assert lane.batch(["b", "c"]) == ["b", "c", "a"]
+    assert not lane.lane.asking
+
+
 def _pinned_flooding(pool: PoolService | None) -> TokenfairScheduler:
     """One replica (45 tokens/ms, serial, wait limit 420 ms) after 2 s of ``pinned`` sending
     640-token requests every 12 ms (53 tokens/ms: always backlogged, served at the whole rate),

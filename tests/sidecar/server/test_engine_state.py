@@ -23,6 +23,7 @@ Timing: the poller runs every 20 ms against a loopback server; tests wait for th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -31,7 +32,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from clock_support import ManualClock
+from clock_support import ManualClock, run_virtual
 from sidecar_support import (
     CHAT,
     ZERO_BOOKS,
@@ -44,8 +45,10 @@ from sidecar_support import (
 
 from tokenfair.config import ConfigError, PolicyConfig
 from tokenfair.config.document import load_documents
+from tokenfair.server.clock import ModelClock
 from tokenfair.server.engine_state import (
     ENGINES,
+    LIMITS_REFRESH_S,
     EngineMetricNames,
     EngineState,
     parse_engine_metrics,
@@ -183,6 +186,47 @@ async def test_reports_go_stale_after_stale_s_on_the_engine_states_clock() -> No
     await engine.poll_once()
     assert engine.fresh
     assert engine.last_at_s == pytest.approx(12.501)
+
+
+def test_a_slow_read_of_the_engines_limits_never_holds_a_report_fresh_longer() -> None:
+    # The engine's /v1/models and /openapi.json hang for their whole timeouts (never read: they
+    # are asked again every LIMITS_REFRESH_S), and its metrics stop answering just before the
+    # second ask. The last report is declared stale on time: the stale limit and one failed
+    # poll, the horizon kvDecodeBooking: engine's allowance covers. (When the limits were read
+    # in the poller's loop, the report stayed fresh for 11.25 s here.) Virtual time.
+    settings = SidecarSettings()
+    interval_s, stale_s = settings.engine_metrics_interval_s, settings.engine_metrics_stale_s
+    stale_after_s = stale_s + max(1.0, interval_s) + interval_s  # as server/sidecar.py has it
+
+    async def run() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        reports: list[float] = []
+        stale: list[float] = []
+
+        async def get(path: str, timeout_s: float, most_bytes: int) -> tuple[int, bytes]:
+            if path != "/metrics" or loop.time() - start >= LIMITS_REFRESH_S - 0.1:
+                await asyncio.sleep(timeout_s)  # no answer within its timeout
+                raise TimeoutError(path)
+            return 200, VLLM_PAGE.encode()
+
+        engine = EngineState(
+            get, engine="vllm", custom=None, metrics_path="/metrics", interval_s=interval_s,
+            stale_s=stale_s, on_report=lambda report: reports.append(loop.time() - start),
+            on_stale=lambda problem: stale.append(loop.time() - start),
+            on_limits=lambda limits: None, clock=ModelClock(),
+        )  # fmt: skip
+        poller = asyncio.create_task(engine.run())
+        await asyncio.sleep(2 * LIMITS_REFRESH_S)
+        poller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poller
+        last = max(reports)
+        return last, min(at for at in stale if at > last)
+
+    last_report_s, stale_at_s = run_virtual(run())
+    assert last_report_s > LIMITS_REFRESH_S - 1.0  # polled throughout the first limits' read
+    assert stale_at_s - last_report_s <= stale_after_s + 1e-6
 
 
 def test_an_unquoted_off_in_yaml_is_off() -> None:

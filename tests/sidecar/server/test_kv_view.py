@@ -477,6 +477,10 @@ async def test_engine_decode_booking_starts_what_fits_the_engine_now(
     prompt = job.kv_prompt_tokens
     soon = min(job.kv_blocks, blocks(prompt + 64 + allowance))
     assert kv["gate_blocks"] == engine.used_blocks() + soon - blocks(prompt + 64) < limit
+    # /status shows the parts: the books, the correction, the running request's credit.
+    assert kv["gate_credit_blocks"] == job.kv_blocks - soon > 0
+    credit = kv["gate_credit_blocks"]
+    assert kv["gate_blocks"] == scheduler.resident_blocks + kv["correction_blocks"] - credit
     second = asyncio.create_task(
         clients.proxy.post(
             "/v1/chat/completions", json=chat_body(3000), headers={"Authorization": IDE}
