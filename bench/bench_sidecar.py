@@ -34,11 +34,17 @@ log writes fewer lines per batch), so compare runs whose request counts are alik
     .venv/bin/python bench/bench_sidecar.py                 # 3 rounds of 10 s (~10 min)
     .venv/bin/python bench/bench_sidecar.py --quick         # 1 round of 3 s (~2 min)
     .venv/bin/python bench/bench_sidecar.py --instructions  # callgrind (~5 min)
+    .venv/bin/python bench/bench_sidecar.py --instructions --uvloop  # + both on uvloop
+
+``--uvloop`` (uvloop installed in the venv; not a dependency) adds ``minimal-uv`` and
+``sidecar-uv``: the same minimal proxy and sidecar (defaults) on uvloop's event loop, printed
+against the minimal proxy on asyncio and on uvloop.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -235,11 +241,19 @@ tenants:
 # -- the minimal pass-through proxy ---------------------------------------------------------------
 
 
-def run_passthrough(listen: str, upstream: str, client: str) -> None:
+def run_passthrough(listen: str, upstream: str, client: str, loop: str = "asyncio") -> None:
     """Relay every request to ``upstream``: body and response as bytes, SSE chunk by chunk, no
     parsing. ``client``: ``aiohttp`` (one pooled ``ClientSession``: the issue's ceiling for
-    Python) or ``tokenfair`` (the sidecar's own upstream client, to isolate the sidecar's logic)."""
+    Python) or ``tokenfair`` (the sidecar's own upstream client, to isolate the sidecar's logic).
+    ``loop``: ``asyncio`` or ``uvloop`` (the event loop it runs on)."""
+    import asyncio
+
     from aiohttp import ClientSession, TCPConnector, web
+
+    if loop == "uvloop":
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
     from tokenfair.server.upstream import UpstreamClient
 
@@ -498,17 +512,24 @@ def main(argv: list[str] | None = None) -> int:
         help="another checkout (e.g. git archive of a base commit): its sidecar runs too, as "
         "base and base-nolog, in the same run",
     )
+    parser.add_argument(
+        "--uvloop",
+        action="store_true",
+        help="also the minimal proxy and the sidecar on uvloop (minimal-uv, sidecar-uv)",
+    )
     args = parser.parse_args(argv)
     duration_s = args.duration or (3.0 if args.quick else 10.0)
     rounds_n = args.rounds or (1 if args.quick else 3)
     check_tools(valgrind=args.instructions)
+    if args.uvloop and importlib.util.find_spec("uvloop") is None:
+        sys.exit("--uvloop: uvloop is not installed here (.venv/bin/pip install uvloop)")
     procs = Processes()
     with workdir() as tmp:
         try:
-            variants = _variants(args.base_path)
+            variants = _variants(args.base_path, args.uvloop)
             if args.instructions:
-                return _instructions(tmp, procs, variants)
-            return _run(tmp, procs, duration_s, rounds_n, variants)
+                return _instructions(tmp, procs, variants, args.uvloop)
+            return _run(tmp, procs, duration_s, rounds_n, variants, args.uvloop)
         finally:
             procs.stop_all()
 
@@ -565,10 +586,29 @@ class Variant:
     flags: list[str]
     pythonpath: str | None = None
     """``PYTHONPATH`` of a base checkout's ``sidecar/`` (None: this one)."""
+    loop: str = "asyncio"
+    """The event loop the sidecar runs on: ``asyncio`` or ``uvloop``."""
 
 
-def _variants(base_path: Path | None) -> dict[str, Variant]:
+UVLOOP_LAUNCH: Final = (
+    "import asyncio, sys, uvloop; asyncio.set_event_loop_policy(uvloop.EventLoopPolicy()); "
+    "from tokenfair.cli import console; sys.exit(console())"
+)
+"""``python -c`` this, then the sidecar's arguments: the sidecar on uvloop."""
+
+
+def _sidecar_command(loop: str) -> list[str]:
+    """The command that runs ``tokenfair`` on ``loop`` (its arguments follow)."""
+    python = str(VENV_BIN / "python")
+    if loop == "uvloop":
+        return [python, "-c", UVLOOP_LAUNCH]
+    return [python, str(VENV_BIN / "tokenfair")]
+
+
+def _variants(base_path: Path | None, uvloop: bool = False) -> dict[str, Variant]:
     variants = {name: Variant(flags) for name, flags in SIDECAR_VARIANTS.items()}
+    if uvloop:
+        variants["sidecar-uv"] = Variant([], loop="uvloop")
     if base_path is not None:
         sidecar_dir = base_path / "sidecar" if (base_path / "sidecar").is_dir() else base_path
         if not (sidecar_dir / "tokenfair").is_dir():
@@ -579,10 +619,15 @@ def _variants(base_path: Path | None) -> dict[str, Variant]:
 
 
 def _run(
-    tmp: Path, procs: Processes, duration_s: float, rounds_n: int, variants: dict[str, Variant]
+    tmp: Path,
+    procs: Processes,
+    duration_s: float,
+    rounds_n: int,
+    variants: dict[str, Variant],
+    uvloop: bool = False,
 ) -> int:
     python = str(VENV_BIN / "python")
-    nginx_port, pass_port, pass_tf_port, *ports = free_ports(3 + 2 * len(variants))
+    nginx_port, pass_port, pass_tf_port, pass_uv_port, *ports = free_ports(4 + 2 * len(variants))
     stage = _stage(tmp, procs, nginx_port)
     upstream, chat_lua, stream_lua = stage.upstream, stage.chat_lua, stage.stream_lua
     load_start = loadavg()
@@ -608,15 +653,25 @@ def _run(
         "minimal": (f"http://127.0.0.1:{pass_port}", passthrough.pid),
         "passthru-tf": (f"http://127.0.0.1:{pass_tf_port}", passthrough_tf.pid),
     }
+    passthroughs = [passthrough, passthrough_tf]
+    if uvloop:
+        passthrough_uv = procs.start(
+            ["taskset", "-c", PROXY_CORE, python, __file__, "passthrough",
+             f"127.0.0.1:{pass_uv_port}", upstream, "aiohttp", "uvloop"],
+            tmp / "passthrough-uv.log",
+        )  # fmt: skip
+        wait_http(f"http://127.0.0.1:{pass_uv_port}/")
+        targets["minimal-uv"] = (f"http://127.0.0.1:{pass_uv_port}", passthrough_uv.pid)
+        passthroughs.append(passthrough_uv)
     sidecars: dict[str, subprocess.Popen[bytes]] = {}
     for index, (name, variant) in enumerate(variants.items()):
         port, admin_port = ports[2 * index], ports[2 * index + 1]
         extra = [flag.format(tmp=tmp, name=name) for flag in variant.flags]
         sidecars[name] = _start_sidecar(procs, tmp, "open", upstream, port, admin_port, name,
-                                        extra, variant.pythonpath)  # fmt: skip
+                                        extra, variant.pythonpath, variant.loop)  # fmt: skip
         _check_sidecar_answers(port)
         targets[name] = (f"http://127.0.0.1:{port}", sidecars[name].pid)
-    paced_targets = ("minimal", "passthru-tf", "sidecar")
+    paced_targets = ("minimal", "passthru-tf", "sidecar", "minimal-uv", "sidecar-uv")
     """The paced stream (3 s of 128 slow streams) measures CPU per relayed piece: the baseline,
     the same-client relay and the sidecar only."""
 
@@ -640,7 +695,7 @@ def _run(
     peak_rss_kib = {name: status_kib(proc.pid, "VmHWM") for name, proc in sidecars.items()}
     records = sum(1 for _ in (tmp / "records-sidecar+rec.jsonl").open())
     access_lines = sum(1 for _ in (tmp / "sidecar-sidecar.log").open())
-    for proc in (*sidecars.values(), passthrough, passthrough_tf):
+    for proc in (*sidecars.values(), *passthroughs):
         procs.stop(proc)
 
     overload_port, overload_admin = free_ports(2)
@@ -701,14 +756,16 @@ CALLGRIND_SETTLE_S: Final = 3
 """After a timed run, before the idle count: the requests still in flight finish."""
 
 
-def _instructions(tmp: Path, procs: Processes, variants: dict[str, Variant]) -> int:
+def _instructions(
+    tmp: Path, procs: Processes, variants: dict[str, Variant], uvloop: bool = False
+) -> int:
     """Instructions per chat request of each proxy under callgrind: repeatable whatever else the
     machine does (the proxy runs ~50x slower, so throughput and latency mean nothing here)."""
     python = str(VENV_BIN / "python")
     nginx_port, port, admin_port = free_ports(3)
     stage = _stage(tmp, procs, nginx_port)
     listen = f"127.0.0.1:{port}"
-    sidecar = [python, str(VENV_BIN / "tokenfair"), "sidecar", "--config", str(tmp / "open.yaml"),
+    sidecar = ["sidecar", "--config", str(tmp / "open.yaml"),
                "--backend", "openai", "--upstream", stage.upstream, "--listen", listen,
                "--admin-listen", f"127.0.0.1:{admin_port}", "--log-level", "WARNING",
                # The engine poller's 4 reads a second are per time, not per request: under
@@ -718,7 +775,10 @@ def _instructions(tmp: Path, procs: Processes, variants: dict[str, Variant]) -> 
         "minimal": ([python, __file__, "passthrough", listen, stage.upstream, "aiohttp"], None),
         "passthru-tf": ([python, __file__, "passthrough", listen, stage.upstream, "tokenfair"],
                         None),
-        **{name: ([*sidecar, *(flag.format(tmp=tmp, name=name) for flag in variant.flags)],
+        **({"minimal-uv": ([python, __file__, "passthrough", listen, stage.upstream, "aiohttp",
+                            "uvloop"], None)} if uvloop else {}),
+        **{name: ([*_sidecar_command(variant.loop), *sidecar,
+                   *(flag.format(tmp=tmp, name=name) for flag in variant.flags)],
                   variant.pythonpath)
            for name, variant in variants.items()},
     }  # fmt: skip
@@ -762,6 +822,9 @@ def _instructions(tmp: Path, procs: Processes, variants: dict[str, Variant]) -> 
         print(f"  {name:<13} {result.requests:>6} requests  {net / 1000:>8.0f}k instructions "
               f"per request, {net / counts['minimal']:.2f}x minimal  (raw {per_request / 1000:.0f}k"
               f", idle {idle / CALLGRIND_SECONDS / 1000:.0f}k a second)", flush=True)  # fmt: skip
+    for name, base in (("sidecar-uv", "minimal-uv"), ("sidecar-uv", "sidecar")):
+        if name in counts and base in counts:
+            print(f"  {name} / {base}: {counts[name] / counts[base]:.3f}")
     op, target = TARGETS["access log share of cpu"]
     for name in ("sidecar", "base"):
         if name in counts:
@@ -796,11 +859,12 @@ def _start_sidecar(
     name: str,
     extra: list[str],
     pythonpath: str | None = None,
+    loop: str = "asyncio",
 ) -> subprocess.Popen[bytes]:
     """A sidecar on ``config`` (``open`` or ``overload``) with the user's defaults plus
     ``extra`` flags; its stdout (the access log) and stderr go to ``sidecar-NAME.log`` and
     ``sidecar-NAME.err``."""
-    argv = ["taskset", "-c", PROXY_CORE, str(VENV_BIN / "tokenfair"), "sidecar",
+    argv = ["taskset", "-c", PROXY_CORE, *_sidecar_command(loop), "sidecar",
             "--config", str(tmp / f"{config}.yaml"), "--backend", "openai", "--upstream", upstream,
             "--listen", f"127.0.0.1:{port}", "--admin-listen", f"127.0.0.1:{admin_port}",
             "--log-level", "WARNING", *extra]  # fmt: skip
@@ -866,6 +930,20 @@ def _report(
         met = main >= target if op == ">=" else main <= target
         shown = "".join(f" {ratios[name][label]:>13.3f}" for name in variants).replace("nan", "  -")
         print(f"  {label:<32}{shown}  {op} {target:g} {'met' if met else 'NOT met'} (sidecar)")
+    if "minimal-uv" in results and "sidecar-uv" in results:
+        # Not a target: both proxies on uvloop, the sidecar's ratios against the minimal proxy on
+        # the same loop (the ratios above stay against the minimal proxy on asyncio).
+        side, base = results["sidecar-uv"], results["minimal-uv"]
+        cpu_ratio = (side["chat"].cpu_us_per_request or float("nan")) / (
+            base["chat"].cpu_us_per_request or float("nan")
+        )
+        print(
+            f"  on uvloop, sidecar-uv against minimal-uv: c64 throughput "
+            f"{side['chat'].wrk.requests_per_s / base['chat'].wrk.requests_per_s:.3f}x, "
+            f"cpu per request {cpu_ratio:.3f}x, streams128 "
+            f"{side['stream'].wrk.requests_per_s / base['stream'].wrk.requests_per_s:.3f}x, "
+            f"c1 added p50 {side['latency'].wrk.p50_ms - base['latency'].wrk.p50_ms:+.3f} ms"
+        )
     # Not a target: streams whose pieces arrive apart, as a model's tokens do (the static file
     # above usually arrives in one read); CPU per stream is what this measures (the rate is
     # nginx's pacing).
@@ -910,7 +988,7 @@ def _us(value: float | None) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "passthrough":
-        run_passthrough(sys.argv[2], sys.argv[3], sys.argv[4])
+    if len(sys.argv) in (5, 6) and sys.argv[1] == "passthrough":
+        run_passthrough(*sys.argv[2:])
         sys.exit(0)
     sys.exit(main())

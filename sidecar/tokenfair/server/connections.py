@@ -53,7 +53,7 @@ import struct
 import termios
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 from tokenfair.server.clock import EventClock, ModelClock, Timer
 
@@ -304,7 +304,8 @@ class CappedConnection(asyncio.Protocol):
         not count them, the bytes it had not)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's transports are not asyncio.Transport subclasses: the protocol is the same.
+        transport = cast(asyncio.Transport, transport)
         if not self._cap.admit(self, transport):
             return
         self._transport = transport

@@ -55,7 +55,7 @@ import ssl
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -363,7 +363,8 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol -----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # uvloop's transports are not asyncio.Transport subclasses: the protocol is the same.
+        transport = cast(asyncio.Transport, transport)
         self.transport = transport
         self.client.connections.add(self)
         sock = transport.get_extra_info("socket")
