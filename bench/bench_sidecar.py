@@ -251,8 +251,10 @@ def run_passthrough(listen: str, upstream: str, client: str, loop: str = "asynci
     from aiohttp import ClientSession, TCPConnector, web
 
     if loop == "uvloop":
-        import uvloop
+        import importlib
 
+        # Imported by name: not a dependency, so no stubs where it is not installed.
+        uvloop = importlib.import_module("uvloop")
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
     from tokenfair.server.upstream import UpstreamClient
