@@ -9,7 +9,9 @@ on the compiled core when built; ``TOKENFAIR_NATIVE=0`` on the interpreted one):
   blocks, prompts under-estimated: a positive correction stays counted however many requests
   end between two reports);
 - the books' invariant: once every request has ended, the books are empty, no gate credit is
-  left and the gates see the last report's correction alone.
+  left and the gates see the last report's correction alone;
+- a request settled with its actual KV but released later keeps no credit: the gates count
+  what it holds, as the books do.
 """
 
 from __future__ import annotations

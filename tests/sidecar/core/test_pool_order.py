@@ -22,7 +22,10 @@
   0.03 and 90 %);
 - admission with a store weighs the backlogged tenants one by one and the tenants idle here as
   one aggregate: its work (counters and recent rates read) beyond the same admission without a
-  store is O(backlogged), 10,000 tenants served lately or not (counted, not timed).
+  store is O(backlogged), 10,000 tenants served lately or not (counted, not timed);
+- a tenant idle here whose rate elsewhere an admission reads is asked for in the next batch
+  (also after a lost one): idle everywhere, it is admitted once read; still served elsewhere,
+  it stays refused.
 """
 
 from __future__ import annotations

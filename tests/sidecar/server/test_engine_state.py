@@ -13,6 +13,8 @@ Behaviours under test:
   before admission (nothing queued, charged or recorded as served); when the engine's metrics
   stop answering, the gates fall back to the books visibly (``/status``, the
   ``tokenfair_engine_metrics_fresh`` gauge) and come back when it answers again;
+- a report goes stale on the engine state's clock, and a slow read of the engine's models and
+  routes never holds it fresh longer than the stale limit and one failed poll (virtual time);
 - the settings: ``engineMetrics`` modes, custom names required for ``custom``, bounds by name,
   ``kvPromptRatio`` (``learned`` or ``off``).
 
