@@ -147,6 +147,14 @@ class LaneOrder:
         batch did not name them (idle here): the next batch names them, so their rate is
         observed again (:meth:`ahead_tokens`)."""
 
+    def rate_is_stale(self, tenant_id: str) -> bool:
+        """The tenant has a rate elsewhere that the last answered batch did not refresh (it
+        did not name the tenant: idle here)."""
+        return (
+            tenant_id in self.elsewhere_rate
+            and self.elsewhere_at_ms.get(tenant_id, self.clock_ms) < self.clock_ms
+        )
+
     def service_units(self, tenant_id: str) -> int:
         """The tenant's pool-wide service as this replica knows it, in units."""
         return (
@@ -245,7 +253,7 @@ class LaneOrder:
         level = counter + float(queued_units) / quantum_units  # (float: see `counter`)
         rates = self.elsewhere_rate
         own_rate = rates.get(tenant_id, 0.0)
-        if own_rate and self.elsewhere_at_ms.get(tenant_id, self.clock_ms) < self.clock_ms:
+        if own_rate and self.rate_is_stale(tenant_id):
             # Not named by the last batch (idle here), so its rate is as old as that: read it
             # again with the next batch. Without this, a tenant served fast elsewhere and then
             # idle everywhere kept that rate, and coming back here was predicted never to
@@ -466,9 +474,8 @@ class PoolService:
         for lane, entries in zip(self.lanes, batch, strict=True):
             pool = lane.pool_units
             pushing = lane.pushing_units
-            seen = lane.elsewhere_at_ms
             for tenant_id, tokens in entries:
-                if tenant_id in lane.elsewhere_rate and seen.get(tenant_id, 0.0) < lane.clock_ms:
+                if lane.rate_is_stale(tenant_id):
                     lane.asking[tenant_id] = None
                 if tokens:
                     units = tokens * _UNIT

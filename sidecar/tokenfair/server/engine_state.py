@@ -56,6 +56,23 @@ MAX_LIMITS_BYTES: Final = 4 << 20
 LIMITS_REFRESH_S: Final = 30.0
 """How long after a failed read of the engine's model list or routes it is read again."""
 
+
+def poll_timeout_s(interval_s: float) -> float:
+    """A metrics poll's timeout: the poll interval, at least 1 s."""
+    return max(1.0, interval_s)
+
+
+def fresh_at_most_s(interval_s: float, stale_s: float) -> float:
+    """The longest a report stays fresh without a newer one: ``stale_s``, then the next
+    failed poll (within one interval, then its timeout) declares it stale::
+
+        stale_s + interval_s + max(1, interval_s)
+
+    (3.25 s with the defaults). The horizon of ``kvDecodeBooking: engine``'s decode allowance
+    (:class:`~tokenfair.server.kv_view.KvView`'s ``stale_after_ms``)."""
+    return stale_s + interval_s + poll_timeout_s(interval_s)
+
+
 EngineGet = Callable[[str, float, int], Awaitable["tuple[int, bytes] | None"]]
 """``get(path, timeout_s, limit_bytes) -> (status, body)`` from the engine (the backend's own
 connection and key); None: this backend has no engine to ask."""
@@ -396,7 +413,7 @@ class EngineState:
         """One poll: a fresh report goes to ``on_report``; a failure is counted, and once the
         last report is older than ``stale_s`` the gates fall back (``on_stale``)."""
         self.polls += 1
-        timeout_s = max(1.0, self.interval_s)
+        timeout_s = poll_timeout_s(self.interval_s)
         try:
             answer = await self._get(self.metrics_path, timeout_s, MAX_METRICS_BYTES)
         except Exception as exc:  # the backend's own errors: unreachable, timeout, too large

@@ -32,7 +32,12 @@ from tokenfair.server.clock import ModelClock
 from tokenfair.server.connections import ConnectionCap
 from tokenfair.server.dispatcher import Dispatcher
 from tokenfair.server.engine_link import EngineLink
-from tokenfair.server.engine_state import EngineCollector, EngineMetricNames, EngineState
+from tokenfair.server.engine_state import (
+    EngineCollector,
+    EngineMetricNames,
+    EngineState,
+    fresh_at_most_s,
+)
 from tokenfair.server.estimate import ESTIMATORS, PromptEstimator
 from tokenfair.server.fairness_signal import FairnessSignal
 from tokenfair.server.kv_view import KvView, KvViewCollector
@@ -159,14 +164,8 @@ class Sidecar:
             books_prompt_ratio=settings.kv_prompt_ratio == "learned",
             clock=clock.now_ms,
             decode_booking=settings.kv_decode_booking,
-            # A report stays fresh this long at most: the stale limit, then one failed poll
-            # (`EngineState.poll_once`: its timeout, then the interval).
             stale_after_ms=1000.0
-            * (
-                settings.engine_metrics_stale_s
-                + max(1.0, settings.engine_metrics_interval_s)
-                + settings.engine_metrics_interval_s
-            ),
+            * fresh_at_most_s(settings.engine_metrics_interval_s, settings.engine_metrics_stale_s),
         )
         """The running requests' progress: the engine's KV as the sidecar sees it (a backend
         with no engine behind it: the books), and the prompt ratio the gates book at."""
