@@ -937,13 +937,13 @@ class TokenfairScheduler(Scheduler):
                 predicted_wait_ms=predicted_wait_ms,
                 max_wait_ms=wait_limit_ms,
             )
-        # Gate 4: the rest of `_budget_gate` only if the budget is short. If it is not, the
-        # request's wait is the engine model's: a sample of the wait correction.
+        # Gate 4: the rest of `_budget_gate` only if the budget is short. The request's wait
+        # is the engine model's, a sample of the wait correction, unless the budget holds it
+        # longer than the model does: a flooding tenant's queue is always beyond its bucket,
+        # but while its refill comes before its turn, the engine decides when it starts.
         budget_wait_ms = self._budget_wait_ms(tenant, service_tokens, now_ms)
-        model_bound = budget_wait_ms is not None and not (
-            budget_wait_ms > 0.0 or budget_wait_ms > wait_limit_ms
-        )
-        if not model_bound:
+        model_bound = budget_wait_ms is not None and not budget_wait_ms > model_wait_ms
+        if budget_wait_ms is None or budget_wait_ms > 0.0:
             refusal = self._budget_gate(job, tenant, wait_limit_ms, now_ms, budget_wait_ms)
             if refusal is not None:
                 return refusal
@@ -973,8 +973,9 @@ class TokenfairScheduler(Scheduler):
         on a serial engine as on a batching one): the ratio of the waits they had (from
         arrival to dispatch; the wait limit for one that expired) to the waits admission
         predicted for them (of the requests whose
-        tenant's budget held nothing back at admission: a wait for a budget's refill is the
-        tenant's own, not the engine model's), each a sum decayed with
+        tenant's budget was to hold them back no longer than the model at admission: a wait
+        for a budget's refill is the tenant's own, not the engine model's), each a sum
+        decayed with
         :data:`WAIT_CORRECTION_LIMITS` wait limits, within :data:`WAIT_CORRECTION_RANGE`
         (1 before any request has waited) — or, if larger, the ratio of the oldest queued
         request's wait so far to its prediction (a wait not yet over: the lower bound of what it
