@@ -710,7 +710,22 @@ def many_tenants_heavy_tails(seed: int, window_ms: float) -> Block:
     return zipf_tenants(seed, window_ms, HEAVY_SIZES, "9", "many tenants, heavy-tailed sizes")
 
 
-def zipf_tenants(seed: int, window_ms: float, sizing: ZipfSizes, number: str, title: str) -> Block:
+@dataclass
+class ZipfWorkload:
+    """A 100-tenant Zipf workload (scenarios 3 and 9) and what its block prints about it."""
+
+    workload: Workload
+    lane_load: dict[str, float]
+    """Offered load by lane, in units of C."""
+    largest_prefill_ms: float
+    """The largest interactive prefill time (the p99 TTFT bound's second term)."""
+    token_limit: int
+    """No request's prompt + output passes it (the batch KV watermark)."""
+
+
+def zipf_workload(seed: int, window_ms: float, sizing: ZipfSizes) -> ZipfWorkload:
+    """Scenario 3's (``NARROW_SIZES``) or 9's (``HEAVY_SIZES``) tenants and requests at ``seed``
+    (also read by ``diagnose_batch_jain.py``)."""
     count, total_load = 100, 1.5
     shares = zipf_shares(count, 1.0)
     rng = rng_for(seed, sizing.stream)
@@ -758,6 +773,15 @@ def zipf_tenants(seed: int, window_ms: float, sizing: ZipfSizes, number: str, ti
             )
             if t.priority_class == "interactive":
                 largest_prefill_ms = max(largest_prefill_ms, cost.prefill_ms(prefill))
+    return ZipfWorkload(w, lane_load, largest_prefill_ms, token_limit)
+
+
+def zipf_tenants(seed: int, window_ms: float, sizing: ZipfSizes, number: str, title: str) -> Block:
+    zipf = zipf_workload(seed, window_ms, sizing)
+    w, lane_load, token_limit = zipf.workload, zipf.lane_load, zipf.token_limit
+    largest_prefill_ms = zipf.largest_prefill_ms
+    policy = w.config.policy
+    sigma = sizing.sigma
     new, old = both(w, window_ms)
     new_settled, old_settled = settled(new, w, window_ms), settled(old, w, window_ms)
     ttft_bound = policy.max_interactive_wait_ms + largest_prefill_ms
