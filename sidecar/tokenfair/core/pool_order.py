@@ -55,7 +55,11 @@ are served here is refused at the door, not left to expire in the queue. The pic
 the least counter always (no exception for a head near its deadline: one starved a bursty
 tenant, docs/fairness.md §9.2.1). The prediction weighs the tenants backlogged here one by one
 and the tenants idle here but sending here as one aggregate: its cost is O(b log b) in the
-``b`` backlogged tenants of the lane, whatever the number of tenants served lately.
+``b`` backlogged tenants of the lane, whatever the number of tenants served lately, up to
+``POOL_WEIGHED_TENANTS`` of them (core/tokenfair.py); past it, bounded: the backlogged tenants
+are kept ranked by counter (:attr:`LaneOrder.ranked`), only those below
+:meth:`LaneOrder.away_limit` can be ahead, at most that many are weighed, and the rest come
+from the lane's sums (docs/fairness.md §9.2.1).
 
 The bound this gives pool-wide is derived in docs/fairness.md ("Pool-wide fairness").
 """
