@@ -203,6 +203,8 @@ class DeficitRoundRobin:
             if queue.in_active:
                 self.active_quanta_units += units - queue.quantum_units
             queue.quantum_units = units
+            if queue.in_active and self.order is not None:
+                self.order.enter(tenant_id, units)  # its counter moved with its quantum
             queue.quantum = units / _UNIT
 
     def push(self, job: Job, *, join_ahead: float | None = None) -> None:
@@ -223,7 +225,8 @@ class DeficitRoundRobin:
         if not queue.in_active:
             order = self.order
             if order is not None:
-                order.joined(queue.tenant_id, queue.quantum_units, self.least_counter(order))
+                order.joined(queue.tenant_id, queue.quantum_units, order.least_counter())
+                order.enter(queue.tenant_id, queue.quantum_units)
             queue.in_active = True
             self.active_quanta_units += queue.quantum_units
             active = self.active
@@ -277,6 +280,8 @@ class DeficitRoundRobin:
         """The front queue has nothing live: it leaves the ring."""
         self.active.popleft()
         queue.in_active = False
+        if self.order is not None:
+            self.order.leave(queue.tenant_id)
         self.active_quanta_units -= queue.quantum_units
         self._drop_credit(queue)
         self._front_changed()
@@ -321,6 +326,8 @@ class DeficitRoundRobin:
             del self._joiner_credit[index - 1]
             queue.joined_ahead = False
         queue.in_active = False
+        if self.order is not None:
+            self.order.leave(queue.tenant_id)
         self.active_quanta_units -= queue.quantum_units
 
     def settle(self, tenant_id: str, overrun_tokens: int | float) -> None:
@@ -410,14 +417,17 @@ class DeficitRoundRobin:
         """The tenants with live jobs queued in this lane, in ring order."""
         return [queue.tenant_id for queue in self.active]
 
+    def set_order(self, order: LaneOrder | None) -> None:
+        """Order by ``order``'s counters (None: by the round robin alone); its ranking of the
+        backlogged tenants (:meth:`LaneOrder.rank`) starts from the ring as it is."""
+        self.order = order
+        if order is not None:
+            order.rank([(queue.tenant_id, queue.quantum_units) for queue in self.active])
+
     def least_counter(self, order: LaneOrder) -> float | None:
-        """The least pool-wide counter among the backlogged tenants (None if none)."""
-        least: float | None = None
-        for queue in self.active:
-            value = order.counter(queue.tenant_id, queue.quantum_units)
-            if least is None or value < least:
-                least = value
-        return least
+        """The least pool-wide counter among the backlogged tenants (None if none): O(1), from
+        ``order``'s ranking (:attr:`LaneOrder.ranked`)."""
+        return order.least_counter()
 
     def _pick_least_served(self, eligible: Callable[[Job], bool], order: LaneOrder) -> Job | None:
         """The eligible head whose tenant has the least pool-wide service per quantum (the

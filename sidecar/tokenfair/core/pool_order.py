@@ -55,7 +55,11 @@ are served here is refused at the door, not left to expire in the queue. The pic
 the least counter always (no exception for a head near its deadline: one starved a bursty
 tenant, docs/fairness.md §9.2.1). The prediction weighs the tenants backlogged here one by one
 and the tenants idle here but sending here as one aggregate: its cost is O(b log b) in the
-``b`` backlogged tenants of the lane, whatever the number of tenants served lately.
+``b`` backlogged tenants of the lane, whatever the number of tenants served lately, up to
+``POOL_WEIGHED_TENANTS`` of them (core/tokenfair.py); past it, bounded: the backlogged tenants
+are kept ranked by counter (:attr:`LaneOrder.ranked`), only those below
+:meth:`LaneOrder.away_limit` can be ahead, at most that many are weighed, and the rest come
+from the lane's sums (docs/fairness.md §9.2.1).
 
 The bound this gives pool-wide is derived in docs/fairness.md ("Pool-wide fairness").
 """
@@ -63,6 +67,7 @@ The bound this gives pool-wide is derived in docs/fairness.md ("Pool-wide fairne
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from collections.abc import Callable
 from typing import Final
 
@@ -114,6 +119,9 @@ class LaneOrder:
         "offsets",
         "pool_units",
         "pushing_units",
+        "ranked",
+        "ranked_keys",
+        "ranked_quanta",
         "sharing",
         "unsynced",
         "unsynced_units",
@@ -146,6 +154,75 @@ class LaneOrder:
         """Tenants whose :attr:`elsewhere_rate` an admission read although the last answered
         batch did not name them (idle here): the next batch names them, so their rate is
         observed again (:meth:`ahead_tokens`)."""
+        self.ranked: list[tuple[float, str]] = []
+        """``(counter, tenant)`` of the tenants backlogged here, ascending (:meth:`enter`,
+        :meth:`leave`; kept as the counters change): the least counter in O(1), the tenants
+        below a level in O(log b + k) (:meth:`below`)."""
+        self.ranked_keys: dict[str, float] = {}
+        """Per tenant in :attr:`ranked`, its counter there."""
+        self.ranked_quanta: dict[str, int] = {}
+        """Per tenant in :attr:`ranked`, its quantum (units)."""
+
+    def rank(self, tenants: list[tuple[str, int]]) -> None:
+        """The backlogged tenants here are ``tenants`` (``(tenant, quantum)``): :attr:`ranked`
+        afresh (when the lane starts ordering by these counters)."""
+        self.ranked = []
+        self.ranked_keys = {}
+        self.ranked_quanta = {}
+        for tenant_id, quantum_units in tenants:
+            self.enter(tenant_id, quantum_units)
+
+    def enter(self, tenant_id: str, quantum_units: int) -> None:
+        """The tenant is backlogged here now (after :meth:`joined`), or its quantum changed."""
+        if tenant_id in self.ranked_keys:
+            self.leave(tenant_id)
+        key = self.counter(tenant_id, quantum_units)
+        self.ranked_keys[tenant_id] = key
+        self.ranked_quanta[tenant_id] = quantum_units
+        insort(self.ranked, (key, tenant_id))
+
+    def leave(self, tenant_id: str) -> None:
+        """The tenant is not backlogged here any more."""
+        key = self.ranked_keys.pop(tenant_id, None)
+        if key is None:
+            return
+        del self.ranked_quanta[tenant_id]
+        ranked = self.ranked
+        del ranked[bisect_left(ranked, (key, tenant_id))]
+
+    def rekey(self, tenant_id: str) -> None:
+        """The tenant's counter moved: its place in :attr:`ranked` (if it is there)."""
+        key = self.ranked_keys.get(tenant_id)
+        if key is None:
+            return
+        quantum_units = self.ranked_quanta[tenant_id]
+        new_key = self.counter(tenant_id, quantum_units)
+        if new_key == key:
+            return
+        ranked = self.ranked
+        del ranked[bisect_left(ranked, (key, tenant_id))]
+        self.ranked_keys[tenant_id] = new_key
+        insort(ranked, (new_key, tenant_id))
+
+    def least_counter(self) -> float | None:
+        """The least counter of the tenants backlogged here (None if none): O(1)."""
+        return self.ranked[0][0] if self.ranked else None
+
+    def below(self, limit: float, skip: str, most: int) -> tuple[list[str], float | None]:
+        """The tenants backlogged here whose counters are below ``limit``, least first, but
+        ``skip`` and at most ``most`` of them; and if more than ``most`` are below it, the
+        counter of the first left out (None if none is): every one left out is at least
+        that. O(most) once the least is found (O(1))."""
+        found: list[str] = []
+        for key, tenant_id in self.ranked:
+            if key >= limit:
+                return found, None
+            if tenant_id == skip:
+                continue
+            if len(found) == most:
+                return found, key
+            found.append(tenant_id)
+        return found, None
 
     def rate_is_stale(self, tenant_id: str) -> bool:
         """The tenant has a rate elsewhere that the last answered batch did not refresh (it
@@ -179,6 +256,8 @@ class LaneOrder:
         self.unsynced[tenant_id] = self.unsynced.get(tenant_id, 0) + units
         self.unsynced_units += units if units > 0 else -units
         self.active_epoch[tenant_id] = self.epoch
+        if tenant_id in self.ranked_keys:
+            self.rekey(tenant_id)
 
     def joined(self, tenant_id: str, quantum_units: int, floor: float | None) -> None:
         """The tenant became backlogged; ``floor`` is the least counter of the tenants
@@ -189,6 +268,8 @@ class LaneOrder:
         wanted = self.joining_counter(tenant_id, quantum_units, floor)
         if wanted != current:
             self.offsets[tenant_id] = self.offsets.get(tenant_id, 0.0) + (wanted - current)
+            if tenant_id in self.ranked_keys:
+                self.rekey(tenant_id)
 
     def joining_counter(self, tenant_id: str, quantum_units: int, floor: float | None) -> float:
         """The tenant's counter once it joins the backlog now (:meth:`joined`'s clamp)."""
@@ -213,6 +294,7 @@ class LaneOrder:
         rate: float,
         horizon_ms: float,
         away: list[str],
+        folded: tuple[float, float, float, float] | None = None,
     ) -> float:
         """Service tokens this replica gives, in the lane, before a new request of tenant
         ``i`` can start, when it serves the least counter first (docs/fairness.md §9.2.1).
@@ -244,13 +326,13 @@ class LaneOrder:
 
         ``away`` receives the tenants with work queued here whose counters stay at least
         :data:`AWAY_QUANTA` of their quanta above ``L_i`` until ``horizon_ms``: they take
-        nothing here before it."""
+        nothing here before it.
+
+        ``folded``: one more piece ``(a, b, g, d)``, in tokens, standing for tenants not in
+        ``others`` (the caller's :data:`~tokenfair.core.tokenfair.POOL_WEIGHED_TENANTS` cap:
+        their sums, an upper bound of their pieces' sum)."""
         tenant_id, quantum_units, queued_units = own
-        if joining:
-            counter = self.joining_counter(tenant_id, quantum_units, floor)
-        else:
-            counter = self.counter(tenant_id, quantum_units)
-        level = counter + float(queued_units) / quantum_units  # (float: see `counter`)
+        level = self.level(own, joining, floor)
         rates = self.elsewhere_rate
         own_rate = rates.get(tenant_id, 0.0)
         if own_rate and self.rate_is_stale(tenant_id):
@@ -272,9 +354,37 @@ class LaneOrder:
                     away.append(other_id)
                 continue
             pieces.append((float(other_queued) / _UNIT, arrival_rate, gap, drift))
+        if folded is not None:
+            pieces.append(folded)
         return first_crossing_tokens(
             float(queued_units) / _UNIT, rate, pieces, horizon_ms, idle_rate
         )
+
+    def level(self, own: tuple[str, int, int], joining: bool, floor: float | None) -> float:
+        """``L_i`` of :meth:`ahead_tokens`: the tenant's counter once its queue here is served
+        (its clamped counter if it joins)."""
+        tenant_id, quantum_units, queued_units = own
+        if joining:
+            counter = self.joining_counter(tenant_id, quantum_units, floor)
+        else:
+            counter = self.counter(tenant_id, quantum_units)
+        return counter + float(queued_units) / quantum_units  # (float: see `counter`)
+
+    def rise(self, tenant_id: str, quantum_units: int) -> float:
+        """How fast the tenant's counter rises by its service elsewhere, quanta per ms."""
+        return self.elsewhere_rate.get(tenant_id, 0.0) / quantum_units
+
+    def away_limit(
+        self, level: float, tenant_id: str, quantum_units: int, horizon_ms: float
+    ) -> float:
+        """A counter from which a backlogged tenant is away for a request at ``level`` (of
+        ``tenant_id``, quantum ``quantum_units``): at least :data:`AWAY_QUANTA` above the
+        level until ``horizon_ms`` whatever its rate elsewhere, the level rising at most by the
+        tenant's own rate elsewhere. (:meth:`ahead_tokens`'s test, in counters: ``V_j >= L_i +
+        AWAY_QUANTA + e_i/Q_i * horizon`` implies ``highest <= -AWAY_QUANTA Q_j``, ``e_j >= 0``;
+        plus a relative 1e-9, so a tenant at the limit by a rounding is weighed one by one.)"""
+        limit = level + AWAY_QUANTA + self.rise(tenant_id, quantum_units) * horizon_ms
+        return limit + 1e-9 * (abs(limit) + 1.0)
 
 
 def first_crossing_tokens(
@@ -463,6 +573,8 @@ class PoolService:
                     kept = math.exp(-span_ms / ELSEWHERE_MEMORY_MS)
                     rates[tenant_id] = rates.get(tenant_id, 0.0) * kept + observed * (1.0 - kept)
                 pool[tenant_id] = units
+                if tenant_id in lane.ranked_keys:
+                    lane.rekey(tenant_id)
             lane.epoch = epoch + 1
             if taken_ms > lane.clock_ms:
                 lane.clock_ms = taken_ms

@@ -219,6 +219,19 @@ class DemandRate:
             return self._value
         return self._value * math.exp(-elapsed_ms / tau_ms)
 
+    @property
+    def at_ms(self) -> float:
+        """When it was last added to."""
+        return self._at_ms
+
+    def term(self, ref_ms: float, tau_ms: float) -> float:
+        """The rate as of ``ref_ms`` unscaled by the decay since: ``rate(t) = term(ref) *
+        exp(-(t - ref) / tau)`` for every ``t`` after the last :meth:`add` (:class:`RateSum`)."""
+        value = self._value
+        if value == 0.0:
+            return value
+        return value * math.exp((self._at_ms - ref_ms) / tau_ms)
+
     def ms_until_below(self, rate: float, now_ms: float, tau_ms: float) -> float:
         """How long until :meth:`rate` falls below ``rate`` with nothing added:
         ``tau * ln(rate(now) / rate)`` (0 if it is below already; infinite for a ``rate`` of
@@ -229,6 +242,87 @@ class DemandRate:
         if current < rate:
             return 0.0
         return tau_ms * math.log(current / rate)
+
+
+RATE_SUM_REBASE_TAUS = 32.0
+"""How far :class:`RateSum`'s reference time may fall behind, in ``tau``: its terms grow by
+``exp(32)`` at most meanwhile (far from the float's range)."""
+
+
+class RateSum:
+    """The sum of the :class:`DemandRate` of a changing set of keys (the tenants backlogged in a
+    lane), read in O(1) however many there are.
+
+    Every member's rate decays with the same ``tau``, so ``sum_j rate_j(t) = exp(-(t - ref) /
+    tau) sum_j term_j(ref)`` (:meth:`DemandRate.term`): the sum of the members' terms is kept
+    as they join (:meth:`put`), leave (:meth:`drop`) and are served (:meth:`put` again). Equal
+    to the sum of the rates read one by one up to the rounding of the sums: the running total
+    is summed afresh from the terms every ``len + 16`` changes (amortised O(1)), and the terms
+    re-read at a new ``ref`` when ``t - ref`` passes :data:`RATE_SUM_REBASE_TAUS` ``tau`` or
+    ``tau`` changes (a reload)."""
+
+    __slots__ = ("_changes", "_rates", "_ref_ms", "_tau_ms", "_terms", "_total")
+
+    def __init__(self, rates: dict[str, DemandRate], tau_ms: float) -> None:
+        self._rates = rates
+        """The rates read (the scheduler's per-tenant rates of the lane)."""
+        self._terms: dict[str, float] = {}
+        self._total = 0.0
+        self._ref_ms = 0.0
+        self._tau_ms = tau_ms
+        self._changes = 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._terms
+
+    def __len__(self) -> int:
+        return len(self._terms)
+
+    def put(self, key: str, tau_ms: float) -> None:
+        """``key`` is a member, its rate as it is now (joined, or served)."""
+        rate = self._rates.get(key)
+        if rate is not None:
+            at_ms = rate.at_ms
+            if tau_ms != self._tau_ms or at_ms - self._ref_ms > RATE_SUM_REBASE_TAUS * tau_ms:
+                self._rebase(at_ms if at_ms > self._ref_ms else self._ref_ms, tau_ms)
+        term = 0.0 if rate is None else rate.term(self._ref_ms, tau_ms)
+        terms = self._terms
+        self._total += term - terms.get(key, 0.0)
+        terms[key] = term
+        self._changed()
+
+    def drop(self, key: str) -> None:
+        """``key`` is not a member any more (nothing if it was not)."""
+        term = self._terms.pop(key, None)
+        if term is not None:
+            self._total -= term
+            self._changed()
+
+    def rate(self, now_ms: float, tau_ms: float) -> float:
+        """The sum of the members' rates at ``now_ms``."""
+        if tau_ms != self._tau_ms or now_ms - self._ref_ms > RATE_SUM_REBASE_TAUS * tau_ms:
+            self._rebase(now_ms, tau_ms)
+        total = self._total
+        if total <= 0.0:
+            return 0.0
+        return total * math.exp(-(now_ms - self._ref_ms) / tau_ms)
+
+    def _changed(self) -> None:
+        self._changes += 1
+        if self._changes > len(self._terms) + 16:
+            self._changes = 0
+            self._total = sum(self._terms.values())
+
+    def _rebase(self, now_ms: float, tau_ms: float) -> None:
+        self._ref_ms = now_ms
+        self._tau_ms = tau_ms
+        rates = self._rates
+        terms = self._terms
+        for key in terms:
+            rate = rates.get(key)
+            terms[key] = 0.0 if rate is None else rate.term(now_ms, tau_ms)
+        self._total = sum(terms.values())
+        self._changes = 0
 
 
 class ResidualWork:

@@ -100,6 +100,7 @@ from tokenfair.core.scheduler import Scheduler, TenantState, shed_kv
 from tokenfair.core.shares import (
     DemandRate,
     LaneCompetition,
+    RateSum,
     ResidualWork,
     tokens_ahead,
     water_level,
@@ -176,6 +177,15 @@ seeds 22 and 23: 7 of 10 expiries were such joiners; docs/fairness.md §5.5, cha
 FORGOTTEN_RATE = 1e-9
 """An offered rate (service tokens per ms) below which a tenant's offer is forgotten."""
 
+POOL_WEIGHED_TENANTS = 32
+"""With the pool's order, admission weighs at most this many backlogged tenants one by one
+(:meth:`TokenfairScheduler._pool_ahead`): with more backlogged in the lane, the ones whose
+counters are least among those that can be ahead before the horizon; the rest of those are
+taken as all ahead, and the ones farther up as away, in O(1) from the lane's sums. So an
+admission's work is bounded whatever the backlog (docs/fairness.md §9.2.1): up to this many it
+is exactly the one-by-one prediction; 32 costs about what 32 tenants did before (a few tens of
+µs compiled)."""
+
 POOL_HORIZON_LIMITS = 2.0
 """How far ahead, in wait limits of the lane, the pool's order is followed for a prediction
 (:meth:`TokenfairScheduler._pool_ahead`): a tenant whose turn here does not come by then is
@@ -244,6 +254,9 @@ class TokenfairScheduler(Scheduler):
         # Recent service per lane, per tenant and in all (time constant: SERVICE_MEMORY_LIMITS).
         self._served: tuple[dict[str, DemandRate], ...] = ({}, {})
         self._lane_served: tuple[DemandRate, ...] = (DemandRate(), DemandRate())
+        # With the pool's order: per lane, the sum of `_served` over the tenants backlogged
+        # there (`_pool_ahead` reads it in O(1)); None without.
+        self._backlog_served: tuple[RateSum, ...] | None = None
         # Per lane: each tenant's recent offered service (every arrival, admitted or not;
         # time constant SERVICE_MEMORY_LIMITS). The lane's max-min water level over it, as
         # (when computed, level), recomputed at most once per wait limit, is `_level`
@@ -366,10 +379,17 @@ class TokenfairScheduler(Scheduler):
         """The one hook of pool-wide fairness (:mod:`.pool_order`): each lane's round robin
         orders its tenants by ``pool``'s counters of pool-wide weighted service and counts the
         service it gives there; None: each lane's own round robin again (no store)."""
+        sums: list[RateSum] = []
         for lane, drr in enumerate(self._lanes):
-            drr.order = None if pool is None else pool.lanes[lane]
+            drr.set_order(None if pool is None else pool.lanes[lane])
             if pool is not None:
                 pool.lanes[lane].backlog = drr.backlogged_tenants
+                memory_ms = self._memories_ms[lane]
+                backlog_served = RateSum(self._served[lane], memory_ms)
+                for queue in drr.active:
+                    backlog_served.put(queue.tenant_id, memory_ms)
+                sums.append(backlog_served)
+        self._backlog_served = tuple(sums) if pool is not None else None
 
     # -- admission --------------------------------------------------------------------------
 
@@ -572,10 +592,11 @@ class TokenfairScheduler(Scheduler):
         counters' snapshot cannot foresee: the others' service comes in batches, and a batch
         can reverse the order; an idle tenant below comes back with a burst, all of it ahead."""
         away: list[str] = []
-        ahead = self._pool_ahead(drr, queue, lane, rate, now_ms, away)
-        if away:
-            quanta = queued = credit = 0
-            front = drr.active[0] if drr.active else None
+        beyond = [0, 0, 0, 0]
+        ahead = self._pool_ahead(drr, queue, lane, rate, now_ms, away, beyond)
+        if away or beyond[0]:
+            quanta, queued, credit, front_beyond = beyond
+            front = drr.active[0] if drr.active and not front_beyond else None
             for other_id in away:
                 other = drr.queues[other_id]
                 quanta += other.quantum_units
@@ -608,6 +629,7 @@ class TokenfairScheduler(Scheduler):
         rate: float,
         now_ms: float,
         away: list[str],
+        beyond: list[int],
     ) -> float:
         """What the lane serves here before a new request of ``queue``'s tenant while the
         round robin orders by the pool's counters (:meth:`LaneOrder.ahead_tokens
@@ -619,10 +641,18 @@ class TokenfairScheduler(Scheduler):
         were served here lately are one aggregate: the lane's recent service rate less that of
         the backlogged tenants and of this one, taken as all ahead (``idle_rate``: an idle
         tenant that sends joins below the level at most that fast). O(b log b) in the ``b``
-        backlogged tenants of the lane, never in the tenants served lately."""
+        backlogged tenants of the lane, never in the tenants served lately, up to
+        :data:`POOL_WEIGHED_TENANTS`; past it :meth:`_pool_ahead_bounded`, whose work is
+        bounded whatever ``b``. ``away`` and ``beyond`` receive the tenants away (``beyond``:
+        the sums of the quanta, queued work and credit of those not listed, and 1 if the ring's
+        front is one of them)."""
         order = drr.order
         if order is None:
             return 0.0
+        if len(drr.active) > POOL_WEIGHED_TENANTS:
+            return self._pool_ahead_bounded(
+                drr, queue, lane, rate, now_ms, away, beyond, POOL_WEIGHED_TENANTS
+            )
         tenant_id = queue.tenant_id
         memory_ms = self._memories_ms[lane]
         served = self._served[lane]
@@ -648,6 +678,104 @@ class TokenfairScheduler(Scheduler):
             rate,
             self._wait_limits[lane] * POOL_HORIZON_LIMITS,
             away,
+        )
+
+    def _pool_ahead_bounded(
+        self,
+        drr: DeficitRoundRobin,
+        queue: TenantQueue,
+        lane: int,
+        rate: float,
+        now_ms: float,
+        away: list[str],
+        beyond: list[int],
+        most: int,
+    ) -> float:
+        """:meth:`_pool_ahead` with more than :data:`POOL_WEIGHED_TENANTS` backlogged, in
+        O(log b + most) (docs/fairness.md §9.2.1), ``most`` that cap. A tenant whose counter is at
+        least :meth:`LaneOrder.away_limit <tokenfair.core.pool_order.LaneOrder.away_limit>`
+        is away whatever its rate elsewhere (``ahead_tokens`` would find it so), so only the
+        tenants below that limit are weighed, least counter first (the lane's ranking). If more
+        than ``most`` are, the rest are one piece of ``ahead_tokens``: their queued work and
+        rates (the lane's sums less the weighed ones'), their quanta times the gap from the
+        least counter left out to the level, and times this tenant's rise — each at least the
+        sum of their own pieces' (an upper bound of what they take). The backlogged tenants' rates
+        come from their sum (:class:`~tokenfair.core.shares.RateSum`): equal to the one-by-one
+        answer up to the rounding of the sums when no more than the cap are below the limit."""
+        order = drr.order
+        backlog_served = self._backlog_served
+        assert order is not None
+        assert backlog_served is not None
+        tenant_id = queue.tenant_id
+        memory_ms = self._memories_ms[lane]
+        served = self._served[lane]
+        horizon_ms = self._wait_limits[lane] * POOL_HORIZON_LIMITS
+        joining = not queue.in_active
+        floor = order.least_counter() if joining else None
+        own = (tenant_id, queue.quantum_units, queue.queued_units)
+        level = order.level(own, joining, floor)
+        limit = order.away_limit(level, tenant_id, queue.quantum_units, horizon_ms)
+        near, left_out = order.below(limit, tenant_id, most)
+        recent = served.get(tenant_id)
+        own_rate = 0.0 if recent is None else recent.rate(now_ms, memory_ms)
+        # The others' rates: every backlogged tenant's, less this one's if it is backlogged.
+        others_rate = backlog_served[lane].rate(now_ms, memory_ms)
+        if not joining:
+            others_rate -= own_rate
+        idle_rate = self._lane_served[lane].rate(now_ms, memory_ms) - own_rate - others_rate
+        others: list[tuple[str, int, int, float]] = []
+        quanta = drr.active_quanta_units
+        queued = drr.queued_units
+        credit = drr.credit_units
+        if not joining:  # the rest: the ring's sums less this tenant's and the weighed ones'
+            quanta -= queue.quantum_units
+            queued -= queue.queued_units
+            if queue.deficit_units > 0:
+                credit -= queue.deficit_units
+        queues = drr.queues
+        for other_id in near:
+            other = queues[other_id]
+            recent = served.get(other_id)
+            sending = 0.0 if recent is None else recent.rate(now_ms, memory_ms)
+            others_rate -= sending
+            quanta -= other.quantum_units
+            queued -= other.queued_units
+            if other.deficit_units > 0:
+                credit -= other.deficit_units
+            others.append((other_id, other.quantum_units, other.queued_units, sending))
+        folded: tuple[float, float, float, float] | None = None
+        if left_out is not None:
+            # More than the cap below the limit: the rest as one piece, the sums of theirs
+            # (an upper bound of their pieces' sum: each rest tenant's counter is at least
+            # `left_out`, so its gap to the level at most the level less that, its drift at
+            # most this tenant's rise, both times its quantum; and the sum of minima is at
+            # most the minimum of the sums).
+            gap = level - left_out
+            folded = (
+                queued / _UNIT,
+                others_rate if others_rate > 0.0 else 0.0,
+                (gap if gap > 0.0 else 0.0) * quanta / _UNIT,
+                order.rise(tenant_id, queue.quantum_units) * quanta / _UNIT,
+            )
+        else:
+            # The rest are away: their sums for the round robin's share without them.
+            front = drr.active[0] if drr.active else None
+            beyond[0] = quanta
+            beyond[1] = queued
+            beyond[2] = credit
+            beyond[3] = int(
+                front is not None and front is not queue and front.tenant_id not in near
+            )
+        return order.ahead_tokens(
+            own,
+            joining,
+            floor,
+            others,
+            idle_rate if idle_rate > FORGOTTEN_RATE else 0.0,
+            rate,
+            horizon_ms,
+            away,
+            folded,
         )
 
     def _batch_wait_ms(
@@ -1164,7 +1292,11 @@ class TokenfairScheduler(Scheduler):
     # -- selection --------------------------------------------------------------------------
 
     def _push(self, job: Job) -> None:
-        self._lanes[job.lane].push(job, join_ahead=self._push_ahead)
+        lane = job.lane
+        self._lanes[lane].push(job, join_ahead=self._push_ahead)
+        backlog_served = self._backlog_served
+        if backlog_served is not None and job.tenant_id not in backlog_served[lane]:
+            backlog_served[lane].put(job.tenant_id, self._memories_ms[lane])
 
     def _forget(self, job: Job) -> None:
         lane = job.lane
@@ -1173,6 +1305,9 @@ class TokenfairScheduler(Scheduler):
         drr.forget(job)
         if not drr.backlogged(tenant_id):
             self._competition[lane].drained(tenant_id)
+        backlog_served = self._backlog_served
+        if backlog_served is not None and not drr.queues[tenant_id].in_active:
+            backlog_served[lane].drop(tenant_id)
         # Called before the totals drop the job: the batch lane empties if this is its last job.
         if self.queued_count[LANE_BATCH] == int(lane == LANE_BATCH):
             self._batch_credit_scaled = 0
@@ -1321,6 +1456,12 @@ class TokenfairScheduler(Scheduler):
         self._lane_served[lane].add(
             tokens if lane_tokens is None else lane_tokens, now_ms, memory_ms
         )
+        backlog_served = self._backlog_served
+        if backlog_served is not None:  # (a dispatch that emptied its queue: it left)
+            if self._lanes[lane].queues[tenant_id].in_active:
+                backlog_served[lane].put(tenant_id, memory_ms)
+            else:
+                backlog_served[lane].drop(tenant_id)
 
     def _finished(self, job: Job, now_ms: float | None) -> None:
         running_expected = self._running_expected - job.expected_tokens

@@ -270,6 +270,7 @@ class PoolFairness:
                 lane.pool_units.pop(tenant_id, None)
                 lane.offsets.pop(tenant_id, None)
                 lane.active_epoch.pop(tenant_id, None)
+                lane.rekey(tenant_id)  # backlogged again during the call: its rank moves
 
     async def _bounded(self, call: Any) -> Any:
         async with asyncio.timeout(self.store.timeout_ms / 1000.0):

@@ -638,3 +638,151 @@ def test_admission_with_a_store_weighs_only_the_backlogged_tenants(
     assert work[True]["counter"] - work[False]["counter"] <= 2 * 2 * backlogged
     assert work[True]["rate"] - work[False]["rate"] <= 2 * (backlogged + 2)
     assert work[True]["rate"] > work[False]["rate"]  # the store's path ran: it read the rates
+
+
+def _backlogged_pool(count: int, high: int) -> tuple[TokenfairScheduler, float]:
+    """``count + 1`` tenants served here with a store (60,000 tokens in 4 requests for
+    tenants ``high`` to ``count - 1``, one of 11 tokens the others), then the first ``count``
+    backlogged with one request each and nothing dispatching (the last one idle)."""
+    tenants = tuple(
+        TenantConfig(f"t{i}", 1.0, 10**9, 10**7, "interactive") for i in range(count + 1)
+    )
+    policy = PolicyConfig(max_interactive_wait_ms=10.0**6, max_queued_requests=10**6)
+    scheduler = TokenfairScheduler(build_config(policy, tenants))
+    scheduler.share_pool_service(PoolService())
+    now_ms = 0.0
+    for i in range(count + 1):
+        high_one = high <= i < count
+        for k in range(4 if high_one else 1):
+            prompt = 14_999 if high_one else 10
+            request = Request(f"w{i}.{k}", f"t{i}", now_ms, prompt, 1, "interactive")
+            scheduler.submit(request, now_ms)
+            decision = scheduler.next_dispatch(now_ms)
+            assert decision is not None
+            done_ms = now_ms + (334.0 if high_one else 1.0)  # about its time on the replica
+            scheduler.complete(decision.request_id, done_ms)
+            now_ms = done_ms
+    scheduler.running = 10**6  # nothing dispatches: the queues stay
+    for i in range(count):
+        request = Request(f"q{i}", f"t{i}", now_ms, 100 + i % 7, 10, "interactive")
+        scheduler.submit(request, now_ms)  # (the last of the 60,000-token ones are refused)
+    assert len(scheduler._lanes[0].active) >= count - 100
+    return scheduler, now_ms
+
+
+@pytest.mark.skipif(
+    native.status().active,
+    reason="counts calls by patching the core's classes, which the compiled core cannot: "
+    "tests/sidecar/native runs it on the interpreted core",
+)
+@pytest.mark.parametrize("high", [5000, 10])
+def test_admission_with_a_store_is_bounded_at_5000_backlogged(
+    monkeypatch: pytest.MonkeyPatch, high: int
+) -> None:
+    # 5,000 tenants backlogged in the lane (issue 30, review F5: 4.9 ms an admission on the
+    # compiled core, one counter, one rate and one piece per backlogged tenant, plus a pass
+    # for the least counter when the tenant joins). A backlogged tenant's admission and a
+    # joining one's now read at most POOL_WEIGHED_TENANTS (32) counters and rates and a few
+    # more, each: with every counter equal all are within the window of the level (the rest
+    # folded in from the lane's sums, `high` 5000); with all but 10 served 60,000 tokens, 50 quanta
+    # above the two, those are away, read as the ring's sums less the few weighed (`high` 10).
+    scheduler, now_ms = _backlogged_pool(5000, high)
+    calls = {"counter": 0, "rate": 0}
+    counter, rate = LaneOrder.counter, DemandRate.rate
+
+    def counting_counter(self: LaneOrder, tenant_id: str, quantum_units: int) -> float:
+        calls["counter"] += 1
+        return counter(self, tenant_id, quantum_units)
+
+    def counting_rate(self: DemandRate, now_ms: float, tau_ms: float) -> float:
+        calls["rate"] += 1
+        return rate(self, now_ms, tau_ms)
+
+    monkeypatch.setattr(LaneOrder, "counter", counting_counter)
+    monkeypatch.setattr(DemandRate, "rate", counting_rate)
+    for k, tenant_id in enumerate(("t1", "t5000")):  # backlogged, then joining
+        request = Request(f"x{k}", tenant_id, now_ms, 100, 10, "interactive")
+        scheduler.submit(request, now_ms)
+    monkeypatch.undo()
+    assert 0 < calls["counter"] <= 2 * 50
+    assert 0 < calls["rate"] <= 2 * 50
+
+
+def test_the_bounded_admission_is_the_one_by_one_prediction_or_above_it() -> None:
+    # Up to POOL_WEIGHED_TENANTS backlogged, `_pool_ahead` weighs each tenant one by one; the
+    # bounded path (past it) reads the ranking and the lane's sums instead. Same state, both
+    # paths: equal up to the rounding of the sums when none is folded (what is away too),
+    # and above it when all but 3 below the limit are taken as all ahead. Varied weights,
+    # counters (service here and, through two batches, elsewhere) and queues.
+    weights = (1.0, 2.0, 4.0, 0.5)
+    tenants = tuple(
+        TenantConfig(f"t{i}", weights[i % 4], 10**9, 10**7, "interactive") for i in range(40)
+    )
+    policy = PolicyConfig(max_interactive_wait_ms=2000.0, max_queued_requests=10**6)
+    scheduler = TokenfairScheduler(build_config(policy, tenants))
+    pool = PoolService()
+    scheduler.share_pool_service(pool)
+    now_ms = 0.0
+    for i in range(40):
+        for k in range(1 + i % 5):
+            request = Request(f"w{i}.{k}", f"t{i}", now_ms, 50 + 37 * (i % 9), 10, "interactive")
+            scheduler.submit(request, now_ms)
+            decision = scheduler.next_dispatch(now_ms)
+            assert decision is not None
+            scheduler.complete(decision.request_id, now_ms + 1.0)
+            now_ms += 3.0
+        if i % 13 == 12:  # the others' service: totals that moved by more than this replica's
+            batch = pool.take_batch(pool.backlogged(), now_ms)
+            totals = tuple(
+                [
+                    lane.pool_units.get(tenant_id, 0) // U + tokens + 40 * (hash(tenant_id) % 3)
+                    for tenant_id, tokens in entries
+                ]
+                for lane, entries in zip(pool.lanes, batch, strict=True)
+            )
+            pool.absorb(batch, totals)
+    scheduler.running = 10**6
+    for i in range(30):
+        for k in range(1 + i % 3):
+            request = Request(f"q{i}.{k}", f"t{i}", now_ms, 90 + 11 * (i % 7), 10, "interactive")
+            assert scheduler.submit(request, now_ms) is None
+    lane = 0
+    drr = scheduler._lanes[lane]
+    assert len(drr.active) == 30
+    # The lane's ranking and its sum of rates follow the ring and the counters.
+    order = pool.lanes[lane]
+    ring = {queue.tenant_id: queue.quantum_units for queue in drr.active}
+    assert order.ranked == sorted((order.counter(t, q), t) for t, q in ring.items())
+    backlog_served = scheduler._backlog_served
+    assert backlog_served is not None
+    memory_ms = scheduler._memories_ms[lane]
+    one_by_one = sum(scheduler._served[lane][t].rate(now_ms, memory_ms) for t in ring)
+    assert backlog_served[lane].rate(now_ms, memory_ms) == pytest.approx(one_by_one, rel=1e-9)
+    assert set(backlog_served[lane]._terms) == set(ring)
+    rate = scheduler._rate
+    checked = folded_above = 0
+    for i in range(40):
+        queue = drr.queues[f"t{i}"]
+        away: list[str] = []
+        beyond = [0, 0, 0, 0]
+        exact = scheduler._pool_ahead(drr, queue, lane, rate, now_ms, away, beyond)
+        assert beyond == [0, 0, 0, 0]  # the one-by-one path lists every tenant away
+        away_bounded: list[str] = []
+        beyond_bounded = [0, 0, 0, 0]
+        bounded = scheduler._pool_ahead_bounded(
+            drr, queue, lane, rate, now_ms, away_bounded, beyond_bounded, 10**6
+        )
+        assert bounded == pytest.approx(exact, rel=1e-9, abs=1e-6)
+        listed = set(away_bounded)
+        assert listed <= set(away)
+        rest = [drr.queues[t] for t in away if t not in listed]
+        assert beyond_bounded[0] == sum(q.quantum_units for q in rest)
+        assert beyond_bounded[1] == sum(q.queued_units for q in rest)
+        assert beyond_bounded[2] == sum(max(0, q.deficit_units) for q in rest)
+        assert beyond_bounded[3] == int(drr.active[0] in rest)
+        folded = scheduler._pool_ahead_bounded(drr, queue, lane, rate, now_ms, [], [0, 0, 0, 0], 3)
+        assert folded >= exact * (1.0 - 1e-9)
+        checked += 1
+        folded_above += folded > exact * (1.0 + 1e-6)
+    assert checked == 40
+    assert folded_above > 0  # the fold changed some answers (upward): it was exercised

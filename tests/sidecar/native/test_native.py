@@ -616,10 +616,54 @@ def test_the_pool_replay_is_the_same_on_both_cores(tmp_path: Path, engine: list[
     assert outputs[0] == outputs[1]
 
 
+def test_both_cores_bound_the_pool_admission_alike(tmp_path: Path) -> None:
+    # Past POOL_WEIGHED_TENANTS backlogged, admission with a store reads the lane's ranking of
+    # the counters and its sums (core/pool_order.py `below`, shares.py `RateSum`) and folds the
+    # rest into one piece: no pool scenario reaches it more than a few times, so both cores
+    # predict here with 300 backlogged at varied counters, weights and rates, bit for bit.
+    build = _build()
+    script = (
+        "from tokenfair.config import PolicyConfig, TenantConfig, build_config\n"
+        "from tokenfair.core import Request\n"
+        "from tokenfair.core.pool_order import PoolService\n"
+        "from tokenfair.core.tokenfair import TokenfairScheduler\n"
+        "from tokenfair import native\n"
+        "weights = (1.0, 2.0, 0.5)\n"
+        "tenants = tuple(TenantConfig(f't{i}', weights[i % 3], 10**9, 10**7, 'interactive')\n"
+        "                for i in range(320))\n"
+        "policy = PolicyConfig(max_interactive_wait_ms=10.0**5, max_queued_requests=10**6)\n"
+        "s = TokenfairScheduler(build_config(policy, tenants))\n"
+        "s.share_pool_service(PoolService())\n"
+        "now = 0.0\n"
+        "for i in range(320):\n"
+        "    for k in range(1 + i % 4):\n"
+        "        s.submit(Request(f'w{i}.{k}', f't{i}', now, 40 + 97 * (i % 11), 5,\n"
+        "                         'interactive'), now)\n"
+        "        d = s.next_dispatch(now)\n"
+        "        s.complete(d.request_id, now + 2.0)\n"
+        "        now += 2.5\n"
+        "s.running = 10**6\n"
+        "out = []\n"
+        "for i in range(300):\n"
+        "    d = s.submit(Request(f'q{i}', f't{i}', now, 100 + i % 7, 10, 'interactive'), now)\n"
+        "    out.append('.' if d is None else d.reason)\n"
+        "for i in range(0, 320, 7):\n"
+        "    out.append(s.predicted_wait_ms(f't{i}', 0, 150, now + 1.0).hex())\n"
+        "print(native.status().active, len(s._lanes[0].active), ' '.join(out))\n"
+    )
+    lines = {switch: out.split(" ", 2) for switch, out in _both_cores(script, build, tmp_path)}
+    assert lines["1"][0] == "True"
+    assert lines["0"][0] == "False"
+    assert int(lines["0"][1]) > 32  # past the cap: the bounded path ran
+    assert lines["1"][1:] == lines["0"][1:]
+
+
 INTERPRETED_ONLY = (
     "tests/sidecar/core/test_core_inline_paths.py::test_the_inline_paths_decide_and_end_as_the_reference",
     "tests/sidecar/core/test_core_fast_paths.py::test_the_rounded_occupancy_cache_changes_no_decision",
     "tests/sidecar/core/test_pool_order.py::test_admission_with_a_store_weighs_only_the_backlogged_tenants",
+    "tests/sidecar/core/test_pool_order.py::test_admission_with_a_store_is_bounded_at_5000_backlogged[5000]",
+    "tests/sidecar/core/test_pool_order.py::test_admission_with_a_store_is_bounded_at_5000_backlogged[10]",
 )
 """Tests that skip on the compiled core: reference subclasses of the core's classes (an
 interpreted class cannot subclass a compiled one), a patched module constant (the compiled core
