@@ -26,7 +26,8 @@ queues). Every process started here is killed in ``finally:``; everything listen
 
 Each measurement runs 3 rounds interleaved over the targets; a figure is the target's best round.
 ``--instructions`` instead counts instructions per request of each proxy under callgrind (the
-figure to trust on a loaded machine), net of what the proxy executes idle (its timers: counted
+figure to trust on a loaded machine): per chat request and per streamed request (the SSE stream
+above), each load counted on its own, net of what the proxy executes idle (its timers: counted
 as long again with no load). It still moves with the request rate the proxy reaches under
 callgrind: at a lower rate the event loop handles fewer requests per wake-up (and the access
 log writes fewer lines per batch), so compare runs whose request counts are alike.
@@ -818,9 +819,14 @@ def _instructions(
         time.sleep(CALLGRIND_SECONDS)
         _callgrind(proc.pid, "-d")
         procs.stop(proc)
-        for result in results:
-            if not result.requests or result.non_2xx:
-                raise RuntimeError(f"{name}: failed requests ({result})")
+        if any(result.non_2xx for result in results):
+            raise RuntimeError(f"{name}: failed requests ({results})")
+        if not all(result.requests for result in results):
+            # Under callgrind on a loaded machine a proxy can be starved for the whole 10 s:
+            # no figure for it, the run goes on (its ratios are left out).
+            print(f"  {name:<13} no request completed in {CALLGRIND_SECONDS} s ({results}): "
+                  "machine overloaded? not counted", flush=True)  # fmt: skip
+            continue
         idle = _callgrind_total(tmp / f"callgrind.{name}.3")
         for kind, result, dump, into in (
             ("chat", results[0], 1, counts), ("stream", results[1], 2, stream_counts)
@@ -829,7 +835,7 @@ def _instructions(
             per_request = loaded / result.requests
             into[name] = net = (loaded - idle) / result.requests
             print(f"  {name:<13} {kind:<6} {result.requests:>6} requests  {net / 1000:>8.0f}k "
-                  f"instructions per request, {net / into['minimal']:.2f}x minimal  (raw "
+                  f"instructions per request, {net / into.get('minimal', net):.2f}x minimal  (raw "
                   f"{per_request / 1000:.0f}k, idle {idle / CALLGRIND_SECONDS / 1000:.0f}k a "
                   "second)", flush=True)  # fmt: skip
     for name, base in (("sidecar", "base"), ("sidecar-nolog", "base-nolog")):
@@ -841,7 +847,7 @@ def _instructions(
             print(f"  {name} / {base}: {counts[name] / counts[base]:.3f}")
     op, target = TARGETS["access log share of cpu"]
     for name in ("sidecar", "base"):
-        if name in counts:
+        if name in counts and NOLOG[name] in counts:
             share = 1 - counts[NOLOG[name]] / counts[name]
             print(f"  access log share of {name}'s instructions: {share:.3f}  target {op} "
                   f"{target:g}  {'met' if share <= target else 'NOT met'}")  # fmt: skip

@@ -14,14 +14,16 @@ free for the next request; the core refusing a settlement falls back to the esti
 broken after its 200 reaches the client as an incomplete transfer and is recorded
 ``502 upstream_aborted``; the ``include_usage`` event the sidecar added is cut from the client's
 stream (and still settles), kept when the client asked, whatever its line ends (LF, CRLF, CR);
-a stream is relayed as it comes, never held whole (CR line ends, a line of a megabyte); gzip/
+a stream is relayed as it comes, never held whole (CR line ends, a line of a megabyte), and an
+LF-only stream is filtered without the event-end regex nor an event-by-event split; gzip/
 deflate answers the sidecar did not ask for are decoded, other codings relayed with their header;
 a gzip request body reaches the upstream decoded and unlabelled, an undecodable one is 400, a
 zip bomb 413, an unknown coding (``br``/``zstd`` without their libraries too) an OpenAI-style
 415; hop-by-hop and ``Connection``-named headers are stripped both ways; 502/504 bodies name no
 upstream address; a streaming client that stops reading is cut after ``client_write_timeout_s``
 and its slot freed, also when it stops within the stream's last 64 KiB (the end of the stream
-waits for them), while a slow reader that keeps reading is served to the end; a body that never
+waits for them), while a slow reader that keeps reading is served to the end, and a stream to a
+client that reads arms no write timer (its writes cannot wait); a body that never
 finishes is 408; JSON nested 100,000 deep is 400; a non-UTF-8 API key is 401; the core failing
 to settle (even at the estimate) or the accounting failing still frees the slot and KV and
 writes exactly one record per request.
@@ -84,6 +86,7 @@ from tokenfair.server.backends import openai as openai_backend
 from tokenfair.server.backends.base import MAX_USAGE_TOKENS, BackendCall
 from tokenfair.server.backends.openai import MAX_HELD_EVENT_BYTES, UsageEventFilter
 from tokenfair.server.clock import ModelClock
+from tokenfair.server.connections import unacknowledged_bytes
 from tokenfair.server.dispatcher import Dispatcher
 from tokenfair.server.lifecycle import Lifecycle, Phase, Settlement
 from tokenfair.server.proxy import HAS_BROTLI, HAS_ZSTD
@@ -916,11 +919,10 @@ async def test_a_stream_whose_writes_cannot_wait_arms_no_write_timer(
     arming the write timer or asking the kernel for the client's unacknowledged bytes, and is
     relayed whole (the client that stops reading is cut: the tests above)."""
     looks: list[object] = []
-    unacknowledged = base_backend.unacknowledged_bytes
 
-    def counted(transport: Any) -> int:
+    def counted(transport: Any) -> int:  # the look that arms the timer with its baseline
         looks.append(transport)
-        return unacknowledged(transport)
+        return unacknowledged_bytes(transport)
 
     monkeypatch.setattr(base_backend, "unacknowledged_bytes", counted)
     raw = await upstream({"tail": sse_events(8, 500), "ok": reply(json_response(OK_JSON))})
