@@ -14,14 +14,16 @@ free for the next request; the core refusing a settlement falls back to the esti
 broken after its 200 reaches the client as an incomplete transfer and is recorded
 ``502 upstream_aborted``; the ``include_usage`` event the sidecar added is cut from the client's
 stream (and still settles), kept when the client asked, whatever its line ends (LF, CRLF, CR);
-a stream is relayed as it comes, never held whole (CR line ends, a line of a megabyte); gzip/
+a stream is relayed as it comes, never held whole (CR line ends, a line of a megabyte), and an
+LF-only stream is filtered without the event-end regex nor an event-by-event split; gzip/
 deflate answers the sidecar did not ask for are decoded, other codings relayed with their header;
 a gzip request body reaches the upstream decoded and unlabelled, an undecodable one is 400, a
 zip bomb 413, an unknown coding (``br``/``zstd`` without their libraries too) an OpenAI-style
 415; hop-by-hop and ``Connection``-named headers are stripped both ways; 502/504 bodies name no
 upstream address; a streaming client that stops reading is cut after ``client_write_timeout_s``
 and its slot freed, also when it stops within the stream's last 64 KiB (the end of the stream
-waits for them), while a slow reader that keeps reading is served to the end; a body that never
+waits for them), while a slow reader that keeps reading is served to the end, and a stream to a
+client that reads arms no write timer (its writes cannot wait); a body that never
 finishes is 408; JSON nested 100,000 deep is 400; a non-UTF-8 API key is 401; the core failing
 to settle (even at the estimate) or the accounting failing still frees the slot and KV and
 writes exactly one record per request.
@@ -79,9 +81,12 @@ from sidecar_support import (
 )
 
 from tokenfair.core import Request, make_scheduler
+from tokenfair.server.backends import base as base_backend
+from tokenfair.server.backends import openai as openai_backend
 from tokenfair.server.backends.base import MAX_USAGE_TOKENS, BackendCall
 from tokenfair.server.backends.openai import MAX_HELD_EVENT_BYTES, UsageEventFilter
 from tokenfair.server.clock import ModelClock
+from tokenfair.server.connections import unacknowledged_bytes
 from tokenfair.server.dispatcher import Dispatcher
 from tokenfair.server.lifecycle import Lifecycle, Phase, Settlement
 from tokenfair.server.proxy import HAS_BROTLI, HAS_ZSTD
@@ -243,6 +248,26 @@ async def test_the_usage_chunk_the_sidecar_added_is_cut_from_the_clients_stream(
             b'data: {"choices":[],\r\ndata: "usage":{"prompt_tokens":1}}\r\n\r\n: ping\r\n\r\n',
             b": ping\r\n\r\n",
         ),
+        # LF only (the fast path: no event split): an odd LF before the event stays with the
+        # event before; the event first in the stream; a "choices": [] whose usage is null stays
+        # and both usage events after it go; a pattern spanning an event's end is no usage event.
+        (
+            b'data: x\n\n\ndata: {"choices":[],"usage":{}}\n\ndata: [DONE]\n\n',
+            b"data: x\n\n\ndata: [DONE]\n\n",
+        ),
+        (
+            b'data: {"choices":[],"usage":{"prompt_tokens":1}}\n\ndata: [DONE]\n\n',
+            b"data: [DONE]\n\n",
+        ),
+        (
+            b'data: {"choices":[],"usage":null}\n\ndata: {"choices":[],"usage":{"a":1}}\n\n'
+            b'data: {"choices": [ ], "usage": {}}\n\n\n\ndata: y\n\n',
+            b'data: {"choices":[],"usage":null}\n\n\n\ndata: y\n\n',
+        ),
+        (
+            b'data: {"choices":\n\n[]\n\ndata: {"choices":[],"usage":{}}\n\n',
+            b'data: {"choices":\n\n[]\n\n',
+        ),
         # An extra blank line before the event stays; mixed line ends.
         (
             b'data: x\n\n\r\ndata: {"choices":[],"usage":{}}\r\n\ndata: y\r\r',
@@ -255,6 +280,38 @@ def test_usage_event_filter_line_shapes(wire: bytes, expected: bytes) -> None:
         usage_filter = UsageEventFilter()
         out = b"".join(usage_filter.feed(wire[i : i + size]) for i in range(0, len(wire), size))
         assert out + usage_filter.flush() == expected, size
+
+
+def test_usage_event_filter_splits_no_event_of_an_lf_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 34: with LF line ends (what servers write) the filter finds event ends with
+    ``rfind`` and the usage event from its ``"choices": []``, never running the event-end regex
+    over every byte nor splitting the stream event by event; the bytes out are the same."""
+    events = [b'data: {"choices":[{"index":0,"text":" t%d"}]}\n\n' % i for i in range(64)]
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":64}}\n\n'
+    wire = b"".join(events) + usage + b"data: [DONE]\n\n"
+    expected = b"".join(events) + b"data: [DONE]\n\n"
+    scans: list[str] = []
+
+    class Counted:
+        def __init__(self, pattern: Any) -> None:
+            self.pattern = pattern
+
+        def finditer(self, *args: Any) -> Any:
+            scans.append("finditer")
+            return self.pattern.finditer(*args)
+
+        def search(self, *args: Any) -> Any:
+            scans.append("search")
+            return self.pattern.search(*args)
+
+    monkeypatch.setattr(openai_backend, "_EVENT_END", Counted(openai_backend._EVENT_END))
+    for size in (len(wire), 512, 7):
+        usage_filter = UsageEventFilter()
+        out = b"".join(usage_filter.feed(wire[i : i + size]) for i in range(0, len(wire), size))
+        assert out + usage_filter.flush() == expected, size
+    assert scans == []
 
 
 def test_usage_event_filter_holds_at_most_an_event_of_64_kib() -> None:
@@ -852,6 +909,33 @@ async def test_clients_that_never_read_a_whole_answer_are_cut_at_the_write_timeo
     if backend == "openai":
         await assert_next_request_served(clients)
     assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+
+
+async def test_a_stream_whose_writes_cannot_wait_arms_no_write_timer(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: a write that cannot wait (the transport holds nothing and the bytes fit under
+    its high-water mark) needs no timer: a stream to a client that reads is written without
+    arming the write timer or asking the kernel for the client's unacknowledged bytes, and is
+    relayed whole (the client that stops reading is cut: the tests above)."""
+    looks: list[object] = []
+
+    def counted(transport: Any) -> int:  # the look that arms the timer with its baseline
+        looks.append(transport)
+        return unacknowledged_bytes(transport)
+
+    monkeypatch.setattr(base_backend, "unacknowledged_bytes", counted)
+    raw = await upstream({"tail": sse_events(8, 500), "ok": reply(json_response(OK_JSON))})
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path, client_write_timeout_s=5.0)
+    response = await post(clients, chat("tail", stream=True))
+    assert response.status == 200
+    body = await response.read()
+    assert body.count(b"data: xxx") == 8
+    assert body.endswith(DONE)
+    assert await wait_for(lambda: bool(records_of(clients.sidecar)))
+    (record,) = records_of(clients.sidecar)
+    assert record["status_code"] == 200
+    assert looks == []
 
 
 async def test_a_slow_reader_that_keeps_reading_is_not_cut(

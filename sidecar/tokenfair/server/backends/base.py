@@ -286,7 +286,11 @@ class BackendCall:
     # -- writing to the client ------------------------------------------------------------------
 
     async def write(self, response: web.StreamResponse, data: bytes) -> None:
-        """``response.write(data)``, bounded: see :meth:`_bounded`."""
+        """``response.write(data)``, bounded: see :meth:`_bounded` (a write that cannot wait,
+        :meth:`_cannot_wait`, needs no timer and goes straight out)."""
+        if self._cannot_wait(len(data)):
+            await response.write(data)
+            return
         await self._bounded(response.write(data), len(data))
 
     async def send(self, response: web.StreamResponse) -> None:
@@ -315,7 +319,25 @@ class BackendCall:
         """``response.write_eof()``, bounded like :meth:`write`: it too waits until the client
         has taken what is buffered (the last bytes of a stream may be up to 64 KiB that no
         ``write`` waited for), so a client that stops reading near the end is cut as well."""
+        if self._cannot_wait(0):
+            await response.write_eof()
+            return
         await self._bounded(response.write_eof(), 0)
+
+    def _cannot_wait(self, size: int) -> bool:
+        """Whether a write of ``size`` bytes to the client cannot wait, so no timer need watch
+        it: no timer watches an earlier write (its accounting goes on), the transport holds
+        nothing (so it is not paused: aiohttp's drain returns at once) and the bytes fit under
+        its high-water mark (the write cannot pause it). Most writes of a stream are so (the
+        kernel takes them); once the client falls behind, a write waits, and that one is timed
+        (:meth:`_bounded`, its baseline taken then)."""
+        transport = self.request.transport
+        return (
+            self._watchdog is None
+            and transport is not None
+            and transport.get_write_buffer_size() == 0
+            and size + HEAD_ALLOWANCE_BYTES <= transport.get_write_buffer_limits()[1]
+        )
 
     async def _bounded(self, operation: Awaitable[None], size: int) -> None:
         """Await ``operation`` (a write of ``size`` bytes to the client). While it waits, a
@@ -326,8 +348,8 @@ class BackendCall:
         look plus what was written since. A write that has waited ``client_write_timeout_s``
         since it began, or since progress was last seen, resets the client's connection (the
         write then raises), so a client that stops reading cannot hold its in-flight slot,
-        while one that reads slowly is never cut. One timer per call, armed by a write and
-        re-armed only while a write waits (not per write)."""
+        while one that reads slowly is never cut. One timer per call, armed by a write that
+        may wait and re-armed only while a write waits (not per write)."""
         timeout_s = self.client_write_timeout_s
         if timeout_s is None:
             await operation

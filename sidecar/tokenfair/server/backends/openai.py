@@ -332,6 +332,71 @@ def client_has_end(sent_end: bytes, sent_tail: bytes | bytearray, *, asked_usage
     return event is not None and _is_usage_event(event)
 
 
+def _last_event_end(buffer: bytes, start: int) -> int:
+    """Where the last blank line in ``buffer[start:]`` ends, as ``_EVENT_END.finditer(buffer,
+    start)`` finds it (0: none). Without a CR there, found by ``rfind`` instead of a regex scan
+    of every byte: a run of LFs pairs into line ends from its first, so an odd last one is
+    left to the next event (as the regex leaves it)."""
+    if buffer.find(b"\r", start) >= 0:
+        end = 0
+        for match in _EVENT_END.finditer(buffer, start):
+            end = match.end()
+        return end
+    index = buffer.rfind(b"\n\n", start)
+    if index < 0:
+        return 0
+    run = index  # where the run of LFs holding the last pair starts
+    while run > start and buffer[run - 1] == 0x0A:
+        run -= 1
+    return index + 2 - (index + 2 - run) % 2
+
+
+def _cut_usage_events_lf(events: bytes) -> bytes:
+    """:meth:`UsageEventFilter._filter` of whole events whose lines all end with LF: the usage
+    event cut, found from its ``"choices": []`` (not by splitting every event); the bytes
+    around it unchanged. A candidate whose pattern spans an event's end (its ``\\s`` can match
+    the blank line) goes to the general per-event split."""
+    out: list[bytes] = []
+    kept_from = search_at = 0
+    while (match := _EMPTY_CHOICES.search(events, search_at)) is not None:
+        at = match.start()
+        end = events.find(b"\n\n", at)  # the blank line ending its event (pairs from here)
+        if end < 0 or match.end() > end:
+            return _cut_usage_events_split(events)
+        end += 2
+        # Its event's first byte: after the last blank line before it, past the line ends
+        # that start the event (kept, as the per-event split keeps them).
+        start = events.rfind(b"\n\n", 0, at)
+        start = 0 if start < 0 else start + 2
+        while start < at and events[start] == 0x0A:
+            start += 1
+        if _is_usage_event(events[start:end]):
+            out.append(events[kept_from:start])
+            kept_from = end
+        search_at = end
+    if not out:
+        return events
+    out.append(events[kept_from:])
+    return b"".join(out)
+
+
+def _cut_usage_events_split(events: bytes) -> bytes:
+    """``events`` (whole events, LF line ends) without the usage event, split event by event."""
+    out: list[bytes] = []
+    start = kept_from = 0
+    for match in _EVENT_END.finditer(events):
+        end = match.end()
+        event = events[start:end]
+        if _EMPTY_CHOICES.search(event) is not None and _is_usage_event(event):
+            out.append(events[kept_from : start + _leading_line_ends(event)])
+            kept_from = end
+        start = end
+    if not out:
+        return events
+    out.append(events[kept_from:])
+    return b"".join(out)
+
+
 def _leading_line_ends(event: bytes) -> int:
     """How many bytes of line ends (extra blank lines) start ``event``."""
     return len(event) - len(event.lstrip(b"\r\n"))
@@ -377,10 +442,8 @@ class UsageEventFilter:
             return b"".join(out)
         held = self._held
         buffer = held + data if held else data
-        end = 0
         # A blank line completed by `data` starts at most 3 bytes before it (CRLF CR).
-        for match in _EVENT_END.finditer(buffer, max(0, len(held) - 3)):
-            end = match.end()
+        end = _last_event_end(buffer, max(0, len(held) - 3))
         if end:
             out.append(self._filter(buffer[:end], at_end=end == len(buffer)))
         rest = buffer[end:] if end else buffer
@@ -421,6 +484,8 @@ class UsageEventFilter:
     def _filter(self, events: bytes, *, at_end: bool) -> bytes:
         """``events`` (whole events) without the usage event; ``at_end``: nothing follows them
         yet (a final lone CR may be continued by an LF)."""
+        if b"\r" not in events:  # LF line ends only (as servers write): no per-event work
+            return _cut_usage_events_lf(events)
         ends_with_cr = at_end and events.endswith(b"\r")
         kept = True  # the last event's fate
         if _EMPTY_CHOICES.search(events) is not None:
