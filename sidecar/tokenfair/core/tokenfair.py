@@ -242,9 +242,16 @@ class TokenfairScheduler(Scheduler):
         self._waited: tuple[DemandRate, ...] = (DemandRate(), DemandRate())
         self._predicted: tuple[DemandRate, ...] = (DemandRate(), DemandRate())
         self._predicted_ms: dict[str, float] = {}
-        # Per lane, the sampled requests in the order admitted, (id, arrival, predicted wait):
-        # the oldest still queued is the first whose id is still in `_predicted_ms`.
-        self._admitted_order: tuple[deque[tuple[str, float, float]], ...] = (deque(), deque())
+        # Per lane, the sampled requests in the order admitted, (id, tenant, arrival, predicted
+        # wait): the oldest still queued is the first whose id is still in `_predicted_ms`.
+        self._admitted_order: tuple[deque[tuple[str, str, float, float]], ...] = (
+            deque(),
+            deque(),
+        )
+        # Tenant -> the last time the round robin passed over its head because its bucket did
+        # not cover it (while samples were pending): a sample queued then waited for its
+        # budget, not only for the engine model, and leaves the correction (`_waited_for`).
+        self._budget_held_ms: dict[str, float] = {}
         self._curve: BatchingCurve | None = None  # the engine model they measure
         self._batch_floor_slots = 1  # max(1, ceil(batchMinShare * S)) (`_adopt_cost_model`)
         self._interactive_tenants = False  # the configuration has an interactive tenant
@@ -1088,7 +1095,9 @@ class TokenfairScheduler(Scheduler):
         if model_bound and lane == LANE_BATCH:
             sampled_ms = waited_ms + model_wait_ms
             self._predicted_ms[job.request_id] = sampled_ms
-            self._admitted_order[lane].append((job.request_id, job.arrival_ms, sampled_ms))
+            self._admitted_order[lane].append(
+                (job.request_id, tenant_id, job.arrival_ms, sampled_ms)
+            )
         if lane == LANE_INTERACTIVE:
             if self._tenant_limits and tenant.running + tenant.queued >= tenant.max_running:
                 job.held |= DEMAND_AT_DISPATCH  # counted when it can run (`batch_slots`)
@@ -1124,10 +1133,16 @@ class TokenfairScheduler(Scheduler):
             ratio = waited / predicted
         order = self._admitted_order[lane]
         pending = self._predicted_ms
-        while order and order[0][0] not in pending:
-            order.popleft()  # started, expired or cancelled
+        held = self._budget_held_ms
+        while order:
+            request_id, tenant_id, arrival_ms, _ = order[0]
+            if request_id in pending:
+                if held.get(tenant_id, -math.inf) < arrival_ms:
+                    break
+                del pending[request_id]  # its budget held it: no sample (`_waited_for`)
+            order.popleft()  # started, expired, cancelled or held by its budget
         if order:
-            _request_id, arrival_ms, predicted_ms = order[0]
+            _request_id, _tenant_id, arrival_ms, predicted_ms = order[0]
             floor_ms = limit_ms * PREDICTED_WAIT_FLOOR
             so_far = (now_ms - arrival_ms) / (predicted_ms if predicted_ms > floor_ms else floor_ms)
             if so_far > ratio:
@@ -1136,11 +1151,26 @@ class TokenfairScheduler(Scheduler):
             return _CORRECTION_HIGH
         return ratio if ratio > _CORRECTION_LOW else _CORRECTION_LOW
 
-    def _waited_for(self, request_id: str, lane: int, waited_ms: float, now_ms: float) -> None:
+    def _waited_for(
+        self,
+        request_id: str,
+        tenant_id: str,
+        lane: int,
+        arrival_ms: float,
+        waited_ms: float,
+        now_ms: float,
+    ) -> None:
         """A queued request's wait is known (it started, or it expired): into the lane's wait
-        correction beside what admission predicted for it."""
+        correction beside what admission predicted for it — unless the round robin passed over
+        its tenant for its budget while it waited (:meth:`_eligible`): that wait was partly
+        the tenant's own, and admission's budget wait (a refill without the burst's cap, no
+        request's whole cost at once) cannot tell how much."""
         predicted_ms = self._predicted_ms.pop(request_id, None)
-        if predicted_ms is None:
+        held = self._budget_held_ms
+        budget_held = held.get(tenant_id, -math.inf) >= arrival_ms
+        if not self._predicted_ms:
+            held.clear()  # no sample pending: nothing to hold back (bounded by the samples)
+        if predicted_ms is None or budget_held:
             return
         limit_ms = self._wait_limits[lane]
         tau_ms = limit_ms * WAIT_CORRECTION_LIMITS
@@ -1280,7 +1310,14 @@ class TokenfairScheduler(Scheduler):
             lane = LANE_OF[decision.priority_class]
             if self._predicted_ms:
                 expired_ms = EXPIRED_WAIT_LIMITS * self._wait_limits[lane]
-                self._waited_for(decision.request_id, lane, expired_ms, now_ms)
+                self._waited_for(
+                    decision.request_id,
+                    decision.tenant_id,
+                    lane,
+                    decision.arrival_ms,
+                    expired_ms,
+                    now_ms,
+                )
             tenant_id = decision.tenant_id
             wait_ms = self.predicted_wait_ms(tenant_id, lane, decision.service_tokens, now_ms)
             tenant = self.tenants[tenant_id]
@@ -1319,7 +1356,11 @@ class TokenfairScheduler(Scheduler):
         if self._lending:
             return True
         tenant = self.tenants[job.tenant_id]
-        return tenant.bucket.covers(job.service_tokens, self._now_ms)
+        if tenant.bucket.covers(job.service_tokens, self._now_ms):
+            return True
+        if self._predicted_ms:
+            self._budget_held_ms[job.tenant_id] = self._now_ms
+        return False
 
     def _eligible_limited(self, job: Job) -> bool:
         """:meth:`_eligible` behind the tenant's entitlements: a head whose tenant runs
@@ -1430,7 +1471,14 @@ class TokenfairScheduler(Scheduler):
         else:
             engine.start(job.request_id, expected_tokens, now_ms)
         if self._predicted_ms:  # a batch request whose wait admission sampled
-            self._waited_for(job.request_id, job.lane, now_ms - job.arrival_ms, now_ms)
+            self._waited_for(
+                job.request_id,
+                job.tenant_id,
+                job.lane,
+                job.arrival_ms,
+                now_ms - job.arrival_ms,
+                now_ms,
+            )
         self._record_service(job, expected_tokens, now_ms)
         if job.lifted:
             lane = job.lane

@@ -15,9 +15,12 @@ Behaviours under test:
 - An engine that keeps to the model: admitted-then-expired at most 2 % (3.1 % before), as much
   served.
 - Not sampled: a wait for the tenant's budget (not the engine model's) longer than the
-  model's, the interactive lane. Sampled: a flooding tenant whose queue is beyond its bucket
-  but whose refill comes before its turn (its wait is the engine's): an engine 1.15x or 2x
-  slower than its model expires at most 2 % of what it admitted (6.5 % and 21.8 % before).
+  model's; a request whose tenant the round robin passed over for its budget while it waited
+  (the burst's cap lost the refill: its wait was partly the budget's; counted, one expiry
+  raised the correction to 2.4 with the engine on the model); the interactive lane. Sampled:
+  a flooding tenant whose queue is beyond its bucket but whose refill comes before its turn
+  (its wait is the engine's): an engine 1.15x or 2x slower than its model expires at most
+  2 % of what it admitted (6.5 % and 21.8 % before).
 - A serial engine (``maxBatchRequests`` 1) has it too (it had none before issue 29): an expiry
   raises it, and a serial engine twice as slow as its model expires about 2 % of the batch
   requests it admitted (19 % without), as many served.
@@ -249,6 +252,39 @@ def test_a_wait_for_the_tenants_budget_is_not_the_models() -> None:
     assert started.queue_wait_ms == 2000.0
     # Not a sample of the engine model (counted, it would be 2,000 ms against a floor of 350).
     assert fair.wait_correction(LANE_BATCH, 2000.0) == 1.0
+
+
+def test_a_request_its_budget_held_back_in_its_wait_is_no_sample() -> None:
+    # S = 2 at R = 10, G = 2: each request runs at 5 tokens/ms. Two 12,000-token requests of
+    # "rag" fill the engine until 2,400 ms. "bud" (a burst of one 1,200-token request,
+    # refilled at 600 a second) sends two at 0: admission reads a budget wait of 2,000 ms for
+    # the second, less than the model's 2,520, so it is a sample. But the burst's cap loses
+    # the refill while the engine is full: at 2,400 the first takes the whole bucket, and the
+    # round robin passes the second over for its budget until it expires past 3,500. The
+    # engine kept to the model; counted, that expiry raised the correction to 2.4 (the
+    # admission-time test alone let it in), and every batch tenant's admission with it.
+    config = build_config(
+        policy(max_batch_requests=2, batch_throughput_gain=2.0),
+        [
+            TenantConfig("rag", 1.0, 10**12, 10**12, "batch"),
+            TenantConfig("bud", 1.0, 1200, 600.0, "batch"),
+        ],
+    )
+    fair = TokenfairScheduler(config)
+    for request_id in ("r0", "r1"):
+        long = Request(request_id, "rag", 0.0, 8000, 1000, "batch")
+        assert fair.submit(long, 0.0) is None
+        assert fair.next_dispatch(0.0) is not None
+    for request_id in ("b0", "b1"):
+        assert fair.submit(Request(request_id, "bud", 0.0, PREFILL, DECODE, "batch"), 0.0) is None
+    for request_id in ("r0", "r1"):
+        fair.complete(request_id, 2400.0)
+    first = fair.next_dispatch(2400.0)
+    assert first is not None
+    assert first.request_id == "b0"
+    assert fair.next_dispatch(2400.0) is None  # a slot is free; the bucket is empty
+    assert [d.request_id for d in fair.expire(3501.0)] == ["b1"]
+    assert fair.wait_correction(LANE_BATCH, 3501.0) == 1.0
 
 
 @pytest.mark.parametrize(
