@@ -175,13 +175,12 @@ class Dispatcher:
             return
         self._pumping = True
         scheduler = self.scheduler
-        now_ms = self.clock.now_ms()
+        now_ms = self.clock.now_ms()  # one read per pass: the first pass is at this instant
         failed = False
         try:
             again = True
             while again:
                 self._again = False
-                now_ms = self.clock.now_ms()
                 for decision in scheduler.expire(now_ms):
                     self._resolve(decision)
                 while scheduler.running < self.max_in_flight and scheduler.queued_total:
@@ -190,6 +189,8 @@ class Dispatcher:
                         break
                     self._resolve(next_decision)
                 again = self._again
+                if again:
+                    now_ms = self.clock.now_ms()
         except Exception:
             failed = True
             self._pump_failures += 1

@@ -125,6 +125,9 @@ class Estimate:
 PromptEstimator = Callable[[Mapping[str, object]], int]
 
 
+_CONTAINERS: Final = (dict, list)
+"""The parsed JSON containers, as a tuple: ``isinstance(v, dict | list)`` written in a loop
+builds the union at every element (about twice the cost of the check)."""
 _JSON_STRING: Final = re.compile(rb'"(?:[^"\\]++|\\.)*+"?', re.DOTALL)
 """A JSON string literal (escapes included) — or, if it never closes, the rest of the text from
 its opening quote: the quantifiers are possessive (no backtracking), so a match at a quote
@@ -202,7 +205,7 @@ def check_json_shape(body: object, max_depth: int, max_values: int) -> None:
     count = 1
     while level:
         containers: list[dict[str, object] | list[object]] = [
-            v for v in level if isinstance(v, dict | list)
+            v for v in level if isinstance(v, _CONTAINERS)
         ]
         if not containers:
             return

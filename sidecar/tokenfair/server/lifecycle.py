@@ -296,7 +296,9 @@ class Lifecycle:
         decision = self.decision
         if reason == ADMITTED and decision is not None and decision.would_refuse:
             reason = decision.reason  # served in shadow mode: the record keeps what was refused
-        outcome = self.outcome = self.outcome_of(Outcome(met.status_code, reason))
+        if reason is not met.reason:  # (the answer met, as is, in the common case)
+            met = Outcome(met.status_code, reason)
+        outcome = self.outcome = self.outcome_of(met)
         self._record_outcome(ports, outcome, self.run_usage, call)
         return outcome
 

@@ -134,6 +134,8 @@ QUEUE_WAIT_HEADER: Final = "x-tokenfair-queue-wait-ms"
 REQUEST_ID_RE: Final = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]{0,127}")
 """A client's request id is honoured when it matches this: 1-128 letters, digits and ``_.:-``
 (the trace ids of ``tokenfair trace``, e.g. ``tenant_chat_pro-000001``, and UUIDs)."""
+SERVED: Final = Outcome(200, ADMITTED)
+"""The outcome of an answer served as the upstream gave it (the common one: made once)."""
 BODY_TOO_COMPLEX: Final = Reason.BODY_TOO_COMPLEX
 CLIENT_WRITE_TIMEOUT: Final = Reason.CLIENT_WRITE_TIMEOUT
 HAS_BROTLI: Final[bool] = getattr(compression_utils, "HAS_BROTLI", False)
@@ -675,7 +677,10 @@ async def _serve(
             # the write timeout like a stream, not left to aiohttp to write unbounded.
             lifecycle.settle_run(sidecar.ports, call, first_byte_ms[0] if first_byte_ms else None)
             await call.send(response)
-        met = Outcome(response.status, call.usage_error or ADMITTED)
+        status, usage_error = response.status, call.usage_error
+        met = SERVED if status == 200 and not usage_error else Outcome(
+            status, usage_error or ADMITTED
+        )  # fmt: skip
         return response
     except asyncio.CancelledError:
         if call is not None and call.client_write_timed_out:

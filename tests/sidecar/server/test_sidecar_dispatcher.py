@@ -149,3 +149,30 @@ async def test_served_requests_leave_no_bookkeeping_behind() -> None:
     assert not scheduler.jobs
     # The deadline index is the core's private one; it must stay O(requests in flight).
     assert len(scheduler._deadlines) <= 1
+
+
+class CountingClock(FakeClock):
+    """A :class:`FakeClock` that counts its reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def now_ms(self) -> float:
+        self.reads += 1
+        return self.model_ms
+
+
+async def test_a_pump_pass_reads_the_clock_once() -> None:
+    # The hot path (issue 34): a pass of the pump reads the model time once, and a request
+    # admitted into an empty queue is dispatched on two reads (the core's submit, one pass).
+    clock = CountingClock()
+    scheduler = make_scheduler("tokenfair", keyed_config(), clock.now_ms())
+    dispatcher = Dispatcher(scheduler, clock, max_in_flight=4)
+    clock.reads = 0
+    dispatcher.pump()
+    assert clock.reads == 1
+    clock.reads = 0
+    lifecycle = queued(dispatcher.submit(chat("a")))
+    assert waiter(lifecycle).result().admitted
+    assert clock.reads == 2

@@ -155,9 +155,14 @@ class UsageBounds:
             inputs = len(embedding_inputs(body.get("input")))
             return min(MAX_USAGE_TOKENS, context * inputs), 0
         batch = prompts(body)
-        asked = [given for name in ("max_tokens", "max_completion_tokens")
-                 if (given := _given_tokens(body, name)) is not None]  # fmt: skip
-        per_sequence = max(asked) if asked else context
+        max_tokens = _given_tokens(body, "max_tokens")
+        max_completion_tokens = _given_tokens(body, "max_completion_tokens")
+        if max_tokens is None:
+            per_sequence = context if max_completion_tokens is None else max_completion_tokens
+        elif max_completion_tokens is None:
+            per_sequence = max_tokens
+        else:
+            per_sequence = max(max_tokens, max_completion_tokens)
         completion = per_sequence * sequences(body) * batch
         return min(MAX_USAGE_TOKENS, context * batch), min(MAX_USAGE_TOKENS, completion)
 
