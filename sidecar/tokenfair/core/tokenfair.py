@@ -1358,7 +1358,7 @@ class TokenfairScheduler(Scheduler):
         tenant = self.tenants[job.tenant_id]
         if tenant.bucket.covers(job.service_tokens, self._now_ms):
             return True
-        if self._predicted_ms:
+        if self._predicted_ms and job.lane == LANE_BATCH:  # only the batch lane samples
             self._budget_held_ms[job.tenant_id] = self._now_ms
         return False
 
