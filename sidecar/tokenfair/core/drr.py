@@ -200,10 +200,11 @@ class DeficitRoundRobin:
             self.queues[tenant_id] = TenantQueue(tenant_id, quantum)
         else:
             units = _quantum_units(quantum)
+            moved = units != queue.quantum_units
             if queue.in_active:
                 self.active_quanta_units += units - queue.quantum_units
             queue.quantum_units = units
-            if queue.in_active and self.order is not None:
+            if moved and queue.in_active and self.order is not None:
                 self.order.enter(tenant_id, units)  # its counter moved with its quantum
             queue.quantum = units / _UNIT
 

@@ -166,11 +166,11 @@ class LaneOrder:
     def rank(self, tenants: list[tuple[str, int]]) -> None:
         """The backlogged tenants here are ``tenants`` (``(tenant, quantum)``): :attr:`ranked`
         afresh (when the lane starts ordering by these counters)."""
-        self.ranked = []
-        self.ranked_keys = {}
-        self.ranked_quanta = {}
-        for tenant_id, quantum_units in tenants:
-            self.enter(tenant_id, quantum_units)
+        quanta = dict(tenants)  # (a tenant named twice: its last quantum, as enter would)
+        keys = {tenant_id: self.counter(tenant_id, units) for tenant_id, units in quanta.items()}
+        self.ranked_quanta = quanta
+        self.ranked_keys = keys
+        self.ranked = sorted([(key, tenant_id) for tenant_id, key in keys.items()])
 
     def enter(self, tenant_id: str, quantum_units: int) -> None:
         """The tenant is backlogged here now (after :meth:`joined`), or its quantum changed."""
@@ -203,6 +203,27 @@ class LaneOrder:
         del ranked[bisect_left(ranked, (key, tenant_id))]
         self.ranked_keys[tenant_id] = new_key
         insort(ranked, (new_key, tenant_id))
+
+    def rekey_moved(self, moved: list[tuple[str, float]]) -> None:
+        """The counters of ``moved`` (``(tenant, new counter)``, each in :attr:`ranked` and
+        changed) moved at once (a batch answered): one by one (two O(b) memmoves each) while
+        they are at most ``sqrt(b)`` (O(b^1.5) at worst), else one sort of the ranking, nearly
+        in order already (O(b log b)): a batch that moves every counter (a store outage ends, a
+        store restart) costs no O(b²). The same list either way: ``(counter, tenant)`` pairs
+        are all distinct and sort one way only (ties in counter by tenant)."""
+        ranked = self.ranked
+        keys = self.ranked_keys
+        if len(moved) * len(moved) <= len(ranked):
+            for tenant_id, new_key in moved:
+                del ranked[bisect_left(ranked, (keys[tenant_id], tenant_id))]
+                keys[tenant_id] = new_key
+                insort(ranked, (new_key, tenant_id))
+            return
+        for tenant_id, new_key in moved:
+            keys[tenant_id] = new_key
+        fresh = [(keys[tenant_id], tenant_id) for _, tenant_id in ranked]
+        fresh.sort()
+        self.ranked = fresh
 
     def least_counter(self) -> float | None:
         """The least counter of the tenants backlogged here (None if none): O(1)."""
@@ -552,6 +573,9 @@ class PoolService:
             epoch = lane.epoch
             rates = lane.elsewhere_rate
             seen = lane.elsewhere_at_ms
+            ranked_keys = lane.ranked_keys
+            ranked_quanta = lane.ranked_quanta
+            moved: list[tuple[str, float]] = []
             for (tenant_id, tokens), total in zip(entries, values, strict=True):
                 if tokens:
                     left = pushing.get(tenant_id, 0) - tokens * _UNIT
@@ -573,8 +597,13 @@ class PoolService:
                     kept = math.exp(-span_ms / ELSEWHERE_MEMORY_MS)
                     rates[tenant_id] = rates.get(tenant_id, 0.0) * kept + observed * (1.0 - kept)
                 pool[tenant_id] = units
-                if tenant_id in lane.ranked_keys:
-                    lane.rekey(tenant_id)
+                key = ranked_keys.get(tenant_id)
+                if key is not None:
+                    new_key = lane.counter(tenant_id, ranked_quanta[tenant_id])
+                    if new_key != key:
+                        moved.append((tenant_id, new_key))
+            if moved:
+                lane.rekey_moved(moved)
             lane.epoch = epoch + 1
             if taken_ms > lane.clock_ms:
                 lane.clock_ms = taken_ms

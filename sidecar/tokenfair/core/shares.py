@@ -259,9 +259,11 @@ class RateSum:
     to the sum of the rates read one by one up to the rounding of the sums: the running total
     is summed afresh from the terms every ``len + 16`` changes (amortised O(1)), and the terms
     re-read at a new ``ref`` when ``t - ref`` passes :data:`RATE_SUM_REBASE_TAUS` ``tau`` or
-    ``tau`` changes (a reload)."""
+    ``tau`` changes (a reload). Read at a time before its last change (a member's last add, or
+    its ``ref``), it reads as at that time: no extrapolation backwards (:meth:`DemandRate.rate`
+    has none either), so then at most the one-by-one sum."""
 
-    __slots__ = ("_changes", "_rates", "_ref_ms", "_tau_ms", "_terms", "_total")
+    __slots__ = ("_changes", "_last_ms", "_rates", "_ref_ms", "_tau_ms", "_terms", "_total")
 
     def __init__(self, rates: dict[str, DemandRate], tau_ms: float) -> None:
         self._rates = rates
@@ -271,6 +273,9 @@ class RateSum:
         self._ref_ms = 0.0
         self._tau_ms = tau_ms
         self._changes = 0
+        self._last_ms = 0.0
+        """The latest of ``ref`` and the members' last adds put in: a read before it reads as
+        at it."""
 
     def __contains__(self, key: str) -> bool:
         return key in self._terms
@@ -283,6 +288,8 @@ class RateSum:
         rate = self._rates.get(key)
         if rate is not None:
             at_ms = rate.at_ms
+            if at_ms > self._last_ms:
+                self._last_ms = at_ms
             if tau_ms != self._tau_ms or at_ms - self._ref_ms > RATE_SUM_REBASE_TAUS * tau_ms:
                 self._rebase(at_ms if at_ms > self._ref_ms else self._ref_ms, tau_ms)
         term = 0.0 if rate is None else rate.term(self._ref_ms, tau_ms)
@@ -299,7 +306,9 @@ class RateSum:
             self._changed()
 
     def rate(self, now_ms: float, tau_ms: float) -> float:
-        """The sum of the members' rates at ``now_ms``."""
+        """The sum of the members' rates at ``now_ms`` (at the last change if it is later)."""
+        if now_ms < self._last_ms:
+            now_ms = self._last_ms
         if tau_ms != self._tau_ms or now_ms - self._ref_ms > RATE_SUM_REBASE_TAUS * tau_ms:
             self._rebase(now_ms, tau_ms)
         total = self._total
@@ -315,6 +324,8 @@ class RateSum:
 
     def _rebase(self, now_ms: float, tau_ms: float) -> None:
         self._ref_ms = now_ms
+        if now_ms > self._last_ms:
+            self._last_ms = now_ms
         self._tau_ms = tau_ms
         rates = self._rates
         terms = self._terms

@@ -25,19 +25,24 @@
   store is O(backlogged), 10,000 tenants served lately or not (counted, not timed);
 - a tenant idle here whose rate elsewhere an admission reads is asked for in the next batch
   (also after a lost one): idle everywhere, it is admitted once read; still served elsewhere,
-  it stays refused.
+  it stays refused;
+- a randomized differential (review rev1207c F3, a few seeds of random steps with more than
+  POOL_WEIGHED_TENANTS backlogged): after every step the ranking is a fresh sort of the counters
+  and the lane's sum of rates the one-by-one sum; the bounded prediction is never below the
+  one-by-one one, and equal to it without a fold.
 """
 
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from tokenfair import native
-from tokenfair.config import PolicyConfig, TenantConfig, build_config
+from tokenfair.config import Config, PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Request
-from tokenfair.core.drr import DeficitRoundRobin
+from tokenfair.core.drr import DeficitRoundRobin, TenantQueue
 from tokenfair.core.jobs import UNITS_PER_TOKEN, Job
 from tokenfair.core.pool_order import (
     ELSEWHERE_MEMORY_MS,
@@ -49,7 +54,7 @@ from tokenfair.core.pool_order import (
     first_crossing_tokens,
 )
 from tokenfair.core.shares import DemandRate
-from tokenfair.core.tokenfair import TokenfairScheduler
+from tokenfair.core.tokenfair import FORGOTTEN_RATE, POOL_HORIZON_LIMITS, TokenfairScheduler
 from tokenfair.sim.pool_replay import MemoryPoolStore
 
 U = UNITS_PER_TOKEN
@@ -786,3 +791,189 @@ def test_the_bounded_admission_is_the_one_by_one_prediction_or_above_it() -> Non
         folded_above += folded > exact * (1.0 + 1e-6)
     assert checked == 40
     assert folded_above > 0  # the fold changed some answers (upward): it was exercised
+
+
+def _one_by_one_ahead(
+    scheduler: TokenfairScheduler,
+    drr: DeficitRoundRobin,
+    queue: TenantQueue,
+    lane: int,
+    now_ms: float,
+) -> float:
+    """The reference: the admission's prediction weighing every backlogged tenant one by one
+    with counters read afresh (the code before the bounded path, issue 30), whatever ``b``."""
+    order = drr.order
+    assert order is not None
+    memory_ms = scheduler._memories_ms[lane]
+    served = scheduler._served[lane]
+    idle_rate = scheduler._lane_served[lane].rate(now_ms, memory_ms)
+    recent = served.get(queue.tenant_id)
+    if recent is not None:
+        idle_rate -= recent.rate(now_ms, memory_ms)
+    others: list[tuple[str, int, int, float]] = []
+    for other in drr.active:
+        if other is queue:
+            continue
+        recent = served.get(other.tenant_id)
+        sending = 0.0 if recent is None else recent.rate(now_ms, memory_ms)
+        idle_rate -= sending
+        others.append((other.tenant_id, other.quantum_units, other.queued_units, sending))
+    joining = not queue.in_active
+    least = min((order.counter(q.tenant_id, q.quantum_units) for q in drr.active), default=None)
+    return order.ahead_tokens(
+        (queue.tenant_id, queue.quantum_units, queue.queued_units),
+        joining,
+        least if joining else None,
+        others,
+        idle_rate if idle_rate > FORGOTTEN_RATE else 0.0,
+        scheduler._rate,
+        scheduler._wait_limits[lane] * POOL_HORIZON_LIMITS,
+        [],
+    )
+
+
+def _random_config(count: int, weights: list[float], wait_ms: float) -> Config:
+    tenants = tuple(
+        TenantConfig(f"t{i}", weights[i], 10**9, 10**7, "interactive") for i in range(count)
+    )
+    policy = PolicyConfig(max_interactive_wait_ms=wait_ms, max_queued_requests=10**6)
+    return build_config(policy, tenants)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_bounded_bookkeeping_follows_every_step(seed: int) -> None:
+    # Review rev1207c F3: a randomized differential (its probe, smaller). 45-70 tenants, more
+    # than POOL_WEIGHED_TENANTS backlogged most of the time, random steps in random order —
+    # submit, dispatch, settle above and below the estimate, cancel, expire, store batches
+    # answered (service elsewhere) or lost, the store down and back, reloads changing weights
+    # and the wait limit, a removed tenant's counters dropped (as server/pool_fairness.py
+    # does), the pool detached and attached again. After every step the ranking is a fresh
+    # sort of the counters and the lane's sum of rates the one-by-one sum over the ring; every
+    # third step, for a few tenants (backlogged and joining), the bounded prediction is never
+    # below the one-by-one one and equal to it when nothing is folded. Virtual clock only.
+    rng = random.Random(seed)
+    count = rng.randrange(45, 70)
+    weights = [rng.choice((1.0, 2.0, 4.0, 0.5, 3.0)) for _ in range(count)]
+    wait_ms = rng.choice((500.0, 2000.0, 20000.0))
+    scheduler = TokenfairScheduler(_random_config(count, weights, wait_ms))
+    pool = PoolService()
+    scheduler.share_pool_service(pool)
+    attached = True
+    pending: tuple[list[tuple[str, int]], ...] | None = None
+    queued: list[str] = []
+    running: list[str] = []
+    now_ms = 0.0
+    lane = 0
+    drr = scheduler._lanes[lane]
+    compared = folded = most_backlogged = 0
+    for step in range(900):
+        now_ms += rng.choice((0.0, 0.5, 3.0, 17.0, 120.0))
+        draw = rng.random()
+        if draw < 0.46:
+            request = Request(
+                f"r{step}",
+                f"t{rng.randrange(count)}",
+                now_ms,
+                rng.choice((10, 100, 700, 3000, 15000)),
+                rng.choice((1, 10, 200)),
+                "interactive",
+            )
+            if scheduler.submit(request, now_ms) is None:
+                queued.append(request.request_id)
+        elif draw < 0.55:
+            if len(running) < rng.choice((1, 4, 16)):
+                decision = scheduler.next_dispatch(now_ms)
+                if decision is not None:
+                    running.append(decision.request_id)
+                    if decision.request_id in queued:
+                        queued.remove(decision.request_id)
+        elif draw < 0.66:
+            if running:
+                request_id = running.pop(rng.randrange(len(running)))
+                job = scheduler.jobs.get(request_id)
+                if job is not None:
+                    ratio = rng.choice((0.0, 0.3, 1.0, 1.0, 2.5))
+                    scheduler.complete(request_id, now_ms, int(job.service_tokens * ratio))
+        elif draw < 0.71:
+            if queued:
+                scheduler.cancel(queued.pop(rng.randrange(len(queued))), now_ms)
+        elif draw < 0.74:
+            for decision in scheduler.expire(now_ms):
+                if decision.request_id in queued:
+                    queued.remove(decision.request_id)
+        elif draw < 0.86 and attached:
+            if pending is None:
+                pending = pool.take_batch(pool.backlogged(), now_ms)
+            elif rng.random() < 0.15:
+                pool.lost(pending)
+                pending = None
+            else:
+                totals = tuple(
+                    [
+                        order.pool_units.get(tenant_id, 0) // U
+                        + tokens
+                        + rng.choice((0, 0, 0, 5, 40, 400, 4000))
+                        for tenant_id, tokens in entries
+                    ]
+                    for order, entries in zip(pool.lanes, pending, strict=True)
+                )
+                pool.absorb(pending, totals)
+                pending = None
+        elif draw < 0.88:
+            pool.set_sharing(not pool.lanes[0].sharing)
+        elif draw < 0.90:
+            weights = [w if rng.random() < 0.7 else rng.choice((1.0, 2.0, 4.0)) for w in weights]
+            if rng.random() < 0.3:
+                wait_ms = rng.choice((500.0, 2000.0, 20000.0))
+            scheduler.reconfigure(_random_config(count, weights, wait_ms), now_ms)
+        elif draw < 0.92 and attached:
+            # server/pool_fairness.py's _drop_forgotten, the tenant backlogged or not
+            tenant_id = f"t{rng.randrange(count)}"
+            order = pool.lanes[lane]
+            if -U < order.unsynced.get(tenant_id, 0) < U and tenant_id not in order.pushing_units:
+                order.unsynced_units -= abs(order.unsynced.pop(tenant_id, 0))
+                order.pool_units.pop(tenant_id, None)
+                order.offsets.pop(tenant_id, None)
+                order.active_epoch.pop(tenant_id, None)
+                order.rekey(tenant_id)
+        elif draw < 0.925:
+            attached = not attached
+            scheduler.share_pool_service(pool if attached else None)
+            pending = None
+        lane_order = drr.order
+        if lane_order is None:
+            continue
+        ring = {queue.tenant_id: queue.quantum_units for queue in drr.active}
+        most_backlogged = max(most_backlogged, len(ring))
+        fresh = sorted((lane_order.counter(t, q), t) for t, q in ring.items())
+        assert lane_order.ranked == fresh, f"step {step}: the ranking is stale"
+        backlog_served = scheduler._backlog_served
+        assert backlog_served is not None
+        memory_ms = scheduler._memories_ms[lane]
+        served = scheduler._served[lane]
+        one_by_one = sum(served[t].rate(now_ms, memory_ms) for t in ring if t in served)
+        assert set(backlog_served[lane]._terms) == set(ring), f"step {step}: members"
+        assert backlog_served[lane].rate(now_ms, memory_ms) == pytest.approx(
+            one_by_one, rel=1e-9, abs=1e-12
+        ), f"step {step}: the sum of rates"
+        if step % 3 or not pool.lanes[0].sharing:
+            continue
+        for i in rng.sample(range(count), 4):
+            queue = drr.queues[f"t{i}"]
+            exact = _one_by_one_ahead(scheduler, drr, queue, lane, now_ms)
+            others = len(ring) - (queue.tenant_id in ring)
+            for most in (3, 32, 10**6):
+                beyond = [0, 0, 0, 0]
+                bounded = scheduler._pool_ahead_bounded(
+                    drr, queue, lane, scheduler._rate, now_ms, [], beyond, most
+                )
+                assert bounded >= exact * (1.0 - 1e-9) - 1e-6, (step, i, most, bounded, exact)
+                if most == 10**6:
+                    assert bounded == pytest.approx(exact, rel=1e-9, abs=1e-6), (step, i)
+                folded += beyond == [0, 0, 0, 0] and others > most
+                compared += 1
+            live = scheduler._pool_ahead(drr, queue, lane, scheduler._rate, now_ms, [], [0] * 4)
+            assert live >= exact * (1.0 - 1e-9) - 1e-6, (step, i, live, exact)
+    assert most_backlogged > 32  # the bounded path was the live one
+    assert compared > 300
+    assert folded > 0  # the fold ran

@@ -9,6 +9,8 @@ Behaviours under test:
 * ``LaneCompetition``: a tenant competes while backlogged and for the horizon after its last
   admission, the sum of quanta follows, and a reweighted tenant is counted at its new quantum;
 * ``DemandRate``: a steady stream reads its rate, a stopped one fades with the time constant;
+* ``RateSum``: the sum of its members' rates; read at a time before its last change it reads as
+  at that change (no extrapolation backwards), never above the rates read one by one;
 * ``ResidualWork``: dispatched work drains at the service rate and settlement corrects it;
 * ``water_level``: the level at which the weighted max-min allocations (``min(demand, L * w)``)
   use the capacity, by hand and against the fairness report's ``water_fill`` on random inputs.
@@ -27,6 +29,7 @@ from tokenfair.core.jobs import to_units
 from tokenfair.core.shares import (
     DemandRate,
     LaneCompetition,
+    RateSum,
     ResidualWork,
     tokens_ahead,
     water_level,
@@ -114,6 +117,26 @@ def test_a_steady_stream_reads_its_rate_and_a_stopped_one_fades() -> None:
     assert rate.rate(1999.0, tau_ms) == pytest.approx(50.0, rel=0.01)
     # One time constant later without arrivals: e^-1 of it.
     assert rate.rate(2099.0, tau_ms) == pytest.approx(rate.rate(1999.0, tau_ms) * math.exp(-1))
+
+
+def test_a_rate_sum_read_before_its_last_change_does_not_extrapolate_backwards() -> None:
+    tau = 1000.0
+    rates = {"a": DemandRate(), "b": DemandRate()}
+    rates["a"].add(1000.0, 0.0, tau)  # 1 token per ms at 0
+    rates["b"].add(2000.0, 500.0, tau)  # 2 tokens per ms at 500
+    total = RateSum(rates, tau)
+    total.put("a", tau)
+    total.put("b", tau)
+    after = 1.0 * math.exp(-1.5) + 2.0 * math.exp(-1.0)
+    assert total.rate(1500.0, tau) == pytest.approx(after, rel=1e-12)
+    at_last = 1.0 * math.exp(-0.5) + 2.0
+    assert total.rate(500.0, tau) == pytest.approx(at_last, rel=1e-12)
+    # Before b's add (rate(t) = term * exp(-(t - ref) / tau) would give 2.7 and 148 times its
+    # value 1 and 5 tau back): read as at that add, below the one-by-one sum.
+    for before_ms in (250.0, -500.0, -4500.0):
+        one_by_one = rates["a"].rate(before_ms, tau) + rates["b"].rate(before_ms, tau)
+        assert total.rate(before_ms, tau) == pytest.approx(at_last, rel=1e-12)
+        assert total.rate(before_ms, tau) <= one_by_one
 
 
 def test_residual_work_drains_at_the_rate_and_is_settled() -> None:

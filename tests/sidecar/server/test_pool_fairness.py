@@ -13,7 +13,7 @@ synchronously on fake clocks:
   repaired and counted, the garbled tenant set to the highest valid total: a negative field
   does not starve the other tenants; no total is written below 0 nor believed below 0;
 - a tenant a reload removed is dropped from the counters and its fields deleted once it has
-  nothing left here;
+  nothing left here; backlogged again while the delete is in flight, its rank follows;
 - the config fields (``fairness``, ``fairnessSyncMs``, ``fairnessLeaseServiceTokens``) and their
   errors.
 """
@@ -21,7 +21,8 @@ synchronously on fake clocks:
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 import redis.asyncio as redis_asyncio
@@ -275,6 +276,48 @@ async def test_a_removed_tenant_is_dropped_here_and_in_the_store(
     clock.now_ms += 200.0
     await replica.fairness.refresh()
     assert b"flood" in await client.hkeys("t30:fair:interactive")
+
+
+class _RejoinDuringHdel:
+    """The store's client, but its ``hdel`` first runs ``during`` (what the event loop may do
+    while the call is in flight)."""
+
+    def __init__(self, client: redis_asyncio.Redis, during: Callable[[], None]) -> None:
+        self._client = client
+        self._during = during
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    async def hdel(self, key: str, *fields: str) -> Any:
+        self._during()
+        return await self._client.hdel(key, *fields)
+
+
+async def test_a_removed_tenant_backlogged_again_during_the_delete_is_ranked_afresh(
+    redis_server: RedisServer, client: redis_asyncio.Redis
+) -> None:
+    # Its counters are dropped after the call: its place in the lane's ranking moves with them
+    # (review rev1207c F3: deleting that rekey left every test green).
+    clock = FakeClock()
+    replica = Replica(_store(redis_server.url), client, clock)
+    replica.fairness.client = _RejoinDuringHdel(client, lambda: replica.offer("flood", 1))
+    replica.offer("pinned", 10)
+    replica.offer("flood", 3)
+    replica.serve(6)
+    clock.now_ms += 200.0
+    await replica.fairness.refresh()
+    lane = replica.fairness.service.lanes[0]
+    replica.fairness.forget({"flood"}, {"pinned"})
+    replica.serve(1)  # flood's last queued request, if any
+    assert "flood" not in set(lane.backlog())
+    clock.now_ms += 200.0
+    await replica.fairness.refresh()
+    assert "flood" in set(lane.backlog())  # it sent again during the call
+    assert "flood" not in lane.pool_units
+    fresh = sorted((lane.counter(t, lane.ranked_quanta[t]), t) for t in lane.ranked_keys)
+    assert lane.ranked == fresh
+    assert set(lane.ranked_keys) == set(lane.backlog())
 
 
 def test_the_config_fields() -> None:
