@@ -256,6 +256,7 @@ class TokenfairScheduler(Scheduler):
         self._batch_floor_slots = 1  # max(1, ceil(batchMinShare * S)) (`_adopt_cost_model`)
         self._interactive_tenants = False  # the configuration has an interactive tenant
         self._batch_tenants = 0  # batch tenants configured
+        self._batch_quantum_max = 0.0  # the largest quantum among them (`predicted_wait_ms`)
         # The interactive tenants if every one has maxConcurrentRequests, else None (`batch_slots`).
         self._interactive_capped: tuple[str, ...] | None = None
         # Recent service per lane, per tenant and in all (time constant: SERVICE_MEMORY_LIMITS).
@@ -304,6 +305,10 @@ class TokenfairScheduler(Scheduler):
         interactive = [t for t in self.config.tenants if t.priority_class == "interactive"]
         self._interactive_tenants = bool(interactive)
         self._batch_tenants = len(self.config.tenants) - len(interactive)
+        self._batch_quantum_max = self._base_quantum_tokens * max(
+            (t.weight for t in self.config.tenants if t.priority_class != "interactive"),
+            default=0.0,
+        )
         self._interactive_capped = (
             tuple(t.tenant_id for t in interactive)
             if all(t.max_concurrent_requests is not None for t in interactive)
@@ -507,6 +512,7 @@ class TokenfairScheduler(Scheduler):
                 # Corrected for its warm-up, as the interactive demand is: in the first wait
                 # limits every tenant is new and joins ahead (docs/fairness.md §5.5).
                 lifted /= self._seen(now_ms, horizon_ms)
+            newcomers_ms = math.inf  # what the tenants not seen yet can bring, at most
             if lane == LANE_BATCH and now_ms - self._started_ms < horizon_ms:
                 # Start-up (docs/fairness.md §5.5, change 7): in the first wait limit nearly
                 # every tenant's first request joins ahead, and the lifted rate has seen few of
@@ -522,12 +528,27 @@ class TokenfairScheduler(Scheduler):
                         / self._batch_tenants
                     )
                     if newcomers > lifted:
+                        # A burst read as a rate can pass the lane's (T = wait + λ T has no
+                        # finite answer then), but each unseen tenant brings at most its first
+                        # turn ahead of this request and one quantum in each of its later turns
+                        # (the DRR bound), each read at the largest batch quantum: so at most
+                        # `unseen (1 + later_turns) Q_max` more, beside the joiners seen.
+                        seen_left = 1.0 - lifted / rate
+                        newcomers_ms = (
+                            wait_ms + unseen * (1 + later_turns) * self._batch_quantum_max / rate
+                        ) / (
+                            seen_left
+                            if seen_left > MIN_LANE_RATE_FRACTION
+                            else MIN_LANE_RATE_FRACTION
+                        )
                         lifted = newcomers
             if lifted > 0.0:
                 share_left = 1.0 - lifted / rate
                 wait_ms /= (
                     share_left if share_left > MIN_LANE_RATE_FRACTION else (MIN_LANE_RATE_FRACTION)
                 )
+                if newcomers_ms < wait_ms:
+                    wait_ms = newcomers_ms
         return wait_ms
 
     def _interactive_demand_add(self, service_tokens: int, now_ms: float) -> None:

@@ -17,7 +17,9 @@ Behaviours under test:
   turn: it waits through their turns too (the first joiner, for the front's turn alone).
 - In the first wait limit the batch tenants not seen yet are read as joiners to come: a flood
   admitted before the first lift is refused at the door, not passed by twenty first requests
-  and expired.
+  and expired. They add at most what they can bring (a quantum a turn each), not a wait
+  divided by the lane's rate floor: one idle tenant of three no longer gets a request the
+  engine starts at 2.4 s predicted at 2,518 s and refused.
 """
 
 from __future__ import annotations
@@ -308,3 +310,52 @@ def test_a_batch_joiner_behind_other_joiners_is_admitted_on_the_tail_factor() ->
     refused = fair.submit(Request("s0", "second", arrival, 3200, 350, "batch"), now)
     assert refused is not None
     assert refused.reason == SHED_QUEUE_WAIT_SLO
+
+
+def idle_tenant_case(tenant_names: tuple[str, ...]) -> tuple[PolicyConfig, list[TenantConfig]]:
+    """Two slots of 5 service tokens per ms each (10 at the full batch); batch tenants
+    ``tenant_names``, each of weight 1 (one quantum, 1,200 service tokens)."""
+    policy = PolicyConfig(
+        total_kv_blocks=10**7,
+        max_batch_requests=2,
+        batch_throughput_gain=2.0,
+        service_tokens_per_ms=10.0,
+    )
+    return policy, [TenantConfig(n, 1.0, UNBOUNDED, UNBOUNDED, "batch") for n in tenant_names]
+
+
+def test_an_idle_batch_tenant_at_start_up_adds_what_it_can_bring_not_a_thousandfold_wait() -> None:
+    # At 0 ms rag's two 8000+1000 requests (12,000 service tokens each) fill both slots until
+    # 2,400 ms; at 1 and 2 ms A sends two 800+100 (1,200 tokens). The start-up rule reads B
+    # (configured, idle) as joiners at a third of the lane's demand corrected for its warm-up:
+    # 25,200 tokens at t = 0 read as a rate above the lane's, so the wait was divided by the
+    # rate's floor (1e-3): a1 was predicted at 2,518,000 ms (x 1.1 on the tail) and refused
+    # `shed_queue_wait_slo`, though the engine starts both of A's requests at 2,400 ms. B can
+    # bring at most one quantum ahead of a1 (its first turn; a1 needs no later turn), so a1's
+    # wait is at most the one predicted without B (2,518 ms) plus that quantum at the lane's
+    # rate (120 ms).
+    policy, tenants = idle_tenant_case(("rag", "A", "B"))
+    requests = [Request(f"r{i}", "rag", 0.0, 8000, 1000, "batch") for i in range(2)]
+    requests += [Request(f"a{i}", "A", 1.0 + i, 800, 100, "batch") for i in range(2)]
+    decisions = {
+        d.request_id: d for d in simulate(build_config(policy, tenants), requests, "tokenfair")
+    }
+    engine_frees_ms = 12_000 / (policy.service_tokens_per_ms / 2)  # each slot at half the batch
+    assert decisions["a1"].reason == "admitted"
+    assert decisions["a0"].dispatch_ms == decisions["a1"].dispatch_ms == engine_frees_ms
+
+    # The prediction itself, on the scheduler's own clock: finite, and near the engine's.
+    def a1_wait(names: tuple[str, ...]) -> float:
+        fair = TokenfairScheduler(build_config(*idle_tenant_case(names)))
+        for request in requests[:3]:
+            assert fair.submit(request, request.arrival_ms) is None
+            fair.next_dispatch(request.arrival_ms)
+        return fair.predicted_wait_ms("A", LANE_BATCH, 1200, requests[3].arrival_ms)
+
+    without_b = a1_wait(("rag", "A"))
+    with_b = a1_wait(("rag", "A", "B"))
+    quantum = policy.base_quantum_tokens * 1.0
+    assert (
+        engine_frees_ms <= without_b < with_b <= without_b + quantum / policy.service_tokens_per_ms
+    )
+    assert TAIL_WAIT_FACTOR * with_b < policy.max_batch_wait_ms
