@@ -16,6 +16,7 @@ real seconds per model second (1.0 in production; a demo at 2.0 runs at half spe
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -91,7 +92,20 @@ class ModelClock:
     def call_later(
         self, delay_s: float, callback: Callable[..., object], *args: Any
     ) -> asyncio.TimerHandle:
-        return asyncio.get_running_loop().call_later(delay_s, callback, *args)
+        """``loop.call_later``, except that a positive delay below the loop clock's
+        resolution fires one step of that clock later, not now: the loop's time is seconds since
+        some origin (the machine's boot: ~1.5e-11 s a step past 18 h of uptime), and a timer for
+        a model instant a few picoseconds ahead (the core's next deadline is one ulp of model ms
+        past now) added to it rounds to now, so it would fire without the time moving, and the
+        core would ask for the same instant again: a busy loop, forever on a virtual clock."""
+        loop = asyncio.get_running_loop()
+        if delay_s > 0.0:
+            now_s = loop.time()
+            when_s = now_s + delay_s
+            if when_s <= now_s:
+                when_s = math.nextafter(now_s, math.inf)
+            return loop.call_at(when_s, callback, *args)
+        return loop.call_later(delay_s, callback, *args)
 
     async def sleep(self, delay_s: float) -> None:
         await asyncio.sleep(delay_s)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from clock_support import run_virtual
 from sidecar_support import ZERO_BOOKS, keyed_config
 
 from tokenfair.core import Decision, Request, make_scheduler
@@ -176,3 +177,23 @@ async def test_a_pump_pass_reads_the_clock_once() -> None:
     lifecycle = queued(dispatcher.submit(chat("a")))
     assert waiter(lifecycle).result().admitted
     assert clock.reads == 2
+
+
+def test_a_timer_below_the_loop_clocks_resolution_still_moves_the_clock() -> None:
+    # The loop's time counts seconds from the machine's boot: past 2**17 s (36 h of uptime) a
+    # step of it is 2**-35 s. The core asks to wake one ulp of model ms past a deadline, a few
+    # picoseconds ahead: added to the loop's time, that delay rounded to now, the timer fired
+    # with the time unmoved, and the dispatcher asked for the same instant again, forever on
+    # a virtual clock (the tenant-limit tests hung once the machine had been up 18 h).
+    async def fire_below_resolution() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        loop.advance(2.0**17 - loop.time())  # type: ignore[attr-defined]
+        clock = ModelClock()
+        start_ms = clock.now_ms()
+        fired = asyncio.Event()
+        clock.call_later(1e-12, fired.set)
+        await fired.wait()
+        return start_ms, clock.now_ms()
+
+    start_ms, fired_ms = run_virtual(fire_below_resolution())
+    assert fired_ms > start_ms
