@@ -21,7 +21,6 @@ import asyncio
 import heapq
 import itertools
 import selectors
-import time
 from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import Executor
 from concurrent.futures import Future as ThreadFuture
@@ -29,6 +28,25 @@ from typing import Any, TypeVar, TypeVarTuple
 
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
+
+VIRTUAL_START_S = 1_000.0
+"""Where every :class:`VirtualTimeLoop`'s clock starts, whatever the machine's uptime.
+
+A constant, so that no result depends on the machine: the clock used to start at the real
+``time.monotonic()`` (seconds since boot), and past ~18 h of uptime (2**16 s) one step of a
+float there is ~1.5e-11 s, so arithmetic on loop times lost bits, differently on each machine
+(a test read 0.4 s as 0.39999999999; a sub-resolution timer re-armed the same instant forever).
+Whole seconds, so sums of whole or binary-fraction durations are exact (``start + 3600.0 -
+start`` is ``3600.0``); small, so a step of the clock here is ~1.1e-13 s (a decimal duration is
+still no exact difference of two readings: 1000.65 - 1000.25 is 0.39999999999997726, on every
+machine). Not zero, so that a timestamp of ``0.0`` meaning "never" stays far in the past.
+
+It is far from the real monotonic clock on most machines, so nothing under test may compare a
+loop time with ``time.monotonic()``. Nothing does: the server's clocks read ``loop.time()``
+(a :class:`~tokenfair.server.clock.ModelClock` made inside the loop, as the sidecar and the
+tests make it), and what reads the real or wall clock (access-log and span timestamps, the
+budget pool's store clock, the config feed's health, the access log's flush wait) compares it
+only with itself. The virtual-loop tests pass started at 3.0 s and at 2**17 s as well."""
 
 THREAD_POLL_S = 0.001
 """Real seconds the virtual loop waits for I/O, at a time, while a thread of its executor works
@@ -75,10 +93,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     """An event loop on virtual time (see the module's docstring)."""
 
     def __init__(self) -> None:
-        # Whole seconds: near the real clock (code that reads both stays sane), and exact, so
-        # that start + 3600.0 - start is 3600.0 (a fractional start loses bits in the sum: a
-        # test comparing a virtual hour exactly failed on one machine's uptime).
-        self._virtual_now = float(int(time.monotonic()))
+        self._virtual_now = VIRTUAL_START_S  # read here, not bound at import (a test may set it)
         self.threads_working = 0
         """Calls running in the executor (time stands still until they are done)."""
         self.jumps = 0

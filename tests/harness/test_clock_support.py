@@ -2,6 +2,8 @@
 
 Behaviours:
 
+- a ``VirtualTimeLoop``'s clock starts at ``VIRTUAL_START_S`` whatever the real monotonic
+  clock (the machine's uptime) reads, so no result depends on the machine;
 - on a ``VirtualTimeLoop`` an hour's sleep ends at once, with the loop's clock exactly an hour
   on; timers fire in order, each at its own time; work takes no virtual time;
 - loopback I/O is served before time jumps: a read under a timeout gets the bytes its peer
@@ -16,9 +18,42 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
+import math
 import time
 
-from clock_support import ManualClock, VirtualTimeLoop, run_virtual
+import pytest
+from clock_support import VIRTUAL_START_S, ManualClock, VirtualTimeLoop, run_virtual
+
+UPTIMES_S = (7.5, 2.0**16 + 0.123456789, 2.0**24 + 0.987654321)
+"""Real monotonic clocks (the machine's uptime) of seconds, ~18 h and ~194 days: one step of a
+float is ~1.5e-11 s at the second and ~3.7e-9 s at the third (a start taken from them lost bits
+in every sum of loop times, each machine its own)."""
+
+
+def test_the_virtual_clock_starts_at_its_constant_whatever_the_uptime(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def readings() -> list[float]:
+        loop = asyncio.get_running_loop()
+        seen = [loop.time()]
+        for delay_s in (0.1, 0.2, 0.4, 3600.0):
+            await asyncio.sleep(delay_s)
+            seen.append(loop.time())
+        return seen
+
+    runs = []
+    for uptime_s in UPTIMES_S:
+        monkeypatch.setattr(time, "monotonic", lambda uptime_s=uptime_s: uptime_s)
+        runs.append(run_virtual(readings()))
+    assert runs[0][0] == VIRTUAL_START_S == float(int(VIRTUAL_START_S))  # whole seconds
+    assert runs[1] == runs[0]  # the same floats, bit for bit
+    assert runs[2] == runs[0]
+    steps_s = [later - earlier for earlier, later in itertools.pairwise(runs[0])]
+    # 0.1 s is no float's sum with 1000.0: a difference of two readings is off by at most half
+    # a step of the clock there (~5.7e-14 s); the hour, a whole number, is exact.
+    assert steps_s == pytest.approx([0.1, 0.2, 0.4, 3600.0], rel=0.0, abs=math.ulp(VIRTUAL_START_S))
+    assert steps_s[-1] == 3600.0
 
 
 def test_an_hours_sleep_takes_no_real_time_and_an_hour_of_loop_time() -> None:
