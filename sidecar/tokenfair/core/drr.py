@@ -446,22 +446,30 @@ class DeficitRoundRobin:
         request whose turn came while the KV cache could not take it keeps its place: without
         it, every tenant that joined ahead meanwhile went before it, and a large request
         waited out its limit behind a stream of small first requests (docs/fairness.md §5.5,
-        change 9). Each was at the front when passed over, so none is a joiner now.
-        O(active tenants) per kept tenant, in C; only when a head was passed over."""
+        change 9). Each was at the front when passed over, so none is a joiner now, and the
+        joiners sit at ``active[1:1+j]``: taking non-joiners out leaves them there. One rebuild
+        of the ring, O(active tenants) in all (a remove and an insert per kept tenant would be
+        O(kept x active) on every pick while the cache stays full)."""
         active = self.active
-        position = 0
-        for queue in kept:
-            if not queue.in_active or queue is active[0]:
-                continue
-            active.remove(queue)
-            active.insert(1 + position, queue)
+        front = active[0]
+        moving = [queue for queue in kept if queue.in_active and queue is not front]
+        if not moving:
+            return
+        moving_ids = {id(queue) for queue in moving}
+        staying = [queue for queue in active if id(queue) not in moving_ids]
+        active.clear()
+        active.append(staying[0])
+        active.extend(moving)
+        active.extend(staying[1:])
+        credits: list[int] = []
+        for queue in moving:
             credit = max(0, queue.deficit_units)
             if not queue.turn_open:
                 credit += queue.quantum_units
-            self._joiner_ranks.insert(position, -math.inf)
-            self._joiner_credit.insert(position, min(credit, queue.queued_units))
+            credits.append(min(credit, queue.queued_units))
             queue.joined_ahead = True
-            position += 1
+        self._joiner_ranks[:0] = [-math.inf] * len(moving)
+        self._joiner_credit[:0] = credits
 
     def _pick_least_served(self, eligible: Callable[[Job], bool], order: LaneOrder) -> Job | None:
         """The eligible head whose tenant has the least pool-wide service per quantum (the
@@ -504,6 +512,7 @@ class DeficitRoundRobin:
         tenant that joined ahead since (:meth:`_keep_places`)."""
         active = self.active
         kept: list[TenantQueue] | None = None
+        kept_ids: set[int] = set()
         while active:
             candidates: list[TenantQueue] | None = None  # built only when a deficit falls short
             for _ in range(len(active)):
@@ -520,8 +529,10 @@ class DeficitRoundRobin:
                     if keeps_place is not None and keeps_place(head):
                         if kept is None:
                             kept = [queue]
-                        elif queue not in kept:
+                            kept_ids = {id(queue)}
+                        elif id(queue) not in kept_ids:
                             kept.append(queue)
+                            kept_ids.add(id(queue))
                     active.rotate(-1)
                     self._front_changed()
                     continue
