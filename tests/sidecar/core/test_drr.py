@@ -594,3 +594,59 @@ def test_forgetting_heads_keeps_the_next_head_indexed(forgotten: int) -> None:
         lane.forget(victim)
         victim.state = JobState.CANCELLED
     assert lane.min_head_cost() == 100
+
+
+def test_a_head_the_kv_cache_cannot_take_keeps_its_place_ahead_of_later_joiners() -> None:
+    """A head passed over for which ``keeps_place`` holds (``tokenfair``'s batch lane: the KV
+    cache cannot take it now) goes back right behind the front when another head is sent, as
+    the first tenant waiting ahead: the tenants that join ahead later go after it. Before, it
+    went to the ring's tail and every later joiner passed it (scenario 9 of bench_fairness,
+    seeds 5 and 8: 7 of the 8 batch requests that expired)."""
+    lane = drr(big=1.0, x=1.0, j=1.0, k=1.0)
+    lane.push(job("big0", "big", 1000), join_ahead=0.0)  # alone: it is the front
+    lane.push(job("x0", "x", 400))
+    lane.push(job("x1", "x", 400))
+    blocked = {"big0"}
+
+    def fits(head: Job) -> bool:
+        return head.request.request_id not in blocked
+
+    def kv_blocked(head: Job) -> bool:
+        return not fits(head)
+
+    picked = lane.pick(fits, kv_blocked)
+    assert picked is not None
+    assert picked.request.request_id == "x0"
+    # big kept its place behind the front x, as a tenant waiting ahead for its turn.
+    assert [q.tenant_id for q in lane.active] == ["x", "big"]
+    assert lane.ahead_joiners == 1
+    lane.push(job("j0", "j", 300), join_ahead=0.0)
+    lane.push(job("k0", "k", 300), join_ahead=0.0)
+    assert [q.tenant_id for q in lane.active] == ["x", "big", "j", "k"]
+    # What a joiner now waits for counts big's turn (its lifted deficit, 1000).
+    assert lane.tokens_before_joining_ahead(0.0) == pytest.approx(400 + 1000 + 300 + 300)
+    # (x's open turn: its credit 800 capped by its queued 400)
+    blocked.clear()  # the cache has room now: big goes before the later joiners
+    assert drain(lane, fits) == ["x1", "big0", "j0", "k0"]
+    assert lane.ahead_joiners == 0
+
+
+def test_without_keeps_place_a_passed_over_head_goes_to_the_tail() -> None:
+    """The round robin without the caller's test (the interactive lane, a head its budget
+    holds): a passed-over head goes to the ring's tail, as before."""
+    lane = drr(big=1.0, x=1.0, j=1.0)
+    lane.push(job("big0", "big", 1000), join_ahead=0.0)
+    lane.push(job("x0", "x", 400))
+    lane.push(job("x1", "x", 400))
+    blocked = {"big0"}
+
+    def fits(head: Job) -> bool:
+        return head.request.request_id not in blocked
+
+    picked = lane.pick(fits)
+    assert picked is not None
+    assert picked.request.request_id == "x0"
+    assert [q.tenant_id for q in lane.active] == ["x", "big"]
+    lane.push(job("j0", "j", 300), join_ahead=0.0)
+    blocked.clear()
+    assert drain(lane, fits) == ["x1", "j0", "big0"]
