@@ -472,6 +472,7 @@ class Many:
     calls: int
     requests: int
     late_s: float
+    clock_spread_ms: float  # how far apart the sidecars' record clocks are (model ms)
 
     @property
     def jain(self) -> float:
@@ -515,7 +516,8 @@ async def many_run(running: Cluster, name: str, *, store: bool, window_s: float)
     shares = pool_shares(windowed, weights)
     sliced = sliced_jain(sliced_of_records(windowed, starts), weights)
     requests = sum(len(decisions) for decisions in windowed)
-    return Many(name, shares, sliced, load.statuses, calls_1 - calls_0, requests, late_s)
+    spread_ms = max(starts) - min(starts)
+    return Many(name, shares, sliced, load.statuses, calls_1 - calls_0, requests, late_s, spread_ms)
 
 
 def offline_many(window_s: float) -> dict[str, float | None]:
@@ -689,7 +691,8 @@ def print_many(runs: list[Many], offline: dict[str, float | None]) -> None:
         print(f"    {run.name:<10} Jain {run.jain:.3f} (per slice {sliced})   worst "
               f"{worst} (weight {weight:g}) {ratio:.1%}; mean by weight {by_weight(ratios)}   "
               f"{run.requests} requests in the window, fairness store calls {run.calls}, "
-              f"statuses {run.statuses}, sends up to {run.late_s * 1e3:.0f} ms late")  # fmt: skip
+              f"statuses {run.statuses}, sends up to {run.late_s * 1e3:.0f} ms late, record "
+              f"clocks {run.clock_spread_ms:.0f} model ms apart")  # fmt: skip
     pool = runs[-1].jain
     print(f"    target pool >= 0.95: {verdict(pool >= 0.95)}   (per sidecar {runs[0].jain:.3f}; "
           f"offline, the same arrivals, whole trace: per replica {offline.get('local')}, "
