@@ -165,7 +165,7 @@ def _structural(raw: bytes) -> int:
     return raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
 
 
-def check_raw_values(raw: bytes, max_values: int) -> None:
+def check_raw_values(raw: bytes, max_values: int) -> int:
     """Raise :class:`BodyShapeError` (``max_json_values``) if the JSON text ``raw`` (UTF-8:
     :func:`utf8_text`) holds more than ``max_values`` values, **before** it is parsed: the
     parser's time grows with the values (~0.1-0.4 µs each for numbers and containers, so 1 MiB
@@ -176,22 +176,32 @@ def check_raw_values(raw: bytes, max_values: int) -> None:
     the number of values (each array element or object member after a container's first adds a
     comma, each container a bracket). In two steps, each linear in the size of ``raw`` (~15 ms
     per MiB at worst): (1) the same count over the whole text, strings included, is an upper
-    bound (``bytes.count``, ~1 ms per MiB): at most ``max_values`` passes at once; (2) otherwise
-    the string literals are cut out in one left-to-right regex pass (:data:`_JSON_STRING`, at
-    most ``2 * max_values + 1`` of them: a body with more strings than twice its values
-    cannot be JSON of at most ``max_values`` values — each string is an object key or a value,
-    and each value has at most one key) and the count is exact.
+    bound (``bytes.count``, ~1 ms per MiB): at most ``max_values`` passes at once (a text of
+    fewer bytes than ``max_values`` passes uncounted: each comma or bracket is one byte);
+    (2) otherwise the string literals are cut out in one left-to-right regex pass
+    (:data:`_JSON_STRING`, at most ``2 * max_values + 1`` of them: a body with more strings
+    than twice its values cannot be JSON of at most ``max_values`` values — each string is an
+    object key or a value, and each value has at most one key) and the count is exact.
 
     A text that is not JSON is not refused here unless its count is over: an unclosed string
     runs to the end of the text, so the count is that of the JSON parser's own reading up to
-    where it fails, and the parser (linear) answers it."""
-    if _structural(raw) <= max_values:
-        return
+    where it fails, and the parser (linear) answers it.
+
+    Returns the opening brackets of ``raw``, strings included: an upper bound of the parsed
+    body's nesting depth (each level deeper opens one more container). When they are at most
+    ``max_json_depth`` the body needs no walk (:func:`check_json_shape`): its values are bounded
+    here already (the count is never below the parsed body's values) and it cannot nest
+    deeper than its brackets."""
+    brackets = raw.count(b"[") + raw.count(b"{")
+    # A byte is at most one comma or bracket: a text shorter than the limit is within it.
+    if len(raw) < max_values or raw.count(b",") + brackets + 1 <= max_values:
+        return brackets
     message = f"the body holds over {max_values} JSON values"
     max_strings = 2 * max_values
     outside, strings = _JSON_STRING.subn(b"", raw, count=max_strings + 1)
     if strings > max_strings or _structural(outside) > max_values:
         raise BodyShapeError("max_json_values", message)
+    return brackets
 
 
 def check_json_shape(body: object, max_depth: int, max_values: int) -> None:

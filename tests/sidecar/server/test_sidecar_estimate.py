@@ -478,3 +478,29 @@ def test_embeddings_cost_prefill_only() -> None:
     with pytest.raises(EstimateError) as caught:
         estimate_embeddings({"input": "a", "dimensions": True}, chars4)
     assert caught.value.param == "dimensions"
+
+
+def depth(value: object) -> int:
+    """Nesting depth of parsed JSON: a container is one level more than its deepest child."""
+    if isinstance(value, dict):
+        return 1 + max((depth(v) for v in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((depth(v) for v in value), default=0)
+    return 0
+
+
+def test_the_raw_brackets_bound_the_depth_the_walk_would_find() -> None:
+    # The proxy skips check_json_shape's walk when these are within max_json_depth: they must
+    # never be below the depth it would find.
+    body = {"a": [[], {}, [1, {"b": "x,y"}]], "c": {"d": [True, None]}}
+    assert check_raw_values(json.dumps(body).encode(), 100) == 8 >= depth(body) == 4
+    # Brackets inside strings count too (an upper bound, no string scan).
+    assert check_raw_values(json.dumps({"p": "[{ }]"}).encode(), 100) == 3
+    # On the exact count's path (over the first bound) as well.
+    quoted = json.dumps({"p": "," * 50, "q": [[[1]]]}).encode()
+    assert check_raw_values(quoted, 10) == 4 == depth(json.loads(quoted))
+    for nest in range(1, 70):
+        nested: object = 1
+        for level in range(nest):
+            nested = [nested] if level % 2 else {"k": nested}
+        assert check_raw_values(json.dumps(nested).encode(), 1000) >= depth(nested) == nest
