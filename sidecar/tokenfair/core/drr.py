@@ -28,10 +28,7 @@ Three departures from the textbook, all bounded:
 * **eligibility** — a head that cannot run *now* (KV watermark, token budget) is passed over
   without earning a quantum; the tenant keeps its deficit, and a turn it had open stays open (it
   resumes that turn, with no new quantum, when next visited), so ``D_i < max_cost + Q_i``
-  holds whatever the eligibility (and ``D_i >= 0`` but for settlement debts). A passed-over
-  head for which the caller's ``keeps_place`` holds (``tokenfair``'s batch lane: the KV cache
-  cannot take it) goes back right behind the front once another head is sent, ahead of the
-  tenants that join ahead later, instead of to the ring's tail (:meth:`_keep_places`);
+  holds whatever the eligibility (and ``D_i >= 0`` but for settlement debts);
 * **joining ahead** — a tenant that was not backlogged and is owed service (the caller decides:
   ``tokenfair`` asks for it when the tenant had less than its weighted share of the lane's
   recent service) joins right behind the front, least served first, with its turn open and its
@@ -61,7 +58,6 @@ first call O(n): the heads are indexed from then on, so a lane never asked pays 
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
@@ -411,16 +407,12 @@ class DeficitRoundRobin:
             heappop(heads)
         return None
 
-    def pick(
-        self, eligible: Callable[[Job], bool], keeps_place: Callable[[Job], bool] | None = None
-    ) -> Job | None:
-        """Remove and return the next job to run, or None if no head is eligible now.
-        ``keeps_place``: of the heads passed over, those that keep their place in the ring
-        (:meth:`_pick_round_robin`); None: none does."""
+    def pick(self, eligible: Callable[[Job], bool]) -> Job | None:
+        """Remove and return the next job to run, or None if no head is eligible now."""
         order = self.order
         if order is not None and order.sharing:
             return self._pick_least_served(eligible, order)
-        return self._pick_round_robin(eligible, keeps_place)
+        return self._pick_round_robin(eligible)
 
     def backlogged_tenants(self) -> list[str]:
         """The tenants with live jobs queued in this lane, in ring order."""
@@ -437,39 +429,6 @@ class DeficitRoundRobin:
         """The least pool-wide counter among the backlogged tenants (None if none): O(1), from
         ``order``'s ranking (:attr:`LaneOrder.ranked`)."""
         return order.least_counter()
-
-    def _keep_places(self, kept: list[TenantQueue]) -> None:
-        """The tenants in ``kept`` were passed over in this pick (their heads could not start)
-        and rotated behind the front that is now sent; they go back right behind it, in the
-        order they were passed over, as the first of the tenants waiting ahead for their turn
-        (rank -inf, credit as :meth:`tokens_before_joining_ahead` counts a front's). So a
-        request whose turn came while the KV cache could not take it keeps its place: without
-        it, every tenant that joined ahead meanwhile went before it, and a large request
-        waited out its limit behind a stream of small first requests (docs/fairness.md §5.5,
-        change 9). Each was at the front when passed over, so none is a joiner now, and the
-        joiners sit at ``active[1:1+j]``: taking non-joiners out leaves them there. One rebuild
-        of the ring, O(active tenants) in all (a remove and an insert per kept tenant would be
-        O(kept x active) on every pick while the cache stays full)."""
-        active = self.active
-        front = active[0]
-        moving = [queue for queue in kept if queue.in_active and queue is not front]
-        if not moving:
-            return
-        moving_ids = {id(queue) for queue in moving}
-        staying = [queue for queue in active if id(queue) not in moving_ids]
-        active.clear()
-        active.append(staying[0])
-        active.extend(moving)
-        active.extend(staying[1:])
-        credits: list[int] = []
-        for queue in moving:
-            credit = max(0, queue.deficit_units)
-            if not queue.turn_open:
-                credit += queue.quantum_units
-            credits.append(min(credit, queue.queued_units))
-            queue.joined_ahead = True
-        self._joiner_ranks[:0] = [-math.inf] * len(moving)
-        self._joiner_credit[:0] = credits
 
     def _pick_least_served(self, eligible: Callable[[Job], bool], order: LaneOrder) -> Job | None:
         """The eligible head whose tenant has the least pool-wide service per quantum (the
@@ -502,17 +461,9 @@ class DeficitRoundRobin:
             self._remove(best)
         return best_head
 
-    def _pick_round_robin(
-        self, eligible: Callable[[Job], bool], keeps_place: Callable[[Job], bool] | None = None
-    ) -> Job | None:
-        """The round robin's pick (the module docstring's rules). A head passed over for which
-        ``keeps_place`` holds (the caller's test: ``tokenfair``'s batch lane, a head the KV cache
-        cannot take now) is not sent to the ring's tail for good: when another tenant's head is
-        sent in this pick, each such tenant goes back right behind the front, ahead of every
-        tenant that joined ahead since (:meth:`_keep_places`)."""
+    def _pick_round_robin(self, eligible: Callable[[Job], bool]) -> Job | None:
+        """The round robin's pick (the module docstring's rules)."""
         active = self.active
-        kept: list[TenantQueue] | None = None
-        kept_ids: set[int] = set()
         while active:
             candidates: list[TenantQueue] | None = None  # built only when a deficit falls short
             for _ in range(len(active)):
@@ -526,13 +477,6 @@ class DeficitRoundRobin:
                 if not eligible(head):
                     # An open turn stays open: closing it would grant a fresh quantum on top of
                     # an uncovered deficit, and a throttled tenant would bank without bound.
-                    if keeps_place is not None and keeps_place(head):
-                        if kept is None:
-                            kept = [queue]
-                            kept_ids = {id(queue)}
-                        elif id(queue) not in kept_ids:
-                            kept.append(queue)
-                            kept_ids.add(id(queue))
                     active.rotate(-1)
                     self._front_changed()
                     continue
@@ -544,8 +488,6 @@ class DeficitRoundRobin:
                     self._credit_moved(before, deficit)
                 cost = head.expected_units
                 if deficit >= cost:
-                    if kept is not None:
-                        self._keep_places(kept)
                     queue.jobs.popleft()
                     queue.live -= 1
                     queue.queued_units -= cost

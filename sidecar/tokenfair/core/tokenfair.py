@@ -1450,12 +1450,6 @@ class TokenfairScheduler(Scheduler):
             self._budget_hold(job)
         return False
 
-    def _kv_blocked(self, job: Job) -> bool:
-        """A batch head passed over because the KV cache cannot take it now keeps its place in
-        the round robin (:meth:`DeficitRoundRobin.pick`): the cache, not its tenant, holds it,
-        and admission predicted its start from that place (docs/fairness.md §5.5, change 9)."""
-        return not self.kv_fits(job)
-
     def _eligible_limited(self, job: Job) -> bool:
         """:meth:`_eligible` behind the tenant's entitlements: a head whose tenant runs
         ``maxConcurrentRequests`` requests, or whose KV blocks would take the tenant's resident
@@ -1537,7 +1531,7 @@ class TokenfairScheduler(Scheduler):
         if batch_waiting and (
             self._engine is None or self._batch_running < self.batch_slots(self._now_ms)
         ):
-            job = batch.pick(eligible, self._kv_blocked)
+            job = batch.pick(eligible)
             if job is not None:
                 if interactive_waiting:
                     self._batch_credit_scaled -= job.expected_units * self._credit_spend
