@@ -1273,7 +1273,20 @@ class TokenfairScheduler(Scheduler):
         decision = super().cancel(request_id, now_ms)
         if decision is not None:
             self._pending_samples.pop(request_id, None)  # its wait is not known
+            self._hold_left_behind(decision.tenant_id, now_ms)
         return decision
+
+    def _hold_left_behind(self, tenant_id: str, now_ms: float) -> None:
+        """A request of the tenant left the queue without starting (cancelled, expired): if
+        the tenant has nothing left queued in the batch lane, its budget hold ends now. Held
+        until its next head started, it would outlive the request it held, and the tenant's
+        next sample, a wait for the engine alone, would have that time taken out (review
+        rev1207e F4: the correction 4.42 read 2.29). No sample pending: no hold to keep."""
+        if not self._lanes[LANE_BATCH].backlogged(tenant_id):
+            self._budget_hold_ended(tenant_id, now_ms)
+        if not self._pending_samples:
+            self._budget_held_ms.clear()
+            self._budget_held_until_ms.clear()
 
     def _occupancy(self, job: Job) -> float:
         """The KV occupancy ``job`` attempts: resident blocks and its own, of the whole cache."""
@@ -1407,6 +1420,8 @@ class TokenfairScheduler(Scheduler):
                     True,
                 )
             tenant_id = decision.tenant_id
+            if lane == LANE_BATCH:
+                self._hold_left_behind(tenant_id, now_ms)
             wait_ms = self.predicted_wait_ms(tenant_id, lane, decision.service_tokens, now_ms)
             tenant = self.tenants[tenant_id]
             if not self.policy.lend_idle_capacity:

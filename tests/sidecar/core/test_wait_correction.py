@@ -397,3 +397,47 @@ def test_the_interactive_lane_keeps_the_models_wait() -> None:
         fair.complete(f"i{i}", 400.0, 320)
     assert fill(fair, 400.0) == ["i2", "i3"]  # waited 400 ms, more than predicted
     assert fair.wait_correction(LANE_INTERACTIVE, 400.0) == 1.0
+
+
+def _correction_after_a_held_request_left(leaves: bool) -> float:
+    """A tenant with a one-request burst sends b0 (started) and, if ``leaves``, b1, which its
+    budget holds and which is cancelled at 10 ms; later its b2 waits 2.7 s for a slot alone
+    (both slots taken by b0 and another tenant's x0 until 3 s)."""
+    config = build_config(
+        policy(max_batch_requests=2, batch_throughput_gain=2.0),
+        [
+            TenantConfig("bud", 1.0, 1200, 6000.0, "batch"),
+            TenantConfig("x", 1.0, 10**12, 10**12, "batch"),
+        ],
+    )
+    fair = TokenfairScheduler(config)
+
+    def batch(request_id: str, tenant_id: str, now_ms: float) -> Request:
+        return Request(request_id, tenant_id, now_ms, PREFILL, DECODE, "batch")
+
+    assert fair.submit(batch("b0", "bud", 0.0), 0.0) is None
+    if leaves:
+        assert fair.submit(batch("b1", "bud", 0.0), 0.0) is None
+    assert fill(fair, 0.0) == ["b0"]  # b1: passed over for its budget
+    if leaves:
+        assert fair.cancel("b1", 10.0) is not None
+    assert fair.submit(batch("x0", "x", 100.0), 100.0) is None
+    assert fair.submit(batch("x1", "x", 100.0), 100.0) is None
+    assert fill(fair, 100.0) == ["x0"]
+    assert fair.submit(batch("b2", "bud", 300.0), 300.0) is None
+    fill(fair, 300.0)
+    fair.complete("b0", 3000.0)
+    fair.complete("x0", 3000.0)
+    assert "b2" in fill(fair, 3000.0)
+    return fair.wait_correction(LANE_BATCH, 3000.0)
+
+
+def test_a_budget_hold_ends_with_the_request_it_held() -> None:
+    """A hold (the round robin passing a tenant over for its budget) ends when the tenant has
+    nothing queued any more, not only when its next head starts: b2's 2.7 s wait for a slot is
+    the engine's, whether or not a held b1 was cancelled before it came (review rev1207e F4:
+    the hold outlived b1 and was taken out of b2's sample, 4.42 read 2.29)."""
+    alone = _correction_after_a_held_request_left(leaves=False)
+    after_cancel = _correction_after_a_held_request_left(leaves=True)
+    assert alone > 2.0  # b2 waited far longer than admission predicted: a real sample
+    assert after_cancel == pytest.approx(alone)
