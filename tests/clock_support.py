@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import selectors
 from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import Executor
@@ -77,7 +78,10 @@ class _VirtualSelector(selectors.BaseSelector):
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         ready = self._real.select(0)
-        if ready or timeout == 0:
+        if ready:
+            return ready
+        if timeout == 0:
+            self._loop.step_past_a_due_timer()
             return ready
         if self._loop.threads_working:
             return self._real.select(
@@ -106,6 +110,21 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def advance(self, seconds: float) -> None:
         self._virtual_now += seconds
         self.jumps += 1
+
+    def step_past_a_due_timer(self) -> None:
+        """Nothing to run now but a timer due at this very time: move the clock one float step.
+        asyncio runs a timer when it is due before ``time() + clock resolution`` (1e-9 s); past
+        ~2**22 s one step of a float is longer than that, so the sum rounds to ``time()``, and a
+        timer due exactly now (every sleep, once the clock has jumped to it) is never run on a
+        clock that moves only when the loop waits: the loop span for ever (review rev1207f, at
+        a start of 2**24 s). Never taken at :data:`VIRTUAL_START_S`, where a step is ~1e-13 s.
+        Reads the loop's ``_ready`` and ``_scheduled`` (asyncio's own, not public)."""
+        loop: Any = self
+        if loop._ready:
+            return  # callbacks to run: the loop is not waiting
+        scheduled = loop._scheduled
+        if scheduled and scheduled[0].when() <= self._virtual_now:
+            self._virtual_now = math.nextafter(self._virtual_now, math.inf)
 
     def run_in_executor(
         self, executor: Executor | None, func: Callable[[*Ts], T], *args: *Ts
