@@ -159,6 +159,21 @@ class Load:
         self.statuses[status] = self.statuses.get(status, 0) + 1
 
 
+async def post_completion(
+    session: aiohttp.ClientSession, target: str, body: dict[str, Any], tenant: str
+) -> int:
+    """POST ``body`` to ``target``'s ``/v1/completions`` as ``tenant``, read the answer whole:
+    its status, 599 for a connection error."""
+    try:
+        async with session.post(
+            f"{target}/v1/completions", json=body, headers={TENANT_HEADER: tenant}
+        ) as response:
+            await response.read()
+            return response.status
+    except aiohttp.ClientError:
+        return 599
+
+
 async def drive(
     session: aiohttp.ClientSession,
     clients: list[tuple[str, Callable[[int], str]]],
@@ -172,14 +187,7 @@ async def drive(
     async def worker(tenant: str, target: Callable[[int], str]) -> None:
         sent = 0
         while time.monotonic() < stop_at:
-            try:
-                async with session.post(
-                    f"{target(sent)}/v1/completions", json=body, headers={TENANT_HEADER: tenant}
-                ) as response:
-                    await response.read()
-                    status = response.status
-            except aiohttp.ClientError:
-                status = 599
+            status = await post_completion(session, target(sent), body, tenant)
             sent += 1
             load.count(status)
             if status == 429:
@@ -407,15 +415,7 @@ async def send_open_loop(
     async def one(request_tokens: tuple[int, int], tenant: str, target: str) -> None:
         prompt, decode = request_tokens
         body = {"model": "m", "prompt": "x" * (4 * prompt), "max_tokens": decode}
-        try:
-            async with session.post(
-                f"{target}/v1/completions", json=body, headers={TENANT_HEADER: tenant}
-            ) as response:
-                await response.read()
-                status = response.status
-        except aiohttp.ClientError:
-            status = 599
-        load.count(status)
+        load.count(await post_completion(session, target, body, tenant))
 
     tasks = []
     for (request, _, _), replica in zip(arrivals, places, strict=True):

@@ -1213,10 +1213,7 @@ class TokenfairScheduler(Scheduler):
             held_now = self._budget_held_until_ms.get(tenant_id, -math.inf) > now_ms
         if not expired:
             self._budget_hold_ended(tenant_id, now_ms)  # its head started: no longer held
-        if not self._pending_samples:
-            # No sample pending: nothing to take the holds out of (bounded by the samples).
-            self._budget_held_ms.clear()
-            self._budget_held_until_ms.clear()
+        self._drop_holds_without_samples()
         if sample is None:
             return
         limit_ms = self._wait_limits[lane]
@@ -1281,9 +1278,14 @@ class TokenfairScheduler(Scheduler):
         the tenant has nothing left queued in the batch lane, its budget hold ends now. Held
         until its next head started, it would outlive the request it held, and the tenant's
         next sample, a wait for the engine alone, would have that time taken out (review
-        rev1207e F4: the correction 4.42 read 2.29). No sample pending: no hold to keep."""
+        rev1207e F4: the correction 4.42 read 2.29)."""
         if not self._lanes[LANE_BATCH].backlogged(tenant_id):
             self._budget_hold_ended(tenant_id, now_ms)
+        self._drop_holds_without_samples()
+
+    def _drop_holds_without_samples(self) -> None:
+        """No sample pending: nothing to take the holds out of, so none is kept (the holds are
+        bounded by the samples)."""
         if not self._pending_samples:
             self._budget_held_ms.clear()
             self._budget_held_until_ms.clear()
