@@ -249,13 +249,16 @@ class TokenfairScheduler(Scheduler):
             deque(),
             deque(),
         )
-        # Tenant -> how long the round robin has held its head back for its budget (while
-        # samples were pending): the length of the union of its holds, each from a pass-over
-        # until its head started, and the end of the last (`_budget_hold`).
-        # That part of a sample's wait is the tenant's own, not the engine model's, and is
-        # taken out of it (`_waited_for`).
-        self._budget_held_ms: dict[str, float] = {}
-        self._budget_held_until_ms: dict[str, float] = {}
+        # Tenant -> how long the round robin has held its head back for its own limits, its
+        # budget or its maxConcurrentRequests (while samples were pending): the length of the
+        # union of its holds, each from a pass-over until its head started (a cap's: until
+        # the cap freed), and the end of the last (`_tenant_hold`). That part of a sample's
+        # wait is the tenant's own, not the engine model's, and is taken out of it
+        # (`_waited_for`).
+        self._tenant_held_ms: dict[str, float] = {}
+        self._tenant_held_until_ms: dict[str, float] = {}
+        # The tenants whose last hold is their maxConcurrentRequests' (`_cap_freed`).
+        self._cap_held: set[str] = set()
         self._curve: BatchingCurve | None = None  # the engine model they measure
         self._batch_floor_slots = 1  # max(1, ceil(batchMinShare * S)) (`_adopt_cost_model`)
         self._interactive_tenants = False  # the configuration has an interactive tenant
@@ -1098,7 +1101,7 @@ class TokenfairScheduler(Scheduler):
                 max_wait_ms=wait_limit_ms,
             )
         # Gate 4: the rest of `_budget_gate` only if the budget is short. The request's wait,
-        # less the time its budget holds its tenant back (`_waited_for`), is a sample of the
+        # less the time its own limits hold its tenant back (`_waited_for`), is a sample of the
         # wait correction, unless its cost is above the burst (only a loan starts it).
         budget_wait_ms = self._budget_wait_ms(tenant, service_tokens, now_ms)
         sampled = budget_wait_ms is not None
@@ -1120,7 +1123,7 @@ class TokenfairScheduler(Scheduler):
             sampled_ms = waited_ms + model_wait_ms
             self._pending_samples[job.request_id] = (
                 sampled_ms,
-                self._budget_held_by(tenant_id, now_ms),
+                self._tenant_held_by(tenant_id, now_ms),
             )
             self._admitted_order[lane].append(
                 (job.request_id, tenant_id, job.arrival_ms, sampled_ms)
@@ -1136,12 +1139,13 @@ class TokenfairScheduler(Scheduler):
         """How much longer than predicted the lane's requests waited lately (the batch lane's,
         on a serial engine as on a batching one): the ratio of the waits they had (from
         arrival to dispatch, less the time the round robin held their tenant back for its
-        budget meanwhile: that wait is the tenant's own, not the engine model's; three wait
-        limits for one that expired, unless its budget held it then: :meth:`_waited_for`) to
+        budget or its ``maxConcurrentRequests`` meanwhile: that wait is the tenant's own, not
+        the engine model's; three wait limits for one that expired, unless its tenant was held
+        then: :meth:`_waited_for`) to
         the model waits admission predicted for them, each a sum decayed with
         :data:`WAIT_CORRECTION_LIMITS` wait limits, within :data:`WAIT_CORRECTION_RANGE`
         (1 before any request has waited) — or, if larger, the ratio of the oldest queued
-        request's wait so far (less its budget's holds) to its prediction (a wait not yet
+        request's wait so far (less its tenant's holds) to its prediction (a wait not yet
         over: the lower bound of what it will have waited, known a wait limit before its
         expiry would say it). Every batch request whose cost its tenant's burst covers is a
         sample, a flooder's too, whichever of its budget and the engine model predicts the
@@ -1167,8 +1171,8 @@ class TokenfairScheduler(Scheduler):
         if order:
             request_id, tenant_id, arrival_ms, predicted_ms = order[0]
             floor_ms = limit_ms * PREDICTED_WAIT_FLOOR
-            # Its wait so far less the time its tenant's budget held the tenant back.
-            held_ms = self._budget_held_by(tenant_id, now_ms) - pending[request_id][1]
+            # Its wait so far less the time its tenant's own limits held the tenant back.
+            held_ms = self._tenant_held_by(tenant_id, now_ms) - pending[request_id][1]
             so_far = (now_ms - arrival_ms - held_ms) / (
                 predicted_ms if predicted_ms > floor_ms else floor_ms
             )
@@ -1189,30 +1193,42 @@ class TokenfairScheduler(Scheduler):
     ) -> None:
         """A queued request's wait is known (it started, or it expired): into the lane's wait
         correction beside what admission predicted for it, less the time the round robin held
-        its tenant back for its budget meanwhile (:meth:`_budget_hold`: from a pass-over with
-        a slot and KV free and the bucket short until the tenant's head started; that time is
-        the tenant's own, and admission's budget wait, a refill without the burst's cap,
-        cannot tell it)::
+        its tenant back for its own limits meanwhile (:meth:`_tenant_hold`: from a pass-over
+        with a slot and KV free and the bucket short until the tenant's head started, or with
+        the tenant at its ``maxConcurrentRequests`` until the cap freed; that time is the
+        tenant's own, and admission's model wait cannot tell it: a budget's refill without the
+        burst's cap, no cap at all)::
 
-            sample = waited - budget_held                 started
-                   = waited - budget_held                 expired while its budget held it
+            sample = max(0, waited - held)                started
+                   = max(0, waited - held)                expired while its tenant was held
                    = EXPIRED_WAIT_LIMITS x wait limit     expired otherwise
 
-        A request that expired while its budget held it was kept by its budget at the end: what
-        the engine made it wait is the rest. (Until 2026-12-07 a request whose tenant was held
-        once in its wait was no sample at all: a flooder whose burst covers two requests is
-        held at most dispatches where three slots are free at once, and its samples, all of
-        them, left the correction at 1 however slow the engine; and a request whose budget wait
-        at admission was longer than the model's was no sample either: a budget refilled a
-        little faster than a slow engine serves hid it from the correction; issue 27.)"""
+        ``held`` is at most the wait (the holds are counted from the sample's admission), and
+        each hold at most a wait limit. A request that expired while its tenant was held was
+        kept by its tenant's limit at the end: what the engine made it wait is the rest. (Until
+        review rev1207e F6 the cap's holds were not taken out: a tenant's
+        ``maxConcurrentRequests: 1`` raised the whole lane's mean correction 1.02 -> 2.46 on an
+        engine keeping to its model, test_wait_correction. Until 2026-12-07 a request whose
+        tenant was held once in its wait was no sample at all: a flooder whose burst covers
+        two requests is held at most dispatches where three slots are free at once, and its
+        samples, all of them, left the correction at 1 however slow the engine; and a request
+        whose budget wait at admission was longer than the model's was no sample either: a
+        budget refilled a little faster than a slow engine serves hid it from the correction;
+        issue 27.)"""
         sample = self._pending_samples.pop(request_id, None)
         held_ms = 0.0
         held_now = False
         if sample is not None:
-            held_ms = self._budget_held_by(tenant_id, now_ms) - sample[1]
-            held_now = self._budget_held_until_ms.get(tenant_id, -math.inf) > now_ms
+            held_ms = self._tenant_held_by(tenant_id, now_ms) - sample[1]
+            # Held now: a hold not yet over, or the cap's, which lasts until the cap frees
+            # (its bound of a wait limit from the last pass-over may have passed just before
+            # the expiry: a head passed over at its arrival reaches it at its deadline).
+            held_now = (
+                self._tenant_held_until_ms.get(tenant_id, -math.inf) > now_ms
+                or tenant_id in self._cap_held
+            )
         if not expired:
-            self._budget_hold_ended(tenant_id, now_ms)  # its head started: no longer held
+            self._tenant_hold_ended(tenant_id, now_ms)  # its head started: no longer held
         self._drop_holds_without_samples()
         if sample is None:
             return
@@ -1229,41 +1245,63 @@ class TokenfairScheduler(Scheduler):
             predicted_ms if predicted_ms > floor_ms else floor_ms, now_ms, tau_ms
         )
 
-    def _budget_hold(self, job: Job) -> None:
-        """The round robin passes over ``job``, its tenant's head, for its budget now, a slot
-        and KV free for it (:meth:`_eligible`): the tenant is held from now until its head
-        starts (:meth:`_budget_hold_ended`; at most the lane's wait limit), added to its held
-        time as far as it does not overlap the holds before. Until the head starts, not only
-        until the bucket covers it: a slot the budget let another tenant take meanwhile is a
-        wait the budget caused too (held only until the refill, a one-request burst beside a
-        flood raised the lane's correction to a mean of up to 1.11, p95 up to 1.22, on an
-        engine keeping to its model; this way 1.00, as when such waits were no samples)."""
+    def _tenant_hold(self, job: Job, cap: bool) -> None:
+        """The round robin passes over ``job``, its tenant's head, for the tenant's own limit
+        now, a slot and KV free for it: its budget (``cap`` False, :meth:`_eligible`) or its
+        ``maxConcurrentRequests`` (``cap`` True, :meth:`_eligible_limited`). The tenant is
+        held from now until its head starts (:meth:`_tenant_hold_ended`), its queue empties
+        (:meth:`_hold_left_behind`) or, for the cap, until the cap frees (one of its requests
+        ends: :meth:`_cap_freed`); at most the lane's wait limit; added to its held time as
+        far as it does not overlap the holds before. A budget's hold lasts until the head
+        starts, not only until the bucket covers it: a slot the budget let another tenant
+        take meanwhile is a wait the budget caused too (held only until the refill, a
+        one-request burst beside a flood raised the lane's correction to a mean of up to 1.11,
+        p95 up to 1.22, on an engine keeping to its model; this way 1.00, as when such waits
+        were no samples). A cap's ends where the cap frees: the slot the tenant's own request
+        leaves is the one its head starts in, and a wait after that is for the engine or the
+        tenant's turn, which the model predicts (a cap's waits taken as the engine's, one
+        tenant's ``maxConcurrentRequests: 1`` raised the whole lane's correction on an engine
+        keeping to its model: review rev1207e F6)."""
         now_ms = self._now_ms
         until_ms = now_ms + self._wait_limits[job.lane]
         tenant_id = job.tenant_id
-        last_ms = self._budget_held_until_ms.get(tenant_id, -math.inf)
+        if cap:
+            self._cap_held.add(tenant_id)
+        else:
+            self._cap_held.discard(tenant_id)
+        last_ms = self._tenant_held_until_ms.get(tenant_id, -math.inf)
         if until_ms <= last_ms:
             return
         since_ms = now_ms if now_ms > last_ms else last_ms
-        self._budget_held_ms[tenant_id] = (
-            self._budget_held_ms.get(tenant_id, 0.0) + until_ms - since_ms
+        self._tenant_held_ms[tenant_id] = (
+            self._tenant_held_ms.get(tenant_id, 0.0) + until_ms - since_ms
         )
-        self._budget_held_until_ms[tenant_id] = until_ms
+        self._tenant_held_until_ms[tenant_id] = until_ms
 
-    def _budget_hold_ended(self, tenant_id: str, now_ms: float) -> None:
-        """The tenant's head started now: a hold that was to last longer ends here."""
-        until_ms = self._budget_held_until_ms.get(tenant_id, -math.inf)
+    def _tenant_hold_ended(self, tenant_id: str, now_ms: float) -> None:
+        """The tenant's hold ends now (its head started, its queue emptied, or its cap freed):
+        a hold that was to last longer ends here."""
+        self._cap_held.discard(tenant_id)
+        until_ms = self._tenant_held_until_ms.get(tenant_id, -math.inf)
         if until_ms > now_ms:
-            self._budget_held_ms[tenant_id] -= until_ms - now_ms
-            self._budget_held_until_ms[tenant_id] = now_ms
+            self._tenant_held_ms[tenant_id] -= until_ms - now_ms
+            self._tenant_held_until_ms[tenant_id] = now_ms
 
-    def _budget_held_by(self, tenant_id: str, now_ms: float) -> float:
-        """The tenant's budget-held time (:meth:`_budget_hold`) up to ``now_ms``: the held ms
+    def _cap_freed(self, tenant_id: str, now_ms: float) -> None:
+        """One of the tenant's requests ended (:meth:`_finished`): if its last hold is its
+        ``maxConcurrentRequests``' and the tenant is below the cap now, that hold ends."""
+        if tenant_id in self._cap_held:
+            tenant = self.tenants[tenant_id]
+            if tenant.running < tenant.max_running:
+                self._tenant_hold_ended(tenant_id, now_ms)
+
+    def _tenant_held_by(self, tenant_id: str, now_ms: float) -> float:
+        """The tenant's held time (:meth:`_tenant_hold`) up to ``now_ms``: the held ms
         recorded, less the part of the last hold still to come."""
-        held_ms = self._budget_held_ms.get(tenant_id)
+        held_ms = self._tenant_held_ms.get(tenant_id)
         if held_ms is None:
             return 0.0
-        ahead_ms = self._budget_held_until_ms[tenant_id] - now_ms
+        ahead_ms = self._tenant_held_until_ms[tenant_id] - now_ms
         return held_ms - ahead_ms if ahead_ms > 0.0 else held_ms
 
     def cancel(self, request_id: str, now_ms: float) -> Decision | None:
@@ -1275,20 +1313,21 @@ class TokenfairScheduler(Scheduler):
 
     def _hold_left_behind(self, tenant_id: str, now_ms: float) -> None:
         """A request of the tenant left the queue without starting (cancelled, expired): if
-        the tenant has nothing left queued in the batch lane, its budget hold ends now. Held
+        the tenant has nothing left queued in the batch lane, its hold ends now. Held
         until its next head started, it would outlive the request it held, and the tenant's
         next sample, a wait for the engine alone, would have that time taken out (review
         rev1207e F4: the correction 4.42 read 2.29)."""
         if not self._lanes[LANE_BATCH].backlogged(tenant_id):
-            self._budget_hold_ended(tenant_id, now_ms)
+            self._tenant_hold_ended(tenant_id, now_ms)
         self._drop_holds_without_samples()
 
     def _drop_holds_without_samples(self) -> None:
         """No sample pending: nothing to take the holds out of, so none is kept (the holds are
         bounded by the samples)."""
         if not self._pending_samples:
-            self._budget_held_ms.clear()
-            self._budget_held_until_ms.clear()
+            self._tenant_held_ms.clear()
+            self._tenant_held_until_ms.clear()
+            self._cap_held.clear()
 
     def _occupancy(self, job: Job) -> float:
         """The KV occupancy ``job`` attempts: resident blocks and its own, of the whole cache."""
@@ -1464,7 +1503,7 @@ class TokenfairScheduler(Scheduler):
         if tenant.bucket.covers(job.service_tokens, self._now_ms):
             return True
         if self._pending_samples and job.lane == LANE_BATCH:  # only the batch lane samples
-            self._budget_hold(job)
+            self._tenant_hold(job, False)
         return False
 
     def _eligible_limited(self, job: Job) -> bool:
@@ -1475,6 +1514,10 @@ class TokenfairScheduler(Scheduler):
         tenant = self.tenants[job.tenant_id]
         if tenant.running >= tenant.max_running:
             job.held |= HELD_CONCURRENCY
+            # Only the batch lane samples; a head KV holds back too waits for the engine's KV
+            # (the model's `kv_wait_ms`), as a budget's hold starts only with KV free.
+            if self._pending_samples and job.lane == LANE_BATCH and self.kv_fits(job):
+                self._tenant_hold(job, True)
             return False
         if self._past_kv_share(tenant, job):
             job.held |= HELD_KV_SHARE
@@ -1617,10 +1660,12 @@ class TokenfairScheduler(Scheduler):
         self._running_expected = running_expected if self.running and running_expected > 0 else 0.0
         if job.lane == LANE_BATCH:
             self._batch_running -= 1
+        ended_ms = self._now_ms if now_ms is None else now_ms
+        if self._cap_held:  # a tenant held at its maxConcurrentRequests may be below it now
+            self._cap_freed(job.tenant_id, ended_ms)
         engine = self._engine
         if engine is not None:
-            engine.finish(job.request_id, self._now_ms if now_ms is None else now_ms,
-                          job.expected_tokens)  # fmt: skip
+            engine.finish(job.request_id, ended_ms, job.expected_tokens)
 
     def fair_level(self, lane: int, now_ms: float) -> float:
         """The lane's weighted max-min water level ``L``, in service tokens per ms per quantum

@@ -24,6 +24,11 @@ Behaviours under test:
   what it admitted. The interactive lane is not sampled. A flooding tenant whose queue is
   beyond its bucket but whose refill comes before its turn: an engine 1.15x or 2x slower than
   its model expires at most 2 % of what it admitted (6.5 % and 21.8 % before 2026-12-07).
+- The time a tenant's own ``maxConcurrentRequests`` held it back (a slot and KV free, the
+  tenant at its limit) is taken out the same way, from the pass-over until the cap frees: a
+  tenant capped at 1 beside a flood at 0.8x an engine on its model raised the lane's mean
+  correction to 2.1-2.5 before (1.02-1.03 uncapped); now as uncapped. A request that expires
+  held at its cap is no engine expiry; a wait after the cap freed counts.
 - A serial engine (``maxBatchRequests`` 1) has it too (it had none before issue 29): an expiry
   raises it, and a serial engine twice as slow as its model expires about 2 % of the batch
   requests it admitted (19 % without), as many served.
@@ -44,13 +49,19 @@ from scheduler_support import fill
 from tokenfair.config import PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Request
 from tokenfair.core.cost import CostModel
-from tokenfair.core.jobs import LANE_BATCH, LANE_INTERACTIVE, SHED_QUEUE_TIMEOUT
+from tokenfair.core.jobs import (
+    LANE_BATCH,
+    LANE_INTERACTIVE,
+    SHED_QUEUE_TIMEOUT,
+    SHED_QUEUE_WAIT_SLO,
+    SHED_TENANT_CONCURRENCY,
+)
 from tokenfair.core.tokenfair import (
     EXPIRED_WAIT_LIMITS,
     WAIT_CORRECTION_RANGE,
     TokenfairScheduler,
 )
-from tokenfair.sim.simulator import Arrival, replay_timed
+from tokenfair.sim.simulator import PACE, Arrival, replay_batching, replay_timed
 
 BIG_KV = 10**7  # blocks: KV never decides here
 RATE = 10.0  # service tokens per ms at the full batch, as the policy says
@@ -441,3 +452,130 @@ def test_a_budget_hold_ends_with_the_request_it_held() -> None:
     after_cancel = _correction_after_a_held_request_left(leaves=True)
     assert alone > 2.0  # b2 waited far longer than admission predicted: a real sample
     assert after_cancel == pytest.approx(alone)
+
+
+def _lane_under_a_capped_tenant(cap: int | None, seed: int) -> tuple[float, int, int]:
+    """The flood at 0.8x an engine that keeps to its model, and a second batch tenant "one"
+    (``maxConcurrentRequests`` ``cap``) sending four requests at once every 4 s (its own
+    queue, 0.1x the engine): the lane's wait correction averaged over the replay's events (as
+    the flood's admissions read it), and the flood's requests served and refused at the door."""
+    capped = TenantConfig("one", 1.0, 10**12, 10**12, "batch", max_concurrent_requests=cap)
+    config = build_config(policy(), [*tenants(), capped])
+    arrivals = flood(RATE, 0.8, seed)
+    for burst in range(SECONDS // 4):
+        at_ms = 500.0 + 4000.0 * burst
+        for i in range(4):
+            one = Request(f"o{burst:03d}-{i}", "one", at_ms + 0.01 * i, PREFILL, DECODE, "batch")
+            arrivals.append((one, None, None))
+    arrivals.sort(key=lambda a: (a[0].arrival_ms, a[0].request_id))
+    fair = TokenfairScheduler(config)
+    corrections: list[float] = []
+    outcomes = Counter(
+        (decision.tenant_id, decision.reason)
+        for decision, _used, _end in replay_batching(
+            fair,
+            iter(arrivals),
+            "tokenfair",
+            before_dispatch=lambda ms: corrections.append(fair.wait_correction(LANE_BATCH, ms)),
+        )
+        if decision is not PACE
+    )
+    assert outcomes["one", "admitted"] == 4 * (SECONDS // 4)  # all of its requests served
+    return (
+        sum(corrections) / len(corrections),
+        outcomes["rag", "admitted"],
+        outcomes["rag", SHED_QUEUE_WAIT_SLO],
+    )
+
+
+@pytest.mark.parametrize(
+    ("seed", "before"),
+    [(1, "mean 2.46, 721 served, 66 refused"), (2, "mean 2.13, 716 served, 42 refused")],
+)
+def test_a_tenant_held_by_its_own_concurrency_cap_does_not_raise_the_lanes_correction(
+    seed: int, before: str
+) -> None:
+    """A request waiting because its tenant runs ``maxConcurrentRequests`` requests waits for
+    its tenant's own limit, as one its budget holds back, not for the engine: the cap's holds
+    are taken out of its wait (review rev1207e F6). Admission's model wait does not see the
+    cap, so the capped tenant's requests waited far longer than predicted, and with
+    ``maxConcurrentRequests: 1`` the whole lane's correction averaged `before` (1.02-1.03
+    with the same requests uncapped), refusing the flood at the door below capacity on an
+    engine keeping to its model. Now as uncapped: 1.01 and 1.03, 767 and 752 served, 20 and
+    6 refused (uncapped 756 and 749 served, 31 and 9 refused)."""
+    capped, capped_served, capped_refused = _lane_under_a_capped_tenant(1, seed)
+    free, free_served, free_refused = _lane_under_a_capped_tenant(None, seed)
+    assert free < 1.05
+    assert capped <= free + 0.05, before
+    assert capped_refused <= free_refused + 5, before
+    assert capped_served >= free_served - 5, before
+
+
+def test_a_request_that_expires_held_by_its_tenants_cap_is_not_the_engines_expiry() -> None:
+    # S = 2 at R = 10, G = 2: each request runs at 5 tokens/ms. "one" (maxConcurrentRequests
+    # 1) runs o0 for 4,000 ms; its o1, a slot free for it, is passed over for the cap from
+    # 10 ms and expires past 3,510 still held (shed_tenant_concurrency). Before: its wait
+    # so far read 1,990 / 350 = 5.7 at 2 s, 8 (the bound) at 3 s, and the expiry counted 3
+    # limits: 8.
+    config = build_config(
+        policy(max_batch_requests=2, batch_throughput_gain=2.0),
+        [TenantConfig("one", 1.0, 10**12, 10**12, "batch", max_concurrent_requests=1)],
+    )
+    fair = TokenfairScheduler(config)
+    assert fair.submit(Request("o0", "one", 0.0, 16000, 1000, "batch"), 0.0) is None
+    assert fill(fair, 0.0) == ["o0"]
+    assert fair.submit(Request("o1", "one", 10.0, PREFILL, DECODE, "batch"), 10.0) is None
+    assert fill(fair, 10.0) == []  # a slot free; its tenant at its cap
+    assert fair.wait_correction(LANE_BATCH, 2000.0) == 1.0
+    assert fair.wait_correction(LANE_BATCH, 3000.0) == 1.0
+    [expired] = fair.expire(3511.0)
+    assert (expired.request_id, expired.reason) == ("o1", SHED_TENANT_CONCURRENCY)
+    # Its sample: 3,501 ms waited less 3,500 held (a hold lasts at most a wait limit from
+    # the last pass-over), against the floor of 350.
+    assert fair.wait_correction(LANE_BATCH, 3511.0) == 1.0
+
+
+def test_a_caps_hold_ends_when_the_cap_frees() -> None:
+    # S = 4 at R = 20, G = 4 (5 tokens/ms each), an interactive tenant: the batch lane's 3
+    # slots. "one" (maxConcurrentRequests 1) runs o0 until 2,400 ms; its o1 is passed over
+    # for the cap from 10 ms (a batch slot free), then "x" takes that slot. At 2,400 o0 ends
+    # and the cap frees, but interactive work queued since 2,300 takes the slot: o1 waits for
+    # the engine from then on, and that part of its wait counts (the hold ended with the cap),
+    # until it expires past 3,510 for the engine, an expiry counted at three limits.
+    config = build_config(
+        policy(max_batch_requests=4, batch_throughput_gain=4.0, service_tokens_per_ms=20.0),
+        [
+            TenantConfig("one", 1.0, 10**12, 10**12, "batch", max_concurrent_requests=1),
+            TenantConfig("x", 1.0, 10**12, 10**12, "batch"),
+            TenantConfig("chat", 1.0, 10**12, 10**12, "interactive"),
+        ],
+    )
+    fair = TokenfairScheduler(config)
+    assert fair.batch_slots(0.0) == 3
+    assert fair.submit(Request("o0", "one", 0.0, 8000, 1000, "batch"), 0.0) is None
+    assert fair.submit(Request("x0", "x", 0.0, 16000, 1000, "batch"), 0.0) is None
+    assert fill(fair, 0.0) == ["o0", "x0"]
+    assert fair.submit(Request("o1", "one", 10.0, PREFILL, DECODE, "batch"), 10.0) is None
+    assert fill(fair, 10.0) == []  # held by its cap, a batch slot free
+    assert fair.submit(Request("x1", "x", 20.0, 16000, 1000, "batch"), 20.0) is None
+    assert fill(fair, 20.0) == ["x1"]
+    for request_id in ("i0", "i1"):
+        chat = Request(request_id, "chat", 2300.0, 8000, 1000, "interactive")
+        assert fair.submit(chat, 2300.0) is None
+    assert fill(fair, 2300.0) == ["i0"]
+    assert fair.wait_correction(LANE_BATCH, 2399.0) == 1.0  # held by its cap all along
+    fair.complete("o0", 2400.0)
+    assert fill(fair, 2400.0) == ["i1"]  # the slot the cap freed
+    floor_ms = 0.1 * fair.policy.max_batch_wait_ms  # o1's prediction: 0, counted at 350
+    assert fair.wait_correction(LANE_BATCH, 3000.0) == pytest.approx(600.0 / floor_ms)
+    [expired] = fair.expire(3511.0)
+    assert (expired.request_id, expired.reason) == ("o1", SHED_QUEUE_TIMEOUT)
+    tau_ms = 4 * fair.policy.max_batch_wait_ms
+    # Beside o0's and x0's samples (waited 0, predicted 0: the floor each) and x1's (waited
+    # 0, predicted 1,280 ms), decayed.
+    predicted = (
+        floor_ms + 2 * floor_ms * math.exp(-3511.0 / tau_ms) + 1280.0 * math.exp(-3491.0 / tau_ms)
+    )
+    assert fair.wait_correction(LANE_BATCH, 3511.0) == pytest.approx(
+        EXPIRED_WAIT_LIMITS * 3500.0 / predicted
+    )
