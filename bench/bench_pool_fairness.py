@@ -50,6 +50,7 @@ sidecars' ``/status`` at the window's start and end:
     .venv/bin/python bench/bench_pool_fairness.py               # all runs: ~9 min
     .venv/bin/python bench/bench_pool_fairness.py --window 15   # shorter
     .venv/bin/python bench/bench_pool_fairness.py --runs many   # one run (or a comma list)
+    .venv/bin/python bench/bench_pool_fairness.py --runs weights --weights-lease 5000
 """
 
 from __future__ import annotations
@@ -139,6 +140,7 @@ def config_yaml(
     *,
     fast_backend: bool = False,
     queue_not_shed: bool = True,
+    lease_tokens: int | None = None,
 ) -> str:
     # Requests queue rather than being shed (a 429 storm of closed-loop clients burns the CPU
     # the engines need, and queues that empty leave no scheduler a choice to make); the open
@@ -163,6 +165,8 @@ def config_yaml(
             "keyPrefix": f"bench-fair:{time.monotonic_ns()}",  # fresh counters per run
             "replicas": REPLICAS,
         }
+        if lease_tokens is not None:  # else the product's default (20,000)
+            doc["budgetStore"]["fairnessLeaseServiceTokens"] = lease_tokens
     return json.dumps(doc)
 
 
@@ -275,9 +279,9 @@ def affinity(sidecars: list[Sidecar], client: str) -> int:
 
 async def pool_run(
     running: Cluster, name: str, weights: dict[str, float], routing: str, *,
-    store: bool, window_s: float,
+    store: bool, window_s: float, lease_tokens: int | None = None,
 ) -> Run:  # fmt: skip
-    config = config_yaml(running.redis_url if store else None, weights)
+    config = config_yaml(running.redis_url if store else None, weights, lease_tokens=lease_tokens)
     sidecars = [start_sidecar(running, f"{name}-{i}", config, TIME_SCALE) for i in range(REPLICAS)]
     clients: list[tuple[str, Callable[[int], str]]] = []
     where: dict[str, list[int]] = {t: [] for t in weights}
@@ -625,7 +629,7 @@ def fmt_s(value: float | None) -> str:
 
 async def main_async(
     window_s: float, many_window_s: float, latency_rounds: int, latency_s: float,
-    runs: Sequence[str],
+    runs: Sequence[str], lease_tokens: int | None = None,
 ) -> int:  # fmt: skip
     skew = {"pinned": 1.0, "flood": 1.0}
     weights = {"heavy": 4.0, "light": 1.0}
@@ -650,7 +654,7 @@ async def main_async(
                 for store in (False, True):
                     weighted[routing, store] = await pool_run(
                         running, f"w-{routing}-{store}", weights, routing, store=store,
-                        window_s=window_s,
+                        window_s=window_s, lease_tokens=lease_tokens,
                     )  # fmt: skip
         if "fault" in runs:
             fault = await fault_run(running, max(window_s, 21.0), 5.0)
@@ -670,7 +674,8 @@ async def main_async(
     print(f"bench_pool_fairness: {REPLICAS} sidecars (cost-model backend), requests of "
           f"{REQUEST_TOKENS} service tokens, {CLIENTS} closed-loop clients per tenant and "
           f"target, window {window_s:.0f} s (many: {many_window_s:.0f} s) (+{WARMUP_S:.0f} s "
-          f"warm-up); runs {','.join(runs)}")  # fmt: skip
+          f"warm-up); runs {','.join(runs)}; weights' fairness lease "
+          f"{lease_tokens or 'default'}")  # fmt: skip
     if skew_runs:
         print_skewed(*skew_runs)
     if weighted:
@@ -707,7 +712,7 @@ def print_skewed(skew_local: Run, skew_pool: Run) -> None:
 
 
 def print_weights(weighted: dict[tuple[str, bool], Run]) -> None:
-    print("  weights heavy:light = 4:1")
+    print("  weights heavy:light = 4:1")  # (the lease: the run's header line)
     for (routing, store), run in weighted.items():
         ratio = run.total("heavy") / max(1, run.total("light"))
         ok = abs(ratio / 4.0 - 1.0) <= 0.10
@@ -789,6 +794,13 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds of the many runs' window (60: 10 model s; offline, pool-many's first "
         "5 model s score 0.93 pool-wide, its first 10 and its 20 0.96)",
     )
+    parser.add_argument(
+        "--weights-lease",
+        type=int,
+        default=None,
+        help="fairnessLeaseServiceTokens of the weights runs (default: the product's, 20,000; "
+        "smaller damps the pool order's swing, docs/fairness.md §9.3.2)",
+    )
     parser.add_argument("--latency-rounds", type=int, default=3)
     parser.add_argument("--latency-seconds", type=float, default=4.0)
     parser.add_argument(
@@ -804,7 +816,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not runs:
         parser.error(f"--runs: expected a comma list of {', '.join(RUNS)} (got {args.runs!r})")
     return asyncio.run(
-        main_async(args.window, args.many_window, args.latency_rounds, args.latency_seconds, runs)
+        main_async(
+            args.window,
+            args.many_window,
+            args.latency_rounds,
+            args.latency_seconds,
+            runs,
+            args.weights_lease,
+        )
     )
 
 
