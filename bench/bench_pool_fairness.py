@@ -16,7 +16,11 @@ sidecars' ``/status`` at the window's start and end:
   window). Target >= 90 % pool-wide; per sidecar ~50 %.
 * ``weights`` — ``heavy`` (weight 4) and ``light`` (weight 1), 64 clients each, ``round-robin``
   (every client sends each request to the next sidecar) and ``affinity`` (each client keeps one
-  sidecar, by a hash of its name: the spread is uneven). Target: heavy / light within 10 % of 4.
+  sidecar, by a CRC-32 of its name: 16 clients of each tenant per sidecar, as it happens).
+  Target: heavy / light over the window within 10 % of 4; beside it the ratio's range over
+  the window's 1 model s slices (``TIME_SCALE`` real s each), which shows the pool-wide order's
+  swing (docs/fairness.md §9.3.2): over a window of a few model seconds the ratio is as much
+  where the swing stood at the window's ends as the scheduler's weighting.
 * store calls per request (fairness batches / requests served, over the pool runs; the budget
   leases besides): target <= 0.1.
 * ``latency`` — tiny requests, a backend without delay, one connection each, alternating request
@@ -37,11 +41,16 @@ sidecars' ``/status`` at the window's start and end:
   requests landed is ``tokenfair report``'s (``sim/pool_maxmin.pool_shares``, over the records
   that arrived in the window, each sidecar's window read from its own clock), and per 1 s
   model slice ``tokenfair simulate``'s (``commands/simulate_pool.sliced_jain``). Target >= 0.95
-  pool-wide, beside the same arrivals replayed offline.
+  pool-wide, beside the same arrivals replayed offline; and the throughput that fairness
+  costs: the service tokens and requests served in the window per model second, pool-wide
+  against per sidecar (target: pool-wide within :data:`THROUGHPUT_BOUND` of per sidecar), with
+  each as a share of the engines' capacity (4 x 45,000 service tokens per model s). The
+  verdicts judge every figure as computed (a Jain of 0.94996 is no pass), printed rounded.
 
     .venv/bin/python bench/bench_pool_fairness.py               # all runs: ~9 min
     .venv/bin/python bench/bench_pool_fairness.py --window 15   # shorter
     .venv/bin/python bench/bench_pool_fairness.py --runs many   # one run (or a comma list)
+    .venv/bin/python bench/bench_pool_fairness.py --runs weights --weights-lease 5000
 """
 
 from __future__ import annotations
@@ -93,6 +102,13 @@ FAULT_TIME_SCALE: Final = 1.0
 every 500 model ms (or 20,000 service tokens)."""
 WARMUP_S: Final = 3.0
 BIG: Final = 10**9
+JAIN_TARGET: Final = 0.95
+THROUGHPUT_BOUND: Final = 0.05
+"""The ``many`` verdict's bound on what pool-wide fairness may cost: the service tokens served
+in the window per model second at least 95 % of the per-sidecar run's (the two runs offer the
+same arrivals; a fairer order that idles engines or refuses what could run is no win)."""
+ENGINE_TOKENS_PER_MS: Final = 45.0
+"""Each cost-model engine's rate (the default policy's ``serviceTokensPerMs``)."""
 RUNS: Final = ("skewed", "weights", "latency", "fault", "many")
 
 
@@ -124,6 +140,7 @@ def config_yaml(
     *,
     fast_backend: bool = False,
     queue_not_shed: bool = True,
+    lease_tokens: int | None = None,
 ) -> str:
     # Requests queue rather than being shed (a 429 storm of closed-loop clients burns the CPU
     # the engines need, and queues that empty leave no scheduler a choice to make); the open
@@ -148,6 +165,8 @@ def config_yaml(
             "keyPrefix": f"bench-fair:{time.monotonic_ns()}",  # fresh counters per run
             "replicas": REPLICAS,
         }
+        if lease_tokens is not None:  # else the product's default (20,000)
+            doc["budgetStore"]["fairnessLeaseServiceTokens"] = lease_tokens
     return json.dumps(doc)
 
 
@@ -223,6 +242,8 @@ class Run:
     calls: int
     where: dict[str, list[int]]  # the sidecars each tenant's clients reach
     weights: dict[str, float]
+    slices: list[dict[str, int]] = field(default_factory=list)
+    """Pool-wide service per tenant in each 1 model s slice of the window."""
 
     def total(self, tenant: str) -> int:
         return sum(s[tenant] for s in self.served)
@@ -230,6 +251,10 @@ class Run:
     @property
     def requests(self) -> int:
         return sum(self.total(t) for t in self.weights) // REQUEST_TOKENS
+
+    def slice_ratios(self, high: str, low: str) -> list[float]:
+        """``high``'s service over ``low``'s in each slice with service of ``low``."""
+        return [piece[high] / piece[low] for piece in self.slices if piece[low] > 0]
 
     def of_max_min(self, tenant: str) -> float:
         capacities = [float(sum(s.values())) for s in self.served]
@@ -254,9 +279,9 @@ def affinity(sidecars: list[Sidecar], client: str) -> int:
 
 async def pool_run(
     running: Cluster, name: str, weights: dict[str, float], routing: str, *,
-    store: bool, window_s: float,
+    store: bool, window_s: float, lease_tokens: int | None = None,
 ) -> Run:  # fmt: skip
-    config = config_yaml(running.redis_url if store else None, weights)
+    config = config_yaml(running.redis_url if store else None, weights, lease_tokens=lease_tokens)
     sidecars = [start_sidecar(running, f"{name}-{i}", config, TIME_SCALE) for i in range(REPLICAS)]
     clients: list[tuple[str, Callable[[int], str]]] = []
     where: dict[str, list[int]] = {t: [] for t in weights}
@@ -284,7 +309,7 @@ async def pool_run(
             await asyncio.sleep(WARMUP_S)
             before = await served_by(session, sidecars, tenants)
             calls_0 = await fairness_calls(session, sidecars)
-            await asyncio.sleep(window_s)
+            slices = await served_per_slice(session, sidecars, tenants, before, window_s)
             # Read at the window's end, not once every client is done: the requests still queued
             # then (up to the wait limit) are served with nobody competing.
             after = await served_by(session, sidecars, tenants)
@@ -293,7 +318,28 @@ async def pool_run(
     finally:
         running.stop_sidecars()
     served = [{t: a[t] - b[t] for t in tenants} for a, b in zip(after, before, strict=True)]
-    return Run(name, served, load.statuses, calls_1 - calls_0, where, weights)
+    return Run(name, served, load.statuses, calls_1 - calls_0, where, weights, slices)
+
+
+async def served_per_slice(
+    session: aiohttp.ClientSession, sidecars: list[Sidecar], tenants: list[str],
+    start: list[dict[str, int]], window_s: float,
+) -> list[dict[str, int]]:  # fmt: skip
+    """The pool-wide service of each tenant per 1 model s slice (``TIME_SCALE`` real s) until
+    ``window_s`` has passed since the call, from ``start`` (each sidecar's counters then); a
+    last partial slice is left out. Each slice ends where the next begins (the reading's own
+    time is in the next slice)."""
+    pieces: list[dict[str, int]] = []
+    ends_at = time.monotonic() + window_s
+    previous = start
+    while time.monotonic() + TIME_SCALE <= ends_at:
+        await asyncio.sleep(TIME_SCALE)
+        now = await served_by(session, sidecars, tenants)
+        pieces.append({t: sum(a[t] - b[t] for a, b in zip(now, previous, strict=True))
+                       for t in tenants})  # fmt: skip
+        previous = now
+    await asyncio.sleep(max(0.0, ends_at - time.monotonic()))
+    return pieces
 
 
 async def until_fairness_mode(
@@ -473,9 +519,24 @@ class Many:
     requests: int
     late_s: float
     clock_spread_ms: float  # how far apart the sidecars' record clocks are (model ms)
+    served_requests: int  # of the requests that arrived in the window, those answered
+    window_ms: float  # the window's length, model ms (the mean over the sidecars' clocks)
+
+    @property
+    def served_tokens(self) -> float:
+        """Service tokens served of the requests that arrived in the window."""
+        return sum(float(row["served_service_tokens"]) for row in self.shares["tenants"].values())
+
+    def tokens_per_s(self) -> float:
+        """:attr:`served_tokens` per model second of the window."""
+        return self.served_tokens * 1000.0 / self.window_ms
+
+    def requests_per_s(self) -> float:
+        return self.served_requests * 1000.0 / self.window_ms
 
     @property
     def jain(self) -> float:
+        """Unrounded (``pool_shares(..., rounded=False)``): the verdict judges this one."""
         return float(self.shares["jain_of_max_min"])
 
     def ratios(self) -> dict[str, tuple[float, float]]:
@@ -513,11 +574,14 @@ async def many_run(running: Cluster, name: str, *, store: bool, window_s: float)
         running.stop_sidecars()  # SIGTERM: each sidecar flushes and closes its records
     recorded = [[d for ds in read_decisions(path).values() for d in ds] for path in paths]
     windowed = in_window(recorded, list(zip(starts, ends, strict=True)))
-    shares = pool_shares(windowed, weights)
-    sliced = sliced_jain(sliced_of_records(windowed, starts), weights)
+    shares = pool_shares(windowed, weights, rounded=False)  # judged unrounded
+    by_slice = sliced_jain(sliced_of_records(windowed, starts), weights)
     requests = sum(len(decisions) for decisions in windowed)
+    served = sum(1 for decisions in windowed for d in decisions if is_served(d))
     spread_ms = max(starts) - min(starts)
-    return Many(name, shares, sliced, load.statuses, calls_1 - calls_0, requests, late_s, spread_ms)
+    window_ms = statistics.mean(end - start for start, end in zip(starts, ends, strict=True))
+    return Many(name, shares, by_slice, load.statuses, calls_1 - calls_0, requests, late_s,
+                spread_ms, served, window_ms)  # fmt: skip
 
 
 def offline_many(window_s: float) -> dict[str, float | None]:
@@ -565,7 +629,7 @@ def fmt_s(value: float | None) -> str:
 
 async def main_async(
     window_s: float, many_window_s: float, latency_rounds: int, latency_s: float,
-    runs: Sequence[str],
+    runs: Sequence[str], lease_tokens: int | None = None,
 ) -> int:  # fmt: skip
     skew = {"pinned": 1.0, "flood": 1.0}
     weights = {"heavy": 4.0, "light": 1.0}
@@ -590,7 +654,7 @@ async def main_async(
                 for store in (False, True):
                     weighted[routing, store] = await pool_run(
                         running, f"w-{routing}-{store}", weights, routing, store=store,
-                        window_s=window_s,
+                        window_s=window_s, lease_tokens=lease_tokens,
                     )  # fmt: skip
         if "fault" in runs:
             fault = await fault_run(running, max(window_s, 21.0), 5.0)
@@ -610,7 +674,8 @@ async def main_async(
     print(f"bench_pool_fairness: {REPLICAS} sidecars (cost-model backend), requests of "
           f"{REQUEST_TOKENS} service tokens, {CLIENTS} closed-loop clients per tenant and "
           f"target, window {window_s:.0f} s (many: {many_window_s:.0f} s) (+{WARMUP_S:.0f} s "
-          f"warm-up); runs {','.join(runs)}")  # fmt: skip
+          f"warm-up); runs {','.join(runs)}; weights' fairness lease "
+          f"{lease_tokens or 'default'}")  # fmt: skip
     if skew_runs:
         print_skewed(*skew_runs)
     if weighted:
@@ -647,12 +712,15 @@ def print_skewed(skew_local: Run, skew_pool: Run) -> None:
 
 
 def print_weights(weighted: dict[tuple[str, bool], Run]) -> None:
-    print("  weights heavy:light = 4:1")
+    print("  weights heavy:light = 4:1")  # (the lease: the run's header line)
     for (routing, store), run in weighted.items():
         ratio = run.total("heavy") / max(1, run.total("light"))
         ok = abs(ratio / 4.0 - 1.0) <= 0.10
+        pieces = run.slice_ratios("heavy", "light")
+        swing = f"{min(pieces):.2f}-{max(pieces):.2f}" if pieces else "-"
         print(f"    {routing:<12} {'pool' if store else 'per sidecar':<12} {ratio:5.2f}:1   "
-              f"heavy on sidecars {run.where['heavy']}, light on {run.where['light']}   "
+              f"per 1 model s slice {swing} ({len(pieces)} slices)   served "
+              f"{run.total('heavy') + run.total('light')} tokens   "
               f"{'' if not store else 'within 10 %: ' + verdict(ok)}")  # fmt: skip
 
 
@@ -693,10 +761,27 @@ def print_many(runs: list[Many], offline: dict[str, float | None]) -> None:
               f"{run.requests} requests in the window, fairness store calls {run.calls}, "
               f"statuses {run.statuses}, sends up to {run.late_s * 1e3:.0f} ms late, record "
               f"clocks {run.clock_spread_ms:.0f} model ms apart")  # fmt: skip
-    pool = runs[-1].jain
-    print(f"    target pool >= 0.95: {verdict(pool >= 0.95)}   (per sidecar {runs[0].jain:.3f}; "
-          f"offline, the same arrivals, whole trace: per replica {offline.get('local')}, "
-          f"+pool {offline.get('pool')})")  # fmt: skip
+    capacity = REPLICAS * ENGINE_TOKENS_PER_MS * 1000.0  # service tokens per model s
+    for run in runs:
+        print(f"    {run.name:<10} served {run.tokens_per_s():,.0f} service tokens per model s "
+              f"({run.tokens_per_s() / capacity:.1%} of the engines' {capacity:,.0f}), "
+              f"{run.requests_per_s():.1f} requests per model s ({run.served_requests} in "
+              f"{run.window_ms / 1000:.2f} model s)")  # fmt: skip
+    pool = runs[-1]
+    fair = pool.jain >= JAIN_TARGET
+    print(f"    Jain pool {pool.jain:.4f} >= {JAIN_TARGET}: {verdict(fair)}   (per sidecar "
+          f"{runs[0].jain:.4f}; offline, the same arrivals, whole trace: per replica "
+          f"{offline.get('local')}, +pool {offline.get('pool')})")  # fmt: skip
+    if len(runs) > 1:
+        local = runs[0]
+        tokens = pool.tokens_per_s() / max(local.tokens_per_s(), 1e-9)
+        requests = pool.requests_per_s() / max(local.requests_per_s(), 1e-9)
+        kept = tokens >= 1.0 - THROUGHPUT_BOUND
+        cost = "within the bound" if kept else "fairness cost throughput past the bound"
+        jain = "met" if fair else "missed"
+        print(f"    served pool / per sidecar: service tokens {tokens:.3f}, requests "
+              f"{requests:.3f}   within {THROUGHPUT_BOUND:.0%}: {verdict(kept)}   many: "
+              f"{verdict(fair and kept)} (Jain {jain}, served {cost})")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -708,6 +793,13 @@ def main(argv: list[str] | None = None) -> int:
         default=60.0,
         help="seconds of the many runs' window (60: 10 model s; offline, pool-many's first "
         "5 model s score 0.93 pool-wide, its first 10 and its 20 0.96)",
+    )
+    parser.add_argument(
+        "--weights-lease",
+        type=int,
+        default=None,
+        help="fairnessLeaseServiceTokens of the weights runs (default: the product's, 20,000; "
+        "smaller damps the pool order's swing, docs/fairness.md §9.3.2)",
     )
     parser.add_argument("--latency-rounds", type=int, default=3)
     parser.add_argument("--latency-seconds", type=float, default=4.0)
@@ -724,7 +816,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not runs:
         parser.error(f"--runs: expected a comma list of {', '.join(RUNS)} (got {args.runs!r})")
     return asyncio.run(
-        main_async(args.window, args.many_window, args.latency_rounds, args.latency_seconds, runs)
+        main_async(
+            args.window,
+            args.many_window,
+            args.latency_rounds,
+            args.latency_seconds,
+            runs,
+            args.weights_lease,
+        )
     )
 
 

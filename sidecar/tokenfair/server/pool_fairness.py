@@ -124,11 +124,15 @@ last, the keys' lifetime in ms. Answers ``{totals of lane 1, totals of lane 2, r
 class PoolFairness:
     """The counters' task of one sidecar. All methods run on the event loop's thread.
 
-    ``client`` is a ``redis.asyncio.Redis`` (the budget pool's); ``monotonic_ms`` the clock of
-    ``fairnessSyncMs`` (the sidecar's model milliseconds, like ``leaseMs``), ``real_ms`` the
-    clock of ``probeIntervalMs`` (real milliseconds); both default to ``clock``'s real seconds
-    (in ms), and ``clock`` (an :class:`~tokenfair.server.clock.EventClock`, by default the event
-    loop's) times the passes. Tests inject them."""
+    ``client`` is a ``redis.asyncio.Redis`` (the budget pool's); ``clock`` (an
+    :class:`~tokenfair.server.clock.EventClock`: the sidecar's, by default a
+    :class:`~tokenfair.server.clock.ModelClock` of the running loop) times the passes and is
+    the default of both clocks: ``monotonic_ms``, the clock of ``fairnessSyncMs`` (default
+    ``clock.now_ms``: model milliseconds, like ``leaseMs`` and the scheduler's time), and
+    ``real_ms``, the clock of ``probeIntervalMs`` (default ``clock.monotonic_s() * 1000``: real
+    milliseconds; ``monotonic_ms`` when only that one is injected, as the unit tests do). Every
+    reading goes through the one clock, never :func:`time.monotonic`: on a virtual loop the
+    batches and probes follow virtual time (review rev1207f F5)."""
 
     def __init__(
         self,
@@ -143,10 +147,9 @@ class PoolFairness:
         self.store = store
         self.client = client
         self._clock: EventClock = clock or ModelClock()
-        """The passes' timer, and the default of both clocks (its real seconds, in ms)."""
-        real_clock_ms = self._real_clock_ms
-        self.monotonic_ms = monotonic_ms or real_clock_ms
-        self.real_ms = real_ms or monotonic_ms or real_clock_ms
+        """The passes' timer, and the default of both clocks."""
+        self.monotonic_ms = monotonic_ms or self._clock.now_ms
+        self.real_ms = real_ms or monotonic_ms or self._real_clock_ms
         self.service = PoolService()
         scheduler.share_pool_service(self.service)
         self.keys = [f"{store.key_prefix}:fair:{lane}" for lane in LANE_KEYS]

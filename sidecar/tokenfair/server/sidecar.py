@@ -142,7 +142,7 @@ class Sidecar:
                 config.budget_store,
                 scheduler,
                 self.pool.client,
-                monotonic_ms=lambda: time.monotonic() * 1000.0 / scale,
+                clock=clock,  # fairnessSyncMs in model ms, probeIntervalMs in real ms: its own
             )
             metrics.registry.register(self.pool_fairness.collector())
         self.budget_store_notice = ""

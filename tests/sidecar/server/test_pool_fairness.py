@@ -20,20 +20,28 @@ synchronously on fake clocks:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import redis.asyncio as redis_asyncio
+from clock_support import run_virtual
 from redis_store import RedisServer, redis_server
 
 from tokenfair.config import PolicyConfig, TenantConfig, build_config
 from tokenfair.config.budget_store import BudgetStoreConfig, parse_budget_store
 from tokenfair.config.fields import ConfigError
 from tokenfair.core import Request
+from tokenfair.core.cost import CostModel
 from tokenfair.core.tokenfair import TokenfairScheduler
+from tokenfair.server.backends import make_backend
 from tokenfair.server.pool_fairness import FAIRNESS_SCRIPT, KEY_TTL_MS, PoolFairness, _totals
+from tokenfair.server.runtime_settings import SidecarSettings
+from tokenfair.server.sidecar import Sidecar
 
 __all__ = ["redis_server"]  # the fixture, used by name
 
@@ -339,3 +347,109 @@ def test_the_config_fields() -> None:
             parse_budget_store({**url, field: value})
         assert str(error.value).startswith(f"budgetStore.{field}: ")
         assert rule in str(error.value)
+
+
+# -- the sidecar's clocks (review rev1207f F5) ---------------------------------------------------
+
+
+class _FakeStore:
+    """An in-process stand-in for the store's client: :data:`FAIRNESS_SCRIPT` as arithmetic
+    (cumulative totals per lane and tenant), or every call failing (``down``)."""
+
+    def __init__(self, *, down: bool = False) -> None:
+        self.down = down
+        self.totals: list[dict[str, int]] = [{}, {}]
+        self.pings = 0
+
+    async def eval(self, _script: str, key_count: int, *args: object) -> list[object]:
+        if self.down:
+            raise ConnectionError("down")
+        arguments = list(args[key_count:])
+        answer: list[object] = []
+        at = 0
+        for lane in range(key_count):
+            count = int(str(arguments[at]))
+            at += 1
+            values = []
+            for _ in range(count):
+                tenant_id, tokens = str(arguments[at]), int(str(arguments[at + 1]))
+                at += 2
+                self.totals[lane][tenant_id] = self.totals[lane].get(tenant_id, 0) + tokens
+                values.append(self.totals[lane][tenant_id])
+            answer.append(values)
+        return [*answer, 0]
+
+    async def ping(self) -> bool:
+        self.pings += 1
+        if self.down:
+            raise ConnectionError("down")
+        return True
+
+
+def _sidecar(time_scale: float, store: BudgetStoreConfig) -> Sidecar:
+    """A sidecar with ``store`` (made inside the running loop, as the app makes it), the two
+    tenants backlogged in its scheduler (nothing dispatched: their order is what a batch is
+    for), its fairness task's store replaced by a :class:`_FakeStore`."""
+    config = replace(
+        build_config(PolicyConfig(max_interactive_wait_ms=10**7), TENANTS), budget_store=store
+    )
+    settings = SidecarSettings(time_scale=time_scale)
+    sidecar = Sidecar(
+        settings, config, make_backend(settings, CostModel.from_policy(config.policy))
+    )
+    for tenant_id in ("pinned", "flood"):
+        request = Request(f"{tenant_id}-1", tenant_id, 0.0, 280, 90, "interactive")
+        assert sidecar.scheduler.submit(request, sidecar.clock.now_ms()) is None
+    return sidecar
+
+
+async def _run_for(fairness: PoolFairness, seconds: float) -> None:
+    task = asyncio.create_task(fairness.run())
+    await asyncio.sleep(seconds)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def test_the_sidecars_batches_follow_its_clock_in_model_ms() -> None:
+    """``fairnessSyncMs`` is model time on the sidecar's own clock (``--time-scale 2``: a batch
+    every 20 real s at 10,000 model ms), so it follows the virtual loop: batches at 0, 20, 40
+    and 60 s in 65 s. (It read ``time.monotonic()``, which a virtual minute does not move: one
+    batch.) ``/status``' ``since_ms`` is on the same clock as the records' ``clock_ms``."""
+
+    async def scenario() -> tuple[int, float, float]:
+        sidecar = _sidecar(2.0, _store("redis://127.0.0.1:9", fairness_sync_ms=10_000.0))
+        fairness = sidecar.pool_fairness
+        assert fairness is not None
+        fairness.client = store = _FakeStore()
+        await _run_for(fairness, 65.0)
+        assert store.totals[0] == {"pinned": 0, "flood": 0}  # named, nothing served yet
+        since_ms = fairness.status()["since_ms"]
+        assert isinstance(since_ms, float)
+        return fairness.batches, since_ms, sidecar.clock.now_ms()
+
+    batches, since_ms, now_ms = run_virtual(scenario())
+    assert batches == 4
+    assert 0.0 <= since_ms <= now_ms  # the sidecar's model ms since its start
+
+
+def test_the_sidecars_probes_follow_its_clock_in_real_ms() -> None:
+    """Fallen back, the store is probed every ``probeIntervalMs`` of *real* time on the
+    sidecar's clock: about 10 probes in 10 virtual s at 1,000 ms, whatever ``--time-scale``
+    (at 4 it probed every 4 real s when the probe read model ms; on ``time.monotonic()`` a
+    virtual run did not probe again at all)."""
+
+    async def scenario() -> tuple[int, bool]:
+        sidecar = _sidecar(4.0, _store("redis://127.0.0.1:9", probe_interval_ms=1_000.0))
+        fairness = sidecar.pool_fairness
+        assert fairness is not None
+        fairness.client = store = _FakeStore(down=True)
+        await _run_for(fairness, 0.5)  # the first batch fails: per replica
+        assert not fairness.shared
+        pings_before = store.pings
+        await _run_for(fairness, 10.0)
+        return store.pings - pings_before, fairness.shared
+
+    pings, shared = run_virtual(scenario())
+    assert 9 <= pings <= 11
+    assert not shared

@@ -35,7 +35,7 @@ from tokenfair.core import Decision, Request
 from tokenfair.core.jobs import STATUS_OK, STATUS_SHED
 from tokenfair.core.scheduler import Books
 from tokenfair.sim.fairness import jain_index
-from tokenfair.sim.pool_maxmin import constrained_max_min
+from tokenfair.sim.pool_maxmin import constrained_max_min, pool_shares
 from tokenfair.sim.pool_replay import AFFINITY_RUN, PoolReplay, replay_pool, route
 from tokenfair.sim.scenarios import noisy_neighbor, pool_many, pool_skewed, pool_weights
 from tokenfair.sim.simulator import Arrival, simulate
@@ -75,6 +75,33 @@ def test_one_replica_without_a_pool_is_the_serial_replay() -> None:
     assert [(d.request_id, d.status_code, d.reason, d.dispatch_ms, d.ttft_ms) for d in got] == [
         (d.request_id, d.status_code, d.reason, d.dispatch_ms, d.ttft_ms) for d in expected
     ]
+
+
+def test_pool_shares_unrounded_for_a_verdict() -> None:
+    """``pool_shares`` rounds its figures for a report (J to 4 decimals) and leaves them as
+    computed with ``rounded=False``, the figure a verdict judges (review rev1207f F4: a J of
+    0.94996 read 0.95, a pass)."""
+
+    def decision(number: int, tenant_id: str, tokens: int, served: bool) -> Decision:
+        status, gate = (STATUS_OK, "dispatch") if served else (STATUS_SHED, "queue")
+        dispatch_ms = float(number) if served else None
+        return Decision(f"{tenant_id}-{number}", tenant_id, "interactive", status, "", gate,
+                        tokens, float(number), dispatch_ms=dispatch_ms)  # fmt: skip
+
+    replicas = [
+        [decision(n, "a", 700, True) for n in range(7)]
+        + [decision(10 + n, "b", 300, n < 4) for n in range(9)],
+        [decision(n, "b", 300, True) for n in range(3)] + [decision(3, "c", 1100, True)],
+    ]
+    weights = {"a": 1.0, "b": 2.0, "c": 1.0}
+    exact = pool_shares(replicas, weights, rounded=False)
+    shown = pool_shares(replicas, weights)
+    jain = exact["jain_of_max_min"]
+    assert isinstance(jain, float)
+    ratios = [row["of_max_min"] for row in exact["tenants"].values()]  # type: ignore[attr-defined]
+    assert jain == jain_index(ratios)
+    assert jain != round(jain, 4)  # the case has more than 4 decimals to lose
+    assert shown["jain_of_max_min"] == round(jain, 4)
 
 
 def test_constrained_max_min_by_hand() -> None:
