@@ -29,6 +29,16 @@ Three departures from the textbook, all bounded:
   without earning a quantum; the tenant keeps its deficit, and a turn it had open stays open (it
   resumes that turn, with no new quantum, when next visited), so ``D_i < max_cost + Q_i``
   holds whatever the eligibility (and ``D_i >= 0`` but for settlement debts);
+* **kept places** — a head passed over because it needs more than the caller's ``room``
+  (``tokenfair``'s batch lane: KV blocks over those free under the watermark) is not sent to
+  the ring's tail: its tenant keeps its place right behind the front, ahead of the tenants
+  that join ahead later, until its head is sent or passed over for another reason. At most
+  ``max_kept`` tenants (default :data:`KEPT_PLACES_MAX`) keep their place at once (the others
+  go to the tail, as any passed-over head); while ``room`` is below the least need among the
+  kept heads they are not asked ``eligible`` at all. The kept tenants sit at the start of the
+  tenants waiting ahead (rank ``-inf``), taken out and put back in O(kept) a pick; a pick that
+  sends nothing leaves the ring as it was, and a kept tenant that becomes the front keeps the
+  mark until its turn comes (docs/fairness.md §5.5, change 9);
 * **joining ahead** — a tenant that was not backlogged and is owed service (the caller decides:
   ``tokenfair`` asks for it when the tenant had less than its weighted share of the lane's
   recent service) joins right behind the front, least served first, with its turn open and its
@@ -50,14 +60,16 @@ rounded to the nearest unit of their float value (off the real value by at most 
 2^-53 * value``), once, when they enter; charge and refund use the same integer. The
 ``deficit``, ``quantum``, ``credit_tokens``... attributes read the state in tokens (floats).
 
-Costs of selection: O(active tenants) per pick; enqueue and cancel amortised O(1) (joining
-ahead: O(tenants waiting for their first turn ahead); a cancel that empties a tenant's queue
-takes it out of the ring, O(active tenants) in C); ``min_head_cost`` O(log n) amortised (its
-first call O(n): the heads are indexed from then on, so a lane never asked pays nothing).
+Costs of selection: O(active tenants) per pick, plus O(kept) (at most ``max_kept``); enqueue
+and cancel amortised O(1) (joining ahead: O(tenants waiting for their first turn ahead); a
+cancel that empties a tenant's queue takes it out of the ring, O(active tenants) in C);
+``min_head_cost`` O(log n) amortised (its first call O(n): the heads are indexed from then on,
+so a lane never asked pays nothing).
 """
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
@@ -69,6 +81,15 @@ from tokenfair.core.pool_order import LaneOrder
 
 _QUEUED = JobState.QUEUED
 _UNIT = UNITS_PER_TOKEN
+_KEPT_RANK = -math.inf  # a kept tenant's rank among those waiting ahead: before every joiner
+
+KEPT_PLACES_MAX = 1
+"""Default bound on the tenants of one lane that keep their place while their heads wait for
+room (:class:`DeficitRoundRobin`, ``max_kept``). One: the oldest blocked head holds its place
+and the others go to the tail as before. More keep more large requests waiting at the front
+for KV, which the interactive lane then waits for: bench_fairness scenario 9 over seeds 1-32,
+2, 4, 8 or 16 kept put seed 22's admitted-then-expired interactive requests at 2.2 % (1.5 %
+without kept places, 1.8 % with one; bench/HISTORY.md, issue 29 fifth pass)."""
 
 
 def _quantum_units(quantum: float) -> int:
@@ -85,6 +106,7 @@ class TenantQueue:
         "in_active",
         "jobs",
         "joined_ahead",
+        "kept",
         "live",
         "quantum",
         "quantum_units",
@@ -105,6 +127,7 @@ class TenantQueue:
         self.turn_open = False
         self.in_active = False
         self.joined_ahead = False  # joined ahead of the ring's tail, first turn still to come
+        self.kept = False  # keeps its place while its head waits for room (`pick`'s `need`)
 
     @property
     def deficit(self) -> float:
@@ -138,16 +161,18 @@ class DeficitRoundRobin:
         "_heads_indexed",
         "_joiner_credit",
         "_joiner_ranks",
+        "_kept_count",
         "_sequence",
         "active",
         "active_quanta_units",
         "credit_units",
+        "max_kept",
         "order",
         "queued_units",
         "queues",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, max_kept: int = KEPT_PLACES_MAX) -> None:
         self.queues: dict[str, TenantQueue] = {}
         self.active: deque[TenantQueue] = deque()
         self.credit_units = 0
@@ -157,8 +182,12 @@ class DeficitRoundRobin:
         """Sum of the quanta of the backlogged tenants (the ring), in units."""
         # The tenants that joined ahead and wait for their first turn sit at active[1:1+n],
         # in rank order; these lists hold their ranks and what they may send in that turn.
+        # Kept tenants (`pick`'s `need`) are the first of them, with rank -inf.
         self._joiner_ranks: list[float] = []
         self._joiner_credit: list[int] = []
+        self.max_kept = max_kept
+        """The most tenants that keep their place at once (``pick``'s ``need``); 0: none."""
+        self._kept_count = 0  # tenants with `kept` set (in the ring, or taken out in a pick)
         self.queued_units = 0
         """Expected service of every live queued job of the lane, in units."""
         # (cost in units, sequence, job) of every live queue's head, plus stale entries (a head
@@ -213,8 +242,9 @@ class DeficitRoundRobin:
         a ``join_ahead`` rank, right behind the front and behind the tenants that joined that
         way with a rank no higher (lower ranks first, FIFO among equals), its turn open with a
         deficit that covers this job: it sends the job in its first turn (VTC's lift, in DRR
-        terms). When the front has not started its turn and no joiner waits, before the front:
-        a tenant owed service goes before one that has been granted nothing yet."""
+        terms). When the front has not started its turn, does not keep its place (``kept``)
+        and no joiner waits, before the front: a tenant owed service goes before one that has
+        been granted nothing yet."""
         queue = self.queues[job.tenant_id]
         if queue.live == 0:  # the job is the queue's head
             self._head_changed(job)
@@ -236,7 +266,13 @@ class DeficitRoundRobin:
                     self._credit_moved(queue.deficit_units, cost)
                     queue.deficit_units = cost
                 queue.turn_open = True
-                if active and not active[0].turn_open and not self._joiner_ranks:
+                front = active[0] if active else None
+                if (
+                    front is not None
+                    and not front.turn_open
+                    and not front.kept
+                    and not self._joiner_ranks
+                ):
                     # The front has not started its turn and nobody waits ahead: the joiner
                     # goes first (its turn has come; it is no longer waiting ahead).
                     active.appendleft(queue)
@@ -261,7 +297,7 @@ class DeficitRoundRobin:
         if not active:
             return 0.0
         front = active[0]
-        if not front.turn_open and not self._joiner_ranks:
+        if not front.turn_open and not front.kept and not self._joiner_ranks:
             return 0.0  # it would go before the front (`push`)
         credit = max(0, front.deficit_units)
         if not front.turn_open:
@@ -281,6 +317,8 @@ class DeficitRoundRobin:
         """The front queue has nothing live: it leaves the ring."""
         self.active.popleft()
         queue.in_active = False
+        if queue.kept:
+            self._unkeep(queue)
         if self.order is not None:
             self.order.leave(queue.tenant_id)
         self.active_quanta_units -= queue.quantum_units
@@ -326,6 +364,8 @@ class DeficitRoundRobin:
             del self._joiner_ranks[index - 1]
             del self._joiner_credit[index - 1]
             queue.joined_ahead = False
+        if queue.kept:
+            self._unkeep(queue)
         queue.in_active = False
         if self.order is not None:
             self.order.leave(queue.tenant_id)
@@ -407,12 +447,93 @@ class DeficitRoundRobin:
             heappop(heads)
         return None
 
-    def pick(self, eligible: Callable[[Job], bool]) -> Job | None:
-        """Remove and return the next job to run, or None if no head is eligible now."""
+    def pick(
+        self,
+        eligible: Callable[[Job], bool],
+        need: Callable[[Job], int] | None = None,
+        room: Callable[[], int] | None = None,
+    ) -> Job | None:
+        """Remove and return the next job to run, or None if no head is eligible now.
+
+        ``need`` and ``room`` (``tokenfair``'s batch lane: a head's KV blocks, and the blocks
+        free under the watermark now): a head passed over with ``need(head) > room()`` keeps
+        its tenant's place (the module docstring, :meth:`_pick_round_robin`); ``eligible``
+        must be false for every such head. ``room`` is called at most once a pick, and only
+        when a head is passed over or kept heads wait (a pick whose first head goes costs
+        nothing more). None: a passed-over head goes to the ring's tail."""
         order = self.order
         if order is not None and order.sharing:
             return self._pick_least_served(eligible, order)
-        return self._pick_round_robin(eligible)
+        return self._pick_round_robin(eligible, need, room)
+
+    @property
+    def kept_tenants(self) -> int:
+        """Tenants that keep their place while their heads wait for room (at most
+        :attr:`max_kept`)."""
+        return self._kept_count
+
+    def _unkeep(self, queue: TenantQueue) -> None:
+        """``queue`` no longer keeps its place (its turn came, it was passed over for another
+        reason, or it left). Its entry among those waiting ahead, if any, goes elsewhere."""
+        queue.kept = False
+        self._kept_count -= 1
+
+    def _kept_still_blocked(self, need: Callable[[Job], int], room: int) -> bool:
+        """The kept tenants at the ring's front (contiguous: the front's kept mark, then those
+        waiting ahead with rank -inf) all have heads that need more than ``room``: O(kept)."""
+        for queue in self.active:
+            if not queue.kept:
+                return True
+            head = queue.head()
+            if head is None or need(head) <= room:
+                return False
+        return True
+
+    def _put_back(
+        self,
+        held: list[TenantQueue],
+        at_front: bool,
+        entry: tuple[float, int] | None = None,
+    ) -> None:
+        """The kept tenants ``held`` (taken out of the ring in this pick, in ring order) go back
+        right behind the front, as the first of the tenants waiting ahead (rank -inf, credit as
+        :meth:`tokens_before_joining_ahead` counts a front's) — or, ``at_front``, before it, the
+        first of them the front (a pick that sent nothing: the ring as it was; or the front
+        that was sent to left: they stood before the next). The front they go before waits
+        ahead again: kept (rank -inf), or a joiner with its ``entry`` (rank, credit) as it had
+        it before it became the front. O(kept)."""
+        active = self.active
+        ranks = self._joiner_ranks
+        credits = self._joiner_credit
+        if at_front or not active:
+            # Each goes in before the one after it; the last first, right before the front.
+            old_front = active[0] if active else None
+            if old_front is not None and old_front.kept:
+                self._wait_ahead(old_front, _KEPT_RANK)
+            elif old_front is not None and entry is not None:
+                old_front.joined_ahead = True
+                ranks.insert(0, entry[0])
+                credits.insert(0, entry[1])
+            for index in range(len(held) - 1, 0, -1):
+                queue = held[index]
+                active.appendleft(queue)
+                self._wait_ahead(queue, _KEPT_RANK)
+            active.appendleft(held[0])
+        else:
+            for index in range(len(held) - 1, -1, -1):
+                queue = held[index]
+                active.insert(1, queue)
+                self._wait_ahead(queue, _KEPT_RANK)
+
+    def _wait_ahead(self, queue: TenantQueue, rank: float) -> None:
+        """``queue`` now stands first among the tenants waiting ahead, with ``rank`` and the
+        credit :meth:`tokens_before_joining_ahead` counts a front's with."""
+        credit = queue.deficit_units if queue.deficit_units > 0 else 0
+        if not queue.turn_open:
+            credit += queue.quantum_units
+        queue.joined_ahead = True
+        self._joiner_ranks.insert(0, rank)
+        self._joiner_credit.insert(0, credit if credit < queue.queued_units else queue.queued_units)
 
     def backlogged_tenants(self) -> list[str]:
         """The tenants with live jobs queued in this lane, in ring order."""
@@ -461,11 +582,30 @@ class DeficitRoundRobin:
             self._remove(best)
         return best_head
 
-    def _pick_round_robin(self, eligible: Callable[[Job], bool]) -> Job | None:
-        """The round robin's pick (the module docstring's rules)."""
+    def _pick_round_robin(
+        self,
+        eligible: Callable[[Job], bool],
+        need: Callable[[Job], int] | None,
+        room: Callable[[], int] | None,
+    ) -> Job | None:
+        """The round robin's pick (the module docstring's rules). With ``need``: a head passed
+        over that needs more than ``room()`` is taken out of the ring (``held``), its tenant
+        marked ``kept`` (if fewer than ``max_kept`` are), and put back when the pick ends
+        (:meth:`_put_back`): behind the front if a head was sent, else where it was. The kept
+        tenants met at the front are taken out unasked while every kept head needs more than
+        the room (:meth:`_kept_still_blocked`, asked once a pick). A kept tenant asked and
+        eligible, or passed over for another reason, loses the mark."""
         active = self.active
+        held: list[TenantQueue] | None = None  # kept tenants taken out in this pick, in order
+        held_first = False  # no tenant that stays in the ring came before the first of them
+        still_blocked: bool | None = None  # `_kept_still_blocked`, once asked
+        turned = False  # the ring has turned in this pick (a tenant went to its tail)
+        free = 0  # room(), read once, when first needed
+        free_read = False
         while active:
             candidates: list[TenantQueue] | None = None  # built only when a deficit falls short
+            # One visit a tenant of the ring as the pass began: each visit turns the ring past
+            # one of them or takes one out, so the ring is not empty while visits remain.
             for _ in range(len(active)):
                 queue = active[0]
                 self._front_changed()
@@ -474,12 +614,47 @@ class DeficitRoundRobin:
                     # Emptied by cancellations: leave the round robin, bank nothing.
                     self._leave(queue)
                     continue
-                if not eligible(head):
-                    # An open turn stays open: closing it would grant a fresh quantum on top of
-                    # an uncovered deficit, and a throttled tenant would bank without bound.
-                    active.rotate(-1)
+                hold = False  # it keeps its place: out of the ring until the pick ends
+                if queue.kept and need is not None and room is not None:
+                    if still_blocked is None:
+                        if not free_read:
+                            free, free_read = room(), True
+                        still_blocked = self._kept_still_blocked(need, free)
+                    hold = still_blocked  # no kept head fits: none is asked (`eligible` is no)
+                if not hold and not eligible(head):
+                    # (`need` asked only of a head that could keep its place: with the bound
+                    # reached, a passed-over head costs what it did before.)
+                    if (
+                        need is not None
+                        and room is not None
+                        and (queue.kept or self._kept_count < self.max_kept)
+                    ):
+                        if not free_read:
+                            free, free_read = room(), True
+                        if need(head) > free:
+                            if not queue.kept:
+                                queue.kept = True
+                                self._kept_count += 1
+                            hold = True
+                    if not hold:
+                        if queue.kept:
+                            self._unkeep(queue)  # held by something else than room: the tail
+                        # An open turn stays open: closing it would grant a fresh quantum on
+                        # top of an uncovered deficit, and a throttled tenant would bank
+                        # without bound.
+                        active.rotate(-1)
+                        turned = True
+                        self._front_changed()
+                        continue
+                if hold:
+                    active.popleft()
                     self._front_changed()
+                    if held is None:
+                        held, held_first = [], not turned
+                    held.append(queue)
                     continue
+                if queue.kept:
+                    self._unkeep(queue)  # its turn has come
                 deficit = queue.deficit_units
                 if not queue.turn_open:
                     before = deficit
@@ -500,6 +675,16 @@ class DeficitRoundRobin:
                         next_head = queue.head()
                         if next_head is not None:
                             self._head_changed(next_head)
+                        if held is not None:
+                            self._put_back(held, False)
+                    elif held is not None:
+                        # The front leaves: the kept go where it stood, before the next front
+                        # (which, if it waited ahead as a joiner, waits so again behind them).
+                        entry: tuple[float, int] | None = None
+                        if len(active) > 1 and active[1].joined_ahead and not active[1].kept:
+                            entry = (self._joiner_ranks[0], self._joiner_credit[0])
+                        self._leave(queue)
+                        self._put_back(held, True, entry)
                     else:
                         self._leave(queue)
                     return head
@@ -508,9 +693,10 @@ class DeficitRoundRobin:
                     candidates = []
                 candidates.append(queue)
                 active.rotate(-1)
+                turned = True
                 self._front_changed()
             if not candidates:
-                return None
+                break
             # Nobody's deficit covered its head: grant the quanta of the empty rounds at once.
             # ceil((cost - D) / Q) in integers: exact.
             rounds = min(
@@ -522,4 +708,6 @@ class DeficitRoundRobin:
                     before = queue.deficit_units
                     queue.deficit_units = after = before + (rounds - 1) * queue.quantum_units
                     self._credit_moved(before, after)
+        if held is not None:
+            self._put_back(held, held_first)
         return None

@@ -965,6 +965,21 @@ class Scheduler(ABC):
             self.kv_gate_blocks + self.kv_gate_job_blocks(job)
         ) / self._total_kv_blocks <= self._watermarks[job.lane]
 
+    def kv_room_blocks(self, lane: int) -> int:
+        """The most blocks a request of ``lane`` may book now: the largest ``n`` with ``(gate +
+        n) / totalKvBlocks <= watermark`` (``gate`` the blocks the gates see in use), so that
+        ``kv_fits(job)`` is exactly ``kv_gate_job_blocks(job) <= kv_room_blocks(job.lane)``
+        (the same float test, stepped from ``floor(watermark * total) - gate``). O(1)."""
+        gate = self.kv_gate_blocks
+        total = self._total_kv_blocks
+        mark = self._watermarks[lane]
+        room = math.floor(mark * total) - gate
+        while (gate + room + 1) / total <= mark:
+            room += 1
+        while (gate + room) / total > mark:
+            room -= 1
+        return room
+
     # -- policy hooks -----------------------------------------------------------------------
 
     @abstractmethod

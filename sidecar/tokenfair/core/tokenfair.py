@@ -1506,6 +1506,11 @@ class TokenfairScheduler(Scheduler):
             self._tenant_hold(job, False)
         return False
 
+    def _batch_kv_room(self) -> int:
+        """The blocks a batch request may book now (:meth:`kv_room_blocks`): the batch lane's
+        pick reads it only when a head is passed over or a kept head waits."""
+        return self.kv_room_blocks(LANE_BATCH)
+
     def _eligible_limited(self, job: Job) -> bool:
         """:meth:`_eligible` behind the tenant's entitlements: a head whose tenant runs
         ``maxConcurrentRequests`` requests, or whose KV blocks would take the tenant's resident
@@ -1591,7 +1596,9 @@ class TokenfairScheduler(Scheduler):
         if batch_waiting and (
             self._engine is None or self._batch_running < self.batch_slots(self._now_ms)
         ):
-            job = batch.pick(eligible)
+            # A head the KV cache cannot take now keeps its tenant's place (docs/fairness.md
+            # §5.5, change 9): admission predicted its start from that place.
+            job = batch.pick(eligible, self.kv_gate_job_blocks, self._batch_kv_room)
             if job is not None:
                 if interactive_waiting:
                     self._batch_credit_scaled -= job.expected_units * self._credit_spend
