@@ -257,8 +257,9 @@ class TokenfairScheduler(Scheduler):
         # (`_waited_for`).
         self._tenant_held_ms: dict[str, float] = {}
         self._tenant_held_until_ms: dict[str, float] = {}
-        # The tenants whose last hold is their maxConcurrentRequests' (`_cap_freed`).
-        self._cap_held: set[str] = set()
+        # The tenants whose last hold is their maxConcurrentRequests' or maxKvShare's: it ends
+        # when one of their requests ends (`_limit_freed`) or a reload lifts the limit.
+        self._limit_held: set[str] = set()
         self._curve: BatchingCurve | None = None  # the engine model they measure
         self._batch_floor_slots = 1  # max(1, ceil(batchMinShare * S)) (`_adopt_cost_model`)
         self._interactive_tenants = False  # the configuration has an interactive tenant
@@ -335,6 +336,7 @@ class TokenfairScheduler(Scheduler):
             self._waited = (DemandRate(), DemandRate())
             self._predicted = (DemandRate(), DemandRate())
             self._pending_samples.clear()
+            self._drop_holds_without_samples()  # no sample left to take a hold out of
             for order in self._admitted_order:
                 order.clear()
         if curve.max_batch_requests == 1:
@@ -378,6 +380,10 @@ class TokenfairScheduler(Scheduler):
         batching_before = self._engine is not None
         self._now_ms = now_ms
         super().reconfigure(config, now_ms)
+        # A limit the reload raised or removed no longer holds its tenant: its head waits for
+        # the engine from here (review rev1207g F2: an engine expiry read as a ~0 ms sample).
+        for tenant_id in list(self._limit_held):
+            self._limit_freed(tenant_id, now_ms)
         engine = self._engine
         if engine is not None and not batching_before:
             for job in self.jobs.values():
@@ -1225,7 +1231,7 @@ class TokenfairScheduler(Scheduler):
             # the expiry: a head passed over at its arrival reaches it at its deadline).
             held_now = (
                 self._tenant_held_until_ms.get(tenant_id, -math.inf) > now_ms
-                or tenant_id in self._cap_held
+                or tenant_id in self._limit_held
             )
         if not expired:
             self._tenant_hold_ended(tenant_id, now_ms)  # its head started: no longer held
@@ -1245,14 +1251,15 @@ class TokenfairScheduler(Scheduler):
             predicted_ms if predicted_ms > floor_ms else floor_ms, now_ms, tau_ms
         )
 
-    def _tenant_hold(self, job: Job, cap: bool) -> None:
+    def _tenant_hold(self, job: Job, limit: bool) -> None:
         """The round robin passes over ``job``, its tenant's head, for the tenant's own limit
-        now, a slot and KV free for it: its budget (``cap`` False, :meth:`_eligible`) or its
-        ``maxConcurrentRequests`` (``cap`` True, :meth:`_eligible_limited`). The tenant is
-        held from now until its head starts (:meth:`_tenant_hold_ended`), its queue empties
-        (:meth:`_hold_left_behind`) or, for the cap, until the cap frees (one of its requests
-        ends: :meth:`_cap_freed`); at most the lane's wait limit; added to its held time as
-        far as it does not overlap the holds before. A budget's hold lasts until the head
+        now, a slot and KV free for it: its budget (``limit`` False, :meth:`_eligible`) or its
+        ``maxConcurrentRequests`` or ``maxKvShare`` (``limit`` True, :meth:`_eligible_limited`).
+        The tenant is held from now until its head starts (:meth:`_tenant_hold_ended`), its
+        queue empties (:meth:`_hold_left_behind`) or, for a limit, until one of its requests
+        ends below its cap (:meth:`_limit_freed`) or a reload lifts it; at most the lane's
+        wait limit; added to its held time as far as it does not overlap the holds before. A
+        budget's hold lasts until the head
         starts, not only until the bucket covers it: a slot the budget let another tenant
         take meanwhile is a wait the budget caused too (held only until the refill, a
         one-request burst beside a flood raised the lane's correction to a mean of up to 1.11,
@@ -1261,14 +1268,16 @@ class TokenfairScheduler(Scheduler):
         leaves is the one its head starts in, and a wait after that is for the engine or the
         tenant's turn, which the model predicts (a cap's waits taken as the engine's, one
         tenant's ``maxConcurrentRequests: 1`` raised the whole lane's correction on an engine
-        keeping to its model: review rev1207e F6)."""
+        keeping to its model: review rev1207e F6; ``maxKvShare`` the same, review rev1207g F1:
+        its blocks free as its request ends, and a tenant still past its share is held again
+        at its next pass-over)."""
         now_ms = self._now_ms
         until_ms = now_ms + self._wait_limits[job.lane]
         tenant_id = job.tenant_id
-        if cap:
-            self._cap_held.add(tenant_id)
+        if limit:
+            self._limit_held.add(tenant_id)
         else:
-            self._cap_held.discard(tenant_id)
+            self._limit_held.discard(tenant_id)
         last_ms = self._tenant_held_until_ms.get(tenant_id, -math.inf)
         if until_ms <= last_ms:
             return
@@ -1281,18 +1290,20 @@ class TokenfairScheduler(Scheduler):
     def _tenant_hold_ended(self, tenant_id: str, now_ms: float) -> None:
         """The tenant's hold ends now (its head started, its queue emptied, or its cap freed):
         a hold that was to last longer ends here."""
-        self._cap_held.discard(tenant_id)
+        self._limit_held.discard(tenant_id)
         until_ms = self._tenant_held_until_ms.get(tenant_id, -math.inf)
         if until_ms > now_ms:
             self._tenant_held_ms[tenant_id] -= until_ms - now_ms
             self._tenant_held_until_ms[tenant_id] = now_ms
 
-    def _cap_freed(self, tenant_id: str, now_ms: float) -> None:
-        """One of the tenant's requests ended (:meth:`_finished`): if its last hold is its
-        ``maxConcurrentRequests``' and the tenant is below the cap now, that hold ends."""
-        if tenant_id in self._cap_held:
-            tenant = self.tenants[tenant_id]
-            if tenant.running < tenant.max_running:
+    def _limit_freed(self, tenant_id: str, now_ms: float) -> None:
+        """One of the tenant's requests ended (:meth:`_finished`), or a reload changed its
+        limits: if its last hold is its ``maxConcurrentRequests``' or ``maxKvShare``'s and the
+        tenant is below its cap now, that hold ends (a tenant still past its KV share is held
+        again at its next pass-over)."""
+        if tenant_id in self._limit_held:
+            tenant = self.tenants.get(tenant_id)
+            if tenant is None or tenant.running < tenant.max_running:
                 self._tenant_hold_ended(tenant_id, now_ms)
 
     def _tenant_held_by(self, tenant_id: str, now_ms: float) -> float:
@@ -1327,7 +1338,7 @@ class TokenfairScheduler(Scheduler):
         if not self._pending_samples:
             self._tenant_held_ms.clear()
             self._tenant_held_until_ms.clear()
-            self._cap_held.clear()
+            self._limit_held.clear()
 
     def _occupancy(self, job: Job) -> float:
         """The KV occupancy ``job`` attempts: resident blocks and its own, of the whole cache."""
@@ -1526,6 +1537,10 @@ class TokenfairScheduler(Scheduler):
             return False
         if self._past_kv_share(tenant, job):
             job.held |= HELD_KV_SHARE
+            # Its own maxKvShare holds it as its cap does (review rev1207g F1: the same lane
+            # correction 1.02 -> 2.45); it ends when one of its requests ends, its blocks freed.
+            if self._pending_samples and job.lane == LANE_BATCH and self.kv_fits(job):
+                self._tenant_hold(job, True)
             return False
         return self._eligible(job)
 
@@ -1668,8 +1683,8 @@ class TokenfairScheduler(Scheduler):
         if job.lane == LANE_BATCH:
             self._batch_running -= 1
         ended_ms = self._now_ms if now_ms is None else now_ms
-        if self._cap_held:  # a tenant held at its maxConcurrentRequests may be below it now
-            self._cap_freed(job.tenant_id, ended_ms)
+        if self._limit_held:  # a tenant held at its maxConcurrentRequests may be below it now
+            self._limit_freed(job.tenant_id, ended_ms)
         engine = self._engine
         if engine is not None:
             engine.finish(job.request_id, ended_ms, job.expected_tokens)

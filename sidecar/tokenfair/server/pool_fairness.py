@@ -29,11 +29,13 @@ are about ``request cost / fairnessLeaseServiceTokens`` under load (plus one per
 **Store down or slow.** A batch that fails or outlasts ``timeoutMs`` switches the core to each
 sidecar's own round robin at once (``PoolService.set_sharing(False)``: docs/fairness.md §2-3, as
 without a store) — within ``fairnessSyncMs + timeoutMs`` of the store going quiet, while there
-is work. Its service counts as delivered here and is not sent again. The store is tried again
-(``PING``) every ``probeIntervalMs``; when it answers the next batch is sent at once (with the
-service given meanwhile) and the order is pool-wide again. A store restarted empty restarts
-every total from zero: each sidecar's view follows at its next batch. Batches are sent at
-shutdown (best effort, within ``timeoutMs``), so a sidecar that stops leaves no service unsent.
+is work (``fairnessSyncMs`` in model ms, ``timeoutMs`` real: ``s * fairnessSyncMs + timeoutMs``
+real ms at time scale ``s``). Its service counts as delivered here and is not sent again. The
+store is tried again (``PING``) every ``probeIntervalMs``; when it answers the next batch is
+sent at once (with the service given meanwhile) and the order is pool-wide again. A store
+restarted empty restarts every total from zero: each sidecar's view follows at its next batch.
+Batches are sent at shutdown (best effort, within ``timeoutMs``), so a sidecar that stops leaves
+no service unsent.
 """
 
 from __future__ import annotations

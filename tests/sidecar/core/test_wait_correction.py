@@ -455,11 +455,21 @@ def test_a_budget_hold_ends_with_the_request_it_held() -> None:
 
 
 def _lane_under_a_capped_tenant(cap: int | None, seed: int) -> tuple[float, int, int]:
+    """:func:`_lane_under_a_limited_tenant` with "one"'s ``maxConcurrentRequests`` ``cap``."""
+    return _lane_under_a_limited_tenant(seed, max_concurrent_requests=cap)
+
+
+# A maxKvShare under one request's blocks in BIG_KV: "one" runs one request at a time.
+ONE_REQUEST_KV_SHARE = 1.0e-5
+
+
+def _lane_under_a_limited_tenant(seed: int, **limits: float | None) -> tuple[float, int, int]:
     """The flood at 0.8x an engine that keeps to its model, and a second batch tenant "one"
-    (``maxConcurrentRequests`` ``cap``) sending four requests at once every 4 s (its own
-    queue, 0.1x the engine): the lane's wait correction averaged over the replay's events (as
-    the flood's admissions read it), and the flood's requests served and refused at the door."""
-    capped = TenantConfig("one", 1.0, 10**12, 10**12, "batch", max_concurrent_requests=cap)
+    (its own ``limits``: ``max_concurrent_requests``, ``max_kv_share``) sending four requests
+    at once every 4 s (its own queue, 0.1x the engine): the lane's wait correction averaged
+    over the replay's events (as the flood's admissions read it), and the flood's requests
+    served and refused at the door."""
+    capped = TenantConfig("one", 1.0, 10**12, 10**12, "batch", **limits)  # type: ignore[arg-type]
     config = build_config(policy(), [*tenants(), capped])
     arrivals = flood(RATE, 0.8, seed)
     for burst in range(SECONDS // 4):
@@ -579,3 +589,44 @@ def test_a_caps_hold_ends_when_the_cap_frees() -> None:
     assert fair.wait_correction(LANE_BATCH, 3511.0) == pytest.approx(
         EXPIRED_WAIT_LIMITS * 3500.0 / predicted
     )
+
+
+@pytest.mark.parametrize(("seed", "before"), [(1, "mean 2.45, 66 refused"), (2, "mean 2.13")])
+def test_a_tenant_held_by_its_own_kv_share_does_not_raise_the_lanes_correction(
+    seed: int, before: str
+) -> None:
+    """``maxKvShare`` is the tenant's own limit as its cap is: a share that admits one of its
+    requests at a time held the whole lane's correction at `before` on an engine keeping to
+    its model, as the cap of 1 did (review rev1207g F1). Now as with the cap of 1."""
+    limited, limited_served, limited_refused = _lane_under_a_limited_tenant(
+        seed, max_kv_share=ONE_REQUEST_KV_SHARE
+    )
+    free, free_served, free_refused = _lane_under_a_limited_tenant(seed)
+    assert free < 1.05
+    assert limited <= free + 0.05, before
+    assert limited_refused <= free_refused + 5, before
+    assert limited_served >= free_served - 5, before
+
+
+def test_a_reload_that_lifts_the_cap_ends_its_hold() -> None:
+    # S = 2 at R = 10, G = 2. "one" (maxConcurrentRequests 1) runs o0 for 4,000 ms; its o1 is
+    # passed over for the cap at 10 ms, x0 takes the free slot; at 100 ms a reload raises
+    # the cap to 2: o1 waits for the engine alone from then on, and expires past 3,510 for
+    # it. Before (review rev1207g F2) the cap's hold outlived the reload: the sample read
+    # ~0 ms waited and the correction stayed at 1.
+    limited = TenantConfig("one", 1.0, 10**12, 10**12, "batch", max_concurrent_requests=1)
+    x = TenantConfig("x", 1.0, 10**12, 10**12, "batch")
+    engine = policy(max_batch_requests=2, batch_throughput_gain=2.0)
+    fair = TokenfairScheduler(build_config(engine, [limited, x]))
+    assert fair.submit(Request("o0", "one", 0.0, 16000, 1000, "batch"), 0.0) is None
+    assert fill(fair, 0.0) == ["o0"]
+    assert fair.submit(Request("o1", "one", 10.0, PREFILL, DECODE, "batch"), 10.0) is None
+    assert fill(fair, 10.0) == []  # held by its cap, a slot free
+    assert fair.submit(Request("x0", "x", 20.0, 16000, 1000, "batch"), 20.0) is None
+    assert fill(fair, 20.0) == ["x0"]  # both slots taken
+    lifted = replace(limited, max_concurrent_requests=2)
+    fair.reconfigure(build_config(engine, [lifted, x]), 100.0)
+    [expired] = fair.expire(3521.0)
+    assert (expired.request_id, expired.reason) == ("o1", SHED_QUEUE_TIMEOUT)
+    # 3,421 ms of its wait were the engine's: an engine expiry, counted at three limits.
+    assert fair.wait_correction(LANE_BATCH, 3521.0) > 1.5
