@@ -474,7 +474,9 @@ class DeficitRoundRobin:
 
     def _unkeep(self, queue: TenantQueue) -> None:
         """``queue`` no longer keeps its place (its turn came, it was passed over for another
-        reason, or it left). Its entry among those waiting ahead, if any, goes elsewhere."""
+        reason, it left, or the pool-wide order sent its head). An entry among those waiting
+        ahead stays where it is until the tenant's next turn (its rank, -inf, was the place
+        it kept)."""
         queue.kept = False
         self._kept_count -= 1
 
@@ -573,6 +575,8 @@ class DeficitRoundRobin:
         best.queued_units -= cost
         self.queued_units -= cost
         order.served(best.tenant_id, cost)
+        if best.kept:  # the head it kept its place for is sent (review rev1207h F3)
+            self._unkeep(best)
         if best.live:
             next_head = best.head()
             if next_head is not None:

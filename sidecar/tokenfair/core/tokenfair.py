@@ -177,6 +177,10 @@ seeds 22 and 23: 7 of 10 expiries were such joiners; docs/fairness.md §5.5, cha
 FORGOTTEN_RATE = 1e-9
 """An offered rate (service tokens per ms) below which a tenant's offer is forgotten."""
 
+NOT_KEPT_NEED: Final = -(1 << 62)
+"""The KV need (blocks) the batch lane's round robin is told for a head its tenant's own limit
+holds: below any room, so such a head never keeps its tenant's place (`_batch_need`)."""
+
 POOL_WEIGHED_TENANTS = 32
 """With the pool's order, admission weighs at most this many backlogged tenants one by one
 (:meth:`TokenfairScheduler._pool_ahead`): with more backlogged in the lane, the ones whose
@@ -382,8 +386,11 @@ class TokenfairScheduler(Scheduler):
         super().reconfigure(config, now_ms)
         # A limit the reload raised or removed no longer holds its tenant: its head waits for
         # the engine from here (review rev1207g F2: an engine expiry read as a ~0 ms sample).
+        # Only a lifted limit: a reload that leaves a tenant past its maxKvShare (any reload,
+        # an identical one too) keeps it held (review rev1207h F1).
         for tenant_id in list(self._limit_held):
-            self._limit_freed(tenant_id, now_ms)
+            if not self._still_past_kv_share(tenant_id):
+                self._limit_freed(tenant_id, now_ms)
         engine = self._engine
         if engine is not None and not batching_before:
             for job in self.jobs.values():
@@ -1517,6 +1524,24 @@ class TokenfairScheduler(Scheduler):
             self._tenant_hold(job, False)
         return False
 
+    def _still_past_kv_share(self, tenant_id: str) -> bool:
+        """The tenant's batch head would still take it past its ``maxKvShare``."""
+        tenant = self.tenants.get(tenant_id)
+        queue = self._lanes[LANE_BATCH].queues.get(tenant_id)
+        head = None if queue is None else queue.head()
+        return tenant is not None and head is not None and self._past_kv_share(tenant, head)
+
+    def _batch_need(self, job: Job) -> int:
+        """A passed-over batch head's KV need for its place (:meth:`kv_gate_job_blocks`), or,
+        held by its tenant's own ``maxConcurrentRequests`` or ``maxKvShare``, less than any
+        room: its own limit holds it, so it goes to the tail and does not take the kept place
+        from a head that waits for the engine's KV (review rev1207h F2)."""
+        if self._tenant_limits:
+            tenant = self.tenants[job.tenant_id]
+            if tenant.running >= tenant.max_running or self._past_kv_share(tenant, job):
+                return NOT_KEPT_NEED
+        return self.kv_gate_job_blocks(job)
+
     def _batch_kv_room(self) -> int:
         """The blocks a batch request may book now (:meth:`kv_room_blocks`): the batch lane's
         pick reads it only when a head is passed over or a kept head waits."""
@@ -1613,7 +1638,7 @@ class TokenfairScheduler(Scheduler):
         ):
             # A head the KV cache cannot take now keeps its tenant's place (docs/fairness.md
             # §5.5, change 9): admission predicted its start from that place.
-            job = batch.pick(eligible, self.kv_gate_job_blocks, self._batch_kv_room)
+            job = batch.pick(eligible, self._batch_need, self._batch_kv_room)
             if job is not None:
                 if interactive_waiting:
                     self._batch_credit_scaled -= job.expected_units * self._credit_spend

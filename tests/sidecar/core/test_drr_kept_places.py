@@ -25,11 +25,13 @@ import random
 from collections.abc import Callable
 
 import pytest
+from scheduler_support import fill
 
 from tokenfair.config import PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Request
 from tokenfair.core.drr import DeficitRoundRobin
 from tokenfair.core.jobs import LANE_BATCH, Job, JobState
+from tokenfair.core.pool_order import LaneOrder
 from tokenfair.core.tokenfair import TokenfairScheduler
 
 BASE_QUANTUM = 1200
@@ -232,10 +234,11 @@ def check_books(lane: DeficitRoundRobin) -> None:
     assert not any(queue.kept for queue in lane.queues.values() if not queue.in_active)
 
 
-def test_random_operations_keep_the_books_and_send_only_what_fits() -> None:
+@pytest.mark.parametrize("max_kept", [1, 3])  # 1: the shipped KEPT_PLACES_MAX
+def test_random_operations_keep_the_books_and_send_only_what_fits(max_kept: int) -> None:
     rng = random.Random(29)
     tenants = [f"t{i}" for i in range(8)]
-    lane = drr(3, **{tenant_id: rng.choice([0.5, 1.0, 2.0]) for tenant_id in tenants})
+    lane = drr(max_kept, **{tenant_id: rng.choice([0.5, 1.0, 2.0]) for tenant_id in tenants})
     needs: dict[str, int] = {}
     live: list[Job] = []
     sent = 0
@@ -289,3 +292,51 @@ def test_the_room_is_exactly_what_kv_fits_lets_in(total: int, watermark: float) 
         for blocks in (room - 1, room, room + 1):
             request = Job(Request("r", "t", 0.0, 10, 0, "batch"), 10, blocks)
             assert fair.kv_fits(request) == (blocks <= room), (resident, blocks, room)
+
+
+def test_a_head_its_tenants_own_limit_holds_does_not_take_the_kept_place() -> None:
+    # "capped" (maxConcurrentRequests 1) runs c0; its c1 and big's b0 both need more KV than
+    # is free. c1 waits for its tenant's cap, not for KV: it goes to the tail, and the one kept
+    # place is b0's (review rev1207h F2: c1 took it, and b0 went to the tail).
+    policy = PolicyConfig(
+        max_batch_requests=4, batch_throughput_gain=2.0, interactive_kv_watermark=1.0
+    )
+    tenants = [
+        TenantConfig("capped", 1.0, 10**12, 10**12, "batch", max_concurrent_requests=1),
+        TenantConfig("big", 1.0, 10**12, 10**12, "batch"),
+    ]
+    fair = TokenfairScheduler(build_config(policy, tenants))
+    assert fair.submit(Request("c0", "capped", 0.0, 8000, 1000, "batch"), 0.0) is None
+    assert fill(fair, 0.0) == ["c0"]
+    assert fair.submit(Request("c1", "capped", 1.0, 8000, 1000, "batch"), 1.0) is None
+    assert fair.submit(Request("b0", "big", 2.0, 8000, 1000, "batch"), 2.0) is None
+    assert fill(fair, 2.0) == []
+    lane = fair._lanes[LANE_BATCH]
+    assert fair.kv_gate_job_blocks(lane.queues["big"].jobs[0]) > fair.kv_room_blocks(LANE_BATCH)
+    assert {queue.tenant_id: queue.kept for queue in lane.active} == {
+        "capped": False,
+        "big": True,
+    }
+
+
+def test_a_kept_head_the_pool_wide_order_sends_leaves_no_kept_mark() -> None:
+    # k's head k0 is blocked (50 blocks, 10 free) and keeps its place; with the pool-wide
+    # order sharing, 60 free, the order sends k0. The mark went with it: when the store goes
+    # down and the round robin takes over, k holds no kept place for a head long gone
+    # (review rev1207h F3: it held the only place, and its -inf rank, ahead of joiners).
+    lane = drr(1, k=1.0, x=1.0, j=1.0)
+    for queued in (job("k0", "k", 1000), job("k1", "k", 1000), job("x0", "x", 400)):
+        lane.push(queued)
+    room = Room(10, k0=50)
+    assert room.pick(lane) == "x0"
+    assert lane.queues["k"].kept
+    order = LaneOrder()
+    lane.set_order(order)
+    order.sharing = True
+    room.free = 60
+    assert room.pick(lane) == "k0"
+    assert not lane.queues["k"].kept
+    assert lane.kept_tenants == 0
+    order.sharing = False
+    lane.push(job("j0", "j", 300), join_ahead=0.0)
+    check_books(lane)

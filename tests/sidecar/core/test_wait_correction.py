@@ -630,3 +630,36 @@ def test_a_reload_that_lifts_the_cap_ends_its_hold() -> None:
     assert (expired.request_id, expired.reason) == ("o1", SHED_QUEUE_TIMEOUT)
     # 3,421 ms of its wait were the engine's: an engine expiry, counted at three limits.
     assert fair.wait_correction(LANE_BATCH, 3521.0) > 1.5
+
+
+@pytest.mark.parametrize("reload", ["none", "identical", "another tenant's weight", "lifted"])
+def test_only_a_reload_that_lifts_the_kv_share_ends_its_hold(reload: str) -> None:
+    # As above with "one"'s maxKvShare (1.1e-4 of BIG_KV: o0's blocks, not o1's too) in place
+    # of its cap: o1 is passed over for its share, a slot free, from 10 ms. A reload that
+    # leaves the share as it was keeps the hold (review rev1207h F1: any reload ended it,
+    # and o1's expiry, for its share, counted as the engine's at three limits: 8.0).
+    limited = TenantConfig("one", 1.0, 10**12, 10**12, "batch", max_kv_share=1.1e-4)
+    x = TenantConfig("x", 1.0, 10**12, 10**12, "batch")
+    engine = policy(max_batch_requests=2, batch_throughput_gain=2.0)
+    fair = TokenfairScheduler(build_config(engine, [limited, x]))
+    assert fair.submit(Request("o0", "one", 0.0, 16000, 1000, "batch"), 0.0) is None
+    assert fill(fair, 0.0) == ["o0"]
+    assert fair.submit(Request("o1", "one", 10.0, PREFILL, DECODE, "batch"), 10.0) is None
+    assert fill(fair, 10.0) == []  # held by its KV share, a slot free
+    assert fair.submit(Request("x0", "x", 20.0, 16000, 1000, "batch"), 20.0) is None
+    assert fill(fair, 20.0) == ["x0"]
+    reloaded = {
+        "identical": [limited, x],
+        "another tenant's weight": [limited, replace(x, weight=2.0)],
+        "lifted": [replace(limited, max_kv_share=1.0), x],
+    }
+    if reload in reloaded:
+        fair.reconfigure(build_config(engine, reloaded[reload]), 100.0)
+    [expired] = fair.expire(3521.0)
+    assert expired.request_id == "o1"
+    correction = fair.wait_correction(LANE_BATCH, 3521.0)
+    if reload == "lifted":  # the engine's wait from the reload on: an engine expiry
+        assert expired.reason == SHED_QUEUE_TIMEOUT
+        assert correction > 1.5
+    else:  # held by its own share to the end: no engine expiry
+        assert correction < 1.5
