@@ -17,9 +17,16 @@ whose **pool-wide service per quantum** is least; a tenant well served elsewhere
   settlement, ``actual - expected``, which may be negative);
 * ``offset`` — a local lift, in quanta (below).
 
-The tenant's **counter** is ``(pool + pushing + unsynced) / Q + offset``, ``Q`` its quantum in
-units (``base_quantum_tokens * weight``). The replica's own service enters at once; the others'
-when a batch of this replica is answered (the store returns the totals of the tenants named).
+The tenant's **counter** is ``(pool + k * (pushing + unsynced)) / Q + offset``, ``Q`` its
+quantum in units (``base_quantum_tokens * weight``). The replica's own service enters at once;
+the others' when a batch of this replica is answered (the store returns the totals of the
+tenants named). ``k``, the tenant's **gain** (:attr:`LaneOrder.gain`, in ``[1,
+SHARE_GAIN_MAX]``), is its pool-wide service per token this replica gave it over the last few
+batches: between batches the replica reckons that the others serving the tenant give it what
+it gives, in the proportion they did lately. Without it every replica made up the whole
+pool-wide deficit a batch showed on its own, the pool overshot about ``N`` times, and the
+order swung by whole batch periods (docs/fairness.md §9.3.2); with it each replica makes up
+its part. A tenant served only here has ``k = 1``.
 
 **Joining** (VTC's lift): when a tenant **idle pool-wide** (neither served here nor moved in the
 store's totals over the last :data:`IDLE_EPOCHS` batches) becomes backlogged in the lane, its
@@ -101,6 +108,15 @@ admission's horizon is taken to take nothing here before it (:meth:`LaneOrder.ah
 ``away``): farther than the view's staleness moves the order (a few leases of service; 16 to 64
 gave the same expiries within 0.3 points on the ``pool-*`` scenarios, 1 up to 2.6 %)."""
 
+SHARE_GAIN_MAX: Final = 8.0
+"""The largest factor by which this replica counts its own service to a tenant not yet sent
+(:attr:`LaneOrder.gain`): the view may run ahead of the truth by at most ``SHARE_GAIN_MAX - 1``
+times this replica's unanswered service (docs/fairness.md §9.2)."""
+
+SHARE_GAIN_KEPT: Final = 0.75
+"""Of a tenant's pool-wide and own service per batch (:attr:`LaneOrder.gain`'s two averages),
+the part each answered batch keeps: a memory of about four batches."""
+
 _UNIT: Final = UNITS_PER_TOKEN
 
 
@@ -116,6 +132,9 @@ class LaneOrder:
         "elsewhere_at_ms",
         "elsewhere_rate",
         "epoch",
+        "gain",
+        "gain_own",
+        "gain_pool",
         "offsets",
         "pool_units",
         "pushing_units",
@@ -140,6 +159,18 @@ class LaneOrder:
         """Batches answered so far (:meth:`PoolService.absorb`)."""
         self.active_epoch: dict[str, int] = {}
         """Per tenant, the last epoch in which it was served here or its pool-wide total moved."""
+        self.gain: dict[str, float] = {}
+        """Per tenant, ``k_i`` in ``[1, SHARE_GAIN_MAX]``: its pool-wide service per token this
+        replica gives it, lately (``gain_pool / gain_own``; 1 if unknown). Its own service not
+        answered yet counts ``k_i`` times in its counter, standing for what the other replicas
+        that serve it give it meanwhile: a deficit the last batch showed is corrected by each
+        replica for its part only, not by every replica in full (the order's swing,
+        docs/fairness.md §9.3.2)."""
+        self.gain_own: dict[str, float] = {}
+        """Per tenant, this replica's service per answered batch (tokens, averaged with
+        :data:`SHARE_GAIN_KEPT`)."""
+        self.gain_pool: dict[str, float] = {}
+        """Per tenant, the growth of its pool-wide total per answered batch (the same)."""
         self.sharing = True
         """The DRR orders by the counters (True) or by its own round robin (the store is down)."""
         self.elsewhere_rate: dict[str, float] = {}
@@ -254,23 +285,33 @@ class LaneOrder:
         )
 
     def service_units(self, tenant_id: str) -> int:
-        """The tenant's pool-wide service as this replica knows it, in units."""
+        """The tenant's pool-wide service as this replica knows it, in units: the store's
+        last answer and this replica's service since (sent or not)."""
         return (
             self.pool_units.get(tenant_id, 0)
             + self.pushing_units.get(tenant_id, 0)
             + self.unsynced.get(tenant_id, 0)
         )
 
+    def reckoned_units(self, tenant_id: str) -> float:
+        """What the counter reads, in units: the store's last answer, plus this replica's
+        service since (sent or not) times :attr:`gain` — ``pool + k * (pushing + unsynced)`` —
+        for the service the other replicas give the tenant meanwhile. Each integer converted
+        to a float once, explicitly: the same on both cores."""
+        own = self.pushing_units.get(tenant_id, 0) + self.unsynced.get(tenant_id, 0)
+        pool = float(self.pool_units.get(tenant_id, 0))
+        if not own:
+            return pool
+        return pool + self.gain.get(tenant_id, 1.0) * float(own)
+
     def counter(self, tenant_id: str, quantum_units: int) -> float:
         """Pool-wide service per quantum, plus the local lift: least is served first.
 
-        ``float(units) / quantum_units``, not ``units / quantum_units``: past 2**53 units
-        (~9 M tokens of pool-wide service) CPython rounds the int quotient once and the
-        compiled core (int to double twice, then divides) twice; the explicit conversion is
-        the same float division on both cores (exact below 2**53, so unchanged there)."""
-        return float(self.service_units(tenant_id)) / quantum_units + self.offsets.get(
-            tenant_id, 0.0
-        )
+        :meth:`reckoned_units` is a float (each integer converted once, explicitly): past
+        2**53 units (~9 M tokens of pool-wide service) CPython rounds an int quotient once and
+        the compiled core twice; float division is the same on both cores (exact below 2**53
+        with a gain of 1, so unchanged there)."""
+        return self.reckoned_units(tenant_id) / quantum_units + self.offsets.get(tenant_id, 0.0)
 
     def served(self, tenant_id: str, units: int) -> None:
         """This replica gave ``units`` (negative: a settlement's refund) to the tenant."""
@@ -279,6 +320,27 @@ class LaneOrder:
         self.active_epoch[tenant_id] = self.epoch
         if tenant_id in self.ranked_keys:
             self.rekey(tenant_id)
+
+    def observe_gain(self, tenant_id: str, sent_tokens: int, grown_units: int) -> None:
+        """A batch answered: this replica sent ``sent_tokens`` of the tenant's service and its
+        pool-wide total grew by ``grown_units`` since the last answer (this batch included):
+        :attr:`gain` afresh, ``k = clamp(pool / own, 1, SHARE_GAIN_MAX)`` over the two
+        averages (1 while this replica gave it nothing lately). A total that went down (a
+        store restarted) counts as no growth."""
+        kept = SHARE_GAIN_KEPT
+        own = self.gain_own.get(tenant_id, 0.0) * kept + (1.0 - kept) * float(
+            sent_tokens if sent_tokens > 0 else 0
+        )
+        grown = float(grown_units if grown_units > 0 else 0) / _UNIT
+        pool = self.gain_pool.get(tenant_id, 0.0) * kept + (1.0 - kept) * grown
+        self.gain_own[tenant_id] = own
+        self.gain_pool[tenant_id] = pool
+        if own <= 0.0 or pool <= own:
+            self.gain.pop(tenant_id, None)
+        elif pool >= own * SHARE_GAIN_MAX:
+            self.gain[tenant_id] = SHARE_GAIN_MAX
+        else:
+            self.gain[tenant_id] = pool / own
 
     def joined(self, tenant_id: str, quantum_units: int, floor: float | None) -> None:
         """The tenant became backlogged; ``floor`` is the least counter of the tenants
@@ -588,6 +650,8 @@ class PoolService:
                 elsewhere = units - (0 if known is None else known) - tokens * _UNIT
                 if elsewhere:
                     active[tenant_id] = epoch  # served elsewhere since the last answer
+                if known is not None:
+                    lane.observe_gain(tenant_id, tokens, units - known)
                 last_ms = seen.get(tenant_id)
                 seen[tenant_id] = taken_ms
                 if known is not None and last_ms is not None and taken_ms > last_ms:
@@ -610,8 +674,8 @@ class PoolService:
 
     def lost(self, batch: tuple[list[tuple[str, int]], ...]) -> None:
         """The answer to ``batch`` never came: its service counts as delivered here (into
-        ``pool``) and is not sent again; a tenant it named with a stale rate elsewhere is
-        asked for again (:attr:`LaneOrder.asking`)."""
+        ``pool``, no longer times :attr:`LaneOrder.gain`) and is not sent again; a tenant it
+        named with a stale rate elsewhere is asked for again (:attr:`LaneOrder.asking`)."""
         for lane, entries in zip(self.lanes, batch, strict=True):
             pool = lane.pool_units
             pushing = lane.pushing_units
@@ -626,3 +690,4 @@ class PoolService:
                     else:
                         pushing.pop(tenant_id, None)
                     pool[tenant_id] = pool.get(tenant_id, 0) + units
+                    lane.rekey(tenant_id)  # (its service here leaves the gain's reach)

@@ -275,6 +275,9 @@ class PoolFairness:
                 lane.pool_units.pop(tenant_id, None)
                 lane.offsets.pop(tenant_id, None)
                 lane.active_epoch.pop(tenant_id, None)
+                lane.gain.pop(tenant_id, None)
+                lane.gain_own.pop(tenant_id, None)
+                lane.gain_pool.pop(tenant_id, None)
                 lane.rekey(tenant_id)  # backlogged again during the call: its rank moves
 
     async def _bounded(self, call: Any) -> Any:
