@@ -170,6 +170,10 @@ def config_yaml(
     return json.dumps(doc)
 
 
+CLIENT_GAVE_UP = 0
+"""The status counted for a request whose client session timed out before the answer."""
+
+
 @dataclass
 class Load:
     statuses: dict[int, int] = field(default_factory=dict)
@@ -182,7 +186,9 @@ async def post_completion(
     session: aiohttp.ClientSession, target: str, body: dict[str, Any], tenant: str
 ) -> int:
     """POST ``body`` to ``target``'s ``/v1/completions`` as ``tenant``, read the answer whole:
-    its status, 599 for a connection error."""
+    its status, 599 for a connection error (counted as a 5xx), :data:`CLIENT_GAVE_UP` when the
+    session's timeout ran out first (a flood request queued that long: the client's limit, not
+    the sidecar's error; it ended the run with a traceback before)."""
     try:
         async with session.post(
             f"{target}/v1/completions", json=body, headers={TENANT_HEADER: tenant}
@@ -191,6 +197,8 @@ async def post_completion(
             return response.status
     except aiohttp.ClientError:
         return 599
+    except TimeoutError:
+        return CLIENT_GAVE_UP
 
 
 async def drive(
