@@ -608,6 +608,24 @@ def test_a_tenant_held_by_its_own_kv_share_does_not_raise_the_lanes_correction(
     assert limited_served >= free_served - 5, before
 
 
+def _one_held_beside_x(
+    limited: TenantConfig,
+) -> tuple[TokenfairScheduler, PolicyConfig, TenantConfig]:
+    """S = 2 at R = 10, G = 2: "one" (``limited``: its own limit admits one request) runs o0
+    for 4,000 ms; its o1 is passed over for that limit at 10 ms, a slot free; "x"'s x0 takes
+    the slot at 20 ms. The scheduler, its policy and x's quota, for a reload."""
+    x = TenantConfig("x", 1.0, 10**12, 10**12, "batch")
+    engine = policy(max_batch_requests=2, batch_throughput_gain=2.0)
+    fair = TokenfairScheduler(build_config(engine, [limited, x]))
+    assert fair.submit(Request("o0", "one", 0.0, 16000, 1000, "batch"), 0.0) is None
+    assert fill(fair, 0.0) == ["o0"]
+    assert fair.submit(Request("o1", "one", 10.0, PREFILL, DECODE, "batch"), 10.0) is None
+    assert fill(fair, 10.0) == []  # held by its own limit, a slot free
+    assert fair.submit(Request("x0", "x", 20.0, 16000, 1000, "batch"), 20.0) is None
+    assert fill(fair, 20.0) == ["x0"]  # both slots taken
+    return fair, engine, x
+
+
 def test_a_reload_that_lifts_the_cap_ends_its_hold() -> None:
     # S = 2 at R = 10, G = 2. "one" (maxConcurrentRequests 1) runs o0 for 4,000 ms; its o1 is
     # passed over for the cap at 10 ms, x0 takes the free slot; at 100 ms a reload raises
@@ -615,15 +633,7 @@ def test_a_reload_that_lifts_the_cap_ends_its_hold() -> None:
     # it. Before (review rev1207g F2) the cap's hold outlived the reload: the sample read
     # ~0 ms waited and the correction stayed at 1.
     limited = TenantConfig("one", 1.0, 10**12, 10**12, "batch", max_concurrent_requests=1)
-    x = TenantConfig("x", 1.0, 10**12, 10**12, "batch")
-    engine = policy(max_batch_requests=2, batch_throughput_gain=2.0)
-    fair = TokenfairScheduler(build_config(engine, [limited, x]))
-    assert fair.submit(Request("o0", "one", 0.0, 16000, 1000, "batch"), 0.0) is None
-    assert fill(fair, 0.0) == ["o0"]
-    assert fair.submit(Request("o1", "one", 10.0, PREFILL, DECODE, "batch"), 10.0) is None
-    assert fill(fair, 10.0) == []  # held by its cap, a slot free
-    assert fair.submit(Request("x0", "x", 20.0, 16000, 1000, "batch"), 20.0) is None
-    assert fill(fair, 20.0) == ["x0"]  # both slots taken
+    fair, engine, x = _one_held_beside_x(limited)
     lifted = replace(limited, max_concurrent_requests=2)
     fair.reconfigure(build_config(engine, [lifted, x]), 100.0)
     [expired] = fair.expire(3521.0)
@@ -639,15 +649,7 @@ def test_only_a_reload_that_lifts_the_kv_share_ends_its_hold(reload: str) -> Non
     # leaves the share as it was keeps the hold (review rev1207h F1: any reload ended it,
     # and o1's expiry, for its share, counted as the engine's at three limits: 8.0).
     limited = TenantConfig("one", 1.0, 10**12, 10**12, "batch", max_kv_share=1.1e-4)
-    x = TenantConfig("x", 1.0, 10**12, 10**12, "batch")
-    engine = policy(max_batch_requests=2, batch_throughput_gain=2.0)
-    fair = TokenfairScheduler(build_config(engine, [limited, x]))
-    assert fair.submit(Request("o0", "one", 0.0, 16000, 1000, "batch"), 0.0) is None
-    assert fill(fair, 0.0) == ["o0"]
-    assert fair.submit(Request("o1", "one", 10.0, PREFILL, DECODE, "batch"), 10.0) is None
-    assert fill(fair, 10.0) == []  # held by its KV share, a slot free
-    assert fair.submit(Request("x0", "x", 20.0, 16000, 1000, "batch"), 20.0) is None
-    assert fill(fair, 20.0) == ["x0"]
+    fair, engine, x = _one_held_beside_x(limited)
     reloaded = {
         "identical": [limited, x],
         "another tenant's weight": [limited, replace(x, weight=2.0)],
