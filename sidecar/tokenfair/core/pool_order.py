@@ -300,8 +300,11 @@ class LaneOrder:
         to a float once, explicitly: the same on both cores."""
         own = self.pushing_units.get(tenant_id, 0) + self.unsynced.get(tenant_id, 0)
         pool = float(self.pool_units.get(tenant_id, 0))
-        if not own:
-            return pool
+        if own <= 0:
+            # A refund settled here (a request under its estimate, a running one cancelled)
+            # says nothing of the others' service: counted once, not k times, or the view
+            # falls below the truth by (k - 1) x the refund (review rev1207i F1).
+            return pool + float(own)
         return pool + self.gain.get(tenant_id, 1.0) * float(own)
 
     def counter(self, tenant_id: str, quantum_units: int) -> float:
@@ -325,8 +328,9 @@ class LaneOrder:
         """A batch answered: this replica sent ``sent_tokens`` of the tenant's service and its
         pool-wide total grew by ``grown_units`` since the last answer (this batch included):
         :attr:`gain` afresh, ``k = clamp(pool / own, 1, SHARE_GAIN_MAX)`` over the two
-        averages (1 while this replica gave it nothing lately). A total that went down (a
-        store restarted) counts as no growth."""
+        averages (exactly 1 for a tenant only ever served here; one served only elsewhere a
+        while climbs toward the maximum, and decays back a quarter of the gap a batch once
+        served here alone). A total that went down (a store restarted) counts as no growth."""
         kept = SHARE_GAIN_KEPT
         own = self.gain_own.get(tenant_id, 0.0) * kept + (1.0 - kept) * float(
             sent_tokens if sent_tokens > 0 else 0

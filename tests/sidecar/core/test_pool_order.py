@@ -1053,3 +1053,31 @@ def test_the_gain_is_pool_over_own_service_per_batch_clamped() -> None:
     # a total that went down counts as no growth).
     order.observe_gain("a", 1000, -50 * U)
     assert order.gain["a"] == pytest.approx(750 / 437.5)
+
+
+def test_a_refund_here_does_not_put_a_gained_tenant_ahead_of_a_pinned_one() -> None:
+    # x is served 7/8 elsewhere (gain 8), pool total 80,000; p pinned here (gain 1), 50,000;
+    # nothing unsent anywhere. x's requests here then settle 39,000 tokens under their
+    # estimate. Counted k times, the refund put x's view at -232,000 and x took 36 picks
+    # before p's first turn, 27,000 tokens past p pool-wide (review rev1207i F1); §9.2's
+    # bound with nothing unsent is one request (1,000).
+    order = LaneOrder()
+    lane = _lane(order, {"x": 1000.0, "p": 1000.0})
+    for i in range(100):
+        lane.push(_job(f"x{i}", "x", 1000))
+        lane.push(_job(f"p{i}", "p", 1000))
+    for _ in range(12):
+        order.observe_gain("x", 1000, 8000 * U)
+    order.pool_units["x"] = 80_000 * U
+    order.pool_units["p"] = 50_000 * U
+    for tenant_id in ("x", "p"):
+        order.rekey(tenant_id)
+    lane.settle_units("x", -39_000 * U)
+    assert order.counter("x", 1000 * U) >= 41.0 - 1e-9  # never below its true service
+    x_before_p = 0
+    while (picked := lane.pick(_always)) is not None and picked.tenant_id != "p":
+        x_before_p += 1
+    assert picked is not None
+    # x's service when p's first turn came (the pick of p does not move x's).
+    assert order.service_units("x") // U - 50_000 <= 1000
+    assert x_before_p <= 10
