@@ -303,6 +303,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "mark": mark,
                 "engine_peak": engine_peak,
                 "lifetime_ms": lifetime_ms,
+                # engine booking's allowance is the fastest stream's rate x its horizon
+                "fastest": max(
+                    (
+                        (r.decode_tokens - 1) / max(r.end_ms - r.first_token_ms, 1e-9)
+                        for r in running
+                        if r.started
+                    ),
+                    default=0.0,
+                ),
                 "queued": sum(
                     1 for r in batch_served if r["arrival_ms"] <= at_ms < r["dispatch_ms"]
                 ),
@@ -364,6 +373,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"hindsight - forecast, blocks: min {errors[0]}, p50 {statistics.median(errors):.0f}, "
         f"max {errors[-1]}"
+    )
+    fastest = sorted(w["fastest"] * 1000.0 for w in rows)
+    print(
+        "the fastest running stream at the refusal (its tokens/s, first token to end): min "
+        f"{fastest[0]:.1f}, p50 {statistics.median(fastest):.1f}; under 49 tokens/s "
+        f"(engine booking's 3.25 s allowance under 160 tokens) in "
+        f"{sum(1 for f in fastest if f < 160 / 3.25)}"
     )
     queued = sorted(w["queued"] for w in rows)
     print(
