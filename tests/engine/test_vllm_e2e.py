@@ -97,8 +97,12 @@ def test_config_describes_the_engine(vllm: VllmServer, sidecar: EngineSidecar,
     assert books["books"]["resident_kv_blocks"] == 0
     prompt = "x " * 100  # the sidecar's estimate: ceil(200 characters / 4) = 50 tokens
     for request_id in ("kv-1", "kv-2"):
+        # The gates see nothing in use: the books and the engine's last KV report (read by the
+        # sidecar's poller, asynchronously) both past the previous request; a report read while
+        # it still held its blocks left a correction of them, and the record read twice them.
+        kv = wait_until(sidecar.status, lambda s: s["kv"]["gate_blocks"] == 0)["kv"]
+        assert (kv["gate_blocks"], kv["correction_blocks"]) == (0, 0)
         # The prompt ratio the books count a prompt at (learned from vLLM's reported usage).
-        kv = sidecar.status()["kv"]
         ratio = kv["gate_prompt_ratio"]
         assert ratio == round(min(4.0, max(0.5, kv["prompt_ratio"])), 4)
         client.completions.create(
