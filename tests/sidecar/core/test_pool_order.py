@@ -81,6 +81,14 @@ def _lane(order: LaneOrder | None, quanta: dict[str, float]) -> DeficitRoundRobi
     return lane
 
 
+def _backlog(lane: DeficitRoundRobin, count: int, tokens: int, *tenants: str) -> None:
+    """Queue ``count`` jobs of ``tokens`` for each of ``tenants``, alternately (ids
+    ``<tenant><i>``)."""
+    for i in range(count):
+        for tenant_id in tenants:
+            lane.push(_job(f"{tenant_id}{i}", tenant_id, tokens))
+
+
 def _always(_: Job) -> bool:
     return True
 
@@ -88,9 +96,7 @@ def _always(_: Job) -> bool:
 def test_a_tenant_served_elsewhere_yields_here() -> None:
     order = LaneOrder()
     lane = _lane(order, {"a": 1000.0, "b": 1000.0})
-    for i in range(14):
-        lane.push(_job(f"a{i}", "a", 1000))
-        lane.push(_job(f"b{i}", "b", 1000))
+    _backlog(lane, 14, 1000, "a", "b")
     # b joined behind a, both at 0: within the join window, unchanged.
     assert order.counter("b", 1000 * U) == 0.0
     order.pool_units["b"] = 10_000 * U  # a batch's answer: b got 10,000 tokens elsewhere
@@ -207,9 +213,7 @@ def test_the_store_down_means_the_round_robin_and_service_still_counted() -> Non
     order.pool_units["b"] = 10_000 * U
     order.sharing = False
     lane = _lane(order, {"a": 1000.0, "b": 1000.0})
-    for i in range(2):
-        lane.push(_job(f"a{i}", "a", 1000))
-        lane.push(_job(f"b{i}", "b", 1000))
+    _backlog(lane, 2, 1000, "a", "b")
     assert [lane.pick(_always).tenant_id for _ in range(4)] == ["a", "b", "a", "b"]  # type: ignore[union-attr]
     assert order.unsynced == {"a": 2000 * U, "b": 2000 * U}
 
@@ -1063,9 +1067,7 @@ def test_a_refund_here_does_not_put_a_gained_tenant_ahead_of_a_pinned_one() -> N
     # bound with nothing unsent is one request (1,000).
     order = LaneOrder()
     lane = _lane(order, {"x": 1000.0, "p": 1000.0})
-    for i in range(100):
-        lane.push(_job(f"x{i}", "x", 1000))
-        lane.push(_job(f"p{i}", "p", 1000))
+    _backlog(lane, 100, 1000, "x", "p")
     for _ in range(12):
         order.observe_gain("x", 1000, 8000 * U)
     order.pool_units["x"] = 80_000 * U
