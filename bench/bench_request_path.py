@@ -46,6 +46,8 @@ from tokenfair.server.runtime_settings import SidecarSettings
 from tokenfair.sim.scenarios import LESSON_TENANTS
 
 KEY = "sk-bench-path"
+SPINE_MAX = 6
+"""Issue 31's bound on the server modules a request is handed on through."""
 PACKAGE = Path(sys.modules["tokenfair"].__file__ or "").parent
 
 
@@ -169,7 +171,8 @@ def main() -> None:
         )
         print(
             f"  of them {len(figures['server_callers'])} hand the request on to another server "
-            f"module: {', '.join(figures['server_callers'])}"
+            f"module (the spine; issue 31: at most {SPINE_MAX}): "
+            f"{', '.join(figures['server_callers'])}"
         )
         for module, lines in figures["per_module_lines"].items():
             print(f"  {module:40} {lines:5}")

@@ -9,10 +9,8 @@ records file, the budget store's lease task (teardown returns the leases), the d
 timers; teardown drains the queue and releases every reservation), the config watcher task, the
 engine poller and the fairness signal's refresh task.
 
-The proxy app's one middleware, :func:`observe_requests`, counts the requests in flight and
-gives each request a :class:`~tokenfair.server.accesslog.RequestScope` (its route and
-trace context, for its access-log line and span); a request it sees answered before admission
-gets its line and span there.
+The proxy app's one middleware is :func:`~tokenfair.server.proxy.observe_requests`, beside the
+handlers it wraps: this module builds and tears down, and no request runs through it.
 """
 
 from __future__ import annotations
@@ -20,20 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
 
 from tokenfair.config import Config
-from tokenfair.core.jobs import CANCELLED, STATUS_CLIENT_CLOSED
-from tokenfair.server.accesslog import CURRENT_SCOPE, LineWriter, RequestScope, bounded
+from tokenfair.server.accesslog import LineWriter
 from tokenfair.server.admin import create_admin_app
 from tokenfair.server.backends import MODELS_ROUTE, ROUTES, Backend
-from tokenfair.server.errors import INTERNAL_ERROR
 from tokenfair.server.models import list_models
 from tokenfair.server.proxy import (
     SIDECAR,
@@ -41,6 +35,7 @@ from tokenfair.server.proxy import (
     expect_continue,
     expect_not_found,
     not_found,
+    observe_requests,
 )
 from tokenfair.server.record_writer import RecordWriter
 from tokenfair.server.reload import apply_config, refuse_config, reload_failed, watch_config
@@ -116,53 +111,6 @@ def create_app(
 
 TRACER_PROVIDER = web.AppKey("tracer_provider", object)
 """The caller's tracer provider (None: an OTLP one is made when tracing is on)."""
-
-
-@web.middleware
-async def observe_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Count the request in flight and give it its scope; if nothing accounted it by the time
-    the handler is done (answered before admission), write its access-log line and span."""
-    sidecar = request.app[SIDECAR]
-    metrics = sidecar.metrics
-    scope = RequestScope(
-        bounded(request.method) or "", bounded(request.path) or "", sidecar.clock.now_ms()
-    )
-    if sidecar.outcomes.tracer is not None:  # tracing off costs nothing here
-        headers = request.headers
-        scope.traceparent = headers.get("traceparent")
-        scope.tracestate = headers.get("tracestate")
-    token = CURRENT_SCOPE.set(scope)
-    metrics.in_flight += 1
-    status: int = 500
-    reason: str | None = INTERNAL_ERROR
-    try:
-        response = await handler(request)
-        status = response.status
-        reason = _error_code(response) if status >= 400 else None
-        return response
-    except asyncio.CancelledError:
-        status, reason = STATUS_CLIENT_CLOSED, CANCELLED
-        raise
-    except web.HTTPException as exc:
-        status, reason = exc.status, None
-        raise
-    finally:
-        metrics.in_flight -= 1
-        CURRENT_SCOPE.reset(token)
-        if not scope.accounted:
-            sidecar.outcomes.observe_unadmitted(scope, status, reason)
-
-
-def _error_code(response: web.StreamResponse) -> str | None:
-    """The ``error.code`` of one of the sidecar's JSON error bodies (None if it has none)."""
-    body = response.body if isinstance(response, web.Response) else None
-    if not isinstance(body, bytes | bytearray) or len(body) > 65536:
-        return None
-    try:
-        code = json.loads(body)["error"]["code"]
-    except (ValueError, KeyError, TypeError):
-        return None
-    return code if isinstance(code, str) else None
 
 
 async def _access_log_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -4,9 +4,12 @@ through the KV view, its served models' context lengths to the usage bounds and 
 answered before admission.
 
 :class:`EngineLink` receives the reports of :class:`~tokenfair.server.engine_state.EngineState`
-(its ``on_report``, ``on_stale`` and ``on_limits``) and the end of each request sent to the
-backend (:meth:`EngineLink.request_ended`); it is also where a config is given to the
-scheduler (:meth:`EngineLink.enforce`), since the geometry in force depends on both.
+(its ``on_report``, ``on_stale`` and ``on_limits``) and answers, before admission, a request
+the engine's limits refuse (:meth:`EngineLink.refusal`); it is also where a config is given to
+the scheduler (:meth:`EngineLink.enforce`), since the geometry in force depends on both. The
+end of each request sent to the backend goes to the KV view itself (:meth:`KvView.request_ended
+<tokenfair.server.kv_view.KvView.request_ended>`), so on a request's path this module is a leaf:
+it hands the request on to no other module of the server.
 """
 
 from __future__ import annotations
@@ -111,13 +114,3 @@ class EngineLink:
         if limits.routes is None and not limits.max_model_len:
             return None
         return limit_refusal(limits, path, body.get("model"), asked_max_tokens(body))
-
-    def request_ended(
-        self, request_id: str, estimated_prompt: int, reported_prompt: int | None
-    ) -> None:
-        """A request sent to the backend ended (``reported_prompt``: the prompt tokens the
-        engine reported for it, None if none): the KV view forgets it and learns the prompt
-        ratio, and the gates book the next admissions at the ratio it gives them."""
-        view = self.kv_view
-        view.forget(request_id, estimated_prompt, reported_prompt)
-        self.scheduler.kv_prompt_ratio = view.gate_prompt_ratio

@@ -236,6 +236,20 @@ class KvView:
         low, high = PROMPT_RATIO_BOUNDS
         self.prompt_ratio = min(high, max(low, self._reported / self._estimated))
 
+    def request_ended(
+        self,
+        scheduler: Scheduler,
+        request_id: str,
+        estimated_prompt: int,
+        reported_prompt: int | None,
+    ) -> None:
+        """A request sent to the backend ended (``reported_prompt``: the prompt tokens the
+        engine reported for it, None if none): the view forgets it and learns the prompt ratio
+        (:meth:`forget`), and the gates book the next admissions at the ratio it gives them
+        (``scheduler.kv_prompt_ratio = gate_prompt_ratio``)."""
+        self.forget(request_id, estimated_prompt, reported_prompt)
+        scheduler.kv_prompt_ratio = self.gate_prompt_ratio
+
     @property
     def gate_prompt_ratio(self) -> float:
         """The ratio the KV gates book a prompt at now: the learned one within

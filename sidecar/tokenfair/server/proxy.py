@@ -1,4 +1,8 @@
-"""Proxy handlers: authenticate, estimate, admit, wait for dispatch, run the backend, settle.
+"""Proxy handlers: authenticate, estimate, admit, wait for dispatch, run the backend, settle;
+and the proxy app's one middleware, :func:`observe_requests`, which counts the requests in
+flight and gives each a :class:`~tokenfair.server.accesslog.RequestScope` (its route and trace
+context, for its access-log line and span): a request it sees answered before admission gets
+its line and span there.
 
 Status codes the client can get from the sidecar itself (OpenAI-style error bodies; ``code``):
 
@@ -84,12 +88,14 @@ import zlib
 from typing import Any, Final
 
 from aiohttp import compression_utils, web
+from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 
 from tokenfair.config import PRIORITY_CLASSES, PriorityClass, TenantConfig
 from tokenfair.core import Decision, Request, UnknownTenantError
 from tokenfair.core.jobs import (
     ADMITTED,
+    CANCELLED,
     SHED_TENANT_CONCURRENCY,
     SHED_TENANT_KV_SHARE,
     STATUS_CLIENT_CLOSED,
@@ -100,6 +106,7 @@ from tokenfair.core.scheduler import (
     OVER_TENANT_KV_SHARE,
     STATUS_NEVER_ADMISSIBLE,
 )
+from tokenfair.server.accesslog import CURRENT_SCOPE, RequestScope, bounded
 from tokenfair.server.backends import BackendCall, StreamAbortedError, UpstreamError
 from tokenfair.server.backends.base import EMBEDDINGS_ROUTE
 from tokenfair.server.connections import mark_authenticated
@@ -194,7 +201,7 @@ def _refusal(sidecar: Sidecar, decision: Decision, mix: tuple[int, int]) -> web.
     message = f"refused by the {decision.gate} gate: {decision.reason}"
     if observed:
         message += f" ({observed})"
-    headers = sidecar.ratelimits.headers(decision.tenant_id, mix)
+    headers = sidecar.ratelimits.headers(decision.tenant_id, sidecar.clock.now_ms(), mix)
     headers["Retry-After"] = str(sidecar.ratelimits.retry_after_s(decision))
     headers[RETRY_AFTER_MS_HEADER] = str(sidecar.ratelimits.retry_after_ms(decision))
     headers[REQUEST_ID_HEADER] = decision.request_id
@@ -395,6 +402,53 @@ async def expect_continue(request: web.Request) -> web.Response | None:
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the answer proper has not started
     return None
+
+
+@web.middleware
+async def observe_requests(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count the request in flight and give it its scope; if nothing accounted it by the time
+    the handler is done (answered before admission), write its access-log line and span."""
+    sidecar = request.app[SIDECAR]
+    metrics = sidecar.metrics
+    scope = RequestScope(
+        bounded(request.method) or "", bounded(request.path) or "", sidecar.clock.now_ms()
+    )
+    if sidecar.outcomes.tracer is not None:  # tracing off costs nothing here
+        headers = request.headers
+        scope.traceparent = headers.get("traceparent")
+        scope.tracestate = headers.get("tracestate")
+    token = CURRENT_SCOPE.set(scope)
+    metrics.in_flight += 1
+    status: int = 500
+    reason: str | None = INTERNAL_ERROR
+    try:
+        response = await handler(request)
+        status = response.status
+        reason = _error_code(response) if status >= 400 else None
+        return response
+    except asyncio.CancelledError:
+        status, reason = STATUS_CLIENT_CLOSED, CANCELLED
+        raise
+    except web.HTTPException as exc:
+        status, reason = exc.status, None
+        raise
+    finally:
+        metrics.in_flight -= 1
+        CURRENT_SCOPE.reset(token)
+        if not scope.accounted:
+            sidecar.outcomes.observe_unadmitted(scope, status, reason)
+
+
+def _error_code(response: web.StreamResponse) -> str | None:
+    """The ``error.code`` of one of the sidecar's JSON error bodies (None if it has none)."""
+    body = response.body if isinstance(response, web.Response) else None
+    if not isinstance(body, bytes | bytearray) or len(body) > 65536:
+        return None
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -634,7 +688,9 @@ async def _serve(
         if not decision.admitted:
             return _refusal(sidecar, decision, _usage_mix(sidecar, estimated))
         sidecar.outcomes.dispatched(decision)
-        headers = sidecar.ratelimits.headers(core_request.tenant_id, _usage_mix(sidecar, estimated))
+        headers = sidecar.ratelimits.headers(
+            core_request.tenant_id, clock.now_ms(), _usage_mix(sidecar, estimated)
+        )
         headers[REQUEST_ID_HEADER] = core_request.request_id
         headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
         path = request.path
@@ -718,8 +774,11 @@ async def _serve(
             if call is not None:
                 call.close()
                 try:  # the view and the ratio only: never worth the request's slot
-                    sidecar.engine_link.request_ended(
-                        core_request.request_id, core_request.prefill_tokens, call.prompt_tokens
+                    sidecar.kv_view.request_ended(
+                        sidecar.scheduler,
+                        core_request.request_id,
+                        core_request.prefill_tokens,
+                        call.prompt_tokens,
                     )
                 except Exception:
                     log.exception(

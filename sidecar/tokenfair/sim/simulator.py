@@ -543,7 +543,7 @@ def _replay_batching(
                     reported = prompts.get(request_id)
                     estimate = scheduler.jobs[request_id].request.prefill_tokens
                     if reported is not None and reported > 0 and estimate > 0:
-                        # KvView.forget, then EngineLink.request_ended: the next admissions
+                        # KvView.request_ended (forget, then the gates' ratio): the next admissions
                         # book at the ratio it gives the gates.
                         estimated_sum = PROMPT_RATIO_DECAY * estimated_sum + estimate
                         reported_sum = PROMPT_RATIO_DECAY * reported_sum + reported
