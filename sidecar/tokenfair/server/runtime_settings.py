@@ -74,12 +74,25 @@ DEFAULT_EMBEDDING_DIMENSIONS: Final = 384
 
 @dataclass(frozen=True, slots=True)
 class SidecarSettings:
-    """How the sidecar runs; every field has a flag or a ``sidecar:`` key."""
+    """How the sidecar runs; every field has a flag or a ``sidecar:`` key and its default here.
+    Grouped by concern, as docs/sidecar.md's table is."""
 
+    # -- Listeners and the process ---------------------------------------------------------
     listen: str = "127.0.0.1:8080"
     """Proxy listener, ``HOST:PORT`` (tenants' traffic)."""
     admin_listen: str = "127.0.0.1:9090"
     """Admin listener, ``HOST:PORT`` (health, metrics, status); never reachable via ``listen``."""
+    time_scale: float = 1.0
+    """Real seconds per model second: 0.01 runs the cost model and the scheduler's clock 100x
+    faster (tests, demos). Keep 1.0 in front of a real model server."""
+    drain_grace_s: float = 30.0
+    """On SIGTERM, how long in-flight requests may run before the listeners close."""
+    reload_interval_s: float = 1.0
+    """How often the config file's mtime and hash are checked for a hot reload."""
+    records_path: str | None = None
+    """Append one JSONL request record per request here (the trace format); None: no records."""
+
+    # -- The backend and its upstream ------------------------------------------------------
     backend: str = COSTMODEL_BACKEND
     """The model server: a name in the registry
     :data:`tokenfair.server.backends.BACKENDS` (the embedded cost-model engine, or an
@@ -87,16 +100,39 @@ class SidecarSettings:
     upstream_url: str | None = None
     """Base URL of the ``openai`` upstream, e.g. ``http://127.0.0.1:8000`` (request paths are
     appended)."""
-    time_scale: float = 1.0
-    """Real seconds per model second: 0.01 runs the cost model and the scheduler's clock 100x
-    faster (tests, demos). Keep 1.0 in front of a real model server."""
+    upstream_api_key_file: str | None = None
+    """A file holding the API key the ``openai`` upstream expects (vLLM's ``--api-key``), e.g. a
+    mounted Secret; sent as ``Authorization: Bearer <key>`` on every upstream request (the
+    client's own ``Authorization`` carries the tenant's key and is never forwarded). Read once
+    at start (surrounding whitespace stripped): an unreadable or empty file stops the start.
+    None: ``$TOKENFAIR_UPSTREAM_API_KEY_FILE`` if set, else no key. Never logged or shown."""
+    upstream_connect_timeout_s: float = 5.0
+    """Connecting to the upstream longer than this is ``504``."""
+    upstream_read_timeout_s: float = 120.0
+    """Waiting longer than this for the next upstream bytes is ``504`` (or ends the stream)."""
+    max_in_flight: int | None = None
+    """Requests dispatched to the backend at once; None: the backend's default (costmodel 2:
+    one running on its serial engine, one staged; openai 64)."""
+    model_context_tokens: int = DEFAULT_MODEL_CONTEXT_TOKENS
+    """The model's context window in tokens (vLLM's ``max_model_len``; default 131,072): the most
+    prompt tokens one prompt may report and, for a request that sets no ``max_tokens``, the most
+    completion tokens one sequence may. A reported usage over the request's bounds
+    (:class:`~tokenfair.server.backends.base.UsageBounds`) is recorded
+    ``upstream_bad_usage`` and settled at the bounds. Set it to your model's context."""
+    served_model_names: tuple[str, ...] = DEFAULT_SERVED_MODEL_NAMES
+    """What ``GET /v1/models`` lists with the ``costmodel`` engine (the ``openai`` backend
+    relays the upstream's list). The default is the name the engine answers with when a
+    request names no model."""
+    embedding_dimensions: int = DEFAULT_EMBEDDING_DIMENSIONS
+    """Length of the ``costmodel`` engine's fake embeddings when a request does not set
+    ``dimensions`` (384: the common small sentence-embedding models')."""
+
+    # -- A request's intake: who sends it, its body, its estimate --------------------------
+    trusted_tenant_header: str | None = None
+    """When set (e.g. ``x-tokenfair-tenant``), that header names the tenant instead of an API key:
+    only behind a gateway that authenticates callers and strips the header from outside."""
     max_body_bytes: int = 1 << 20
     """Largest request body accepted (bytes); larger is ``413``."""
-    default_decode_tokens: int = 256
-    """Decode tokens assumed when a request sets neither ``max_tokens`` nor
-    ``max_completion_tokens``."""
-    max_decode_tokens: int = 8192
-    """Largest ``max_tokens`` accepted; larger is ``400`` (the KV reservation must be honest)."""
     max_json_depth: int = MAX_JSON_DEPTH
     """Deepest nesting of a request body's JSON (the body itself is level 1); deeper is ``400
     body_too_complex`` (see :data:`~tokenfair.server.estimate.MAX_JSON_DEPTH`)."""
@@ -104,24 +140,15 @@ class SidecarSettings:
     """Most JSON values in a request body (objects, arrays, strings, numbers, literals); more is
     ``400 body_too_complex``: it bounds the event-loop time a body costs before admission (see
     :data:`~tokenfair.server.estimate.MAX_JSON_VALUES`)."""
-    trusted_tenant_header: str | None = None
-    """When set (e.g. ``x-tokenfair-tenant``), that header names the tenant instead of an API key:
-    only behind a gateway that authenticates callers and strips the header from outside."""
-    records_path: str | None = None
-    """Append one JSONL request record per request here (the trace format); None: no records."""
-    max_in_flight: int | None = None
-    """Requests dispatched to the backend at once; None: the backend's default (costmodel 2:
-    one running on its serial engine, one staged; openai 64)."""
-    upstream_connect_timeout_s: float = 5.0
-    """Connecting to the upstream longer than this is ``504``."""
-    upstream_read_timeout_s: float = 120.0
-    """Waiting longer than this for the next upstream bytes is ``504`` (or ends the stream)."""
-    drain_grace_s: float = 30.0
-    """On SIGTERM, how long in-flight requests may run before the listeners close."""
-    reload_interval_s: float = 1.0
-    """How often the config file's mtime and hash are checked for a hot reload."""
+    default_decode_tokens: int = 256
+    """Decode tokens assumed when a request sets neither ``max_tokens`` nor
+    ``max_completion_tokens``."""
+    max_decode_tokens: int = 8192
+    """Largest ``max_tokens`` accepted; larger is ``400`` (the KV reservation must be honest)."""
     prompt_estimator: str = "chars4"
     """Name of the prompt-token estimator (see :mod:`tokenfair.server.estimate`)."""
+
+    # -- Client connections and their timeouts ---------------------------------------------
     client_idle_timeout_s: float = 75.0
     """A proxy-listener connection with no request under way — idle between requests, or still
     sending a request's head — is closed after this long. Above the time for which common HTTP
@@ -154,36 +181,8 @@ class SidecarSettings:
     IPv6 /64: what one host can take); one more from it is answered ``503`` and closed, evicting
     nobody. A gateway's connections authenticate with their first request, so this bounds only
     the connections it has opened and not yet used."""
-    upstream_api_key_file: str | None = None
-    """A file holding the API key the ``openai`` upstream expects (vLLM's ``--api-key``), e.g. a
-    mounted Secret; sent as ``Authorization: Bearer <key>`` on every upstream request (the
-    client's own ``Authorization`` carries the tenant's key and is never forwarded). Read once
-    at start (surrounding whitespace stripped): an unreadable or empty file stops the start.
-    None: ``$TOKENFAIR_UPSTREAM_API_KEY_FILE`` if set, else no key. Never logged or shown."""
-    model_context_tokens: int = DEFAULT_MODEL_CONTEXT_TOKENS
-    """The model's context window in tokens (vLLM's ``max_model_len``; default 131,072): the most
-    prompt tokens one prompt may report and, for a request that sets no ``max_tokens``, the most
-    completion tokens one sequence may. A reported usage over the request's bounds
-    (:class:`~tokenfair.server.backends.base.UsageBounds`) is recorded
-    ``upstream_bad_usage`` and settled at the bounds. Set it to your model's context."""
-    served_model_names: tuple[str, ...] = DEFAULT_SERVED_MODEL_NAMES
-    """What ``GET /v1/models`` lists with the ``costmodel`` engine (the ``openai`` backend
-    relays the upstream's list). The default is the name the engine answers with when a
-    request names no model."""
-    embedding_dimensions: int = DEFAULT_EMBEDDING_DIMENSIONS
-    """Length of the ``costmodel`` engine's fake embeddings when a request does not set
-    ``dimensions`` (384: the common small sentence-embedding models')."""
-    ietf_ratelimit_headers: bool = False
-    """Also send the IETF ``RateLimit-Policy`` and ``RateLimit`` fields
-    (draft-ietf-httpapi-ratelimit-headers) in service tokens; off by default (a draft)."""
-    access_log: str = "json"
-    """The access log's format: ``json`` (one object per line), ``text`` (logfmt) or ``off``
-    (see :mod:`~tokenfair.server.accesslog`). On by default: a request that leaves no
-    line cannot be found afterwards, and a line costs ~8 % of a request's work
-    (``bench_sidecar.py --instructions``)."""
-    access_log_flush_s: float = DEFAULT_FLUSH_INTERVAL_S
-    """The longest an access line waits in the buffer before it goes to the writer thread
-    (0.1 s; sooner once ~64 KiB are buffered, and at exit)."""
+
+    # -- The engine in the loop (backends with an upstream engine) -------------------------
     engine_metrics: str = "auto"
     """Read the upstream engine's own state (:mod:`~tokenfair.server.engine_state`): ``auto``
     (vLLM's metric names, else SGLang's), ``vllm``, ``sglang``, ``custom`` (the
@@ -214,6 +213,19 @@ class SidecarSettings:
     ``max_tokens`` from dispatch) or ``engine`` (while the engine's report is fresh: its prompt,
     the tokens relayed and the growth to the next report, as the engine allocates;
     :mod:`~tokenfair.server.kv_view`). Backends with an upstream engine only."""
+
+    # -- What clients and operators are told: headers, access log, tracing, live fairness ---
+    ietf_ratelimit_headers: bool = False
+    """Also send the IETF ``RateLimit-Policy`` and ``RateLimit`` fields
+    (draft-ietf-httpapi-ratelimit-headers) in service tokens; off by default (a draft)."""
+    access_log: str = "json"
+    """The access log's format: ``json`` (one object per line), ``text`` (logfmt) or ``off``
+    (see :mod:`~tokenfair.server.accesslog`). On by default: a request that leaves no
+    line cannot be found afterwards, and a line costs ~8 % of a request's work
+    (``bench_sidecar.py --instructions``)."""
+    access_log_flush_s: float = DEFAULT_FLUSH_INTERVAL_S
+    """The longest an access line waits in the buffer before it goes to the writer thread
+    (0.1 s; sooner once ~64 KiB are buffered, and at exit)."""
     tracing: bool = False
     """Export one OpenTelemetry span per request over OTLP/HTTP (needs the ``tracing`` extra;
     see :mod:`~tokenfair.server.tracing`). Off by default: it needs a collector."""
