@@ -61,6 +61,7 @@ COMPILED: Final = (
     "tokenfair.core.scheduler",
     "tokenfair.core.shares",
     "tokenfair.core.tokenfair",
+    "tokenfair.core.units",
     "tokenfair.records.reading",
     "tokenfair.sim.fairness",
     "tokenfair.sim.fluid",

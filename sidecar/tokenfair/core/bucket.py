@@ -22,13 +22,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Final, TypeAlias
 
-from tokenfair.core.jobs import UNITS_PER_TOKEN
-from tokenfair.core.jobs import to_units as _units
+from tokenfair.core.units import UNITS_PER_MS_PER_TOKEN_PER_S as _UNITS_PER_MS_PER_TOKEN_PER_S
+from tokenfair.core.units import to_units as _units
+from tokenfair.core.units import tokens_of, units_of, whole_tokens
 
-_UNIT: Final = UNITS_PER_TOKEN
 _NOISE_TOKENS: Final = 1e-6
 """The float bucket's tolerance (the lesson's arithmetic only)."""
-_UNITS_PER_MS_PER_TOKEN_PER_S: Final = UNITS_PER_TOKEN // 1000
 
 
 class TokenBucket:
@@ -118,7 +117,7 @@ class ExactTokenBucket:
     def __init__(self, burst: int, sustained_per_second: float, now_ms: float = 0.0) -> None:
         self.burst = burst
         self.sustained_per_second = sustained_per_second
-        self.burst_units = int(burst) * _UNIT
+        self.burst_units = units_of(int(burst))
         self.level_units = self.burst_units
         self.refilled_at_ms = now_ms
         self._set_rate(sustained_per_second)
@@ -134,7 +133,7 @@ class ExactTokenBucket:
     @property
     def level(self) -> float:
         """The level in service tokens (the state is ``level_units``)."""
-        return self.level_units / _UNIT
+        return tokens_of(self.level_units)
 
     @level.setter
     def level(self, tokens: int | float) -> None:
@@ -149,7 +148,7 @@ class ExactTokenBucket:
                 self.level_units = cap
                 self._anchor_ms = self.refilled_at_ms = now_ms
                 self._refilled_units = 0
-                return self.level_units / _UNIT
+                return tokens_of(self.level_units)
             total = round((now_ms - self._anchor_ms) * self._rate_units_per_ms)
             level = self.level_units + total - self._refilled_units
             if level < cap:
@@ -160,19 +159,19 @@ class ExactTokenBucket:
                 self._anchor_ms = now_ms
                 self._refilled_units = 0
             self.refilled_at_ms = now_ms
-        return self.level_units / _UNIT
+        return tokens_of(self.level_units)
 
     def debit(self, tokens: int, now_ms: float) -> None:
         """Refill to ``now_ms``, then take ``tokens`` (a charge at dispatch)."""
         if now_ms > self.refilled_at_ms:
             self.refill(now_ms)
-        self.level_units -= tokens * _UNIT
+        self.level_units -= units_of(tokens)
 
     def covers(self, tokens: int, now_ms: float) -> bool:
         """The level at ``now_ms`` covers ``tokens`` (``ms_until`` is 0). A level that covers
         them already is not refilled first: a refill only adds, and the refills telescope, so
         the level at any later time is the same whichever times it was refilled at."""
-        need = tokens * _UNIT
+        need = units_of(tokens)
         if self.level_units >= need:
             return True
         self.refill(now_ms)
@@ -195,7 +194,7 @@ class ExactTokenBucket:
         """Adopt new limits (hot reload) without forgiving or inventing spent tokens."""
         self.refill(now_ms)
         self.burst = burst
-        self.burst_units = int(burst) * _UNIT
+        self.burst_units = units_of(int(burst))
         self._set_rate(sustained_per_second)
         if self.level_units > self.burst_units:
             self.level_units = self.burst_units
@@ -268,7 +267,7 @@ class LeasedBucket(ExactTokenBucket):
 
     def refill(self, now_ms: float) -> float:
         if self.shared:
-            return self.level_units / _UNIT
+            return tokens_of(self.level_units)
         return ExactTokenBucket.refill(self, now_ms)
 
     def covers(self, tokens: int, now_ms: float) -> bool:
@@ -289,7 +288,7 @@ class LeasedBucket(ExactTokenBucket):
     def grant(self, tokens: int) -> None:
         """A lease arrived: add it to the balance (shared only; ignored when fallen back)."""
         if self.shared:
-            self.level_units += tokens * _UNIT
+            self.level_units += units_of(tokens)
             if self.level_units >= _units(self.shortfall_tokens):
                 self.shortfall_tokens = 0.0
 
@@ -299,10 +298,10 @@ class LeasedBucket(ExactTokenBucket):
         if not self.shared:
             return 0
         keep = _units(keep_tokens)
-        give = (self.level_units - (keep if keep > 0 else 0)) // _UNIT
+        give = whole_tokens(self.level_units - (keep if keep > 0 else 0))
         if give <= 0:
             return 0
-        self.level_units -= give * _UNIT
+        self.level_units -= units_of(give)
         return give
 
     def fall_back(self, burst: int, sustained_per_second: float, now_ms: float) -> None:
@@ -310,7 +309,7 @@ class LeasedBucket(ExactTokenBucket):
         self.shared = False
         self.shortfall_tokens = 0.0
         self.burst = burst
-        self.burst_units = int(burst) * _UNIT
+        self.burst_units = units_of(int(burst))
         self.refilled_at_ms = now_ms
         self._set_rate(sustained_per_second)
         if self.level_units > self.burst_units:
@@ -321,7 +320,7 @@ class LeasedBucket(ExactTokenBucket):
         ExactTokenBucket.refill(self, now_ms)
         self.shared = True
         self.burst = burst
-        self.burst_units = int(burst) * _UNIT
+        self.burst_units = units_of(int(burst))
         self.refilled_at_ms = now_ms
         self._set_rate(sustained_per_second)
         if self.level_units > 0:

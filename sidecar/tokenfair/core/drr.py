@@ -52,7 +52,7 @@ Three departures from the textbook, all bounded:
   never loops on large requests.
 
 **Exact arithmetic.** Deficits, quanta, the lane's credit and queued totals are integers in
-fixed-point units of ``UNITS_PER_TOKEN`` (10^9) per service token (:mod:`.jobs`); a job is
+fixed-point units of ``UNITS_PER_TOKEN`` (10^9) per service token (:mod:`.units`); a job is
 charged its ``expected_units``. Every sum, difference and ``ceil`` here is exact, so the running
 totals equal the sums they stand for at every step and no tolerance is needed. The only
 rounding is where a float enters: a quantum ``base * weight`` and a float ``settle`` amount are
@@ -76,11 +76,11 @@ from collections.abc import Callable
 from heapq import heapify, heappop, heappush
 from itertools import count
 
-from tokenfair.core.jobs import UNITS_PER_TOKEN, Job, JobState, to_units
+from tokenfair.core.jobs import Job, JobState
 from tokenfair.core.pool_order import LaneOrder
+from tokenfair.core.units import to_units, tokens_of
 
 _QUEUED = JobState.QUEUED
-_UNIT = UNITS_PER_TOKEN
 _KEPT_RANK = -math.inf  # a kept tenant's rank among those waiting ahead: before every joiner
 
 KEPT_PLACES_MAX = 1
@@ -118,7 +118,7 @@ class TenantQueue:
     def __init__(self, tenant_id: str, quantum: float) -> None:
         self.tenant_id = tenant_id
         self.quantum_units = _quantum_units(quantum)
-        self.quantum = self.quantum_units / _UNIT
+        self.quantum = tokens_of(self.quantum_units)
         """``Q_i`` in service tokens, read (the state is ``quantum_units``)."""
         self.jobs: deque[Job] = deque()
         self.live = 0  # queued jobs not cancelled (cancelled ones are dropped lazily at the head)
@@ -132,12 +132,12 @@ class TenantQueue:
     @property
     def deficit(self) -> float:
         """``D_i`` in service tokens (the state is ``deficit_units``, exact)."""
-        return self.deficit_units / _UNIT
+        return tokens_of(self.deficit_units)
 
     @property
     def queued_tokens(self) -> float:
         """Expected service tokens of the live jobs (the state is ``queued_units``)."""
-        return self.queued_units / _UNIT
+        return tokens_of(self.queued_units)
 
     def head(self) -> Job | None:
         jobs = self.jobs
@@ -206,17 +206,17 @@ class DeficitRoundRobin:
     @property
     def credit_tokens(self) -> float:
         """``sum_i max(0, D_i)`` in service tokens."""
-        return self.credit_units / _UNIT
+        return tokens_of(self.credit_units)
 
     @property
     def active_quanta(self) -> float:
         """Sum of the quanta of the backlogged tenants, in service tokens."""
-        return self.active_quanta_units / _UNIT
+        return tokens_of(self.active_quanta_units)
 
     @property
     def queued_tokens(self) -> float:
         """Expected service tokens of every live queued job of the lane."""
-        return self.queued_units / _UNIT
+        return tokens_of(self.queued_units)
 
     @property
     def ahead_joiners(self) -> int:
@@ -235,7 +235,7 @@ class DeficitRoundRobin:
             queue.quantum_units = units
             if moved and queue.in_active and self.order is not None:
                 self.order.enter(tenant_id, units)  # its counter moved with its quantum
-            queue.quantum = units / _UNIT
+            queue.quantum = tokens_of(units)
 
     def push(self, job: Job, *, join_ahead: float | None = None) -> None:
         """Queue a job. A tenant that was not backlogged joins the ring at its tail — or, with
@@ -303,7 +303,7 @@ class DeficitRoundRobin:
         if not front.turn_open:
             credit += front.quantum_units
         before = bisect_right(self._joiner_ranks, rank)
-        return (min(credit, front.queued_units) + sum(self._joiner_credit[:before])) / _UNIT
+        return tokens_of(min(credit, front.queued_units) + sum(self._joiner_credit[:before]))
 
     def _front_changed(self) -> None:
         """A queue reached the front of the ring: a joiner's first turn has come."""
@@ -422,7 +422,7 @@ class DeficitRoundRobin:
         """Expected service tokens of the cheapest head among backlogged tenants
         (:meth:`min_head_units`, read in tokens)."""
         units = self.min_head_units()
-        return None if units is None else units / _UNIT
+        return None if units is None else tokens_of(units)
 
     def min_head_units(self) -> int | None:
         """Cheapest head among backlogged tenants, in units: O(log n) amortised (a heap of the

@@ -15,6 +15,7 @@ from typing import Final
 from tokenfair.config import PriorityClass
 from tokenfair.core.reasons import Reason
 from tokenfair.core.request import Request
+from tokenfair.core.units import units_of
 
 __all__ = ["Request"]  # its home is `request.py`; imported from here too
 
@@ -175,23 +176,6 @@ LANE_OF: Final[dict[str, int]] = {"interactive": LANE_INTERACTIVE, "batch": LANE
 _QUEUED: Final = JobState.QUEUED
 _NEVER: Final = float("inf")
 
-UNITS_PER_TOKEN: Final = 10**9
-"""Fixed-point scale of the fairness state (DRR deficits, quanta and credit, bucket levels, the
-batch lane's credit): integer nano-tokens, like APF's seat-seconds at 1e9 per seat-second. Sums
-and differences of these are exact; the one rounding is where a float enters (a usage ratio, a
-weight, a refill over float milliseconds), stated where it happens. A service token count
-``n <= 2**40`` is ``n * 10**9`` units exactly, and a unit count converts back to the nearest
-float (``units / UNITS_PER_TOKEN``) only for reading and prediction."""
-
-
-def to_units(tokens: int | float) -> int:
-    """``tokens`` in units: exact for an integer count, else the nearest unit to the float's
-    ``tokens * 10^9`` (off by at most ``0.5 unit + 2^-53 * tokens * 10^9``; the same value
-    always gives the same units). ``int | float``, not ``float``: the compiled core
-    (``tokenfair.native``) would turn an ``int`` argument into a float, and an integer count
-    above 2^53 / 10^9 tokens would no longer be exact."""
-    return tokens * UNITS_PER_TOKEN if type(tokens) is int else round(tokens * UNITS_PER_TOKEN)
-
 
 class Job:
     """A request inside the scheduler: its costs, its state and its bookkeeping."""
@@ -252,8 +236,8 @@ class Job:
         self.decision: Decision | None = None
         self.borrowed = False  # dispatched on capacity lent to a tenant over its budget
         self.expected_tokens = float(service_tokens)  # what admission expects it to really use
-        self.expected_units = service_tokens * UNITS_PER_TOKEN  # the same, in fixed point: the
-        # round robin's charge (`expected_tokens` is always `expected_units / UNITS_PER_TOKEN`)
+        self.expected_units = units_of(service_tokens)  # the same, in fixed point: the
+        # round robin's charge (`expected_tokens` is always `tokens_of(expected_units)`)
         self.lifted = False  # its tenant joined the ring ahead with it (drr.push join_ahead)
         self.held = 0  # HELD_* bits: the tenant limits that passed it over at a selection
         self.kv_gate_credit = 0  # blocks of `kv_blocks` the KV gates do not count (engine

@@ -78,7 +78,7 @@ from bisect import bisect_left, insort
 from collections.abc import Callable
 from typing import Final
 
-from tokenfair.core.jobs import UNITS_PER_TOKEN
+from tokenfair.core.units import tokens_of_float, units_of, whole_tokens
 
 JOIN_GAP_QUANTA: Final = 8.0
 """A tenant that joins a lane's backlog starts at most this many quanta above the least
@@ -116,8 +116,6 @@ times this replica's unanswered service (docs/fairness.md §9.2)."""
 SHARE_GAIN_KEPT: Final = 0.75
 """Of a tenant's pool-wide and own service per batch (:attr:`LaneOrder.gain`'s two averages),
 the part each answered batch keeps: a memory of about four batches."""
-
-_UNIT: Final = UNITS_PER_TOKEN
 
 
 class LaneOrder:
@@ -335,7 +333,7 @@ class LaneOrder:
         own = self.gain_own.get(tenant_id, 0.0) * kept + (1.0 - kept) * float(
             sent_tokens if sent_tokens > 0 else 0
         )
-        grown = float(grown_units if grown_units > 0 else 0) / _UNIT
+        grown = tokens_of_float(float(grown_units if grown_units > 0 else 0))
         pool = self.gain_pool.get(tenant_id, 0.0) * kept + (1.0 - kept) * grown
         self.gain_own[tenant_id] = own
         self.gain_pool[tenant_id] = pool
@@ -433,18 +431,20 @@ class LaneOrder:
         rise = own_rate / quantum_units  # quanta per ms
         pieces: list[tuple[float, float, float, float]] = []
         for other_id, other_quantum, other_queued, arrival_rate in others:
-            gap = (level - self.counter(other_id, other_quantum)) * other_quantum / _UNIT
-            drift = (rise - rates.get(other_id, 0.0) / other_quantum) * other_quantum / _UNIT
+            gap = tokens_of_float((level - self.counter(other_id, other_quantum)) * other_quantum)
+            drift = tokens_of_float(
+                (rise - rates.get(other_id, 0.0) / other_quantum) * other_quantum
+            )
             highest = gap + drift * horizon_ms if drift > 0.0 else gap
             if highest <= 0.0:  # never below the level within the horizon: w_j = 0
-                if other_queued and highest <= -AWAY_QUANTA * other_quantum / _UNIT:
+                if other_queued and highest <= tokens_of_float(-AWAY_QUANTA * other_quantum):
                     away.append(other_id)
                 continue
-            pieces.append((float(other_queued) / _UNIT, arrival_rate, gap, drift))
+            pieces.append((tokens_of_float(float(other_queued)), arrival_rate, gap, drift))
         if folded is not None:
             pieces.append(folded)
         return first_crossing_tokens(
-            float(queued_units) / _UNIT, rate, pieces, horizon_ms, idle_rate
+            tokens_of_float(float(queued_units)), rate, pieces, horizon_ms, idle_rate
         )
 
     def level(self, own: tuple[str, int, int], joining: bool, floor: float | None) -> float:
@@ -562,7 +562,7 @@ class PoolService:
         since the last one, or ``sync_ms`` passed and there is service to send or a lane here
         with two tenants or more backlogged (whose order needs the others' service)."""
         unsynced = self.unsynced_units()
-        if unsynced >= lease_tokens * _UNIT:
+        if unsynced >= units_of(lease_tokens):
             return True
         if now_ms - self.synced_at_ms < sync_ms:
             return False
@@ -602,9 +602,9 @@ class PoolService:
             pushing = lane.pushing_units
             for tenant_id, units in list(unsynced.items()):
                 # Toward zero, the remainder keeping its sign; in integers (exact at any size).
-                tokens = units // _UNIT if units >= 0 else -(-units // _UNIT)
+                tokens = whole_tokens(units)
                 if tokens:
-                    sent = tokens * _UNIT
+                    sent = units_of(tokens)
                     rest = units - sent
                     if rest:
                         unsynced[tenant_id] = rest
@@ -644,14 +644,14 @@ class PoolService:
             moved: list[tuple[str, float]] = []
             for (tenant_id, tokens), total in zip(entries, values, strict=True):
                 if tokens:
-                    left = pushing.get(tenant_id, 0) - tokens * _UNIT
+                    left = pushing.get(tenant_id, 0) - units_of(tokens)
                     if left:
                         pushing[tenant_id] = left
                     else:
                         pushing.pop(tenant_id, None)
-                units = total * _UNIT
+                units = units_of(total)
                 known = pool.get(tenant_id)
-                elsewhere = units - (0 if known is None else known) - tokens * _UNIT
+                elsewhere = units - (0 if known is None else known) - units_of(tokens)
                 if elsewhere:
                     active[tenant_id] = epoch  # served elsewhere since the last answer
                 if known is not None:
@@ -687,7 +687,7 @@ class PoolService:
                 if lane.rate_is_stale(tenant_id):
                     lane.asking[tenant_id] = None
                 if tokens:
-                    units = tokens * _UNIT
+                    units = units_of(tokens)
                     left = pushing.get(tenant_id, 0) - units
                     if left:
                         pushing[tenant_id] = left

@@ -59,8 +59,8 @@ from collections.abc import Callable
 from itertools import accumulate
 
 from tokenfair.core.drr import TenantQueue
-from tokenfair.core.jobs import UNITS_PER_TOKEN
-from tokenfair.core.jobs import to_units as _units
+from tokenfair.core.units import to_units as _units
+from tokenfair.core.units import tokens_of
 
 
 class LaneCompetition:
@@ -70,8 +70,8 @@ class LaneCompetition:
 
     def __init__(self) -> None:
         self.competing_units = 0
-        """``W`` in fixed-point units (``UNITS_PER_TOKEN``): an exact integer sum, so it is 0
-        exactly when nobody competes, whatever was added and taken away."""
+        """``W`` in fixed-point units (:mod:`~tokenfair.core.units`): an exact integer sum, so
+        it is 0 exactly when nobody competes, whatever was added and taken away."""
         self._counted: dict[str, float] = {}  # competing tenant -> the quantum counted in W
         self._recent: OrderedDict[str, float] = (
             OrderedDict()
@@ -80,7 +80,7 @@ class LaneCompetition:
     @property
     def competing_quanta(self) -> float:
         """``W``: the sum of the quanta of the competing tenants, in service tokens."""
-        return self.competing_units / UNITS_PER_TOKEN
+        return tokens_of(self.competing_units)
 
     def admitted(self, tenant_id: str, quantum: float, now_ms: float) -> None:
         """A request of the tenant was admitted into the lane: it competes from now on."""

@@ -90,7 +90,6 @@ from tokenfair.core.jobs import (
     SHED_TENANT_CONCURRENCY,
     SHED_TENANT_KV_SHARE,
     SHED_TENANT_TOKEN_QUOTA,
-    UNITS_PER_TOKEN,
     Decision,
     Job,
     JobState,
@@ -105,8 +104,7 @@ from tokenfair.core.shares import (
     tokens_ahead,
     water_level,
 )
-
-_UNIT: Final = UNITS_PER_TOKEN
+from tokenfair.core.units import nearest_units, tokens_of, tokens_of_float, units_of
 
 SERVICE_MEMORY_LIMITS = 10.0
 """How far back a tenant's recent service reaches, in wait limits of its lane (time constant
@@ -364,18 +362,18 @@ class TokenfairScheduler(Scheduler):
     def _batch_credit(self) -> float:
         """The batch lane's minimum-share credit in service tokens (the state is
         ``_batch_credit_scaled``)."""
-        return self._batch_credit_scaled / self._credit_spend / _UNIT
+        return tokens_of_float(self._batch_credit_scaled / self._credit_spend)
 
     @_batch_credit.setter
     def _batch_credit(self, tokens: float) -> None:
-        self._batch_credit_scaled = round(tokens * _UNIT) * self._credit_spend
+        self._batch_credit_scaled = nearest_units(tokens) * self._credit_spend
 
     @property
     def _cheapest_batch_head(self) -> float | None:
         """The cheapest batch head's expected service tokens, as of the last selection that
         looked (the state is ``_cheapest_batch_units``)."""
         units = self._cheapest_batch_units
-        return None if units is None else units / _UNIT
+        return None if units is None else tokens_of(units)
 
     def reconfigure(self, config: Config, now_ms: float) -> None:
         """As the base's; a change of ``maxBatchRequests`` carries the requests running over to
@@ -448,24 +446,24 @@ class TokenfairScheduler(Scheduler):
         pooled = order is not None and order.sharing  # the pool's order (`_pooled_ahead`)
         competition = self._competition[lane]
         # The state in units, read in tokens: a prediction is a float estimate.
-        competing = competition.competing_units / _UNIT
+        competing = tokens_of(competition.competing_units)
         quantum = queue.quantum
         if not competition.competes(tenant_id):
             competing += quantum
-        backlogged = drr.active_quanta_units / _UNIT + (0.0 if queue.in_active else quantum)
+        backlogged = tokens_of(drr.active_quanta_units) + (0.0 if queue.in_active else quantum)
         first_turn = None
         if join_rank is not None:  # it would join ahead with that rank (`_join_rank`)
             first_turn = drr.tokens_before_joining_ahead(join_rank)
         expected_tokens = cost_tokens * self.tenants[tenant_id].usage_ratio
         active = drr.active
         ahead, later_turns = tokens_ahead(
-            queue.queued_units / _UNIT,
+            tokens_of(queue.queued_units),
             expected_tokens,
             queue,
             competing,
             backlogged,
-            drr.queued_units / _UNIT,
-            drr.credit_units / _UNIT,
+            tokens_of(drr.queued_units),
+            tokens_of(drr.credit_units),
             active[0] if active else None,
             first_turn,
         )
@@ -656,14 +654,14 @@ class TokenfairScheduler(Scheduler):
             competition = self._competition[lane]
             own = 0 if queue.in_active else queue.quantum_units
             round_robin_ahead, later_turns = tokens_ahead(
-                queue.queued_units / _UNIT,
+                tokens_of(queue.queued_units),
                 expected_tokens,
                 queue,
-                (competition.competing_units - quanta
-                 + (0 if competition.competes(queue.tenant_id) else queue.quantum_units)) / _UNIT,
-                (drr.active_quanta_units + own - quanta) / _UNIT,
-                (drr.queued_units - queued) / _UNIT,
-                (drr.credit_units - credit) / _UNIT,
+                tokens_of(competition.competing_units - quanta
+                          + (0 if competition.competes(queue.tenant_id) else queue.quantum_units)),
+                tokens_of(drr.active_quanta_units + own - quanta),
+                tokens_of(drr.queued_units - queued),
+                tokens_of(drr.credit_units - credit),
                 front,
                 first_turn,
             )  # fmt: skip
@@ -800,10 +798,10 @@ class TokenfairScheduler(Scheduler):
             # most the minimum of the sums).
             gap = level - left_out
             folded = (
-                queued / _UNIT,
+                tokens_of(queued),
                 others_rate if others_rate > 0.0 else 0.0,
-                (gap if gap > 0.0 else 0.0) * quanta / _UNIT,
-                order.rise(tenant_id, queue.quantum_units) * quanta / _UNIT,
+                tokens_of_float((gap if gap > 0.0 else 0.0) * quanta),
+                tokens_of_float(order.rise(tenant_id, queue.quantum_units) * quanta),
             )
         else:
             # The rest are away: their sums for the round robin's share without them.
@@ -862,7 +860,7 @@ class TokenfairScheduler(Scheduler):
         if free_slots < 0:
             free_slots = 0
         queued = self.queued_count[lane]
-        mean_tokens = self._lanes[lane].queued_units / _UNIT / queued if queued else own_tokens
+        mean_tokens = tokens_of(self._lanes[lane].queued_units) / queued if queued else own_tokens
         started_now = free_slots * mean_tokens
         if ahead_tokens < started_now:
             return 0.0
@@ -1026,12 +1024,11 @@ class TokenfairScheduler(Scheduler):
             cheapest_units = self._cheapest_batch_units = self._lanes[LANE_BATCH].min_head_units()
             if cheapest_units is None:
                 return 0.0
-        cheapest = cheapest_units / _UNIT
+        cheapest = tokens_of(cheapest_units)
         share = self._batch_min_share
-        credit = (
-            self._batch_credit_scaled / self._credit_spend / _UNIT
-            + interactive_tokens * share / (1.0 - share)
-        )
+        credit = tokens_of_float(
+            self._batch_credit_scaled / self._credit_spend
+        ) + interactive_tokens * share / (1.0 - share)
         if credit < cheapest:
             return 0.0
         # Due: the batch lane sends the head its round robin picks, which is the front's
@@ -1125,9 +1122,9 @@ class TokenfairScheduler(Scheduler):
         # The expected cost in units: exact at a usage ratio of 1, else the nearest unit of
         # estimate x ratio (the one rounding: 0.5 unit + 2^-53 of the value at most, per job).
         ratio = tenant.usage_ratio
-        units = service_tokens * _UNIT if ratio == 1.0 else round(service_tokens * ratio * _UNIT)
+        units = units_of(service_tokens) if ratio == 1.0 else nearest_units(service_tokens * ratio)
         job.expected_units = units
-        job.expected_tokens = expected_tokens = units / _UNIT
+        job.expected_tokens = expected_tokens = tokens_of(units)
         self._push_ahead = join_rank
         competition.admitted(tenant_id, drr.queues[tenant_id].quantum, now_ms)
         self._lane_demand[lane].add(expected_tokens, now_ms, wait_limit_ms)
@@ -1758,7 +1755,7 @@ class TokenfairScheduler(Scheduler):
             level = self.fair_level(lane, now_ms)
         if math.isinf(level):
             lane_rate = self._lane_served[lane].rate(now_ms, memory_ms)
-            competing = self._competition[lane].competing_units / _UNIT
+            competing = tokens_of(self._competition[lane].competing_units)
             if lane_rate <= 0.0 or competing <= 0.0:
                 return None
             level = lane_rate / competing
@@ -1773,7 +1770,7 @@ class TokenfairScheduler(Scheduler):
         if (
             not refund
             and tenant.usage_ratio == 1.0
-            and job.expected_units == job.service_tokens * _UNIT
+            and job.expected_units == units_of(job.service_tokens)
         ):
             # Used its estimate, expected at it, ratio at 1: the ratio stays 1.0 exactly
             # (1.0 + (c / c - 1.0) * w), the overrun is 0.0 and there is no refund: nothing
@@ -1789,9 +1786,9 @@ class TokenfairScheduler(Scheduler):
             tenant.usage_ratio = ratio if ratio < _RATIO_HIGH else _RATIO_HIGH
         # The round robin and the work in flight were charged the expected usage; the budget
         # was charged the estimate. Each is settled against what it was charged.
-        overrun_units = (job.service_tokens - refund) * _UNIT - job.expected_units
+        overrun_units = units_of(job.service_tokens - refund) - job.expected_units
         if overrun_units:
-            overrun = overrun_units / _UNIT
+            overrun = tokens_of(overrun_units)
             rate = self._rate
             dispatch_ms = job.decision.dispatch_ms if job.decision is not None else None
             # The debt is the tenant's: its deficit and its own recent service take the whole

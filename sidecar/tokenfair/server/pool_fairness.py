@@ -49,9 +49,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tokenfair.config.budget_store import BudgetStoreConfig
-from tokenfair.core.jobs import UNITS_PER_TOKEN
 from tokenfair.core.pool_order import PoolService
 from tokenfair.core.tokenfair import TokenfairScheduler
+from tokenfair.core.units import whole_tokens
 from tokenfair.server.clock import EventClock, ModelClock
 
 log = logging.getLogger("tokenfair.sidecar")
@@ -258,7 +258,7 @@ class PoolFairness:
                 tenant_id
                 for tenant_id in self.forgotten
                 if tenant_id not in backlogged
-                and -UNITS_PER_TOKEN < lane.unsynced.get(tenant_id, 0) < UNITS_PER_TOKEN
+                and whole_tokens(lane.unsynced.get(tenant_id, 0)) == 0
                 and tenant_id not in lane.pushing_units
                 and (tenant_id in lane.pool_units or tenant_id in lane.active_epoch)
             ]

@@ -24,9 +24,10 @@ import random
 from tokenfair.config import PolicyConfig, TenantConfig, build_config
 from tokenfair.core.bucket import ExactTokenBucket, LeasedBucket, TokenBucket
 from tokenfair.core.drr import DeficitRoundRobin
-from tokenfair.core.jobs import UNITS_PER_TOKEN, Job, JobState, Request
+from tokenfair.core.jobs import Job, JobState, Request
 from tokenfair.core.shares import LaneCompetition
 from tokenfair.core.tokenfair import TokenfairScheduler
+from tokenfair.core.units import UNITS_PER_TOKEN
 
 UNIT = UNITS_PER_TOKEN
 

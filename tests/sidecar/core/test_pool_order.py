@@ -48,7 +48,7 @@ from tokenfair import native
 from tokenfair.config import Config, PolicyConfig, TenantConfig, build_config
 from tokenfair.core import Request
 from tokenfair.core.drr import DeficitRoundRobin, TenantQueue
-from tokenfair.core.jobs import UNITS_PER_TOKEN, Job
+from tokenfair.core.jobs import Job
 from tokenfair.core.pool_order import (
     ELSEWHERE_MEMORY_MS,
     IDLE_EPOCHS,
@@ -61,6 +61,7 @@ from tokenfair.core.pool_order import (
 )
 from tokenfair.core.shares import DemandRate
 from tokenfair.core.tokenfair import FORGOTTEN_RATE, POOL_HORIZON_LIMITS, TokenfairScheduler
+from tokenfair.core.units import UNITS_PER_TOKEN
 from tokenfair.sim.pool_replay import MemoryPoolStore
 
 U = UNITS_PER_TOKEN

@@ -25,7 +25,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tokenfair.core.drr import TenantQueue
-from tokenfair.core.jobs import to_units
 from tokenfair.core.shares import (
     DemandRate,
     LaneCompetition,
@@ -34,6 +33,7 @@ from tokenfair.core.shares import (
     tokens_ahead,
     water_level,
 )
+from tokenfair.core.units import to_units
 from tokenfair.sim.fairness import water_fill
 
 

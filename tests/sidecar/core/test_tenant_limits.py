@@ -29,10 +29,11 @@ from hypothesis import strategies as st
 
 from tokenfair.config import Config, PolicyConfig, PriorityClass, TenantConfig, build_config
 from tokenfair.core import Decision, Request
-from tokenfair.core.jobs import SHED_QUEUE_TIMEOUT, UNITS_PER_TOKEN
+from tokenfair.core.jobs import SHED_QUEUE_TIMEOUT
 from tokenfair.core.scheduler import OVER_TENANT_KV_SHARE
 from tokenfair.core.shares import DemandRate
 from tokenfair.core.tokenfair import TokenfairScheduler
+from tokenfair.core.units import UNITS_PER_TOKEN
 
 SLOTS = 4  # the engine's maxBatchRequests: the driver keeps at most this many running
 CLASSES: tuple[PriorityClass, ...] = ("interactive", "interactive", "batch", "batch")

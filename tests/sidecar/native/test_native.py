@@ -738,7 +738,7 @@ def test_both_cores_keep_exact_state_for_the_largest_settlements(tmp_path: Path)
         "s.complete('r', 1.0, MAX_SETTLED_TOKENS - 1)\n"
         "bucket = s.tenants['a'].bucket\n"
         "from tokenfair.core.bucket import ExactTokenBucket, LeasedBucket\n"
-        "from tokenfair.core.jobs import to_units\n"
+        "from tokenfair.core.units import to_units\n"
         "big = MAX_SETTLED_TOKENS - 1\n"
         "exact = ExactTokenBucket(2 * big, 1.0)\n"
         "exact.level = big\n"
@@ -807,7 +807,7 @@ def test_both_cores_divide_pool_counters_past_2_53_alike(tmp_path: Path) -> None
     # differed in the last bit. Both cores now convert explicitly and agree.
     build = _build()
     script = (
-        "from tokenfair.core.jobs import UNITS_PER_TOKEN as U\n"
+        "from tokenfair.core.units import UNITS_PER_TOKEN as U\n"
         "from tokenfair.core.pool_order import PoolService\n"
         "from tokenfair import native\n"
         "pool = PoolService(lanes=1)\n"
