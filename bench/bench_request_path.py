@@ -1,23 +1,29 @@
 """How many sidecar modules one request crosses: the structure figure of the request path.
 
-Runs the sidecar in this process on the cost-model engine (the lesson's tenants and keys,
-access log and metrics on, as a user runs it), sends one completion and one streamed completion
+Runs the sidecar in this process (the lesson's tenants and keys, access log and metrics on, as
+a user runs it) on each backend — the cost-model engine, and the ``openai`` backend relaying to a
+small upstream served in the same process, with the engine's limits known (a context length per
+model, as vLLM's ``/v1/models`` gives it) — sends one completion and one streamed completion
 over real loopback HTTP, and follows every Python call made while each is served
-(``sys.setprofile``). Prints, per request:
+(``sys.setprofile``). Prints, per backend and request:
 
 * the distinct ``tokenfair.server`` modules whose code ran (the files a reader must open to
-  follow the request; ``server/backends/`` included) and their lines;
-* of those, the ones that call into another server module (the request's spine: the files
-  whose code hands it on; the others are leaves it calls and returns from);
+  follow the request; ``server/backends/`` included) and their lines: issue 31's figure, at most
+  6 wanted;
+* of those, the ones that call into another server module (the files whose code hands the
+  request on, or asks another module something: the clock included);
 * the returns: how often the path came back to a server module it had already left (a call
   chain A → B → A counts one);
 * every ``tokenfair`` module whose Python code ran, with its lines (the compiled core's modules
   run as C and are not seen: run with ``TOKENFAIR_NATIVE=0`` to see them).
 
-The first request of each kind warms the app and is not measured. A structure figure, not a
-timing: the same tree prints the same numbers on any machine.
+The first request of each kind warms the app and is not measured. The profiler sees every call
+the event loop makes while a request is measured, so the sidecar's periodic task (the live
+fairness refresh) is switched off, and the engine's poller is off (its limits are given once):
+what runs is the request's own work. A structure figure, not a timing: the same tree prints the
+same numbers on any machine.
 
-Usage: ``python bench/bench_request_path.py [--json]``.
+Usage: ``python bench/bench_request_path.py [--json] [--backend costmodel|openai]``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -42,12 +49,16 @@ from tokenfair.config import (
 )
 from tokenfair.core.cost import CostModel
 from tokenfair.server import create_app, make_backend
+from tokenfair.server.engine_state import EngineLimits
+from tokenfair.server.proxy import SIDECAR
 from tokenfair.server.runtime_settings import SidecarSettings
 from tokenfair.sim.scenarios import LESSON_TENANTS
 
 KEY = "sk-bench-path"
-SPINE_MAX = 6
-"""Issue 31's bound on the server modules a request is handed on through."""
+MODULES_MAX = 6
+"""Issue 31's bound on the server modules one request crosses."""
+BACKENDS = ("costmodel", "openai")
+UPSTREAM_USAGE = {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
 PACKAGE = Path(sys.modules["tokenfair"].__file__ or "").parent
 
 
@@ -109,7 +120,34 @@ def summarise(sequence: list[str], calls: set[tuple[str, str]]) -> dict[str, Any
     }
 
 
-async def measure() -> dict[str, Any]:
+async def upstream_completions(request: web.Request) -> web.StreamResponse:
+    """The upstream of the ``openai`` run: 8 tokens, whole or as an OpenAI stream with its usage
+    event and ``[DONE]``."""
+    body = await request.json()
+    if not body.get("stream"):
+        choice = {"index": 0, "text": "x" * 8, "finish_reason": "length"}
+        return web.json_response({"id": "c", "choices": [choice], "usage": UPSTREAM_USAGE})
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for _ in range(8):
+        chunk = {"id": "c", "choices": [{"index": 0, "text": "x", "finish_reason": None}]}
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    last = {"id": "c", "choices": [], "usage": UPSTREAM_USAGE}
+    await response.write(f"data: {json.dumps(last)}\n\ndata: [DONE]\n\n".encode())
+    await response.write_eof()
+    return response
+
+
+async def start_site(app: web.Application) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+
+async def measure(backend_name: str) -> dict[str, Any]:
+    """The path of one whole and one streamed completion through a sidecar on ``backend_name``."""
     tenants = [
         replace(t, api_key_sha256=(api_key_digest(KEY),)) if t.tenant_id == "tenant_chat_pro" else t
         for t in LESSON_TENANTS
@@ -118,14 +156,24 @@ async def measure() -> dict[str, Any]:
     # wait would not walk the path being measured.
     policy = PolicyConfig(max_interactive_wait_ms=60_000, max_batch_wait_ms=60_000)
     config = build_config(policy, tenants, "bench-path")
+    runners: list[web.AppRunner] = []
     settings = SidecarSettings(time_scale=0.01)
+    if backend_name == "openai":
+        upstream = web.Application()
+        upstream.router.add_post("/v1/completions", upstream_completions)
+        upstream_runner, upstream_port = await start_site(upstream)
+        runners.append(upstream_runner)
+        settings = SidecarSettings(
+            backend="openai", upstream_url=f"http://127.0.0.1:{upstream_port}", engine_metrics="off"
+        )
     backend = make_backend(settings, CostModel.from_policy(config.policy))
     app = create_app(settings, config, backend)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    sidecar = app[SIDECAR]
+    sidecar.fairness.refresh_interval_s = math.inf  # its periodic task is not the request's work
+    if backend_name == "openai":  # what vLLM's /v1/models says, read once (no poller running)
+        sidecar.engine_link.adopt_limits(EngineLimits(max_model_len={"m": 4096}))
+    runner, port = await start_site(app)
+    runners.append(runner)
     url = f"http://127.0.0.1:{port}/v1/completions"
     headers = {"Authorization": f"Bearer {KEY}"}
     results: dict[str, Any] = {}
@@ -148,34 +196,39 @@ async def measure() -> dict[str, Any]:
                     recorder.on = False
                     sys.setprofile(None)
                     if status != 200:
-                        raise SystemExit(f"request {kind} answered {status}")
+                        raise SystemExit(f"request {kind} on {backend_name} answered {status}")
                 results[kind] = summarise(recorder.sequence, recorder.calls)
     finally:
-        await runner.cleanup()
+        for each in reversed(runners):
+            await each.cleanup()
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print JSON only")
+    parser.add_argument(
+        "--backend", choices=BACKENDS, action="append", help="one backend (default: both)"
+    )
     args = parser.parse_args()
-    results = asyncio.run(measure())
+    results = {name: asyncio.run(measure(name)) for name in args.backend or BACKENDS}
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    for kind, figures in results.items():
-        print(
-            f"{kind}: {figures['server_modules']} server modules "
-            f"({figures['server_lines']} lines, {figures['server_returns']} returns to one "
-            f"already left); {figures['package_modules']} tokenfair modules in all"
-        )
-        print(
-            f"  of them {len(figures['server_callers'])} hand the request on to another server "
-            f"module (the spine; issue 31: at most {SPINE_MAX}): "
-            f"{', '.join(figures['server_callers'])}"
-        )
-        for module, lines in figures["per_module_lines"].items():
-            print(f"  {module:40} {lines:5}")
+    for name, kinds in results.items():
+        for kind, figures in kinds.items():
+            print(
+                f"{name} {kind}: {figures['server_modules']} server modules (issue 31: at most "
+                f"{MODULES_MAX}; {figures['server_lines']} lines, {figures['server_returns']} "
+                f"returns to one already left); {figures['package_modules']} tokenfair modules "
+                "in all"
+            )
+            print(
+                f"  of them {len(figures['server_callers'])} call another server module: "
+                f"{', '.join(figures['server_callers'])}"
+            )
+            for module, lines in figures["per_module_lines"].items():
+                print(f"  {module:40} {lines:5}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ answered before admission.
 the engine's limits refuse (:meth:`EngineLink.refusal`); it is also where a config is given to
 the scheduler (:meth:`EngineLink.enforce`), since the geometry in force depends on both. The
 end of each request sent to the backend goes to the KV view itself (:meth:`KvView.request_ended
-<tokenfair.server.kv_view.KvView.request_ended>`), so on a request's path this module is a leaf:
-it hands the request on to no other module of the server.
+<tokenfair.server.kv_view.KvView.request_ended>`), which learns from it.
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def _refusal(sidecar: Sidecar, decision: Decision, mix: tuple[int, int]) -> web.
     message = f"refused by the {decision.gate} gate: {decision.reason}"
     if observed:
         message += f" ({observed})"
-    headers = sidecar.ratelimits.headers(decision.tenant_id, sidecar.clock.now_ms(), mix)
+    headers = sidecar.ratelimits.headers(decision.tenant_id, mix)
     headers["Retry-After"] = str(sidecar.ratelimits.retry_after_s(decision))
     headers[RETRY_AFTER_MS_HEADER] = str(sidecar.ratelimits.retry_after_ms(decision))
     headers[REQUEST_ID_HEADER] = decision.request_id
@@ -688,9 +688,7 @@ async def _serve(
         if not decision.admitted:
             return _refusal(sidecar, decision, _usage_mix(sidecar, estimated))
         sidecar.outcomes.dispatched(decision)
-        headers = sidecar.ratelimits.headers(
-            core_request.tenant_id, clock.now_ms(), _usage_mix(sidecar, estimated)
-        )
+        headers = sidecar.ratelimits.headers(core_request.tenant_id, _usage_mix(sidecar, estimated))
         headers[REQUEST_ID_HEADER] = core_request.request_id
         headers[QUEUE_WAIT_HEADER] = _queue_wait_header(sidecar, decision)
         path = request.path

@@ -2,19 +2,19 @@
 answer and the ``Retry-After`` / ``retry-after-ms`` of a refusal, in one place.
 
 The budget is read through the core's read-only view (:meth:`Scheduler.budget
-<tokenfair.core.scheduler.Scheduler.budget>`) at the model time the caller gives; times are
-converted from model time to the client's real time by the sidecar's time scale
-(``real s = model ms * time_scale / 1000``, as :meth:`ModelClock.real_seconds
-<tokenfair.server.clock.ModelClock.real_seconds>`). A leaf of the request's path: it calls
-no other module of the server.
+<tokenfair.core.scheduler.Scheduler.budget>`); times are converted from model time to the
+client's real time by the sidecar's clock.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from tokenfair.core import Decision, Scheduler
+
+if TYPE_CHECKING:
+    from tokenfair.server.clock import ModelClock
 
 FALLBACK_RETRY_AFTER_S: Final = 1
 """``Retry-After`` when the gate gives no time (a request that can never fit as sized)."""
@@ -43,16 +43,12 @@ def ietf_ratelimit_fields(
 
 class RateLimits:
     """The rate-limit headers and retry times of one sidecar (its scheduler's budgets, its
-    clock's ``time_scale``: real time per model time, and whether the IETF fields are sent)."""
+    clock, and whether the IETF fields are sent)."""
 
-    def __init__(self, scheduler: Scheduler, time_scale: float, *, ietf: bool = False) -> None:
+    def __init__(self, scheduler: Scheduler, clock: ModelClock, *, ietf: bool = False) -> None:
         self.scheduler = scheduler
-        self.time_scale = time_scale
+        self.clock = clock
         self.ietf = ietf
-
-    def _real_s(self, model_ms: float) -> float:
-        """Real seconds of ``model_ms`` model milliseconds."""
-        return model_ms * self.time_scale / 1000.0
 
     def stamp_retry_after(self, decision: Decision) -> None:
         """Make a refusal's ``retry_after_ms`` the wait its client is told: a gate with no wait
@@ -60,13 +56,13 @@ class RateLimits:
         the record says what the client got (a queue timeout recorded 0 while the client was
         told 1 s)."""
         if decision.retry_after_ms is None or decision.retry_after_ms <= 0:
-            decision.retry_after_ms = FALLBACK_RETRY_AFTER_S * 1000.0 / self.time_scale
+            decision.retry_after_ms = FALLBACK_RETRY_AFTER_S * 1000.0 / self.clock.time_scale
 
     def retry_after_s(self, decision: Decision | None) -> int:
         """Seconds (ceil, at least 1) from the gate's ``retry_after_ms`` in real time."""
         if decision is None or decision.retry_after_ms is None:
             return FALLBACK_RETRY_AFTER_S
-        return max(1, math.ceil(self._real_s(decision.retry_after_ms)))
+        return max(1, math.ceil(self.clock.real_seconds(decision.retry_after_ms)))
 
     def retry_after_ms(self, decision: Decision | None) -> int:
         """``retry-after-ms``: the gate's ``retry_after_ms`` in real milliseconds (ceil, at least
@@ -77,13 +73,10 @@ class RateLimits:
         send the retry straight back into the queue that just shed it."""
         if decision is None or decision.retry_after_ms is None or decision.retry_after_ms <= 0:
             return FALLBACK_RETRY_AFTER_S * 1000
-        return max(1, math.ceil(self._real_s(decision.retry_after_ms) * 1000.0))
+        return max(1, math.ceil(self.clock.real_seconds(decision.retry_after_ms) * 1000.0))
 
-    def headers(
-        self, tenant_id: str, now_ms: float, mix: tuple[int, int] | None = None
-    ) -> dict[str, str]:
-        """Rate-limit headers from the tenant's budget at model time ``now_ms`` (service
-        tokens, see the docs):
+    def headers(self, tenant_id: str, mix: tuple[int, int] | None = None) -> dict[str, str]:
+        """Rate-limit headers from the tenant's budget (service tokens, see the docs):
 
         * ``x-tokenfair-ratelimit-{limit,remaining,reset}-service-tokens``: the bucket exactly
           (burst, level, real seconds until full);
@@ -94,13 +87,14 @@ class RateLimits:
           for a request of 0 service tokens, 1:1;
         * with ``ietf_ratelimit_headers``, ``RateLimit-Policy`` and ``RateLimit``
           (:func:`ietf_ratelimit_fields`)."""
-        budget = self.scheduler.budget(tenant_id, now_ms)
+        clock = self.clock
+        budget = self.scheduler.budget(tenant_id, clock.now_ms())
         if budget is None:
             return {}
         burst, sustained = budget.burst, budget.sustained_per_second
         reset_ms = max(0.0, burst - budget.level) * 1000.0 / sustained
         level = max(0.0, budget.level)  # in debt shows 0 remaining (the reset counts the debt)
-        reset_s = self._real_s(reset_ms)
+        reset_s = clock.real_seconds(reset_ms)
         usage, service = mix if mix is not None else (1, 1)
         ratio = usage / service if service > 0 else 1.0
         reset = f"{reset_s:.3f}s"
@@ -114,7 +108,7 @@ class RateLimits:
             "x-tokenfair-ratelimit-reset-service-tokens": reset,
         }
         if self.ietf:
-            window_s = self._real_s(burst * 1000.0 / sustained)
+            window_s = clock.real_seconds(burst * 1000.0 / sustained)
             headers.update(
                 ietf_ratelimit_fields(limit_service, remaining_service, window_s, reset_s)
             )

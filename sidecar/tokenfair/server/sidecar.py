@@ -116,9 +116,7 @@ class Sidecar:
             outcomes=self.outcomes,
         )
         """All a request's :class:`~tokenfair.server.lifecycle.Lifecycle` sees of the sidecar."""
-        self.ratelimits = RateLimits(
-            scheduler, clock.time_scale, ietf=settings.ietf_ratelimit_headers
-        )
+        self.ratelimits = RateLimits(scheduler, clock, ietf=settings.ietf_ratelimit_headers)
         self.pool: BudgetPool | None = None
         """Pool-wide budgets through the config's ``budgetStore``; None without one."""
         scale = settings.time_scale
