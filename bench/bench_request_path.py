@@ -1,8 +1,10 @@
 """How many sidecar modules one request crosses: the structure figure of the request path.
 
 Runs the sidecar in this process (the lesson's tenants and keys, access log and metrics on, as
-a user runs it) on each backend — the cost-model engine, and the ``openai`` backend relaying to a
-small upstream served in the same process, with the engine's limits known (a context length per
+a user runs it; served by aiohttp's own listener, where ``tokenfair sidecar`` adds its
+connection cap, :mod:`tokenfair.server.runner`: one return more per request, no module more)
+on each backend — the cost-model engine, and the ``openai`` backend relaying to a small
+upstream served in the same process, with the engine's limits known (a context length per
 model, as vLLM's ``/v1/models`` gives it) — sends one completion and one streamed completion
 over real loopback HTTP, and follows every Python call made while each is served
 (``sys.setprofile``). Prints, per backend and request:
@@ -10,7 +12,7 @@ over real loopback HTTP, and follows every Python call made while each is served
 * the distinct ``tokenfair.server`` modules whose code ran (the files a reader must open to
   follow the request; ``server/backends/`` included) and their lines: issue 31's figure, at most
   6 wanted;
-* of those, the ones that call into another server module (the files whose code hands the
+* of those, the ones that call another server module (the files whose code hands the
   request on, or asks another module something: the clock included);
 * the returns: how often the path came back to a server module it had already left (a call
   chain A → B → A counts one);

@@ -78,7 +78,7 @@ from bisect import bisect_left, insort
 from collections.abc import Callable
 from typing import Final
 
-from tokenfair.core.units import tokens_of_float, units_of, whole_tokens
+from tokenfair.core.units import tokens_of, tokens_of_float, units_of, whole_tokens
 
 JOIN_GAP_QUANTA: Final = 8.0
 """A tenant that joins a lane's backlog starts at most this many quanta above the least
@@ -333,7 +333,7 @@ class LaneOrder:
         own = self.gain_own.get(tenant_id, 0.0) * kept + (1.0 - kept) * float(
             sent_tokens if sent_tokens > 0 else 0
         )
-        grown = tokens_of_float(float(grown_units if grown_units > 0 else 0))
+        grown = tokens_of(grown_units if grown_units > 0 else 0)
         pool = self.gain_pool.get(tenant_id, 0.0) * kept + (1.0 - kept) * grown
         self.gain_own[tenant_id] = own
         self.gain_pool[tenant_id] = pool
@@ -440,12 +440,10 @@ class LaneOrder:
                 if other_queued and highest <= tokens_of_float(-AWAY_QUANTA * other_quantum):
                     away.append(other_id)
                 continue
-            pieces.append((tokens_of_float(float(other_queued)), arrival_rate, gap, drift))
+            pieces.append((tokens_of(other_queued), arrival_rate, gap, drift))
         if folded is not None:
             pieces.append(folded)
-        return first_crossing_tokens(
-            tokens_of_float(float(queued_units)), rate, pieces, horizon_ms, idle_rate
-        )
+        return first_crossing_tokens(tokens_of(queued_units), rate, pieces, horizon_ms, idle_rate)
 
     def level(self, own: tuple[str, int, int], joining: bool, floor: float | None) -> float:
         """``L_i`` of :meth:`ahead_tokens`: the tenant's counter once its queue here is served

@@ -9,10 +9,10 @@ through these functions, never multiplies or divides by the scale itself.
 
 * tokens -> units: :func:`units_of` (a whole count, exact), :func:`nearest_units` (a float
   count: the nearest unit), :func:`to_units` (either, by the value's type);
-* units -> tokens: :func:`tokens_of` (integer units, for reading and prediction),
-  :func:`tokens_of_float` (a float already in units: a product with a float, or an integer
-  converted with ``float()`` first so both cores agree past 2^53 units), :func:`whole_tokens`
-  (the whole tokens, rounded toward zero).
+* units -> tokens: :func:`tokens_of` (integer units, for reading and prediction: converted to a
+  float first, so both cores agree past 2^53 units), :func:`tokens_of_float` (a float already
+  in units: a product with a float), :func:`whole_tokens` (the whole tokens, rounded toward
+  zero).
 """
 
 from __future__ import annotations
@@ -47,8 +47,13 @@ def to_units(tokens: int | float) -> int:
 
 
 def tokens_of(units: int) -> float:
-    """Integer ``units`` in tokens: ``units / 10^9``, the nearest float."""
-    return units / UNITS_PER_TOKEN
+    """Integer ``units`` in tokens: ``float(units) / 10^9``. Up to 2^53 units (~9 million
+    tokens) the conversion is exact and the result the nearest float to ``units / 10^9``; above,
+    ``units`` is rounded to a float first. Why not ``units / 10^9``: CPython divides integers
+    with one rounding, the compiled core (mypyc's ``CPyTagged_TrueDivide``) converts both to
+    doubles first, so the two cores read a larger count differently in the last bit; the
+    explicit conversion makes them agree at any size."""
+    return float(units) / UNITS_PER_TOKEN
 
 
 def tokens_of_float(units: float) -> float:

@@ -111,8 +111,9 @@ class SidecarSettings:
     upstream_read_timeout_s: float = 120.0
     """Waiting longer than this for the next upstream bytes is ``504`` (or ends the stream)."""
     max_in_flight: int | None = None
-    """Requests dispatched to the backend at once; None: the backend's default (costmodel 2:
-    one running on its serial engine, one staged; openai 64)."""
+    """Requests dispatched to the backend at once; None: the policy's ``maxBatchRequests`` when
+    it is above 1, else the backend's default (costmodel 2: one running on its serial engine,
+    one staged; openai 64) (:func:`~tokenfair.server.backends.base.default_max_in_flight`)."""
     model_context_tokens: int = DEFAULT_MODEL_CONTEXT_TOKENS
     """The model's context window in tokens (vLLM's ``max_model_len``; default 131,072): the most
     prompt tokens one prompt may report and, for a request that sets no ``max_tokens``, the most

@@ -800,6 +800,32 @@ def test_both_cores_check_the_engine_facts_alike(tmp_path: Path) -> None:
     assert lines["0"][-3] != lines["0"][-2]
 
 
+def test_both_cores_read_units_as_tokens_alike_at_any_size(tmp_path: Path) -> None:
+    # `tokens_of` is the one conversion of integer units to tokens: CPython's `int / int`
+    # rounds once, the compiled one converts to doubles first, so past 2**53 units the two
+    # cores read a level, a deficit or a queue's total differently in the last bit (2**53 + 3:
+    # ...994 against ...996). The conversion is explicit and both agree.
+    build = _build()
+    script = (
+        "from tokenfair.core.units import tokens_of, tokens_of_float\n"
+        "from tokenfair.core.drr import TenantQueue\n"
+        "from tokenfair import native\n"
+        "sizes = [0, 1, -1, 2**53, 2**53 + 3, -(2**53) - 3, 2**62 + 7, 2**70 + 1,\n"
+        "         3 * 10**17 + 11]\n"
+        "values = [tokens_of(n).hex() for n in sizes]\n"
+        "queue = TenantQueue('a', 1.0)\n"
+        "for n in sizes:\n"
+        "    queue.deficit_units = n\n"
+        "    queue.queued_units = n\n"
+        "    values += [queue.deficit.hex(), queue.queued_tokens.hex()]\n"
+        "print(native.status().active, ' '.join(values))\n"
+    )
+    lines = {switch: out.split(" ", 1) for switch, out in _both_cores(script, build, tmp_path)}
+    assert lines["1"][0] == "True"
+    assert lines["0"][0] == "False"
+    assert lines["1"][1] == lines["0"][1]
+
+
 def test_both_cores_divide_pool_counters_past_2_53_alike(tmp_path: Path) -> None:
     # Pool-wide counters are in units (10**9 a token): past 2**53 (~9 M tokens of a tenant's
     # service) the compiled `int / int` rounded twice (int to double, then divide) where
