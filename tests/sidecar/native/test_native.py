@@ -722,6 +722,16 @@ def _both_cores(script: str, build: Path, cwd: Path) -> list[tuple[str, str]]:
     return outputs
 
 
+def _alike_on_both_cores(script: str, build: Path, cwd: Path) -> str:
+    """What ``script`` prints after the active core's flag (its first word), asserted the same
+    on the compiled core and the interpreted one, each being the one that ran."""
+    lines = {switch: out.split(" ", 1) for switch, out in _both_cores(script, build, cwd)}
+    assert lines["1"][0] == "True"
+    assert lines["0"][0] == "False"
+    assert lines["1"][1] == lines["0"][1]
+    return lines["0"][1]
+
+
 def test_both_cores_keep_exact_state_for_the_largest_settlements(tmp_path: Path) -> None:
     # Integer token counts stay integers in the compiled core (a `float` parameter would turn
     # 2**40 - 1 into a float and its units would be off by ~5e4).
@@ -747,11 +757,7 @@ def test_both_cores_keep_exact_state_for_the_largest_settlements(tmp_path: Path)
         "print(native.status().active, bucket.level_units, s.books(), to_units(big),\n"
         "      exact.level_units, exact.ms_until(big + 1, 0.0), leased.ms_until(big + 2, 0.0))\n"
     )
-    lines = {switch: out.split(" ", 1) for switch, out in _both_cores(script, build, tmp_path)}
-    assert lines["1"][0] == "True"
-    assert lines["0"][0] == "False"
-    assert lines["1"][1] == lines["0"][1]
-    level_units = int(lines["0"][1].split()[0])
+    level_units = int(_alike_on_both_cores(script, build, tmp_path).split()[0])
     assert level_units % 10**9 == 0  # whole tokens: exact, no float rounding
 
 
@@ -820,10 +826,7 @@ def test_both_cores_read_units_as_tokens_alike_at_any_size(tmp_path: Path) -> No
         "    values += [queue.deficit.hex(), queue.queued_tokens.hex()]\n"
         "print(native.status().active, ' '.join(values))\n"
     )
-    lines = {switch: out.split(" ", 1) for switch, out in _both_cores(script, build, tmp_path)}
-    assert lines["1"][0] == "True"
-    assert lines["0"][0] == "False"
-    assert lines["1"][1] == lines["0"][1]
+    _alike_on_both_cores(script, build, tmp_path)
 
 
 def test_both_cores_divide_pool_counters_past_2_53_alike(tmp_path: Path) -> None:
@@ -853,7 +856,4 @@ def test_both_cores_divide_pool_counters_past_2_53_alike(tmp_path: Path) -> None
         "values.append(repr(pool.take_batch(([],), 0.0)))\n"
         "print(native.status().active, ' '.join(values))\n"
     )
-    lines = {switch: out.split(" ", 1) for switch, out in _both_cores(script, build, tmp_path)}
-    assert lines["1"][0] == "True"
-    assert lines["0"][0] == "False"
-    assert lines["1"][1] == lines["0"][1]
+    _alike_on_both_cores(script, build, tmp_path)
