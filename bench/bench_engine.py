@@ -512,18 +512,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--engine", metavar="URL",
                         help="a vLLM already running with the suite's settings "
                              "(tests/vllm_support.py) instead of starting one")  # fmt: skip
-    parser.add_argument("--kv-decode-booking", choices=(*KV_DECODE_BOOKING_MODES, "both"),
-                        default="both",
-                        help="the calibrated phase's kvDecodeBooking; both (the default): the "
-                             "sidecar's default there, and the calibrated policy again with "
-                             "the other mode, compared")  # fmt: skip
+    parser.add_argument("--kv-decode-booking", type=_bookings, default="both",
+                        metavar="MODE|A,B|both",
+                        help="the calibrated phase's kvDecodeBooking (one of "
+                             f"{', '.join(KV_DECODE_BOOKING_MODES)}); A,B: under A, then the "
+                             "calibrated policy again under B, compared; both (the default): "
+                             "the sidecar's default and engine")  # fmt: skip
     args = parser.parse_args(argv)
-    default_booking = SidecarSettings().kv_decode_booking
-    booking = default_booking if args.kv_decode_booking == "both" else args.kv_decode_booking
-    other_booking = (
-        None if args.kv_decode_booking != "both"
-        else next(m for m in KV_DECODE_BOOKING_MODES if m != booking)
-    )  # fmt: skip
+    booking, other_booking = args.kv_decode_booking
     settings = VllmSettings()
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         work = Path(tmp)
@@ -610,6 +606,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if other is not None:
             print_booking_comparison({booking: fitted, str(other_booking): other}, calibrated)
     return 0
+
+
+def _bookings(text: str) -> tuple[str, str | None]:
+    """``--kv-decode-booking``: the calibrated phase's mode and the one compared with it (None:
+    none). ``both``: the sidecar's default and ``engine``."""
+    if text == "both":
+        return SidecarSettings().kv_decode_booking, "engine"
+    modes = text.split(",")
+    if (
+        len(modes) > 2
+        or len(set(modes)) != len(modes)
+        or any(mode not in KV_DECODE_BOOKING_MODES for mode in modes)
+    ):
+        raise argparse.ArgumentTypeError(
+            f"one of {', '.join(KV_DECODE_BOOKING_MODES)}, two of them (A,B) or both (got {text!r})"
+        )
+    return modes[0], modes[1] if len(modes) == 2 else None
 
 
 def print_booking_comparison(phases: dict[str, Phase], calibrated: PolicyConfig) -> None:

@@ -217,8 +217,9 @@ class Scheduler(ABC):
     """``_kv_released`` is called when a request's KV is freed."""
     takes_decode_allowance: ClassVar[bool] = False
     """:meth:`observe_engine_kv` takes a decode allowance and per-request credits
-    (``kvDecodeBooking: engine``); False (the lesson's policies): they are ignored, and the
-    gates book every running request up front whatever the sidecar's setting."""
+    (``kvDecodeBooking: engine``; ``peak``: the credits alone); False (the lesson's
+    policies): they are ignored, and the gates book every running request up front whatever
+    the sidecar's setting."""
     tracks_completions: ClassVar[bool] = False
     """``_finished`` is called when a dispatched request stops running (settled, or released
     unsettled)."""
@@ -245,9 +246,9 @@ class Scheduler(ABC):
         change by it."""
         self.kv_gate_credit_blocks = 0
         """The blocks of the running requests' reservations the gates do not count
-        (``kvDecodeBooking: engine``, a fresh report): the sum of their ``Job.kv_gate_credit``
-        of the current report epoch. Each request's credit is given back exactly when it ends;
-        a report or a stale one replaces them all."""
+        (``kvDecodeBooking: engine`` or ``peak``, a fresh report): the sum of their
+        ``Job.kv_gate_credit`` of the current report epoch. Each request's credit is given back
+        exactly when it ends; a report or a stale one replaces them all."""
         self._kv_epoch = 0
         self._kv_prompt_ratio = 1.0  # `kv_prompt_ratio`, validated by its setter
         self.kv_decode_allowance_tokens = -1
@@ -531,7 +532,11 @@ class Scheduler(ABC):
         blocks than the report less what the requests ended since surely held in it. Decode
         beyond the allowance is the watermark's headroom's to absorb (the engine preempts past
         it). A policy that does not take the allowance (:attr:`takes_decode_allowance`, the
-        lesson's) ignores both."""
+        lesson's) ignores both.
+
+        ``gate_credits`` without an allowance (``kvDecodeBooking: peak``): the running
+        requests' credits are taken the same way (each given back at its end), while a request
+        dispatched before the next report is booked at its whole reservation."""
         self._kv_epoch += 1
         self.kv_gate_credit_blocks = 0
         if used_blocks is None:
@@ -539,11 +544,11 @@ class Scheduler(ABC):
             self.kv_decode_allowance_tokens = -1
             return
         self.kv_correction_blocks = used_blocks - held_blocks
-        if not self.takes_decode_allowance or decode_allowance_tokens < 0:
+        if not self.takes_decode_allowance:
             self.kv_decode_allowance_tokens = -1
             return
-        self.kv_decode_allowance_tokens = decode_allowance_tokens
-        if gate_credits is None:
+        self.kv_decode_allowance_tokens = max(-1, decode_allowance_tokens)
+        if not gate_credits:
             return
         epoch = self._kv_epoch
         jobs = self.jobs

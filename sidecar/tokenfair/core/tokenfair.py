@@ -209,7 +209,7 @@ class TokenfairScheduler(Scheduler):
     settles_every_request = True  # the expected cost (estimate x usage ratio) may differ
     tracks_kv_releases = True  # the KV forecast of `kv_wait_ms`
     tracks_completions = True  # the work running on the engine (`_finished`)
-    takes_decode_allowance = True  # `kvDecodeBooking: engine` (the lesson's policies: up front)
+    takes_decode_allowance = True  # `kvDecodeBooking: engine | peak` (the lesson's: up front)
     bucket_type = ExactTokenBucket  # budgets in integer units, like the DRR state
 
     def __init__(self, config: Config, now_ms: float = 0.0) -> None:

@@ -60,6 +60,25 @@ watermark's headroom (``1 - kvWatermark`` of the cache); past the cache the engi
 (vLLM: frees a running request's blocks and recomputes it later). Stale or missing reports:
 the gates book up front again at once.
 
+**Decode booked to the forecast peak** (``kvDecodeBooking: peak``): while a report is fresh,
+the gates count the running streams' decode only to the most their blocks will reach together,
+forecast at one common decode rate (docs/fairness.md §5.3)::
+
+    gate = used + growth(t*) + (what the streams forecast to end before t* hold)
+    growth(t) = sum over streams running at t (b(t) - held) - sum over those ended by t (held)
+
+``t`` runs over the streams' ends in the order of their decode to come (``max_tokens -
+shown``), ``b(t)`` is a stream's blocks after ``t`` more tokens, ``t*`` the first end at the
+maximum (:func:`peak_credits`). Requests at the same progress (a burst dispatched together)
+count the sum of their reservations, as ``upfront``; staggered ones less: booking decode up
+front costs a lane of long prompts a request of concurrency whenever its requests are
+staggered. A stream not yet past its first token, a whole answer and a preempted stream keep
+their reservations; a request dispatched before the next report is booked at its reservation
+(no allowance, ``Scheduler.kv_gate_job_blocks`` unchanged). Each credit is given back at its
+request's end; stale or missing reports: up front at once. Decode beyond ``max_tokens`` and
+streams faster than others (the common rate is an assumption: chunked prefill, priorities or
+speculative decoding break it) are the watermark's headroom's to absorb.
+
 **The prompt ratio in the books** (``kvPromptRatio: learned``, the default): the gates book a
 request admitted now at the engine's prompt count too — its estimated prompt times the learned
 ratio, within :data:`GATE_PROMPT_RATIO_BOUNDS`
@@ -130,11 +149,68 @@ tokenizer and chat template move a prompt's count by ~2x (loadgen's text on the 
 (the gates' correction) cover as before."""
 
 
-KV_DECODE_BOOKING_MODES: Final = ("upfront", "engine")
+KV_DECODE_BOOKING_MODES: Final = ("upfront", "engine", "peak")
 """The sidecar's ``kvDecodeBooking`` settings (:attr:`KvView.decode_booking`)."""
 DECODE_HORIZON_REPORTS: Final = 2.0
 """``kvDecodeBooking: engine`` books each running stream's decode for this many of the
 engine's report intervals at the fastest decode rate seen (one report late is covered)."""
+
+
+def peak_credits(streams: list[tuple[int, int, int, int, str]], block: int) -> dict[str, int]:
+    """``kvDecodeBooking: peak``: each running stream's gate credit against the forecast peak
+    of their blocks. A stream is ``(left, tokens, reserved, held, request_id)``: its decode
+    tokens to come (``max_tokens - shown``), the tokens it holds blocks for (its booked prompt
+    and ``shown``), its reservation and the blocks it surely holds (both in blocks).
+
+    All decode at one common rate (tokens per stream per step), so stream ``i`` ends after
+    ``left_i`` tokens, holding ``b_i(t) = min(reserved_i, ceil((tokens_i + t) / block))``
+    blocks until then; the peak does not depend on the rate. The net growth of their blocks::
+
+        growth(t) = sum over i with left_i >= t of (b_i(t) - held_i)
+                  - sum over i with left_i <  t of held_i        (ended: their blocks freed)
+
+    is evaluated just before each end (``t`` = each ``left``; its maximum is at one of them,
+    or 0 now) and ``t*`` is the first ``t`` at its maximum. Credits: a stream running at
+    ``t*`` ``reserved - b_i(t*)``; one that ends before ``t*`` ``reserved - held``. The gates
+    then count::
+
+        gate = used + sum over i with left_i >= t* of (b_i(t*) - held_i)
+             = used + growth(t*) + sum over i with left_i < t* of held_i
+
+    that is, the forecast peak, plus, where the peak comes after some ends (long decodes
+    beside short ones), the blocks of the streams forecast to end before it: those are never
+    credited, so every credit is at most its own request's growth to come and the gates never
+    see fewer blocks than the engine's report less what the requests ended since held in it,
+    whatever order they end in (a credit is given back at its request's end; once the streams
+    forecast to end first have ended, the gates count the peak exactly). The sum of the
+    reservations when all are at the same progress; less the more they are staggered; never
+    more than ``upfront``.
+
+    Cost: ``O(r^2)`` for ``r`` streams, once per fresh report."""
+    streams = sorted(streams)  # by decode to come: the order they end in
+    best = 0  # growth(0): every stream at what it holds
+    best_at = -1
+    for at, _, _, _, _ in streams:
+        growth = 0
+        for left, tokens, reserved, held, _ in streams:
+            if left >= at:
+                blocks = -(-(tokens + at) // block)
+                growth += (reserved if blocks > reserved else blocks) - held
+            else:
+                growth -= held
+        if growth > best:
+            best = growth
+            best_at = at
+    credits: dict[str, int] = {}
+    for left, tokens, reserved, held, request_id in streams:
+        if best_at >= 0 and left >= best_at:
+            blocks = -(-(tokens + best_at) // block)
+            credit = reserved - max(held, min(reserved, blocks))
+        else:
+            credit = reserved - held
+        if credit > 0:
+            credits[request_id] = credit
+    return credits
 
 
 class KvView:
@@ -156,7 +232,9 @@ class KvView:
         self.decode_booking = decode_booking if follows_streams else "upfront"
         """``upfront``: the gates book every running request's decode to its ``max_tokens``
         (the default); ``engine``: while the engine's report is fresh, its prompt, the tokens
-        relayed and :attr:`decode_allowance_tokens` (the module's docstring)."""
+        relayed and :attr:`decode_allowance_tokens`; ``peak``: while it is fresh, the running
+        streams' decode to the forecast peak of their blocks (:meth:`peak_credits`; the
+        module's docstring)."""
         self.decode_allowance_tokens = -1
         """The decode tokens the gates booked each running stream beyond what it has shown
         at the last fresh report (``engine`` mode; -1: none, the reservations in full)."""
@@ -271,6 +349,7 @@ class KvView:
         used_blocks: int | None = None,
         decode_allowance_tokens: int = -1,
         gate_credits: dict[str, int] | None = None,
+        peak: bool = False,
     ) -> int:
         """The blocks the engine surely holds for the running requests, by the gates' model:
         each stream that has shown tokens its prompt as booked (``Job.kv_prompt_tokens``: the
@@ -296,7 +375,12 @@ class KvView:
         running stream's growth over the allowance, not to its ``max_tokens``. Each tracked
         stream's share of that (its gate credit) goes into ``gate_credits`` if given (by request
         id): :meth:`~tokenfair.core.scheduler.Scheduler.observe_engine_kv` gives it back exactly
-        when the request ends."""
+        when the request ends.
+
+        ``peak`` (``kvDecodeBooking: peak``; no allowance) adds instead each streaming request's
+        credit against the forecast peak of the running streams' blocks (:meth:`peak_credits`:
+        the streams that have shown tokens and are not preempted; the others keep their
+        reservations), into ``gate_credits`` the same way."""
         block = scheduler.policy.kv_block_tokens
         held_job = scheduler.held_job
         preempted: set[str] = set()
@@ -317,6 +401,7 @@ class KvView:
         held = 0
         tracked = 0
         beyond = 0  # the reservations beyond the decode allowance (engine booking)
+        forecast: list[tuple[int, int, int, int, str]] = []  # the peak's streams
         for request_id, progress in self._running.items():
             job = held_job(request_id)
             if job is None:
@@ -328,6 +413,11 @@ class KvView:
             if progress.events and request_id not in preempted:
                 surely = min(reserved, -(-(job.kv_prompt_tokens + shown) // block))
                 held += surely
+                if peak and progress.stream:
+                    left = job.request.decode_tokens - shown
+                    forecast.append(
+                        (left, job.kv_prompt_tokens + shown, reserved, surely, request_id)
+                    )
             if decode_allowance_tokens >= 0 and progress.stream:
                 tokens = job.kv_prompt_tokens + shown + decode_allowance_tokens
                 soon = min(reserved, -(-tokens // block))
@@ -335,6 +425,11 @@ class KvView:
                 beyond += credit
                 if gate_credits is not None and credit > 0:
                     gate_credits[request_id] = credit
+        if forecast:
+            credits = peak_credits(forecast, block)
+            beyond += sum(credits.values())
+            if gate_credits is not None:
+                gate_credits.update(credits)
         held += max(0, scheduler.resident_blocks - tracked)
         if used_blocks is not None:
             held = min(held, max(0, used_blocks))
@@ -420,11 +515,13 @@ class KvView:
         self._room = waiting == 0
         self._room_from = self._sent if waiting == 0 and self._clock is None else None
         allowance = self._decode_allowance(scheduler.policy.kv_block_tokens)
+        peak = self.decode_booking == "peak"
         if not scheduler.takes_decode_allowance:
             allowance = -1  # the lesson's policies book up front whatever the setting
+            peak = False
         self.decode_allowance_tokens = allowance
         credits: dict[str, int] = {}
-        held = self.gate_blocks_held(scheduler, running, used_blocks, allowance, credits)
+        held = self.gate_blocks_held(scheduler, running, used_blocks, allowance, credits, peak)
         scheduler.observe_engine_kv(used_blocks, held - sum(credits.values()), allowance, credits)
         self._view_correction = used_blocks - self.modelled_blocks(scheduler)
 

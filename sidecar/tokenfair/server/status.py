@@ -61,9 +61,9 @@ def status_head(sidecar: Sidecar) -> dict[str, object]:
         },
         # The KV cache (server/kv_view.py): what the engine holds now as the sidecar sees it
         # (view), and what the gates see (the books corrected by the engine's last report, less
-        # the running requests' decode credits with kvDecodeBooking: engine, `gate_blocks =
-        # resident + correction_blocks - gate_credit_blocks`; upfront: no credit, the growth
-        # to their reservations counted in full); without a fresh
+        # the running requests' decode credits with kvDecodeBooking: engine or peak,
+        # `gate_blocks = resident + correction_blocks - gate_credit_blocks`; upfront: no
+        # credit, the growth to their reservations counted in full); without a fresh
         # report ("source": "books", "engine" says why) the gates use the books alone. The
         # prompt ratio learned from the engine's usage, the one reservations are booked at
         # (kvPromptRatio), the engine's intake delay the view learned, and how running

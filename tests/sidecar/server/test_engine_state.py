@@ -142,6 +142,7 @@ def test_settings_by_name() -> None:
     assert settings_from_section({"kvPromptRatio": "off"}).kv_prompt_ratio == "off"
     assert settings.kv_decode_booking == "upfront"
     assert settings_from_section({"kvDecodeBooking": "engine"}).kv_decode_booking == "engine"
+    assert settings_from_section({"kvDecodeBooking": "peak"}).kv_decode_booking == "peak"
     refused: list[tuple[dict[str, object], str]] = [
         ({"engineMetrics": "prometheus"}, "sidecar.engineMetrics: must be one of auto"),
         ({"engineMetricsPath": "metrics"}, "sidecar.engineMetricsPath: must be a path"),
@@ -151,9 +152,12 @@ def test_settings_by_name() -> None:
         ({"kvPromptRatio": 2}, r"sidecar\.kvPromptRatio: must be one of learned, off \(got 2\)"),
         (
             {"kvDecodeBooking": "lazy"},
-            r"sidecar\.kvDecodeBooking: must be one of upfront, engine \(got 'lazy'\)",
+            r"sidecar\.kvDecodeBooking: must be one of upfront, engine, peak \(got 'lazy'\)",
         ),
-        ({"kvDecodeBooking": False}, r"sidecar\.kvDecodeBooking: must be one of upfront, engine"),
+        (
+            {"kvDecodeBooking": False},
+            r"sidecar\.kvDecodeBooking: must be one of upfront, engine, peak",
+        ),
     ]
     for section, message in refused:
         with pytest.raises(ConfigError, match=message):

@@ -63,9 +63,9 @@ from sidecar_support import (
     start,
 )
 
-from tokenfair.config import PolicyConfig
-from tokenfair.core import Request, make_scheduler
-from tokenfair.server.kv_view import KvView, StreamProgress
+from tokenfair.config import Config, PolicyConfig
+from tokenfair.core import Request, Scheduler, make_scheduler
+from tokenfair.server.kv_view import KvView, StreamProgress, peak_credits
 from tokenfair.server.runtime_settings import SidecarSettings
 
 pytestmark = pytest.mark.virtual_time
@@ -1037,8 +1037,193 @@ def test_the_lesson_policies_take_no_decode_allowance() -> None:
         assert scheduler.kv_gate_blocks == booked, name
 
 
-def test_the_decode_booking_is_upfront_or_engine() -> None:
-    with pytest.raises(ValueError, match=r"KvView\.decode_booking: must be one of upfront, engine"):
+def test_the_decode_booking_is_upfront_engine_or_peak() -> None:
+    with pytest.raises(
+        ValueError, match=r"KvView\.decode_booking: must be one of upfront, engine, peak"
+    ):
         KvView(decode_booking="lazy")
-    assert KvView(follows_streams=False, decode_booking="engine").decode_booking == "upfront"
+    for mode in ("engine", "peak"):
+        assert KvView(follows_streams=False, decode_booking=mode).decode_booking == "upfront"
+    assert KvView(decode_booking="peak").decode_booking == "peak"
     assert SidecarSettings().kv_decode_booking == "upfront"
+
+
+FLOOD_PROMPT = 1602
+"""A flood request of the live bench's run 6: its 800-token prompt at the learned ratio 2.0,
+with 160 tokens of decode: 51 blocks of 32 at its first token, 56 at its end."""
+FLOOD_DECODE = 160
+
+
+def flood_stream(shown: int, request_id: str) -> tuple[int, int, int, int, str]:
+    """A flood request that has shown ``shown`` tokens, as :func:`peak_credits` takes it."""
+    return (
+        FLOOD_DECODE - shown,
+        FLOOD_PROMPT + shown,
+        blocks(FLOOD_PROMPT + FLOOD_DECODE),
+        blocks(FLOOD_PROMPT + shown),
+        request_id,
+    )
+
+
+def start_floods(scheduler: Scheduler, view: KvView, shown: dict[str, int]) -> None:
+    """Dispatch a flood request per id at 0 ms, each having shown its count of tokens."""
+    for request_id, tokens in shown.items():
+        request = Request(
+            request_id, "tenant_chat_pro", 0.0, FLOOD_PROMPT, FLOOD_DECODE, "interactive"
+        )
+        assert scheduler.submit(request, 0.0) is None
+        assert scheduler.next_dispatch(0.0) is not None
+        tracked = view.track(request_id)
+        assert tracked is not None
+        tracked.relayed(b"data: {}\n\n" * tokens)
+
+
+def unbudgeted_config(total_kv_blocks: int) -> Config:
+    """Blocks of 32, the lesson's tenants with budgets that never bind."""
+    policy = dataclasses.replace(
+        PATIENT_POLICY,
+        kv_block_tokens=BLOCK,
+        total_kv_blocks=total_kv_blocks,
+        max_batch_requests=16,
+    )
+    return keyed_config(
+        policy, burst_service_tokens=10**12, sustained_service_tokens_per_second=10**9
+    )
+
+
+def test_the_peak_forecast_of_staggered_streams_is_below_the_sum() -> None:
+    # Five flood requests evenly spread over their 160 tokens: 265 blocks now, 280 at their
+    # reservations; one common rate, so the first to end (27 tokens to come) ends after 27
+    # more tokens of each: just before it, each has grown by a block: 270, the peak (later,
+    # the ends free 55-56 blocks each, more than the survivors grow).
+    streams = [flood_stream(shown, f"r{shown}") for shown in (27, 53, 80, 107, 133)]
+    assert sum(stream[3] for stream in streams) == 265
+    reserved = sum(stream[2] for stream in streams)
+    assert reserved == 280
+    credits = peak_credits(streams, BLOCK)
+    assert reserved - sum(credits.values()) == 270
+    # Each credit is its stream's growth beyond the peak's point: at most its growth to come.
+    for _, _, booked, held, request_id in streams:
+        assert 0 <= credits.get(request_id, 0) <= booked - held
+    assert credits == {"r27": 4, "r53": 3, "r80": 2, "r107": 1}
+
+
+def test_the_peak_forecast_of_streams_at_the_same_progress_is_the_sum() -> None:
+    # A burst dispatched together: all end at once, each at its reservation: the sum, as
+    # booked up front; no credit.
+    streams = [flood_stream(80, f"r{number}") for number in range(5)]
+    assert peak_credits(streams, BLOCK) == {}
+    assert peak_credits([], BLOCK) == {}
+
+
+def test_the_peak_forecast_never_credits_what_a_stream_ending_first_holds() -> None:
+    # A long answer nearly done (100 blocks held, 10 tokens to come) beside a long decode
+    # (1 block held, 3200 tokens to come: 101 blocks at its end). Just before the first ends,
+    # the second has grown a block: the peak (after it, the 100 blocks freed outweigh the
+    # other's growth). Counted: that block; credited: the rest of the long decode's growth.
+    nearly_done = (10, 3190, 100, 100, "nearly_done")
+    long = (3200, 32, 101, 1, "long")
+    assert peak_credits([nearly_done, long], BLOCK) == {"long": 101 - 2}
+    # A short answer (10 blocks) beside the long decode: the net peak is at the long one's
+    # end (+100, the short one's 10 freed: 90), after the short one ends. Its 10 blocks are
+    # not credited (counted: 100, as up front): were they, and the long one ended first (a
+    # stop token), the gates would fall to the report less 11 while the short one still holds
+    # its 10.
+    short = (10, 310, 10, 10, "short")
+    assert peak_credits([short, long], BLOCK) == {}
+
+
+def test_peak_decode_booking_starts_a_sixth_staggered_request_upfront_does_not() -> None:
+    # 369 blocks of 32, the interactive watermark 0.9: 332 blocks. Five flood requests run,
+    # staggered over their 160 tokens; a sixth (56 blocks) waits. Up front: 280 + 56 = 336,
+    # past 332; to the forecast peak: 270 + 56 = 326, it starts. At the same progress, it waits
+    # in both. A request dispatched before the next report is booked at its reservation.
+    config = unbudgeted_config(369)
+
+    def run(mode: str, shown: tuple[int, ...]) -> tuple[bool, int, KvView, Scheduler]:
+        now = [0.0]
+        scheduler = make_scheduler("tokenfair", config)
+        view = KvView(clock=lambda: now[0], decode_booking=mode)
+        start_floods(scheduler, view, {f"r{number}": n for number, n in enumerate(shown)})
+        now[0] = 250.0
+        used = sum(blocks(FLOOD_PROMPT + tokens) for tokens in shown)
+        view.observe(scheduler, used, running=len(shown), waiting=0)
+        sixth = Request("r5", "tenant_chat_pro", 250.0, FLOOD_PROMPT, FLOOD_DECODE, "interactive")
+        assert scheduler.submit(sixth, 250.0) is None
+        gate = scheduler.kv_gate_blocks
+        return scheduler.next_dispatch(250.0) is not None, gate, view, scheduler
+
+    staggered = (27, 53, 80, 107, 133)
+    assert run("upfront", staggered)[:2] == (False, 280)
+    started, gate, view, scheduler = run("peak", staggered)
+    assert (started, gate) == (True, 270)
+    assert view.decode_allowance_tokens == scheduler.kv_decode_allowance_tokens == -1
+    assert scheduler.kv_gate_blocks == 270 + blocks(FLOOD_PROMPT + FLOOD_DECODE)  # in full
+    assert scheduler.resident_blocks == 6 * 56  # the books: unchanged
+    for mode in ("upfront", "peak"):
+        assert run(mode, (80,) * 5)[:2] == (False, 280), mode
+
+
+def test_peak_decode_booking_gives_each_credit_back_at_its_end_and_falls_back_when_stale() -> None:
+    # The five staggered flood requests under kvDecodeBooking: peak. Each end takes off what
+    # the gates counted for that request (its reservation less its credit), in any order, and
+    # never leaves them below the report less what the ended requests held in it. A stale
+    # report: the books at once (up front).
+    config = unbudgeted_config(1000)
+    now = [0.0]
+    scheduler = make_scheduler("tokenfair", config)
+    view = KvView(clock=lambda: now[0], decode_booking="peak")
+    shown = {"r27": 27, "r53": 53, "r80": 80, "r107": 107, "r133": 133}
+    start_floods(scheduler, view, shown)
+    used = 265
+    view.observe(scheduler, used, running=5, waiting=0)
+    assert (scheduler.kv_gate_blocks, scheduler.kv_gate_credit_blocks) == (270, 10)
+    ended_held = 0
+    for request_id in ("r27", "r133", "r80"):  # the longest first, then the shortest
+        job = scheduler.jobs[request_id]
+        counted = job.kv_blocks - job.kv_gate_credit
+        before = scheduler.kv_gate_blocks
+        scheduler.complete(request_id, 100.0)
+        view.forget(request_id)
+        ended_held += blocks(FLOOD_PROMPT + shown[request_id])
+        assert scheduler.kv_gate_blocks == before - counted
+        assert scheduler.kv_gate_blocks >= used - ended_held
+    assert scheduler.kv_gate_credit_blocks == 3 + 1  # r53's and r107's
+    view.observe(scheduler, None)
+    assert scheduler.kv_gate_credit_blocks == 0
+    assert scheduler.kv_gate_blocks == scheduler.resident_blocks == 2 * 56
+    # Missing from the start: no credit either.
+    fresh = make_scheduler("tokenfair", config)
+    KvView(decode_booking="peak").observe(fresh, None)
+    assert (fresh.kv_gate_credit_blocks, fresh.kv_decode_allowance_tokens) == (0, -1)
+
+
+def test_peak_decode_booking_keeps_the_reservation_of_what_has_not_streamed() -> None:
+    # A stream with nothing shown yet (in the engine's queue, on its way, being prefilled) and
+    # a whole answer keep their reservations (no forecast of their ends) beside two streams
+    # forecast (2000-token prompts, max_tokens 3000: 157 blocks each): c has shown 60, d 2000.
+    # d ends first, after 1000 more tokens of each: c at 3060 tokens (96 blocks), d at its
+    # 157: growth 31 + 32, the peak (after it, d's 125 blocks are freed); c's credit 157 - 96.
+    # The lesson's policies take no credit at all.
+    config = unbudgeted_config(1000)
+    for name in ("tokenfair", "service_token_drr_with_admission"):
+        scheduler = make_scheduler(name, config)
+        view = KvView(decode_booking="peak")
+        sent = (("a", True, 0), ("b", False, 0), ("c", True, 60), ("d", True, 2000))
+        for request_id, stream, tokens in sent:
+            request = Request(request_id, "tenant_chat_pro", 0.0, 2000, 3000, "interactive")
+            assert scheduler.submit(request, 0.0) is None
+            assert scheduler.next_dispatch(0.0) is not None
+            tracked = view.track(request_id, stream=stream)
+            assert tracked is not None
+            tracked.relayed(b"data: {}\n\n" * tokens)
+        used = blocks(2000) + blocks(2060) + blocks(4000)  # b, c, d
+        view.observe(scheduler, used, running=3, waiting=1)
+        takes = name == "tokenfair"
+        credits = {request_id: scheduler.jobs[request_id].kv_gate_credit for request_id in "abcd"}
+        assert credits == {"a": 0, "b": 0, "c": 157 - 96 if takes else 0, "d": 0}, name
+        assert scheduler.kv_gate_credit_blocks == sum(credits.values()), name
+        # a and b at their reservations (b's prompt in the report besides: a whole answer
+        # holds nothing surely), c and d their growth to come less their credits.
+        growth = 2 * 157 + (157 - blocks(2060)) + (157 - blocks(4000))
+        assert scheduler.kv_gate_blocks == used + growth - credits["c"], name
