@@ -44,6 +44,8 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from raw_upstream_support import (
     CONTENT_CHUNKS,
     DONE,
@@ -312,6 +314,49 @@ def test_usage_event_filter_splits_no_event_of_an_lf_stream(
         out = b"".join(usage_filter.feed(wire[i : i + size]) for i in range(0, len(wire), size))
         assert out + usage_filter.flush() == expected, size
     assert scans == []
+
+
+_SEARCHED = st.lists(
+    st.sampled_from([b'"choices"', b'"choice"', b"s", b'"', b":", b"[", b"]", b"[]", b" ",
+                     b"\n", b"\r", b"\t", b"\x0b", b"\x0c", b" " * 70, b"{", b"x"]),
+    max_size=40,
+).map(b"".join)  # fmt: skip
+
+
+@given(data=_SEARCHED, pos=st.integers(0, 40))
+@settings(max_examples=400, deadline=None)
+def test_empty_choices_finds_what_the_regex_finds(data: bytes, pos: int) -> None:
+    """Issue 34: the usage event's ``"choices": []`` is found from its empty list (a cheaper
+    scan), at the spans the regex finds, from any start; whitespace runs longer than the look
+    back (70 bytes) go to the regex."""
+    pos = min(pos, len(data))
+    match = openai_backend._EMPTY_CHOICES.search(data, pos)
+    assert openai_backend._empty_choices(data, pos) == (None if match is None else match.span())
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        b'data: {"a":1}\n\n',
+        b'data:{"a":1}\n\n\n',
+        b"data:\n\n",
+        b"data\n\n",
+        b"data:  two spaces\n\n",
+        b": comment\ndata: x\n\n",
+        b"data: x\ndata: y\n\n",
+        b"data: x\r\n\r\n",
+        b"data: x\r\r",
+        b"event: e\n\n",
+        b"datax\n\n",
+    ],
+)
+def test_event_data_of_one_line_is_sliced_as_split(event: bytes) -> None:
+    """Issue 34: an event of one ``data:`` line ended by LFs is sliced, not split; its data is
+    the same as the line-by-line reading's."""
+    values = [line[5:].removeprefix(b" ") if line.startswith(b"data:") else b""
+              for line in openai_backend._LINE_SPLIT.split(event)
+              if line.startswith(b"data:") or line == b"data"]  # fmt: skip
+    assert openai_backend._event_data(event) == (b"\n".join(values) if values else None)
 
 
 def test_usage_event_filter_holds_at_most_an_event_of_64_kib() -> None:

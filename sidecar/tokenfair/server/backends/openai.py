@@ -267,13 +267,50 @@ lone CR (SSE allows all three); a CR at the end of the bytes so far counts as a 
 that starts the next chunk is then part of that line end)."""
 _LINE_SPLIT: Final = re.compile(rb"\r\n|\n|\r")
 _EMPTY_CHOICES: Final = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+"""What an event's data must hold to be the usage event (:func:`_empty_choices` finds it)."""
+_EMPTY_LIST: Final = re.compile(rb"\[\s*\]")
+_SPACE: Final = b" \t\n\r\x0b\x0c"
+"""The bytes ``\\s`` matches in a bytes pattern."""
+_CHOICES: Final = b'"choices"'
+_LOOKBACK_BYTES: Final = 64
+"""How far before an empty list :func:`_empty_choices` looks for its ``"choices":``."""
+
+
+def _empty_choices(data: bytes, pos: int = 0) -> tuple[int, int] | None:
+    """``(start, end)`` of ``_EMPTY_CHOICES.search(data, pos)``, found from the empty list
+    instead: that regex's literal prefix starts with a quote, which JSON has every few bytes
+    (~12 instructions a byte scanned), while the ``[`` of ``\\[\\s*\\]`` is rarer (~6) and an
+    empty list rare. Each empty list is checked backward within :data:`_LOOKBACK_BYTES` before
+    its ``[`` (``"choices"``, ``\\s*:\\s*``); a check that the window cuts short (all
+    whitespace) runs the regex itself from there. Matches come in the regex's order: the bytes
+    between a ``"choices"`` and its ``[`` hold no ``]`` of an earlier list."""
+    while (found := _EMPTY_LIST.search(data, pos)) is not None:
+        at = found.start()
+        window = max(pos, at - _LOOKBACK_BYTES)
+        head = data[window:at].rstrip(_SPACE)
+        if head.endswith(b":"):
+            head = head[:-1].rstrip(_SPACE)
+            if head.endswith(_CHOICES):
+                return window + len(head) - len(_CHOICES), found.end()
+        if window > pos and len(head) < len(_CHOICES):  # the window may hide a match's start
+            match = _EMPTY_CHOICES.search(data, pos)
+            return None if match is None else match.span()
+        pos = found.end()
+    return None
+
+
 MAX_HELD_EVENT_BYTES: Final = 1 << 16
 """An SSE event longer than this (64 KiB) is passed through unexamined rather than held."""
 
 
 def _event_data(event: bytes) -> bytes | None:
     """An SSE event's data: its ``data:`` lines' values joined with LF, as a client reads them
-    (None: the event has no data line)."""
+    (None: the event has no data line). An event of one ``data:`` line ended by LFs (what
+    servers write) is sliced, not split line by line."""
+    line = event.rstrip(b"\n")
+    if line.startswith(b"data:") and b"\n" not in line and b"\r" not in line:
+        value = line[5:]
+        return value[1:] if value.startswith(b" ") else value
     values: list[bytes] = []
     for line in _LINE_SPLIT.split(event):
         if line.startswith(b"data:"):
@@ -358,10 +395,10 @@ def _cut_usage_events_lf(events: bytes) -> bytes:
     the blank line) goes to the general per-event split."""
     out: list[bytes] = []
     kept_from = search_at = 0
-    while (match := _EMPTY_CHOICES.search(events, search_at)) is not None:
-        at = match.start()
+    while (match := _empty_choices(events, search_at)) is not None:
+        at, match_end = match
         end = events.find(b"\n\n", at)  # the blank line ending its event (pairs from here)
-        if end < 0 or match.end() > end:
+        if end < 0 or match_end > end:
             return _cut_usage_events_split(events)
         end += 2
         # Its event's first byte: after the last blank line before it, past the line ends
@@ -387,7 +424,7 @@ def _cut_usage_events_split(events: bytes) -> bytes:
     for match in _EVENT_END.finditer(events):
         end = match.end()
         event = events[start:end]
-        if _EMPTY_CHOICES.search(event) is not None and _is_usage_event(event):
+        if _empty_choices(event) is not None and _is_usage_event(event):
             out.append(events[kept_from : start + _leading_line_ends(event)])
             kept_from = end
         start = end
@@ -459,7 +496,7 @@ class UsageEventFilter:
         """The held bytes at the end of the stream (an event no blank line ended: cut if it is
         the usage event)."""
         held, self._held = self._held, b""
-        if held and _EMPTY_CHOICES.search(held) is not None and _is_usage_event(held):
+        if held and _empty_choices(held) is not None and _is_usage_event(held):
             return held[: _leading_line_ends(held)]
         return held
 
@@ -488,13 +525,13 @@ class UsageEventFilter:
             return _cut_usage_events_lf(events)
         ends_with_cr = at_end and events.endswith(b"\r")
         kept = True  # the last event's fate
-        if _EMPTY_CHOICES.search(events) is not None:
+        if _empty_choices(events) is not None:
             out: list[bytes] = []
             start = kept_from = 0
             for match in _EVENT_END.finditer(events):
                 end = match.end()
                 event = events[start:end]
-                kept = _EMPTY_CHOICES.search(event) is None or not _is_usage_event(event)
+                kept = _empty_choices(event) is None or not _is_usage_event(event)
                 if not kept:
                     out.append(events[kept_from : start + _leading_line_ends(event)])
                     kept_from = end
