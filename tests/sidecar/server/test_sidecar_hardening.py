@@ -359,6 +359,39 @@ def test_event_data_of_one_line_is_sliced_as_split(event: bytes) -> None:
     assert openai_backend._event_data(event) == (b"\n".join(values) if values else None)
 
 
+async def test_a_streamed_answer_s_head_goes_out_with_its_first_bytes(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: the status line and headers of a streamed answer are sent with its first
+    bytes, in one write to the client's transport (not a write of their own); the client's
+    bytes are the same."""
+    wire = b"".join(CONTENT_CHUNKS) + USAGE_CHUNK + DONE
+    raw = await upstream({"stream": reply(sse_response(wire[:100], wire[100:]))})
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path)
+    sends: list[bytes] = []
+    write = aiohttp.http_writer.StreamWriter._write
+    writelines = aiohttp.http_writer.StreamWriter._writelines
+
+    def record_write(self: Any, chunk: bytes) -> None:
+        sends.append(bytes(chunk))
+        write(self, chunk)
+
+    def record_writelines(self: Any, chunks: Any) -> None:
+        chunks = list(chunks)
+        sends.append(b"".join(chunks))
+        writelines(self, chunks)
+
+    monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "_write", record_write)
+    monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "_writelines", record_writelines)
+    response = await post(clients, chat("stream", stream=True))
+    assert response.status == 200
+    assert await response.read() == b"".join(CONTENT_CHUNKS) + DONE
+    heads = [send for send in sends if send.startswith(b"HTTP/1.1 200")]
+    assert len(heads) == 1
+    _, _, body = heads[0].partition(b"\r\n\r\n")
+    assert CONTENT_CHUNKS[0] in body  # the first event (chunk-framed) in the head's own send
+
+
 def test_usage_event_filter_holds_at_most_an_event_of_64_kib() -> None:
     """A line that never ends is not held whole: past 64 KiB it passes through as it comes."""
     usage_filter = UsageEventFilter()

@@ -580,6 +580,15 @@ def _decoded(decoder: BodyDecoder, data: bytes, coding: str | None, what: str) -
         ) from None
 
 
+class _SSEResponse(web.StreamResponse):
+    """A streamed answer whose status line and headers go out with its first bytes, in one
+    send (``prepare`` only buffers them; aiohttp's ``web.Response`` does the same), not in a
+    send of their own: the client gets the same bytes, with one system call fewer. Prepared
+    only when its first bytes are at hand (or at its end), so nothing waits behind it."""
+
+    _send_headers_immediately = False
+
+
 class OpenAIBackend(Backend):
     name: ClassVar[str] = OPENAI_BACKEND
     default_max_in_flight: ClassVar[int] = 64
@@ -789,7 +798,7 @@ class OpenAIBackend(Backend):
         """Relay an SSE stream. ``injected``: the sidecar added ``include_usage`` (its usage
         event is cut out); ``opaque``: the body is in a coding not decoded here (relayed as
         is, its usage unread)."""
-        response = web.StreamResponse(status=upstream.status, headers=headers)
+        response = _SSEResponse(status=upstream.status, headers=headers)
         # The last bytes relayed (at least TAIL_BYTES once that many went by), trimmed only when
         # twice that size: an append per chunk, a copy every TAIL_BYTES. A piece is added once
         # the client has been sent what it became, so without the usage filter the tail is what
