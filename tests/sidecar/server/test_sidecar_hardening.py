@@ -392,6 +392,41 @@ async def test_a_streamed_answer_s_head_goes_out_with_its_first_bytes(
     assert CONTENT_CHUNKS[0] in body  # the first event (chunk-framed) in the head's own send
 
 
+async def test_a_streamed_answer_s_end_goes_out_with_its_last_bytes(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: when the upstream's end arrives with the stream's last bytes, those bytes and
+    the client's last chunk (``0\\r\\n\\r\\n``) go in one send; the client's bytes are the
+    same, with the usage event cut (not asked for) or relayed (asked for)."""
+    wire = b"".join(CONTENT_CHUNKS) + USAGE_CHUNK + DONE
+    raw = await upstream({"stream": reply(sse_response(wire))})
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path)
+    sends: list[bytes] = []
+    writelines = aiohttp.http_writer.StreamWriter._writelines
+
+    def record_writelines(self: Any, chunks: Any) -> None:
+        chunks = list(chunks)
+        sends.append(b"".join(chunks))
+        writelines(self, chunks)
+
+    monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "_writelines", record_writelines)
+    for options, expected in (
+        ({}, b"".join(CONTENT_CHUNKS) + DONE),
+        ({"stream_options": {"include_usage": True}}, wire),
+    ):
+        sends.clear()
+        response = await post(clients, chat("stream", stream=True, **options))
+        assert response.status == 200
+        assert await response.read() == expected
+        last = [send for send in sends if DONE in send]
+        assert len(last) == 1
+        assert last[0].endswith(DONE + b"\r\n0\r\n\r\n")
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+    rows = records_of(clients.sidecar)
+    assert [row["reason"] for row in rows] == ["admitted"] * 2
+    assert all(row["actual_service_tokens"] == 9 + 4 * 3 for row in rows)  # from the usage
+
+
 def test_usage_event_filter_holds_at_most_an_event_of_64_kib() -> None:
     """A line that never ends is not held whole: past 64 KiB it passes through as it comes."""
     usage_filter = UsageEventFilter()

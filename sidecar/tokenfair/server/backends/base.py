@@ -329,6 +329,17 @@ class BackendCall:
             return
         await self._bounded(response.write_eof(), 0)
 
+    async def end_at_once(self, response: web.StreamResponse, data: bytes) -> bool:
+        """Send a stream's last bytes and its end (``response.write_eof(data)``: one send) if
+        that cannot wait (:meth:`_cannot_wait`), and say whether it did; False: nothing was
+        sent (the caller writes ``data`` with :meth:`write` and ends with :meth:`write_eof`).
+        Never a write that waits, so it fails only as :meth:`write` would, before any byte
+        (the connection already closing), never while draining as :meth:`write_eof` may."""
+        if not self._cannot_wait(len(data)):
+            return False
+        await response.write_eof(data)
+        return True
+
     def _cannot_wait(self, size: int) -> bool:
         """Whether a write of ``size`` bytes to the client cannot wait, so no timer need watch
         it: no timer watches an earlier write (its accounting goes on), the transport holds

@@ -492,6 +492,11 @@ class UsageEventFilter:
         self._held = rest
         return b"".join(out)
 
+    @property
+    def holding(self) -> bool:
+        """Bytes of an event no blank line has ended yet are held (:meth:`flush` has them)."""
+        return bool(self._held)
+
     def flush(self) -> bytes:
         """The held bytes at the end of the stream (an event no blank line ended: cut if it is
         the usage event)."""
@@ -805,19 +810,25 @@ class OpenAIBackend(Backend):
         # the client has.
         tail = bytearray()
         usage_filter = UsageEventFilter() if injected and not opaque else None
-        started = False
+        started = ended = False
         sent_end = b""  # the last bytes the client was sent: is its stream's end among them?
         try:
             while chunk := await upstream.next_chunk():
+                # The upstream's end came with this chunk: its bytes and the client's end can go
+                # in one send (unless the filter holds an unended event: flushed on its own).
+                last = decoder is None and upstream.complete
                 for piece in decoder.feed(chunk) if decoder is not None else (chunk,):
                     out = piece if usage_filter is None else usage_filter.feed(piece)
                     if out:
+                        last = last and (usage_filter is None or not usage_filter.holding)
                         if not started:
                             await response.prepare(call.request)
                             started = True
-                            await call.write(response, out)
+                            ended = last and await call.end_at_once(response, out)
+                            if not ended:
+                                await call.write(response, out)
                             call.first_byte()
-                        else:
+                        elif not (ended := last and await call.end_at_once(response, out)):
                             await call.write(response, out)
                         sent_end = (sent_end + out[-END_PROBE_BYTES:])[-END_PROBE_BYTES:]
                     if call.progress is not None:
@@ -855,7 +866,8 @@ class OpenAIBackend(Backend):
         if rest:
             await call.write(response, rest)
         self._report_stream_usage(call, tail)
-        await self._end_stream(call, response)
+        if not ended:
+            await self._end_stream(call, response)
         return response
 
     @staticmethod
