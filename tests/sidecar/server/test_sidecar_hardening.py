@@ -427,6 +427,38 @@ async def test_a_streamed_answer_s_end_goes_out_with_its_last_bytes(
     assert all(row["actual_service_tokens"] == 9 + 4 * 3 for row in rows)  # from the usage
 
 
+def _usage_from_sse_by_whole_scans(tail: bytes) -> dict[str, Any] | None:
+    """``usage_from_sse`` as it was before issue 34's cut: every line end searched for over
+    the whole tail (the reference the bounded searches must agree with)."""
+    end = len(tail)
+    while (index := tail.rfind(b'"usage"', 0, end)) >= 0:
+        start = max(tail.rfind(b"\n", 0, index), tail.rfind(b"\r", 0, index)) + 1
+        if tail[start:index].lstrip().startswith(b"data:"):
+            ends = (tail.find(b"\n", index), tail.find(b"\r", index))
+            stop = min((e for e in ends if e >= 0), default=None)
+            usage = openai_backend.usage_from_json(tail[index:stop])
+            if usage is not None:
+                return usage
+        end = start
+    return None
+
+
+@given(
+    st.lists(
+        st.sampled_from([b"data: ", b"data:", b' {"usage":{"prompt_tokens":3}}',
+                         b'"usage":{"completion_tokens":2}', b'"usage":null', b"\n", b"\r",
+                         b"\r\n", b"x", b" ", b"}"]),
+        max_size=24,
+    ).map(b"".join)
+)  # fmt: skip
+@settings(max_examples=400, deadline=None)
+def test_usage_from_sse_reads_every_line_end_as_before(tail: bytes) -> None:
+    """Issue 34: the settlement's usage search looks for a CR only within the line it reads;
+    over LF, CRLF and lone-CR lines, a usage in the last line or earlier, it finds what the
+    whole-tail scans found."""
+    assert openai_backend.usage_from_sse(tail) == _usage_from_sse_by_whole_scans(tail)
+
+
 def test_usage_event_filter_holds_at_most_an_event_of_64_kib() -> None:
     """A line that never ends is not held whole: past 64 KiB it passes through as it comes."""
     usage_filter = UsageEventFilter()

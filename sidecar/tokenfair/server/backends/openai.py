@@ -246,14 +246,18 @@ def usage_from_json(data: bytes) -> dict[str, Any] | None:
 def usage_from_sse(tail: bytes) -> dict[str, Any] | None:
     """The usage of the last SSE ``data:`` line that carries one, searched from the end (the
     usage chunk is the last before ``[DONE]``; earlier chunks may say ``"usage":null``). Lines
-    end with LF, CRLF or CR."""
+    end with LF, CRLF or CR: a CR is looked for only between the line's LF and its
+    ``"usage"`` (not over the whole tail, which servers' LF streams hold none of)."""
     end = len(tail)
     while (index := tail.rfind(b'"usage"', 0, end)) >= 0:
-        start = max(tail.rfind(b"\n", 0, index), tail.rfind(b"\r", 0, index)) + 1
+        lf = tail.rfind(b"\n", 0, index)
+        start = max(lf, tail.rfind(b"\r", lf + 1, index)) + 1
         line = tail[start:index].lstrip()
         if line.startswith(b"data:"):
-            ends = (tail.find(b"\n", index), tail.find(b"\r", index))
-            usage = usage_from_json(tail[index : min((e for e in ends if e >= 0), default=None)])
+            lf = tail.find(b"\n", index)
+            cr = tail.find(b"\r", index, None if lf < 0 else lf)
+            stop = cr if cr >= 0 else lf if lf >= 0 else len(tail)
+            usage = usage_from_json(tail[index:stop])
             if usage is not None:
                 return usage
         end = start
