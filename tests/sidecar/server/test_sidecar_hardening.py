@@ -392,6 +392,31 @@ async def test_a_streamed_answer_s_head_goes_out_with_its_first_bytes(
     assert CONTENT_CHUNKS[0] in body  # the first event (chunk-framed) in the head's own send
 
 
+async def test_a_first_write_that_may_wait_sends_the_head_on_its_own(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: when the stream's first write may wait (so the write timer watches it, from
+    the bytes the client holds), the head goes first in a send of its own, as before the head
+    rode with the first bytes; the client's bytes are the same."""
+    wire = b"".join(CONTENT_CHUNKS) + USAGE_CHUNK + DONE
+    raw = await upstream({"stream": reply(sse_response(wire))})
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path)
+    sends: list[bytes] = []
+    write = aiohttp.http_writer.StreamWriter._write
+
+    def record_write(self: Any, chunk: bytes) -> None:
+        sends.append(bytes(chunk))
+        write(self, chunk)
+
+    monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "_write", record_write)
+    monkeypatch.setattr(BackendCall, "cannot_wait", lambda self, size: False)
+    response = await post(clients, chat("stream", stream=True))
+    assert await response.read() == b"".join(CONTENT_CHUNKS) + DONE
+    heads = [send for send in sends if send.startswith(b"HTTP/1.1 200")]
+    assert len(heads) == 1
+    assert heads[0].endswith(b"\r\n\r\n")  # the head alone
+
+
 async def test_a_streamed_answer_s_end_goes_out_with_its_last_bytes(
     aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

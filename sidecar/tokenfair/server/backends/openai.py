@@ -48,6 +48,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, Final
 
 from aiohttp import web
+from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 
 from tokenfair.core.reasons import Reason
@@ -593,7 +594,9 @@ class _SSEResponse(web.StreamResponse):
     """A streamed answer whose status line and headers go out with its first bytes, in one
     send (``prepare`` only buffers them; aiohttp's ``web.Response`` does the same), not in a
     send of their own: the client gets the same bytes, with one system call fewer. Prepared
-    only when its first bytes are at hand (or at its end), so nothing waits behind it."""
+    only when its first bytes are at hand (or at its end), so nothing waits behind it. When
+    that first write may wait (:meth:`BackendCall.cannot_wait` false), the head is sent first
+    on its own, so the write timer's baseline holds it as before."""
 
     _send_headers_immediately = False
 
@@ -826,8 +829,12 @@ class OpenAIBackend(Backend):
                     if out:
                         last = last and (usage_filter is None or not usage_filter.holding)
                         if not started:
-                            await response.prepare(call.request)
+                            writer = await response.prepare(call.request)
                             started = True
+                            if not call.cannot_wait(len(out)) and isinstance(writer, StreamWriter):
+                                # A write that may wait is timed from the bytes the client
+                                # holds: the head goes first, on its own, as it went before.
+                                writer.send_headers()
                             ended = last and await call.end_at_once(response, out)
                             if not ended:
                                 await call.write(response, out)
