@@ -9,12 +9,14 @@ clean end. While it runs it fills in ``call.prompt_tokens`` / ``call.completion_
 usage to settle; :meth:`BackendCall.report_usage` checks reported values against the request's
 bounds, :class:`UsageBounds`) and calls ``call.first_byte()`` when the first body bytes go out
 (TTFT). Stream bytes go out through :meth:`BackendCall.write` and a stream ends with
-:meth:`BackendCall.write_eof` (never a bare ``response.write``/``write_eof``: both wait for the
-client to take the bytes), which cut a client that takes nothing for ``client_write_timeout_s``
-while they wait; a whole answer (a ``web.Response``) is returned unsent, and the proxy writes it
-under the same bound (:meth:`BackendCall.send`). It may be cancelled at any await (the client
-went away); it must then free what it holds (an upstream connection) and re-raise, having set
-``call.answer_complete`` if the client already had the whole answer (a stream's ``[DONE]``).
+:meth:`BackendCall.write_eof`, or its last bytes and its end go together through
+:meth:`BackendCall.end_at_once` when that cannot wait (never a bare ``response.write``/
+``write_eof``: both wait for the client to take the bytes), which cut a client that takes
+nothing for ``client_write_timeout_s`` while they wait; a whole answer (a ``web.Response``)
+is returned unsent, and the proxy writes it under the same bound (:meth:`BackendCall.send`).
+It may be cancelled at any await (the client went away); it must then free what it holds (an
+upstream connection) and re-raise, having set ``call.answer_complete`` if the client already
+had the whole answer (a stream's ``[DONE]``).
 """
 
 from __future__ import annotations
