@@ -186,6 +186,13 @@ class UpstreamResponse:
             connection.raise_error()
             await connection.wait()
 
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived and been taken: :meth:`next_chunk` returns ``b""`` now
+        (the chunk just taken was the last)."""
+        connection = self._connection
+        return connection is not None and connection.complete and not connection.buffered
+
     def release(self) -> None:
         """Done with it: a finished keep-alive connection goes back to the pool, else closed."""
         connection, self._connection = self._connection, None

@@ -44,6 +44,8 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from raw_upstream_support import (
     CONTENT_CHUNKS,
     DONE,
@@ -312,6 +314,174 @@ def test_usage_event_filter_splits_no_event_of_an_lf_stream(
         out = b"".join(usage_filter.feed(wire[i : i + size]) for i in range(0, len(wire), size))
         assert out + usage_filter.flush() == expected, size
     assert scans == []
+
+
+_SEARCHED = st.lists(
+    st.sampled_from([b'"choices"', b'"choice"', b"s", b'"', b":", b"[", b"]", b"[]", b" ",
+                     b"\n", b"\r", b"\t", b"\x0b", b"\x0c", b" " * 70, b"{", b"x"]),
+    max_size=40,
+).map(b"".join)  # fmt: skip
+
+
+@given(data=_SEARCHED, pos=st.integers(0, 40))
+@settings(max_examples=400, deadline=None)
+def test_empty_choices_finds_what_the_regex_finds(data: bytes, pos: int) -> None:
+    """Issue 34: the usage event's ``"choices": []`` is found from its empty list (a cheaper
+    scan), at the spans the regex finds, from any start; whitespace runs longer than the look
+    back (70 bytes) go to the regex."""
+    pos = min(pos, len(data))
+    match = openai_backend._EMPTY_CHOICES.search(data, pos)
+    assert openai_backend._empty_choices(data, pos) == (None if match is None else match.span())
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        b'data: {"a":1}\n\n',
+        b'data:{"a":1}\n\n\n',
+        b"data:\n\n",
+        b"data\n\n",
+        b"data:  two spaces\n\n",
+        b": comment\ndata: x\n\n",
+        b"data: x\ndata: y\n\n",
+        b"data: x\r\n\r\n",
+        b"data: x\r\r",
+        b"event: e\n\n",
+        b"datax\n\n",
+    ],
+)
+def test_event_data_of_one_line_is_sliced_as_split(event: bytes) -> None:
+    """Issue 34: an event of one ``data:`` line ended by LFs is sliced, not split; its data is
+    the same as the line-by-line reading's."""
+    values = [line[5:].removeprefix(b" ") if line.startswith(b"data:") else b""
+              for line in openai_backend._LINE_SPLIT.split(event)
+              if line.startswith(b"data:") or line == b"data"]  # fmt: skip
+    assert openai_backend._event_data(event) == (b"\n".join(values) if values else None)
+
+
+async def test_a_streamed_answer_s_head_goes_out_with_its_first_bytes(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: the status line and headers of a streamed answer are sent with its first
+    bytes, in one write to the client's transport (not a write of their own); the client's
+    bytes are the same."""
+    wire = b"".join(CONTENT_CHUNKS) + USAGE_CHUNK + DONE
+    raw = await upstream({"stream": reply(sse_response(wire[:100], wire[100:]))})
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path)
+    sends: list[bytes] = []
+    write = aiohttp.http_writer.StreamWriter._write
+    writelines = aiohttp.http_writer.StreamWriter._writelines
+
+    def record_write(self: Any, chunk: bytes) -> None:
+        sends.append(bytes(chunk))
+        write(self, chunk)
+
+    def record_writelines(self: Any, chunks: Any) -> None:
+        chunks = list(chunks)
+        sends.append(b"".join(chunks))
+        writelines(self, chunks)
+
+    monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "_write", record_write)
+    monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "_writelines", record_writelines)
+    response = await post(clients, chat("stream", stream=True))
+    assert response.status == 200
+    assert await response.read() == b"".join(CONTENT_CHUNKS) + DONE
+    heads = [send for send in sends if send.startswith(b"HTTP/1.1 200")]
+    assert len(heads) == 1
+    _, _, body = heads[0].partition(b"\r\n\r\n")
+    assert CONTENT_CHUNKS[0] in body  # the first event (chunk-framed) in the head's own send
+
+
+async def test_a_first_write_that_may_wait_sends_the_head_on_its_own(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: when the stream's first write may wait (so the write timer watches it, from
+    the bytes the client holds), the head goes first in a send of its own, as before the head
+    rode with the first bytes; the client's bytes are the same."""
+    wire = b"".join(CONTENT_CHUNKS) + USAGE_CHUNK + DONE
+    raw = await upstream({"stream": reply(sse_response(wire))})
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path)
+    sends: list[bytes] = []
+    write = aiohttp.http_writer.StreamWriter._write
+
+    def record_write(self: Any, chunk: bytes) -> None:
+        sends.append(bytes(chunk))
+        write(self, chunk)
+
+    monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "_write", record_write)
+    monkeypatch.setattr(BackendCall, "cannot_wait", lambda self, size: False)
+    response = await post(clients, chat("stream", stream=True))
+    assert await response.read() == b"".join(CONTENT_CHUNKS) + DONE
+    heads = [send for send in sends if send.startswith(b"HTTP/1.1 200")]
+    assert len(heads) == 1
+    assert heads[0].endswith(b"\r\n\r\n")  # the head alone
+
+
+async def test_a_streamed_answer_s_end_goes_out_with_its_last_bytes(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: when the upstream's end arrives with the stream's last bytes, those bytes and
+    the client's last chunk (``0\\r\\n\\r\\n``) go in one send; the client's bytes are the
+    same, with the usage event cut (not asked for) or relayed (asked for)."""
+    wire = b"".join(CONTENT_CHUNKS) + USAGE_CHUNK + DONE
+    raw = await upstream({"stream": reply(sse_response(wire))})
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path)
+    sends: list[bytes] = []
+    writelines = aiohttp.http_writer.StreamWriter._writelines
+
+    def record_writelines(self: Any, chunks: Any) -> None:
+        chunks = list(chunks)
+        sends.append(b"".join(chunks))
+        writelines(self, chunks)
+
+    monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "_writelines", record_writelines)
+    for options, expected in (
+        ({}, b"".join(CONTENT_CHUNKS) + DONE),
+        ({"stream_options": {"include_usage": True}}, wire),
+    ):
+        sends.clear()
+        response = await post(clients, chat("stream", stream=True, **options))
+        assert response.status == 200
+        assert await response.read() == expected
+        last = [send for send in sends if DONE in send]
+        assert len(last) == 1
+        assert last[0].endswith(DONE + b"\r\n0\r\n\r\n")
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+    rows = records_of(clients.sidecar)
+    assert [row["reason"] for row in rows] == ["admitted"] * 2
+    assert all(row["actual_service_tokens"] == 9 + 4 * 3 for row in rows)  # from the usage
+
+
+def _usage_from_sse_by_whole_scans(tail: bytes) -> dict[str, Any] | None:
+    """``usage_from_sse`` as it was before issue 34's cut: every line end searched for over
+    the whole tail (the reference the bounded searches must agree with)."""
+    end = len(tail)
+    while (index := tail.rfind(b'"usage"', 0, end)) >= 0:
+        start = max(tail.rfind(b"\n", 0, index), tail.rfind(b"\r", 0, index)) + 1
+        if tail[start:index].lstrip().startswith(b"data:"):
+            ends = (tail.find(b"\n", index), tail.find(b"\r", index))
+            stop = min((e for e in ends if e >= 0), default=None)
+            usage = openai_backend.usage_from_json(tail[index:stop])
+            if usage is not None:
+                return usage
+        end = start
+    return None
+
+
+@given(
+    st.lists(
+        st.sampled_from([b"data: ", b"data:", b' {"usage":{"prompt_tokens":3}}',
+                         b'"usage":{"completion_tokens":2}', b'"usage":null', b"\n", b"\r",
+                         b"\r\n", b"x", b" ", b"}"]),
+        max_size=24,
+    ).map(b"".join)
+)  # fmt: skip
+@settings(max_examples=400, deadline=None)
+def test_usage_from_sse_reads_every_line_end_as_before(tail: bytes) -> None:
+    """Issue 34: the settlement's usage search looks for a CR only within the line it reads;
+    over LF, CRLF and lone-CR lines, a usage in the last line or earlier, it finds what the
+    whole-tail scans found."""
+    assert openai_backend.usage_from_sse(tail) == _usage_from_sse_by_whole_scans(tail)
 
 
 def test_usage_event_filter_holds_at_most_an_event_of_64_kib() -> None:

@@ -9,12 +9,14 @@ clean end. While it runs it fills in ``call.prompt_tokens`` / ``call.completion_
 usage to settle; :meth:`BackendCall.report_usage` checks reported values against the request's
 bounds, :class:`UsageBounds`) and calls ``call.first_byte()`` when the first body bytes go out
 (TTFT). Stream bytes go out through :meth:`BackendCall.write` and a stream ends with
-:meth:`BackendCall.write_eof` (never a bare ``response.write``/``write_eof``: both wait for the
-client to take the bytes), which cut a client that takes nothing for ``client_write_timeout_s``
-while they wait; a whole answer (a ``web.Response``) is returned unsent, and the proxy writes it
-under the same bound (:meth:`BackendCall.send`). It may be cancelled at any await (the client
-went away); it must then free what it holds (an upstream connection) and re-raise, having set
-``call.answer_complete`` if the client already had the whole answer (a stream's ``[DONE]``).
+:meth:`BackendCall.write_eof`, or its last bytes and its end go together through
+:meth:`BackendCall.end_at_once` when that cannot wait (never a bare ``response.write``/
+``write_eof``: both wait for the client to take the bytes), which cut a client that takes
+nothing for ``client_write_timeout_s`` while they wait; a whole answer (a ``web.Response``)
+is returned unsent, and the proxy writes it under the same bound (:meth:`BackendCall.send`).
+It may be cancelled at any await (the client went away); it must then free what it holds (an
+upstream connection) and re-raise, having set ``call.answer_complete`` if the client already
+had the whole answer (a stream's ``[DONE]``).
 """
 
 from __future__ import annotations
@@ -292,8 +294,8 @@ class BackendCall:
 
     async def write(self, response: web.StreamResponse, data: bytes) -> None:
         """``response.write(data)``, bounded: see :meth:`_bounded` (a write that cannot wait,
-        :meth:`_cannot_wait`, needs no timer and goes straight out)."""
-        if self._cannot_wait(len(data)):
+        :meth:`cannot_wait`, needs no timer and goes straight out)."""
+        if self.cannot_wait(len(data)):
             await response.write(data)
             return
         await self._bounded(response.write(data), len(data))
@@ -324,12 +326,23 @@ class BackendCall:
         """``response.write_eof()``, bounded like :meth:`write`: it too waits until the client
         has taken what is buffered (the last bytes of a stream may be up to 64 KiB that no
         ``write`` waited for), so a client that stops reading near the end is cut as well."""
-        if self._cannot_wait(0):
+        if self.cannot_wait(0):
             await response.write_eof()
             return
         await self._bounded(response.write_eof(), 0)
 
-    def _cannot_wait(self, size: int) -> bool:
+    async def end_at_once(self, response: web.StreamResponse, data: bytes) -> bool:
+        """Send a stream's last bytes and its end (``response.write_eof(data)``: one send) if
+        that cannot wait (:meth:`cannot_wait`), and say whether it did; False: nothing was
+        sent (the caller writes ``data`` with :meth:`write` and ends with :meth:`write_eof`).
+        Never a write that waits, so it fails only as :meth:`write` would, before any byte
+        (the connection already closing), never while draining as :meth:`write_eof` may."""
+        if not self.cannot_wait(len(data)):
+            return False
+        await response.write_eof(data)
+        return True
+
+    def cannot_wait(self, size: int) -> bool:
         """Whether a write of ``size`` bytes to the client cannot wait, so no timer need watch
         it: no timer watches an earlier write (its accounting goes on), the transport holds
         nothing (so it is not paused: aiohttp's drain returns at once) and the bytes fit under

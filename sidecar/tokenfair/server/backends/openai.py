@@ -48,6 +48,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, ClassVar, Final
 
 from aiohttp import web
+from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 
 from tokenfair.core.reasons import Reason
@@ -246,14 +247,18 @@ def usage_from_json(data: bytes) -> dict[str, Any] | None:
 def usage_from_sse(tail: bytes) -> dict[str, Any] | None:
     """The usage of the last SSE ``data:`` line that carries one, searched from the end (the
     usage chunk is the last before ``[DONE]``; earlier chunks may say ``"usage":null``). Lines
-    end with LF, CRLF or CR."""
+    end with LF, CRLF or CR: a CR is looked for only between the line's LF and its
+    ``"usage"`` (not over the whole tail, which servers' LF streams hold none of)."""
     end = len(tail)
     while (index := tail.rfind(b'"usage"', 0, end)) >= 0:
-        start = max(tail.rfind(b"\n", 0, index), tail.rfind(b"\r", 0, index)) + 1
+        lf = tail.rfind(b"\n", 0, index)
+        start = max(lf, tail.rfind(b"\r", lf + 1, index)) + 1
         line = tail[start:index].lstrip()
         if line.startswith(b"data:"):
-            ends = (tail.find(b"\n", index), tail.find(b"\r", index))
-            usage = usage_from_json(tail[index : min((e for e in ends if e >= 0), default=None)])
+            lf = tail.find(b"\n", index)
+            cr = tail.find(b"\r", index, None if lf < 0 else lf)
+            stop = cr if cr >= 0 else lf if lf >= 0 else len(tail)
+            usage = usage_from_json(tail[index:stop])
             if usage is not None:
                 return usage
         end = start
@@ -267,13 +272,50 @@ lone CR (SSE allows all three); a CR at the end of the bytes so far counts as a 
 that starts the next chunk is then part of that line end)."""
 _LINE_SPLIT: Final = re.compile(rb"\r\n|\n|\r")
 _EMPTY_CHOICES: Final = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+"""What an event's data must hold to be the usage event (:func:`_empty_choices` finds it)."""
+_EMPTY_LIST: Final = re.compile(rb"\[\s*\]")
+_SPACE: Final = b" \t\n\r\x0b\x0c"
+"""The bytes ``\\s`` matches in a bytes pattern."""
+_CHOICES: Final = b'"choices"'
+_LOOKBACK_BYTES: Final = 64
+"""How far before an empty list :func:`_empty_choices` looks for its ``"choices":``."""
+
+
+def _empty_choices(data: bytes, pos: int = 0) -> tuple[int, int] | None:
+    """``(start, end)`` of ``_EMPTY_CHOICES.search(data, pos)``, found from the empty list
+    instead: that regex's literal prefix starts with a quote, which JSON has every few bytes
+    (~12 instructions a byte scanned), while the ``[`` of ``\\[\\s*\\]`` is rarer (~6) and an
+    empty list rare. Each empty list is checked backward within :data:`_LOOKBACK_BYTES` before
+    its ``[`` (``"choices"``, ``\\s*:\\s*``); a check that the window cuts short (all
+    whitespace) runs the regex itself from there. Matches come in the regex's order: the bytes
+    between a ``"choices"`` and its ``[`` hold no ``]`` of an earlier list."""
+    while (found := _EMPTY_LIST.search(data, pos)) is not None:
+        at = found.start()
+        window = max(pos, at - _LOOKBACK_BYTES)
+        head = data[window:at].rstrip(_SPACE)
+        if head.endswith(b":"):
+            head = head[:-1].rstrip(_SPACE)
+            if head.endswith(_CHOICES):
+                return window + len(head) - len(_CHOICES), found.end()
+        if window > pos and len(head) < len(_CHOICES):  # the window may hide a match's start
+            match = _EMPTY_CHOICES.search(data, pos)
+            return None if match is None else match.span()
+        pos = found.end()
+    return None
+
+
 MAX_HELD_EVENT_BYTES: Final = 1 << 16
 """An SSE event longer than this (64 KiB) is passed through unexamined rather than held."""
 
 
 def _event_data(event: bytes) -> bytes | None:
     """An SSE event's data: its ``data:`` lines' values joined with LF, as a client reads them
-    (None: the event has no data line)."""
+    (None: the event has no data line). An event of one ``data:`` line ended by LFs (what
+    servers write) is sliced, not split line by line."""
+    line = event.rstrip(b"\n")
+    if line.startswith(b"data:") and b"\n" not in line and b"\r" not in line:
+        value = line[5:]
+        return value[1:] if value.startswith(b" ") else value
     values: list[bytes] = []
     for line in _LINE_SPLIT.split(event):
         if line.startswith(b"data:"):
@@ -358,10 +400,10 @@ def _cut_usage_events_lf(events: bytes) -> bytes:
     the blank line) goes to the general per-event split."""
     out: list[bytes] = []
     kept_from = search_at = 0
-    while (match := _EMPTY_CHOICES.search(events, search_at)) is not None:
-        at = match.start()
+    while (match := _empty_choices(events, search_at)) is not None:
+        at, match_end = match
         end = events.find(b"\n\n", at)  # the blank line ending its event (pairs from here)
-        if end < 0 or match.end() > end:
+        if end < 0 or match_end > end:
             return _cut_usage_events_split(events)
         end += 2
         # Its event's first byte: after the last blank line before it, past the line ends
@@ -387,7 +429,7 @@ def _cut_usage_events_split(events: bytes) -> bytes:
     for match in _EVENT_END.finditer(events):
         end = match.end()
         event = events[start:end]
-        if _EMPTY_CHOICES.search(event) is not None and _is_usage_event(event):
+        if _empty_choices(event) is not None and _is_usage_event(event):
             out.append(events[kept_from : start + _leading_line_ends(event)])
             kept_from = end
         start = end
@@ -455,11 +497,16 @@ class UsageEventFilter:
         self._held = rest
         return b"".join(out)
 
+    @property
+    def holding(self) -> bool:
+        """Bytes of an event no blank line has ended yet are held (:meth:`flush` has them)."""
+        return bool(self._held)
+
     def flush(self) -> bytes:
         """The held bytes at the end of the stream (an event no blank line ended: cut if it is
         the usage event)."""
         held, self._held = self._held, b""
-        if held and _EMPTY_CHOICES.search(held) is not None and _is_usage_event(held):
+        if held and _empty_choices(held) is not None and _is_usage_event(held):
             return held[: _leading_line_ends(held)]
         return held
 
@@ -488,13 +535,13 @@ class UsageEventFilter:
             return _cut_usage_events_lf(events)
         ends_with_cr = at_end and events.endswith(b"\r")
         kept = True  # the last event's fate
-        if _EMPTY_CHOICES.search(events) is not None:
+        if _empty_choices(events) is not None:
             out: list[bytes] = []
             start = kept_from = 0
             for match in _EVENT_END.finditer(events):
                 end = match.end()
                 event = events[start:end]
-                kept = _EMPTY_CHOICES.search(event) is None or not _is_usage_event(event)
+                kept = _empty_choices(event) is None or not _is_usage_event(event)
                 if not kept:
                     out.append(events[kept_from : start + _leading_line_ends(event)])
                     kept_from = end
@@ -541,6 +588,17 @@ def _decoded(decoder: BodyDecoder, data: bytes, coding: str | None, what: str) -
         raise UpstreamError(
             502, Reason.UPSTREAM_ERROR, f"upstream {coding} {what} body undecodable: {exc}"
         ) from None
+
+
+class _SSEResponse(web.StreamResponse):
+    """A streamed answer whose status line and headers go out with its first bytes, in one
+    send (``prepare`` only buffers them; aiohttp's ``web.Response`` does the same), not in a
+    send of their own: the client gets the same bytes, with one system call fewer. Prepared
+    only when its first bytes are at hand (or at its end), so nothing waits behind it. When
+    that first write may wait (:meth:`BackendCall.cannot_wait` false), the head is sent first
+    on its own, so the write timer's baseline holds it as before."""
+
+    _send_headers_immediately = False
 
 
 class OpenAIBackend(Backend):
@@ -752,26 +810,36 @@ class OpenAIBackend(Backend):
         """Relay an SSE stream. ``injected``: the sidecar added ``include_usage`` (its usage
         event is cut out); ``opaque``: the body is in a coding not decoded here (relayed as
         is, its usage unread)."""
-        response = web.StreamResponse(status=upstream.status, headers=headers)
+        response = _SSEResponse(status=upstream.status, headers=headers)
         # The last bytes relayed (at least TAIL_BYTES once that many went by), trimmed only when
         # twice that size: an append per chunk, a copy every TAIL_BYTES. A piece is added once
         # the client has been sent what it became, so without the usage filter the tail is what
         # the client has.
         tail = bytearray()
         usage_filter = UsageEventFilter() if injected and not opaque else None
-        started = False
+        started = ended = False
         sent_end = b""  # the last bytes the client was sent: is its stream's end among them?
         try:
             while chunk := await upstream.next_chunk():
+                # The upstream's end came with this chunk: its bytes and the client's end can go
+                # in one send (unless the filter holds an unended event: flushed on its own).
+                last = decoder is None and upstream.complete
                 for piece in decoder.feed(chunk) if decoder is not None else (chunk,):
                     out = piece if usage_filter is None else usage_filter.feed(piece)
                     if out:
+                        last = last and (usage_filter is None or not usage_filter.holding)
                         if not started:
-                            await response.prepare(call.request)
+                            writer = await response.prepare(call.request)
                             started = True
-                            await call.write(response, out)
+                            if not call.cannot_wait(len(out)) and isinstance(writer, StreamWriter):
+                                # A write that may wait is timed from the bytes the client
+                                # holds: the head goes first, on its own, as it went before.
+                                writer.send_headers()
+                            ended = last and await call.end_at_once(response, out)
+                            if not ended:
+                                await call.write(response, out)
                             call.first_byte()
-                        else:
+                        elif not (ended := last and await call.end_at_once(response, out)):
                             await call.write(response, out)
                         sent_end = (sent_end + out[-END_PROBE_BYTES:])[-END_PROBE_BYTES:]
                     if call.progress is not None:
@@ -809,7 +877,8 @@ class OpenAIBackend(Backend):
         if rest:
             await call.write(response, rest)
         self._report_stream_usage(call, tail)
-        await self._end_stream(call, response)
+        if not ended:
+            await self._end_stream(call, response)
         return response
 
     @staticmethod
