@@ -444,6 +444,21 @@ def sequences(body: Mapping[str, object]) -> int:
     return best_of
 
 
+def ends_at_its_bound(body: Mapping[str, object]) -> bool:
+    """Whether a request (that passed the estimate) generates one sequence of one prompt,
+    bounded by its own ``max_tokens`` or ``max_completion_tokens``: it then decodes one token
+    per engine step and ends by that bound (the KV view's peak forecast takes only such
+    streams: ``kvDecodeBooking: peak``). Not so for ``n`` or ``best_of`` above 1, a batch of
+    prompts (several tokens a step), or no bound given (the engine may decode past the
+    sidecar's ``defaultDecodeTokens``)."""
+    bounds = (body.get("max_tokens"), body.get("max_completion_tokens"))
+    return (
+        any(isinstance(v, int) and not isinstance(v, bool) for v in bounds)
+        and sequences(body) == 1
+        and prompts(body) == 1
+    )
+
+
 def decode_tokens(body: Mapping[str, object], default: int, cap: int) -> int:
     """Decode tokens of one sequence: the larger of ``max_completion_tokens`` and
     ``max_tokens`` where both are set, each checked (see the module docstring)."""

@@ -72,12 +72,18 @@ shown``), ``b(t)`` is a stream's blocks after ``t`` more tokens, ``t*`` the firs
 maximum (:func:`peak_credits`). Requests at the same progress (a burst dispatched together)
 count the sum of their reservations, as ``upfront``; staggered ones less: booking decode up
 front costs a lane of long prompts a request of concurrency whenever its requests are
-staggered. A stream not yet past its first token, a whole answer and a preempted stream keep
-their reservations; a request dispatched before the next report is booked at its reservation
-(no allowance, ``Scheduler.kv_gate_job_blocks`` unchanged). Each credit is given back at its
-request's end; stale or missing reports: up front at once. Decode beyond ``max_tokens`` and
-streams faster than others (the common rate is an assumption: chunked prefill, priorities or
-speculative decoding break it) are the watermark's headroom's to absorb.
+staggered. A stream not yet past its first token, a whole answer, a preempted stream and a
+stream whose end is not bounded by its own ``max_tokens`` for one sequence of one prompt
+(:attr:`StreamProgress.bounded_end`: ``n`` above 1 or a batch of prompts decode several
+tokens a step; without ``max_tokens`` the engine may decode past the estimate) keep their
+reservations and offset nobody's growth; above :data:`PEAK_FORECAST_MAX_STREAMS` running
+streams the report books all up front; a request dispatched before the next report is
+booked at its reservation (no allowance, ``Scheduler.kv_gate_job_blocks`` unchanged). Each
+credit is given back at its request's end; stale or missing reports: up front at once. Streams
+faster than others (the common rate is an assumption: chunked prefill, priorities or
+speculative decoding break it) are the watermark's headroom's to absorb, and so is a stream's
+growth past the forecast peak once a stream forecast to end later ended first (a stop token):
+its credit leaves with it, the others' growth is counted again at the next report.
 
 **The prompt ratio in the books** (``kvPromptRatio: learned``, the default): the gates book a
 request admitted now at the engine's prompt count too — its estimated prompt times the learned
@@ -105,10 +111,24 @@ from tokenfair.core.scheduler import Scheduler
 class StreamProgress:
     """What the sidecar has relayed of one running request's answer."""
 
-    __slots__ = ("done", "events", "events_at_report", "sent_ms", "sequence", "stream")
+    __slots__ = (
+        "bounded_end",
+        "done",
+        "events",
+        "events_at_report",
+        "sent_ms",
+        "sequence",
+        "stream",
+    )
 
-    def __init__(self, sequence: int, stream: bool, sent_ms: float = 0.0) -> None:
+    def __init__(
+        self, sequence: int, stream: bool, sent_ms: float = 0.0, bounded_end: bool = False
+    ) -> None:
         self.sequence = sequence
+        self.bounded_end = bounded_end
+        """Its end is known: one sequence of one prompt, bounded by the request's own
+        ``max_tokens`` (or ``max_completion_tokens``), so it decodes one token per engine step
+        and ends by that bound (the peak forecast takes only such streams)."""
         """The order it was sent to the engine in."""
         self.sent_ms = sent_ms
         """When it was sent (the view's clock; 0 without one)."""
@@ -151,6 +171,14 @@ tokenizer and chat template move a prompt's count by ~2x (loadgen's text on the 
 
 KV_DECODE_BOOKING_MODES: Final = ("upfront", "engine", "peak")
 """The sidecar's ``kvDecodeBooking`` settings (:attr:`KvView.decode_booking`)."""
+PEAK_FORECAST_MAX_STREAMS: Final = 256
+"""``kvDecodeBooking: peak`` forecasts the peak of at most this many running streams: its cost
+is ``O(r^2)`` per fresh report on the event loop (~5 ms at 256 streams, ~70 ms at 1,024,
+interpreted), so above it a report books every running request up front, as ``upfront`` does."""
+PEAK_EVENTS_NOT_TOKENS: Final = 2
+"""Events a stream relays beside its tokens (the role event of a chat, the usage event): the
+peak forecast takes a stream's decode to come as ``max_tokens - shown`` plus this many, so it
+never forecasts an end before the last token."""
 DECODE_HORIZON_REPORTS: Final = 2.0
 """``kvDecodeBooking: engine`` books each running stream's decode for this many of the
 engine's report intervals at the fastest decode rate seen (one report late is covered)."""
@@ -291,13 +319,17 @@ class KvView:
         """``used - modelled`` (the view's model) at the engine's last fresh report; None
         without one."""
 
-    def track(self, request_id: str, stream: bool = True) -> StreamProgress | None:
+    def track(
+        self, request_id: str, stream: bool = True, bounded_end: bool = False
+    ) -> StreamProgress | None:
         """A request is sent to the engine now; its progress object (the backend counts its
-        stream's events on it), None if the view does not follow streams."""
+        stream's events on it), None if the view does not follow streams. ``bounded_end``: see
+        :attr:`StreamProgress.bounded_end`."""
         if not self.follows_streams:
             return None
         sent_ms = 0.0 if self._clock is None else self._clock()
-        progress = self._running[request_id] = StreamProgress(self._sent, stream, sent_ms)
+        progress = StreamProgress(self._sent, stream, sent_ms, bounded_end)
+        self._running[request_id] = progress
         self._sent += 1
         return progress
 
@@ -379,8 +411,9 @@ class KvView:
 
         ``peak`` (``kvDecodeBooking: peak``; no allowance) adds instead each streaming request's
         credit against the forecast peak of the running streams' blocks (:meth:`peak_credits`:
-        the streams that have shown tokens and are not preempted; the others keep their
-        reservations), into ``gate_credits`` the same way."""
+        the streams that have shown tokens, are not preempted and end by their own bound,
+        :attr:`StreamProgress.bounded_end`, at most :data:`PEAK_FORECAST_MAX_STREAMS` of them;
+        the others keep their reservations), into ``gate_credits`` the same way."""
         block = scheduler.policy.kv_block_tokens
         held_job = scheduler.held_job
         preempted: set[str] = set()
@@ -413,8 +446,8 @@ class KvView:
             if progress.events and request_id not in preempted:
                 surely = min(reserved, -(-(job.kv_prompt_tokens + shown) // block))
                 held += surely
-                if peak and progress.stream:
-                    left = job.request.decode_tokens - shown
+                if peak and progress.stream and progress.bounded_end:
+                    left = job.request.decode_tokens - shown + PEAK_EVENTS_NOT_TOKENS
                     forecast.append(
                         (left, job.kv_prompt_tokens + shown, reserved, surely, request_id)
                     )
@@ -425,7 +458,7 @@ class KvView:
                 beyond += credit
                 if gate_credits is not None and credit > 0:
                     gate_credits[request_id] = credit
-        if forecast:
+        if forecast and len(forecast) <= PEAK_FORECAST_MAX_STREAMS:
             credits = peak_credits(forecast, block)
             beyond += sum(credits.values())
             if gate_credits is not None:

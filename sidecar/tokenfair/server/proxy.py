@@ -118,6 +118,7 @@ from tokenfair.server.estimate import (
     NotUtf8Error,
     check_json_shape,
     check_raw_values,
+    ends_at_its_bound,
     estimate,
     estimate_embeddings,
     utf8_text,
@@ -708,7 +709,9 @@ async def _serve(
             max_prompt_tokens=max_prompt_tokens,
             max_completion_tokens=max_completion_tokens,
         )
-        call.progress = sidecar.kv_view.track(core_request.request_id, stream)
+        view = sidecar.kv_view
+        bounded_end = view.decode_booking == "peak" and stream and ends_at_its_bound(body)
+        call.progress = view.track(core_request.request_id, stream, bounded_end)
         try:
             response = await sidecar.backend.respond(call)
         except UpstreamError as exc:

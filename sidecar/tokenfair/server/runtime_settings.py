@@ -211,9 +211,10 @@ class SidecarSettings:
     engine only; service tokens, budgets and records keep the estimate either way."""
     kv_decode_booking: str = "upfront"
     """How the KV gates book a running request's decode: ``upfront`` (its whole
-    ``max_tokens`` from dispatch) or ``engine`` (while the engine's report is fresh: its prompt,
-    the tokens relayed and the growth to the next report, as the engine allocates;
-    :mod:`~tokenfair.server.kv_view`). Backends with an upstream engine only."""
+    ``max_tokens`` from dispatch), ``engine`` (while the engine's report is fresh: its prompt,
+    the tokens relayed and the growth to the next report, as the engine allocates) or ``peak``
+    (while it is fresh: the running streams' decode to the forecast peak of their blocks)
+    (:mod:`~tokenfair.server.kv_view`). Backends with an upstream engine only."""
 
     # -- What clients and operators are told: headers, access log, tracing, live fairness ---
     ietf_ratelimit_headers: bool = False

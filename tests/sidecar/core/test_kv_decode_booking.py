@@ -71,7 +71,7 @@ def run_sequence(mode: str, seed: int) -> int:
             sent += 1
             if scheduler.submit(request, now[0]) is None:
                 while (decision := scheduler.next_dispatch(now[0])) is not None:
-                    progress = view.track(decision.request_id)
+                    progress = view.track(decision.request_id, bounded_end=True)
                     assert progress is not None
                     live[decision.request_id] = progress
         elif act < 0.5 and live:

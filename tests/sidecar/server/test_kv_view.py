@@ -65,6 +65,7 @@ from sidecar_support import (
 
 from tokenfair.config import Config, PolicyConfig
 from tokenfair.core import Request, Scheduler, make_scheduler
+from tokenfair.server import kv_view as kv_view_module
 from tokenfair.server.kv_view import KvView, StreamProgress, peak_credits
 from tokenfair.server.runtime_settings import SidecarSettings
 
@@ -1073,7 +1074,7 @@ def start_floods(scheduler: Scheduler, view: KvView, shown: dict[str, int]) -> N
         )
         assert scheduler.submit(request, 0.0) is None
         assert scheduler.next_dispatch(0.0) is not None
-        tracked = view.track(request_id)
+        tracked = view.track(request_id, bounded_end=True)
         assert tracked is not None
         tracked.relayed(b"data: {}\n\n" * tokens)
 
@@ -1214,7 +1215,7 @@ def test_peak_decode_booking_keeps_the_reservation_of_what_has_not_streamed() ->
             request = Request(request_id, "tenant_chat_pro", 0.0, 2000, 3000, "interactive")
             assert scheduler.submit(request, 0.0) is None
             assert scheduler.next_dispatch(0.0) is not None
-            tracked = view.track(request_id, stream=stream)
+            tracked = view.track(request_id, stream=stream, bounded_end=True)
             assert tracked is not None
             tracked.relayed(b"data: {}\n\n" * tokens)
         used = blocks(2000) + blocks(2060) + blocks(4000)  # b, c, d
@@ -1227,3 +1228,44 @@ def test_peak_decode_booking_keeps_the_reservation_of_what_has_not_streamed() ->
         # holds nothing surely), c and d their growth to come less their credits.
         growth = 2 * 157 + (157 - blocks(2060)) + (157 - blocks(4000))
         assert scheduler.kv_gate_blocks == used + growth - credits["c"], name
+
+
+def test_peak_decode_booking_forecasts_only_streams_that_end_by_their_own_bound() -> None:
+    # A stream of several sequences or prompts decodes several tokens a step, and one without
+    # its own max_tokens may decode past the estimate (here 2,000 events against 160): neither
+    # is forecast, so neither offsets the growth of the others. Beside r27 (133 tokens to come,
+    # 5 blocks of growth), such a stream past its estimate left the gates at the report alone.
+    config = unbudgeted_config(1000)
+    for bounded in (True, False):
+        scheduler = make_scheduler("tokenfair", config)
+        view = KvView(decode_booking="peak")
+        start_floods(scheduler, view, {"r27": 27})
+        unbounded = Request("x", "tenant_chat_pro", 0.0, FLOOD_PROMPT, FLOOD_DECODE, "interactive")
+        assert scheduler.submit(unbounded, 0.0) is None
+        assert scheduler.next_dispatch(0.0) is not None
+        tracked = view.track("x", bounded_end=bounded)
+        assert tracked is not None
+        tracked.relayed(b"data: {}\n\n" * 2000)
+        used = blocks(FLOOD_PROMPT + 27) + blocks(FLOOD_PROMPT + FLOOD_DECODE)
+        view.observe(scheduler, used, running=2, waiting=0)
+        growth = blocks(FLOOD_PROMPT + FLOOD_DECODE) - blocks(FLOOD_PROMPT + 27)
+        expected = used if bounded else used + growth  # x's end "now" offset r27's growth
+        assert scheduler.kv_gate_blocks == expected, bounded
+        assert scheduler.jobs["x"].kv_gate_credit == 0
+
+
+def test_peak_decode_booking_forecasts_at_most_its_bound_of_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Above PEAK_FORECAST_MAX_STREAMS running streams (its cost is O(r^2) on the event loop),
+    # a report books every running request up front.
+    config = unbudgeted_config(1000)
+    staggered = {"r27": 27, "r53": 53, "r80": 80, "r107": 107, "r133": 133}
+    for bound, credit in ((5, 10), (4, 0)):
+        monkeypatch.setattr(kv_view_module, "PEAK_FORECAST_MAX_STREAMS", bound)
+        scheduler = make_scheduler("tokenfair", config)
+        view = KvView(decode_booking="peak")
+        start_floods(scheduler, view, staggered)
+        view.observe(scheduler, 265, running=5, waiting=0)
+        assert scheduler.kv_gate_credit_blocks == credit, bound
+        assert scheduler.kv_gate_blocks == 280 - credit, bound

@@ -36,6 +36,7 @@ from tokenfair.server.estimate import (
     chars4,
     check_json_shape,
     check_raw_values,
+    ends_at_its_bound,
     estimate,
     estimate_embeddings,
     utf8_text,
@@ -504,3 +505,23 @@ def test_the_raw_brackets_bound_the_depth_the_walk_would_find() -> None:
         for level in range(nest):
             nested = [nested] if level % 2 else {"k": nested}
         assert check_raw_values(json.dumps(nested).encode(), 1000) >= depth(nested) == nest
+
+
+@pytest.mark.parametrize(
+    ("body", "bounded"),
+    [
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}, True),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 64}, True),
+        ({"prompt": "def f():", "max_tokens": 8}, True),
+        ({"prompt": ["def f():"], "max_tokens": 8}, True),
+        ({"messages": [{"role": "user", "content": "hi"}]}, False),  # no bound of its own
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "n": 2}, False),
+        ({"prompt": "def f():", "max_tokens": 8, "best_of": 3}, False),
+        ({"prompt": ["a", "b"], "max_tokens": 8}, False),  # two prompts: two tokens a step
+        ({"prompt": "def f():", "max_tokens": True}, False),  # a boolean is no bound
+    ],
+)
+def test_a_request_ends_by_its_own_bound_with_one_sequence_of_one_prompt(
+    body: dict[str, object], bounded: bool
+) -> None:
+    assert ends_at_its_bound(body) is bounded
