@@ -917,6 +917,55 @@ async def test_a_streaming_client_that_stops_reading_is_cut_and_its_slot_freed(
     assert (first["status_code"], first["reason"]) == (499, "client_write_timeout")
 
 
+@pytest.mark.parametrize(
+    ("headers", "first_bytes", "ends_with_it"),
+    [(7, 40_000, False), (7, 40_000, True), (3, 57_000, False), (2, 57_000, True)],
+)
+async def test_a_client_that_never_reads_a_stream_with_a_large_head_is_cut(
+    aiohttp_client: ClientFactory,
+    upstream: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    headers: int,
+    first_bytes: int,
+    ends_with_it: bool,
+) -> None:
+    """A streamed answer's head goes out with its first bytes only when that one send cannot
+    wait, the head counted at its real size: the upstream's headers (8 KB each here, up to 64
+    KiB in all) ride with the first event past the transport's high-water mark otherwise, and
+    that send's drain had no timer (review rev1208d: the client kept its slot until it left,
+    recorded ``499 cancelled``). Whether the upstream's end comes with the first event or not."""
+
+    async def large_head(writer: asyncio.StreamWriter, _: Received) -> None:
+        extra = b"".join(b"X-Big-%d: %s\r\n" % (i, b"v" * 8000) for i in range(headers))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n" + extra
+            + b"Transfer-Encoding: chunked\r\n\r\n"
+        )  # fmt: skip
+        await writer.drain()
+        event = chunk(b"data: " + b"x" * (first_bytes - 8) + b"\n\n")
+        writer.write(event + (chunk(DONE) + b"0\r\n\r\n" if ends_with_it else b""))
+        await writer.drain()
+        if not ends_with_it:
+            await asyncio.Event().wait()  # until the sidecar closes the connection
+
+    raw = await upstream({"head": large_head, "ok": reply(json_response(OK_JSON))})
+    # The write timeout is what the test waits for; 0.5 s is short only so the test is.
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path, client_write_timeout_s=0.5)
+    small_send_buffers(clients, monkeypatch)
+    port = clients.proxy.port
+    assert port is not None
+    _reader, writer = await client_socket(port)
+    try:
+        writer.write(request_bytes(json.dumps(chat("head", stream=True)).encode()))  # never read
+        assert await wait_for(lambda: bool(records_of(clients.sidecar)), budget_s=30.0)
+        (first,) = records_of(clients.sidecar)  # while the client is still connected
+    finally:
+        writer.close()
+    assert (first["status_code"], first["reason"]) == (499, "client_write_timeout")
+    assert await books_when_settled(clients.sidecar) == ZERO_BOOKS
+
+
 def small_send_buffers(
     clients: Clients, monkeypatch: pytest.MonkeyPatch, *, high_water: int | None = None
 ) -> None:

@@ -53,6 +53,7 @@ from multidict import CIMultiDict
 
 from tokenfair.core.reasons import Reason
 from tokenfair.server.backends.base import (
+    HEAD_ALLOWANCE_BYTES,
     UPSTREAM_TOO_LARGE,
     Backend,
     BackendCall,
@@ -590,6 +591,24 @@ def _decoded(decoder: BodyDecoder, data: bytes, coding: str | None, what: str) -
         ) from None
 
 
+async def _start_stream(call: BackendCall, response: web.StreamResponse, first_bytes: int) -> None:
+    """Prepare a streamed answer whose first write is ``first_bytes`` long: its head waits in
+    aiohttp's buffer to go out with those bytes (:class:`_SSEResponse`) when that one write
+    cannot wait — head and bytes under the transport's high-water mark, the head counted at its
+    real size (an upstream's headers may fill up to 64 KiB), not at
+    :data:`~tokenfair.server.backends.base.HEAD_ALLOWANCE_BYTES` — else it goes first, on its
+    own: a write that may wait is timed from the bytes the client holds, and a head that rode
+    with it would go out under a drain no timer watches (a client that stopped reading would
+    hold its slot)."""
+    writer = await response.prepare(call.request)
+    if not isinstance(writer, StreamWriter):
+        return
+    head = getattr(writer, "_headers_buf", None)  # aiohttp's buffered head (3.12 and later)
+    pending = len(head) if head else 0
+    if pending and not call.cannot_wait(first_bytes + pending - HEAD_ALLOWANCE_BYTES):
+        writer.send_headers()
+
+
 class _SSEResponse(web.StreamResponse):
     """A streamed answer whose status line and headers go out with its first bytes, in one
     send (``prepare`` only buffers them; aiohttp's ``web.Response`` does the same), not in a
@@ -829,12 +848,8 @@ class OpenAIBackend(Backend):
                     if out:
                         last = last and (usage_filter is None or not usage_filter.holding)
                         if not started:
-                            writer = await response.prepare(call.request)
+                            await _start_stream(call, response, len(out))
                             started = True
-                            if not call.cannot_wait(len(out)) and isinstance(writer, StreamWriter):
-                                # A write that may wait is timed from the bytes the client
-                                # holds: the head goes first, on its own, as it went before.
-                                writer.send_headers()
                             ended = last and await call.end_at_once(response, out)
                             if not ended:
                                 await call.write(response, out)
@@ -873,7 +888,7 @@ class OpenAIBackend(Backend):
             raise StreamAbortedError(response, str(exc)) from None
         rest = usage_filter.flush() if usage_filter is not None else b""
         if not started:
-            await response.prepare(call.request)
+            await _start_stream(call, response, len(rest))
         if rest:
             await call.write(response, rest)
         self._report_stream_usage(call, tail)
