@@ -444,19 +444,24 @@ def sequences(body: Mapping[str, object]) -> int:
     return best_of
 
 
-def ends_at_its_bound(body: Mapping[str, object]) -> bool:
+def ends_at_its_bound(body: Mapping[str, object], chat: bool) -> bool:
     """Whether a request (that passed the estimate) generates one sequence of one prompt,
-    bounded by its own ``max_tokens`` or ``max_completion_tokens``: it then decodes one token
-    per engine step and ends by that bound (the KV view's peak forecast takes only such
-    streams: ``kvDecodeBooking: peak``). Not so for ``n`` or ``best_of`` above 1, a batch of
-    prompts (several tokens a step), or no bound given (the engine may decode past the
-    sidecar's ``defaultDecodeTokens``)."""
-    bounds = (body.get("max_tokens"), body.get("max_completion_tokens"))
-    return (
-        any(isinstance(v, int) and not isinstance(v, bool) for v in bounds)
-        and sequences(body) == 1
-        and prompts(body) == 1
-    )
+    bounded by its own limit as the engine reads it: it then decodes one token per engine step
+    and ends by that bound (the KV view's peak forecast takes only such streams:
+    ``kvDecodeBooking: peak``). ``chat``: a chat completion, bounded by ``max_tokens`` or
+    ``max_completion_tokens``; else a legacy completion, which an engine bounds by
+    ``max_tokens`` only (vLLM ignores ``max_completion_tokens`` there) and whose prompts are
+    its ``prompt``'s (a ``messages`` beside it is ignored). Not so for ``n`` or ``best_of``
+    above 1, a batch of prompts (several tokens a step), or no bound given (the engine may
+    decode past the sidecar's ``defaultDecodeTokens``)."""
+    bounds = (body.get("max_tokens"), body.get("max_completion_tokens")) if chat else (
+        body.get("max_tokens"),
+    )  # fmt: skip
+    if not any(isinstance(v, int) and not isinstance(v, bool) for v in bounds):
+        return False
+    if sequences(body) != 1:
+        return False
+    return True if chat else _inputs(body.get("prompt"))[2] == 1
 
 
 def decode_tokens(body: Mapping[str, object], default: int, cap: int) -> int:

@@ -76,8 +76,8 @@ staggered. A stream not yet past its first token, a whole answer, a preempted st
 stream whose end is not bounded by its own ``max_tokens`` for one sequence of one prompt
 (:attr:`StreamProgress.bounded_end`: ``n`` above 1 or a batch of prompts decode several
 tokens a step; without ``max_tokens`` the engine may decode past the estimate) keep their
-reservations and offset nobody's growth; above :data:`PEAK_FORECAST_MAX_STREAMS` running
-streams the report books all up front; a request dispatched before the next report is
+reservations and offset nobody's growth; above :data:`PEAK_FORECAST_MAX_STREAMS` streams to
+forecast the report books all up front; a request dispatched before the next report is
 booked at its reservation (no allowance, ``Scheduler.kv_gate_job_blocks`` unchanged). Each
 credit is given back at its request's end; stale or missing reports: up front at once. Streams
 faster than others (the common rate is an assumption: chunked prefill, priorities or
@@ -125,11 +125,11 @@ class StreamProgress:
         self, sequence: int, stream: bool, sent_ms: float = 0.0, bounded_end: bool = False
     ) -> None:
         self.sequence = sequence
+        """The order it was sent to the engine in."""
         self.bounded_end = bounded_end
         """Its end is known: one sequence of one prompt, bounded by the request's own
         ``max_tokens`` (or ``max_completion_tokens``), so it decodes one token per engine step
         and ends by that bound (the peak forecast takes only such streams)."""
-        """The order it was sent to the engine in."""
         self.sent_ms = sent_ms
         """When it was sent (the view's clock; 0 without one)."""
         self.stream = stream
@@ -172,13 +172,16 @@ tokenizer and chat template move a prompt's count by ~2x (loadgen's text on the 
 KV_DECODE_BOOKING_MODES: Final = ("upfront", "engine", "peak")
 """The sidecar's ``kvDecodeBooking`` settings (:attr:`KvView.decode_booking`)."""
 PEAK_FORECAST_MAX_STREAMS: Final = 256
-"""``kvDecodeBooking: peak`` forecasts the peak of at most this many running streams: its cost
-is ``O(r^2)`` per fresh report on the event loop (~5 ms at 256 streams, ~70 ms at 1,024,
-interpreted), so above it a report books every running request up front, as ``upfront`` does."""
+"""``kvDecodeBooking: peak`` forecasts the peak of at most this many streams (those it would
+forecast: bounded, past their first token, not preempted): its cost is ``O(r^2)`` per fresh
+report on the event loop (~5 ms at 256 streams, ~70 ms at 1,024, interpreted), so above it a
+report books every running request up front, as ``upfront`` does."""
 PEAK_EVENTS_NOT_TOKENS: Final = 2
 """Events a stream relays beside its tokens (the role event of a chat, the usage event): the
-peak forecast takes a stream's decode to come as ``max_tokens - shown`` plus this many, so it
-never forecasts an end before the last token."""
+peak forecast takes a stream's decode to come as ``max_tokens - shown`` plus this many, so
+those two never make it forecast an end before the last token (a token whose text holds
+``data:`` still counts more than once: :meth:`StreamProgress.relayed` counts every
+``data:``)."""
 DECODE_HORIZON_REPORTS: Final = 2.0
 """``kvDecodeBooking: engine`` books each running stream's decode for this many of the
 engine's report intervals at the fastest decode rate seen (one report late is covered)."""

@@ -108,7 +108,7 @@ from tokenfair.core.scheduler import (
 )
 from tokenfair.server.accesslog import CURRENT_SCOPE, RequestScope, bounded
 from tokenfair.server.backends import BackendCall, StreamAbortedError, UpstreamError
-from tokenfair.server.backends.base import EMBEDDINGS_ROUTE
+from tokenfair.server.backends.base import CHAT_ROUTE, EMBEDDINGS_ROUTE
 from tokenfair.server.connections import mark_authenticated
 from tokenfair.server.errors import INTERNAL_ERROR, error_response, rate_limit_response
 from tokenfair.server.estimate import (
@@ -710,7 +710,11 @@ async def _serve(
             max_completion_tokens=max_completion_tokens,
         )
         view = sidecar.kv_view
-        bounded_end = view.decode_booking == "peak" and stream and ends_at_its_bound(body)
+        bounded_end = (
+            view.decode_booking == "peak"
+            and stream
+            and ends_at_its_bound(body, chat=request.path == CHAT_ROUTE)
+        )
         call.progress = view.track(core_request.request_id, stream, bounded_end)
         try:
             response = await sidecar.backend.respond(call)

@@ -507,21 +507,30 @@ def test_the_raw_brackets_bound_the_depth_the_walk_would_find() -> None:
         assert check_raw_values(json.dumps(nested).encode(), 1000) >= depth(nested) == nest
 
 
+CHAT_MESSAGES = [{"role": "user", "content": "hi"}]
+
+
 @pytest.mark.parametrize(
-    ("body", "bounded"),
+    ("body", "chat", "bounded"),
     [
-        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}, True),
-        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 64}, True),
-        ({"prompt": "def f():", "max_tokens": 8}, True),
-        ({"prompt": ["def f():"], "max_tokens": 8}, True),
-        ({"messages": [{"role": "user", "content": "hi"}]}, False),  # no bound of its own
-        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 64, "n": 2}, False),
-        ({"prompt": "def f():", "max_tokens": 8, "best_of": 3}, False),
-        ({"prompt": ["a", "b"], "max_tokens": 8}, False),  # two prompts: two tokens a step
-        ({"prompt": "def f():", "max_tokens": True}, False),  # a boolean is no bound
+        ({"messages": CHAT_MESSAGES, "max_tokens": 64}, True, True),
+        ({"messages": CHAT_MESSAGES, "max_completion_tokens": 64}, True, True),
+        ({"prompt": "def f():", "max_tokens": 8}, False, True),
+        ({"prompt": ["def f():"], "max_tokens": 8}, False, True),
+        ({"prompt": [1, 2, 3], "max_tokens": 8}, False, True),  # one prompt of token IDs
+        ({"messages": CHAT_MESSAGES}, True, False),  # no bound of its own
+        ({"messages": CHAT_MESSAGES, "max_tokens": 64, "n": 2}, True, False),
+        ({"prompt": "def f():", "max_tokens": 8, "best_of": 3}, False, False),
+        ({"prompt": ["a", "b"], "max_tokens": 8}, False, False),  # two prompts: 2 tokens a step
+        ({"prompt": "def f():", "max_tokens": True}, False, False),  # a boolean is no bound
+        # A legacy completion is bounded by max_tokens only (vLLM ignores the other there),
+        # and its prompts are its prompt's (a messages beside it is ignored).
+        ({"prompt": "def f():", "max_completion_tokens": 10}, False, False),
+        ({"prompt": "x", "max_tokens": None, "max_completion_tokens": 10}, False, False),
+        ({"prompt": ["a", "b"], "messages": CHAT_MESSAGES, "max_tokens": 10}, False, False),
     ],
 )
 def test_a_request_ends_by_its_own_bound_with_one_sequence_of_one_prompt(
-    body: dict[str, object], bounded: bool
+    body: dict[str, object], chat: bool, bounded: bool
 ) -> None:
-    assert ends_at_its_bound(body) is bounded
+    assert ends_at_its_bound(body, chat=chat) is bounded

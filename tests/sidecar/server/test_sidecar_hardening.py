@@ -949,17 +949,58 @@ async def test_a_client_that_never_reads_a_stream_with_a_large_head_is_cut(
         if not ends_with_it:
             await asyncio.Event().wait()  # until the sidecar closes the connection
 
-    raw = await upstream({"head": large_head, "ok": reply(json_response(OK_JSON))})
-    # The write timeout is what the test waits for; 0.5 s is short only so the test is.
+    await assert_a_non_reader_is_cut(
+        aiohttp_client, upstream, tmp_path, monkeypatch, large_head, True
+    )
+
+
+async def test_a_client_that_never_reads_a_whole_answer_with_a_large_head_is_cut(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole answer's head goes out with its body: whether that send can wait is told with
+    the head at its real size (3 upstream headers of 8 KB here), not the 8 KiB allowed for a
+    head: with a 50 KB body the send passes the transport's high-water mark, and is timed
+    (review rev1208e: it went out under an unwatched drain, and the client that never read
+    held its connection and its answer until it left, recorded 200)."""
+    content = b"w" * 50_000
+    answer = b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":'
+    answer += b'"assistant","content":"' + content + b'"}}],"usage":{"prompt_tokens":11,'
+    answer += b'"completion_tokens":5}}'
+
+    async def large_head(writer: asyncio.StreamWriter, _: Received) -> None:
+        extra = b"".join(b"X-Big-%d: %s\r\n" % (i, b"v" * 8000) for i in range(3))
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + extra
+            + b"Content-Length: %d\r\n\r\n" % len(answer) + answer
+        )  # fmt: skip
+        await writer.drain()
+
+    await assert_a_non_reader_is_cut(
+        aiohttp_client, upstream, tmp_path, monkeypatch, large_head, False
+    )
+
+
+async def assert_a_non_reader_is_cut(
+    aiohttp_client: ClientFactory,
+    upstream: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    answer: Reply,
+    stream: bool,
+) -> None:
+    """A client asks for ``answer`` and never reads: it is cut at the write timeout (0.5 s:
+    what the test waits for, short only so the test is), recorded ``499 client_write_timeout``
+    while it is still connected, and nothing stays booked."""
+    raw = await upstream({"head": answer, "ok": reply(json_response(OK_JSON))})
     clients = await sidecar_for(aiohttp_client, raw, tmp_path, client_write_timeout_s=0.5)
     small_send_buffers(clients, monkeypatch)
     port = clients.proxy.port
     assert port is not None
     _reader, writer = await client_socket(port)
     try:
-        writer.write(request_bytes(json.dumps(chat("head", stream=True)).encode()))  # never read
+        writer.write(request_bytes(json.dumps(chat("head", stream=stream)).encode()))
         assert await wait_for(lambda: bool(records_of(clients.sidecar)), budget_s=30.0)
-        (first,) = records_of(clients.sidecar)  # while the client is still connected
+        (first,) = records_of(clients.sidecar)
     finally:
         writer.close()
     assert (first["status_code"], first["reason"]) == (499, "client_write_timeout")

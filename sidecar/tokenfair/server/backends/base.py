@@ -43,7 +43,8 @@ log = logging.getLogger("tokenfair.sidecar")
 EMBEDDINGS_ROUTE: Final = "/v1/embeddings"
 MODELS_ROUTE: Final = "/v1/models"
 """``GET``: listed without admission (it does no model work) by :meth:`Backend.models`."""
-ROUTES: Final = ("/v1/completions", "/v1/chat/completions", EMBEDDINGS_ROUTE)
+CHAT_ROUTE: Final = "/v1/chat/completions"
+ROUTES: Final = ("/v1/completions", CHAT_ROUTE, EMBEDDINGS_ROUTE)
 """The ``POST`` routes that are admitted, scheduled and settled (``/v1/embeddings`` at a
 prefill-only cost: :func:`~tokenfair.server.estimate.estimate_embeddings`)."""
 
@@ -73,6 +74,25 @@ CLIENT_MESSAGES: Final[dict[str, str]] = {
 HEAD_ALLOWANCE_BYTES: Final = 8192
 """Room kept for a whole answer's status line and headers when :meth:`BackendCall.send` tells
 whether the answer fits under the transport's high-water mark."""
+FRAMING_BYTES: Final = 32
+"""Bytes aiohttp adds around a body beside its head (a chunk's size line and CRLFs, the last
+chunk), counted when telling whether a write fits under the transport's high-water mark."""
+HEAD_UNKNOWN_BYTES: Final = 1 << 16
+"""A buffered head's size when aiohttp does not say (the most an upstream's head may be)."""
+_NO_HEAD_BUFFER: Final = object()
+
+
+def buffered_head_bytes(writer: object) -> int:
+    """The bytes of the status line and headers aiohttp holds back to send with the first body
+    bytes (its ``StreamWriter._headers_buf``, aiohttp 3.12 and later; 0 once sent):
+    :data:`HEAD_UNKNOWN_BYTES` when the writer has no such buffer (an aiohttp that renamed it:
+    counted as the largest head rather than none)."""
+    head = getattr(writer, "_headers_buf", _NO_HEAD_BUFFER)
+    if head is _NO_HEAD_BUFFER:
+        return HEAD_UNKNOWN_BYTES
+    return len(head) if isinstance(head, bytes | bytearray) else 0
+
+
 WRITE_CHECKS_PER_TIMEOUT: Final = 4
 """While a write to the client waits, the client's progress is looked at this many times per
 ``client_write_timeout_s`` (the bytes it has not acknowledged shrinking: it took some)."""
@@ -305,7 +325,10 @@ class BackendCall:
         :meth:`write`: its status, headers and body go out now, in the handler, and a client
         that takes none of it for ``client_write_timeout_s`` is cut (the answer is not left to
         aiohttp to write, unbounded, after the handler)."""
-        await response.prepare(self.request)
+        writer = await response.prepare(self.request)
+        # The head goes out with the body: counted at its real size (an upstream's headers,
+        # relayed, may fill 64 KiB), at least the allowance, and the framing beside it.
+        head = max(HEAD_ALLOWANCE_BYTES, buffered_head_bytes(writer)) + FRAMING_BYTES
         body = None
         # (`type() is` first: aiohttp's responses are ABCs, whose `isinstance` runs in Python)
         if type(response) is web.Response or isinstance(response, web.Response):
@@ -313,7 +336,7 @@ class BackendCall:
         size = len(body) if isinstance(body, bytes | bytearray) else 0
         transport = self.request.transport
         if transport is not None and (
-            transport.get_write_buffer_size() + size + HEAD_ALLOWANCE_BYTES
+            transport.get_write_buffer_size() + size + head
             <= transport.get_write_buffer_limits()[1]
         ):
             # Head and body fit under the transport's high-water mark: the write cannot wait

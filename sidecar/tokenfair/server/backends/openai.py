@@ -53,6 +53,7 @@ from multidict import CIMultiDict
 
 from tokenfair.core.reasons import Reason
 from tokenfair.server.backends.base import (
+    FRAMING_BYTES,
     HEAD_ALLOWANCE_BYTES,
     UPSTREAM_TOO_LARGE,
     Backend,
@@ -60,6 +61,7 @@ from tokenfair.server.backends.base import (
     StreamAbortedError,
     UpstreamError,
     UsageError,
+    buffered_head_bytes,
 )
 from tokenfair.server.runtime_settings import OPENAI_BACKEND
 from tokenfair.server.upstream import (
@@ -603,9 +605,11 @@ async def _start_stream(call: BackendCall, response: web.StreamResponse, first_b
     writer = await response.prepare(call.request)
     if not isinstance(writer, StreamWriter):
         return
-    head = getattr(writer, "_headers_buf", None)  # aiohttp's buffered head (3.12 and later)
-    pending = len(head) if head else 0
-    if pending and not call.cannot_wait(first_bytes + pending - HEAD_ALLOWANCE_BYTES):
+    head = buffered_head_bytes(writer)
+    # `cannot_wait` keeps the allowance for a head: count what the real one has beyond it, and
+    # the framing. A head that rides goes in a send that cannot wait, never in a timed one.
+    beyond = max(head, HEAD_ALLOWANCE_BYTES) - HEAD_ALLOWANCE_BYTES + FRAMING_BYTES
+    if head and not call.cannot_wait(first_bytes + beyond):
         writer.send_headers()
 
 
