@@ -359,15 +359,9 @@ def test_event_data_of_one_line_is_sliced_as_split(event: bytes) -> None:
     assert openai_backend._event_data(event) == (b"\n".join(values) if values else None)
 
 
-async def test_a_streamed_answer_s_head_goes_out_with_its_first_bytes(
-    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Issue 34: the status line and headers of a streamed answer are sent with its first
-    bytes, in one write to the client's transport (not a write of their own); the client's
-    bytes are the same."""
-    wire = b"".join(CONTENT_CHUNKS) + USAGE_CHUNK + DONE
-    raw = await upstream({"stream": reply(sse_response(wire[:100], wire[100:]))})
-    clients = await sidecar_for(aiohttp_client, raw, tmp_path)
+def record_sends(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every send aiohttp's writer makes to a client's transport (``_write`` and
+    ``_writelines``, each send one item), recorded while the test runs."""
     sends: list[bytes] = []
     write = aiohttp.http_writer.StreamWriter._write
     writelines = aiohttp.http_writer.StreamWriter._writelines
@@ -383,6 +377,19 @@ async def test_a_streamed_answer_s_head_goes_out_with_its_first_bytes(
 
     monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "_write", record_write)
     monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "_writelines", record_writelines)
+    return sends
+
+
+async def test_a_streamed_answer_s_head_goes_out_with_its_first_bytes(
+    aiohttp_client: ClientFactory, upstream: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 34: the status line and headers of a streamed answer are sent with its first
+    bytes, in one write to the client's transport (not a write of their own); the client's
+    bytes are the same."""
+    wire = b"".join(CONTENT_CHUNKS) + USAGE_CHUNK + DONE
+    raw = await upstream({"stream": reply(sse_response(wire[:100], wire[100:]))})
+    clients = await sidecar_for(aiohttp_client, raw, tmp_path)
+    sends = record_sends(monkeypatch)
     response = await post(clients, chat("stream", stream=True))
     assert response.status == 200
     assert await response.read() == b"".join(CONTENT_CHUNKS) + DONE
@@ -401,14 +408,7 @@ async def test_a_first_write_that_may_wait_sends_the_head_on_its_own(
     wire = b"".join(CONTENT_CHUNKS) + USAGE_CHUNK + DONE
     raw = await upstream({"stream": reply(sse_response(wire))})
     clients = await sidecar_for(aiohttp_client, raw, tmp_path)
-    sends: list[bytes] = []
-    write = aiohttp.http_writer.StreamWriter._write
-
-    def record_write(self: Any, chunk: bytes) -> None:
-        sends.append(bytes(chunk))
-        write(self, chunk)
-
-    monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "_write", record_write)
+    sends = record_sends(monkeypatch)
     monkeypatch.setattr(BackendCall, "cannot_wait", lambda self, size: False)
     response = await post(clients, chat("stream", stream=True))
     assert await response.read() == b"".join(CONTENT_CHUNKS) + DONE
@@ -426,15 +426,7 @@ async def test_a_streamed_answer_s_end_goes_out_with_its_last_bytes(
     wire = b"".join(CONTENT_CHUNKS) + USAGE_CHUNK + DONE
     raw = await upstream({"stream": reply(sse_response(wire))})
     clients = await sidecar_for(aiohttp_client, raw, tmp_path)
-    sends: list[bytes] = []
-    writelines = aiohttp.http_writer.StreamWriter._writelines
-
-    def record_writelines(self: Any, chunks: Any) -> None:
-        chunks = list(chunks)
-        sends.append(b"".join(chunks))
-        writelines(self, chunks)
-
-    monkeypatch.setattr(aiohttp.http_writer.StreamWriter, "_writelines", record_writelines)
+    sends = record_sends(monkeypatch)
     for options, expected in (
         ({}, b"".join(CONTENT_CHUNKS) + DONE),
         ({"stream_options": {"include_usage": True}}, wire),
